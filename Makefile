@@ -1,0 +1,26 @@
+# `make run` and `make test` are all a fresh machine needs (README quick start).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test install clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	# torch is pinned to the CPU build that lies on this machine's disk; the
+	# project's own pin keeps pip from resolving a multi-GB CUDA build.
+	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/fourd train --config configs/run.toml
+
+test: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) runs

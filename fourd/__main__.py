@@ -1,0 +1,3 @@
+from fourd.cli import main
+
+raise SystemExit(main())

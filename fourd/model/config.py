@@ -1,0 +1,111 @@
+"""Model dimensions and presets, in pure Python so that the planner can read them without torch."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+
+from fourd.errors import FourdError
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    layers: int
+    dim: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    head_dim: int | None = None  # default dim // heads
+    norm_eps: float = 1e-5
+    rope_theta: float = 500_000.0
+    max_seq: int = 8192
+    mlp: str = "swiglu"  # "swiglu" (Llama) or "gelu" (GPT-style, for the planner only)
+
+    def __post_init__(self):
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.dim // self.heads)
+        for f in ("layers", "dim", "ffn", "heads", "kv_heads", "vocab", "head_dim"):
+            if getattr(self, f) <= 0:
+                raise FourdError(f"model.{f} = {getattr(self, f)} must be a positive integer")
+        if self.heads % self.kv_heads:
+            raise FourdError(f"model.heads = {self.heads} must be a multiple of model.kv_heads = {self.kv_heads}")
+        if self.head_dim % 2:
+            raise FourdError(f"model head_dim = {self.head_dim} must be even for RoPE")
+        if self.mlp not in ("swiglu", "gelu"):
+            raise FourdError(f"model.mlp = {self.mlp!r}: allowed values are swiglu, gelu")
+
+    # Parameter counts, exactly as the torch model allocates them (tested against it on the meta device).
+    def layer_params(self) -> int:
+        q = self.dim * self.heads * self.head_dim
+        kv = 2 * self.dim * self.kv_heads * self.head_dim
+        o = self.heads * self.head_dim * self.dim
+        mats = 3 if self.mlp == "swiglu" else 2
+        norms = 2 * self.dim if self.mlp == "swiglu" else 4 * self.dim  # LayerNorm has a bias
+        return q + kv + o + mats * self.dim * self.ffn + norms
+
+    def embedding_params(self) -> int:
+        return self.vocab * self.dim  # input embedding; the output projection is the same size (untied)
+
+    def params(self) -> int:
+        final_norm = self.dim if self.mlp == "swiglu" else 2 * self.dim
+        return self.layers * self.layer_params() + 2 * self.embedding_params() + final_norm
+
+    def non_embedding_params(self) -> int:
+        return self.params() - 2 * self.embedding_params()
+
+    def flops_per_token(self, seq: int) -> float:
+        """Training FLOPs per token, 6N + 12·L·H·Q·T (PaLM, Chowdhery et al. 2022, appendix B)."""
+        return 6 * self.non_embedding_params() + 12 * self.layers * self.heads * self.head_dim * seq
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # Runs in seconds: the test suite's model.
+    "debug": ModelConfig(layers=4, dim=64, ffn=176, heads=4, kv_heads=2, vocab=256, max_seq=256),
+    # `make run`: trains visibly in a few minutes on 2 CPU cores (byte-level vocabulary).
+    "small": ModelConfig(layers=8, dim=256, ffn=704, heads=8, kv_heads=4, vocab=256, max_seq=1024),
+    # Llama 3 paper, Table 3, and the released configs (brief.md §2).
+    "llama3-8b": ModelConfig(layers=32, dim=4096, ffn=14336, heads=32, kv_heads=8, vocab=128256),
+    "llama3-70b": ModelConfig(layers=80, dim=8192, ffn=28672, heads=64, kv_heads=8, vocab=128256),
+    "llama3-405b": ModelConfig(layers=126, dim=16384, ffn=53248, heads=128, kv_heads=8, vocab=128256),
+}
+
+
+def get_preset(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise FourdError(f"unknown model preset {name!r}: choose one of {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+_SPEC_KEYS = {"layers", "dim", "ffn", "heads", "kv_heads", "vocab", "mlp", "head_dim"}
+
+
+def parse_model_spec(spec: str) -> ModelConfig:
+    """`layers=126,dim=16384,ffn=53248,heads=128,kv_heads=8,vocab=128256[,mlp=gelu]`."""
+    values: dict[str, object] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        key, sep, val = part.partition("=")
+        if not sep or key not in _SPEC_KEYS:
+            raise FourdError(f"--model-spec: bad item {part!r}; keys are {', '.join(sorted(_SPEC_KEYS))} as key=value")
+        if key == "mlp":
+            values[key] = val
+        else:
+            try:
+                values[key] = int(val)
+            except ValueError:
+                raise FourdError(f"--model-spec: {key}={val!r} must be an integer") from None
+    missing = {"layers", "dim", "ffn", "heads", "vocab"} - values.keys()
+    if missing:
+        raise FourdError(f"--model-spec lacks {', '.join(sorted(missing))}")
+    values.setdefault("kv_heads", values["heads"])
+    return ModelConfig(**values)
+
+
+def with_overrides(cfg: ModelConfig, **kw) -> ModelConfig:
+    known = {f.name for f in fields(ModelConfig)}
+    bad = set(kw) - known
+    if bad:
+        raise FourdError(f"unknown model key(s) {', '.join(sorted(bad))}: allowed keys are {', '.join(sorted(known))}")
+    return replace(cfg, **kw)
