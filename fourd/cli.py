@@ -45,7 +45,7 @@ def _module(name: str):
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The full parser; `only` builds just one command's subparser (fast start-up)."""
-    top = _Parser(prog="fourd", description=__doc__.splitlines()[0],
+    top = _Parser(prog="fourd", description="fourd: train Llama-style models with 4D parallelism; plan and simulate such runs.",
                   formatter_class=argparse.RawDescriptionHelpFormatter)
     top.add_argument("--debug", action="store_true", help="show tracebacks")
     subs = top.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
