@@ -1,0 +1,103 @@
+import json
+
+import pytest
+import torch
+
+from fourd.ckpt import store
+from fourd.errors import FourdError
+from fourd.model.config import get_preset
+from fourd.model.llama import build_model
+
+CFG = get_preset("debug")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    sd = build_model(CFG, seed=3).state_dict()
+    sd["output.weight"] = sd["output.weight"].to(torch.bfloat16)  # dtypes must survive as saved
+    d = tmp_path_factory.mktemp("ck") / "step-7"
+    store.save_model_checkpoint(d, CFG, sd, step=7, layout="tp=2,dp=2")
+    return d, sd
+
+
+def test_round_trip_is_bit_exact(saved):
+    d, sd = saved
+    cfg, got = store.load_model_checkpoint(d)
+    assert cfg == CFG
+    assert sorted(got) == sorted(sd)
+    for k in sd:
+        assert got[k].dtype == sd[k].dtype and torch.equal(got[k], sd[k]), k
+    m = store.read_manifest(d)
+    assert (m["step"], m["layout"], m["format"], m["version"]) == (7, "tp=2,dp=2", "fourd-checkpoint", 1)
+    assert m["model_digest"] == store.model_digest(sd)
+    assert ".metadata" in m["files"] and any(f.endswith(".distcp") for f in m["files"])
+    assert not store.staging_dir(d).exists()
+
+
+def test_digest_covers_name_dtype_shape_and_bytes():
+    a = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
+    base = store.model_digest(a)
+    assert store.model_digest({"w": a["w"].clone()}) == base
+    assert store.model_digest({"v": a["w"]}) != base
+    assert store.model_digest({"w": a["w"].reshape(3, 2)}) != base
+    assert store.model_digest({"w": a["w"].view(torch.int32)}) != base
+    flipped = a["w"].clone()
+    flipped.view(torch.int32)[0, 0] ^= 1
+    assert store.model_digest({"w": flipped}) != base
+    # non-contiguous views hash as their values, not their storage
+    assert store.model_digest({"w": a["w"].t().contiguous().t()}) == base
+
+
+def test_bit_flip_is_named(saved, tmp_path):
+    import shutil
+    d = tmp_path / "ck"
+    shutil.copytree(saved[0], d)
+    data = sorted(p for p in d.iterdir() if p.suffix == ".distcp")[0]
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    data.write_bytes(bytes(raw))
+    with pytest.raises(FourdError, match=rf"{data.name}: SHA-256 differs"):
+        store.verify(d)
+    with pytest.raises(FourdError, match=data.name):
+        store.load_model_checkpoint(d)
+
+
+def test_missing_file_and_missing_manifest(saved, tmp_path):
+    import shutil
+    d = tmp_path / "ck"
+    shutil.copytree(saved[0], d)
+    (d / ".metadata").unlink()
+    with pytest.raises(FourdError, match=r"\.metadata: missing"):
+        store.verify(d)
+    (d / "manifest.json").unlink()
+    with pytest.raises(FourdError, match="no manifest.json; not a fourd checkpoint"):
+        store.load_model_checkpoint(d)
+
+
+def test_foreign_manifest_is_refused(tmp_path):
+    (tmp_path / "manifest.json").write_text(json.dumps({"format": "other"}))
+    with pytest.raises(FourdError, match="format is not 'fourd-checkpoint'"):
+        store.verify(tmp_path)
+    (tmp_path / "manifest.json").write_text("{not json")
+    with pytest.raises(FourdError, match="not valid JSON"):
+        store.verify(tmp_path)
+
+
+def test_existing_destination_is_refused_and_nothing_half_written(saved):
+    d, sd = saved
+    before = sorted(p.name for p in d.iterdir())
+    with pytest.raises(FourdError, match="already exists"):
+        store.save_model_checkpoint(d, CFG, sd)
+    assert sorted(p.name for p in d.iterdir()) == before
+
+
+def test_failed_write_leaves_no_directory(tmp_path):
+    d = tmp_path / "step-1"
+    store.staging_dir(d).mkdir()  # debris of a crashed earlier attempt
+    (store.staging_dir(d) / "junk").write_text("x")
+    sd = {"w": torch.ones(3)}
+    with pytest.raises(AttributeError):  # fails after DCP wrote its files, while writing the manifest
+        store.save_model_checkpoint(d, None, sd)
+    assert list(tmp_path.iterdir()) == []
+    store.save_model_checkpoint(d, CFG, sd)
+    assert sorted(store.read_manifest(d)["files"]) == [".metadata", "__0_0.distcp"]
