@@ -68,7 +68,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             p = subs.add_parser(name, help=help_, description=doc, formatter_class=fmt)
         p.add_argument("--debug", action="store_true", help="show tracebacks")
         mod.add_arguments(p)
-        p.set_defaults(_run=mod.run)
+        p.set_defaults(_run=mod.run, _overrides=getattr(mod, "ACCEPTS_OVERRIDES", False))
     return top
 
 
@@ -88,7 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in argv
     try:
         parser = build_parser(_which(argv))
-        args = parser.parse_args(argv)
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:
+            if not getattr(args, "_overrides", False):
+                raise FourdError(f"unrecognised argument(s): {' '.join(unknown)} (see `fourd --help`)")
+            args._unknown = unknown
         if not getattr(args, "_run", None):
             full = build_parser()
             if getattr(args, "command", None):

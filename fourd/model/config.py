@@ -108,4 +108,6 @@ def with_overrides(cfg: ModelConfig, **kw) -> ModelConfig:
     bad = set(kw) - known
     if bad:
         raise FourdError(f"unknown model key(s) {', '.join(sorted(bad))}: allowed keys are {', '.join(sorted(known))}")
+    if ("dim" in kw or "heads" in kw) and "head_dim" not in kw:
+        kw["head_dim"] = None  # recomputed as dim // heads
     return replace(cfg, **kw)
