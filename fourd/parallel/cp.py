@@ -1,0 +1,132 @@
+"""Context parallelism, Llama 3 style: every rank holds a slice of each sequence and the whole of K and V.
+
+The sequence is cut into 2·CP chunks and rank i holds chunks i and 2·CP−1−i, so under the causal mask
+every rank does the same amount of attention work (an early chunk sees few keys, its partner many).
+Attention all-gathers K and V over the cp group in the forward pass and reduce-scatters their gradients
+in the backward pass (Llama 3 paper, §3.3.2); the gather carries KV heads, not heads repeated for GQA.
+Queries stay local, so the causal mask and RoPE follow each token's true position in the sequence.
+
+    apply_cp(stage, cp_mesh, seq_len)         # once per model or pipeline stage, after TP
+    x_local = cp_shard(x, cp_rank, cp)        # [b, seq_len] -> [b, seq_len / cp]; the same for targets
+    full = cp_unshard(y_local, cp_mesh)       # the inverse, gathered on every cp rank
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from fourd.errors import FourdError
+from fourd.model.llama import rope_table
+
+
+def cp_positions(seq_len: int, cp_rank: int, cp: int) -> torch.Tensor:
+    """True positions of the tokens rank `cp_rank` holds, in the order it holds them."""
+    if seq_len % (2 * cp):
+        raise FourdError(f"sequence length {seq_len} must be a multiple of 2·cp = {2 * cp}: choose --seq accordingly")
+    chunk = seq_len // (2 * cp)
+    first, second = cp_rank, 2 * cp - 1 - cp_rank
+    return torch.cat((torch.arange(first * chunk, (first + 1) * chunk), torch.arange(second * chunk, (second + 1) * chunk)))
+
+
+def cp_shard(tensor: torch.Tensor, cp_rank: int, cp: int, dim: int = 1) -> torch.Tensor:
+    """This rank's tokens of `tensor` along the sequence dimension `dim`."""
+    if cp == 1:
+        return tensor
+    index = cp_positions(tensor.shape[dim], cp_rank, cp).to(tensor.device)
+    return tensor.index_select(dim, index)
+
+
+def cp_unshard(tensor: torch.Tensor, cp_mesh, dim: int = 1) -> torch.Tensor:
+    """The full sequence from every cp rank's shard, in true order (a collective over the cp group)."""
+    group, rank, cp = _group_of(cp_mesh)
+    if cp == 1:
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(cp)]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    seq_len = tensor.shape[dim] * cp
+    order = torch.cat([cp_positions(seq_len, r, cp) for r in range(cp)])
+    full = torch.empty_like(torch.cat(parts, dim=dim))
+    full.index_copy_(dim, order.to(tensor.device), torch.cat(parts, dim=dim))
+    return full
+
+
+def _group_of(cp_mesh) -> tuple[dist.ProcessGroup, int, int]:
+    group = cp_mesh.get_group() if hasattr(cp_mesh, "get_group") else cp_mesh
+    return group, dist.get_rank(group), dist.get_world_size(group)
+
+
+class _GatherKV(torch.autograd.Function):
+    """All-gather along a new leading dimension; the backward pass reduce-scatters the gradient.
+
+    Each rank's keys serve every rank's queries, so the gradient of a rank's K and V is the sum of what
+    all ranks' attention sends back to it: exactly a reduce-scatter of the gathered gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        ctx.shape = local.shape
+        out = local.new_empty(dist.get_world_size(group) * local.numel())
+        dist.all_gather_single(out, local.reshape(-1), group=group)
+        return out.view(-1, *local.shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out = grad.new_empty(ctx.shape.numel())
+        dist.reduce_scatter_single(out, grad.reshape(-1), op=dist.ReduceOp.SUM, group=ctx.group)
+        return out.view(ctx.shape), None
+
+
+class ContextParallelAttention(nn.Module):
+    """Drop-in for `CausalAttention`: local queries against the cp group's gathered keys and values.
+
+    `gathered_elements` counts the K and V elements this rank received from the other cp ranks, for
+    the traffic figure (CP−1)/CP · 2·s·b·h_kv per layer per forward.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, seq_len: int):
+        super().__init__()
+        self.group = group
+        rank, cp = dist.get_rank(group), dist.get_world_size(group)
+        self.cp = cp
+        self.register_buffer("q_pos", cp_positions(seq_len, rank, cp), persistent=False)
+        # Keys arrive in rank order, each rank's two chunks together: their true positions in that order.
+        self.register_buffer("k_pos", torch.cat([cp_positions(seq_len, r, cp) for r in range(cp)]), persistent=False)
+        self.gathered_elements = 0
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: [b, s/cp, hq, d]; k, v: [b, s/cp, hkv, d] with local heads only under TP.
+        kv = _GatherKV.apply(torch.stack((k, v)), self.group)  # [cp, 2, b, s/cp, hkv, d]
+        self.gathered_elements += kv.numel() // self.cp * (self.cp - 1)
+        k_all, v_all = (kv[:, i].transpose(0, 1).flatten(1, 2) for i in (0, 1))  # [b, s, hkv, d]
+        rep = q.shape[2] // k_all.shape[2]
+        q, k_all, v_all = (t.transpose(1, 2) for t in (q, k_all, v_all))
+        if rep > 1:
+            k_all, v_all = k_all.repeat_interleave(rep, dim=1), v_all.repeat_interleave(rep, dim=1)
+        mask = self.q_pos[:, None] >= self.k_pos[None, :]
+        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask).transpose(1, 2)
+
+
+def apply_cp(stage: nn.Module, cp_mesh, seq_len: int) -> nn.Module:
+    """Make `stage` (a Llama or a pipeline stage of one) run on this rank's 2 chunks of each sequence.
+
+    Swaps every attention core for `ContextParallelAttention` and gives `stage.rope` the cos/sin rows
+    of the rank's tokens; inputs must then be cut with `cp_shard` at exactly `seq_len` tokens.
+    """
+    group, rank, cp = _group_of(cp_mesh)
+    if cp == 1:
+        return stage
+    cfg = stage.cfg
+    if seq_len > cfg.max_seq:
+        raise FourdError(f"sequence length {seq_len} exceeds the model's max_seq {cfg.max_seq}: lower --seq")
+    positions = cp_positions(seq_len, rank, cp)
+    device = stage.rope.cos.device
+    cos, sin = rope_table(cfg.head_dim, positions, cfg.rope_theta)
+    stage.rope.register_buffer("cos", cos.to(device), persistent=False)
+    stage.rope.register_buffer("sin", sin.to(device), persistent=False)
+    for layer in stage.layers.values():
+        layer.attention.core = ContextParallelAttention(group, seq_len).to(device)
+    return stage
