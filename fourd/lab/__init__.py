@@ -1,0 +1,1 @@
+"""The lab: a local web page over fourd's schedules, simulator, layouts and planner (`fourd lab`)."""
