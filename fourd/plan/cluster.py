@@ -1,0 +1,240 @@
+"""Cluster profiles: what one accelerator can do, how servers and the network connect them, and where
+a parallel group of ranks lands in that topology.
+
+Profiles are TOML files (schema in docs/planner.md): presets in `fourd/plan/clusters/<name>.toml`,
+user profiles in `$FOURD_HOME/clusters/<name>.toml` (they win over presets; `fourd calibrate` writes
+`local` there), or any path to a .toml file.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from fourd.errors import FourdError
+
+PRESET_DIR = Path(__file__).parent / "clusters"
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+@dataclass(frozen=True)
+class GemmSample:
+    """A measured GEMM: (m×k)·(k×n) at `tflops`."""
+    m: int
+    n: int
+    k: int
+    tflops: float
+
+
+@dataclass(frozen=True)
+class CollectiveSample:
+    """A measured collective fit: time = alpha_s + beta_s_per_byte · bytes (bytes as nccl-tests count them)."""
+    op: str
+    nproc: int
+    alpha_s: float
+    beta_s_per_byte: float
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    peak_tflops: float
+    memory_gb: float
+    hbm_bw_gbps: float
+    sms: int | None = None                  # streaming multiprocessors, for wave quantization; None on CPUs
+    gemm_efficiency: float = 0.7            # sustained fraction of peak on large GEMMs
+    attention_fwd_efficiency: float | None = None   # fused attention kernels; None: as a GEMM of that shape
+    attention_bwd_efficiency: float | None = None
+    memory_reserve_gb: float = 0.0          # what the runtime keeps for itself
+    gemm: tuple[GemmSample, ...] = ()
+
+
+@dataclass(frozen=True)
+class Node:
+    gpus: int
+    intra_bw_gbps: float
+    intra_latency_us: float = 5.0
+    intra_efficiency: float = 1.0           # fraction of the link rate a collective reaches
+    concurrent_ranks: int | None = None     # ranks that compute at full speed at once (CPU cores); None: all
+
+
+@dataclass(frozen=True)
+class Network:
+    nic_bw_gbps: float
+    latency_us: float = 10.0
+    nic_efficiency: float = 1.0
+    gpus_per_rack: int = 16
+    gpus_per_pod: int = 3072
+    pods: int = 1
+    cross_pod_oversubscription: float = 1.0
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str
+    description: str
+    gpu: GPU
+    node: Node
+    network: Network
+    dtype: str = "bf16"
+    collectives: tuple[CollectiveSample, ...] = ()
+    source: str = ""
+
+    @property
+    def total_gpus(self) -> int:
+        return self.network.gpus_per_pod * self.network.pods
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+
+def fourd_home() -> Path:
+    return Path(os.environ.get("FOURD_HOME") or Path.home() / ".fourd")
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
+
+
+def _find(name_or_path: str) -> Path:
+    if name_or_path.endswith(".toml") or os.sep in name_or_path:
+        path = Path(name_or_path)
+        if not path.is_file():
+            raise FourdError(f"--cluster {name_or_path}: no such file; give a preset name or a path to a .toml profile")
+        return path
+    for folder in (fourd_home() / "clusters", PRESET_DIR):
+        path = folder / f"{name_or_path}.toml"
+        if path.is_file():
+            return path
+    hint = " (run `fourd calibrate` to write it)" if name_or_path == "local" else ""
+    raise FourdError(f"unknown cluster {name_or_path!r}{hint}: choose one of {', '.join(preset_names())}, "
+                     f"a profile in {fourd_home() / 'clusters'}, or a path to a .toml file")
+
+
+def _section(cls, data: dict, where: str, path: Path):
+    known = set(cls.__dataclass_fields__)
+    bad = set(data) - known
+    if bad:
+        raise FourdError(f"{path}: unknown key(s) {', '.join(sorted(bad))} in [{where}]; allowed: {', '.join(sorted(known))}")
+    try:
+        return cls(**data)
+    except TypeError as e:
+        raise FourdError(f"{path}: [{where}] is incomplete ({e}); see docs/planner.md for the schema") from None
+
+
+def load_cluster(name_or_path: str) -> Cluster:
+    """The profile called `name_or_path` (user profiles first, then presets) or the profile at that path."""
+    path = _find(name_or_path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise FourdError(f"{path}: not a readable TOML profile ({e}); fix the file or rerun `fourd calibrate`") from None
+    for key in ("gpu", "node", "network"):
+        if not isinstance(data.get(key), dict):
+            raise FourdError(f"{path}: missing the [{key}] table; see docs/planner.md for the schema")
+    gpu = dict(data["gpu"])
+    gpu["gemm"] = tuple(_section(GemmSample, g, "gpu.gemm", path) for g in gpu.get("gemm", ()))
+    dtype = data.get("dtype", "bf16")
+    if dtype not in DTYPE_BYTES:
+        raise FourdError(f"{path}: dtype = {dtype!r}; allowed: {', '.join(DTYPE_BYTES)}")
+    cluster = Cluster(
+        name=data.get("name", path.stem),
+        description=data.get("description", ""),
+        gpu=_section(GPU, gpu, "gpu", path),
+        node=_section(Node, data["node"], "node", path),
+        network=_section(Network, data["network"], "network", path),
+        dtype=dtype,
+        collectives=tuple(_section(CollectiveSample, c, "collectives", path) for c in data.get("collectives", ())),
+        source=str(path),
+    )
+    for label, value in (("gpu.peak_tflops", cluster.gpu.peak_tflops), ("gpu.memory_gb", cluster.gpu.memory_gb),
+                         ("gpu.hbm_bw_gbps", cluster.gpu.hbm_bw_gbps), ("node.gpus", cluster.node.gpus),
+                         ("node.intra_bw_gbps", cluster.node.intra_bw_gbps), ("network.nic_bw_gbps", cluster.network.nic_bw_gbps)):
+        if not value > 0:
+            raise FourdError(f"{path}: {label} = {value} must be positive")
+    return cluster
+
+
+# ---- placement of a parallel group ------------------------------------------------------------------
+
+LEVELS = ("single", "nvlink", "rack", "pod", "cross-pod")
+
+
+@dataclass(frozen=True)
+class Group:
+    """Ranks base, base+stride, ..., base+(size-1)·stride of a world of `world` ranks, placed in rank order
+    on the cluster (rank r on server r // gpus_per_node). Every rank belongs to one such group per dimension."""
+    size: int
+    stride: int
+    world: int
+
+
+def group_level(group: Group, cluster: Cluster) -> str:
+    """The widest part of the topology the group's traffic crosses."""
+    if group.size <= 1:
+        return "single"
+    span = (group.size - 1) * group.stride + 1
+    net = cluster.network
+    if span <= cluster.node.gpus and group.stride < cluster.node.gpus:
+        return "nvlink"
+    if span <= net.gpus_per_rack:
+        return "rack"
+    if span <= net.gpus_per_pod:
+        return "pod"
+    return "cross-pod"
+
+
+def members_per_node(group: Group, cluster: Cluster) -> int:
+    if group.stride >= cluster.node.gpus:
+        return 1
+    return max(1, min(group.size, cluster.node.gpus // group.stride))
+
+
+def group_bandwidth(group: Group, cluster: Cluster) -> tuple[float, float]:
+    """(bus bandwidth in bytes/s, per-step latency in s) of a ring over the group.
+
+    Inside a server the ring runs on NVLink. Across servers each of the k members per server drives its
+    own NIC (one ring channel per NIC, as NCCL does), so the ring moves k·nic_bw, capped by NVLink. Groups
+    that cross pods share the pod's uplinks: gpus_per_pod·nic_bw/oversubscription among all crossing channels.
+    """
+    node, net = cluster.node, cluster.network
+    intra = node.intra_bw_gbps * 1e9 * node.intra_efficiency
+    level = group_level(group, cluster)
+    if level in ("single", "nvlink"):
+        return intra, node.intra_latency_us * 1e-6
+    k = members_per_node(group, cluster)
+    nic = net.nic_bw_gbps * 1e9 * net.nic_efficiency
+    if level == "cross-pod":
+        per_pod_members = max(1, min(group.size, net.gpus_per_pod // group.stride))
+        crossing_channels = min(group.world, net.gpus_per_pod) / per_pod_members * k
+        uplink = net.gpus_per_pod * nic / net.cross_pod_oversubscription
+        nic = min(nic, uplink / crossing_channels)
+    return min(intra, k * nic), net.latency_us * 1e-6
+
+
+def placement(layout, cluster: Cluster) -> dict[str, Group]:
+    """The group of each parallel dimension for ranks laid out innermost first in [TP, CP, PP, DP] order."""
+    world = layout.tp * layout.cp * layout.pp * layout.dp
+    return {"tp": Group(layout.tp, 1, world),
+            "cp": Group(layout.cp, layout.tp, world),
+            "pp": Group(layout.pp, layout.tp * layout.cp, world),
+            "dp": Group(layout.dp, layout.tp * layout.cp * layout.pp, world)}
+
+
+def check_fits(world: int, cluster: Cluster) -> None:
+    if world > cluster.total_gpus:
+        raise FourdError(f"{world} GPUs asked but cluster {cluster.name} has {cluster.total_gpus} "
+                         f"({cluster.network.pods} pods x {cluster.network.gpus_per_pod}); use fewer GPUs or another --cluster")
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+__all__ = ["Cluster", "GPU", "Node", "Network", "GemmSample", "CollectiveSample", "Group", "LEVELS",
+           "load_cluster", "preset_names", "placement", "group_level", "group_bandwidth", "members_per_node",
+           "check_fits", "fourd_home", "math"]

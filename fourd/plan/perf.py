@@ -1,0 +1,402 @@
+"""The time model: GEMMs, attention, collectives, one pipeline stage's forward and backward, and a step.
+
+Small pure functions, shared with the simulator (`fourd sim step` schedules these same per-microbatch
+times), so that the two agree. Times are in seconds, sizes in bytes, rates in bytes/s or FLOP/s.
+The signatures of `gemm_time`, `collective_time`, `stage_compute_time`, `p2p_time` and
+`stage_layers` are stable.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from fourd.plan.cluster import Cluster, Group, group_bandwidth, placement
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
+RECOMPUTE = ("none", "selective", "full")
+KERNEL_LAUNCH_S = 4e-6          # CUDA kernel launch and tail, per GEMM on a GPU
+GPU_TILES = ((128, 128), (128, 256), (256, 128))   # output tiles cuBLAS picks among for large BF16 GEMMs
+FA_BACKWARD_FLOPS = 2.5         # FlashAttention's backward redoes QK^T: 5 matmuls to the forward's 2 (Dao 2023 §3.1)
+FA_HALF_LENGTH = 384            # attention kernels lose efficiency on short sequences: eff · L/(L+384)
+OVERLAP_SLOWDOWN = 0.1          # compute slowdown while a collective runs beside it (SMs and HBM it takes)
+ADAM_BYTES = {2: 30, 4: 32}     # HBM bytes per owned parameter in an Adam update (read+write states, grad, weight)
+
+
+# ---- one kernel ---------------------------------------------------------------------------------------
+
+def _wave_utilization(m: int, n: int, sms: int) -> float:
+    """Fraction of the SMs doing useful work when an m×n output is cut into tiles and run in waves."""
+    best = 0.0
+    for tm, tn in GPU_TILES:
+        tiles = math.ceil(m / tm) * math.ceil(n / tn)
+        waves = math.ceil(tiles / sms)
+        useful = (m * n) / (math.ceil(m / tm) * tm * math.ceil(n / tn) * tn)
+        best = max(best, useful * tiles / (waves * sms))
+    return best
+
+
+def _measured_tflops(samples, flops: float) -> float:
+    """Linear interpolation of measured TFLOP/s in log(FLOPs), flat beyond the measured range."""
+    pts = sorted((math.log(2 * s.m * s.n * s.k), s.tflops) for s in samples)
+    x = math.log(flops)
+    if x <= pts[0][0]:
+        return pts[0][1]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 > x0 else y1
+    return pts[-1][1]
+
+
+@lru_cache(maxsize=65536)
+def gemm_time(m: int, n: int, k: int, cluster: Cluster) -> float:
+    """Seconds for one (m×k)·(k×n) GEMM in the cluster's training precision.
+
+    Measured samples (calibrate) win when the profile has them. Otherwise a roofline: FLOPs at the
+    sustained GEMM rate, reduced by wave quantization of the output tiles over the SMs, or the bytes
+    of the three matrices over HBM bandwidth, whichever is slower.
+    """
+    gpu = cluster.gpu
+    flops = 2.0 * m * n * k
+    if gpu.gemm:
+        return flops / (_measured_tflops(gpu.gemm, flops) * 1e12)
+    util = _wave_utilization(m, n, gpu.sms) if gpu.sms else 1.0
+    compute = flops / (gpu.peak_tflops * 1e12 * gpu.gemm_efficiency * util)
+    memory = cluster.dtype_bytes * (m * k + k * n + m * n) / (gpu.hbm_bw_gbps * 1e9)
+    return max(compute, memory) + (KERNEL_LAUNCH_S if gpu.sms else 0.0)
+
+
+def memory_time(nbytes: float, cluster: Cluster) -> float:
+    """Seconds to stream `nbytes` through HBM (elementwise kernels: norms, activations, residuals)."""
+    return nbytes / (cluster.gpu.hbm_bw_gbps * 1e9)
+
+
+def attention_time(q_tokens: int, kv_len: int, heads: int, head_dim: int, cluster: Cluster,
+                   causal: bool = True) -> tuple[float, float]:
+    """(forward, backward) seconds of fused attention for q_tokens queries per head against kv_len keys.
+
+    Causal attention does half the score work; the backward does 2.5× the forward's FLOPs.
+    """
+    gpu = cluster.gpu
+    pairs = q_tokens * kv_len * (0.5 if causal else 1.0)
+    fwd_flops = 4.0 * pairs * head_dim * heads
+    if gpu.attention_fwd_efficiency is None:
+        # No fused-kernel figure (CPU profiles): two batched matmuls, at the measured GEMM rate.
+        per_head = gemm_time(q_tokens, kv_len, head_dim, cluster) * 2 * (0.5 if causal else 1.0)
+        return per_head * heads, per_head * heads * FA_BACKWARD_FLOPS
+    length = kv_len / (kv_len + FA_HALF_LENGTH)
+    peak = gpu.peak_tflops * 1e12 * length
+    return (fwd_flops / (peak * gpu.attention_fwd_efficiency),
+            fwd_flops * FA_BACKWARD_FLOPS / (peak * gpu.attention_bwd_efficiency))
+
+
+# ---- collectives --------------------------------------------------------------------------------------
+
+# nccl-tests conventions (brief.md §5): bytes each rank sends = factor · nbytes; ring steps.
+_BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+               "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
+               "broadcast": lambda n: 1.0, "send": lambda n: 1.0}
+_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1, "reduce_scatter": lambda n: n - 1,
+          "all_to_all": lambda n: n - 1, "broadcast": lambda n: n - 1, "send": lambda n: 1}
+
+
+def ring_bytes_per_rank(op: str, nbytes: float, n: int) -> float:
+    """Bytes each rank sends in a ring `op` on an nbytes buffer over n ranks (all-reduce: 2(n−1)/n·nbytes,
+    the lower bound, Patarasuk & Yuan 2009)."""
+    return _BUS_FACTOR[op](n) * nbytes if n > 1 else 0.0
+
+
+def collective_time(op: str, nbytes: float, group: Group, cluster: Cluster) -> float:
+    """Seconds for a collective on an nbytes buffer (the output of all-gather, the input of reduce-scatter,
+    nccl-tests style) over `group`, at the bandwidth its placement gives. A measured fit in the profile
+    for this op and group size wins over the ring model."""
+    n = group.size
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    for s in cluster.collectives:
+        if s.op == op and s.nproc == n:
+            return s.alpha_s + s.beta_s_per_byte * nbytes
+    bw, latency = group_bandwidth(group, cluster)
+    return _STEPS[op](n) * latency + ring_bytes_per_rank(op, nbytes, n) / bw
+
+
+# ---- the model's work per microbatch -------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StageTime:
+    """One microbatch through one pipeline stage (a run of consecutive layers) on one rank."""
+    forward_s: float            # compute
+    input_grad_s: float         # backward with respect to inputs (and any recomputation)
+    weight_grad_s: float        # weight gradients (zero-bubble schedules defer these)
+    forward_comm_s: float       # TP and CP collectives on the critical path
+    backward_comm_s: float
+
+    @property
+    def forward(self) -> float:
+        return self.forward_s + self.forward_comm_s
+
+    @property
+    def backward(self) -> float:
+        return self.input_grad_s + self.weight_grad_s + self.backward_comm_s
+
+    def __add__(self, other: "StageTime") -> "StageTime":
+        return StageTime(*(a + b for a, b in zip(self._t(), other._t())))
+
+    def scaled(self, k: float) -> "StageTime":
+        return StageTime(*(a * k for a in self._t()))
+
+    def _t(self):
+        return (self.forward_s, self.input_grad_s, self.weight_grad_s, self.forward_comm_s, self.backward_comm_s)
+
+
+ZERO_TIME = StageTime(0.0, 0.0, 0.0, 0.0, 0.0)
+
+
+def _gemms(model, tokens: int, tp: int) -> list[tuple[int, int, int]]:
+    """(m, n, k) of the forward GEMMs of one layer on one TP rank (Megatron column/row split)."""
+    hd = model.head_dim
+    q_heads = model.heads // tp
+    kv_heads = max(1, model.kv_heads // tp)
+    up = 2 * model.ffn // tp if model.mlp == "swiglu" else model.ffn // tp
+    return [(tokens, (q_heads + 2 * kv_heads) * hd, model.dim),  # fused QKV
+            (tokens, model.dim, q_heads * hd),                    # attention output
+            (tokens, up, model.dim),                              # w1 and w3 fused (fc1 for GeLU)
+            (tokens, model.dim, model.ffn // tp)]                 # w2
+
+
+def _elementwise_bytes(model, tokens: int, tp: int, b: int) -> tuple[float, float]:
+    """HBM bytes of a layer's memory-bound kernels in forward: (norms and residuals on the sequence-parallel
+    shard, RoPE and the MLP activation on the TP shard), and the part a selective recomputation redoes."""
+    h, hd = model.dim, model.head_dim
+    norms = 2 * 2 * h * b * tokens / tp                    # two norms: read and write h
+    residual = 2 * 3 * h * b * tokens / tp                 # two adds: read 2h, write h
+    rope = 2 * 2 * (model.heads + model.kv_heads) * hd * b * tokens / tp
+    act = (3 if model.mlp == "swiglu" else 2) * model.ffn * b * tokens / tp
+    return norms + residual + rope + act, norms + act
+
+
+@lru_cache(maxsize=8192)
+def layer_time(model, cluster: Cluster, tp: int, cp: int, seq: int, micro_seqs: int, recompute: str,
+               tp_group: Group, cp_group: Group) -> StageTime:
+    """One transformer layer, one microbatch of micro_seqs sequences, on one rank of a (tp, cp) group."""
+    b = cluster.dtype_bytes
+    tokens = micro_seqs * seq // cp
+    fwd = wgrad = dgrad = 0.0
+    for m, n, k in _gemms(model, tokens, tp):
+        fwd += gemm_time(m, n, k, cluster)
+        dgrad += gemm_time(m, k, n, cluster)
+        wgrad += gemm_time(k, n, m, cluster)
+    # Each CP rank holds chunks i and 2·CP−1−i of every sequence, so its queries see on average half the
+    # sequence and the causal work is even across ranks (Llama 3 §3.3.2): tokens·seq/2 score pairs.
+    a_fwd, a_bwd = attention_time(tokens, seq, model.heads // tp, model.head_dim, cluster)
+    ew, ew_selective = _elementwise_bytes(model, tokens, tp, b)
+    fwd += a_fwd + memory_time(ew, cluster)
+    dgrad += a_bwd + memory_time(2 * ew, cluster)
+    # Sequence parallelism: all-gather before and reduce-scatter after each of attention and MLP, forward
+    # and backward (Korthikanti et al. 2022 §4.2.2); backward gathers the two saved input shards once more
+    # for the weight gradients.
+    act = tokens * model.dim * b
+    gather = collective_time("all_gather", act, tp_group, cluster)
+    scatter = collective_time("reduce_scatter", act, tp_group, cluster)
+    fwd_comm = 2 * (gather + scatter)
+    bwd_comm = 2 * (gather + scatter) + 2 * gather
+    if cp > 1:
+        kv = 2 * max(1, model.kv_heads // tp) * model.head_dim * micro_seqs * seq * b
+        fwd_comm += collective_time("all_gather", kv, cp_group, cluster)
+        bwd_comm += collective_time("all_gather", kv, cp_group, cluster) + collective_time("reduce_scatter", kv, cp_group, cluster)
+    if recompute == "selective":
+        dgrad += memory_time(ew_selective, cluster)
+    elif recompute == "full":
+        dgrad += fwd
+        bwd_comm += fwd_comm
+    return StageTime(fwd, dgrad, wgrad, fwd_comm, bwd_comm)
+
+
+def _head_time(model, cluster: Cluster, tokens: int, tp: int, tp_group: Group) -> StageTime:
+    """Final norm, output projection (vocabulary split over TP) and cross-entropy in FP32."""
+    b, v = cluster.dtype_bytes, model.vocab // tp
+    fwd = gemm_time(tokens, v, model.dim, cluster) + memory_time(4 * model.dim * b * tokens / tp, cluster)
+    dgrad = gemm_time(tokens, model.dim, v, cluster)
+    wgrad = gemm_time(model.dim, v, tokens, cluster)
+    logits = 4 * tokens * v  # FP32: written, read by the softmax, its gradient written
+    fwd += memory_time(2 * logits, cluster)
+    dgrad += memory_time(2 * logits, cluster)
+    act = tokens * model.dim * b
+    # gather the sequence-parallel input; the vocabulary-parallel loss all-reduces max, sum and target logit
+    comm_f = collective_time("all_gather", act, tp_group, cluster) + collective_time("all_reduce", 3 * 4 * tokens, tp_group, cluster)
+    return StageTime(fwd, dgrad, wgrad, comm_f, collective_time("reduce_scatter", act, tp_group, cluster))
+
+
+def _embedding_time(model, cluster: Cluster, tokens: int, tp: int, tp_group: Group) -> StageTime:
+    """Vocabulary-parallel lookup: partial rows, reduce-scattered into the sequence-parallel shard."""
+    act = tokens * model.dim * cluster.dtype_bytes
+    return StageTime(memory_time(act, cluster), memory_time(2 * act, cluster), 0.0,
+                     collective_time("reduce_scatter", act, tp_group, cluster),
+                     collective_time("all_gather", act, tp_group, cluster))
+
+
+def compute_share(layout, cluster: Cluster) -> float:
+    """How much slower each rank computes because ranks of one server share its compute (CPU profiles:
+    more processes than cores)."""
+    slots = cluster.node.concurrent_ranks
+    per_node = min(layout.tp * layout.cp * layout.pp * layout.dp, cluster.node.gpus)
+    return max(1.0, per_node / slots) if slots else 1.0
+
+
+def stage_compute_time(model, cluster: Cluster, layout, seq: int, micro_seqs: int, layers: int, *,
+                       first: bool = False, last: bool = False, recompute: str = "none") -> StageTime:
+    """One microbatch of `micro_seqs` sequences of `seq` tokens through a pipeline stage of `layers` layers
+    (plus the embedding if `first`, the output and loss if `last`) on one GPU of `layout`; TP and CP
+    collectives included as exposed communication."""
+    groups = placement(layout, cluster)
+    tokens = micro_seqs * seq // layout.cp
+    t = layer_time(model, cluster, layout.tp, layout.cp, seq, micro_seqs, recompute, groups["tp"], groups["cp"]).scaled(layers)
+    if first:
+        t = t + _embedding_time(model, cluster, tokens, layout.tp, groups["tp"])
+    if last:
+        t = t + _head_time(model, cluster, tokens, layout.tp, groups["tp"])
+    k = compute_share(layout, cluster)
+    return StageTime(t.forward_s * k, t.input_grad_s * k, t.weight_grad_s * k, t.forward_comm_s, t.backward_comm_s)
+
+
+def chunk_times(model, cluster: Cluster, layout, seq: int, micro_seqs: int, virtual_stages: int = 1,
+                recompute: str = "none") -> list[StageTime]:
+    """StageTime of each global pipeline stage 0 .. pp·V−1 in model order (stage s runs on rank s % pp)."""
+    from fourd.plan.memory import stage_layers
+
+    counts = stage_layers(model.layers, layout.pp, virtual_stages)
+    last = len(counts) - 1
+    return [stage_compute_time(model, cluster, layout, seq, micro_seqs, n, first=(s == 0), last=(s == last),
+                               recompute=recompute) for s, n in enumerate(counts)]
+
+
+def p2p_time(model, cluster: Cluster, layout, seq: int, micro_seqs: int) -> float:
+    """One activation (or its gradient) sent between adjacent pipeline ranks; each TP rank sends its
+    sequence-parallel shard."""
+    nbytes = micro_seqs * seq // layout.cp * model.dim * cluster.dtype_bytes / layout.tp
+    return collective_time("send", nbytes, Group(2, layout.tp * layout.cp, layout.tp * layout.cp * layout.pp * layout.dp), cluster)
+
+
+# ---- one optimizer step ----------------------------------------------------------------------------------
+
+def bubble_time(schedule: str, pp: int, microbatches: int, virtual_stages: int, stage: StageTime) -> float:
+    """Idle time of a pipeline rank per step, for per-microbatch times `stage` (all its layers).
+
+    GPipe and 1F1B: (p−1)·(t_f + t_b), an idle fraction (p−1)/(m+p−1) of the step (Huang et al. 2019;
+    Narayanan et al. 2021 §2.2). Interleaved with V stages per rank: (p−1)/V·(t_f + t_b), i.e. (p−1)/(V·m)
+    of compute (Narayanan et al. 2021 §2.2.1). Zero-bubble ZB-H1: (p−1)·(t_f + t_i − t_w), weight-gradient
+    work filling the cool-down (Qi et al. 2023 §3.1).
+    """
+    p, v = pp, virtual_stages
+    whole = stage.forward + stage.backward
+    if schedule in ("gpipe", "1f1b"):
+        return (p - 1) * whole
+    if schedule == "interleaved":
+        return (p - 1) / v * whole
+    if schedule == "zero-bubble":
+        return (p - 1) * max(0.0, stage.forward + stage.input_grad_s + stage.backward_comm_s - stage.weight_grad_s)
+    raise ValueError(f"unknown schedule {schedule!r}")
+
+
+def bubble_fraction(pp: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """Idle fraction of the step with equal stages and free communication: (p−1)/(m+p−1) for GPipe and 1F1B;
+    interleaved (p−1)/(V·m+p−1) (the bubble (p−1)/(V·m) of compute, as a share of the step)."""
+    p, m, v = pp, microbatches, virtual_stages
+    return (p - 1) / (v * m + p - 1)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    step_s: float
+    compute_s: float            # m · (t_f + t_b) of the slowest pipeline rank, TP/CP communication included
+    bubble_s: float
+    p2p_s: float                # pipeline sends on the critical path (warm-up and cool-down)
+    dp_exposed_s: float         # data-parallel collectives not hidden behind compute
+    dp_total_s: float           # all data-parallel collectives of the step
+    overlap_s: float            # compute slowed by collectives running beside it
+    optimizer_s: float
+    tp_comm_s: float            # of compute_s
+    cp_comm_s: float            # of compute_s
+    per_microbatch: StageTime   # the slowest pipeline rank, all its stages
+
+
+def _dp_exposure(zero: int, m: int, grads: float, weights: float, group: Group, cluster: Cluster,
+                 t: StageTime, bubble: float, layers: int) -> tuple[float, float]:
+    """(exposed, total) seconds of ZeRO/DDP traffic. Gradients of a layer are reduced as soon as its last
+    backward ends (bucketed, as DDP and FSDP do), weights gathered just before first use; what does not
+    fit in the compute around it, and the last bucket, stay on the critical path."""
+    def ct(op, nbytes):
+        return collective_time(op, nbytes, group, cluster)
+
+    bucket = max(1, layers)
+    tail = t.backward + bubble / 2      # the last microbatch's backward and the cool-down
+    head = t.forward + bubble / 2       # the first microbatch's forward and the warm-up
+    if zero == 0:
+        phases = [(ct("all_reduce", grads), tail)]
+    elif zero == 1:
+        phases = [(ct("reduce_scatter", grads), tail), (ct("all_gather", weights), head)]
+    elif zero == 2:
+        phases = [(m * ct("reduce_scatter", grads), m * t.backward), (ct("all_gather", weights), head)]
+    else:
+        phases = [(m * ct("all_gather", weights), m * t.forward),
+                  (m * (ct("all_gather", weights) + ct("reduce_scatter", grads)), m * t.backward)]
+    total = sum(c for c, _ in phases)
+    exposed = sum(max(0.0, c - window) + c / (bucket * (m if zero >= 2 else 1)) for c, window in phases)
+    return min(exposed, total), total
+
+
+def step_time(model, cluster: Cluster, layout, seq: int, global_seqs: int, schedule: str, microbatches: int,
+              virtual_stages: int = 1, zero: int = 1, recompute: str = "none") -> StepTime:
+    """Seconds per optimizer step of `global_seqs` sequences, and where they go."""
+    from fourd.plan.memory import rank_params, stage_layers
+
+    p, v, m = layout.pp, virtual_stages, microbatches
+    micro = global_seqs // (layout.dp * m)
+    chunks = chunk_times(model, cluster, layout, seq, micro, v, recompute)
+    ranks = [sum((chunks[s] for s in range(r, p * v, p)), ZERO_TIME) for r in range(p)]
+    slow = max(range(p), key=lambda r: ranks[r].forward + ranks[r].backward)
+    t = ranks[slow]
+    compute = m * (t.forward + t.backward)
+    bubble = bubble_time(schedule, p, m, v, t)
+    p2p = 2 * (p - 1) * p2p_time(model, cluster, layout, seq, micro) if p > 1 else 0.0
+
+    counts = stage_layers(model.layers, p, v)
+    params = max(rank_params(model, counts, p, r, layout.tp) for r in range(p))
+    b = cluster.dtype_bytes
+    my_layers = sum(counts[s] for s in range(slow, p * v, p))
+    dp_group = placement(layout, cluster)["dp"]
+    exposed, total = _dp_exposure(zero, m, params * b, params * b, dp_group, cluster, t, bubble, my_layers)
+    overlap = OVERLAP_SLOWDOWN * (total - exposed)
+    owned = params / (layout.dp if zero >= 1 else 1)
+    optimizer = memory_time(owned * ADAM_BYTES[b], cluster)
+
+    groups = placement(layout, cluster)
+    one = layer_time(model, cluster, layout.tp, layout.cp, seq, micro, recompute, groups["tp"], groups["cp"])
+    tp_cp = m * my_layers * (one.forward_comm_s + one.backward_comm_s)
+    cp_only = 0.0
+    if layout.cp > 1:
+        solo = layer_time(model, cluster, layout.tp, layout.cp, seq, micro, recompute, groups["tp"], Group(1, 1, 1))
+        cp_only = m * my_layers * (one.forward_comm_s + one.backward_comm_s - solo.forward_comm_s - solo.backward_comm_s)
+    step = compute + bubble + p2p + exposed + overlap + optimizer
+    return StepTime(step, compute, bubble, p2p, exposed, total, overlap, optimizer, tp_cp - cp_only, cp_only, t)
+
+
+# ---- whole-run arithmetic (brief.md §1, rows 01-02) ---------------------------------------------------------
+
+SECONDS_PER_YEAR = 365.25 * 86400
+
+
+def training_flops(params: float, tokens: float) -> float:
+    """6·N·D (Kaplan et al. 2020): 405e9 parameters × 15.6e12 tokens ≈ 3.8e25 FLOPs."""
+    return 6.0 * params * tokens
+
+
+def gpu_years(flops: float, flops_per_gpu: float) -> float:
+    """One GPU at a sustained rate: 3.8e25 FLOPs at 400 TFLOP/s ≈ 3,000 years."""
+    return flops / flops_per_gpu / SECONDS_PER_YEAR
+
+
+def run_days(flops: float, gpus: int, flops_per_gpu: float) -> float:
+    """Days on `gpus` GPUs at a sustained rate: 3.8e25 FLOPs on 16,384 GPUs at 400 TFLOP/s ≈ 67 days."""
+    return flops / (gpus * flops_per_gpu) / 86400
