@@ -12,6 +12,8 @@ $(STAMP): pyproject.toml
 	# project's own pin keeps pip from resolving a multi-GB CUDA build.
 	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[test]'
+	# the lab's browser tests run in Debian's chromium
+	command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -84,6 +84,8 @@ def schedule(q: dict[str, str], **_) -> dict:
     name = _choice(q, "schedule", schedules.SCHEDULES, default="gpipe")
     p, m = _int(q, "p", *P_RANGE), _int(q, "m", *M_RANGE)
     v = _int(q, "v", *V_RANGE, default=1)
+    if v > 1 and name != "interleaved":
+        raise FourdError(f"v={v} needs schedule=interleaved ({name} runs one stage per GPU; drop v or set v=1)")
     sched = schedules.build_schedule(name, p, m, v)
     events = pipeline.timeline(sched, {k: t / v for k, t in pipeline.UNIT.items()})
     step, idle = pipeline.idle_fractions(events)
@@ -145,8 +147,9 @@ def trace(q: dict[str, str], *, trace_dir: Path, **_) -> dict:
         raise FourdError("missing parameter path: the trace file, relative to the lab's --trace-dir")
     if "\0" in text:
         raise FourdError("path contains a NUL byte")
-    path = (trace_dir / text).resolve()
-    if not path.is_relative_to(trace_dir):
+    root = trace_dir.resolve()
+    path = (root / text).resolve()
+    if not path.is_relative_to(root):
         raise FourdError(f"path={text!r} is outside the lab's --trace-dir; start `fourd lab --trace-dir` above it")
     if path.suffix != ".json":
         raise FourdError(f"path={text!r}: a trace is a Chrome trace .json file")
@@ -161,7 +164,7 @@ def trace(q: dict[str, str], *, trace_dir: Path, **_) -> dict:
     events = doc.get("traceEvents") if isinstance(doc, dict) else doc
     if not isinstance(events, list):
         raise FourdError(f"path={text!r} has no traceEvents list; a trace is Chrome trace JSON")
-    return {"path": str(path.relative_to(trace_dir)), "traceEvents": events}
+    return {"path": str(path.relative_to(root)), "traceEvents": events}
 
 
 def options(q: dict[str, str], **_) -> dict:

@@ -4,7 +4,6 @@
 
 const $ = (id) => document.getElementById(id);
 const SVG_NS = "http://www.w3.org/2000/svg";
-const BENCH_KEYS = ["p", "m", "schedule", "v"];
 
 async function api(endpoint, params) {
   const res = await fetch(`/api/${endpoint}?${new URLSearchParams(params)}`);
@@ -97,10 +96,8 @@ function readURL() {
 }
 
 function writeURL() {
-  const q = new URLSearchParams(location.search);
-  BENCH_KEYS.forEach((k) => q.delete(k));
-  for (const [k, v] of Object.entries(benchParams())) q.set(k, v);
-  q.set("layout", $("layout").value);
+  const q = new URLSearchParams(benchParams());
+  if ($("layout").value !== $("layout").defaultValue) q.set("layout", $("layout").value);
   history.replaceState(null, "", `?${q}${location.hash}`);
 }
 

@@ -1,0 +1,125 @@
+"""The lab's API returns the project's own schedules and placements, with the seed's figures."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+
+from fourd.errors import FourdError
+from fourd.lab import api
+from fourd.schedules import build_schedule
+from fourd.sim.pipeline import timeline
+
+
+def bench(p, m, schedule="gpipe", v=None):
+    q = {"p": str(p), "m": str(m), "schedule": schedule}
+    if v is not None:
+        q["v"] = str(v)
+    return api.schedule(q)
+
+
+@pytest.mark.parametrize("p,m,percent", [(16, 16, "48.4"), (16, 64, "19.0"), (1, 64, "0.0")])
+def test_seed_figures(p, m, percent):
+    """brief.md §1 row 9: p=16 idles 48.4 % at m=16 and 19.0 % at m=64; one stage never idles."""
+    assert f"{100 * bench(p, m)['idle_fraction']:.1f}" == percent
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p,m", [(1, 1), (2, 7), (5, 16), (16, 1), (16, 16), (16, 64), (7, 64)])
+def test_gpipe_and_1f1b_match_the_seed_formulas(schedule, p, m):
+    """Idle (p−1)/(m+p−1) and speed-up over one stage p·m/(m+p−1) (brief.md §1 row 14)."""
+    d = bench(p, m, schedule)
+    assert d["idle_fraction"] == pytest.approx(float(Fraction(p - 1, m + p - 1)), abs=1e-12)
+    assert d["speedup"] == pytest.approx(float(Fraction(p * m, m + p - 1)), rel=1e-12)
+    assert d["makespan"] == 3 * (m + p - 1)  # forward 1, backward 2
+
+
+@pytest.mark.parametrize("p,m,v", [(4, 8, 2), (8, 32, 4), (16, 64, 2)])
+def test_interleaved_keeps_the_work_and_shrinks_the_bubble_by_v(p, m, v):
+    """Each of V stages per GPU holds 1/V of its layers; bubble/compute = (p−1)/(V·m) (brief.md §5)."""
+    d = bench(p, m, "interleaved", v)
+    compute = 3 * m
+    assert d["makespan"] == pytest.approx(compute + 3 * (p - 1) / v, rel=1e-12)
+    assert d["idle_fraction"] == pytest.approx((p - 1) / (v * m + p - 1), rel=1e-12)
+    assert all(r["stages"] == [r["rank"] + k * p for k in range(v)] for r in d["ranks"])
+    assert {e[4] for r in d["ranks"] for e in r["events"]} == {1 / v, 2 / v}
+
+
+def test_zero_bubble_idles_one_forward_per_stage():
+    """ZB-H1 with unit F, I, W idles (p−1)·(T_F + T_I − T_W) = p−1 units per rank (fourd.schedules)."""
+    p, m = 4, 8
+    d = bench(p, m, "zero-bubble")
+    assert d["makespan"] == 3 * m + (p - 1)
+    assert d["idle_fraction"] == pytest.approx((p - 1) / (3 * m + p - 1), rel=1e-12)
+    kinds = [sorted({e[0] for e in r["events"]}) for r in d["ranks"]]
+    assert kinds == [["F", "I", "W"]] * p
+
+
+@pytest.mark.parametrize("schedule,v,per_rank", [("gpipe", None, 2), ("1f1b", None, 2), ("zero-bubble", None, 3),
+                                                 ("interleaved", 2, 4)])
+def test_events_are_the_simulators_timeline(schedule, v, per_rank):
+    p, m = 4, 8
+    d = bench(p, m, schedule, v)
+    sched = build_schedule(schedule, p, m, v or 1)
+    scale = v or 1
+    expected = timeline(sched, {"F": 1 / scale, "B": 2 / scale, "I": 1 / scale, "W": 1 / scale})
+    for r, rank in enumerate(d["ranks"]):
+        assert len(rank["events"]) == per_rank * m
+        assert rank["events"] == [[e.kind, e.stage, e.microbatch, e.start, e.end - e.start] for e in expected[r]]
+        assert rank["peak_in_flight"] == sched.peak_in_flight(r)
+
+
+def test_peak_in_flight_gpipe_holds_all_1f1b_holds_p_minus_rank():
+    """brief.md §5: 1F1B keeps at most p microbatches of activations in flight, GPipe m."""
+    assert [r["peak_in_flight"] for r in bench(4, 16, "gpipe")["ranks"]] == [16, 16, 16, 16]
+    assert [r["peak_in_flight"] for r in bench(4, 16, "1f1b")["ranks"]] == [4, 3, 2, 1]
+
+
+def test_cluster_row_of_one_llama3_replica():
+    d = api.cluster({"layout": "tp=8,pp=16"})
+    assert (d["racks"], d["servers_per_rack"], d["gpus_per_server"], d["world"]) == (8, 2, 8, 128)
+    assert len(d["gpus"]) == 128
+    g = d["gpus"][77]  # rank = tp + 8·pp: tp 5, pp 9, on server 9 of rack 4
+    assert g == {"rank": 77, "server": 9, "rack": 4, "coords": {"tp": 5, "cp": 0, "pp": 9, "dp": 0},
+                 "groups": {"tp": 72, "cp": 77, "pp": 5, "dp": 77}}
+    assert d["spans"] == {"tp": {"size": 8, "groups": 16, "level": "nvlink"},
+                          "cp": {"size": 1, "groups": 128, "level": "single"},
+                          "pp": {"size": 16, "groups": 8, "level": "pod"},
+                          "dp": {"size": 1, "groups": 128, "level": "single"}}
+
+
+def test_cluster_row_shows_the_first_replica_of_a_large_layout():
+    d = api.cluster({"layout": "tp=8,pp=16,dp=128"})
+    assert (d["world"], len(d["gpus"])) == (16384, 128)
+    assert d["spans"]["dp"] == {"size": 128, "groups": 128, "level": "cross-pod"}
+    d = api.cluster({"layout": "tp=2,cp=2"})
+    assert [g["groups"]["cp"] for g in d["gpus"]] == [0, 1, 0, 1]
+    assert [g["groups"]["tp"] for g in d["gpus"]] == [0, 0, 2, 2]
+
+
+def test_cluster_row_refuses_more_gpus_than_the_cluster_has():
+    with pytest.raises(FourdError, match="16777216 GPUs asked but cluster"):
+        api.cluster({"layout": "tp=8,pp=16,dp=131072"})
+
+
+def test_trace_opens_only_chrome_json_under_the_trace_dir(tmp_path):
+    (tmp_path / "runs").mkdir()
+    events = [{"name": "F0.0", "ph": "X", "ts": 0, "dur": 5, "pid": 0, "tid": 0}]
+    (tmp_path / "runs" / "trace.json").write_text('{"traceEvents": %s}' % str(events).replace("'", '"'))
+    (tmp_path / "runs" / "list.json").write_text('[{"name": "B0.0", "ph": "X", "ts": 1, "dur": 2, "pid": 1, "tid": 0}]')
+    (tmp_path / "runs" / "bad.json").write_text("{not json")
+    (tmp_path / "runs" / "notes.txt").write_text("x")
+    root = tmp_path / "runs"
+    assert api.trace({"path": "trace.json"}, trace_dir=root) == {"path": "trace.json", "traceEvents": events}
+    assert api.trace({"path": "list.json"}, trace_dir=root)["traceEvents"][0]["name"] == "B0.0"
+    with pytest.raises(FourdError, match="is not JSON"):
+        api.trace({"path": "bad.json"}, trace_dir=root)
+    with pytest.raises(FourdError, match="a trace is a Chrome trace .json file"):
+        api.trace({"path": "notes.txt"}, trace_dir=root)
+    with pytest.raises(FourdError, match="outside the lab's --trace-dir"):
+        api.trace({"path": "../runs/../x.json"}, trace_dir=root)
+    (root / "link.json").symlink_to(tmp_path / "outside.json")
+    (tmp_path / "outside.json").write_text("[]")
+    with pytest.raises(FourdError, match="outside the lab's --trace-dir"):
+        api.trace({"path": "link.json"}, trace_dir=root)

@@ -1,0 +1,238 @@
+"""The lab's HTTP server over real sockets: static files from an allow-list only, GET/HEAD only,
+400 with a message for bad parameters, 127.0.0.1 unless told otherwise."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fourd.lab.server import STATIC_DIR, make_server, serve_in_thread
+
+
+@pytest.fixture(scope="module")
+def lab():
+    server = make_server("127.0.0.1", 0)
+    serve_in_thread(server)
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def request(server, method: str, target: str, headers: dict | None = None):
+    conn = http.client.HTTPConnection(*server.server_address[:2], timeout=10)
+    try:
+        conn.putrequest(method, target, skip_host=True, skip_accept_encoding=True)
+        for k, v in ({"Host": f"127.0.0.1:{server.server_address[1]}"} | (headers or {})).items():
+            conn.putheader(k, v)
+        conn.endheaders()
+        resp = conn.getresponse()
+        return resp.status, dict(resp.getheaders()), resp.read()
+    finally:
+        conn.close()
+
+
+def test_index_and_assets_are_served_with_their_types(lab):
+    status, headers, body = request(lab, "GET", "/")
+    assert status == 200
+    assert body == (STATIC_DIR / "index.html").read_bytes()
+    assert headers["Content-Type"] == "text/html; charset=utf-8"
+    assert "default-src 'self'" in headers["Content-Security-Policy"]
+    for name, ctype in (("app.js", "text/javascript; charset=utf-8"), ("style.css", "text/css; charset=utf-8")):
+        status, headers, body = request(lab, "GET", f"/{name}")
+        assert (status, headers["Content-Type"], body) == (200, ctype, (STATIC_DIR / name).read_bytes())
+
+
+def test_page_loads_nothing_from_elsewhere():
+    """Offline: every script, style and link the page names is one of the files the server ships."""
+    html = (STATIC_DIR / "index.html").read_text()
+    refs = re.findall(r'(?:src|href)="([^"#]+)"', html)
+    assert sorted(refs) == ["/app.js", "/style.css", "data:,"]
+    for name in ("index.html", "app.js", "style.css"):
+        text = (STATIC_DIR / name).read_text()
+        assert not re.search(r"https?://", text.replace("http://www.w3.org/2000/svg", "")), name
+
+
+TRAVERSALS = [
+    "/../../../../etc/passwd",
+    "/%2e%2e/%2e%2e/%2e%2e/%2e%2e/etc/passwd",
+    "/%2E%2E/%2E%2E/%2E%2E/%2E%2E/etc/passwd",
+    "/..%2f..%2f..%2f..%2fetc%2fpasswd",
+    "/%2e%2e%2f%2e%2e%2f%2e%2e%2f%2e%2e%2fetc%2fpasswd",
+    "/%252e%252e/%252e%252e/%252e%252e/etc/passwd",
+    "/%252e%252e%252f%252e%252e%252fetc%252fpasswd",
+    "/..\\..\\..\\..\\etc\\passwd",
+    "/..%5c..%5c..%5c..%5cetc%5cpasswd",
+    "//etc/passwd",
+    "/etc/passwd",
+    "/%2fetc%2fpasswd",
+    "http://127.0.0.1/../../../../etc/passwd",
+    "/index.html/../../../../etc/passwd",
+    "/./../../../../etc/passwd",
+    "/.%2e/.%2e/.%2e/.%2e/etc/passwd",
+    "/../server.py",
+    "/%2e%2e/server.py",
+    "/static/../server.py",
+    "/../api.py",
+    "/app.js%00.py",
+]
+
+
+@pytest.mark.parametrize("target", TRAVERSALS)
+def test_traversal_never_returns_a_file_outside_static(lab, target):
+    for method in ("GET", "HEAD"):
+        status, _, body = request(lab, method, target)
+        assert status == 404, (method, target, status)
+        assert b"root:" not in body and b"def run(" not in body and b"ENDPOINTS" not in body
+
+
+def test_symlinks_and_subfolders_in_the_static_folder_are_not_served(tmp_path):
+    static = tmp_path / "static"
+    (static / "sub").mkdir(parents=True)
+    (static / "index.html").write_text("<p>hi</p>")
+    (static / "sub" / "x.js").write_text("1")
+    (tmp_path / "secret.txt").write_text("secret outside")
+    os.symlink("/etc/passwd", static / "passwd.css")
+    os.symlink(tmp_path / "secret.txt", static / "secret.js")
+    os.symlink(tmp_path, static / "up")
+    server = make_server("127.0.0.1", 0, static_dir=static)
+    serve_in_thread(server)
+    try:
+        assert request(server, "GET", "/")[::2] == (200, b"<p>hi</p>")
+        for target in ("/passwd.css", "/secret.js", "/up/secret.txt", "/sub/x.js", "/sub", "/up"):
+            status, _, body = request(server, "GET", target)
+            assert status == 404, target
+            assert b"secret" not in body and b"root:" not in body
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("method", ["POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE"])
+def test_only_get_and_head(lab, method):
+    for target in ("/", "/api/schedule?p=4&m=4"):
+        status, headers, body = request(lab, method, target)
+        assert status == 405
+        assert headers["Allow"] == "GET, HEAD"
+        assert json.loads(body)["error"] == f"method {method} not allowed: the lab answers GET and HEAD only"
+
+
+def test_head_sends_the_length_of_get_without_a_body(lab):
+    _, _, body = request(lab, "GET", "/app.js")
+    status, headers, head_body = request(lab, "HEAD", "/app.js")
+    assert (status, int(headers["Content-Length"]), head_body) == (200, len(body), b"")
+
+
+def test_requests_for_another_host_name_are_refused(lab):
+    """A page elsewhere that points its own name at 127.0.0.1 (DNS rebinding) gets nothing."""
+    status, _, body = request(lab, "GET", "/api/options", {"Host": "attacker.example:80"})
+    assert status == 403
+    assert json.loads(body) == {"error": "this lab answers requests for localhost only"}
+    for host in ("localhost", f"localhost:{lab.server_address[1]}", "127.0.0.1"):
+        assert request(lab, "GET", "/", {"Host": host})[0] == 200
+
+
+BAD = [
+    ("/api/schedule?p=0&m=16", "p=0 is out of range: give an integer from 1 to 16"),
+    ("/api/schedule?p=17&m=16", "p=17 is out of range: give an integer from 1 to 16"),
+    ("/api/schedule?p=16&m=65", "m=65 is out of range: give an integer from 1 to 64"),
+    ("/api/schedule?p=16&m=0", "m=0 is out of range: give an integer from 1 to 64"),
+    ("/api/schedule?p=abc&m=16", "p='abc' is not a whole number: give an integer from 1 to 16"),
+    ("/api/schedule?p=-1&m=16", "p='-1' is not a whole number: give an integer from 1 to 16"),
+    ("/api/schedule?p=1e1&m=16", "p='1e1' is not a whole number: give an integer from 1 to 16"),
+    ("/api/schedule?p=%204&m=16", "p=' 4' is not a whole number: give an integer from 1 to 16"),
+    ("/api/schedule?p=99999999999999999999&m=16", "p='99999999999999999999' is not a whole number: give an integer from 1 to 16"),
+    ("/api/schedule?m=16", "missing parameter p: give an integer from 1 to 16"),
+    ("/api/schedule?p=4&m=4&schedule=pipedream", "schedule='pipedream': choose one of gpipe, 1f1b, interleaved, zero-bubble"),
+    ("/api/schedule?p=4&m=4&v=9&schedule=interleaved", "v=9 is out of range: give an integer from 1 to 8"),
+    ("/api/schedule?p=4&m=4&v=2&schedule=gpipe", "v=2 needs schedule=interleaved (gpipe runs one stage per GPU; "
+                                                 "drop v or set v=1)"),
+    ("/api/schedule?p=4&m=4&q=1", "unknown parameter 'q'; this endpoint takes p, m, schedule, v"),
+    ("/api/schedule?p=4&p=5&m=4", "parameter 'p' is given twice; give it once"),
+    ("/api/cluster?layout=tp%3D0", "layout tp=0: each degree must be a positive integer, e.g. tp=2"),
+    ("/api/cluster?layout=xx%3D2", "layout 'xx=2': bad item 'xx=2'; write key=value with keys tp, cp, pp, dp"),
+    ("/api/cluster?layout=tp%3D8&cluster=..%2F..%2Fetc%2Fpasswd",
+     "cluster='../../etc/passwd': give a cluster profile name such as llama3-h100"),
+    ("/api/cluster?layout=tp%3D8&cluster=%2Fetc%2Fx.toml", "cluster='/etc/x.toml': give a cluster profile name such as llama3-h100"),
+    ("/api/trace?path=..%2F..%2F..%2Fetc%2Fpasswd", None),
+    ("/api/trace?path=%2Fetc%2Fpasswd", None),
+    ("/api/trace?path=missing.json", "path='missing.json': no such file under the lab's --trace-dir"),
+    ("/api/trace", "missing parameter path: the trace file, relative to the lab's --trace-dir"),
+]
+
+
+@pytest.mark.parametrize("target,message", BAD)
+def test_bad_parameters_answer_400_with_the_reason(lab, target, message):
+    status, headers, body = request(lab, "GET", target)
+    assert status == 400, body
+    assert headers["Content-Type"] == "application/json"
+    error = json.loads(body)["error"]
+    if message is None:
+        assert "outside the lab's --trace-dir" in error and "root:" not in error
+    else:
+        assert error == message
+
+
+def test_unknown_endpoint_is_404_naming_the_known_ones(lab):
+    status, _, body = request(lab, "GET", "/api/nope")
+    assert status == 404
+    assert json.loads(body)["error"].startswith("no API endpoint 'nope'; known: cluster, options,")
+
+
+def _listening_address(port: int) -> str:
+    """The local address of the socket listening on `port`, from the kernel's table."""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        addr, p = fields[1].split(":")
+        if int(p, 16) == port and fields[3] == "0A":  # 0A: LISTEN
+            return socket.inet_ntoa(bytes.fromhex(addr)[::-1])
+    return ""
+
+
+def test_cli_binds_loopback_by_default_and_prints_its_url():
+    proc = subprocess.Popen([sys.executable, "-m", "fourd", "lab", "--port", "0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        m = re.fullmatch(r"fourd lab: serving http://127\.0\.0\.1:(\d+)/ \(Ctrl-C to stop\)\n", line)
+        assert m, line
+        port = int(m.group(1))
+        assert _listening_address(port) == "127.0.0.1"
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.request("GET", "/?p=16&m=16&schedule=gpipe")
+        assert conn.getresponse().status == 200
+        conn.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_cli_names_a_busy_port_in_one_line():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "fourd", "lab", "--port", str(port)], capture_output=True,
+                              text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr == (f"fourd: error: cannot listen on 127.0.0.1:{port} (Address already in use); "
+                           "choose another --port, or --port 0\n")
+
+
+def test_server_answers_while_another_request_is_slow(lab):
+    """A client that opens a connection and sends nothing must not block everyone else (threads)."""
+    stalled = socket.create_connection(lab.server_address[:2])
+    try:
+        t = time.monotonic()
+        assert request(lab, "GET", "/style.css")[0] == 200
+        assert time.monotonic() - t < 5
+    finally:
+        stalled.close()
