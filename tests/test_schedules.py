@@ -1,0 +1,85 @@
+"""The schedule description: complete, deadlock-free, with the memory each schedule promises."""
+
+import pytest
+
+from fourd.errors import FourdError
+from fourd.schedules import SCHEDULES, Action, Schedule, build_schedule, validate
+
+
+def _grid():
+    for name in SCHEDULES:
+        for p in range(1, 9):
+            for m in range(1, 17):
+                for v in ((1, 2, 3, 4) if name == "interleaved" else (1,)):
+                    yield name, p, m, v
+
+
+def test_every_schedule_on_the_grid_is_valid_with_exact_action_counts():
+    built = 0
+    for name, p, m, v in _grid():
+        s = build_schedule(name, p, m, v)  # validates: raises on a missing action or a deadlock
+        validate(s)
+        per_rank = 3 * m if name == "zero-bubble" else 2 * v * m
+        assert [len(r) for r in s.ranks] == [per_rank] * p, (name, p, m, v)
+        kinds = {k: sum(a.kind == k for r in s.ranks for a in r) for k in "FBIW"}
+        split = name == "zero-bubble"
+        assert kinds == {"F": p * v * m, "B": 0 if split else p * v * m,
+                         "I": p * m if split else 0, "W": p * m if split else 0}
+        built += 1
+    assert built == 896
+
+
+def test_small_orders_exactly():
+    s = build_schedule("1f1b", 3, 4)
+    assert [" ".join(map(str, r)) for r in s.ranks] == [
+        "F0.0 F0.1 F0.2 B0.0 F0.3 B0.1 B0.2 B0.3",
+        "F1.0 F1.1 B1.0 F1.2 B1.1 F1.3 B1.2 B1.3",
+        "F2.0 B2.0 F2.1 B2.1 F2.2 B2.2 F2.3 B2.3",
+    ]
+    z = build_schedule("zero-bubble", 3, 4)
+    assert [" ".join(map(str, r)) for r in z.ranks] == [
+        "F0.0 F0.1 F0.2 I0.0 W0.0 F0.3 I0.1 W0.1 I0.2 W0.2 I0.3 W0.3",
+        "F1.0 F1.1 I1.0 F1.2 I1.1 W1.0 F1.3 I1.2 W1.1 I1.3 W1.2 W1.3",
+        "F2.0 I2.0 F2.1 I2.1 F2.2 I2.2 W2.0 F2.3 I2.3 W2.1 W2.2 W2.3",
+    ]
+    i = build_schedule("interleaved", 2, 4, 2)
+    assert i.stages_of_rank(1) == [1, 3] and i.stage_rank(3) == 1
+    assert " ".join(map(str, i.ranks[0])) == "F0.0 F0.1 F2.0 F2.1 F0.2 B2.0 F0.3 B2.1 F2.2 B0.0 F2.3 B0.1 B2.2 B2.3 B0.2 B0.3"
+
+
+def test_peak_in_flight():
+    for p in range(1, 9):
+        for m in range(1, 17):
+            assert build_schedule("gpipe", p, m).peak_in_flight(0) == m
+            one = build_schedule("1f1b", p, m)
+            assert [one.peak_in_flight(r) for r in range(p)] == [min(p - r, m) for r in range(p)]
+            zb = build_schedule("zero-bubble", p, m)
+            assert max(zb.peak_in_flight(r) for r in range(p)) == min(p, m)  # 1F1B's peak (rank 0's)
+    # interleaved, p = 4, V = 2, m = 8: warm-up of 4 + 2·(3 − rank) forwards, one more in steady state
+    s = build_schedule("interleaved", 4, 8, 2)
+    assert [s.peak_in_flight(r) for r in range(4)] == [11, 9, 7, 5]
+
+
+def test_validate_catches_deadlock_missing_and_misplaced_actions():
+    good = build_schedule("1f1b", 2, 2)
+    # rank 0 waits at B0.0 for B1.0, which rank 1 runs only after F1.1, which needs rank 0 F0.1
+    swapped = Schedule("x", 2, 2, 1, ((Action("F", 0, 0), Action("B", 0, 0), Action("F", 0, 1), Action("B", 0, 1)),
+                                       (Action("F", 1, 1), Action("F", 1, 0), Action("B", 1, 0), Action("B", 1, 1))))
+    with pytest.raises(FourdError, match="deadlocks: every rank waits .rank 0 at B0.0; rank 1 at F1.1"):
+        validate(swapped)
+    with pytest.raises(FourdError, match="stage 1 microbatch 1 needs exactly one F"):
+        validate(Schedule("x", 2, 2, 1, (good.ranks[0], good.ranks[1][:-1])))
+    with pytest.raises(FourdError, match="F1.0 is on rank 0 but stage 1 lives on rank 1"):
+        validate(Schedule("x", 2, 2, 1, (good.ranks[0] + (Action("F", 1, 0),), good.ranks[1])))
+    w_first = (Action("F", 0, 0), Action("W", 0, 0), Action("I", 0, 0))
+    with pytest.raises(FourdError, match="deadlocks"):
+        validate(Schedule("x", 1, 1, 1, (w_first,)))
+
+
+def test_impossible_combinations_name_the_fix():
+    with pytest.raises(FourdError, match="--virtual-stages 2 needs --schedule interleaved"):
+        build_schedule("1f1b", 4, 8, 2)
+    with pytest.raises(FourdError, match="unknown schedule 'pipedream'"):
+        build_schedule("pipedream", 4, 8)
+    with pytest.raises(FourdError, match="--microbatches 0 must be a positive integer"):
+        build_schedule("gpipe", 4, 0)

@@ -1,0 +1,63 @@
+"""Schedule-only timelines: the bubble formulas of brief.md §5 hold exactly."""
+
+from fractions import Fraction
+
+from fourd.schedules import build_schedule
+from fourd.sim.pipeline import idle_fractions, timeline
+
+# Integer durations keep the arithmetic exact: equal means equal.
+UNIT = {"F": 1, "B": 2, "I": 1, "W": 1}
+
+
+def idle_times(events):
+    """The step time and each rank's idle time, exactly."""
+    step = max(e[-1].end for e in events) - min(e[0].start for e in events)
+    return step, [step - sum(x.end - x.start for x in e) for e in events]
+
+
+def test_gpipe_and_1f1b_idle_fraction_is_p_minus_1_over_m_plus_p_minus_1_on_every_rank():
+    for name in ("gpipe", "1f1b"):
+        for p in range(1, 17):
+            for m in range(1, 65):
+                step, idle = idle_times(timeline(build_schedule(name, p, m), UNIT))
+                assert step == 3 * (m + p - 1)
+                assert [Fraction(i, step) for i in idle] == [Fraction(p - 1, m + p - 1)] * p, (name, p, m)
+
+
+def test_seed_figures_p16():
+    for m, want in ((16, 0.484), (64, 0.190), (128, 0.105)):
+        _, idle = idle_fractions(timeline(build_schedule("gpipe", 16, m)))
+        assert round(idle[0], 3) == want
+
+
+def test_interleaved_bubble_over_compute_is_p_minus_1_over_v_m():
+    for p in range(1, 17):
+        for v in (2, 3, 4):
+            for m in range(p, 65, p):
+                # a rank's layers cut into V equal stages: compute per rank 3·V·m units
+                step, idle = idle_times(timeline(build_schedule("interleaved", p, m, v), UNIT))
+                assert [Fraction(i, 3 * v * m) for i in idle] == [Fraction(p - 1, v * m)] * p, (p, v, m)
+
+
+def test_interleaved_m_not_a_multiple_of_p_keeps_the_bubble():
+    for p, m, v in ((4, 6, 2), (4, 9, 2), (16, 24, 2), (16, 20, 4)):
+        step, idle = idle_times(timeline(build_schedule("interleaved", p, m, v), UNIT))
+        assert [Fraction(i, 3 * v * m) for i in idle] == [Fraction(p - 1, v * m)] * p
+
+
+def test_zero_bubble_h1_idles_a_third_of_1f1b():
+    for p in range(1, 17):
+        for m in range(p, 65, 3):
+            step, idle = idle_times(timeline(build_schedule("zero-bubble", p, m), UNIT))
+            assert step == 3 * m + (p - 1)
+            assert idle == [p - 1] * p  # (p−1)(T_F + T_I − T_W), Qi et al. 2023
+
+
+def test_events_are_the_lab_view():
+    ev = timeline(build_schedule("1f1b", 2, 2))
+    assert [(e.rank, e.stage, e.kind, e.microbatch, e.start, e.end) for e in ev[0]] == [
+        (0, 0, "F", 0, 0.0, 1.0), (0, 0, "F", 1, 1.0, 2.0), (0, 0, "B", 0, 4.0, 6.0), (0, 0, "B", 1, 7.0, 9.0)]
+    # a transfer delay of 0.5 on every cross-rank edge stretches the first forward chain
+    delayed = timeline(build_schedule("gpipe", 2, 1), delay=lambda dep, a: 0.5 if dep.stage != a.stage else 0.0)
+    assert [(e.kind, e.start, e.end) for e in delayed[1]] == [("F", 1.5, 2.5), ("B", 2.5, 4.5)]
+    assert [(e.kind, e.start, e.end) for e in delayed[0]] == [("F", 0.0, 1.0), ("B", 5.0, 7.0)]
