@@ -1,0 +1,79 @@
+"""Tokenizers from local files: tokenizer.json and tiktoken BPE, built here with known merges."""
+
+import base64
+import subprocess
+import sys
+
+import pytest
+
+from fourd.data.tokenizer import load_tokenizer
+from fourd.errors import FourdError
+from fourd.hf.tokenizers import LLAMA3_SPECIAL
+
+pytest.importorskip("tokenizers")
+pytest.importorskip("tiktoken")
+
+
+def write_bpe(path, merges):
+    """Ranks 0..255 are the bytes; then the merged tokens in order."""
+    tokens = [bytes([b]) for b in range(256)] + merges
+    path.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for r, t in enumerate(tokens)))
+
+
+def test_tiktoken_file_encodes_with_its_merges(tmp_path):
+    path = tmp_path / "tokenizer.model"
+    write_bpe(path, [b"th", b"he", b"the", b" c"])
+    tok = load_tokenizer(str(path))
+    # "the" merges th (256) first, then the (258); " cat" splits as " c"(259) a t under Llama 3's pattern
+    assert tok.encode("the cat") == [258, 259, 97, 116]
+    assert tok.decode([258, 259, 97, 116]) == "the cat"
+    assert tok.vocab_size == 260 + LLAMA3_SPECIAL
+    assert tok.decode([260, 261]) == "<|begin_of_text|><|end_of_text|>"
+    assert tok.encode("<|end_of_text|>") == list(b"<|end_of_text|>")  # prompt text never becomes a control token
+    assert tok.identity().startswith("tiktoken:")
+
+
+def test_tokenizer_json_encodes_with_its_merges(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"a": 0, "b": 1, "c": 2, "ab": 3, "abc": 4, "Ġ": 5, "Ġa": 6}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[("a", "b"), ("ab", "c"), ("Ġ", "a")]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    t = load_tokenizer(str(tmp_path / "tokenizer.json"))
+    # " ab" is Ġab: the merge (a, b) ranks before (Ġ, a), so it splits Ġ | ab
+    assert t.encode("abc ab") == [4, 5, 3]
+    assert t.encode("abc a") == [4, 6]
+    assert t.decode([4, 5, 3]) == "abc ab"
+    assert t.vocab_size == 7 and t.identity().startswith("hf:")
+
+
+def test_byte_tokenizer_stays_the_default():
+    tok = load_tokenizer("byte")
+    assert tok.encode("é!") == [0xC3, 0xA9, 0x21] and tok.vocab_size == 256
+
+
+@pytest.mark.parametrize("content, needle", [
+    ("bm90IGEgdG9rZW4= zero\n", "not a tiktoken BPE line"),
+    ("YQ== 0\nYg== 5\n", "ranks are not 0..1 each once"),
+    ('{"model": 1}', "not a valid Hugging Face tokenizer.json"),
+])
+def test_malformed_tokenizer_files(tmp_path, content, needle):
+    path = tmp_path / "tok"
+    path.write_text(content)
+    with pytest.raises(FourdError, match=needle.replace(".", r"\.")):
+        load_tokenizer(str(path))
+
+
+def test_fourd_imports_without_the_tokenizer_libraries(tmp_path):
+    write_bpe(tmp_path / "tokenizer.model", [])
+    code = (
+        "import sys; sys.modules['tiktoken'] = None; sys.modules['tokenizers'] = None; sys.modules['transformers'] = None\n"
+        "import fourd.cli, fourd.hf.convert, fourd.hf.generate, fourd.hf.tokenizers\n"
+        "from fourd.data.tokenizer import load_tokenizer\n"
+        "try:\n    load_tokenizer(sys.argv[1])\nexcept Exception as e:\n    print(type(e).__name__, e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "tokenizer.model")], capture_output=True,
+                         text=True, timeout=120)
+    assert out.stdout.strip() == "FourdError reading this tokenizer file needs the 'tiktoken' package: pip install 'fourd[hf]'"
