@@ -1,0 +1,135 @@
+"""The 4D layout: how many ways each parallel dimension cuts the work, and which rank sits where.
+
+Pure Python, so that the planner, the simulator and the CLI can read layouts without torch.
+
+Ranks are numbered innermost first in the order [TP, CP, PP, DP], as in Llama 3 (brief.md §1, row 10):
+rank = tp + TP·(cp + CP·(pp + PP·dp)). TP is innermost because its all-reduces are on the critical path
+of every layer and must stay on the fast links inside a server; DP is outermost because its gradient
+reduction happens once per step and overlaps with backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fourd.errors import FourdError
+
+# Innermost first: the order of the rank formula and of the layout string.
+DIMS = ("tp", "cp", "pp", "dp")
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    dp: int = 1
+
+    def __post_init__(self):
+        for d in DIMS:
+            v = getattr(self, d)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise FourdError(f"layout {d}={v!r}: each degree must be a positive integer, e.g. {d}=2")
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """{tp, cp, pp, dp} indices of a rank."""
+        if not 0 <= rank < self.world:
+            raise ValueError(f"rank {rank} outside 0..{self.world - 1} of layout {self}")
+        out = {}
+        for d in DIMS:
+            rank, out[d] = divmod(rank, getattr(self, d))
+        return out
+
+    def rank(self, tp: int = 0, cp: int = 0, pp: int = 0, dp: int = 0) -> int:
+        idx = {"tp": tp, "cp": cp, "pp": pp, "dp": dp}
+        r = 0
+        for d in reversed(DIMS):
+            if not 0 <= idx[d] < getattr(self, d):
+                raise ValueError(f"{d} index {idx[d]} outside 0..{getattr(self, d) - 1} of layout {self}")
+            r = r * getattr(self, d) + idx[d]
+        return r
+
+    def __str__(self) -> str:
+        return ",".join(f"{d}={getattr(self, d)}" for d in DIMS)
+
+
+def parse_layout(text: str) -> Layout:
+    """`tp=2,cp=1,pp=2,dp=2` (contract syntax); omitted dimensions are 1, so `dp=1` is one rank."""
+    values: dict[str, int] = {}
+    for part in (p.strip() for p in str(text).split(",")):
+        if not part:
+            continue
+        key, sep, val = (s.strip() for s in part.partition("="))
+        if not sep or key not in DIMS:
+            raise FourdError(f"layout {text!r}: bad item {part!r}; write key=value with keys {', '.join(DIMS)}")
+        if key in values:
+            raise FourdError(f"layout {text!r}: {key} is given twice; give each dimension once")
+        try:
+            values[key] = int(val)
+        except ValueError:
+            raise FourdError(f"layout {text!r}: {key}={val!r} must be a positive integer, e.g. {key}=2") from None
+    return Layout(**values)
+
+
+def validate_layout(
+    layout: Layout,
+    model_cfg,
+    seq: int,
+    global_batch: int,
+    microbatches: int = 1,
+    world: int | None = None,
+    virtual_stages: int = 1,
+    sequence_parallel: bool = False,
+) -> None:
+    """Refuse, before any worker starts, every layout the trainer cannot run; one line naming the fix.
+
+    model_cfg is a fourd.model.config.ModelConfig; seq the sequence length; global_batch the sequences
+    per optimizer step; world the number of processes actually started (None: not known yet).
+    KV heads are not replicated: TP must divide the KV heads, as Llama 3 does (8 KV heads, TP = 8).
+    """
+    tp, cp, pp, dp = layout.tp, layout.cp, layout.pp, layout.dp
+    if world is not None and layout.world != world:
+        raise FourdError(
+            f"layout {layout} needs {layout.world} ranks (tp·cp·pp·dp) but {world} processes run: "
+            f"make the product of the degrees equal {world}"
+        )
+    # Each TP rank holds whole heads, whole KV heads, and equal column blocks of the FFN and the vocabulary.
+    cut = {"heads": model_cfg.heads, "KV heads": model_cfg.kv_heads, "FFN width": model_cfg.ffn,
+           "vocabulary": model_cfg.vocab}
+    for name, value in cut.items():
+        if value % tp:
+            choices = [d for d in range(1, model_cfg.kv_heads + 1) if all(v % d == 0 for v in cut.values())]
+            raise FourdError(
+                f"layout tp={tp}: the model's {name} ({value}) cannot be cut into tp={tp} equal parts: "
+                f"choose tp among {', '.join(map(str, choices))}"
+            )
+    if not (isinstance(virtual_stages, int) and virtual_stages >= 1):
+        raise FourdError(f"virtual stages = {virtual_stages!r} must be a positive integer")
+    stages = pp * virtual_stages
+    if model_cfg.layers < stages:
+        raise FourdError(
+            f"layout pp={pp} with {virtual_stages} virtual stage(s) makes {stages} pipeline stages but the model "
+            f"has {model_cfg.layers} layers: use pp × virtual stages ≤ {model_cfg.layers}"
+        )
+    if seq % (2 * cp):
+        raise FourdError(
+            f"sequence length {seq} is not divisible by 2·cp = {2 * cp} (context parallelism cuts each sequence "
+            f"into 2·cp chunks): choose a sequence length that is a multiple of {2 * cp}, or a smaller cp"
+        )
+    if sequence_parallel and (seq // cp) % tp:
+        raise FourdError(
+            f"sequence parallelism cuts each rank's {seq // cp} tokens into tp={tp} parts: choose a sequence "
+            f"length that is a multiple of cp·tp = {cp * tp}, or turn sequence parallelism off"
+        )
+    if not (isinstance(microbatches, int) and microbatches >= 1):
+        raise FourdError(f"microbatches = {microbatches!r} must be a positive integer")
+    if global_batch % (dp * microbatches):
+        raise FourdError(
+            f"global batch {global_batch} sequences is not divisible by dp × microbatches = {dp} × {microbatches}"
+            f" = {dp * microbatches}: choose a global batch that is a multiple of {dp * microbatches}"
+        )
+

@@ -1,0 +1,143 @@
+"""Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) applied from outside to the unmodified Llama.
+
+Inside a block, q, k, v and w1, w3 are cut by output columns (each TP rank holds whole heads and a
+slice of the FFN) and wo, w2 by input rows, so a block needs one all-reduce after attention and one
+after the MLP in forward, and their mirror images in backward (brief.md §1, row 07). The embedding
+is cut by vocabulary rows and the output projection by vocabulary columns; `loss_fn` takes the
+vocabulary-sharded logits without ever gathering them.
+
+With sequence parallelism (Korthikanti et al. 2022) the residual stream between the big matmuls is
+cut along the sequence instead of being replicated, so norms run on S/TP tokens, and each all-reduce
+becomes a reduce-scatter (leaving a block) plus an all-gather (entering the next one): the same
+bytes, 1/TP of the activation memory. The residual stream is then a DTensor sharded on dim 1, whose
+.shape still reports the full sequence, which is what the model's RoPE lookup needs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> nn.Module:
+    """Shard a Llama, or a pipeline stage of it (tok_embeddings, norm, output may be None), in place.
+
+    Without sequence parallelism a stage takes and returns plain full tensors. With it, a stage that has
+    no tok_embeddings takes this rank's sequence shard [b, S/TP, dim] as a plain tensor, and a stage that
+    has no output returns its sequence shard: pipeline stages pass 1/TP of the activations.
+    """
+    if tp_mesh.size() == 1:
+        return model
+    stream = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, object] = {}
+    if model.tok_embeddings is not None:
+        plan["tok_embeddings"] = RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=stream, use_local_output=not sequence_parallel
+        )
+    for name in model.layers:
+        block = f"layers.{name}"
+        # One conversion per branch input, so that the gradients of q, k, v (or w1, w3) add up as
+        # partial sums and cross the network in one all-reduce, not three.
+        plan[f"{block}.attention"] = PrepareModuleInput(
+            input_layouts=(stream, None, None), desired_input_layouts=(Replicate(), None, None), use_local_output=False
+        )
+        plan[f"{block}.feed_forward"] = PrepareModuleInput(
+            input_layouts=(stream,), desired_input_layouts=(Replicate(),), use_local_output=False
+        )
+        for linear in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
+            plan[f"{block}.{linear}"] = ColwiseParallel()
+        for linear in ("attention.wo", "feed_forward.w2"):
+            plan[f"{block}.{linear}"] = RowwiseParallel(output_layouts=stream, use_local_output=not sequence_parallel)
+        if sequence_parallel:
+            plan[f"{block}.attention_norm"] = SequenceParallel()
+            plan[f"{block}.ffn_norm"] = SequenceParallel()
+    if model.norm is not None and sequence_parallel:
+        plan["norm"] = SequenceParallel()
+    if model.output is not None:
+        plan["output"] = ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False)
+    parallelize_module(model, tp_mesh, plan)
+    if sequence_parallel:
+        # Each rank's norm-weight gradient covers only its own tokens: a partial sum that autograd leaves
+        # as such in .grad. Sum it here (Megatron does the same), so that the optimizer and the gradient
+        # norm see the true gradient; FSDP, when applied on top, does this reduction itself.
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.register_post_accumulate_grad_hook(_sum_partial_grad)
+        if model.tok_embeddings is None:
+            parallelize_module(
+                model,
+                tp_mesh,
+                PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(stream,), use_local_output=False),
+            )
+        if model.output is None:
+            parallelize_module(
+                model,
+                tp_mesh,
+                PrepareModuleOutput(output_layouts=(stream,), desired_output_layouts=(stream,), use_local_output=True),
+            )
+    return model
+
+
+def _sum_partial_grad(p: torch.Tensor) -> None:
+    if any(pl.is_partial() for pl in p.grad.placements):
+        p.grad = p.grad.redistribute(placements=p.placements)
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over all of this rank's tokens.
+
+    logits [b, s, vocab] as a plain tensor, or a DTensor sharded on the vocabulary (apply_tp's output);
+    targets [b, s] plain token ids. Returns a plain scalar tensor in both cases.
+    """
+    if not isinstance(logits, DTensor):
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    (tp_dim,) = [i for i, p in enumerate(logits.placements) if p.is_shard() and p.dim in (-1, logits.ndim - 1)]
+    mesh = logits.device_mesh
+    local = logits.to_local().flatten(0, 1).float()
+    vocab_start = mesh.get_local_rank(tp_dim) * local.shape[-1]
+    per_token = _VocabParallelCrossEntropy.apply(local, targets.flatten(), vocab_start, mesh.get_group(tp_dim))
+    return per_token.mean()
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """-log softmax(z)[t] when each rank holds a block of the vocabulary columns of z.
+
+    Forward: all-reduce the row max, then the row sum of exp and the target logit (one all-reduce of
+    both); only [tokens] numbers cross the network, never [tokens, vocab]. Backward needs no
+    communication: softmax minus one-hot, restricted to the local columns.
+    """
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, targets: torch.Tensor, vocab_start: int, group) -> torch.Tensor:
+        row_max = local.max(dim=-1).values
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = local - row_max[:, None]
+        exp = shifted.exp()
+        local_t = targets - vocab_start
+        mine = (local_t >= 0) & (local_t < local.shape[-1])
+        local_t = torch.where(mine, local_t, torch.zeros_like(local_t))
+        target_logit = shifted.gather(1, local_t[:, None]).squeeze(1) * mine
+        sums = torch.stack((exp.sum(dim=-1), target_logit))
+        dist.all_reduce(sums, group=group)
+        sum_exp, target_logit = sums
+        ctx.save_for_backward(exp / sum_exp[:, None], local_t, mine)
+        return sum_exp.log() - target_logit
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        softmax, local_t, mine = ctx.saved_tensors
+        g = softmax * grad[:, None]
+        g.scatter_add_(1, local_t[:, None], -(grad * mine)[:, None])
+        return g, None, None, None
