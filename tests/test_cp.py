@@ -12,7 +12,7 @@ from fourd.model.llama import build_model
 from fourd.parallel.cp import apply_cp, cp_positions, cp_shard, cp_unshard
 
 CFG = get_preset("debug")  # 4 layers, 4 heads over 2 KV heads (GQA), head_dim 16
-BATCH, SEQ, STEPS, LR = 2, 32, 5, 3e-3
+BATCH, SEQ, STEPS, LR = 2, 32, 5, 1e-3
 
 
 def _data():

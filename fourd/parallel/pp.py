@@ -1,0 +1,232 @@
+"""Pipeline parallelism: split the model into stages by layer count and run a `fourd.schedules` schedule.
+
+    schedule = build_schedule("interleaved", pp=4, microbatches=6, virtual_stages=2)
+    stages = pipeline_split(cfg, pp_rank, schedule, seed=0)     # this rank's stage modules
+    ...apply_tp / apply_cp / apply_dp to each stage...
+    runner = PipelineRunner(stages, schedule, mesh["pp"], loss_fn)
+    loss = runner.step(x, y)          # all microbatches forward and backward; the step's mean loss on every rank
+    runner.bubble_fraction, runner.records
+
+The runner does not reorder anything: it hands each rank's action list from `fourd.schedules` (the
+same lists the simulator times and the lab draws) to torch.distributed.pipelining's action runtime,
+which inserts the sends and receives between stages and the FSDP unshard / gradient reduction steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from time import perf_counter
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import _Action, _ComputationType, _PipelineScheduleRuntime
+
+from fourd.errors import FourdError
+from fourd.model.config import ModelConfig
+from fourd.model.llama import Llama, Rope
+from fourd.schedules import Schedule
+
+
+def layer_split(n_layers: int, stages: int, fewer_first_last: bool = True) -> list[int]:
+    """Layers per stage, in model order.
+
+    With `fewer_first_last`, the first and last stage hold one layer fewer than the middle ones, as
+    they also run the embedding and the output projection (Llama 3 paper, §3.3.2: 126 layers in 16
+    stages are 7, 8, ..., 8, 7). Layers that do not divide evenly go to the middle stages first.
+    """
+    if stages < 1 or n_layers < stages:
+        raise FourdError(f"{n_layers} layers cannot fill {stages} pipeline stages: lower --pp or --virtual-stages")
+    if stages == 1:
+        return [n_layers]
+    units = n_layers + (2 if fewer_first_last else 0)
+    base, extra = divmod(units, stages)
+    counts = [base] * stages
+    for s in [*range(1, stages - 1), 0, stages - 1][:extra]:
+        counts[s] += 1
+    if fewer_first_last:
+        counts[0] -= 1
+        counts[-1] -= 1
+        if min(counts) < 1:
+            return layer_split(n_layers, stages, fewer_first_last=False)
+    return counts
+
+
+def pipeline_split(
+    model_or_cfg: Llama | ModelConfig,
+    pp_rank: int,
+    schedule: Schedule,
+    *,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+    fewer_first_last: bool = True,
+) -> list[Llama]:
+    """The stage modules of pipeline rank `pp_rank`, in the order of `schedule.stages_of_rank(pp_rank)`.
+
+    Each is a `Llama` holding only its layers (keys stay the global layer index, so parameter names
+    are the full model's) and the embedding / final norm and output only on the first / last stage.
+    From a built model the stages share its modules; from a config each stage is built alone and
+    initialised from `seed`, giving the same weights as the full model (init is per parameter name).
+    """
+    cfg = model_or_cfg.cfg if isinstance(model_or_cfg, Llama) else model_or_cfg
+    counts = layer_split(cfg.layers, schedule.stages, fewer_first_last)
+    starts = [sum(counts[:s]) for s in range(schedule.stages)]
+    out = []
+    for s in schedule.stages_of_rank(pp_rank):
+        keep = {str(i) for i in range(starts[s], starts[s] + counts[s])}
+        with torch.device("meta"):
+            stage = Llama(cfg)
+        for key in [k for k in stage.layers if k not in keep]:
+            del stage.layers[key]
+        if s != 0:
+            stage.tok_embeddings = None
+        if s != schedule.stages - 1:
+            stage.norm = stage.output = None
+        if isinstance(model_or_cfg, Llama):
+            for name, _ in list(stage.named_children()):
+                if name == "layers":
+                    for key in keep:
+                        stage.layers[key] = model_or_cfg.layers[key]
+                elif getattr(stage, name) is not None and name != "rope":
+                    setattr(stage, name, getattr(model_or_cfg, name))
+            device = model_or_cfg.rope.cos.device
+        else:
+            stage.to_empty(device=device)
+            stage.init_weights(seed)
+        # Its own rope table: context parallelism replaces it with the rank's rows, per stage.
+        with torch.device(device):
+            stage.rope = Rope(cfg.head_dim, cfg.max_seq, cfg.rope_theta)
+        out.append(stage)
+    return out
+
+
+@dataclass(frozen=True)
+class ActionRecord:
+    """One compute action as it ran: seconds from the start of the step."""
+
+    kind: str  # "F", "B", "I" or "W" as in fourd.schedules (the last stage's F includes its loss)
+    stage: int
+    microbatch: int
+    start: float
+    end: float
+
+
+class _TimedStage(PipelineStage):
+    """A PipelineStage that records when each of its compute actions starts and ends."""
+
+    def __init__(self, *args, log: list, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.log = log
+        self.t0 = 0.0
+
+    def _timed(self, kind, mb, fn, *args, **kwargs):
+        start = perf_counter()
+        out = fn(mb, *args, **kwargs)
+        self.log.append(ActionRecord(kind, self.stage_index, mb, start - self.t0, perf_counter() - self.t0))
+        return out
+
+    def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+        return self._timed("F", fwd_chunk_id, super().forward_one_chunk, *args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+        kind = "B" if full_backward else "I"
+        return self._timed(kind, bwd_chunk_id, super().backward_one_chunk, loss, full_backward, last_backward)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
+        return self._timed("W", bwd_chunk_id, super().backward_weight_one_chunk, last_backward)
+
+
+class PipelineRunner:
+    """Runs one training step of `schedule` over this rank's `stages` (from `pipeline_split`).
+
+    After each `step`: `records` (this rank's compute actions with their times), `wall` (the step's
+    seconds on this rank) and `bubble_fraction` = 1 − busy / wall, the share of the step this rank
+    spent not computing (waiting for its neighbours, sending, receiving, reducing gradients).
+    """
+
+    def __init__(self, stages: list[nn.Module], schedule: Schedule, pp_mesh, loss_fn):
+        self.group = pp_mesh.get_group() if hasattr(pp_mesh, "get_group") else pp_mesh
+        self.schedule = schedule
+        self.rank = dist.get_rank(self.group)
+        if dist.get_world_size(self.group) != schedule.pp:
+            raise FourdError(f"schedule {schedule.name} is for pp = {schedule.pp} but the pp group has "
+                             f"{dist.get_world_size(self.group)} ranks: build it with pp = the layout's pp")
+        indices = schedule.stages_of_rank(self.rank)
+        if len(stages) != len(indices):
+            raise FourdError(f"pp rank {self.rank} got {len(stages)} stage modules; schedule {schedule.name} "
+                             f"places {len(indices)} on it: use pipeline_split with the same schedule")
+        self.records: list[ActionRecord] = []
+        self.wall = 0.0
+        self.bubble_fraction = 0.0
+        self._loss_fn = loss_fn
+        self._stages = [
+            _TimedStage(module, s, schedule.stages, _device_of(module), group=self.group, log=self.records)
+            for module, s in zip(stages, indices)
+        ]
+        self._has_first = 0 in indices
+        self._has_last = schedule.stages - 1 in indices
+        # Each microbatch's mean loss counts 1/M: the runtime divides the gradients by M once all
+        # backwards are done (after FSDP's reduction), which is the same as backpropagating loss / M.
+        self._runtime = _PipelineScheduleRuntime(
+            self._stages, schedule.microbatches, loss_fn=self._timed_loss, scale_grads=True
+        )
+        self._runtime._prepare_schedule_with_comms(
+            {r: [_Action(a.stage, _ComputationType(a.kind), a.microbatch) for a in actions]
+             for r, actions in enumerate(schedule.ranks)}
+        )
+
+    def _timed_loss(self, output, target):
+        start = perf_counter()
+        loss = self._loss_fn(output, target)
+        # The loss belongs to the forward action that produced `output`, which was just recorded
+        # (no record yet when the runtime infers shapes before the first step).
+        if self.records:
+            last = self.records[-1]
+            self.records[-1] = ActionRecord(last.kind, last.stage, last.microbatch, last.start,
+                                            last.end + perf_counter() - start)
+        return loss
+
+    def step(self, x: torch.Tensor | None, y: torch.Tensor | None) -> float:
+        """Forward and backward of every microbatch of this rank's batch; returns its mean loss.
+
+        x, y: [batch, seq] token ids and targets; only the ranks holding the first / last stage read
+        them (others may pass None). batch must split into `schedule.microbatches` equal parts.
+        """
+        m = self.schedule.microbatches
+        for t in (x, y):
+            if t is not None and t.shape[0] % m:
+                raise FourdError(f"a batch of {t.shape[0]} sequences does not split into {m} equal microbatches: "
+                                 f"make the per-rank batch a multiple of --microbatches")
+        self.records.clear()
+        t0 = perf_counter()
+        for stage in self._stages:
+            stage.t0 = t0
+        losses: list[torch.Tensor] = []
+        self._runtime.step(
+            *((x,) if self._has_first else ()),
+            target=y if self._has_last else None,
+            losses=losses,
+            return_outputs=False,
+        )
+        self.wall = perf_counter() - t0
+        busy = sum(r.end - r.start for r in self.records)
+        self.bubble_fraction = max(0.0, 1.0 - busy / self.wall)
+        device = self._stages[0].device
+        loss = torch.stack([l.detach().float() for l in losses]).mean() if losses else torch.zeros((), device=device)
+        dist.broadcast(loss, group=self.group, group_src=self.schedule.stage_rank(self.schedule.stages - 1))
+        return loss.item()
+
+    def trace_events(self, pid: int = 0, offset_us: float = 0.0) -> list[dict]:
+        """The last step's actions as Chrome trace events (one row per pipeline rank)."""
+        return [
+            {"name": f"{r.kind}{r.stage}.{r.microbatch}", "cat": r.kind, "ph": "X", "pid": pid, "tid": 0,
+             "ts": offset_us + r.start * 1e6, "dur": (r.end - r.start) * 1e6,
+             "args": {"stage": r.stage, "microbatch": r.microbatch}}
+            for r in self.records
+        ]
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    p = next(module.parameters())
+    return p.device if not hasattr(p, "to_local") else p.to_local().device
