@@ -1,0 +1,178 @@
+"""Monte-Carlo of a long training run on N GPUs: interruptions, checkpoints, restarts and lost work.
+
+Interruptions arrive as Poisson processes. Unexpected ones follow the per-component counts of
+Llama 3 Table 5 (419 in 54 days on 16,384 GPUs; Dubey et al. 2024 §3.3.4), scaled linearly with
+the number of GPUs (each GPU and its share of hosts, links and software fails independently).
+Planned ones (47 in the same 54 days: upgrades, configuration changes) are decisions about the job,
+so their rate does not depend on its size.
+
+The job checkpoints every `interval` of training, paying `checkpoint_s` each time. An unexpected
+interruption loses the work since the last complete checkpoint (a checkpoint being written when
+it strikes is lost too) and costs `restart_s` before training resumes. A planned one saves first
+(`checkpoint_s`, nothing lost) and then costs `restart_s`. Runs are vectorised over numpy arrays.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from fourd.errors import FourdError
+
+# Llama 3 Table 5 (brief.md §4): unexpected interruptions in 54 days on 16,384 GPUs, and whether the
+# component is hardware (the paper's "~78 % hardware").
+TABLE5 = {
+    "faulty GPU": (148, True), "GPU HBM3 memory": (72, True), "software bug": (54, False),
+    "network switch/cable": (35, True), "host maintenance": (32, False), "GPU SRAM memory": (19, True),
+    "GPU system processor": (17, True), "NIC": (7, True), "NCCL watchdog timeouts": (7, False),
+    "silent data corruption": (6, True), "GPU thermal interface + sensor": (6, True), "SSD": (3, True),
+    "power supply": (3, True), "server chassis": (2, True), "IO expansion board": (2, True),
+    "dependency": (2, False), "CPU": (2, True), "system memory": (2, True),
+}
+TABLE5_GPUS, TABLE5_DAYS, TABLE5_PLANNED = 16_384, 54, 47
+
+# Checkpoint save: the full training state of 405B (16 B/param, 6.48 TB) written by all GPUs in
+# parallel to Tectonic at its sustained 2 TB/s (Llama 3 §3.3.1) is 3.2 s; 10 s leaves room for
+# coordination and stragglers. Restart: detect (NCCL watchdog), swap the host, relaunch, rebuild
+# communicators and read the checkpoint back; 5 minutes is our assumption for an automated restart
+# (the paper says all but 3 interruptions were handled automatically and > 90 % of time trained).
+CHECKPOINT_S = 10.0
+RESTART_S = 300.0
+DAY_S = 86_400.0
+
+
+def unexpected_per_day(gpus: int) -> dict[str, float]:
+    """Expected unexpected interruptions per day on `gpus` GPUs, per component."""
+    return {c: n / TABLE5_DAYS * gpus / TABLE5_GPUS for c, (n, _) in TABLE5.items()}
+
+
+def planned_per_day() -> float:
+    return TABLE5_PLANNED / TABLE5_DAYS
+
+
+def mtbf_s(gpus: int) -> float:
+    """Mean time between unexpected interruptions of the job (16,384 GPUs: 3.1 h)."""
+    return DAY_S / sum(unexpected_per_day(gpus).values())
+
+
+def young_interval(checkpoint_s: float, mtbf: float) -> float:
+    """τ = √(2δM) (Young 1974)."""
+    return math.sqrt(2 * checkpoint_s * mtbf)
+
+
+def daly_interval(checkpoint_s: float, mtbf: float) -> float:
+    """τ = √(2δM)·[1 + ⅓√(δ/2M) + (δ/2M)/9] − δ for δ < 2M, else M (Daly 2006, eq. 37)."""
+    d, m = checkpoint_s, mtbf
+    if d >= 2 * m:
+        return m
+    x = d / (2 * m)
+    return math.sqrt(2 * d * m) * (1 + math.sqrt(x) / 3 + x / 9) - d
+
+
+@dataclass(frozen=True)
+class FaultResult:
+    gpus: int
+    days: float
+    runs: int
+    interval_s: float
+    checkpoint_s: float
+    restart_s: float
+    unexpected: np.ndarray        # per run
+    planned: np.ndarray
+    by_component: dict[str, float]  # mean per run
+    useful_s: np.ndarray          # training time kept, per run
+    lost_s: np.ndarray            # work redone after unexpected interruptions
+    restart_total_s: np.ndarray
+    checkpoint_total_s: np.ndarray
+
+    @property
+    def effective(self) -> np.ndarray:
+        return self.useful_s / (self.days * DAY_S)
+
+
+def simulate(gpus: int, days: float, runs: int = 1000, seed: int = 0, interval_s: float | None = None,
+             checkpoint_s: float = CHECKPOINT_S, restart_s: float = RESTART_S) -> FaultResult:
+    """`runs` independent runs of `days` days; the checkpoint interval defaults to Daly's optimum."""
+    if gpus < 1 or days <= 0 or runs < 1:
+        raise FourdError(f"--gpus {gpus}, --days {days}, --runs {runs}: each must be positive")
+    if checkpoint_s < 0 or restart_s < 0:
+        raise FourdError(f"checkpoint time {checkpoint_s} s and restart time {restart_s} s must be >= 0")
+    m = mtbf_s(gpus)
+    tau = daly_interval(checkpoint_s, m) if interval_s is None else interval_s
+    if not tau > 0:
+        raise FourdError(f"--checkpoint-interval-min {tau / 60:g} must be positive")
+    rates = unexpected_per_day(gpus)
+    lam_u, lam_p = sum(rates.values()) / DAY_S, planned_per_day() / DAY_S
+    lam = lam_u + lam_p
+    horizon = days * DAY_S
+    rng = np.random.default_rng(seed)
+
+    # Enough arrival slots that running out has probability ~1e-15 (mean + 8 sigma).
+    mean = lam * horizon
+    slots = int(mean + 8 * math.sqrt(mean) + 16)
+    gaps = rng.exponential(1 / lam, size=(runs, slots))
+    arrivals = np.cumsum(gaps, axis=1)
+    happened = arrivals < horizon
+    planned = (rng.random((runs, slots)) < lam_p / lam) & happened
+    unexpected = happened & ~planned
+
+    # Each gap runs from one restart to the next interruption (the last one to the horizon).
+    starts = np.concatenate([np.zeros((runs, 1)), arrivals[:, :-1]], axis=1)
+    ends = np.where(happened, arrivals, horizon)
+    live = starts < horizon
+    span = np.where(live, ends - starts, 0.0)
+    # What the previous interruption costs before training resumes: nothing at the start; a planned
+    # stop saves first. An interruption during a restart starts it over.
+    pause = np.full((runs, slots), restart_s)
+    pause[:, 0] = 0.0
+    pause[:, 1:] += np.where(planned[:, :-1], checkpoint_s, 0.0)
+    downtime = np.minimum(span, pause)
+    run_s = span - downtime
+    cycle = tau + checkpoint_s
+    cycles = np.floor(run_s / cycle)
+    rest = run_s - cycles * cycle
+    saved = cycles * tau
+    # Interrupted by a planned stop or by the end of the horizon: the partial interval is saved.
+    keep_rest = planned | ~happened
+    useful = saved + np.where(keep_rest, np.minimum(rest, tau), 0.0)
+    lost = np.where(unexpected, np.minimum(rest, tau), 0.0)
+    ckpt = cycles * checkpoint_s + np.maximum(rest - tau, 0.0)
+
+    n_unexpected = unexpected.sum(axis=1)
+    total_u = int(n_unexpected.sum())
+    names = list(rates)
+    probs = np.array([rates[c] for c in names]) / sum(rates.values())
+    counts = rng.multinomial(total_u, probs) if total_u else np.zeros(len(names), dtype=int)
+    return FaultResult(
+        gpus, days, runs, tau, checkpoint_s, restart_s, n_unexpected, planned.sum(axis=1),
+        {c: counts[i] / runs for i, c in enumerate(names)},
+        np.where(live, useful, 0.0).sum(axis=1), np.where(live, lost, 0.0).sum(axis=1),
+        np.where(live, downtime, 0.0).sum(axis=1), np.where(live, ckpt, 0.0).sum(axis=1))
+
+
+def summary(r: FaultResult) -> dict:
+    """The `fourd sim faults --json` object: means over runs (contract keys first)."""
+    m = mtbf_s(r.gpus)
+    eff = r.effective
+    hardware = sum(v for c, v in r.by_component.items() if TABLE5[c][1])
+    total = sum(r.by_component.values())
+    return {
+        "unexpected_interruptions": float(r.unexpected.mean()),
+        "planned_interruptions": float(r.planned.mean()),
+        "effective_training_fraction": float(eff.mean()),
+        "optimal_checkpoint_interval_min": daly_interval(r.checkpoint_s, m) / 60,
+        "young_interval_min": young_interval(r.checkpoint_s, m) / 60,
+        "checkpoint_interval_min": r.interval_s / 60,
+        "effective_training_fraction_p5": float(np.percentile(eff, 5)),
+        "effective_training_fraction_p95": float(np.percentile(eff, 95)),
+        "mtbf_h": m / 3600,
+        "gpus": r.gpus, "days": r.days, "runs": r.runs,
+        "checkpoint_save_s": r.checkpoint_s, "restart_s": r.restart_s,
+        "lost_work_h": float(r.lost_s.mean()) / 3600,
+        "restart_h": float(r.restart_total_s.mean()) / 3600,
+        "checkpointing_h": float(r.checkpoint_total_s.mean()) / 3600,
+        "hardware_share": hardware / total if total else 0.0,
+        "components": r.by_component,
+    }
