@@ -101,3 +101,16 @@ def test_failed_write_leaves_no_directory(tmp_path):
     assert list(tmp_path.iterdir()) == []
     store.save_model_checkpoint(d, CFG, sd)
     assert sorted(store.read_manifest(d)["files"]) == [".metadata", "__0_0.distcp"]
+
+
+def test_latest_skips_incomplete_checkpoints(tmp_path):
+    sd = {"w": torch.ones(2)}
+    for step in (5, 40, 300):
+        store.save_model_checkpoint(tmp_path / "checkpoints" / f"step-{step}", CFG, sd, step=step)
+    (tmp_path / "checkpoints" / "step-300" / "manifest.json").write_text("{")  # torn
+    (tmp_path / "checkpoints" / "step-900").mkdir()  # no manifest yet
+    store.staging_dir(tmp_path / "checkpoints" / "step-1000").mkdir()
+    assert store.latest(tmp_path) == tmp_path / "checkpoints" / "step-40"
+    assert store.resolve(tmp_path) == tmp_path / "checkpoints" / "step-40"
+    assert store.resolve(tmp_path / "checkpoints" / "step-5") == tmp_path / "checkpoints" / "step-5"
+    assert store.latest(tmp_path / "nothing") is None

@@ -149,6 +149,31 @@ def verify(directory: str | os.PathLike) -> dict:
     return manifest
 
 
+def latest(run_dir: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint `run_dir/checkpoints/step-<N>` (one whose manifest reads), or None."""
+    found = []
+    for d in Path(run_dir, "checkpoints").glob("step-*"):
+        step = d.name.removeprefix("step-")
+        if step.isdigit() and (d / MANIFEST).is_file():
+            try:
+                read_manifest(d)
+            except FourdError:
+                continue
+            found.append((int(step), d))
+    return max(found)[1] if found else None
+
+
+def resolve(path: str | os.PathLike) -> Path:
+    """A checkpoint directory, or a run directory standing for its newest complete checkpoint."""
+    path = Path(path)
+    if (path / MANIFEST).is_file() or not (path / "checkpoints").is_dir():
+        return path
+    newest = latest(path)
+    if newest is None:
+        raise FourdError(f"{path}: a run directory without a complete checkpoint under checkpoints/")
+    return newest
+
+
 def _single_process(fn, *args, **kw):
     # DCP warns that it runs without a process group; here that is the intent.
     with warnings.catch_warnings():

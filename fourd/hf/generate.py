@@ -5,6 +5,7 @@
     fourd generate --ckpt DIR --prompt "import " --top-p 0.9 --temperature 0.8 --seed 1
     fourd generate --ckpt DIR --tokenizer tokenizer.json --prompt "Hello"
     fourd generate --ckpt DIR --eval-file held_out.py --json                # nll_per_token, perplexity
+    fourd generate --ckpt runs/make-run --prompt "import "                  # a run's newest checkpoint
 
 The tokenizer is byte-level (ids are UTF-8 bytes) unless --tokenizer names a local tokenizer.json or
 tiktoken BPE file. Generation stops after --max-new-tokens or at a stop id (--stop-id, else the
@@ -25,7 +26,7 @@ from fourd.errors import FourdError
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--ckpt", required=True, metavar="DIR", help="a fourd checkpoint directory")
+    p.add_argument("--ckpt", required=True, metavar="DIR", help="a fourd checkpoint, or a run directory (its newest checkpoint)")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompt", metavar="TEXT", help="prompt text, encoded with --tokenizer")
     what.add_argument("--prompt-ids", metavar="IDS", help="prompt token ids, comma separated")
@@ -95,10 +96,12 @@ def _eos_ids(manifest: dict) -> list[int]:
 
 
 def load_model(ckpt: str):
-    """The model of a checkpoint, in float32 on the CPU, in eval mode; and the checkpoint's manifest."""
-    from fourd.ckpt.store import load_model_checkpoint, read_manifest
+    """The model of a checkpoint (or of a run directory's newest one), in float32 on the CPU, in eval
+    mode; and the checkpoint's manifest."""
+    from fourd.ckpt.store import load_model_checkpoint, read_manifest, resolve
     from fourd.model.llama import build_model
 
+    ckpt = resolve(ckpt)
     cfg, sd = load_model_checkpoint(ckpt)
     if cfg.mlp != "swiglu":
         raise FourdError(f"{ckpt}: model.mlp = {cfg.mlp!r}; only Llama (swiglu) models run")
