@@ -180,8 +180,11 @@ def test_unexpected_tensor_is_named(hf_dir, tmp_path, capsys):
 
 @pytest.mark.parametrize("edit, needle", [
     (lambda c: c.update(architectures=["MistralForCausalLM"]), "architecture 'MistralForCausalLM' is not supported"),
-    (lambda c: c.update(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}), "field 'rope_scaling' (llama3)"),
+    (lambda c: c.update(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}), "field 'rope_parameters.rope_type' = 'llama3'"),
+    (lambda c: c.update(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "field 'rope_scaling' = {'rope_type': 'llama3'"),
+    (lambda c: c.update(rms_norm_eps="small"), "field 'rms_norm_eps' = 'small' is not a number"),
     (lambda c: c.pop("hidden_size"), "field 'hidden_size' missing"),
+    (lambda c: c.update(num_attention_heads=0), "field 'num_attention_heads' missing or not a positive integer"),
     (lambda c: c.update(num_key_value_heads=3), "model.heads = 4 must be a multiple of model.kv_heads = 3"),
     (lambda c: c.update(hidden_act="gelu"), "field 'hidden_act' = 'gelu' is not supported"),
 ])

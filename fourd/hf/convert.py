@@ -106,31 +106,40 @@ def read_hf_config(src: Path) -> tuple[ModelConfig, dict]:
         hf = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise FourdError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(hf, dict):
+        raise FourdError(f"{path}: not a JSON object; give a Hugging Face config.json")
     arch = hf.get("architectures") or [hf.get("model_type")]
-    if ARCHITECTURE not in arch and not (arch == ["llama"]):
+    if ARCHITECTURE not in arch and arch != ["llama"]:
         raise FourdError(f"{path}: architecture {arch[0]!r} is not supported; fourd converts {ARCHITECTURE} only")
 
-    def need(key):
-        if not isinstance(hf.get(key), int) or isinstance(hf.get(key), bool):
-            raise FourdError(f"{path}: field {key!r} missing or not an integer")
-        return hf[key]
+    def integer(key, default=None):
+        value = hf.get(key) if hf.get(key) is not None else default
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise FourdError(f"{path}: field {key!r} missing or not a positive integer")
+        return value
+
+    def number(key, value):
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise FourdError(f"{path}: field {key!r} = {value!r} is not a number")
+        return float(value)
 
     for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
         if hf.get(key, want) != want:
             raise FourdError(f"{path}: field {key!r} = {hf[key]!r} is not supported (fourd's Llama has {want!r})")
     rope = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or ({"rope_type": rope["rope_type"]} if rope.get("rope_type", "default") != "default" else None)
-    if scaling:
-        raise FourdError(f"{path}: field 'rope_scaling' ({scaling.get('rope_type', scaling.get('type'))}) is not "
-                         "supported; fourd implements plain RoPE")
-    heads = need("num_attention_heads")
+    if hf.get("rope_scaling"):
+        raise FourdError(f"{path}: field 'rope_scaling' = {hf['rope_scaling']!r} is not supported; fourd implements plain RoPE")
+    if rope.get("rope_type", "default") != "default":
+        raise FourdError(f"{path}: field 'rope_parameters.rope_type' = {rope['rope_type']!r} is not supported; "
+                         "fourd implements plain RoPE")
+    dim, heads = integer("hidden_size"), integer("num_attention_heads")
     cfg = ModelConfig(
-        layers=need("num_hidden_layers"), dim=need("hidden_size"), ffn=need("intermediate_size"),
-        heads=heads, kv_heads=hf.get("num_key_value_heads") or heads, vocab=need("vocab_size"),
-        head_dim=hf.get("head_dim") or need("hidden_size") // heads,
-        norm_eps=float(hf.get("rms_norm_eps", _HF_DEFAULTS["rms_norm_eps"])),
-        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", _HF_DEFAULTS["rope_theta"]))),
-        max_seq=int(hf.get("max_position_embeddings", _HF_DEFAULTS["max_position_embeddings"])))
+        layers=integer("num_hidden_layers"), dim=dim, ffn=integer("intermediate_size"), heads=heads,
+        kv_heads=integer("num_key_value_heads", heads), vocab=integer("vocab_size"),
+        head_dim=integer("head_dim", dim // heads),
+        norm_eps=number("rms_norm_eps", hf.get("rms_norm_eps", _HF_DEFAULTS["rms_norm_eps"])),
+        rope_theta=number("rope_theta", rope.get("rope_theta", hf.get("rope_theta", _HF_DEFAULTS["rope_theta"]))),
+        max_seq=integer("max_position_embeddings", _HF_DEFAULTS["max_position_embeddings"]))
     return cfg, hf
 
 
