@@ -8,7 +8,6 @@ user profiles in `$FOURD_HOME/clusters/<name>.toml` (they win over presets; `fou
 
 from __future__ import annotations
 
-import math
 import os
 import tomllib
 from dataclasses import dataclass
@@ -72,7 +71,7 @@ class Network:
     cross_pod_oversubscription: float = 1.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)   # identity hash: the time model caches on it, and hashing every field is slow
 class Cluster:
     name: str
     description: str
@@ -230,11 +229,3 @@ def check_fits(world: int, cluster: Cluster) -> None:
         raise FourdError(f"{world} GPUs asked but cluster {cluster.name} has {cluster.total_gpus} "
                          f"({cluster.network.pods} pods x {cluster.network.gpus_per_pod}); use fewer GPUs or another --cluster")
 
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-__all__ = ["Cluster", "GPU", "Node", "Network", "GemmSample", "CollectiveSample", "Group", "LEVELS",
-           "load_cluster", "preset_names", "placement", "group_level", "group_bandwidth", "members_per_node",
-           "check_fits", "fourd_home", "math"]

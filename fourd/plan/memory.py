@@ -7,6 +7,7 @@ All sizes in bytes unless a name says otherwise. Pure functions, tested against 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 GB = 1e9
 
@@ -76,11 +77,6 @@ def stage_params(model, counts: list[int], stage: int) -> int:
     if stage == len(counts) - 1:
         p += model.embedding_params() + (model.dim if model.mlp == "swiglu" else 2 * model.dim)
     return p
-
-
-def rank_params(model, counts: list[int], pp: int, rank: int, tp: int) -> float:
-    """Parameters held by one TP rank of pipeline rank `rank` (stages rank, rank+pp, ...)."""
-    return sum(stage_params(model, counts, s) for s in range(rank, len(counts), pp)) / tp
 
 
 # ---- activations ---------------------------------------------------------------------------------------
@@ -159,17 +155,33 @@ class Memory:
                 "total": self.total / GB}
 
 
+@lru_cache(maxsize=4096)
+def rank_shapes(model, pp: int, virtual_stages: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int]:
+    """(layers per pipeline rank, parameters per pipeline rank before TP, the ranks that can peak in memory,
+    parameters of the largest stage).
+
+    In-flight microbatches fall with the rank, so besides the last (logits) only the first rank with each
+    layer count can hold the most."""
+    counts = stage_layers(model.layers, pp, virtual_stages)
+    layers = tuple(sum(counts[s] for s in range(r, len(counts), pp)) for r in range(pp))
+    params = tuple(sum(stage_params(model, counts, s) for s in range(r, len(counts), pp)) for r in range(pp))
+    first_with: dict[int, int] = {}
+    for r, n in enumerate(layers):
+        first_with.setdefault(n, r)
+    biggest = max(stage_params(model, counts, s) for s in range(len(counts)))
+    return layers, params, tuple(sorted({0, pp - 1, *first_with.values()})), biggest
+
+
 def rank_memory(model, cluster, layout, seq: int, micro_seqs: int, schedule: str, microbatches: int,
                 virtual_stages: int, zero: int, recompute: str, rank: int) -> Memory:
     """Peak memory of one GPU of pipeline rank `rank`."""
     b = cluster.dtype_bytes
-    counts = stage_layers(model.layers, layout.pp, virtual_stages)
-    params = rank_params(model, counts, layout.pp, rank, layout.tp)
+    layers, params, _, biggest = rank_shapes(model, layout.pp, virtual_stages)
+    mine = params[rank] / layout.tp
     w, g, o = state_bytes_per_param(zero, layout.dp, b)
     tokens = micro_seqs * seq // layout.cp
     per_layer = tokens * activation_bytes_per_token(model, layout.tp, recompute, dtype_bytes=b)
-    my_layers = sum(counts[s] for s in range(rank, len(counts), layout.pp))
-    acts = in_flight(schedule, layout.pp, microbatches, virtual_stages, rank) * my_layers * per_layer
+    acts = in_flight(schedule, layout.pp, microbatches, virtual_stages, rank) * layers[rank] * per_layer
     other = 0.0
     if recompute == "full":
         # the layer being recomputed holds its whole activations for one microbatch
@@ -179,11 +191,17 @@ def rank_memory(model, cluster, layout, seq: int, micro_seqs: int, schedule: str
         other += 2 * 4 * tokens * model.vocab / layout.tp
     if zero == 3:
         # one gathered stage and the next, prefetched
-        other += 2 * max(stage_params(model, counts, s) for s in range(len(counts))) / layout.tp * b
-    return Memory(params * w, params * g, params * o, acts, other, cluster.gpu.memory_reserve_gb * GB)
+        other += 2 * biggest / layout.tp * b
+    return Memory(mine * w, mine * g, mine * o, acts, other, cluster.gpu.memory_reserve_gb * GB)
 
 
 def peak_memory(model, cluster, layout, seq, micro_seqs, schedule, microbatches, virtual_stages, zero, recompute) -> Memory:
-    """The pipeline rank with the most memory (an early one, usually: most microbatches in flight)."""
+    """The pipeline rank with the most memory."""
+    ranks = rank_shapes(model, layout.pp, virtual_stages)[2]
     return max((rank_memory(model, cluster, layout, seq, micro_seqs, schedule, microbatches, virtual_stages,
-                            zero, recompute, r) for r in range(layout.pp)), key=lambda m: m.total)
+                            zero, recompute, r) for r in ranks), key=lambda m: m.total)
+
+
+def max_rank_params(model, pp: int, virtual_stages: int, tp: int) -> float:
+    """Parameters on the GPU that holds the most (what its data-parallel collectives move)."""
+    return max(rank_shapes(model, pp, virtual_stages)[1]) / tp

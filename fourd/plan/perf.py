@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from fourd.plan.cluster import Cluster, Group, group_bandwidth, placement
+from fourd.plan.memory import max_rank_params, rank_shapes, stage_layers
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
 RECOMPUTE = ("none", "selective", "full")
@@ -107,6 +108,7 @@ def ring_bytes_per_rank(op: str, nbytes: float, n: int) -> float:
     return _BUS_FACTOR[op](n) * nbytes if n > 1 else 0.0
 
 
+@lru_cache(maxsize=65536)
 def collective_time(op: str, nbytes: float, group: Group, cluster: Cluster) -> float:
     """Seconds for a collective on an nbytes buffer (the output of all-gather, the input of reduce-scatter,
     nccl-tests style) over `group`, at the bandwidth its placement gives. A measured fit in the profile
@@ -177,6 +179,26 @@ def _elementwise_bytes(model, tokens: int, tp: int, b: int) -> tuple[float, floa
 
 
 @lru_cache(maxsize=8192)
+def layer_comm(model, cluster: Cluster, tp: int, cp: int, seq: int, micro_seqs: int, tp_group: Group,
+               cp_group: Group) -> tuple[float, float, float, float]:
+    """(TP forward, TP backward, CP forward, CP backward) seconds of one layer's collectives, none overlapped.
+
+    Sequence parallelism: all-gather before and reduce-scatter after each of attention and MLP, forward
+    and backward (Korthikanti et al. 2022 §4.2.2); backward gathers the two saved input shards once more
+    for the weight gradients. CP: all-gather K and V forward, again backward, and reduce-scatter their
+    gradients (Llama 3 §3.3.2; with GQA these are small).
+    """
+    b = cluster.dtype_bytes
+    act = micro_seqs * seq // cp * model.dim * b
+    gather = collective_time("all_gather", act, tp_group, cluster)
+    scatter = collective_time("reduce_scatter", act, tp_group, cluster)
+    kv = 2 * max(1, model.kv_heads // tp) * model.head_dim * micro_seqs * seq * b
+    kv_gather = collective_time("all_gather", kv, cp_group, cluster)
+    return (2 * (gather + scatter), 4 * gather + 2 * scatter,
+            kv_gather, kv_gather + collective_time("reduce_scatter", kv, cp_group, cluster))
+
+
+@lru_cache(maxsize=8192)
 def layer_time(model, cluster: Cluster, tp: int, cp: int, seq: int, micro_seqs: int, recompute: str,
                tp_group: Group, cp_group: Group) -> StageTime:
     """One transformer layer, one microbatch of micro_seqs sequences, on one rank of a (tp, cp) group."""
@@ -193,18 +215,8 @@ def layer_time(model, cluster: Cluster, tp: int, cp: int, seq: int, micro_seqs: 
     ew, ew_selective = _elementwise_bytes(model, tokens, tp, b)
     fwd += a_fwd + memory_time(ew, cluster)
     dgrad += a_bwd + memory_time(2 * ew, cluster)
-    # Sequence parallelism: all-gather before and reduce-scatter after each of attention and MLP, forward
-    # and backward (Korthikanti et al. 2022 §4.2.2); backward gathers the two saved input shards once more
-    # for the weight gradients.
-    act = tokens * model.dim * b
-    gather = collective_time("all_gather", act, tp_group, cluster)
-    scatter = collective_time("reduce_scatter", act, tp_group, cluster)
-    fwd_comm = 2 * (gather + scatter)
-    bwd_comm = 2 * (gather + scatter) + 2 * gather
-    if cp > 1:
-        kv = 2 * max(1, model.kv_heads // tp) * model.head_dim * micro_seqs * seq * b
-        fwd_comm += collective_time("all_gather", kv, cp_group, cluster)
-        bwd_comm += collective_time("all_gather", kv, cp_group, cluster) + collective_time("reduce_scatter", kv, cp_group, cluster)
+    tp_f, tp_b, cp_f, cp_b = layer_comm(model, cluster, tp, cp, seq, micro_seqs, tp_group, cp_group)
+    fwd_comm, bwd_comm = tp_f + cp_f, tp_b + cp_b
     if recompute == "selective":
         dgrad += memory_time(ew_selective, cluster)
     elif recompute == "full":
@@ -263,19 +275,36 @@ def stage_compute_time(model, cluster: Cluster, layout, seq: int, micro_seqs: in
 def chunk_times(model, cluster: Cluster, layout, seq: int, micro_seqs: int, virtual_stages: int = 1,
                 recompute: str = "none") -> list[StageTime]:
     """StageTime of each global pipeline stage 0 .. pp·V−1 in model order (stage s runs on rank s % pp)."""
-    from fourd.plan.memory import stage_layers
-
     counts = stage_layers(model.layers, layout.pp, virtual_stages)
     last = len(counts) - 1
     return [stage_compute_time(model, cluster, layout, seq, micro_seqs, n, first=(s == 0), last=(s == last),
                                recompute=recompute) for s, n in enumerate(counts)]
 
 
+@lru_cache(maxsize=16384)
+def slowest_rank(model, cluster: Cluster, layout, seq: int, micro_seqs: int, virtual_stages: int,
+                 recompute: str) -> tuple[int, StageTime]:
+    """The pipeline rank with the most work per microbatch, and that work (all its stages). Rank 0 also
+    embeds and rank pp−1 also runs the output and the loss."""
+    per_rank = rank_shapes(model, layout.pp, virtual_stages)[0]
+    p = layout.pp
+    # ranks with equal layers and no embedding or head take equal time: look at one of each kind
+    seen: dict[int, int] = {}
+    for r in range(1, p - 1):
+        seen.setdefault(per_rank[r], r)
+    candidates = {0, p - 1, *seen.values()}
+    times = {r: stage_compute_time(model, cluster, layout, seq, micro_seqs, per_rank[r], first=(r == 0),
+                                   last=(r == p - 1), recompute=recompute) for r in candidates}
+    r = max(times, key=lambda r: times[r].forward + times[r].backward)
+    return r, times[r]
+
+
 def p2p_time(model, cluster: Cluster, layout, seq: int, micro_seqs: int) -> float:
     """One activation (or its gradient) sent between adjacent pipeline ranks; each TP rank sends its
     sequence-parallel shard."""
     nbytes = micro_seqs * seq // layout.cp * model.dim * cluster.dtype_bytes / layout.tp
-    return collective_time("send", nbytes, Group(2, layout.tp * layout.cp, layout.tp * layout.cp * layout.pp * layout.dp), cluster)
+    world = layout.tp * layout.cp * layout.pp * layout.dp
+    return collective_time("send", nbytes, Group(2, layout.tp * layout.cp, world), cluster)
 
 
 # ---- one optimizer step ----------------------------------------------------------------------------------
@@ -300,8 +329,9 @@ def bubble_time(schedule: str, pp: int, microbatches: int, virtual_stages: int, 
 
 
 def bubble_fraction(pp: int, microbatches: int, virtual_stages: int = 1) -> float:
-    """Idle fraction of the step with equal stages and free communication: (p−1)/(m+p−1) for GPipe and 1F1B;
-    interleaved (p−1)/(V·m+p−1) (the bubble (p−1)/(V·m) of compute, as a share of the step)."""
+    """Idle fraction of the step with equal stages and free communication: (p−1)/(m+p−1) for GPipe and 1F1B
+    (p = 16: 48.4 % at m = 16, 19.0 % at 64, 10.5 % at 128); interleaved (p−1)/(V·m+p−1), the bubble
+    (p−1)/(V·m) of compute as a share of the step."""
     p, m, v = pp, microbatches, virtual_stages
     return (p - 1) / (v * m + p - 1)
 
@@ -316,70 +346,69 @@ class StepTime:
     dp_total_s: float           # all data-parallel collectives of the step
     overlap_s: float            # compute slowed by collectives running beside it
     optimizer_s: float
-    tp_comm_s: float            # of compute_s
-    cp_comm_s: float            # of compute_s
+    tp_comm_s: float            # part of compute_s
+    cp_comm_s: float            # part of compute_s
+    slowest_rank: int
     per_microbatch: StageTime   # the slowest pipeline rank, all its stages
 
 
-def _dp_exposure(zero: int, m: int, grads: float, weights: float, group: Group, cluster: Cluster,
-                 t: StageTime, bubble: float, layers: int) -> tuple[float, float]:
-    """(exposed, total) seconds of ZeRO/DDP traffic. Gradients of a layer are reduced as soon as its last
-    backward ends (bucketed, as DDP and FSDP do), weights gathered just before first use; what does not
-    fit in the compute around it, and the last bucket, stay on the critical path."""
-    def ct(op, nbytes):
+def _dp_exposure(zero: int, m: int, nbytes: float, group: Group, cluster: Cluster, t: StageTime,
+                 bubble: float, layers: int) -> tuple[float, float]:
+    """(exposed, total) seconds of ZeRO/DDP traffic on `nbytes` of weights (and as many of gradients).
+
+    Gradients of a layer are reduced as soon as its last backward ends, weights gathered just before their
+    first use (bucketed by layer, as DDP and FSDP do): what does not fit in the compute around it, and the
+    last bucket, stay on the critical path. Stage 0 all-reduces; 1 reduce-scatters gradients once per step
+    and all-gathers the updated weights; 2 reduce-scatters every microbatch (gradients stay sharded);
+    3 also gathers weights for every microbatch's forward and backward (Rajbhandari et al. 2020).
+    """
+    def ct(op):
         return collective_time(op, nbytes, group, cluster)
 
-    bucket = max(1, layers)
     tail = t.backward + bubble / 2      # the last microbatch's backward and the cool-down
     head = t.forward + bubble / 2       # the first microbatch's forward and the warm-up
     if zero == 0:
-        phases = [(ct("all_reduce", grads), tail)]
+        phases = [(ct("all_reduce"), tail, 1)]
     elif zero == 1:
-        phases = [(ct("reduce_scatter", grads), tail), (ct("all_gather", weights), head)]
+        phases = [(ct("reduce_scatter"), tail, 1), (ct("all_gather"), head, 1)]
     elif zero == 2:
-        phases = [(m * ct("reduce_scatter", grads), m * t.backward), (ct("all_gather", weights), head)]
+        phases = [(m * ct("reduce_scatter"), m * t.backward, m), (ct("all_gather"), head, 1)]
     else:
-        phases = [(m * ct("all_gather", weights), m * t.forward),
-                  (m * (ct("all_gather", weights) + ct("reduce_scatter", grads)), m * t.backward)]
-    total = sum(c for c, _ in phases)
-    exposed = sum(max(0.0, c - window) + c / (bucket * (m if zero >= 2 else 1)) for c, window in phases)
+        phases = [(m * ct("all_gather"), m * t.forward, m),
+                  (m * (ct("all_gather") + ct("reduce_scatter")), m * t.backward, m)]
+    total = sum(c for c, _, _ in phases)
+    exposed = sum(max(0.0, c - window) + c / (max(1, layers) * n) for c, window, n in phases)
     return min(exposed, total), total
+
+
+@lru_cache(maxsize=16384)
+def _pipeline_work(model, cluster: Cluster, layout, seq: int, micro_seqs: int, virtual_stages: int, recompute: str):
+    """What a step's time needs that does not depend on the schedule or the ZeRO stage."""
+    p = layout.pp
+    slow, t = slowest_rank(model, cluster, layout, seq, micro_seqs, virtual_stages, recompute)
+    p2p = 2 * (p - 1) * p2p_time(model, cluster, layout, seq, micro_seqs) if p > 1 else 0.0
+    params = max_rank_params(model, p, virtual_stages, layout.tp)
+    layers = rank_shapes(model, p, virtual_stages)[0][slow]
+    groups = placement(layout, cluster)
+    tp_f, tp_b, cp_f, cp_b = layer_comm(model, cluster, layout.tp, layout.cp, seq, micro_seqs, groups["tp"], groups["cp"])
+    redo = 2 if recompute == "full" else 1
+    return slow, t, p2p, params, layers, groups["dp"], layers * (tp_f * redo + tp_b), layers * (cp_f * redo + cp_b)
 
 
 def step_time(model, cluster: Cluster, layout, seq: int, global_seqs: int, schedule: str, microbatches: int,
               virtual_stages: int = 1, zero: int = 1, recompute: str = "none") -> StepTime:
-    """Seconds per optimizer step of `global_seqs` sequences, and where they go."""
-    from fourd.plan.memory import rank_params, stage_layers
-
+    """Seconds per optimizer step of `global_seqs` sequences of `seq` tokens, and where they go."""
     p, v, m = layout.pp, virtual_stages, microbatches
     micro = global_seqs // (layout.dp * m)
-    chunks = chunk_times(model, cluster, layout, seq, micro, v, recompute)
-    ranks = [sum((chunks[s] for s in range(r, p * v, p)), ZERO_TIME) for r in range(p)]
-    slow = max(range(p), key=lambda r: ranks[r].forward + ranks[r].backward)
-    t = ranks[slow]
+    slow, t, p2p, params, layers, dp_group, tp_comm, cp_comm = _pipeline_work(model, cluster, layout, seq, micro, v, recompute)
     compute = m * (t.forward + t.backward)
-    bubble = bubble_time(schedule, p, m, v, t)
-    p2p = 2 * (p - 1) * p2p_time(model, cluster, layout, seq, micro) if p > 1 else 0.0
-
-    counts = stage_layers(model.layers, p, v)
-    params = max(rank_params(model, counts, p, r, layout.tp) for r in range(p))
-    b = cluster.dtype_bytes
-    my_layers = sum(counts[s] for s in range(slow, p * v, p))
-    dp_group = placement(layout, cluster)["dp"]
-    exposed, total = _dp_exposure(zero, m, params * b, params * b, dp_group, cluster, t, bubble, my_layers)
+    bubble = bubble_time(schedule, p, m, v, t) if p > 1 else 0.0
+    exposed, total = _dp_exposure(zero, m, params * cluster.dtype_bytes, dp_group, cluster, t, bubble, layers)
     overlap = OVERLAP_SLOWDOWN * (total - exposed)
     owned = params / (layout.dp if zero >= 1 else 1)
-    optimizer = memory_time(owned * ADAM_BYTES[b], cluster)
-
-    groups = placement(layout, cluster)
-    one = layer_time(model, cluster, layout.tp, layout.cp, seq, micro, recompute, groups["tp"], groups["cp"])
-    tp_cp = m * my_layers * (one.forward_comm_s + one.backward_comm_s)
-    cp_only = 0.0
-    if layout.cp > 1:
-        solo = layer_time(model, cluster, layout.tp, layout.cp, seq, micro, recompute, groups["tp"], Group(1, 1, 1))
-        cp_only = m * my_layers * (one.forward_comm_s + one.backward_comm_s - solo.forward_comm_s - solo.backward_comm_s)
+    optimizer = memory_time(owned * ADAM_BYTES[cluster.dtype_bytes], cluster)
     step = compute + bubble + p2p + exposed + overlap + optimizer
-    return StepTime(step, compute, bubble, p2p, exposed, total, overlap, optimizer, tp_cp - cp_only, cp_only, t)
+    return StepTime(step, compute, bubble, p2p, exposed, total, overlap, optimizer, m * tp_comm, m * cp_comm, slow, t)
 
 
 # ---- whole-run arithmetic (brief.md §1, rows 01-02) ---------------------------------------------------------
