@@ -52,7 +52,7 @@ def _pp_run(pp, group, name, v):
     xs, ys = _data(m)
     losses = []
     for x, y in zip(xs, ys):
-        losses.append(runner.step(x, y))
+        losses.append(runner.step(x, y).item())
         opt.step()
         opt.zero_grad()
     params = {k: v.detach().clone() for s in stages for k, v in s.state_dict().items()}

@@ -145,7 +145,7 @@ class PipelineRunner:
     spent not computing (waiting for its neighbours, sending, receiving, reducing gradients).
     """
 
-    def __init__(self, stages: list[nn.Module], schedule: Schedule, pp_mesh, loss_fn):
+    def __init__(self, stages: list[nn.Module], schedule: Schedule, pp_mesh, loss_fn, device=None):
         self.group = pp_mesh.get_group() if hasattr(pp_mesh, "get_group") else pp_mesh
         self.schedule = schedule
         self.rank = dist.get_rank(self.group)
@@ -161,7 +161,8 @@ class PipelineRunner:
         self.bubble_fraction = 0.0
         self._loss_fn = loss_fn
         self._stages = [
-            _TimedStage(module, s, schedule.stages, _device_of(module), group=self.group, log=self.records)
+            _TimedStage(module, s, schedule.stages, torch.device(device) if device is not None else _device_of(module),
+                        group=self.group, log=self.records)
             for module, s in zip(stages, indices)
         ]
         self._has_first = 0 in indices
@@ -187,8 +188,9 @@ class PipelineRunner:
                                             last.end + perf_counter() - start)
         return loss
 
-    def step(self, x: torch.Tensor | None, y: torch.Tensor | None) -> float:
-        """Forward and backward of every microbatch of this rank's batch; returns its mean loss.
+    def step(self, x: torch.Tensor | None, y: torch.Tensor | None) -> torch.Tensor:
+        """Forward and backward of every microbatch of this rank's batch; returns its mean loss (a detached
+        FP32 scalar tensor, the same on every rank of the pipeline).
 
         x, y: [batch, seq] token ids and targets; only the ranks holding the first / last stage read
         them (others may pass None). batch must split into `schedule.microbatches` equal parts.
@@ -215,7 +217,7 @@ class PipelineRunner:
         device = self._stages[0].device
         loss = torch.stack([l.detach().float() for l in losses]).mean() if losses else torch.zeros((), device=device)
         dist.broadcast(loss, group=self.group, group_src=self.schedule.stage_rank(self.schedule.stages - 1))
-        return loss.item()
+        return loss
 
     def trace_events(self, pid: int = 0, offset_us: float = 0.0) -> list[dict]:
         """The last step's actions as Chrome trace events (one row per pipeline rank)."""
