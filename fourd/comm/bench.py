@@ -1,0 +1,197 @@
+"""Benchmark collectives the way nccl-tests does: a sweep of message sizes, each warmed up and then
+timed repeatedly; the reported time is the median over iterations of the slowest rank's time.
+
+  algbw = size / time        busbw = algbw × factor (the bandwidth each rank's link must carry)
+  factor: all_reduce and ring 2(n−1)/n; all_gather, reduce_scatter, all_to_all (n−1)/n;
+          broadcast and sendrecv 1
+  size: the all_reduce / broadcast buffer, the all_gather output, the reduce_scatter input, one
+        rank's all_to_all buffer, one sendrecv message (float32; rounded down to a multiple of n)
+
+`ring` is fourd's own ring all-reduce on point-to-point send/recv (fourd.comm.ring), to compare
+with the backend's all_reduce. `sendrecv`: every rank sends to the next and receives from the
+previous at once. Workers are launched here: gloo on CPU, NCCL when CUDA is available.
+
+The sweep doubles from --min-bytes to --max-bytes: 1K to 256M on GPUs, 1K to 64M on CPU, where
+the full 256M sweep takes minutes; pass --max-bytes 256M for it.
+
+examples:
+  fourd bench comm --op all_reduce --nproc 4
+  fourd bench comm --op ring --nproc 4 --json
+  fourd bench comm --op all --nproc 2 --max-bytes 1M --iters 20
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import time
+
+from fourd.errors import FourdError
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "ring", "sendrecv")
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def bus_factor(op: str, n: int) -> float:
+    """nccl-tests' busbw / algbw ratio (brief §5); `ring` is an all-reduce."""
+    if op in ("all_reduce", "ring"):
+        return 2 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    return 1.0
+
+
+def parse_bytes(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)B?\s*", str(text).upper())
+    if not m or int(m.group(1)) <= 0:
+        raise FourdError(f"bad size {text!r}: give a positive byte count such as 4096, 64K, 16M or 1G")
+    return int(m.group(1)) * _UNITS[m.group(2)]
+
+
+def fmt_bytes(n: int) -> str:
+    for unit in ("G", "M", "K"):
+        if n >= _UNITS[unit] and n % _UNITS[unit] == 0:
+            return f"{n // _UNITS[unit]}{unit}"
+    return str(n)
+
+
+def sweep_sizes(lo: int, hi: int) -> list[int]:
+    sizes, s = [], lo
+    while s <= hi:
+        sizes.append(s)
+        s *= 2
+    return sizes
+
+
+# ---- inside a worker ------------------------------------------------------------------------
+
+def _prepare(op: str, nbytes: int, group, device):
+    """The callable that runs `op` once on `nbytes`, and the number of float32 elements it moves."""
+    import torch
+    import torch.distributed as dist
+
+    from fourd.comm.ring import ring_all_reduce
+
+    n = dist.get_world_size(group)
+    count = max(n, nbytes // 4 // n * n)
+    # zeros: repeated sums stay finite and the arithmetic costs the same as for any normal values
+    buf = torch.zeros(count, device=device)
+    if op == "all_reduce":
+        return (lambda: dist.all_reduce(buf, group=group)), count
+    if op == "ring":
+        return (lambda: ring_all_reduce(buf, group=group)), count
+    if op == "broadcast":
+        return (lambda: dist.broadcast(buf, group=group, group_src=0)), count
+    if op == "all_gather":
+        part = torch.zeros(count // n, device=device)
+        return (lambda: dist.all_gather_single(buf, part, group=group)), count
+    if op == "reduce_scatter":
+        part = torch.zeros(count // n, device=device)
+        return (lambda: dist.reduce_scatter_single(part, buf, group=group)), count
+    if op == "all_to_all":
+        out = torch.zeros_like(buf)
+        return (lambda: dist.all_to_all_single(out, buf, group=group)), count
+    if op == "sendrecv":
+        rank, inbox = dist.get_rank(group), torch.zeros_like(buf)
+
+        def shift():
+            reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, buf, group=group, group_peer=(rank + 1) % n),
+                                           dist.P2POp(dist.irecv, inbox, group=group, group_peer=(rank - 1) % n)])
+            for r in reqs:
+                r.wait()
+        return shift, count
+    raise ValueError(f"unknown collective {op}")
+
+
+def time_op(op: str, nbytes: int, iters: int, warmup: int, group=None) -> dict:
+    """One row: median over `iters` timed runs of the slowest rank in `group` (all its ranks call this)."""
+    import torch
+    import torch.distributed as dist
+
+    device = _device()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fn, count = _prepare(op, nbytes, group, device)
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = torch.zeros(iters, dtype=torch.float64)
+    for i in range(iters):
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times[i] = time.perf_counter() - t0
+    times = times.to(device)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+    n = dist.get_world_size(group)
+    size = count * 4
+    t = statistics.median(times.tolist())
+    algbw = size / t / 1e9
+    return {"op": op, "nproc": n, "bytes": size, "time_s": t, "algbw_gbps": algbw,
+            "busbw_gbps": algbw * bus_factor(op, n), "iters": iters, "backend": dist.get_backend(group)}
+
+
+def _sweep(rank: int, nproc: int, ops, sizes, iters, warmup) -> list[dict]:
+    rows = [time_op(op, s, iters, warmup) for op in ops for s in sizes]
+    if "ring" in ops:
+        import torch
+
+        from fourd.comm.ring import ring_all_reduce
+
+        for row in rows:
+            if row["op"] == "ring":
+                stats = ring_all_reduce(torch.zeros(row["bytes"] // 4, device=_device()))
+                row.update(steps=stats.steps, bytes_sent_per_rank=stats.bytes_sent)
+    return rows
+
+
+def _device():
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+# ---- command line ---------------------------------------------------------------------------
+
+def add_arguments(p):
+    p.add_argument("--op", default="all_reduce", choices=COLLECTIVES + ("all",),
+                   help="collective to time (default all_reduce; `all` runs every one)")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="ranks to launch (default: the GPUs, or 2 on CPU)")
+    p.add_argument("--min-bytes", default="1K", help="smallest message (default 1K)")
+    p.add_argument("--max-bytes", default=None, help="largest message (default 256M on GPUs, 64M on CPU)")
+    p.add_argument("--iters", type=int, default=10, help="timed iterations per size (default 10)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed iterations per size first (default 2)")
+    p.add_argument("--json", action="store_true", help="print a JSON list of rows")
+
+
+def run(args) -> int:
+    lo = parse_bytes(args.min_bytes)
+    if args.iters < 1 or args.warmup < 0:
+        raise FourdError(f"--iters {args.iters} --warmup {args.warmup}: need at least 1 timed iteration and no negative warm-up")
+    import torch
+
+    from fourd.comm.launch import backend, run_workers
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    hi = parse_bytes(args.max_bytes or ("256M" if gpus else "64M"))
+    if hi < lo:
+        raise FourdError(f"--max-bytes {args.max_bytes} is below --min-bytes {args.min_bytes}: raise --max-bytes")
+    nproc = args.nproc if args.nproc is not None else (gpus or 2)
+    if nproc < 2:
+        raise FourdError(f"--nproc {nproc}: a collective needs at least 2 ranks")
+    if gpus and nproc > gpus:
+        raise FourdError(f"--nproc {nproc}: only {gpus} GPUs here; pass --nproc {gpus} or fewer")
+    ops = list(COLLECTIVES) if args.op == "all" else [args.op]
+    rows = run_workers(_sweep, nproc, (ops, sweep_sizes(lo, hi), args.iters, args.warmup))[0]
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    print(f"# {backend()}, {nproc} ranks, float32, median of {args.iters} timed iterations after {args.warmup} warm-up")
+    print(f"{'op':>14} {'size':>8} {'bytes':>11} {'time (us)':>11} {'algbw GB/s':>11} {'busbw GB/s':>11}")
+    for r in rows:
+        print(f"{r['op']:>14} {fmt_bytes(r['bytes']):>8} {r['bytes']:>11} {r['time_s'] * 1e6:>11.1f} "
+              f"{r['algbw_gbps']:>11.3f} {r['busbw_gbps']:>11.3f}")
+    return 0
