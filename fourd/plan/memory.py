@@ -50,22 +50,27 @@ def state_bytes_per_param(zero: int, dp: int, dtype_bytes: int = 2) -> tuple[flo
 # ---- parameters on each pipeline stage ---------------------------------------------------------------
 
 def stage_layers(layers: int, pp: int, virtual_stages: int = 1) -> list[int]:
-    """Transformer layers of each of the pp·V pipeline stages, in model order.
-
-    The first stage also embeds and the last computes the output and the loss. When layers + 2 divides
-    evenly, each of those two counts as a layer and so holds one layer fewer, as Llama 3 405B does (126
-    layers = 16 stages of 8, first and last 7; Llama 3 §3.3.2); otherwise layers are split evenly, with
-    the remainder going to the middle stages.
+    """Transformer layers of each of the pp·V pipeline stages, in model order, split as the trainer splits
+    them (fourd.parallel.pp.layer_split): the first and last stage also embed and compute the output, so
+    each counts that as a layer and holds one fewer (Llama 3 §3.3.2: 126 layers in 16 stages are 7, 8, ...,
+    8, 7); remainders go to the middle stages first. Beyond the trainer, the planner lets the first and last
+    stage hold only the embedding and the output when layers + 2 = pp·V (405B: 128 stages of one layer).
     """
     n = pp * virtual_stages
-    if (layers + 2) % n == 0 and layers + 2 > n:
-        per = (layers + 2) // n
-        return [per - 1] + [per] * (n - 2) + [per - 1] if n > 1 else [layers]
+    if n == 1:
+        return [layers]
+    base, extra = divmod(layers + 2, n)
+    counts = [base] * n
+    for s in [*range(1, n - 1), 0, n - 1][:extra]:
+        counts[s] += 1
+    counts[0] -= 1
+    counts[-1] -= 1
+    if min(counts[1:-1], default=1) >= 1 and (min(counts) >= 1 or layers + 2 == n):
+        return counts
     base, extra = divmod(layers, n)
     counts = [base] * n
-    start = (n - extra) // 2
-    for i in range(start, start + extra):
-        counts[i] += 1
+    for s in [*range(1, n - 1), 0, n - 1][:extra]:
+        counts[s] += 1
     return counts
 
 
@@ -120,20 +125,23 @@ def gpt_activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1, s
 
 
 def in_flight(schedule: str, pp: int, microbatches: int, virtual_stages: int, rank: int) -> float:
-    """Microbatches whose activations pipeline rank `rank` holds at its peak, in units of all its layers.
+    """Microbatches whose activations pipeline rank `rank` holds at its peak, in units of all its layers
+    (the closed forms of fourd.schedules' action lists, which the tests check against).
 
-    GPipe: all m (every forward before any backward). 1F1B and zero-bubble ZB-H1: p − rank (Narayanan
-    et al. 2021 §2.2; Qi et al. 2023 §3). Interleaved: rank r runs 2(p − r − 1) + (V − 1)·p warm-up
-    forwards of one stage each (Megatron-LM's interleaved 1F1B) and one more, so the peak is that many
-    stages of 1/V of its layers each.
-    """
+    GPipe: all m (every forward before any backward). 1F1B: p − rank (Narayanan et al. 2021 §2.2). ZB-H1:
+    p on every rank, its deferred weight gradients keeping inputs alive (Qi et al. 2023 §3.1). Interleaved:
+    (V − 1)·R + 2(p − rank − 1) warm-up forwards of one stage (1/V of the layers) each and one more, R the
+    first round of microbatches (at least p; fourd.schedules)."""
     m, p, v = microbatches, pp, virtual_stages
     if schedule == "gpipe":
         return m
-    if schedule in ("1f1b", "zero-bubble"):
+    if schedule == "1f1b":
         return min(p - rank, m)
-    chunks = min(m * v, 2 * (p - rank - 1) + (v - 1) * p + 1)
-    return chunks / v
+    if schedule == "zero-bubble":
+        return min(p, m)
+    rounds = max(1, m // p)
+    first_round = -(-m // rounds)
+    return min(m * v, (v - 1) * first_round + 2 * (p - rank - 1) + 1) / v
 
 
 @dataclass(frozen=True)

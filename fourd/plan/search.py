@@ -110,8 +110,8 @@ class Plan:
 
 def split_ok(layers: int, stages: int) -> bool:
     """Whether `stages` pipeline stages can each get a layer (first and last may hold just the embedding and
-    the output when layers + 2 divides evenly)."""
-    return stages <= layers or ((layers + 2) % stages == 0 and stages <= layers + 2)
+    the output when there are exactly layers + 2 stages; see memory.stage_layers)."""
+    return stages <= layers or stages == layers + 2
 
 
 def tp_ok(model, tp: int) -> bool:
@@ -143,7 +143,7 @@ def check(model, cluster: Cluster, config: Config, seq: int, global_seqs: int) -
     stages = lay.pp * c.virtual_stages
     if not split_ok(model.layers, stages):
         raise FourdError(f"pp={lay.pp} × {c.virtual_stages} virtual stage(s) = {stages} stages for {model.layers} layers: "
-                         f"use at most {model.layers} stages (or {model.layers + 2} when embedding and output take one each)")
+                         f"use at most {model.layers} stages, or exactly {model.layers + 2} (embedding and output a stage each)")
     if global_seqs % lay.dp:
         raise FourdError(f"the global batch of {global_seqs} sequences does not split over dp={lay.dp}: "
                          f"choose --global-batch-tokens a multiple of dp·seq = {lay.dp * seq}")
@@ -196,7 +196,7 @@ def layouts(model, cluster: Cluster, gpus: int, seq: int, global_seqs: int) -> l
 def _virtual_stages(layers: int, pp: int) -> list[int]:
     """V values that split the layers cleanly: every stage the same, or first and last one fewer."""
     return [v for v in range(2, (layers + 2) // pp + 1)
-            if layers % (pp * v) == 0 or (layers + 2) % (pp * v) == 0]
+            if split_ok(layers, pp * v) and (layers % (pp * v) == 0 or (layers + 2) % (pp * v) == 0)]
 
 
 def configs(model, cluster: Cluster, gpus: int, seq: int, global_seqs: int, layout: Layout | None = None,
