@@ -129,3 +129,20 @@ def test_generate_cli_bad_input(trained, capsys, argv, needle):
 def test_generate_refuses_a_directory_without_manifest(tmp_path, capsys):
     assert main(["generate", "--ckpt", str(tmp_path), "--prompt", "a"]) == 2
     assert "no manifest.json; not a fourd checkpoint" in capsys.readouterr().err
+
+
+def test_eval_holdout_scores_the_corpus_tail(trained, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FOURD_HOME", str(tmp_path / "home"))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(b"".join((STDLIB / f).read_bytes() for f in ("textwrap.py", "shlex.py")))
+    raw = corpus.read_bytes()
+    tail = list(raw[int(len(raw) * 0.9):])  # data.holdout_fraction = 0.1: the last tenth
+    argv = ["generate", "--ckpt", str(trained[0]), "--eval-holdout", str(corpus), "--holdout-fraction", "0.1",
+            "--eval-seq", "256", "--json"]
+    assert main(argv) == 0
+    got = json.loads(capsys.readouterr().out)
+    model, _ = load_model(trained[0])
+    assert got["tokens"] == len(tail) - 1
+    assert got["perplexity"] == perplexity(model, tail, 256)["perplexity"]
+    assert main(argv + ["--eval-tokens", "1000"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == 999

@@ -6,6 +6,7 @@
     fourd generate --ckpt DIR --tokenizer tokenizer.json --prompt "Hello"
     fourd generate --ckpt DIR --eval-file held_out.py --json                # nll_per_token, perplexity
     fourd generate --ckpt runs/make-run --prompt "import "                  # a run's newest checkpoint
+    fourd generate --ckpt runs/make-run --eval-holdout --json               # the stdlib tail training never saw
 
 The tokenizer is byte-level (ids are UTF-8 bytes) unless --tokenizer names a local tokenizer.json or
 tiktoken BPE file. Generation stops after --max-new-tokens or at a stop id (--stop-id, else the
@@ -31,6 +32,8 @@ def add_arguments(p) -> None:
     what.add_argument("--prompt", metavar="TEXT", help="prompt text, encoded with --tokenizer")
     what.add_argument("--prompt-ids", metavar="IDS", help="prompt token ids, comma separated")
     what.add_argument("--eval-file", metavar="FILE", help="score this text file instead: per-token NLL and perplexity")
+    what.add_argument("--eval-holdout", nargs="?", const="", metavar="CORPUS",
+                      help="score the held-out tail of a training corpus (default: the standard library, as `fourd train`)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--greedy", action="store_true", help="always take the most likely token")
     p.add_argument("--top-p", type=float, default=0.9, help="sample from the smallest set of tokens holding this much probability")
@@ -38,7 +41,9 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop-id", type=int, action="append", metavar="ID", help="stop after generating this id (repeatable)")
     p.add_argument("--tokenizer", default="byte", metavar="PATH", help="'byte' (default), tokenizer.json or a tiktoken BPE file")
-    p.add_argument("--eval-seq", type=int, default=None, help="--eval-file: tokens per window (default: min(model max_seq, 1024))")
+    p.add_argument("--eval-seq", type=int, default=None, help="scoring: tokens per window (default: min(model max_seq, 1024))")
+    p.add_argument("--eval-tokens", type=int, default=65536, help="--eval-holdout: score the first N held-out tokens (0: all)")
+    p.add_argument("--holdout-fraction", type=float, default=0.01, help="--eval-holdout: the run's data.holdout_fraction")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -53,7 +58,7 @@ def run(args) -> int:
         raise FourdError(f"--temperature {args.temperature} must be > 0 (use --greedy for the most likely token)")
     tok = load_tokenizer(args.tokenizer)
     model, manifest = load_model(args.ckpt)
-    if args.eval_file:
+    if args.eval_file is not None or args.eval_holdout is not None:
         return _run_eval(args, model, tok)
     if args.prompt_ids is not None:
         try:
@@ -77,17 +82,31 @@ def run(args) -> int:
 
 
 def _run_eval(args, model, tok) -> int:
-    try:
-        text = open(args.eval_file, encoding="utf-8").read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise FourdError(f"--eval-file {args.eval_file!r} cannot be read as UTF-8 text: {e}") from None
+    if args.eval_holdout is not None:
+        ids = holdout_ids(args.eval_holdout, args.tokenizer, args.holdout_fraction)
+        ids = ids[:args.eval_tokens] if args.eval_tokens > 0 else ids
+    else:
+        try:
+            text = open(args.eval_file, encoding="utf-8").read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise FourdError(f"--eval-file {args.eval_file!r} cannot be read as UTF-8 text: {e}") from None
+        ids = tok.encode(text)
     seq = args.eval_seq or min(model.cfg.max_seq, 1024)
-    result = perplexity(model, tok.encode(text), seq)
+    result = perplexity(model, ids, seq)
     if args.json:
         print(json.dumps(result))
     else:
         print(f"{result['tokens']} tokens: {result['nll_per_token']:.4f} nats/token, perplexity {result['perplexity']:.3f}")
     return 0
+
+
+def holdout_ids(corpus: str, tokenizer: str, fraction: float) -> list[int]:
+    """The tail of a corpus that `fourd train` keeps out of training (same corpus, tokenizer and fraction)."""
+    from fourd.data.dataset import SampleStream, prepare
+
+    if not 0 < fraction < 0.5:
+        raise FourdError(f"--holdout-fraction {fraction} must be in (0, 0.5), as the run's data.holdout_fraction")
+    return SampleStream(prepare(corpus, tokenizer), seq_len=1, seed=0, holdout_fraction=fraction).holdout().tolist()
 
 
 def _eos_ids(manifest: dict) -> list[int]:
