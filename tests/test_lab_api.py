@@ -123,3 +123,36 @@ def test_trace_opens_only_chrome_json_under_the_trace_dir(tmp_path):
     (tmp_path / "outside.json").write_text("[]")
     with pytest.raises(FourdError, match="outside the lab's --trace-dir"):
         api.trace({"path": "link.json"}, trace_dir=root)
+
+
+PLAN_405B = {"model": "llama3-405b", "cluster": "llama3-h100", "gpus": "16384", "layout": "tp=8,pp=16,dp=128",
+             "schedule": "interleaved", "microbatches": "16", "seq": "8192"}
+
+
+def test_plan_panel_is_fourd_plan_with_one_memory_bar_per_pipeline_rank():
+    d = api.plan(PLAN_405B)
+    plan = d["plan"]
+    assert plan["layout"] == {"tp": 8, "cp": 1, "pp": 16, "dp": 128}
+    assert (plan["schedule"], plan["microbatches"], plan["micro_batch_seqs"]) == ("interleaved", 16, 1)
+    assert plan["chosen_by_planner"] == ["virtual stages", "zero", "recompute"]
+    assert d["gpu_memory_gb"] == 80.0
+    assert [b["label"] for b in d["memory"]] == [f"pipeline rank {r}" for r in range(16)]
+    # the plan's memory is its fullest GPU's
+    assert max(b["total"] for b in d["memory"]) == pytest.approx(plan["memory_gb"]["total"], abs=1e-3)
+    assert 0 < plan["mfu"] < 1 and d["why"][0].startswith("Pipeline bubble: each replica gets 16 sequences")
+
+
+@pytest.mark.parametrize("q,message", [
+    ({"layout": "tp=8,pp=16", "gpus": "256"}, "layout=tp=8,cp=1,pp=16,dp=1 uses 128 GPUs but gpus=256: make the "
+                                              "product of the degrees equal 256"),
+    ({"model": "llama3-1t", "gpus": "8"}, "model='llama3-1t': choose one of debug, small, llama3-8b, llama3-70b, llama3-405b"),
+    ({"gpus": "0"}, "gpus=0 is out of range: give an integer from 1 to 24576"),
+    ({"gpus": "8", "seq": "8192", "global_batch_tokens": "1000"},
+     "global_batch_tokens=1000 is not a whole number of 8192-token sequences: use a multiple of 8192"),
+    ({**PLAN_405B, "microbatches": "7"}, "--microbatches 7 does not divide the 16 sequences per DP replica: choose a divisor of 16"),
+    ({**PLAN_405B, "cluster": "../x"}, "cluster='../x': give a cluster profile name such as llama3-h100"),
+])
+def test_plan_panel_refuses_bad_settings(q, message):
+    with pytest.raises(FourdError) as e:
+        api.plan(q)
+    assert str(e.value) == message

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -206,10 +207,19 @@ def test_cli_binds_loopback_by_default_and_prints_its_url():
         assert m, line
         port = int(m.group(1))
         assert _listening_address(port) == "127.0.0.1"
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-        conn.request("GET", "/?p=16&m=16&schedule=gpipe")
-        assert conn.getresponse().status == 200
-        conn.close()
+
+        def get(target):
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            conn.request("GET", target)
+            status = conn.getresponse().status
+            conn.close()
+            return status
+
+        # The page's first requests arrive together, each on its own thread, in a fresh process.
+        targets = ["/api/schedule?p=6&m=10&schedule=zero-bubble", "/api/cluster?layout=tp%3D8%2Cpp%3D16",
+                   "/api/options", "/?p=16&m=16&schedule=gpipe"]
+        with ThreadPoolExecutor(len(targets)) as pool:
+            assert list(pool.map(get, targets)) == [200] * len(targets)
     finally:
         proc.terminate()
         proc.wait(timeout=10)

@@ -8,8 +8,10 @@ HTTP 400) and shapes the answers for the page.
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
+import threading
 from pathlib import Path
 
 from fourd.errors import FourdError
@@ -64,13 +66,27 @@ def _choice(q: dict[str, str], name: str, choices, default: str | None = None) -
     return value
 
 
-def _import(what: str):
-    import importlib
+# What the endpoints call. They are imported when the server starts, in one thread: modules first
+# imported by two request threads at once can meet half-initialized (an import cycle across threads).
+DEPENDENCIES = ("fourd.model.config", "fourd.schedules", "fourd.sim.pipeline", "fourd.parallel.layout",
+                "fourd.plan.cluster", "fourd.plan.search", "fourd.plan.memory", "fourd.plan.cli", "fourd.plan.report")
+_import_lock = threading.Lock()
 
-    try:
-        return importlib.import_module(what)
-    except ModuleNotFoundError as e:
-        raise Unavailable(f"{what} is not available in this installation ({e})") from e
+
+def preload() -> None:
+    for name in DEPENDENCIES:
+        try:
+            _import(name)
+        except Unavailable:
+            pass  # the endpoint that needs it answers 503 naming it
+
+
+def _import(what: str):
+    with _import_lock:
+        try:
+            return importlib.import_module(what)
+        except ModuleNotFoundError as e:
+            raise Unavailable(f"{what} is not available in this installation ({e})") from e
 
 
 def schedule(q: dict[str, str], **_) -> dict:
@@ -132,6 +148,59 @@ def cluster(q: dict[str, str], **_) -> dict:
     }
 
 
+def plan(q: dict[str, str], **_) -> dict:
+    """The planner panel: `fourd plan` for one configuration, with memory per GPU of each pipeline rank.
+
+    Settings left out are chosen by the planner (fastest that fits), as on the command line.
+    """
+    _known(q, "model", "cluster", "gpus", "layout", "schedule", "microbatches", "v", "seq", "global_batch_tokens",
+           "zero", "recompute")
+    config, layouts = _import("fourd.model.config"), _import("fourd.parallel.layout")
+    clusters, search, memory = _import("fourd.plan.cluster"), _import("fourd.plan.search"), _import("fourd.plan.memory")
+    plan_cli, report = _import("fourd.plan.cli"), _import("fourd.plan.report")
+    model = config.get_preset(_choice(q, "model", list(config.PRESETS), "llama3-405b"))
+    cluster = clusters.load_cluster(_profile_name(q.get("cluster") or "llama3-h100"))
+    layout = layouts.parse_layout(q["layout"]) if q.get("layout") else None
+    gpus = _int(q, "gpus", 1, cluster.total_gpus, layout.world if layout else None)
+    if layout and layout.world != gpus:
+        raise FourdError(f"layout={layout} uses {layout.world} GPUs but gpus={gpus}: make the product of the degrees "
+                         f"equal {gpus}")
+    seq = _int(q, "seq", 2, 1 << 22, model.max_seq)
+    tokens = plan_cli.count(q.get("global_batch_tokens") or "16M")
+    if tokens % seq or tokens < seq:
+        raise FourdError(f"global_batch_tokens={q.get('global_batch_tokens') or '16M'} is not a whole number of "
+                         f"{seq}-token sequences: use a multiple of {seq}")
+    global_seqs = int(tokens // seq)
+    fixed = {"layout": layout,
+             "schedule": _choice(q, "schedule", search.SCHEDULES) if q.get("schedule") else None,
+             "microbatches": _int(q, "microbatches", 1, global_seqs) if q.get("microbatches") else None,
+             "virtual_stages": _int(q, "v", 1, model.layers) if q.get("v") else None,
+             "zero": _int(q, "zero", 0, 3) if q.get("zero") else None}
+    recompute = _choice(q, "recompute", search.RECOMPUTE) if q.get("recompute") else None
+    if layout and fixed["schedule"] and fixed["microbatches"]:
+        sched = fixed["schedule"]
+        v = fixed["virtual_stages"] or (2 if sched == "interleaved" and layout.pp > 1 else 1)
+        search.check(model, cluster, search.Config(layout, sched, fixed["microbatches"], v,
+                                                   1 if fixed["zero"] is None else fixed["zero"], recompute or "none"),
+                     seq, global_seqs)
+    left_open = [name for name, value in (("layout", layout), ("schedule", fixed["schedule"]),
+                                          ("virtual stages", fixed["virtual_stages"]),
+                                          ("microbatches", fixed["microbatches"]), ("zero", fixed["zero"]),
+                                          ("recompute", recompute)) if value is None]
+    plans = search.search(model, cluster, gpus, seq, global_seqs, recompute=recompute, chosen=left_open, **fixed)
+    if not plans:
+        raise FourdError(f"no configuration of {gpus} GPUs runs {q.get('model') or 'llama3-405b'} with {seq}-token "
+                         f"sequences: change gpus, seq or the layout")
+    best = plans[0]
+    c = best.config
+    bars = []
+    for r in range(c.layout.pp):
+        m = memory.rank_memory(model, cluster, c.layout, seq, best.micro_seqs, c.schedule, c.microbatches,
+                               c.virtual_stages, c.zero, c.recompute, r).gb()
+        bars.append({"label": f"pipeline rank {r}", **m})
+    return {"plan": best.to_json(), "memory": bars, "gpu_memory_gb": cluster.gpu.memory_gb, "why": report.why(best)}
+
+
 def _profile_name(text: str) -> str:
     # Names only: a path here would let any page that reaches the lab read files on this machine.
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", text) or text.endswith(".toml"):
@@ -170,9 +239,7 @@ def trace(q: dict[str, str], *, trace_dir: Path, **_) -> dict:
 def options(q: dict[str, str], **_) -> dict:
     """What the page's selectors offer: model presets, cluster profiles, schedules and the bench's ranges."""
     _known(q)
-    from fourd.model.config import PRESETS
-
-    return {"models": list(PRESETS), "clusters": _import("fourd.plan.cluster").preset_names(),
+    return {"models": list(_import("fourd.model.config").PRESETS), "clusters": _import("fourd.plan.cluster").preset_names(),
             "schedules": list(_import("fourd.schedules").SCHEDULES),
             "ranges": {"p": P_RANGE, "m": M_RANGE, "v": V_RANGE}}
 
@@ -181,5 +248,6 @@ ENDPOINTS = {
     "options": options,
     "schedule": schedule,
     "cluster": cluster,
+    "plan": plan,
     "trace": trace,
 }

@@ -29,6 +29,7 @@ from pathlib import Path
 from urllib.parse import parse_qsl, urlsplit
 
 from fourd.errors import FourdError
+from fourd.lab import api
 
 STATIC_DIR = Path(__file__).with_name("static")
 _LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1", "[::1]"}
@@ -67,9 +68,15 @@ class LabServer(ThreadingHTTPServer):
             super().__init__((host, port), _Handler)
         except OSError as e:
             raise FourdError(f"cannot listen on {host}:{port} ({e.strerror}); choose another --port, or --port 0") from e
+        api.preload()
         self.static = load_static(static_dir)
         self.trace_dir = trace_dir.resolve()
         self.loopback_only = _is_loopback(host)
+
+    def handle_error(self, request, client_address):
+        if isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError)):
+            return  # the browser closed a connection it no longer needed; nothing went wrong here
+        super().handle_error(request, client_address)
 
     @property
     def url(self) -> str:
@@ -160,8 +167,6 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(HTTPStatus.OK, data, ctype, body=body)
 
     def _api(self, endpoint: str, query: str, body: bool):
-        from fourd.lab import api
-
         handler = api.ENDPOINTS.get(endpoint)
         if handler is None:
             return self._error(HTTPStatus.NOT_FOUND, f"no API endpoint {endpoint!r}; "

@@ -197,7 +197,7 @@ async function updateCluster() {
 // ---------------------------------------------------------------- the planner panel
 
 const fetchPlan = latest((q) => api("plan", q));
-const MEMORY_PARTS = ["params", "grads", "optimizer", "activations"];
+const MEMORY_PARTS = ["params", "grads", "optimizer", "activations", "other", "reserve"];
 
 function formParams(form) {
   const q = {};
@@ -220,20 +220,27 @@ async function updatePlan() {
   $("plan-step").textContent = `${plan.step_time_s.toFixed(2)} s`;
   $("plan-tflops").textContent = `${plan.tflops_per_gpu.toFixed(0)} TFLOP/s`;
   $("plan-fits").textContent = plan.fits ? "fits" : "does not fit";
+  const lay = Object.entries(plan.layout).map(([k, v]) => `${k}=${v}`).join(",");
+  const chosen = plan.chosen_by_planner.length ? ` · chosen by the planner: ${plan.chosen_by_planner.join(", ")}` : "";
+  $("plan-config").textContent = `${lay} · ${plan.schedule}${plan.schedule === "interleaved" ? ` V=${plan.virtual_stages}` : ""}`
+    + ` · ${plan.microbatches} microbatches of ${plan.micro_batch_seqs} sequences · ZeRO ${plan.zero}`
+    + ` · recompute ${plan.recompute}${chosen}`;
+  $("plan-why").replaceChildren(...data.why.map((t) => el("li", { text: t })));
   const cap = data.gpu_memory_gb;
-  const most = Math.max(cap, ...data.memory.map((m) => m.total));
+  const used = (m) => MEMORY_PARTS.reduce((sum, part) => sum + m[part], 0);
+  const most = Math.max(1.02 * cap, ...data.memory.map(used));  // room to show the red line
   const bars = data.memory.map((m) => {
     const bar = el("div", { class: "bar" });
     el("span", { class: "label", text: m.label }, bar);
-    const track = el("div", { class: "track", title: `${m.total.toFixed(1)} GB of ${cap} GB` }, bar);
+    const track = el("div", { class: "track", title: `${used(m).toFixed(1)} GB of ${cap} GB` }, bar);
     let at = 0;
     for (const part of MEMORY_PARTS) {
-      el("div", { class: `seg ${part}`, title: `${part}: ${m[part].toFixed(1)} GB`,
+      el("div", { class: `seg ${part}`, title: `${part}: ${m[part].toFixed(2)} GB`,
                   style: `left:${(100 * at / most).toFixed(3)}%;width:${(100 * m[part] / most).toFixed(3)}%` }, track);
       at += m[part];
     }
     el("div", { class: "cap", style: `left:${(100 * cap / most).toFixed(3)}%` }, track);
-    el("span", { text: `${m.total.toFixed(1)} GB` }, bar);
+    el("span", { text: `${used(m).toFixed(1)} GB` }, bar);
     return bar;
   });
   const legend = el("div", { class: "legend" });
@@ -241,7 +248,7 @@ async function updatePlan() {
     el("span", { class: `sw seg ${part}`, style: "position:static" }, legend);
     legend.append(` ${part} `);
   }
-  legend.append(`· red line: ${cap} GB per GPU`);
+  legend.append(`· red line: the GPU's ${cap} GB`);
   $("memory").replaceChildren(...bars, legend);
 }
 
@@ -282,11 +289,14 @@ function traceRows(events) {
   const t0 = Math.min(...all.flatMap((r) => r.blocks.map((b) => b.ts)));
   const t1 = Math.max(...all.flatMap((r) => r.blocks.map((b) => b.ts + b.dur)));
   all.sort((a, b) => (a.pid - b.pid) || (a.tid - b.tid));
+  // The trainer and the simulator name compute events by action ("F3.0", "I1.2", "W"); others stay grey.
   const kind = (name) => {
+    const m = /^([FBIW])(?![A-Za-z])/.exec(name);
+    if (m) return m[1];
     const n = name.toLowerCase();
-    if (/^(f|fwd|forward)\b/.test(n) || n.startsWith("forward")) return "F";
-    if (/^(b|i|bwd|backward)\b/.test(n) || n.startsWith("backward")) return "B";
-    if (/^w\b/.test(n) || n.startsWith("weight")) return "W";
+    if (n.startsWith("forward") || n.startsWith("fwd")) return "F";
+    if (n.startsWith("backward") || n.startsWith("bwd")) return "B";
+    if (n.startsWith("weight")) return "W";
     return "other";
   };
   return {

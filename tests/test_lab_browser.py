@@ -1,0 +1,196 @@
+"""The lab page in a real headless Chromium (Debian's, driven by Playwright): the seed's readouts,
+blocks drawn per stage as the schedule says, the URL following the sliders, the cluster row, traces.
+A screenshot of the bench is kept in test-artifacts/."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import struct
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from fourd.lab.server import make_server, serve_in_thread
+from fourd.schedules import build_schedule
+
+CHROMIUM = shutil.which("chromium")
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (`make install` installs it)")
+sync_api = pytest.importorskip("playwright.sync_api")
+expect = sync_api.expect
+
+FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync"]
+ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+
+
+@pytest.fixture(scope="module")
+def url():
+    server = make_server("127.0.0.1", 0)
+    serve_in_thread(server)
+    yield server.url
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    pw = sync_api.sync_playwright().start()
+    b = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+    yield b
+    b.close()
+    pw.stop()
+
+
+@pytest.fixture
+def page(browser):
+    p = browser.new_page(viewport={"width": 1280, "height": 900})
+    errors = []
+    p.on("pageerror", lambda e: errors.append(str(e)))
+    p.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    p.lab_errors = errors  # a test that provokes an error takes it off this list
+    yield p
+    p.close()
+    assert errors == []
+
+
+def test_dump_dom_shows_the_seed_readouts(url, tmp_path):
+    """What a plain `chromium --dump-dom` sees once the page has loaded (no scripting of the page)."""
+    for query, idle, speedup in (("p=16&m=16&schedule=gpipe", "48.4 %", "8.26×"),
+                                 ("p=16&m=64&schedule=gpipe", "19.0 %", "12.96×"),
+                                 ("p=1&m=16&schedule=gpipe", "0.0 %", "1.00×")):
+        dom = subprocess.run([CHROMIUM, "--headless", *FLAGS, f"--user-data-dir={tmp_path / 'profile'}",
+                              "--virtual-time-budget=5000", "--dump-dom", f"{url}?{query}"],
+                             capture_output=True, text=True, timeout=60).stdout
+        assert f'<output id="idle">{idle}</output>' in dom, query
+        assert f'<output id="speedup">{speedup}</output>' in dom, query
+
+
+def drawn(page):
+    """Per timeline row: the kinds of its blocks, left to right in drawing order."""
+    return page.evaluate("""[...document.querySelectorAll('#timeline g.row')].map(
+        (g) => [...g.querySelectorAll('rect.blk')].map((r) => r.classList[1]))""")
+
+
+@pytest.mark.parametrize("schedule,p,m,v", [("gpipe", 4, 6, 1), ("1f1b", 5, 7, 1), ("interleaved", 4, 8, 2),
+                                            ("zero-bubble", 4, 6, 1), ("gpipe", 16, 64, 1)])
+def test_blocks_per_stage_are_the_schedules_actions(page, url, schedule, p, m, v):
+    query = f"p={p}&m={m}&schedule={schedule}" + (f"&v={v}" if v > 1 else "")
+    page.goto(f"{url}?{query}")
+    sched = build_schedule(schedule, p, m, v)
+    expect(page.locator("#timeline g.row")).to_have_count(p)
+    rows = drawn(page)
+    assert [len(r) for r in rows] == [len(a) for a in sched.ranks]
+    assert rows == [[a.kind for a in actions] for actions in sched.ranks]
+    peaks = page.locator("#timeline text.peak").all_text_contents()[:p]
+    assert peaks == [f"peak {sched.peak_in_flight(r) / v:g}" for r in range(p)]
+
+
+def test_sliders_update_the_readouts_and_the_url(page, url):
+    page.goto(f"{url}?p=16&m=16&schedule=gpipe")
+    expect(page.locator("#idle")).to_have_text("48.4 %")
+    page.locator("#m").fill("64")
+    expect(page.locator("#idle")).to_have_text("19.0 %")
+    expect(page).to_have_url(f"{url}?p=16&m=64&schedule=gpipe")
+    page.locator("#p").fill("1")
+    expect(page.locator("#idle")).to_have_text("0.0 %")
+    expect(page.locator("#speedup")).to_have_text("1.00×")
+    expect(page).to_have_url(f"{url}?p=1&m=64&schedule=gpipe")
+    page.locator("#schedule").select_option("interleaved")
+    page.locator("#p").fill("8")
+    page.locator("#v").fill("4")
+    expect(page).to_have_url(f"{url}?p=8&m=64&schedule=interleaved&v=4")
+    # bubble/compute (p−1)/(V·m) = 7/256 of a 3·64-unit step
+    expect(page.locator("#idle")).to_have_text(f"{100 * 7 / (256 + 7):.1f} %")
+    page.reload()
+    expect(page.locator("#p-value")).to_have_text("8")
+    expect(page.locator("#v-value")).to_have_text("4")
+    expect(page.locator("#schedule")).to_have_value("interleaved")
+
+
+def test_out_of_range_link_is_clamped_to_the_sliders(page, url):
+    page.goto(f"{url}?p=99&m=0&schedule=nonsense")
+    expect(page.locator("#p-value")).to_have_text("16")
+    expect(page.locator("#m-value")).to_have_text("1")
+    expect(page.locator("#schedule")).to_have_value("gpipe")
+    expect(page.locator("#idle")).to_have_text(f"{100 * 15 / 16:.1f} %")
+
+
+def test_screenshot_of_the_bench_is_kept(page, url):
+    page.goto(f"{url}?p=16&m=16&schedule=gpipe")
+    expect(page.locator("#idle")).to_have_text("48.4 %")
+    ARTIFACTS.mkdir(exist_ok=True)
+    shot = ARTIFACTS / "lab-bench-p16-m16-gpipe.png"
+    page.screenshot(path=str(shot), full_page=True)
+    data = shot.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert struct.unpack(">I", data[16:20])[0] == 1280
+
+
+def test_cluster_row_colours_the_groups_of_a_layout(page, url):
+    page.goto(f"{url}?p=4&m=4")
+    gpus = page.locator("#racks .gpu[data-rank]")
+    expect(gpus).to_have_count(128)
+    expect(page.locator("#racks .rack")).to_have_count(8)
+    expect(page.locator("#racks .server")).to_have_count(16)
+
+    def colours():
+        return len(set(page.evaluate("[...document.querySelectorAll('#racks .gpu[data-rank]')]"
+                                     ".map((g) => g.style.background)")))
+
+    assert colours() == 8  # tp=8,pp=16 coloured by pipeline: one pipeline per GPU slot of a server
+    page.locator("#colour-by").select_option("tp")
+    expect(page.locator('#racks .gpu[data-rank="127"]')).to_have_attribute("data-group", "120")
+    assert colours() == 16  # one TP group per server
+    page.locator("#layout").fill("tp=2,cp=2,pp=4,dp=2")
+    expect(page.locator("#racks .gpu.unused")).to_have_count(128 - 32)
+    expect(page.locator("#spans li")).to_have_text([
+        "TP: 16 groups of 2, each inside one server (NVLink)",
+        "CP: 16 groups of 2, each inside one server (NVLink)",
+        "PP: 8 groups of 4, each inside one rack",
+        "DP: 16 groups of 2, each across racks inside one pod",  # ranks r and r+16: two racks
+    ])
+    assert "layout=tp%3D2%2Ccp%3D2%2Cpp%3D4%2Cdp%3D2" in page.url
+    page.locator("#layout").fill("tp=3,zz=1")
+    expect(page.locator("#cluster-error")).to_have_text(
+        "layout 'tp=3,zz=1': bad item 'zz=1'; write key=value with keys tp, cp, pp, dp")
+    assert page.lab_errors == ["Failed to load resource: the server responded with a status of 400 (Bad Request)"]
+    page.lab_errors.clear()
+
+
+def test_a_measured_trace_opens_from_a_file(page, url, tmp_path):
+    events = [{"ph": "M", "name": "thread_name", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}} for r in range(2)]
+    events += [{"ph": "X", "name": f"{k}0.{j}", "pid": 0, "tid": r, "ts": 1000 * (j + 3 * r + (k == "B")), "dur": 800}
+               for r in range(2) for j in range(3) for k in "FB"]
+    events += [{"ph": "B", "name": "W", "pid": 0, "tid": 1, "ts": 20000}, {"ph": "E", "name": "W", "pid": 0, "tid": 1, "ts": 21000}]
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    page.goto(url)
+    page.locator("#trace-file").set_input_files(str(trace))
+    page.locator("#trace-form button[type=submit]").click()
+    rows = page.locator("#measured g.row")
+    expect(rows).to_have_count(2)
+    expect(page.locator("#measured g.row text").first).to_have_text("rank 0")
+    kinds = page.evaluate("""[...document.querySelectorAll('#measured g.row')].map(
+        (g) => [...g.querySelectorAll('rect.blk')].map((r) => r.classList[1]))""")
+    assert kinds == [["F", "B"] * 3, ["F", "B"] * 3 + ["W"]]
+    assert re.fullmatch(r"0 ms", page.locator("#measured text.peak").first.text_content())
+
+
+def test_planner_panel_shows_the_plans_mfu_and_a_memory_bar_per_pipeline_rank(page, url):
+    from fourd.lab import api
+
+    page.goto(url)
+    plan = api.plan({"model": "llama3-405b", "cluster": "llama3-h100", "gpus": "16384", "layout": "tp=8,pp=16,dp=128",
+                     "schedule": "interleaved", "microbatches": "16", "seq": "8192",
+                     "global_batch_tokens": "16M"})["plan"]
+    expect(page.locator("#plan-mfu")).to_have_text(f"{100 * plan['mfu']:.1f} %")
+    expect(page.locator("#memory .bar")).to_have_count(16)
+    page.locator("#plan-layout").fill("tp=8,pp=4,dp=2")
+    page.locator("#plan-gpus").fill("64")
+    page.locator("#plan-model").select_option("llama3-70b")
+    page.locator("#plan-form button[type=submit]").click()
+    expect(page.locator("#memory .bar")).to_have_count(4)
+    expect(page.locator("#plan-config")).to_contain_text("tp=8,cp=1,pp=4,dp=2 · interleaved")
