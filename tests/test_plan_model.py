@@ -1,0 +1,173 @@
+"""The planner's time and memory model: kernels, placement, schedules, and Llama 3 Table 4."""
+
+import dataclasses
+
+import pytest
+
+from fourd.model.config import get_preset
+from fourd.parallel.layout import Layout
+from fourd.parallel.pp import layer_split
+from fourd.plan.cluster import Group, group_bandwidth, group_level, load_cluster, placement
+from fourd.plan.memory import in_flight, stage_layers
+from fourd.plan.perf import (KERNEL_LAUNCH_S, StageTime, bubble_time, chunk_times, collective_time, gemm_time,
+                             stage_compute_time, step_time)
+from fourd.plan.report import why
+from fourd.plan.search import Config, evaluate, search
+from fourd.schedules import build_schedule
+
+H100 = load_cluster("llama3-h100")
+L405 = get_preset("llama3-405b")
+TABLE4 = [(Layout(8, 1, 16, 64), 8192, 0.43), (Layout(8, 1, 16, 128), 8192, 0.41), (Layout(8, 16, 16, 8), 131072, 0.38)]
+
+
+def _table4(layout, seq):
+    gs = 2 ** 24 // seq
+    return evaluate(L405, H100, Config(layout, "interleaved", gs // layout.dp, 8, 1, "selective"), seq, gs)
+
+
+@pytest.mark.parametrize("layout,seq,mfu", TABLE4)
+def test_llama3_table4_rows_within_two_points(layout, seq, mfu):
+    plan = _table4(layout, seq)
+    assert plan.fits
+    assert abs(plan.mfu - mfu) <= 0.02
+
+
+def test_the_drop_from_43_to_41_is_the_bubble_of_half_the_microbatches():
+    a, b = _table4(*TABLE4[0][:2]), _table4(*TABLE4[1][:2])
+    assert (a.config.microbatches, b.config.microbatches) == (32, 16)
+    # same work per microbatch; the bubble relative to compute doubles: 15/(8·32) -> 15/(8·16)
+    assert a.step.per_microbatch == b.step.per_microbatch
+    assert a.step.bubble_s / a.step.compute_s == pytest.approx(15 / 256)
+    assert b.step.bubble_s / b.step.compute_s == pytest.approx(15 / 128)
+    text = " ".join(why(b))
+    assert "16 microbatches" in text and f"MFU {100 * a.mfu:.1f} %" in text
+
+
+def test_gemm_waves_and_roofline():
+    peak = H100.gpu.peak_tflops * 1e12 * H100.gpu.gemm_efficiency
+    m, n, k = 12 * 128, 11 * 128, 8192      # 132 output tiles of 128x128: every SM busy once
+    assert gemm_time(m, n, k, H100) == pytest.approx(2 * m * n * k / peak + KERNEL_LAUNCH_S)
+    # one row more needs a second wave: as slow as twice the work
+    assert gemm_time(m + 1, n, k, H100) == pytest.approx(gemm_time(2 * m, n, k, H100))
+    # a matrix-vector product is bound by HBM bandwidth
+    n = k = 16384
+    assert gemm_time(1, n, k, H100) == pytest.approx(2 * (k + n * k + n) / 3350e9 + KERNEL_LAUNCH_S)
+
+
+def test_placement_of_table4_groups():
+    levels = {d: group_level(g, H100) for d, g in placement(Layout(8, 1, 16, 128), H100).items()}
+    assert levels == {"tp": "nvlink", "cp": "single", "pp": "pod", "dp": "cross-pod"}
+    assert {d: group_level(g, H100) for d, g in placement(Layout(8, 16, 16, 8), H100).items()}["cp"] == "pod"
+    assert group_level(Group(2, 8, 16), H100) == "rack"
+
+
+def test_cross_pod_groups_share_oversubscribed_uplinks(tmp_path):
+    text = (tmp_path / "base.toml")
+    text.write_text("""
+[gpu]
+name = "x"
+peak_tflops = 100.0
+memory_gb = 80.0
+hbm_bw_gbps = 1000.0
+[node]
+gpus = 8
+intra_bw_gbps = 450.0
+[network]
+nic_bw_gbps = 50.0
+latency_us = 0.0
+gpus_per_rack = 16
+gpus_per_pod = 16
+pods = 4
+cross_pod_oversubscription = 7.0
+""")
+    c = load_cluster(str(text))
+    inside = Group(2, 8, 64)    # two servers of one rack, at NIC speed
+    across = Group(2, 16, 64)   # two pods: 16 such groups per pod share its 16·50/7 GB/s of uplink
+    assert group_bandwidth(inside, c)[0] == 50e9
+    assert group_bandwidth(across, c)[0] == pytest.approx(50e9 / 7)
+    assert collective_time("all_gather", 1e9, across, c) == pytest.approx(7 * collective_time("all_gather", 1e9, inside, c))
+
+
+def test_bubble_per_schedule():
+    t = StageTime(1.0, 1.0, 1.0, 0.0, 0.0)
+    assert bubble_time("gpipe", 4, 8, 1, t) == 9.0
+    assert bubble_time("1f1b", 4, 8, 1, t) == 9.0
+    assert bubble_time("interleaved", 4, 8, 3, t) == 3.0
+    assert bubble_time("zero-bubble", 4, 8, 1, t) == 3.0     # (p−1)(T_F + T_I − T_W), a third of 1F1B's
+
+
+def test_closed_forms_agree_with_the_schedule_action_lists():
+    for name, vs in (("gpipe", (1,)), ("1f1b", (1,)), ("zero-bubble", (1,)), ("interleaved", (2, 3, 4))):
+        for pp in (2, 3, 4, 8):
+            for m in (pp, pp + 1, 2 * pp, 3 * pp + 2):
+                for v in vs:
+                    s = build_schedule(name, pp, m, v)
+                    assert [s.peak_in_flight(r) / v for r in range(pp)] == [in_flight(name, pp, m, v, r) for r in range(pp)]
+
+
+def test_stage_split_is_the_trainers():
+    for layers in range(1, 33):
+        for stages in range(1, layers + 1):
+            assert stage_layers(layers, stages) == layer_split(layers, stages)
+    assert stage_layers(126, 16) == [7] + [8] * 14 + [7]
+    assert stage_layers(126, 16, 8) == [0] + [1] * 126 + [0]   # the planner's extension: embedding and output alone
+
+
+def test_stage_time_is_the_sum_of_its_layers_and_ends():
+    lay = Layout(8, 1, 16, 64)
+    one = stage_compute_time(L405, H100, lay, 8192, 1, 1)
+    eight = stage_compute_time(L405, H100, lay, 8192, 1, 8)
+    assert eight.forward == pytest.approx(8 * one.forward)
+    chunks = chunk_times(L405, H100, lay, 8192, 1, 1)
+    assert chunks[1] == eight
+    assert chunks[0].forward > 7 * one.forward and chunks[-1].forward > 7 * one.forward + chunks[0].forward - 7 * one.forward
+    full = stage_compute_time(L405, H100, lay, 8192, 1, 1, recompute="full")
+    assert full.input_grad_s == pytest.approx(one.input_grad_s + one.forward_s)
+
+
+def test_ranks_sharing_cpu_cores_compute_slower(tmp_path):
+    path = tmp_path / "cpu.toml"
+    path.write_text("""
+dtype = "fp32"
+[gpu]
+name = "2-core CPU"
+peak_tflops = 0.05
+memory_gb = 16.0
+hbm_bw_gbps = 10.0
+[node]
+gpus = 8
+intra_bw_gbps = 1.0
+concurrent_ranks = 2
+[network]
+nic_bw_gbps = 1.0
+""")
+    cpu = load_cluster(str(path))
+    m = get_preset("debug")
+    two = stage_compute_time(m, cpu, Layout(dp=2), 256, 1, 4)
+    four = stage_compute_time(m, cpu, Layout(dp=4), 256, 1, 4)
+    assert four.forward_s == pytest.approx(2 * two.forward_s)
+
+
+def test_search_finds_at_least_41_percent_for_405b_on_16k():
+    plans = search(L405, H100, 16384, 8192, 2048)
+    best = plans[0]
+    assert best.fits and best.mfu >= 0.41
+    fitting = [p.tokens_per_s for p in plans if p.fits]
+    assert fitting == sorted(fitting, reverse=True)
+    assert best.config.layout.world == 16384
+
+
+def test_step_time_adds_up():
+    lay = Layout(8, 1, 16, 64)
+    s = step_time(L405, H100, lay, 8192, 2048, "1f1b", 32, 1, 1, "selective")
+    assert s.step_s == pytest.approx(s.compute_s + s.bubble_s + s.p2p_s + s.dp_exposed_s + s.overlap_s + s.optimizer_s)
+    assert s.bubble_s == pytest.approx(15 * (s.per_microbatch.forward + s.per_microbatch.backward))
+    z3 = step_time(L405, H100, lay, 8192, 2048, "1f1b", 32, 1, 3, "selective")
+    assert z3.dp_total_s > 30 * s.dp_total_s     # stage 3 gathers weights for every microbatch
+
+
+def test_fp32_profile_doubles_weight_bytes():
+    plan = _table4(*TABLE4[0][:2])
+    fp32 = dataclasses.replace(H100, dtype="fp32")
+    plan32 = evaluate(L405, fp32, plan.config, plan.seq, plan.global_seqs)
+    assert plan32.memory.params == 2 * plan.memory.params
