@@ -8,6 +8,7 @@ HTTP 400) and shapes the answers for the page.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import re
@@ -96,12 +97,17 @@ def schedule(q: dict[str, str], **_) -> dict:
     1/V of a GPU's layers, so its actions take 1/V as long and the total work stays that of V = 1.
     """
     _known(q, "p", "m", "schedule", "v")
-    schedules, pipeline = _import("fourd.schedules"), _import("fourd.sim.pipeline")
-    name = _choice(q, "schedule", schedules.SCHEDULES, default="gpipe")
+    name = _choice(q, "schedule", _import("fourd.schedules").SCHEDULES, default="gpipe")
     p, m = _int(q, "p", *P_RANGE), _int(q, "m", *M_RANGE)
     v = _int(q, "v", *V_RANGE, default=1)
     if v > 1 and name != "interleaved":
         raise FourdError(f"v={v} needs schedule=interleaved ({name} runs one stage per GPU; drop v or set v=1)")
+    return _bench(name, p, m, v)
+
+
+@functools.lru_cache(maxsize=256)  # a slider dragged back and forth asks for the same settings again
+def _bench(name: str, p: int, m: int, v: int) -> dict:
+    schedules, pipeline = _import("fourd.schedules"), _import("fourd.sim.pipeline")
     sched = schedules.build_schedule(name, p, m, v)
     events = pipeline.timeline(sched, {k: t / v for k, t in pipeline.UNIT.items()})
     step, idle = pipeline.idle_fractions(events)
