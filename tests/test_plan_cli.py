@@ -1,0 +1,154 @@
+"""`fourd plan` as a user runs it: a real process, real profile files, JSON and the readable report."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROW1 = ["--model", "llama3-405b", "--cluster", "llama3-h100", "--gpus", "8192", "--layout", "tp=8,pp=16,dp=64",
+        "--seq", "8192", "--global-batch-tokens", "16777216", "--schedule", "interleaved"]
+
+# Runs the CLI in a fresh interpreter and reports whether torch got imported on the way.
+_RUNNER = """
+import sys
+from fourd.cli import main
+code = main(sys.argv[1:])
+print("TORCH_LOADED" if "torch" in sys.modules else "NO_TORCH", file=sys.stderr)
+sys.exit(code)
+"""
+
+
+def plan(*args, home=None):
+    env = dict(os.environ, FOURD_HOME=str(home or "/nonexistent-fourd-home"))
+    return subprocess.run([sys.executable, "-c", _RUNNER, "plan", *args], capture_output=True, text=True,
+                          env=env, timeout=60)
+
+
+def test_json_plan_has_the_contract_keys_and_never_imports_torch():
+    r = plan(*ROW1, "--json")
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.strip().endswith("NO_TORCH")
+    d = json.loads(r.stdout)
+    assert d["layout"] == {"tp": 8, "cp": 1, "pp": 16, "dp": 64}
+    assert d["schedule"] == "interleaved" and d["microbatches"] == 32 and d["virtual_stages"] == 8
+    assert set(d["memory_gb"]) >= {"params", "grads", "optimizer", "activations", "total"}
+    assert d["fits"] is True
+    for key in ("step_time_s", "tokens_per_s", "tflops_per_gpu", "hw_tflops_per_gpu", "mfu", "bubble_fraction"):
+        assert isinstance(d[key], float)
+    assert abs(d["mfu"] - 0.43) <= 0.02
+    assert d["tokens_per_s"] == pytest.approx(16777216 / d["step_time_s"])
+    assert d["mfu"] == pytest.approx(d["tflops_per_gpu"] / 989.0)
+    assert d["placement"] == {"tp": "nvlink", "cp": "single", "pp": "pod", "dp": "cross-pod"}
+    assert d["chosen_by_planner"] == ["virtual stages", "microbatches", "zero", "recompute"]
+
+
+def test_training_days_from_a_token_budget():
+    d = json.loads(plan(*ROW1, "--train-tokens", "15.6T", "--json").stdout)
+    assert d["training_days"] == pytest.approx(15.6e12 / d["tokens_per_s"] / 86400)
+
+
+def test_readable_report_explains_the_drop_from_43_to_41():
+    args = [a if a != "tp=8,pp=16,dp=64" else "tp=8,pp=16,dp=128" for a in ROW1]
+    args[args.index("8192")] = "16384"
+    r = plan(*args)
+    assert r.returncode == 0, r.stderr
+    assert "16 sequences, so 16 microbatches" in r.stdout
+    assert "With half the replicas (dp=64, 32 sequences and 32 microbatches each" in r.stdout
+    assert "NVLink, inside one server" in r.stdout and "fits" in r.stdout
+
+
+def test_search_json_best_and_candidates():
+    r = plan("--model", "llama3-405b", "--cluster", "llama3-h100", "--gpus", "16384", "--seq", "8192",
+             "--global-batch-tokens", "16777216", "--search", "--json", "--top", "5")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["best"]["mfu"] >= 0.41 and d["best"]["fits"]
+    assert d["best"] == d["candidates"][0] and len(d["candidates"]) == 5
+    rates = [c["tokens_per_s"] for c in d["candidates"]]
+    assert rates == sorted(rates, reverse=True)
+    assert all(c["layout"]["tp"] * c["layout"]["cp"] * c["layout"]["pp"] * c["layout"]["dp"] == 16384 for c in d["candidates"])
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--layout", "tp=3,dp=2"], "tp=3 cannot split"),
+    (["--layout", "tp=8,pp=16,dp=64", "--gpus", "100"], "make the product of the degrees equal 100"),
+    (["--layout", "tp=8,pp=16,dp=64", "--global-batch-tokens", "1000"], "not a whole number of 8192-token sequences"),
+    (["--layout", "tp=8,pp=16,dp=64", "--schedule", "interleaved", "--microbatches", "8"], "at least pp=16 microbatches"),
+    (["--gpus", "100000"], "cluster llama3-h100 has 24576"),
+    (["--cluster", "nowhere"], "unknown cluster 'nowhere'"),
+    (["--cluster", "local"], "run `fourd calibrate` to write it"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, needle):
+    r = plan("--model", "llama3-405b", "--seq", "8192", *args)
+    assert r.returncode == 2
+    lines = [ln for ln in r.stderr.splitlines() if ln not in ("NO_TORCH", "TORCH_LOADED")]
+    assert len(lines) == 1 and needle in lines[0], r.stderr
+
+
+def test_user_profile_wins_over_the_preset_and_paths_work(tmp_path):
+    preset = Path(__file__).resolve().parents[1] / "fourd" / "plan" / "clusters" / "llama3-h100.toml"
+    (tmp_path / "clusters").mkdir()
+    # the same cluster with twice the peak: a user profile of that name must change the prediction
+    faster = preset.read_text().replace("peak_tflops = 989.0", "peak_tflops = 1978.0")
+    (tmp_path / "clusters" / "llama3-h100.toml").write_text(faster)
+    base = json.loads(plan(*ROW1, "--json").stdout)
+    mine = json.loads(plan(*ROW1, "--json", home=tmp_path).stdout)
+    assert mine["step_time_s"] < base["step_time_s"]
+    path = tmp_path / "elsewhere.toml"
+    path.write_text(faster)
+    args = [a if a != "llama3-h100" else str(path) for a in ROW1]
+    assert json.loads(plan(*args, "--json").stdout)["step_time_s"] == mine["step_time_s"]
+
+
+def test_a_broken_profile_names_the_key(tmp_path):
+    path = tmp_path / "broken.toml"
+    path.write_text("[gpu]\nname = 'x'\npeak_tflop = 1.0\n[node]\ngpus = 1\n[network]\n")
+    r = plan("--model", "debug", "--cluster", str(path), "--gpus", "1")
+    assert r.returncode == 2 and "unknown key(s) peak_tflop in [gpu]" in r.stderr
+
+
+def test_cpu_profile_in_fp32(tmp_path):
+    path = tmp_path / "cpu.toml"
+    path.write_text("""
+name = "cpu"
+dtype = "fp32"
+[gpu]
+name = "CPU"
+peak_tflops = 0.05
+memory_gb = 16.0
+hbm_bw_gbps = 10.0
+[[gpu.gemm]]
+m = 256
+n = 256
+k = 256
+tflops = 0.02
+[[gpu.gemm]]
+m = 1024
+n = 1024
+k = 1024
+tflops = 0.05
+[node]
+gpus = 8
+intra_bw_gbps = 1.0
+concurrent_ranks = 2
+[network]
+nic_bw_gbps = 1.0
+[[collectives]]
+op = "all_reduce"
+nproc = 2
+alpha_s = 1e-4
+beta_s_per_byte = 1e-9
+""")
+    d = json.loads(plan("--model", "small", "--cluster", str(path), "--layout", "dp=2", "--seq", "256",
+                        "--global-batch-tokens", "4096", "--zero", "0", "--json").stdout)
+    from fourd.model.config import get_preset
+    params = get_preset("small").params()
+    assert d["dtype"] == "fp32"
+    assert d["memory_gb"]["params"] == pytest.approx(4 * params / 1e9, abs=1e-3)
+    assert d["memory_gb"]["optimizer"] == pytest.approx(8 * params / 1e9, abs=1e-3)
+    bf16 = json.loads(plan("--model", "small", "--cluster", str(path), "--layout", "dp=2", "--seq", "256",
+                           "--global-batch-tokens", "4096", "--zero", "0", "--dtype", "bf16", "--json").stdout)
+    assert bf16["memory_gb"]["params"] == pytest.approx(2 * params / 1e9, abs=1e-3)
