@@ -23,6 +23,7 @@ from fourd.config import Config, model_config
 from fourd.data.dataset import SampleStream, TokenCache, fourd_home
 from fourd.errors import FourdError
 from fourd.model.llama import build_model
+from fourd.parallel.grad import clip_grad_norm
 from fourd.parallel.layout import Layout, parse_layout
 from fourd.train.metrics import MetricsWriter, device_peak_flops, peak_memory_gb, summary_table
 
@@ -47,7 +48,6 @@ class Parallel:
     mesh: object | None
     stages: list[torch.nn.Module]
     runner: object | None  # the pipeline executor when pp > 1
-    dp_cp_group: object | None  # gradient and loss averaging group
 
     @property
     def data_rank(self) -> int:
@@ -64,12 +64,12 @@ def build_parallel(cfg: Config, device: torch.device, rank: int, world: int) -> 
     seed = cfg.train.seed
     if world == 1:
         model = build_model(mcfg, seed=seed, device=device)
-        return Parallel(layout, rank, coords, None, [model], None, None)
+        return Parallel(layout, rank, coords, None, [model], None)
 
     from fourd.parallel.mesh import build_mesh, dp_cp_mesh
 
-    mesh = build_mesh(layout, device.type, hsdp_replicate=cfg.parallel.hsdp_replicate or None
-                      if cfg.parallel.dp_mode == "hsdp" else None)
+    hsdp = (cfg.parallel.hsdp_replicate or 2) if cfg.parallel.dp_mode == "hsdp" else None
+    mesh = build_mesh(layout, device.type, hsdp_replicate=hsdp)
     runner = None
     if layout.pp > 1:
         from fourd.parallel.pp import pipeline_split
@@ -97,13 +97,12 @@ def build_parallel(cfg: Config, device: torch.device, rank: int, world: int) -> 
 
         group_mesh = dp_cp_mesh(mesh)
         for s in stages:
-            apply_dp(s, group_mesh, cfg.parallel.dp_mode, mixed_precision=device.type == "cuda")
+            apply_dp(s, group_mesh, cfg.parallel.dp_mode)
     if schedule is not None:
         from fourd.parallel.pp import PipelineRunner
 
         runner = PipelineRunner(stages, schedule, mesh["pp"], _loss_fn(layout), device=device)
-    group = group_mesh.get_group() if group_mesh is not None else None
-    return Parallel(layout, rank, coords, mesh, stages, runner, group)
+    return Parallel(layout, rank, coords, mesh, stages, runner)
 
 
 def _param_groups(stages, weight_decay: float):
@@ -125,14 +124,6 @@ def _loss_fn(layout: Layout):
 
         return loss_fn
     return cross_entropy
-
-
-def _clip(params, max_norm: float, mesh) -> torch.Tensor:
-    if mesh is None:
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False)
-    from fourd.parallel.grad import clip_grad_norm
-
-    return clip_grad_norm(params, max_norm, mesh)
 
 
 def _forward_backward(par: Parallel, x: torch.Tensor, y: torch.Tensor, microbatches: int, amp) -> torch.Tensor:
@@ -211,12 +202,14 @@ def _train(cfg, cache, peak_flops, peak_source, rank, world, attempt, device) ->
                 loss = par.runner.step(x, y)
         else:
             loss = _forward_backward(par, x, y, M, amp)
-        grad_norm = _clip(params, t.grad_clip, par.mesh)
+        grad_norm = clip_grad_norm(params, t.grad_clip, par.mesh)
         opt.step()
         opt.zero_grad(set_to_none=True)
         loss = loss.detach().float().reshape(())
-        if par.dp_cp_group is not None:
-            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=par.dp_cp_group)
+        if world > 1:
+            # TP and PP ranks hold equal copies of their replica's loss: the world mean is the
+            # mean over the dp×cp ranks, i.e. over the global batch.
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG)
         if device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
