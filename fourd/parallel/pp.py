@@ -201,6 +201,10 @@ class PipelineRunner:
                 raise FourdError(f"a batch of {t.shape[0]} sequences does not split into {m} equal microbatches: "
                                  f"make the per-rank batch a multiple of --microbatches")
         self.records.clear()
+        # The step is one window for the whole pipeline: from all ranks starting together to the last one
+        # finishing. A rank's own window would hide the fill (later stages wait before their first F) or
+        # the drain (the last stage is done before the first stage's final B).
+        dist.barrier(group=self.group)
         t0 = perf_counter()
         for stage in self._stages:
             stage.t0 = t0
@@ -211,12 +215,13 @@ class PipelineRunner:
             losses=losses,
             return_outputs=False,
         )
+        device = self._stages[0].device
+        # Only the last stage's rank has losses; the others add zero, and everyone waits for the last rank.
+        loss = torch.stack([l.detach().float() for l in losses]).mean() if losses else torch.zeros((), device=device)
+        dist.all_reduce(loss, group=self.group)
         self.wall = perf_counter() - t0
         busy = sum(r.end - r.start for r in self.records)
         self.bubble_fraction = max(0.0, 1.0 - busy / self.wall)
-        device = self._stages[0].device
-        loss = torch.stack([l.detach().float() for l in losses]).mean() if losses else torch.zeros((), device=device)
-        dist.broadcast(loss, group=self.group, group_src=self.schedule.stage_rank(self.schedule.stages - 1))
         return loss
 
     def trace_events(self, pid: int = 0, offset_us: float = 0.0) -> list[dict]:
