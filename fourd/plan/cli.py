@@ -24,11 +24,11 @@ from dataclasses import replace
 
 from fourd.errors import FourdError
 
-_SUFFIX = {"K": 1e3, "M": 2 ** 20, "G": 2 ** 30, "B": 1e9, "T": 1e12}
+_SUFFIX = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "B": 1e9, "T": 1e12}
 
 
 def count(text: str) -> float:
-    """`16777216`, `16M` (binary for batch sizes: 2^20), `15.6T` (decimal: 1e12), `4e6`."""
+    """`16777216`, `16M` (K, M, G binary, for batch sizes: 16M = 2^24), `15.6T` (B, T decimal, for budgets), `4e6`."""
     t = str(text).strip()
     try:
         if t and t[-1].upper() in _SUFFIX:
