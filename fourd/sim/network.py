@@ -1,0 +1,63 @@
+"""Transfers as fluid flows over shared links.
+
+A flow moves `size` bytes over a set of links at a rate capped by its own bandwidth (what its
+placement allows: NVLink, a NIC, its share of a pod's uplinks); flows on the same link share it
+equally. Rates change only when a flow starts or ends, so the simulator advances from one such
+event to the next. A flow is delivered `latency` seconds after its last byte leaves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+@dataclass(eq=False)
+class Flow:
+    size: float                 # bytes still to move
+    links: tuple                # link ids it crosses
+    cap: float                  # bytes/s it can reach alone
+    latency: float
+    done: Callable[[float], None]  # called with the delivery time
+    label: tuple = ()           # (rank class, pipeline rank, kind, name) for the trace
+    start: float = 0.0
+    rate: float = field(default=0.0)
+
+
+class Network:
+    def __init__(self, capacity: dict):
+        self.capacity = capacity  # link id -> bytes/s
+        self.flows: list[Flow] = []
+        self.dirty = False
+
+    def add(self, flow: Flow, now: float) -> None:
+        flow.start = now
+        self.flows.append(flow)
+        self.dirty = True
+
+    def _rates(self) -> None:
+        users: dict = {}
+        for f in self.flows:
+            for link in f.links:
+                users[link] = users.get(link, 0) + 1
+        for f in self.flows:
+            f.rate = min([f.cap] + [self.capacity[link] / users[link] for link in f.links])
+        self.dirty = False
+
+    def next_finish(self, now: float) -> float:
+        if self.dirty:
+            self._rates()
+        return min((now + f.size / f.rate for f in self.flows), default=float("inf"))
+
+    def advance(self, now: float, dt: float) -> list[Flow]:
+        """Move every flow dt seconds forward; return the flows that finished (their bytes all sent)."""
+        if self.dirty:
+            self._rates()
+        finished, running = [], []
+        for f in self.flows:
+            f.size -= f.rate * dt
+            (finished if f.size <= 1e-3 else running).append(f)  # bytes: float noise, not data
+        if finished:
+            self.flows = running
+            self.dirty = True
+        return finished
