@@ -156,3 +156,16 @@ def test_plan_panel_refuses_bad_settings(q, message):
     with pytest.raises(FourdError) as e:
         api.plan(q)
     assert str(e.value) == message
+
+
+def test_simulated_trace_runs_the_schedules_actions_with_transfers():
+    q = {"model": "debug", "gpus": "8", "layout": "pp=4,dp=2", "schedule": "1f1b", "microbatches": "8", "seq": "256",
+         "global_batch_tokens": "8192"}
+    events = api.simtrace(q)["traceEvents"]
+    sched = build_schedule("1f1b", 4, 8)
+    for r in range(4):
+        compute = sorted((e for e in events if e["ph"] == "X" and e["tid"] == 2 * r), key=lambda e: e["ts"])
+        assert [e["name"] for e in compute] == [str(a) for a in sched.ranks[r]]
+        assert all(a["ts"] + a["dur"] <= b["ts"] + 1e-6 for a, b in zip(compute, compute[1:]))
+    sends = {e["cat"] for e in events if e["ph"] == "X" and e["tid"] % 2 == 1}
+    assert {"pp"} <= sends and sends & {"ag", "rs", "ar"}

@@ -194,3 +194,20 @@ def test_planner_panel_shows_the_plans_mfu_and_a_memory_bar_per_pipeline_rank(pa
     page.locator("#plan-form button[type=submit]").click()
     expect(page.locator("#memory .bar")).to_have_count(4)
     expect(page.locator("#plan-config")).to_contain_text("tp=8,cp=1,pp=4,dp=2 · interleaved")
+
+
+def test_the_simulated_trace_of_the_planner_panels_layout(page, url):
+    page.goto(url)
+    expect(page.locator("#memory .bar")).to_have_count(16)  # the default plan has drawn
+    for field, value in (("#plan-gpus", "8"), ("#plan-layout", "pp=4,dp=2"), ("#plan-microbatches", "8"),
+                         ("#plan-seq", "256"), ("#plan-tokens", "8192")):
+        page.locator(field).fill(value)
+    page.locator("#plan-model").select_option("debug")
+    page.locator("#plan-schedule").select_option("1f1b")
+    page.locator("#simulate").click()
+    expect(page.locator("#simulated g.row")).to_have_count(8)  # per pipeline rank: compute, sends
+    kinds = page.evaluate("""[...document.querySelectorAll('#simulated g.row')].map(
+        (g) => [...g.querySelectorAll('rect.blk')].map((r) => r.classList[1]))""")
+    sched = build_schedule("1f1b", 4, 8)
+    assert [kinds[2 * r] for r in range(4)] == [[a.kind for a in sched.ranks[r]] for r in range(4)]
+    assert all(set(kinds[2 * r + 1]) <= {"pp", "dp"} and "pp" in kinds[2 * r + 1] for r in range(4))

@@ -70,7 +70,8 @@ def _choice(q: dict[str, str], name: str, choices, default: str | None = None) -
 # What the endpoints call. They are imported when the server starts, in one thread: modules first
 # imported by two request threads at once can meet half-initialized (an import cycle across threads).
 DEPENDENCIES = ("fourd.model.config", "fourd.schedules", "fourd.sim.pipeline", "fourd.parallel.layout",
-                "fourd.plan.cluster", "fourd.plan.search", "fourd.plan.memory", "fourd.plan.cli", "fourd.plan.report")
+                "fourd.plan.cluster", "fourd.plan.search", "fourd.plan.memory", "fourd.plan.cli", "fourd.plan.report",
+                "fourd.sim.step", "fourd.sim.trace")
 _import_lock = threading.Lock()
 
 
@@ -154,16 +155,16 @@ def cluster(q: dict[str, str], **_) -> dict:
     }
 
 
-def plan(q: dict[str, str], **_) -> dict:
-    """The planner panel: `fourd plan` for one configuration, with memory per GPU of each pipeline rank.
+PLAN_PARAMS = ("model", "cluster", "gpus", "layout", "schedule", "microbatches", "v", "seq", "global_batch_tokens",
+               "zero", "recompute")
 
-    Settings left out are chosen by the planner (fastest that fits), as on the command line.
-    """
-    _known(q, "model", "cluster", "gpus", "layout", "schedule", "microbatches", "v", "seq", "global_batch_tokens",
-           "zero", "recompute")
+
+def _best_plan(q: dict[str, str]):
+    """`fourd plan` for the panel's settings; those left out are the planner's choice (fastest that fits)."""
+    _known(q, *PLAN_PARAMS)
     config, layouts = _import("fourd.model.config"), _import("fourd.parallel.layout")
-    clusters, search, memory = _import("fourd.plan.cluster"), _import("fourd.plan.search"), _import("fourd.plan.memory")
-    plan_cli, report = _import("fourd.plan.cli"), _import("fourd.plan.report")
+    clusters, search = _import("fourd.plan.cluster"), _import("fourd.plan.search")
+    plan_cli = _import("fourd.plan.cli")
     model = config.get_preset(_choice(q, "model", list(config.PRESETS), "llama3-405b"))
     cluster = clusters.load_cluster(_profile_name(q.get("cluster") or "llama3-h100"))
     layout = layouts.parse_layout(q["layout"]) if q.get("layout") else None
@@ -197,14 +198,30 @@ def plan(q: dict[str, str], **_) -> dict:
     if not plans:
         raise FourdError(f"no configuration of {gpus} GPUs runs {q.get('model') or 'llama3-405b'} with {seq}-token "
                          f"sequences: change gpus, seq or the layout")
-    best = plans[0]
+    return plans[0]
+
+
+def plan(q: dict[str, str], **_) -> dict:
+    """The planner panel: the plan, memory per GPU of each pipeline rank, and the report's explanations."""
+    best = _best_plan(q)
     c = best.config
-    bars = []
-    for r in range(c.layout.pp):
-        m = memory.rank_memory(model, cluster, c.layout, seq, best.micro_seqs, c.schedule, c.microbatches,
-                               c.virtual_stages, c.zero, c.recompute, r).gb()
-        bars.append({"label": f"pipeline rank {r}", **m})
-    return {"plan": best.to_json(), "memory": bars, "gpu_memory_gb": cluster.gpu.memory_gb, "why": report.why(best)}
+    rank_memory = _import("fourd.plan.memory").rank_memory
+    bars = [{"label": f"pipeline rank {r}",
+             **rank_memory(best.model, best.cluster, c.layout, best.seq, best.micro_seqs, c.schedule, c.microbatches,
+                           c.virtual_stages, c.zero, c.recompute, r).gb()}
+            for r in range(c.layout.pp)]
+    return {"plan": best.to_json(), "memory": bars, "gpu_memory_gb": best.cluster.gpu.memory_gb,
+            "why": _import("fourd.plan.report").why(best)}
+
+
+def simtrace(q: dict[str, str], **_) -> dict:
+    """Chrome trace of the planner panel's plan, simulated step by step with communication (`fourd sim step`)."""
+    best = _best_plan(q)
+    c = best.config
+    sched = _import("fourd.schedules").build_schedule(c.schedule, c.layout.pp, c.microbatches, c.virtual_stages)
+    result = _import("fourd.sim.step").simulate_step(best.model, best.cluster, c.layout, sched, best.seq,
+                                                     best.micro_seqs, zero=c.zero, recompute=c.recompute)
+    return _import("fourd.sim.trace").chrome_trace(result)
 
 
 def _profile_name(text: str) -> str:
@@ -255,5 +272,6 @@ ENDPOINTS = {
     "schedule": schedule,
     "cluster": cluster,
     "plan": plan,
+    "simtrace": simtrace,
     "trace": trace,
 }

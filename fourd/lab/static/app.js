@@ -289,22 +289,24 @@ function traceRows(events) {
   const t0 = Math.min(...all.flatMap((r) => r.blocks.map((b) => b.ts)));
   const t1 = Math.max(...all.flatMap((r) => r.blocks.map((b) => b.ts + b.dur)));
   all.sort((a, b) => (a.pid - b.pid) || (a.tid - b.tid));
-  // The trainer and the simulator name compute events by action ("F3.0", "I1.2", "W"); others stay grey.
-  const kind = (name) => {
+  // The trainer and the simulator name compute events by action ("F3.0", "I1.2", "W") and file
+  // transfers under the category pp (pipeline sends) or ag, rs, ar (data-parallel collectives).
+  const COMM = { pp: "pp", ag: "dp", rs: "dp", ar: "dp" };
+  const kind = (name, cat) => {
     const m = /^([FBIW])(?![A-Za-z])/.exec(name);
     if (m) return m[1];
     const n = name.toLowerCase();
     if (n.startsWith("forward") || n.startsWith("fwd")) return "F";
     if (n.startsWith("backward") || n.startsWith("bwd")) return "B";
     if (n.startsWith("weight")) return "W";
-    return "other";
+    return COMM[cat] || "other";
   };
   return {
     span: (t1 - t0) / 1000,
     rows: all.map((r) => ({
       label: names.get(`${r.pid}/${r.tid}`) || names.get(`${r.pid}`) || `pid ${r.pid} tid ${r.tid}`,
       blocks: r.blocks.map((b) => ({
-        kind: kind(b.name), start: (b.ts - t0) / 1000, dur: b.dur / 1000,
+        kind: kind(b.name, b.cat), start: (b.ts - t0) / 1000, dur: b.dur / 1000,
         info: `${b.name}${b.cat ? ` [${b.cat}]` : ""}: ${((b.ts - t0) / 1000).toFixed(3)} ms, ${(b.dur / 1000).toFixed(3)} ms`,
       })),
     })),
