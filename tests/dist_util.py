@@ -24,13 +24,23 @@ import traceback
 import torch.distributed as dist
 
 _CTX = None
+# Imported once by the forkserver, so that each rank starts with them already loaded.
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.device_mesh",
+    "torch.distributed.tensor",
+    "torch.distributed.tensor.parallel",
+    "torch.distributed.fsdp",
+    "torch.distributed.pipelining",
+]
 
 
 def _context():
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed"])
+        _CTX.set_forkserver_preload(_PRELOAD)
     return _CTX
 
 
