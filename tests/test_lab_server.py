@@ -117,7 +117,7 @@ def test_symlinks_and_subfolders_in_the_static_folder_are_not_served(tmp_path):
         server.server_close()
 
 
-@pytest.mark.parametrize("method", ["POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE"])
+@pytest.mark.parametrize("method", ["POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "PROPFIND", "FOO"])
 def test_only_get_and_head(lab, method):
     for target in ("/", "/api/schedule?p=4&m=4"):
         status, headers, body = request(lab, method, target)
@@ -246,3 +246,14 @@ def test_server_answers_while_another_request_is_slow(lab):
         assert time.monotonic() - t < 5
     finally:
         stalled.close()
+
+
+def test_a_refused_upload_closes_the_connection(lab):
+    """A POST's body is never read, so the connection cannot be trusted for a next request."""
+    with socket.create_connection(lab.server_address[:2], timeout=10) as s:
+        s.sendall(b"POST /api/trace HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 5\r\n\r\nGET /")
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    assert data.startswith(b"HTTP/1.1 405 ")
+    assert data.count(b"HTTP/1.1") == 1

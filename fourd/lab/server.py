@@ -144,12 +144,17 @@ class _Handler(BaseHTTPRequestHandler):
     def do_HEAD(self):
         self._answer(body=False)
 
+    def __getattr__(self, name):
+        # The base class looks up do_<METHOD> for each request: every method but GET and HEAD lands here.
+        if name.startswith("do_"):
+            return self._not_allowed
+        raise AttributeError(name)
+
     def _not_allowed(self):
+        self.close_connection = True  # the request may carry a body we do not read
         self._send(HTTPStatus.METHOD_NOT_ALLOWED, _json({"error": f"method {self.command} not allowed: "
                                                                   "the lab answers GET and HEAD only"}),
-                   "application/json", extra={"Allow": "GET, HEAD"})
-
-    do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_TRACE = do_CONNECT = _not_allowed
+                   "application/json", extra={"Allow": "GET, HEAD", "Connection": "close"})
 
     def _answer(self, body: bool):
         if self.server.loopback_only and not self._host_is_loopback():

@@ -318,7 +318,12 @@ function showTrace(which, doc, name) {
   if (!Array.isArray(events)) throw new Error("not a Chrome trace: no traceEvents list");
   const { rows, span } = traceRows(events);
   $(`${which}-name`).textContent = name;
-  drawTimeline($(which), rows, span, "ms");
+  if (span < 10000) {
+    drawTimeline($(which), rows, span, "ms");
+    return;
+  }
+  const inSeconds = rows.map((r) => ({ ...r, blocks: r.blocks.map((b) => ({ ...b, start: b.start / 1000, dur: b.dur / 1000 })) }));
+  drawTimeline($(which), inSeconds, span / 1000, "s");
 }
 
 async function openTrace(ev) {
