@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import mimetypes
 import os
 import socket
 import sys
@@ -32,6 +31,9 @@ from fourd.errors import FourdError
 from fourd.lab import api
 
 STATIC_DIR = Path(__file__).with_name("static")
+# Fixed here rather than guessed from the system's MIME table, which differs between machines.
+CONTENT_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
+                 ".css": "text/css; charset=utf-8", ".svg": "image/svg+xml", ".png": "image/png"}
 _LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1", "[::1]"}
 
 
@@ -64,14 +66,14 @@ class LabServer(ThreadingHTTPServer):
     def __init__(self, host: str, port: int, static_dir: Path, trace_dir: Path):
         if ":" in host:
             self.address_family = socket.AF_INET6
-        try:
-            super().__init__((host, port), _Handler)
-        except OSError as e:
-            raise FourdError(f"cannot listen on {host}:{port} ({e.strerror}); choose another --port, or --port 0") from e
         api.preload()
         self.static = load_static(static_dir)
         self.trace_dir = trace_dir.resolve()
         self.loopback_only = _is_loopback(host)
+        try:
+            super().__init__((host, port), _Handler)
+        except OSError as e:
+            raise FourdError(f"cannot listen on {host}:{port} ({e.strerror}); choose another --port, or --port 0") from e
 
     def handle_error(self, request, client_address):
         if isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError)):
@@ -97,7 +99,7 @@ def serve_in_thread(server: LabServer) -> threading.Thread:
 
 
 def load_static(folder: Path) -> dict[str, tuple[bytes, str]]:
-    """The files the server may send, read once: regular files directly inside `folder`.
+    """The files the server may send, read once: regular files of known types directly inside `folder`.
 
     Requests are answered from this table by exact name, so no request path ever reaches the file
     system: `..`, encoded slashes and absolute paths cannot name anything outside it, and a
@@ -106,10 +108,8 @@ def load_static(folder: Path) -> dict[str, tuple[bytes, str]]:
     files = {}
     with os.scandir(folder) as it:
         for entry in it:
-            if entry.is_file(follow_symlinks=False):
-                ctype = mimetypes.guess_type(entry.name)[0] or "application/octet-stream"
-                if ctype.startswith("text/") or ctype.endswith("javascript"):
-                    ctype += "; charset=utf-8"
+            ctype = CONTENT_TYPES.get(Path(entry.name).suffix)
+            if ctype and entry.is_file(follow_symlinks=False):
                 files[entry.name] = (Path(entry.path).read_bytes(), ctype)
     return files
 

@@ -57,7 +57,7 @@ function drawTimeline(container, rows, span, unit) {
   const svg = el("svg", { viewBox: `0 0 ${width} ${height}`, role: "img" }, null, SVG_NS);
   rows.forEach((row, i) => {
     const y = top + i * (rowH + gap);
-    const g = el("g", { class: "row", "data-row": i, "data-blocks": row.blocks.length }, svg, SVG_NS);
+    const g = el("g", { class: "row" }, svg, SVG_NS);
     el("text", { x: 0, y: y + rowH - 5, text: row.label }, g, SVG_NS);
     el("rect", { class: "row-bg", x: left, y, width: plotW, height: rowH }, g, SVG_NS);
     for (const b of row.blocks) {
