@@ -2,7 +2,8 @@
 
 A flow moves `size` bytes over a set of links at a rate capped by its own bandwidth (what its
 placement allows: NVLink, a NIC, its share of a pod's uplinks); flows on the same link share it
-equally. Rates change only when a flow starts or ends, so the simulator advances from one such
+equally. A link may carry only a fraction of a flow's bytes (a ring with k members per server sends
+1/k of its bytes through each NIC, the rest over NVLink), so links come with that fraction. Rates change only when a flow starts or ends, so the simulator advances from one such
 event to the next. A flow is delivered `latency` seconds after its last byte leaves.
 """
 
@@ -15,7 +16,7 @@ from typing import Callable
 @dataclass(eq=False)
 class Flow:
     size: float                 # bytes still to move
-    links: tuple                # link ids it crosses
+    links: tuple                # (link id, fraction of the flow's bytes it carries)
     cap: float                  # bytes/s it can reach alone
     latency: float
     done: Callable[[float], None]  # called with the delivery time
@@ -38,10 +39,10 @@ class Network:
     def _rates(self) -> None:
         users: dict = {}
         for f in self.flows:
-            for link in f.links:
+            for link, _ in f.links:
                 users[link] = users.get(link, 0) + 1
         for f in self.flows:
-            f.rate = min([f.cap] + [self.capacity[link] / users[link] for link in f.links])
+            f.rate = min([f.cap] + [self.capacity[link] / users[link] / share for link, share in f.links])
         self.dirty = False
 
     def next_finish(self, now: float) -> float:

@@ -28,7 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from fourd.errors import FourdError
-from fourd.plan.cluster import Group, group_bandwidth, group_level, placement
+from fourd.plan.cluster import Group, group_bandwidth, group_level, members_per_node, placement
 from fourd.plan.memory import stage_layers, stage_params
 from fourd.plan.perf import ADAM_BYTES, chunk_times, collective_time, memory_time, ring_bytes_per_rank
 from fourd.schedules import Action, Schedule
@@ -97,8 +97,10 @@ class Comm:
     """What transfers cost on a cluster for one layout: links, and each transfer's bytes, cap and latency."""
     capacity: dict = field(default_factory=dict)
     p2p_bytes: float = 0.0
-    p2p: dict = field(default_factory=dict)          # (src rank, dst rank) -> (links-of-class fn, cap, latency)
-    dp: dict = field(default_factory=dict)           # op -> (bytes per layer bucket per stage, cap, latency fn, link kind)
+    p2p: dict = field(default_factory=dict)          # (src rank, dst rank) -> ((out port, in port), cap, latency)
+    dp_group: Group | None = None
+    dp_bw: float = 0.0                               # what a DP ring reaches alone (group_bandwidth)
+    dp_links: tuple = ()                             # (port, share of the ring's bytes) per GPU
 
 
 def build_comm(model, cluster, layout, seq: int, micro_seqs: int, virtual_stages: int, replicas: int) -> Comm:
@@ -125,8 +127,14 @@ def build_comm(model, cluster, layout, seq: int, micro_seqs: int, virtual_stages
     dp_group = placement(layout, cluster)["dp"]
     level = group_level(dp_group, cluster)
     comm.dp_group = dp_group
-    comm.dp_port = ("nvl_out", "nvl_in") if level == "nvlink" else ("nic_out", "nic_in")
     comm.dp_bw = group_bandwidth(dp_group, cluster)[0]
+    if level == "nvlink":
+        comm.dp_links = (("nvl_out", 1.0), ("nvl_in", 1.0))
+    else:
+        # k members per server drive k NICs (one ring channel each): 1/k of the bytes through this GPU's
+        # NIC, all of them over its NVLink port to the server's other members.
+        k = members_per_node(dp_group, cluster)
+        comm.dp_links = (("nic_out", 1 / k), ("nic_in", 1 / k)) + ((("nvl_out", 1.0), ("nvl_in", 1.0)) if k > 1 else ())
     return comm
 
 
@@ -348,7 +356,7 @@ class _Engine:
                 self.tokens.add(token)
                 return
             port, bw, latency = self.comm.p2p[(r, dst)]
-            links = ((port[0], c, r), (port[1], c, dst))
+            links = (((port[0], c, r), 1.0), ((port[1], c, dst), 1.0))
             label = f"{'act' if token[1] == 'act' else 'grad'} {token[2]}.{token[3]} to rank {dst}"
 
             def done(when, token=token, start=t, label=label):
@@ -374,7 +382,7 @@ class _Engine:
 
         for stream in streams:
             c, r, _ = stream
-            links = ((self.comm.dp_port[0], c, r), (self.comm.dp_port[1], c, r))
+            links = tuple(((port, c, r), share) for port, share in self.comm.dp_links)
             self.net.add(Flow(volume, links, cap, latency, lambda when, s=stream: done(when, s)), t)
 
 

@@ -1,0 +1,170 @@
+"""The step simulator: the schedule's bubble exactly without communication, the planner's step time
+with it, contention on shared links, pods, stragglers, the diurnal throttle and the trace."""
+
+import json
+import subprocess
+import sys
+from fractions import Fraction
+
+import pytest
+
+from fourd.model.config import get_preset
+from fourd.parallel.layout import parse_layout
+from fourd.plan.cluster import load_cluster
+from fourd.plan.search import search
+from fourd.schedules import build_schedule
+from fourd.sim.network import Flow, Network
+from fourd.sim.pipeline import timeline
+from fourd.sim.step import simulate, simulate_step
+from fourd.sim.step_cli import diurnal_factor
+
+UNIT = {"F": 1, "B": 2, "I": 1, "W": 1}
+
+
+def test_no_comm_equal_stages_idle_fraction_exact_gpipe_1f1b():
+    for name in ("gpipe", "1f1b"):
+        for p in range(1, 17):
+            for m in range(1, 65):
+                r = simulate(build_schedule(name, p, m), [UNIT] * p)
+                assert r.step_time_s == 3 * (m + p - 1)
+                assert [Fraction(r.step_time_s - b, r.step_time_s) for b in r.busy_s] == [Fraction(p - 1, m + p - 1)] * p
+
+
+def test_no_comm_interleaved_bubble_over_compute_exact():
+    for p, v in [(p, 2) for p in range(2, 17)] + [(4, 4), (8, 4), (16, 4)]:
+        for m in range(p, 65, p):
+            r = simulate(build_schedule("interleaved", p, m, v), [UNIT] * (p * v))
+            assert [Fraction(r.pipeline_span_s - b, b) for b in r.busy_s] == [Fraction(p - 1, v * m)] * p
+
+
+def test_engine_draws_what_the_timeline_draws_with_unequal_stages():
+    for name, p, m, v in (("1f1b", 4, 7, 1), ("interleaved", 3, 7, 2), ("zero-bubble", 4, 6, 1), ("gpipe", 3, 5, 1)):
+        s = build_schedule(name, p, m, v)
+        costs = [{"F": 3 + k % 3, "B": 5 + k % 4, "I": 3 + k % 2, "W": 2 + k % 3} for k in range(s.stages)]
+        assert simulate(s, costs).events == timeline(s, lambda a: costs[a.stage][a.kind])
+
+
+def test_links_are_shared_equally_and_fractions_count():
+    net = Network({"nic": 10.0, "nvl": 100.0})
+    done = []
+    net.add(Flow(100.0, (("nic", 1.0),), 1e9, 0.0, done.append), 0.0)
+    net.add(Flow(100.0, (("nic", 1.0),), 1e9, 0.0, done.append), 0.0)
+    net.add(Flow(100.0, (("nic", 0.25), ("nvl", 1.0)), 30.0, 0.0, done.append), 0.0)
+    # three users of the NIC get 10/3 each; the third puts only a quarter of its bytes on it: 40/3
+    assert net.next_finish(0.0) == pytest.approx(7.5)
+    assert [f.rate for f in net.flows] == pytest.approx([10 / 3, 10 / 3, 40 / 3])
+    assert len(net.advance(0.0, 7.5)) == 1
+    assert net.next_finish(7.5) == pytest.approx(7.5 + (100 - 25) / 5)  # the two left share the NIC
+
+
+def _plan(model, cluster, layout, seq, tokens, schedule, **fixed):
+    return search(get_preset(model), load_cluster(cluster) if isinstance(cluster, str) else cluster,
+                  parse_layout(layout).world, seq, tokens // seq, layout=parse_layout(layout), schedule=schedule, **fixed)[0]
+
+
+def _sim(plan, **kw):
+    c = plan.config
+    s = build_schedule(c.schedule, c.layout.pp, c.microbatches, c.virtual_stages)
+    return simulate_step(plan.model, plan.cluster, c.layout, s, plan.seq, plan.micro_seqs, zero=c.zero,
+                         recompute=c.recompute, **kw)
+
+
+@pytest.mark.parametrize("layout,seq", [("tp=8,pp=16,dp=64", 8192), ("tp=8,pp=16,dp=128", 8192),
+                                        ("tp=8,cp=16,pp=16,dp=8", 131072)])
+def test_table4_layouts_agree_with_the_planner_within_10_percent(layout, seq):
+    plan = _plan("llama3-405b", "llama3-h100", layout, seq, 2 ** 24, "interleaved")
+    r = _sim(plan)
+    assert abs(r.step_time_s / plan.step.step_s - 1) < 0.10
+    # 16,384 GPUs, simulated as one pipeline of 16 ranks
+    assert len(r.per_rank_idle_fraction) == 16
+
+
+def _two_pod_cluster(tmp_path, gpus_per_pod):
+    path = tmp_path / f"pods{gpus_per_pod}.toml"
+    path.write_text(f"""name = "two-pods"
+[gpu]
+name = "H100"
+peak_tflops = 989.0
+memory_gb = 80.0
+hbm_bw_gbps = 3350.0
+sms = 132
+[node]
+gpus = 8
+intra_bw_gbps = 450.0
+[network]
+nic_bw_gbps = 50.0
+latency_us = 10.0
+gpus_per_rack = {min(16, gpus_per_pod)}
+gpus_per_pod = {gpus_per_pod}
+pods = {16 // gpus_per_pod}
+cross_pod_oversubscription = 7.0
+""")
+    return load_cluster(str(path))
+
+
+def test_dp_group_over_two_pods_is_seven_times_slower(tmp_path):
+    # One replica fills a server (tp=8); two replicas. With 8-GPU pods every GPU's gradient ring crosses the
+    # 1:7 oversubscribed uplinks; with a 16-GPU pod it stays inside.
+    dp_time, step = {}, {}
+    for pod in (8, 16):
+        plan = _plan("llama3-8b", _two_pod_cluster(tmp_path, pod), "tp=8,dp=2", 8192, 8 * 8192, "1f1b",
+                     microbatches=4, zero=0)
+        r = _sim(plan)
+        buckets = [t for t in r.transfers if t.kind == "ar"]
+        # each bucket pays 2 ring steps of 10 µs latency on top of its bytes
+        dp_time[pod] = sum(t.end - t.start for t in buckets) - len(buckets) * 2 * 10e-6
+        step[pod] = r.step_time_s
+    assert dp_time[8] / dp_time[16] == pytest.approx(7.0, rel=1e-6)   # bandwidth-bound: the 1:7 factor
+    assert step[8] > step[16] * 1.05
+
+
+def test_nic_shared_by_pipeline_and_gradient_traffic_slows_both(tmp_path):
+    plan = _plan("llama3-8b", "llama3-h100", "tp=8,pp=4,dp=4", 8192, 64 * 8192, "1f1b", microbatches=16, zero=2)
+    r = _sim(plan)
+    # ZeRO-2 reduce-scatters every microbatch's gradients while activations and gradients cross the same NICs
+    pp = [t for t in r.transfers if t.kind == "pp"]
+    rs = [t for t in r.transfers if t.kind == "rs"]
+    fastest = min(t.end - t.start for t in pp)
+    beside = [t for t in pp if any(u.rank == t.rank and u.start < t.end and t.start < u.end for u in rs)]
+    assert len(beside) > 10
+    assert sum(t.end - t.start for t in beside) / len(beside) > 1.3 * fastest
+
+
+def test_straggler_sets_the_pace_and_the_others_wait():
+    s = build_schedule("1f1b", 4, 8)
+    slow = simulate(s, [UNIT] * 4, slow=(2, 2), dp=4)
+    alone = timeline(s, lambda a: UNIT[a.kind] * (2 if a.stage == 2 else 1))
+    assert slow.slow_events == alone
+    # the healthy replicas run at full speed (no collectives here): their timeline is the plain one
+    assert slow.events == timeline(s, UNIT)
+    plan = _plan("llama3-8b", "llama3-h100", "tp=8,pp=4,dp=4", 8192, 64 * 8192, "1f1b", microbatches=16, zero=1)
+    base, straggled = _sim(plan), _sim(plan, slow_gpu=(8 * 2 + 3, 1.3))
+    assert straggled.step_time_s > base.step_time_s * 1.05
+    # every replica waits for the slow one in the gradient collectives: the healthy ones idle more
+    assert sum(straggled.per_rank_idle_fraction) > sum(base.per_rank_idle_fraction) + 0.1
+
+
+def test_diurnal_throttle_scales_compute():
+    assert diurnal_factor(2.0, 15) == pytest.approx(1.02)
+    assert diurnal_factor(2.0, 3) == 1.0
+    assert diurnal_factor(2.0, 9) == pytest.approx(1.01)
+    plan = _plan("llama3-8b", "llama3-h100", "tp=8,pp=4,dp=4", 8192, 64 * 8192, "1f1b", microbatches=16)
+    assert _sim(plan, comm=False, throttle=1.02).step_time_s == pytest.approx(1.02 * _sim(plan, comm=False).step_time_s)
+
+
+def test_cli_json_trace_and_the_big_step(tmp_path):
+    trace = tmp_path / "t.json"
+    out = subprocess.run([sys.executable, "-m", "fourd", "sim", "step", "--model", "llama3-405b", "--gpus", "16384",
+                          "--layout", "tp=8,pp=16,dp=128", "--seq", "8192", "--global-batch-tokens", "16M",
+                          "--schedule", "1f1b", "--microbatches", "16", "--trace", str(trace), "--json"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    d = json.loads(out.stdout)
+    assert len(d["per_rank_idle_fraction"]) == 16 and d["microbatches"] == 16 and d["schedule"] == "1f1b"
+    assert abs(d["step_time_s"] / d["planner_step_time_s"] - 1) < 0.10
+    events = json.loads(trace.read_text())["traceEvents"]
+    compute = [e for e in events if e["ph"] == "X" and e["cat"] in ("forward", "backward")]
+    assert len(compute) == 16 * 16 * 2
+    bad = subprocess.run([sys.executable, "-m", "fourd", "sim", "step", "--model", "llama3-8b", "--layout", "tp=8,dp=2",
+                          "--slow-gpu", "99:1.5"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--slow-gpu 99:1.5: rank 99 is outside 0..15" in bad.stderr
