@@ -84,11 +84,10 @@ def pipeline_split(
         if s != schedule.stages - 1:
             stage.norm = stage.output = None
         if isinstance(model_or_cfg, Llama):
-            for name, _ in list(stage.named_children()):
-                if name == "layers":
-                    for key in keep:
-                        stage.layers[key] = model_or_cfg.layers[key]
-                elif getattr(stage, name) is not None and name != "rope":
+            for key in keep:
+                stage.layers[key] = model_or_cfg.layers[key]
+            for name in ("tok_embeddings", "norm", "output"):
+                if getattr(stage, name) is not None:
                     setattr(stage, name, getattr(model_or_cfg, name))
             device = model_or_cfg.rope.cos.device
         else:
