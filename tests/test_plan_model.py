@@ -171,3 +171,24 @@ def test_fp32_profile_doubles_weight_bytes():
     fp32 = dataclasses.replace(H100, dtype="fp32")
     plan32 = evaluate(L405, fp32, plan.config, plan.seq, plan.global_seqs)
     assert plan32.memory.params == 2 * plan.memory.params
+
+
+def test_without_sequence_parallelism_tp_all_reduces_and_norms_run_on_every_token():
+    from fourd.plan.perf import layer_comm
+    from fourd.plan.memory import activation_bytes_per_token
+    g = placement(Layout(tp=8), H100)
+    f, b, _, _ = layer_comm(L405, H100, 8, 1, 8192, 1, g["tp"], g["cp"], False)
+    act = 8192 * L405.dim * 2
+    assert f == b == pytest.approx(2 * collective_time("all_reduce", act, g["tp"], H100))
+    sp_f, sp_b, _, _ = layer_comm(L405, H100, 8, 1, 8192, 1, g["tp"], g["cp"], True)
+    assert sp_f == pytest.approx(2 * (collective_time("all_gather", act, g["tp"], H100) + collective_time("reduce_scatter", act, g["tp"], H100)))
+    assert sp_b > sp_f     # the weight gradients gather the saved input shards again
+    gap = activation_bytes_per_token(L405, 8, sequence_parallel=False) - activation_bytes_per_token(L405, 8)
+    assert gap == pytest.approx(4 * L405.dim * 2 * (1 - 1 / 8))
+
+
+def test_zero_shards_over_dp_and_cp():
+    base = Config(Layout(8, 16, 16, 8), "interleaved", 16, 8, 1, "selective")
+    plan = evaluate(L405, H100, base, 131072, 128)
+    per_gpu = plan.memory.params / 2          # BF16 weights
+    assert plan.memory.optimizer == pytest.approx(per_gpu * 12 / 128)

@@ -52,6 +52,8 @@ def add_arguments(p):
     p.add_argument("--global-batch-tokens", default="16M", help="tokens per optimizer step (default 16M = 16,777,216, Llama 3's)")
     p.add_argument("--recompute", choices=("none", "selective", "full"), help="activation recomputation")
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO stage of the data-parallel sharding")
+    p.add_argument("--sequence-parallel", choices=("on", "off"), default="on",
+                   help="sequence parallelism with TP (default on; the trainer's parallel.sequence_parallel)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), help="training precision (default: the cluster profile's)")
     p.add_argument("--train-tokens", help="token budget of the whole run, e.g. 15.6T, for training_days")
     p.add_argument("--search", action="store_true", help="rank every valid configuration; report the best and the top")
@@ -88,7 +90,8 @@ def run(args) -> int:
     if args.virtual_stages and args.virtual_stages > 1 and args.schedule is None:
         args.schedule = "interleaved"
     fixed = {"layout": layout, "schedule": args.schedule, "microbatches": args.microbatches,
-             "virtual_stages": args.virtual_stages, "zero": args.zero}
+             "virtual_stages": args.virtual_stages, "zero": args.zero,
+             "sequence_parallel": args.sequence_parallel == "on"}
     left_open = [name for name, value in (("layout", layout), ("schedule", args.schedule),
                                       ("virtual stages", args.virtual_stages), ("microbatches", args.microbatches),
                                       ("zero", args.zero), ("recompute", args.recompute)) if value is None]
@@ -98,7 +101,8 @@ def run(args) -> int:
         sched = args.schedule or "1f1b"
         check(model, cluster, Config(layout, sched, args.microbatches or per_replica,
                                      args.virtual_stages or (2 if sched == "interleaved" and layout.pp > 1 else 1),
-                                     1 if args.zero is None else args.zero, args.recompute or "none"), seq, global_seqs)
+                                     1 if args.zero is None else args.zero, args.recompute or "none",
+                                     args.sequence_parallel == "on"), seq, global_seqs)
     plans = search(model, cluster, gpus, seq, global_seqs, recompute=args.recompute, chosen=left_open, **fixed)
     if not plans:
         raise FourdError(f"no configuration of {gpus} GPUs runs this model with {seq}-token sequences and "

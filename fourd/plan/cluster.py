@@ -224,6 +224,16 @@ def placement(layout, cluster: Cluster) -> dict[str, Group]:
             "dp": Group(layout.dp, layout.tp * layout.cp * layout.pp, world)}
 
 
+def shard_group(layout) -> Group:
+    """The cp·dp ranks that hold the same weights (one TP and PP position): they reduce gradients together
+    and ZeRO shards over them (FSDP over dp×cp, as the trainer and Llama 3 do). Modelled as one ring spread
+    evenly over the span of the DP group (exact when cp or dp is 1)."""
+    world = layout.tp * layout.cp * layout.pp * layout.dp
+    if layout.dp == 1:
+        return Group(layout.cp, layout.tp, world)
+    return Group(layout.cp * layout.dp, layout.tp * layout.pp, world)
+
+
 def check_fits(world: int, cluster: Cluster) -> None:
     if world > cluster.total_gpus:
         raise FourdError(f"{world} GPUs asked but cluster {cluster.name} has {cluster.total_gpus} "

@@ -181,19 +181,19 @@ def rank_shapes(model, pp: int, virtual_stages: int) -> tuple[tuple[int, ...], t
 
 
 def rank_memory(model, cluster, layout, seq: int, micro_seqs: int, schedule: str, microbatches: int,
-                virtual_stages: int, zero: int, recompute: str, rank: int) -> Memory:
+                virtual_stages: int, zero: int, recompute: str, rank: int, sequence_parallel: bool = True) -> Memory:
     """Peak memory of one GPU of pipeline rank `rank`."""
     b = cluster.dtype_bytes
     layers, params, _, biggest = rank_shapes(model, layout.pp, virtual_stages)
     mine = params[rank] / layout.tp
-    w, g, o = state_bytes_per_param(zero, layout.dp, b)
+    w, g, o = state_bytes_per_param(zero, layout.cp * layout.dp, b)   # FSDP shards over dp×cp
     tokens = micro_seqs * seq // layout.cp
-    per_layer = tokens * activation_bytes_per_token(model, layout.tp, recompute, dtype_bytes=b)
+    per_layer = tokens * activation_bytes_per_token(model, layout.tp, recompute, sequence_parallel, b)
     acts = in_flight(schedule, layout.pp, microbatches, virtual_stages, rank) * layers[rank] * per_layer
     other = 0.0
     if recompute == "full":
         # the layer being recomputed holds its whole activations for one microbatch
-        other += tokens * activation_bytes_per_token(model, layout.tp, "none", dtype_bytes=b)
+        other += tokens * activation_bytes_per_token(model, layout.tp, "none", sequence_parallel, b)
     if rank == layout.pp - 1:
         # FP32 logits and their gradient for one microbatch, vocabulary split over TP
         other += 2 * 4 * tokens * model.vocab / layout.tp
@@ -203,11 +203,12 @@ def rank_memory(model, cluster, layout, seq: int, micro_seqs: int, schedule: str
     return Memory(mine * w, mine * g, mine * o, acts, other, cluster.gpu.memory_reserve_gb * GB)
 
 
-def peak_memory(model, cluster, layout, seq, micro_seqs, schedule, microbatches, virtual_stages, zero, recompute) -> Memory:
+def peak_memory(model, cluster, layout, seq, micro_seqs, schedule, microbatches, virtual_stages, zero, recompute,
+                sequence_parallel: bool = True) -> Memory:
     """The pipeline rank with the most memory."""
     ranks = rank_shapes(model, layout.pp, virtual_stages)[2]
     return max((rank_memory(model, cluster, layout, seq, micro_seqs, schedule, microbatches, virtual_stages,
-                            zero, recompute, r) for r in ranks), key=lambda m: m.total)
+                            zero, recompute, r, sequence_parallel) for r in ranks), key=lambda m: m.total)
 
 
 def max_rank_params(model, pp: int, virtual_stages: int, tp: int) -> float:

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from fourd.plan.cluster import Cluster, Group, group_bandwidth, placement
+from fourd.plan.cluster import Cluster, Group, group_bandwidth, placement, shard_group
 from fourd.plan.memory import max_rank_params, rank_shapes, stage_layers
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
@@ -167,12 +167,14 @@ def _gemms(model, tokens: int, tp: int) -> list[tuple[int, int, int]]:
             (tokens, model.dim, model.ffn // tp)]                 # w2
 
 
-def _elementwise_bytes(model, tokens: int, tp: int, b: int) -> tuple[float, float]:
-    """HBM bytes of a layer's memory-bound kernels in forward: (norms and residuals on the sequence-parallel
-    shard, RoPE and the MLP activation on the TP shard), and the part a selective recomputation redoes."""
+def _elementwise_bytes(model, tokens: int, tp: int, b: int, sequence_parallel: bool = True) -> tuple[float, float]:
+    """HBM bytes of a layer's memory-bound kernels in forward: (norms and residuals, on the sequence-parallel
+    shard or, without SP, on every token on every TP rank; RoPE and the MLP activation on the TP shard), and
+    the part a selective recomputation redoes."""
     h, hd = model.dim, model.head_dim
-    norms = 2 * 2 * h * b * tokens / tp                    # two norms: read and write h
-    residual = 2 * 3 * h * b * tokens / tp                 # two adds: read 2h, write h
+    sp = tp if sequence_parallel else 1
+    norms = 2 * 2 * h * b * tokens / sp                    # two norms: read and write h
+    residual = 2 * 3 * h * b * tokens / sp                 # two adds: read 2h, write h
     rope = 2 * 2 * (model.heads + model.kv_heads) * hd * b * tokens / tp
     act = (3 if model.mlp == "swiglu" else 2) * model.ffn * b * tokens / tp
     return norms + residual + rope + act, norms + act
@@ -180,27 +182,31 @@ def _elementwise_bytes(model, tokens: int, tp: int, b: int) -> tuple[float, floa
 
 @lru_cache(maxsize=8192)
 def layer_comm(model, cluster: Cluster, tp: int, cp: int, seq: int, micro_seqs: int, tp_group: Group,
-               cp_group: Group) -> tuple[float, float, float, float]:
+               cp_group: Group, sequence_parallel: bool = True) -> tuple[float, float, float, float]:
     """(TP forward, TP backward, CP forward, CP backward) seconds of one layer's collectives, none overlapped.
 
-    Sequence parallelism: all-gather before and reduce-scatter after each of attention and MLP, forward
-    and backward (Korthikanti et al. 2022 §4.2.2); backward gathers the two saved input shards once more
-    for the weight gradients. CP: all-gather K and V forward, again backward, and reduce-scatter their
-    gradients (Llama 3 §3.3.2; with GQA these are small).
+    TP alone: an all-reduce after each of attention and MLP, forward and backward (Shoeybi et al. 2019
+    §3). With sequence parallelism each all-reduce becomes an all-gather before the block and a
+    reduce-scatter after it (Korthikanti et al. 2022 §4.2.2), and backward gathers the two saved input
+    shards once more for the weight gradients. CP: all-gather K and V forward, again backward, and
+    reduce-scatter their gradients (Llama 3 §3.3.2; with GQA these are small).
     """
     b = cluster.dtype_bytes
     act = micro_seqs * seq // cp * model.dim * b
-    gather = collective_time("all_gather", act, tp_group, cluster)
-    scatter = collective_time("reduce_scatter", act, tp_group, cluster)
     kv = 2 * max(1, model.kv_heads // tp) * model.head_dim * micro_seqs * seq * b
     kv_gather = collective_time("all_gather", kv, cp_group, cluster)
-    return (2 * (gather + scatter), 4 * gather + 2 * scatter,
-            kv_gather, kv_gather + collective_time("reduce_scatter", kv, cp_group, cluster))
+    cp_times = (kv_gather, kv_gather + collective_time("reduce_scatter", kv, cp_group, cluster))
+    if not sequence_parallel:
+        reduce = collective_time("all_reduce", act, tp_group, cluster)
+        return (2 * reduce, 2 * reduce, *cp_times)
+    gather = collective_time("all_gather", act, tp_group, cluster)
+    scatter = collective_time("reduce_scatter", act, tp_group, cluster)
+    return (2 * (gather + scatter), 4 * gather + 2 * scatter, *cp_times)
 
 
 @lru_cache(maxsize=8192)
 def layer_time(model, cluster: Cluster, tp: int, cp: int, seq: int, micro_seqs: int, recompute: str,
-               tp_group: Group, cp_group: Group) -> StageTime:
+               tp_group: Group, cp_group: Group, sequence_parallel: bool = True) -> StageTime:
     """One transformer layer, one microbatch of micro_seqs sequences, on one rank of a (tp, cp) group."""
     b = cluster.dtype_bytes
     tokens = micro_seqs * seq // cp
@@ -212,10 +218,10 @@ def layer_time(model, cluster: Cluster, tp: int, cp: int, seq: int, micro_seqs: 
     # Each CP rank holds chunks i and 2·CP−1−i of every sequence, so its queries see on average half the
     # sequence and the causal work is even across ranks (Llama 3 §3.3.2): tokens·seq/2 score pairs.
     a_fwd, a_bwd = attention_time(tokens, seq, model.heads // tp, model.head_dim, cluster)
-    ew, ew_selective = _elementwise_bytes(model, tokens, tp, b)
+    ew, ew_selective = _elementwise_bytes(model, tokens, tp, b, sequence_parallel)
     fwd += a_fwd + memory_time(ew, cluster)
     dgrad += a_bwd + memory_time(2 * ew, cluster)
-    tp_f, tp_b, cp_f, cp_b = layer_comm(model, cluster, tp, cp, seq, micro_seqs, tp_group, cp_group)
+    tp_f, tp_b, cp_f, cp_b = layer_comm(model, cluster, tp, cp, seq, micro_seqs, tp_group, cp_group, sequence_parallel)
     fwd_comm, bwd_comm = tp_f + cp_f, tp_b + cp_b
     if recompute == "selective":
         dgrad += memory_time(ew_selective, cluster)
@@ -225,24 +231,33 @@ def layer_time(model, cluster: Cluster, tp: int, cp: int, seq: int, micro_seqs: 
     return StageTime(fwd, dgrad, wgrad, fwd_comm, bwd_comm)
 
 
-def _head_time(model, cluster: Cluster, tokens: int, tp: int, tp_group: Group) -> StageTime:
+def _head_time(model, cluster: Cluster, tokens: int, tp: int, tp_group: Group, sequence_parallel: bool) -> StageTime:
     """Final norm, output projection (vocabulary split over TP) and cross-entropy in FP32."""
     b, v = cluster.dtype_bytes, model.vocab // tp
-    fwd = gemm_time(tokens, v, model.dim, cluster) + memory_time(4 * model.dim * b * tokens / tp, cluster)
+    norm = 4 * model.dim * b * tokens / (tp if sequence_parallel else 1)
+    fwd = gemm_time(tokens, v, model.dim, cluster) + memory_time(norm, cluster)
     dgrad = gemm_time(tokens, model.dim, v, cluster)
     wgrad = gemm_time(model.dim, v, tokens, cluster)
     logits = 4 * tokens * v  # FP32: written, read by the softmax, its gradient written
     fwd += memory_time(2 * logits, cluster)
     dgrad += memory_time(2 * logits, cluster)
     act = tokens * model.dim * b
-    # gather the sequence-parallel input; the vocabulary-parallel loss all-reduces max, sum and target logit
-    comm_f = collective_time("all_gather", act, tp_group, cluster) + collective_time("all_reduce", 3 * 4 * tokens, tp_group, cluster)
+    # the vocabulary-parallel loss all-reduces max, sum and target logit; SP gathers the input first and
+    # reduce-scatters its gradient, plain TP all-reduces the gradient
+    loss = collective_time("all_reduce", 3 * 4 * tokens, tp_group, cluster)
+    if not sequence_parallel:
+        return StageTime(fwd, dgrad, wgrad, loss, collective_time("all_reduce", act, tp_group, cluster))
+    comm_f = collective_time("all_gather", act, tp_group, cluster) + loss
     return StageTime(fwd, dgrad, wgrad, comm_f, collective_time("reduce_scatter", act, tp_group, cluster))
 
 
-def _embedding_time(model, cluster: Cluster, tokens: int, tp: int, tp_group: Group) -> StageTime:
-    """Vocabulary-parallel lookup: partial rows, reduce-scattered into the sequence-parallel shard."""
+def _embedding_time(model, cluster: Cluster, tokens: int, tp: int, tp_group: Group, sequence_parallel: bool) -> StageTime:
+    """Vocabulary-parallel lookup: partial rows, reduce-scattered into the sequence-parallel shard (or
+    all-reduced without SP)."""
     act = tokens * model.dim * cluster.dtype_bytes
+    if not sequence_parallel:
+        return StageTime(memory_time(act, cluster), memory_time(2 * act, cluster), 0.0,
+                         collective_time("all_reduce", act, tp_group, cluster), 0.0)
     return StageTime(memory_time(act, cluster), memory_time(2 * act, cluster), 0.0,
                      collective_time("reduce_scatter", act, tp_group, cluster),
                      collective_time("all_gather", act, tp_group, cluster))
@@ -257,33 +272,35 @@ def compute_share(layout, cluster: Cluster) -> float:
 
 
 def stage_compute_time(model, cluster: Cluster, layout, seq: int, micro_seqs: int, layers: int, *,
-                       first: bool = False, last: bool = False, recompute: str = "none") -> StageTime:
+                       first: bool = False, last: bool = False, recompute: str = "none",
+                       sequence_parallel: bool = True) -> StageTime:
     """One microbatch of `micro_seqs` sequences of `seq` tokens through a pipeline stage of `layers` layers
     (plus the embedding if `first`, the output and loss if `last`) on one GPU of `layout`; TP and CP
     collectives included as exposed communication."""
     groups = placement(layout, cluster)
     tokens = micro_seqs * seq // layout.cp
-    t = layer_time(model, cluster, layout.tp, layout.cp, seq, micro_seqs, recompute, groups["tp"], groups["cp"]).scaled(layers)
+    sp = sequence_parallel
+    t = layer_time(model, cluster, layout.tp, layout.cp, seq, micro_seqs, recompute, groups["tp"], groups["cp"], sp).scaled(layers)
     if first:
-        t = t + _embedding_time(model, cluster, tokens, layout.tp, groups["tp"])
+        t = t + _embedding_time(model, cluster, tokens, layout.tp, groups["tp"], sp)
     if last:
-        t = t + _head_time(model, cluster, tokens, layout.tp, groups["tp"])
+        t = t + _head_time(model, cluster, tokens, layout.tp, groups["tp"], sp)
     k = compute_share(layout, cluster)
     return StageTime(t.forward_s * k, t.input_grad_s * k, t.weight_grad_s * k, t.forward_comm_s, t.backward_comm_s)
 
 
 def chunk_times(model, cluster: Cluster, layout, seq: int, micro_seqs: int, virtual_stages: int = 1,
-                recompute: str = "none") -> list[StageTime]:
+                recompute: str = "none", sequence_parallel: bool = True) -> list[StageTime]:
     """StageTime of each global pipeline stage 0 .. pp·V−1 in model order (stage s runs on rank s % pp)."""
     counts = stage_layers(model.layers, layout.pp, virtual_stages)
     last = len(counts) - 1
     return [stage_compute_time(model, cluster, layout, seq, micro_seqs, n, first=(s == 0), last=(s == last),
-                               recompute=recompute) for s, n in enumerate(counts)]
+                               recompute=recompute, sequence_parallel=sequence_parallel) for s, n in enumerate(counts)]
 
 
 @lru_cache(maxsize=16384)
 def slowest_rank(model, cluster: Cluster, layout, seq: int, micro_seqs: int, virtual_stages: int,
-                 recompute: str) -> tuple[int, StageTime]:
+                 recompute: str, sequence_parallel: bool = True) -> tuple[int, StageTime]:
     """The pipeline rank with the most work per microbatch, and that work (all its stages). Rank 0 also
     embeds and rank pp−1 also runs the output and the loss."""
     per_rank = rank_shapes(model, layout.pp, virtual_stages)[0]
@@ -294,15 +311,16 @@ def slowest_rank(model, cluster: Cluster, layout, seq: int, micro_seqs: int, vir
         seen.setdefault(per_rank[r], r)
     candidates = {0, p - 1, *seen.values()}
     times = {r: stage_compute_time(model, cluster, layout, seq, micro_seqs, per_rank[r], first=(r == 0),
-                                   last=(r == p - 1), recompute=recompute) for r in candidates}
+                                   last=(r == p - 1), recompute=recompute, sequence_parallel=sequence_parallel)
+             for r in candidates}
     r = max(times, key=lambda r: times[r].forward + times[r].backward)
     return r, times[r]
 
 
-def p2p_time(model, cluster: Cluster, layout, seq: int, micro_seqs: int) -> float:
-    """One activation (or its gradient) sent between adjacent pipeline ranks; each TP rank sends its
-    sequence-parallel shard."""
-    nbytes = micro_seqs * seq // layout.cp * model.dim * cluster.dtype_bytes / layout.tp
+def p2p_time(model, cluster: Cluster, layout, seq: int, micro_seqs: int, sequence_parallel: bool = True) -> float:
+    """One activation (or its gradient) sent between adjacent pipeline ranks; with SP each TP rank sends
+    its shard, without it the whole activation."""
+    nbytes = micro_seqs * seq // layout.cp * model.dim * cluster.dtype_bytes / (layout.tp if sequence_parallel else 1)
     world = layout.tp * layout.cp * layout.pp * layout.dp
     return collective_time("send", nbytes, Group(2, layout.tp * layout.cp, world), cluster)
 
@@ -382,30 +400,33 @@ def _dp_exposure(zero: int, m: int, nbytes: float, group: Group, cluster: Cluste
 
 
 @lru_cache(maxsize=16384)
-def _pipeline_work(model, cluster: Cluster, layout, seq: int, micro_seqs: int, virtual_stages: int, recompute: str):
+def _pipeline_work(model, cluster: Cluster, layout, seq: int, micro_seqs: int, virtual_stages: int, recompute: str,
+                   sequence_parallel: bool):
     """What a step's time needs that does not depend on the schedule or the ZeRO stage."""
-    p = layout.pp
-    slow, t = slowest_rank(model, cluster, layout, seq, micro_seqs, virtual_stages, recompute)
-    p2p = 2 * (p - 1) * p2p_time(model, cluster, layout, seq, micro_seqs) if p > 1 else 0.0
+    p, sp = layout.pp, sequence_parallel
+    slow, t = slowest_rank(model, cluster, layout, seq, micro_seqs, virtual_stages, recompute, sp)
+    p2p = 2 * (p - 1) * p2p_time(model, cluster, layout, seq, micro_seqs, sp) if p > 1 else 0.0
     params = max_rank_params(model, p, virtual_stages, layout.tp)
     layers = rank_shapes(model, p, virtual_stages)[0][slow]
     groups = placement(layout, cluster)
-    tp_f, tp_b, cp_f, cp_b = layer_comm(model, cluster, layout.tp, layout.cp, seq, micro_seqs, groups["tp"], groups["cp"])
+    tp_f, tp_b, cp_f, cp_b = layer_comm(model, cluster, layout.tp, layout.cp, seq, micro_seqs, groups["tp"], groups["cp"], sp)
     redo = 2 if recompute == "full" else 1
-    return slow, t, p2p, params, layers, groups["dp"], layers * (tp_f * redo + tp_b), layers * (cp_f * redo + cp_b)
+    return (slow, t, p2p, params, layers, shard_group(layout), layers * (tp_f * redo + tp_b),
+            layers * (cp_f * redo + cp_b))
 
 
 def step_time(model, cluster: Cluster, layout, seq: int, global_seqs: int, schedule: str, microbatches: int,
-              virtual_stages: int = 1, zero: int = 1, recompute: str = "none") -> StepTime:
+              virtual_stages: int = 1, zero: int = 1, recompute: str = "none", sequence_parallel: bool = True) -> StepTime:
     """Seconds per optimizer step of `global_seqs` sequences of `seq` tokens, and where they go."""
     p, v, m = layout.pp, virtual_stages, microbatches
     micro = global_seqs // (layout.dp * m)
-    slow, t, p2p, params, layers, dp_group, tp_comm, cp_comm = _pipeline_work(model, cluster, layout, seq, micro, v, recompute)
+    slow, t, p2p, params, layers, shard, tp_comm, cp_comm = _pipeline_work(
+        model, cluster, layout, seq, micro, v, recompute, sequence_parallel)
     compute = m * (t.forward + t.backward)
     bubble = bubble_time(schedule, p, m, v, t) if p > 1 else 0.0
-    exposed, total = _dp_exposure(zero, m, params * cluster.dtype_bytes, dp_group, cluster, t, bubble, layers)
+    exposed, total = _dp_exposure(zero, m, params * cluster.dtype_bytes, shard, cluster, t, bubble, layers)
     overlap = OVERLAP_SLOWDOWN * (total - exposed)
-    owned = params / (layout.dp if zero >= 1 else 1)
+    owned = params / (shard.size if zero >= 1 else 1)
     optimizer = memory_time(owned * ADAM_BYTES[cluster.dtype_bytes], cluster)
     step = compute + bubble + p2p + exposed + overlap + optimizer
     return StepTime(step, compute, bubble, p2p, exposed, total, overlap, optimizer, m * tp_comm, m * cp_comm, slow, t)

@@ -3,7 +3,7 @@ N GPUs ranked by tokens/s among those that fit."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from fourd.errors import FourdError
@@ -25,6 +25,7 @@ class Config:
     virtual_stages: int = 1
     zero: int = 1
     recompute: str = "none"
+    sequence_parallel: bool = True
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,7 @@ class Plan:
             "layout": {"tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp},
             "schedule": c.schedule, "microbatches": c.microbatches, "virtual_stages": c.virtual_stages,
             "micro_batch_seqs": self.micro_seqs, "zero": c.zero, "recompute": c.recompute,
+            "sequence_parallel": c.sequence_parallel,
             "seq": self.seq, "global_batch_tokens": self.global_seqs * self.seq,
             "memory_gb": {k: round(v, 3) for k, v in self.memory.gb().items()},
             "memory_capacity_gb": self.cluster.gpu.memory_gb, "fits": self.fits,
@@ -151,6 +153,9 @@ def check(model, cluster: Cluster, config: Config, seq: int, global_seqs: int) -
     if c.microbatches < 1 or per_replica % c.microbatches:
         raise FourdError(f"--microbatches {c.microbatches} does not divide the {per_replica} sequences per DP replica: "
                          f"choose a divisor of {per_replica}")
+    if c.sequence_parallel and (seq // lay.cp) % lay.tp:
+        raise FourdError(f"sequence parallelism cuts each rank's {seq // lay.cp} tokens into tp={lay.tp} parts: choose "
+                         f"--seq a multiple of cp·tp = {lay.cp * lay.tp}, or --sequence-parallel off")
     if c.schedule == "interleaved" and lay.pp > 1 and c.microbatches < lay.pp:
         raise FourdError(f"the interleaved schedule needs at least pp={lay.pp} microbatches (got {c.microbatches}): "
                          f"raise --microbatches or the global batch")
@@ -160,7 +165,7 @@ def evaluate(model, cluster: Cluster, config: Config, seq: int, global_seqs: int
              memory: Memory | None = None) -> Plan:
     c = config
     step = step_time(model, cluster, c.layout, seq, global_seqs, c.schedule, c.microbatches, c.virtual_stages,
-                     c.zero, c.recompute)
+                     c.zero, c.recompute, c.sequence_parallel)
     mem = memory or config_memory(model, cluster, c, seq, global_seqs)
     return Plan(model, cluster, c, seq, global_seqs, step, mem, tuple(chosen))
 
@@ -168,7 +173,7 @@ def evaluate(model, cluster: Cluster, config: Config, seq: int, global_seqs: int
 def config_memory(model, cluster: Cluster, c: Config, seq: int, global_seqs: int) -> Memory:
     micro = global_seqs // (c.layout.dp * c.microbatches)
     return peak_memory(model, cluster, c.layout, seq, micro, c.schedule, c.microbatches, c.virtual_stages,
-                       c.zero, c.recompute)
+                       c.zero, c.recompute, c.sequence_parallel)
 
 
 # ---- the search ---------------------------------------------------------------------------------------------
@@ -201,9 +206,11 @@ def _virtual_stages(layers: int, pp: int) -> list[int]:
 
 def configs(model, cluster: Cluster, gpus: int, seq: int, global_seqs: int, layout: Layout | None = None,
             schedule: str | None = None, microbatches: int | None = None, virtual_stages: int | None = None,
-            zero: int | None = None):
+            zero: int | None = None, sequence_parallel: bool = True):
     """Every configuration the fixed settings allow, recomputation left open (see `search`)."""
     for lay in [layout] if layout else layouts(model, cluster, gpus, seq, global_seqs):
+        if sequence_parallel and (seq // lay.cp) % lay.tp:
+            continue
         per_replica = global_seqs // lay.dp
         if microbatches:
             counts = [microbatches]
@@ -221,7 +228,7 @@ def configs(model, cluster: Cluster, gpus: int, seq: int, global_seqs: int, layo
                     if sched == "interleaved" and lay.pp > 1 and m < lay.pp:
                         continue
                     for z in [zero] if zero is not None else ZERO_STAGES:
-                        yield Config(lay, sched, m, v, z)
+                        yield Config(lay, sched, m, v, z, "none", sequence_parallel)
 
 
 def search(model, cluster: Cluster, gpus: int, seq: int, global_seqs: int, recompute: str | None = None,
@@ -233,7 +240,7 @@ def search(model, cluster: Cluster, gpus: int, seq: int, global_seqs: int, recom
     capacity = cluster.gpu.memory_gb * GB
     for c in configs(model, cluster, gpus, seq, global_seqs, **fixed):
         for rc in [recompute] if recompute else RECOMPUTE:
-            c = Config(c.layout, c.schedule, c.microbatches, c.virtual_stages, c.zero, rc)
+            c = replace(c, recompute=rc)
             mem = config_memory(model, cluster, c, seq, global_seqs)
             if mem.total + mem.reserve <= capacity:
                 break

@@ -1,0 +1,95 @@
+"""The planner against measurement: `fourd train` step times on this machine for several layouts
+(1 to 8 ranks), next to what `fourd plan --cluster local` predicts for the same run.
+
+    fourd calibrate                     # writes $FOURD_HOME/clusters/local.toml (once)
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/plan_vs_measured.py [--model small] [--steps 8]
+
+Each layout trains `--steps` steps in a fresh run directory; the first `--warmup` steps (start-up,
+allocator and thread-pool warm-up) are dropped and the median of the rest is the measured step time.
+Prints a markdown table and the median absolute error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FOURD = [sys.executable, "-m", "fourd"]
+ZERO = {"ddp": 0, "zero2": 2, "zero3": 3}
+# (layout, schedule, microbatches): 1 to 8 ranks, every dimension alone and combined
+LAYOUTS = [
+    ("dp=1", "1f1b", 1),
+    ("dp=2", "1f1b", 1),
+    ("tp=2", "1f1b", 1),
+    ("cp=2", "1f1b", 1),
+    ("pp=2", "1f1b", 4),
+    ("tp=2,dp=2", "1f1b", 1),
+    ("pp=2,dp=2", "gpipe", 4),
+    ("tp=2,pp=2,dp=2", "1f1b", 4),
+]
+
+
+def measure(model: str, layout: str, schedule: str, m: int, args) -> float:
+    with tempfile.TemporaryDirectory(prefix="fourd-pvm-") as run_dir:
+        cmd = [*FOURD, "train", "--model", model, "--layout", layout, "--schedule", schedule,
+               "--microbatches", str(m), "--steps", str(args.steps), "--seed", "0", "--run-dir", run_dir,
+               f"--train.global_batch={args.global_batch}", f"--data.seq_len={args.seq}",
+               f"--parallel.dp_mode={args.dp_mode}"]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=args.timeout)
+        if r.returncode:
+            raise RuntimeError(f"{' '.join(cmd[2:])} failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
+        rows = [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines() if line.strip()]
+    times = [row["step_time_s"] for row in rows[args.warmup:]]
+    if not times:
+        raise RuntimeError(f"{layout}: no steps after the {args.warmup} warm-up steps; raise --steps")
+    return statistics.median(times)
+
+
+def predict(model: str, layout: str, schedule: str, m: int, args) -> dict:
+    cmd = [*FOURD, "plan", "--model", model, "--cluster", args.cluster, "--layout", layout, "--schedule", schedule,
+           "--microbatches", str(m), "--seq", str(args.seq), "--global-batch-tokens", str(args.global_batch * args.seq),
+           "--zero", str(ZERO[args.dp_mode]), "--recompute", "none", "--json"]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=60)
+    if r.returncode:
+        raise RuntimeError(f"fourd plan failed: {r.stderr.strip()}")
+    return json.loads(r.stdout)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="small")
+    p.add_argument("--cluster", default="local", help="profile name or path (default local, from fourd calibrate)")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--global-batch", type=int, default=16, help="sequences per step")
+    p.add_argument("--dp-mode", default="zero2", choices=tuple(ZERO))
+    p.add_argument("--only", help="layouts to run, separated by semicolons, e.g. 'dp=2;tp=2,dp=2'")
+    p.add_argument("--timeout", type=int, default=600, help="seconds per training run")
+    args = p.parse_args()
+    chosen = [row for row in LAYOUTS if not args.only or row[0] in args.only.split(";")]
+    print(f"{args.model}, {args.global_batch} × {args.seq} tokens per step, {args.dp_mode}, "
+          f"{time.strftime('%Y-%m-%d')}, cluster profile {args.cluster}\n")
+    print("| layout | schedule | m | measured s | predicted s | error |")
+    print("|---|---|---|---|---|---|")
+    errors = []
+    for layout, schedule, m in chosen:
+        plan = predict(args.model, layout, schedule, m, args)
+        measured = measure(args.model, layout, schedule, m, args)
+        err = plan["step_time_s"] / measured - 1
+        errors.append(abs(err))
+        print(f"| {layout} | {schedule} | {m} | {measured:.3f} | {plan['step_time_s']:.3f} | {100 * err:+.0f} % |", flush=True)
+    print(f"\nmedian absolute error {100 * statistics.median(errors):.0f} % over {len(errors)} layouts")
+
+
+if __name__ == "__main__":
+    main()
