@@ -86,6 +86,7 @@ def stage_params(model, counts: list[int], stage: int) -> int:
 
 # ---- activations ---------------------------------------------------------------------------------------
 
+@lru_cache(maxsize=4096)
 def activation_bytes_per_token(model, tp: int = 1, recompute: str = "none", sequence_parallel: bool = True,
                                dtype_bytes: int = 2) -> float:
     """Bytes one layer keeps for backward per token on one TP rank, with a fused (flash) attention kernel.
@@ -206,9 +207,16 @@ def rank_memory(model, cluster, layout, seq: int, micro_seqs: int, schedule: str
 def peak_memory(model, cluster, layout, seq, micro_seqs, schedule, microbatches, virtual_stages, zero, recompute,
                 sequence_parallel: bool = True) -> Memory:
     """The pipeline rank with the most memory."""
-    ranks = rank_shapes(model, layout.pp, virtual_stages)[2]
-    return max((rank_memory(model, cluster, layout, seq, micro_seqs, schedule, microbatches, virtual_stages,
-                            zero, recompute, r, sequence_parallel) for r in ranks), key=lambda m: m.total)
+    layers, params, ranks, _ = rank_shapes(model, layout.pp, virtual_stages)
+    per_param = sum(state_bytes_per_param(zero, layout.cp * layout.dp, cluster.dtype_bytes)) / layout.tp
+    per_layer = micro_seqs * seq // layout.cp * activation_bytes_per_token(
+        model, layout.tp, recompute, sequence_parallel, cluster.dtype_bytes)
+    # what differs between ranks, first; the whole breakdown for the fullest only
+    logits = 8 * micro_seqs * seq // layout.cp * model.vocab / layout.tp
+    fullest = max(ranks, key=lambda r: params[r] * per_param + logits * (r == layout.pp - 1) + per_layer * layers[r]
+                  * in_flight(schedule, layout.pp, microbatches, virtual_stages, r))
+    return rank_memory(model, cluster, layout, seq, micro_seqs, schedule, microbatches, virtual_stages, zero,
+                       recompute, fullest, sequence_parallel)
 
 
 def max_rank_params(model, pp: int, virtual_stages: int, tp: int) -> float:

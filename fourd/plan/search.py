@@ -3,7 +3,7 @@ N GPUs ranked by tokens/s among those that fit."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import cached_property
 
 from fourd.errors import FourdError
@@ -240,7 +240,7 @@ def search(model, cluster: Cluster, gpus: int, seq: int, global_seqs: int, recom
     capacity = cluster.gpu.memory_gb * GB
     for c in configs(model, cluster, gpus, seq, global_seqs, **fixed):
         for rc in [recompute] if recompute else RECOMPUTE:
-            c = replace(c, recompute=rc)
+            c = Config(c.layout, c.schedule, c.microbatches, c.virtual_stages, c.zero, rc, c.sequence_parallel)
             mem = config_memory(model, cluster, c, seq, global_seqs)
             if mem.total + mem.reserve <= capacity:
                 break
