@@ -56,9 +56,12 @@ def _pp_run(pp, group, name, v):
         opt.step()
         opt.zero_grad()
     params = {k: v.detach().clone() for s in stages for k, v in s.state_dict().items()}
-    ran = [(r.kind, r.stage, r.microbatch) for r in runner.records]
-    planned = [(a.kind, a.stage, a.microbatch) for a in schedule.ranks[rank]]
-    return {"case": (pp, name), "losses": losses, "params": params, "ran_as_planned": ran == planned,
+    # The trace of the last step names the schedule's actions in its order, one after another in the step.
+    ran = [e["name"] for e in runner.trace_events(pid=rank)]
+    planned = [str(a) for a in schedule.ranks[rank]]
+    times = [t for r in runner.records for t in (r.start, r.end)]
+    in_order = times == sorted(times) and 0 <= times[0] and times[-1] <= runner.wall
+    return {"case": (pp, name), "losses": losses, "params": params, "ran_as_planned": ran == planned and in_order,
             "bubble": runner.bubble_fraction}
 
 
