@@ -207,16 +207,30 @@ def rank_memory(model, cluster, layout, seq: int, micro_seqs: int, schedule: str
 def peak_memory(model, cluster, layout, seq, micro_seqs, schedule, microbatches, virtual_stages, zero, recompute,
                 sequence_parallel: bool = True) -> Memory:
     """The pipeline rank with the most memory."""
-    layers, params, ranks, _ = rank_shapes(model, layout.pp, virtual_stages)
-    per_param = sum(state_bytes_per_param(zero, layout.cp * layout.dp, cluster.dtype_bytes)) / layout.tp
-    per_layer = micro_seqs * seq // layout.cp * activation_bytes_per_token(
-        model, layout.tp, recompute, sequence_parallel, cluster.dtype_bytes)
-    # what differs between ranks, first; the whole breakdown for the fullest only
-    logits = 8 * micro_seqs * seq // layout.cp * model.vocab / layout.tp
-    fullest = max(ranks, key=lambda r: params[r] * per_param + logits * (r == layout.pp - 1) + per_layer * layers[r]
-                  * in_flight(schedule, layout.pp, microbatches, virtual_stages, r))
+    _, fullest = fullest_rank(model, cluster, layout, seq, micro_seqs, schedule, microbatches, virtual_stages, zero,
+                              recompute, sequence_parallel)
     return rank_memory(model, cluster, layout, seq, micro_seqs, schedule, microbatches, virtual_stages, zero,
                        recompute, fullest, sequence_parallel)
+
+
+def fullest_rank(model, cluster, layout, seq, micro_seqs, schedule, microbatches, virtual_stages, zero, recompute,
+                 sequence_parallel: bool = True) -> tuple[float, int]:
+    """(bytes, pipeline rank) of the GPU with the most memory, the reserve included: the quick form of
+    peak_memory that the search asks many times."""
+    layers, params, ranks, biggest = rank_shapes(model, layout.pp, virtual_stages)
+    b = cluster.dtype_bytes
+    per_param = sum(state_bytes_per_param(zero, layout.cp * layout.dp, b)) / layout.tp
+    tokens = micro_seqs * seq // layout.cp
+    per_layer = tokens * activation_bytes_per_token(model, layout.tp, recompute, sequence_parallel, b)
+    logits = 8 * tokens * model.vocab / layout.tp
+    common = cluster.gpu.memory_reserve_gb * GB
+    if recompute == "full":
+        common += tokens * activation_bytes_per_token(model, layout.tp, "none", sequence_parallel, b)
+    if zero == 3:
+        common += 2 * biggest / layout.tp * b
+    return max((params[r] * per_param + logits * (r == layout.pp - 1) + common
+                + per_layer * layers[r] * in_flight(schedule, layout.pp, microbatches, virtual_stages, r), r)
+               for r in ranks)
 
 
 def max_rank_params(model, pp: int, virtual_stages: int, tp: int) -> float:

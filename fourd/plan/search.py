@@ -9,7 +9,7 @@ from functools import cached_property
 from fourd.errors import FourdError
 from fourd.parallel.layout import Layout
 from fourd.plan.cluster import Cluster, check_fits, group_level, placement
-from fourd.plan.memory import GB, Memory, peak_memory, stage_layers
+from fourd.plan.memory import GB, Memory, fullest_rank, peak_memory, stage_layers
 from fourd.plan.perf import RECOMPUTE, SCHEDULES, StepTime, step_time
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -239,11 +239,13 @@ def search(model, cluster: Cluster, gpus: int, seq: int, global_seqs: int, recom
     plans = []
     capacity = cluster.gpu.memory_gb * GB
     for c in configs(model, cluster, gpus, seq, global_seqs, **fixed):
+        micro = global_seqs // (c.layout.dp * c.microbatches)
         for rc in [recompute] if recompute else RECOMPUTE:
             c = Config(c.layout, c.schedule, c.microbatches, c.virtual_stages, c.zero, rc, c.sequence_parallel)
-            mem = config_memory(model, cluster, c, seq, global_seqs)
-            if mem.total + mem.reserve <= capacity:
+            need, _ = fullest_rank(model, cluster, c.layout, seq, micro, c.schedule, c.microbatches,
+                                   c.virtual_stages, c.zero, rc, c.sequence_parallel)
+            if need <= capacity:
                 break
-        plans.append(evaluate(model, cluster, c, seq, global_seqs, chosen, mem))
+        plans.append(evaluate(model, cluster, c, seq, global_seqs, chosen))
     plans.sort(key=lambda p: (not p.fits, -p.tokens_per_s if p.fits else p.memory.total))
     return plans
