@@ -36,7 +36,8 @@ def main() -> None:
             for _ in range(args.repeat):
                 start = time.perf_counter()
                 s = build_schedule(c.schedule, layout.pp, c.microbatches, c.virtual_stages)
-                r = simulate_step(model, cluster, layout, s, seq, plan.micro_seqs, zero=c.zero, recompute=c.recompute)
+                r = simulate_step(model, cluster, layout, s, seq, plan.micro_seqs, zero=c.zero, recompute=c.recompute,
+                                  sequence_parallel=c.sequence_parallel)
                 best = min(best, time.perf_counter() - start)
             mfu = plan.model_flops / r.step_time_s / layout.world / 1e12 / cluster.gpu.peak_tflops
             print(f"| {layout.world:,} | {text} | {seq:,} | {c.schedule} | {c.virtual_stages} | {c.microbatches} | {c.zero} "

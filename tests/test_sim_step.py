@@ -66,7 +66,7 @@ def _sim(plan, **kw):
     c = plan.config
     s = build_schedule(c.schedule, c.layout.pp, c.microbatches, c.virtual_stages)
     return simulate_step(plan.model, plan.cluster, c.layout, s, plan.seq, plan.micro_seqs, zero=c.zero,
-                         recompute=c.recompute, **kw)
+                         recompute=c.recompute, sequence_parallel=c.sequence_parallel, **kw)
 
 
 @pytest.mark.parametrize("layout,seq", [("tp=8,pp=16,dp=64", 8192), ("tp=8,pp=16,dp=128", 8192),

@@ -28,7 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from fourd.errors import FourdError
-from fourd.plan.cluster import Group, group_bandwidth, group_level, members_per_node, placement
+from fourd.plan.cluster import Group, group_bandwidth, group_level, members_per_node, shard_group
 from fourd.plan.memory import stage_layers, stage_params
 from fourd.plan.perf import ADAM_BYTES, chunk_times, collective_time, memory_time, ring_bytes_per_rank
 from fourd.schedules import Action, Schedule
@@ -37,14 +37,14 @@ from fourd.sim.pipeline import Event
 
 
 def stage_costs(model, cluster, layout, seq: int, micro_seqs: int, virtual_stages: int, recompute: str = "none",
-                comm: bool = True) -> list[dict[str, float]]:
+                comm: bool = True, sequence_parallel: bool = True) -> list[dict[str, float]]:
     """Seconds of each action kind ("F", "B", "I", "W") per global stage, from the planner's cost model.
 
     TP and CP collectives are part of F, B and I (they sit on the critical path of every layer);
     `comm=False` leaves them out.
     """
     out = []
-    for t in chunk_times(model, cluster, layout, seq, micro_seqs, virtual_stages, recompute):
+    for t in chunk_times(model, cluster, layout, seq, micro_seqs, virtual_stages, recompute, sequence_parallel):
         f = t.forward_s + (t.forward_comm_s if comm else 0.0)
         i = t.input_grad_s + (t.backward_comm_s if comm else 0.0)
         out.append({"F": f, "I": i, "W": t.weight_grad_s, "B": i + t.weight_grad_s})
@@ -52,9 +52,9 @@ def stage_costs(model, cluster, layout, seq: int, micro_seqs: int, virtual_stage
 
 
 def cost_duration(model, cluster, layout, seq: int, micro_seqs: int, virtual_stages: int = 1,
-                  recompute: str = "none", comm: bool = True):
+                  recompute: str = "none", comm: bool = True, sequence_parallel: bool = True):
     """A duration function for `fourd.sim.pipeline.timeline`: the cost model's time of each Action."""
-    costs = stage_costs(model, cluster, layout, seq, micro_seqs, virtual_stages, recompute, comm)
+    costs = stage_costs(model, cluster, layout, seq, micro_seqs, virtual_stages, recompute, comm, sequence_parallel)
     return lambda a: costs[a.stage][a.kind]
 
 
@@ -103,7 +103,7 @@ class Comm:
     dp_links: tuple = ()                             # (port, share of the ring's bytes) per GPU
 
 
-def build_comm(model, cluster, layout, seq: int, micro_seqs: int, virtual_stages: int, replicas: int) -> Comm:
+def build_comm(model, cluster, layout, seq: int, micro_seqs: int, replicas: int, sequence_parallel: bool = True) -> Comm:
     """Links and transfer costs of `layout` on `cluster`, for `replicas` classes of replica."""
     node, net = cluster.node, cluster.network
     nic = net.nic_bw_gbps * 1e9 * net.nic_efficiency
@@ -113,7 +113,8 @@ def build_comm(model, cluster, layout, seq: int, micro_seqs: int, virtual_stages
         for r in range(layout.pp):
             comm.capacity.update({("nic_out", c, r): nic, ("nic_in", c, r): nic,
                                   ("nvl_out", c, r): nvl, ("nvl_in", c, r): nvl})
-    comm.p2p_bytes = micro_seqs * seq // layout.cp * model.dim * cluster.dtype_bytes / layout.tp
+    # each TP rank sends its sequence-parallel shard; without SP every TP rank holds (and sends) it all
+    comm.p2p_bytes = micro_seqs * seq // layout.cp * model.dim * cluster.dtype_bytes / (layout.tp if sequence_parallel else 1)
     gpu = [layout.rank(pp=r) for r in range(layout.pp)]
     for src in range(layout.pp):
         for dst in range(layout.pp):
@@ -124,7 +125,7 @@ def build_comm(model, cluster, layout, seq: int, micro_seqs: int, virtual_stages
             same_node = gpu[src] // node.gpus == gpu[dst] // node.gpus
             port = ("nvl_out", "nvl_in") if same_node else ("nic_out", "nic_in")
             comm.p2p[(src, dst)] = (port, bw, latency)
-    dp_group = placement(layout, cluster)["dp"]
+    dp_group = shard_group(layout)  # the cp·dp ranks holding the same weights reduce gradients together
     level = group_level(dp_group, cluster)
     comm.dp_group = dp_group
     comm.dp_bw = group_bandwidth(dp_group, cluster)[0]
@@ -166,13 +167,13 @@ def simulate(schedule: Schedule, costs: list[dict[str, float]], *, layers: list[
     `layers[stage]` cuts actions into per-layer pieces where data-parallel buckets gate or follow
     them; `dp_bytes[stage]` are the stage's weight bytes (one DP bucket per layer); `optimizer_s[rank]`
     runs after the rank's last gradient bucket. `slow = (pipeline rank, factor)` slows that rank in
-    one replica of `dp` (the others stay the representative class).
+    one of `dp` data-parallel replicas (the others stay the representative class).
     """
     p, n_stages = schedule.pp, schedule.stages
     layers = layers or [1] * n_stages
     optimizer_s = optimizer_s or [0] * p
     classes = [None] if slow is None else ([None, slow] if dp > 1 else [slow])
-    with_dp = comm is not None and dp_bytes is not None and dp > 1
+    with_dp = comm is not None and dp_bytes is not None and comm.dp_group.size > 1
     sim = _Engine(schedule, comm, cluster, len(classes))
 
     for c, straggler in enumerate(classes):
@@ -388,7 +389,7 @@ class _Engine:
 
 def simulate_step(model, cluster, layout, schedule: Schedule, seq: int, micro_seqs: int, *, zero: int = 1,
                   recompute: str = "none", comm: bool = True, slow_gpu: tuple[int, float] | None = None,
-                  throttle: float = 1.0) -> StepResult:
+                  throttle: float = 1.0, sequence_parallel: bool = True) -> StepResult:
     """One step of `model` on `cluster` with `layout` and `schedule`, microbatches of micro_seqs sequences.
 
     `slow_gpu = (global rank, factor)`: that GPU computes factor× slower, and with it its TP/CP group
@@ -398,14 +399,14 @@ def simulate_step(model, cluster, layout, schedule: Schedule, seq: int, micro_se
         raise FourdError(f"schedule for pp={schedule.pp} but layout {layout} has pp={layout.pp}")
     v = schedule.virtual_stages
     costs = [{k: t * throttle for k, t in c.items()}
-             for c in stage_costs(model, cluster, layout, seq, micro_seqs, v, recompute, comm)]
+             for c in stage_costs(model, cluster, layout, seq, micro_seqs, v, recompute, comm, sequence_parallel)]
     counts = stage_layers(model.layers, layout.pp, v)
     dtype = cluster.dtype_bytes
     dp_bytes = [stage_params(model, counts, s) / layout.tp * dtype for s in range(len(counts))]
     optimizer = []
     for r in range(layout.pp):
         params = sum(dp_bytes[s] for s in schedule.stages_of_rank(r)) / dtype
-        owned = params / (layout.dp if zero >= 1 else 1)
+        owned = params / (shard_group(layout).size if zero >= 1 else 1)
         optimizer.append(memory_time(owned * ADAM_BYTES[dtype], cluster) * throttle)
     slow = None
     if slow_gpu is not None:
@@ -416,6 +417,6 @@ def simulate_step(model, cluster, layout, schedule: Schedule, seq: int, micro_se
             raise FourdError(f"--slow-gpu {g}:{factor}: the factor must be positive, e.g. 1.2 for 20 % slower")
         slow = (layout.coords(g)["pp"], factor)
     replicas = 1 if slow is None or layout.dp == 1 else 2
-    net = build_comm(model, cluster, layout, seq, micro_seqs, v, replicas) if comm else None
+    net = build_comm(model, cluster, layout, seq, micro_seqs, replicas, sequence_parallel) if comm else None
     return simulate(schedule, costs, layers=[max(1, n) for n in counts], comm=net, cluster=cluster, zero=zero,
                     dp_bytes=dp_bytes, optimizer_s=optimizer, slow=slow, dp=layout.dp)

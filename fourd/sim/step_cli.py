@@ -78,7 +78,8 @@ def resolve(args):
         raise FourdError(f"--layout {layout} uses {layout.world} GPUs but --gpus is {gpus}: make the product equal {gpus}")
     schedule = args.schedule or ("interleaved" if (args.virtual_stages or 1) > 1 else None)
     plans = search(model, cluster, gpus, seq, int(tokens // seq), recompute=args.recompute, layout=layout,
-                   schedule=schedule, microbatches=args.microbatches, virtual_stages=args.virtual_stages, zero=args.zero)
+                   schedule=schedule, microbatches=args.microbatches, virtual_stages=args.virtual_stages, zero=args.zero,
+                   sequence_parallel=args.sequence_parallel == "on")
     if not plans:
         raise FourdError(f"no configuration of {gpus} GPUs runs this model with these settings: change --layout, "
                          f"--microbatches or --global-batch-tokens (`fourd plan` explains)")
@@ -105,7 +106,8 @@ def report(plan, result, comm: bool, wall: float, train_tokens: float | None = N
         "comm": comm,
         "layout": {d: getattr(c.layout, d) for d in ("tp", "cp", "pp", "dp")}, "gpus": plan.gpus,
         "schedule": c.schedule, "microbatches": c.microbatches, "virtual_stages": c.virtual_stages,
-        "micro_batch_seqs": plan.micro_seqs, "zero": c.zero, "recompute": c.recompute, "seq": plan.seq,
+        "micro_batch_seqs": plan.micro_seqs, "zero": c.zero, "recompute": c.recompute,
+        "sequence_parallel": c.sequence_parallel, "seq": plan.seq,
         "global_batch_tokens": plan.global_seqs * plan.seq, "cluster": plan.cluster.name,
         "transfers": len(result.transfers), "sim_wall_s": wall,
         **({"train_tokens": train_tokens, "training_days": train_tokens * step / (plan.global_seqs * plan.seq) / 86400}
@@ -123,7 +125,7 @@ def simulate_plan(plan, args):
     schedule = build_schedule(c.schedule, c.layout.pp, c.microbatches, c.virtual_stages)
     result = simulate_step(plan.model, plan.cluster, c.layout, schedule, plan.seq, plan.micro_seqs, zero=c.zero,
                            recompute=c.recompute, comm=not args.no_comm, slow_gpu=_slow(args.slow_gpu),
-                           throttle=diurnal_factor(args.diurnal, args.hour))
+                           throttle=diurnal_factor(args.diurnal, args.hour), sequence_parallel=c.sequence_parallel)
     return result, time.perf_counter() - start
 
 
