@@ -181,6 +181,7 @@ def parse_overrides(items: list[str]) -> list[tuple[str, str]]:
         if not word.startswith("--") or "." not in word.split("=")[0]:
             raise FourdError(f"unrecognised argument {word!r}: overrides look like --section.key=value")
         key, eq, value = word[2:].partition("=")
+        key = key.replace("-", "_")  # --fault.kill-rank is --fault.kill_rank, as the contract spells it
         if not eq:
             if i + 1 >= len(items):
                 raise FourdError(f"--{key} needs a value: --{key}=VALUE")
