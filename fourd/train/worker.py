@@ -19,12 +19,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from fourd.ckpt.dcp_io import Checkpointer
 from fourd.config import Config, model_config
 from fourd.data.dataset import SampleStream, TokenCache, fourd_home
 from fourd.errors import FourdError
 from fourd.model.llama import build_model
 from fourd.parallel.grad import clip_grad_norm
 from fourd.parallel.layout import Layout, parse_layout
+from fourd.train.heartbeat import Heartbeat
 from fourd.train.metrics import MetricsWriter, device_peak_flops, peak_memory_gb, summary_table
 
 
@@ -157,13 +159,20 @@ def run_worker(cfg: Config, cache: TokenCache, peak_flops: float, peak_source: s
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=cfg.train.timeout_s),
                             **({"device_id": device} if use_cuda else {}))
+    beats = Heartbeat(rank, world, attempt)
     try:
-        _train(cfg, cache, peak_flops, peak_source, rank, world, attempt, device)
+        _train(cfg, cache, peak_flops, peak_source, rank, world, attempt, device, beats)
+    except FourdError:
+        raise
+    except Exception as e:
+        # A collective that timed out or lost a peer: say which rank did not keep up, and at which step.
+        print(f"fourd: error: rank {rank}: {beats.report(e)}", file=sys.stderr, flush=True)
+        raise
     finally:
         dist.destroy_process_group()
 
 
-def _train(cfg, cache, peak_flops, peak_source, rank, world, attempt, device) -> None:
+def _train(cfg, cache, peak_flops, peak_source, rank, world, attempt, device, beats) -> None:
     torch.manual_seed(cfg.train.seed)
     par = build_parallel(cfg, device, rank, world)
     t, lay = cfg.train, par.layout
@@ -176,7 +185,14 @@ def _train(cfg, cache, peak_flops, peak_source, rank, world, attempt, device) ->
                             eps=1e-8, foreach=False)
     amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else _no_amp
     run_dir = Path(cfg.run.dir)
-    start_step = 0
+    ckpt = Checkpointer(run_dir, par.stages, opt, model_cfg=model_config(cfg), layout=str(lay),
+                        contributes=all(par.coords[d] == 0 for d in ("tp", "cp", "dp")), keep=cfg.checkpoint.keep,
+                        async_save=cfg.checkpoint.async_save, attempt=attempt,
+                        info={"seed": t.seed, "global_batch": B, "steps": t.steps})
+    start_step, start_sample = ckpt.resume() or (0, 0)
+    if start_step > t.steps:
+        raise FourdError(f"{run_dir} has a checkpoint at step {start_step}, beyond --steps {t.steps}: "
+                         "ask for more steps or use another --run-dir")
     writer = MetricsWriter(run_dir, t.steps, start_step) if rank == 0 else None
     flops_per_step = model_config(cfg).flops_per_token(seq) * B * seq
     if rank == 0:
@@ -187,11 +203,14 @@ def _train(cfg, cache, peak_flops, peak_source, rank, world, attempt, device) ->
             os.kill(os.getpid(), signal.SIGKILL)
         if attempt == 0 and step == cfg.fault.at_step and rank == cfg.fault.hang_rank:
             time.sleep(10 * t.timeout_s)
+        beats.beat(step)
+        ckpt.poll()
         t0 = time.perf_counter()
         lr = lr_at(step, cfg)
         for g in opt.param_groups:
             g["lr"] = lr
-        batch = torch.from_numpy(stream.samples((step - 1) * B + par.data_rank * per_dp, per_dp)).to(device)
+        first = start_sample + (step - start_step - 1) * B  # the global sample index: same stream at any dp
+        batch = torch.from_numpy(stream.samples(first + par.data_rank * per_dp, per_dp)).to(device)
         x, y = batch[:, :-1], batch[:, 1:]
         if lay.cp > 1:
             from fourd.parallel.cp import cp_shard
@@ -221,6 +240,10 @@ def _train(cfg, cache, peak_flops, peak_source, rank, world, attempt, device) ->
             if par.runner is not None:
                 row["bubble_fraction"] = par.runner.bubble_fraction
             writer.log(row, show=step % t.log_every == 0 or step == t.steps)
+        interval = cfg.checkpoint.interval
+        if step == t.steps or (interval and step % interval == 0):
+            ckpt.save(step, first + B)
+    ckpt.wait()
     if writer is not None:
         writer.close()
         print(summary_table(writer.rows, {"layout": f"{lay} on {world} {device.type} rank(s)",

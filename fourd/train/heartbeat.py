@@ -1,0 +1,47 @@
+"""Which rank is behind: each rank records the step it has begun in the job's rendezvous store.
+
+When a collective times out (a hung rank) or loses a peer (a dead one), the rank that notices reads
+everyone's last step from the store, which outlives the workers, and names the ranks that never
+began the step the others are stuck in. Cost: one small store write per rank per step.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+
+class Heartbeat:
+    def __init__(self, rank: int, world: int, attempt: int):
+        self.rank, self.world, self.step = rank, world, 0
+        self.prefix = f"fourd/attempt{attempt}/began/"  # the store outlives restarts: keys per attempt
+        self.store = None
+
+    def beat(self, step: int) -> None:
+        self.step = step
+        if self.world > 1:
+            if self.store is None:
+                self.store = dist.distributed_c10d._get_default_store()
+            self.store.set(f"{self.prefix}{self.rank}", str(step))
+
+    def began(self) -> dict[int, int]:
+        """Each rank's last begun step (0: none yet), as far as the store knows."""
+        out = {}
+        for r in range(self.world):
+            key = f"{self.prefix}{r}"
+            out[r] = int(self.store.get(key)) if self.store is not None and self.store.check([key]) else 0
+        return out
+
+    def report(self, error: BaseException) -> str:
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        where = f"step {self.step} failed ({type(error).__name__}: {first})"
+        if self.world == 1:
+            return where
+        try:
+            began = self.began()
+        except Exception as e:  # noqa: BLE001 - the store itself is gone: say what we know
+            return f"{where}; the rendezvous store is unreachable ({e})"
+        behind = sorted(r for r, s in began.items() if s < self.step)
+        if not behind:
+            return f"{where}; every rank began step {self.step}: one is stuck or died inside it"
+        names = ", ".join(f"rank {r} (last began step {began[r]})" for r in behind)
+        return f"{where}; did not begin step {self.step}: {names} — hung or dead"
