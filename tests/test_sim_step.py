@@ -168,3 +168,25 @@ def test_cli_json_trace_and_the_big_step(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "fourd", "sim", "step", "--model", "llama3-8b", "--layout", "tp=8,dp=2",
                           "--slow-gpu", "99:1.5"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--slow-gpu 99:1.5: rank 99 is outside 0..15" in bad.stderr
+
+
+def test_cli_search_ranks_the_planners_candidates_by_simulated_time():
+    out = subprocess.run([sys.executable, "-m", "fourd", "sim", "step", "--model", "llama3-8b", "--gpus", "64",
+                          "--seq", "8192", "--global-batch-tokens", "1M", "--search", "--top", "3", "--json"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    d = json.loads(out.stdout)
+    times = [c["step_time_s"] for c in d["candidates"]]
+    assert len(times) == 3 and times == sorted(times) and d["best"]["step_time_s"] == times[0]
+
+
+def test_lab_view_with_cost_model_durations_matches_the_simulator_without_comm():
+    from fourd.sim.step import cost_duration
+
+    plan = _plan("llama3-8b", "llama3-h100", "tp=8,pp=4,dp=4", 8192, 64 * 8192, "interleaved", microbatches=8,
+                 virtual_stages=2)
+    c = plan.config
+    s = build_schedule(c.schedule, 4, c.microbatches, c.virtual_stages)
+    dur = cost_duration(plan.model, plan.cluster, c.layout, plan.seq, plan.micro_seqs, c.virtual_stages, c.recompute,
+                        comm=False, sequence_parallel=c.sequence_parallel)
+    assert timeline(s, dur) == _sim(plan, comm=False).events
