@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-SEGMENT_BYTES = 1 << 20
+SEGMENT_BYTES = 4 << 20   # best of 256 KiB, 1 MiB, 4 MiB and whole chunks here (docs/comm.md)
 
 _COMBINE = {
     dist.ReduceOp.SUM: torch.Tensor.add_,
@@ -73,12 +73,14 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
         lo, hi = bounds[j], bounds[j + 1]
         seg = chunks[send_of[t], lo:hi]
         target = incoming[lo:hi] if reducing[t] else chunks[recv_of[t], lo:hi]
-        tag = t * n_seg + j
+        tag = t * n_seg + j  # one tag per message: segments in flight at once never match the wrong receive
         stats.bytes_sent += seg.numel() * seg.element_size()
         stats.messages += 1
         return (dist.isend(seg, group=group, group_dst=nxt, tag=tag),
                 dist.irecv(target, group=group, group_src=prv, tag=tag))
 
+    # A segment received in place at step t + 1 may still be in this rank's send of step t only when
+    # N = 2, and then the peer has received that send in full before it sends the segment back.
     pending = [post(0, j) for j in range(n_seg)]
     for t in range(steps):
         following = []
