@@ -1,5 +1,6 @@
 """TP and DP on real gloo ranks train exactly like one process: 5 AdamW steps of the debug model, same losses,
-same gradient norms (with clipping active), same final full parameters, within 1e-5 relative (FP32)."""
+same gradient norms (with clipping active), same final full parameters, within 1e-5 relative (FP32).
+M=2: two microbatches, gradients synchronised on the last only."""
 
 import pytest
 import torch
@@ -26,8 +27,9 @@ def _batch(cfg):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _train(cfg, tp_mesh=None, dp_mesh=None, mode=None, sp=False, clip_mesh=None):
-    """The trainer's step (no PP), on whichever of TP and DP are given; returns losses, norms, full params."""
+def _train(cfg, tp_mesh=None, dp_mesh=None, mode=None, sp=False, clip_mesh=None, microbatches=1):
+    """The trainer's step (no PP), on whichever of TP and DP are given; returns losses, norms, full params.
+    With microbatches, gradients accumulate unsynchronised until the last one, as in the trainer."""
     model = build_model(cfg, seed=0)
     if tp_mesh is not None:
         apply_tp(model, tp_mesh, sequence_parallel=sp)
@@ -43,11 +45,16 @@ def _train(cfg, tp_mesh=None, dp_mesh=None, mode=None, sp=False, clip_mesh=None)
     losses, norms = [], []
     for _ in range(STEPS):
         opt.zero_grad()
-        loss = loss_fn(model(x), y)
-        loss.backward()
+        loss = torch.zeros(())
+        for i, (xm, ym) in enumerate(zip(x.chunk(microbatches), y.chunk(microbatches))):
+            if dp_mesh is not None:
+                model.set_requires_gradient_sync(i == microbatches - 1)
+            mb_loss = loss_fn(model(xm), ym) / microbatches
+            mb_loss.backward()
+            loss += mb_loss.detach()
         norms.append(clip_grad_norm(model.parameters(), MAX_NORM, clip_mesh))
         opt.step()
-        reported = loss.detach().clone()
+        reported = loss.clone()
         if dp_group is not None:
             dist.all_reduce(reported, group=dp_group)
             reported /= dp
@@ -70,11 +77,12 @@ def _four_ranks(rank, world):
     results["tp=2"] = _train(DEBUG, tp_mesh=pairs["tp"])
     results["tp=2 sp"] = _train(DEBUG, tp_mesh=pairs["tp"], sp=True)
     dp_pairs = dp_cp_mesh(pairs)
-    for mode in ("ddp", "zero2", "zero3"):
+    results["dp=2 ddp M=2"] = _train(DEBUG, dp_mesh=dp_pairs, mode="ddp", microbatches=2)
+    for mode in ("zero2", "zero3"):
         results[f"dp=2 {mode}"] = _train(DEBUG, dp_mesh=dp_pairs, mode=mode)
     results["tp=2,dp=2 zero3"] = _train(DEBUG, tp_mesh=pairs["tp"], dp_mesh=dp_pairs, mode="zero3", clip_mesh=pairs)
-    results["tp=2,dp=2 sp zero2"] = _train(
-        DEBUG, tp_mesh=pairs["tp"], dp_mesh=dp_pairs, mode="zero2", sp=True, clip_mesh=pairs
+    results["tp=2,dp=2 sp zero2 M=2"] = _train(
+        DEBUG, tp_mesh=pairs["tp"], dp_mesh=dp_pairs, mode="zero2", sp=True, clip_mesh=pairs, microbatches=2
     )
     results["tp=4"] = _train(DEBUG_KV4, tp_mesh=build_mesh(Layout(tp=4))["tp"])
     hsdp = build_mesh(Layout(dp=4), hsdp_replicate=2)
