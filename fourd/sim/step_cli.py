@@ -3,7 +3,8 @@
 between stages, and data-parallel buckets are reduced and gathered, all sharing the links of the
 cluster's topology. Takes the same model, cluster and layout flags as `fourd plan`; settings left
 out are the planner's choice. Identical data-parallel replicas are simulated once, so a 16,384-GPU
-step takes well under a second (docs/simulators.md says what that assumes).
+step takes well under a second (docs/simulators.md says what that assumes). With --search it
+simulates the planner's best candidates and ranks them by simulated step time.
 
 examples:
   fourd sim step --model llama3-405b --cluster llama3-h100 --gpus 16384 --layout tp=8,pp=16,dp=128 \\
@@ -13,6 +14,7 @@ examples:
                  --global-batch-tokens 32768 --no-comm --json
   fourd sim step --model llama3-70b --gpus 512 --layout tp=8,pp=4,dp=16 --seq 8192 --global-batch-tokens 4M \\
                  --schedule 1f1b --slow-gpu 40:1.2 --trace step.json
+  fourd sim step --model llama3-8b --gpus 64 --seq 8192 --global-batch-tokens 1M --search --top 5
 """
 
 from __future__ import annotations
