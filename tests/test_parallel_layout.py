@@ -67,6 +67,7 @@ def test_a_valid_layout_passes():
         (Layout(cp=3), {}, r"sequence length 64 is not divisible by 2·cp = 6"),
         (Layout(dp=3), {}, r"global batch 8 sequences is not divisible by dp × microbatches = 3 × 1 = 3"),
         (Layout(dp=2), dict(microbatches=3), r"dp × microbatches = 2 × 3 = 6"),
+        (Layout(dp=4), dict(global_batch=8, hsdp_replicate=3), r"HSDP replicas = 3 must divide dp=4 .*one of 1, 2, 4$"),
     ],
 )
 def test_impossible_layouts_are_refused_with_the_reason(layout, kw, message):

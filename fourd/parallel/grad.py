@@ -19,11 +19,10 @@ def grad_norm(params, mesh: DeviceMesh | None = None) -> torch.Tensor:
     # Sums of squares of the local shards, one per (mesh, placements), in first-seen order: every rank of
     # a stage holds the same parameters in the same order, so they agree on the reductions below.
     groups: dict[tuple, torch.Tensor] = {}
-    total = torch.zeros((), device=_device(mesh))
-    for p in params:
-        g = p.grad
-        if g is None:
-            continue
+    grads = [p.grad for p in params if p.grad is not None]
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    total = torch.zeros((), device=local[0].device if local else "cpu")
+    for g in grads:
         if not isinstance(g, DTensor):
             total = total + g.float().pow(2).sum()
             continue
@@ -54,8 +53,3 @@ def clip_grad_norm(params, max_norm: float, mesh: DeviceMesh | None = None) -> f
             p.grad.mul_(scale)
     return norm
 
-
-def _device(mesh: DeviceMesh | None) -> torch.device:
-    if mesh is None or mesh.device_type == "cpu":
-        return torch.device("cpu")
-    return torch.device(mesh.device_type, torch.accelerator.current_device_index())

@@ -84,11 +84,13 @@ def validate_layout(
     world: int | None = None,
     virtual_stages: int = 1,
     sequence_parallel: bool = False,
+    hsdp_replicate: int | None = None,
 ) -> None:
     """Refuse, before any worker starts, every layout the trainer cannot run; one line naming the fix.
 
     model_cfg is a fourd.model.config.ModelConfig; seq the sequence length; global_batch the sequences
-    per optimizer step; world the number of processes actually started (None: not known yet).
+    per optimizer step; world the number of processes actually started (None: not known yet);
+    hsdp_replicate the number of HSDP replicas when data parallelism is HSDP.
     KV heads are not replicated: TP must divide the KV heads, as Llama 3 does (8 KV heads, TP = 8).
     """
     tp, cp, pp, dp = layout.tp, layout.cp, layout.pp, layout.dp
@@ -131,5 +133,11 @@ def validate_layout(
         raise FourdError(
             f"global batch {global_batch} sequences is not divisible by dp × microbatches = {dp} × {microbatches}"
             f" = {dp * microbatches}: choose a global batch that is a multiple of {dp * microbatches}"
+        )
+    bad_hsdp = not (isinstance(hsdp_replicate, int) and hsdp_replicate >= 1 and dp % hsdp_replicate == 0)
+    if hsdp_replicate is not None and bad_hsdp:
+        raise FourdError(
+            f"HSDP replicas = {hsdp_replicate!r} must divide dp={dp} (replicas × shard groups = dp): "
+            f"choose one of {', '.join(str(d) for d in range(1, dp + 1) if dp % d == 0)}"
         )
 
