@@ -78,6 +78,7 @@ def test_search_json_best_and_candidates():
     (["--layout", "tp=8,pp=16,dp=64", "--global-batch-tokens", "1000"], "not a whole number of 8192-token sequences"),
     (["--layout", "tp=8,pp=16,dp=64", "--schedule", "interleaved", "--microbatches", "8"], "at least pp=16 microbatches"),
     (["--gpus", "100000"], "cluster llama3-h100 has 24576"),
+    (["--gpus", "64", "--microbatches", "7"], "in 7 microbatches per replica"),
     (["--cluster", "nowhere"], "unknown cluster 'nowhere'"),
     (["--cluster", "local"], "run `fourd calibrate` to write it"),
 ])

@@ -105,8 +105,10 @@ def run(args) -> int:
                                      args.sequence_parallel == "on"), seq, global_seqs)
     plans = search(model, cluster, gpus, seq, global_seqs, recompute=args.recompute, chosen=left_open, **fixed)
     if not plans:
+        m = f" in {args.microbatches} microbatches per replica" if args.microbatches else ""
         raise FourdError(f"no configuration of {gpus} GPUs runs this model with {seq}-token sequences and "
-                         f"{global_seqs} sequences per step: change --gpus, --seq or --global-batch-tokens")
+                         f"{global_seqs} sequences per step{m}: change --gpus, --seq, --global-batch-tokens"
+                         f"{' or --microbatches' if m else ''}")
     if args.search:
         if args.json:
             print(json.dumps({"best": plans[0].to_json(train_tokens),

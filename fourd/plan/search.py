@@ -213,7 +213,7 @@ def configs(model, cluster: Cluster, gpus: int, seq: int, global_seqs: int, layo
             continue
         per_replica = global_seqs // lay.dp
         if microbatches:
-            counts = [microbatches]
+            counts = [microbatches] if per_replica % microbatches == 0 else []
         else:
             counts = [per_replica // s for s in MICRO_SEQS if per_replica % s == 0]
         for sched in [schedule] if schedule else SCHEDULES:
