@@ -144,6 +144,7 @@ def test_cluster_row_colours_the_groups_of_a_layout(page, url):
     page.locator("#colour-by").select_option("tp")
     expect(page.locator('#racks .gpu[data-rank="127"]')).to_have_attribute("data-group", "120")
     assert colours() == 16  # one TP group per server
+    expect(page.locator("#colour-by option[value=cp]")).to_be_disabled()
     page.locator("#layout").fill("tp=2,cp=2,pp=4,dp=2")
     expect(page.locator("#racks .gpu.unused")).to_have_count(128 - 32)
     expect(page.locator("#spans li")).to_have_text([
@@ -153,6 +154,9 @@ def test_cluster_row_colours_the_groups_of_a_layout(page, url):
         "DP: 16 groups of 2, each across racks inside one pod",  # ranks r and r+16: two racks
     ])
     assert "layout=tp%3D2%2Ccp%3D2%2Cpp%3D4%2Cdp%3D2" in page.url
+    page.locator("#colour-by").select_option("cp")
+    expect(page.locator('#racks .gpu[data-rank="3"]')).to_have_attribute("data-group", "1")
+    assert colours() == 16
     page.locator("#layout").fill("tp=3,zz=1")
     expect(page.locator("#cluster-error")).to_have_text(
         "layout 'tp=3,zz=1': bad item 'zz=1'; write key=value with keys tp, cp, pp, dp")

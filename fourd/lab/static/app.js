@@ -158,6 +158,10 @@ async function updateCluster() {
   }
   if (!data) return;
   showError("cluster-error", null);
+  // CP groups are offered only when the layout sets cp.
+  const cpOption = $("colour-by").querySelector("option[value=cp]");
+  cpOption.disabled = data.spans.cp.size === 1;
+  if (cpOption.disabled && $("colour-by").value === "cp") $("colour-by").value = "pp";
   const dim = $("colour-by").value;
   // Groups are named by their first rank; colours go to them in order of appearance.
   const order = new Map();
