@@ -153,3 +153,16 @@ beta_s_per_byte = 1e-9
     bf16 = json.loads(plan("--model", "small", "--cluster", str(path), "--layout", "dp=2", "--seq", "256",
                            "--global-batch-tokens", "4096", "--zero", "0", "--dtype", "bf16", "--json").stdout)
     assert bf16["memory_gb"]["params"] == pytest.approx(2 * params / 1e9, abs=1e-3)
+
+
+def test_a_cpu_profile_defaults_to_what_fourd_train_runs(tmp_path):
+    from fourd.config import DataSection, TrainSection
+    path = tmp_path / "cpu.toml"
+    path.write_text('dtype = "fp32"\n[gpu]\nname = "CPU"\npeak_tflops = 0.05\nmemory_gb = 16.0\nhbm_bw_gbps = 10.0\n'
+                    '[node]\ngpus = 8\nintra_bw_gbps = 1.0\nconcurrent_ranks = 2\n[network]\nnic_bw_gbps = 1.0\n')
+    d = json.loads(plan("--model", "small", "--cluster", str(path), "--layout", "tp=2", "--json").stdout)
+    assert d["seq"] == DataSection().seq_len
+    assert d["global_batch_tokens"] == TrainSection().global_batch * DataSection().seq_len
+    assert d["sequence_parallel"] is False and d["dtype"] == "fp32"
+    gpu = json.loads(plan("--model", "small", "--layout", "tp=2", "--json").stdout)
+    assert (gpu["seq"], gpu["global_batch_tokens"], gpu["sequence_parallel"]) == (1024, 2 ** 24, True)

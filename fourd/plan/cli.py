@@ -48,12 +48,14 @@ def add_arguments(p):
     p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved", "zero-bubble"), help="pipeline schedule")
     p.add_argument("--microbatches", type=int, help="microbatches per DP replica per step")
     p.add_argument("--virtual-stages", type=int, help="pipeline stages per rank (interleaved schedule)")
-    p.add_argument("--seq", type=int, help="sequence length in tokens (default: the model's max_seq)")
-    p.add_argument("--global-batch-tokens", default="16M", help="tokens per optimizer step (default 16M = 16,777,216, Llama 3's)")
+    p.add_argument("--seq", type=int, help="sequence length in tokens (default: the model's max_seq; on a CPU "
+                   "profile `fourd train`'s data.seq_len)")
+    p.add_argument("--global-batch-tokens", help="tokens per optimizer step (default 16M = 16,777,216, Llama 3's; "
+                   "on a CPU profile `fourd train`'s global batch)")
     p.add_argument("--recompute", choices=("none", "selective", "full"), help="activation recomputation")
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO stage of the data-parallel sharding")
-    p.add_argument("--sequence-parallel", choices=("on", "off"), default="on",
-                   help="sequence parallelism with TP (default on; the trainer's parallel.sequence_parallel)")
+    p.add_argument("--sequence-parallel", choices=("on", "off"),
+                   help="sequence parallelism with TP (default on; on a CPU profile `fourd train`'s default, off)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), help="training precision (default: the cluster profile's)")
     p.add_argument("--train-tokens", help="token budget of the whole run, e.g. 15.6T, for training_days")
     p.add_argument("--search", action="store_true", help="rank every valid configuration; report the best and the top")
@@ -72,10 +74,19 @@ def run(args) -> int:
     cluster = load_cluster(args.cluster)
     if args.dtype:
         cluster = replace(cluster, dtype=args.dtype)
-    seq = args.seq or model.max_seq
+    # A CPU profile (ranks share cores) describes this machine: default to what `fourd train` runs here.
+    trainer = cluster.node.concurrent_ranks is not None
+    if trainer:
+        from fourd.config import DataSection, ParallelSection, TrainSection
+    seq = args.seq or (DataSection().seq_len if trainer else model.max_seq)
     if seq < 2:
         raise FourdError(f"--seq {seq}: a sequence needs at least 2 tokens")
-    tokens = count(args.global_batch_tokens)
+    if args.global_batch_tokens:
+        tokens = count(args.global_batch_tokens)
+    else:
+        tokens = TrainSection().global_batch * seq if trainer else 2 ** 24
+    if args.sequence_parallel is None:
+        args.sequence_parallel = "off" if trainer and not ParallelSection().sequence_parallel else "on"
     if tokens % seq or tokens < seq:
         raise FourdError(f"--global-batch-tokens {args.global_batch_tokens} is not a whole number of {seq}-token "
                          f"sequences: use a multiple of {seq}")
