@@ -18,8 +18,9 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# A fresh run directory each time (a run directory with a checkpoint would resume instead).
 run: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/fourd train --config configs/run.toml
+	OMP_NUM_THREADS=1 $(BIN)/fourd train --config configs/run.toml --run-dir runs/make-run-$$(date +%Y%m%d-%H%M%S)
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
