@@ -23,6 +23,7 @@ import json
 from dataclasses import replace
 
 from fourd.errors import FourdError
+from fourd.schedules import SCHEDULES
 
 _SUFFIX = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "B": 1e9, "T": 1e12}
 
@@ -45,7 +46,7 @@ def add_arguments(p):
     p.add_argument("--cluster", default="llama3-h100", help="cluster profile name or .toml path (default llama3-h100)")
     p.add_argument("--gpus", type=int, help="number of GPUs (default: the layout's product)")
     p.add_argument("--layout", help="tp=8,cp=1,pp=16,dp=64 (omitted dimensions are 1; default: searched)")
-    p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved", "zero-bubble"), help="pipeline schedule")
+    p.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule")
     p.add_argument("--microbatches", type=int, help="microbatches per DP replica per step")
     p.add_argument("--virtual-stages", type=int, help="pipeline stages per rank (interleaved schedule)")
     p.add_argument("--seq", type=int, help="sequence length in tokens (default: the model's max_seq; on a CPU "

@@ -2,8 +2,9 @@
 
 Small pure functions, shared with the simulator (`fourd sim step` schedules these same per-microbatch
 times), so that the two agree. Times are in seconds, sizes in bytes, rates in bytes/s or FLOP/s.
-The signatures of `gemm_time`, `collective_time`, `stage_compute_time`, `p2p_time` and
-`stage_layers` are stable.
+The signatures of `gemm_time`, `memory_time`, `collective_time`, `ring_bytes_per_rank`,
+`stage_compute_time`, `chunk_times`, `p2p_time` and `step_time` are stable (new parameters come last,
+with defaults).
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from functools import lru_cache
 
 from fourd.plan.cluster import Cluster, Group, group_bandwidth, placement, shard_group
 from fourd.plan.memory import max_rank_params, rank_shapes, stage_layers
+from fourd.schedules import SCHEDULES
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
 RECOMPUTE = ("none", "selective", "full")
 KERNEL_LAUNCH_S = 4e-6          # CUDA kernel launch and tail, per GEMM on a GPU
 GPU_TILES = ((128, 128), (128, 256), (256, 128))   # output tiles cuBLAS picks among for large BF16 GEMMs
