@@ -114,3 +114,27 @@ def test_latest_skips_incomplete_checkpoints(tmp_path):
     assert store.resolve(tmp_path) == tmp_path / "checkpoints" / "step-40"
     assert store.resolve(tmp_path / "checkpoints" / "step-5") == tmp_path / "checkpoints" / "step-5"
     assert store.latest(tmp_path / "nothing") is None
+
+
+class _Payload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))  # would create the marker file if unpickled
+
+
+def test_metadata_pickle_cannot_run_code_even_with_a_matching_manifest(saved, tmp_path):
+    import pickle
+    import shutil
+    d = tmp_path / "ck"
+    shutil.copytree(saved[0], d)
+    marker = tmp_path / "ran"
+    (d / ".metadata").write_bytes(pickle.dumps(_Payload(str(marker))))
+    m = store.read_manifest(d)
+    (d / "manifest.json").unlink()
+    store.write_manifest(d, cfg=CFG, digest=m["model_digest"], step=m["step"], layout=m["layout"])  # hashes now match
+    store.verify(d)
+    with pytest.raises(FourdError, match=r"\.metadata: refused \(io\.open is not allowed"):
+        store.load_model_checkpoint(d)
+    assert not marker.exists()

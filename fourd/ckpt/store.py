@@ -11,9 +11,10 @@ written last, and the staging directory renamed into place, so a reader sees eit
 or a complete one. `model_digest` hashes the full (unsharded) tensors, so two layouts that save the
 same weights give the same digest.
 
-Trust boundary: DCP's `.metadata` is a Python pickle, and unpickling runs code. `load_model_checkpoint`
-therefore refuses a directory whose manifest is missing or whose files do not match the manifest's
-hashes; the manifest itself is not signed, so load only checkpoints written by someone you trust.
+Trust boundary: DCP's `.metadata` is a Python pickle. `load_model_checkpoint` refuses a directory whose
+manifest is missing or whose files do not match the manifest's hashes, and then unpickles `.metadata`
+with dcp_io's SafeReader, which builds only DCP's metadata classes. The manifest is not signed: the
+hashes catch damage, not someone who can write the directory.
 """
 
 from __future__ import annotations
@@ -202,13 +203,15 @@ def save_model_checkpoint(directory: str | os.PathLike, cfg: ModelConfig, state_
 
 def load_model_checkpoint(directory: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Verify, then load the full model state_dict on the CPU, whatever layout saved it."""
+    from fourd.ckpt.dcp_io import SafeReader  # imports this module: a local import avoids the cycle
+
     directory = Path(directory)
     manifest = verify(directory)
     try:
         cfg = ModelConfig(**manifest["model"])
     except TypeError as e:
         raise FourdError(f"{directory}/{MANIFEST}: field 'model' is not a model config ({e})") from None
-    reader = dcp.FileSystemReader(str(directory))
+    reader = SafeReader(str(directory))
     sd = {}
     for key, meta in reader.read_metadata().state_dict_metadata.items():
         if key.startswith("model.") and hasattr(meta, "size"):
