@@ -1,4 +1,5 @@
-"""PP and CP composed with TP (+SP) and FSDP, wired as the trainer wires them, equal the single-process run:
+"""PP and CP composed with TP (+SP) and FSDP, wired as the trainer wires them, up to all four dimensions on
+16 ranks, equal the single-process run:
 losses, gradient norms (clipping active) and final full parameters within 1e-5 relative, FP32, gloo."""
 
 import pytest
@@ -119,3 +120,24 @@ def test_pp_and_cp_compose_with_tp_and_fsdp():
                 assert _rel(p, r_params[n]) <= 1e-5, f"{name} rank {rank} {n}: {_rel(p, r_params[n]):.2e}"
             merged.update(params)
         assert merged.keys() == r_params.keys(), name
+
+
+FOUR_D = (Layout(tp=2, cp=2, pp=2, dp=2), "1f1b", 1, 2, "zero2", True)
+
+
+def _sixteen_ranks(rank, world):
+    return _run(*FOUR_D)
+
+
+@pytest.mark.timeout(240)
+def test_all_four_dimensions_on_sixteen_ranks():
+    layout, _, _, m, _, _ = FOUR_D
+    r_losses, r_norms, r_params = _reference(m * layout.dp)
+    merged = {}
+    for rank, (losses, norms, params) in enumerate(run_ranks(_sixteen_ranks, 16, timeout=230)):
+        for a, b in zip(losses + norms, r_losses + r_norms):
+            assert abs(a - b) <= 1e-5 * abs(b), f"rank {rank}: {losses}, {norms} vs {r_losses}, {r_norms}"
+        for n, p in params.items():
+            assert _rel(p, r_params[n]) <= 1e-5, f"rank {rank} {n}: {_rel(p, r_params[n]):.2e}"
+        merged.update(params)
+    assert merged.keys() == r_params.keys()
