@@ -1,6 +1,6 @@
-"""PP and CP composed with TP (+SP) and FSDP, wired as the trainer wires them, up to all four dimensions on
-16 ranks, equal the single-process run:
-losses, gradient norms (clipping active) and final full parameters within 1e-5 relative, FP32, gloo."""
+"""PP and CP composed with TP (+SP) and FSDP as the trainer wires them, up to all four dimensions on 16 ranks,
+equal the single-process run: losses, gradient norms (clipping active) and final full parameters within
+1e-5 relative, FP32, gloo."""
 
 import pytest
 import torch
