@@ -29,11 +29,8 @@ def _counterfactual(plan: Plan) -> Plan | None:
     if lay.dp % 2 or lay.pp == 1:
         return None
     half = Layout(lay.tp, lay.cp, lay.pp, lay.dp // 2)
-    try:
-        return evaluate(plan.model, plan.cluster, replace(c, layout=half, microbatches=2 * c.microbatches),
-                        plan.seq, plan.global_seqs)
-    except (ValueError, ZeroDivisionError):
-        return None
+    return evaluate(plan.model, plan.cluster, replace(c, layout=half, microbatches=2 * c.microbatches),
+                    plan.seq, plan.global_seqs)
 
 
 def why(plan: Plan) -> list[str]:

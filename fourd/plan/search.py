@@ -161,13 +161,11 @@ def check(model, cluster: Cluster, config: Config, seq: int, global_seqs: int) -
                          f"raise --microbatches or the global batch")
 
 
-def evaluate(model, cluster: Cluster, config: Config, seq: int, global_seqs: int, chosen=(),
-             memory: Memory | None = None) -> Plan:
+def evaluate(model, cluster: Cluster, config: Config, seq: int, global_seqs: int, chosen=()) -> Plan:
     c = config
     step = step_time(model, cluster, c.layout, seq, global_seqs, c.schedule, c.microbatches, c.virtual_stages,
                      c.zero, c.recompute, c.sequence_parallel)
-    mem = memory or config_memory(model, cluster, c, seq, global_seqs)
-    return Plan(model, cluster, c, seq, global_seqs, step, mem, tuple(chosen))
+    return Plan(model, cluster, c, seq, global_seqs, step, config_memory(model, cluster, c, seq, global_seqs), tuple(chosen))
 
 
 def config_memory(model, cluster: Cluster, c: Config, seq: int, global_seqs: int) -> Memory:
