@@ -7,6 +7,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from dist_util import run_ranks
+from fourd.errors import FourdError
 from fourd.model.config import get_preset
 from fourd.model.llama import build_model
 from fourd.parallel.dp import apply_dp
@@ -75,7 +76,13 @@ def _eight_ranks(rank, world):
     _stage_loss(model, c["pp"], rows, tp=2, tp_rank=c["tp"]).backward()
     norm = clip_grad_norm(model.parameters(), MAX_NORM, mesh)
     grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) for n, p in model.named_parameters()}
-    return meshes, norm, grads
+    refusals = []
+    for mode in ("hsdp", "zero1"):
+        try:
+            apply_dp(build_model(CFG, seed=0), dp_cp_mesh(mesh), mode)
+        except FourdError as e:
+            refusals.append(str(e))
+    return meshes, norm, grads, refusals
 
 
 @pytest.mark.timeout(180)
@@ -92,7 +99,12 @@ def test_mesh_ranks_and_global_grad_norm():
 
     results = run_ranks(_eight_ranks, 8, timeout=170)
 
-    for rank, (meshes, norm, grads) in enumerate(results):
+    for rank, (meshes, norm, grads, refusals) in enumerate(results):
+        assert refusals == [
+            "data-parallel mode hsdp needs a 2-D (dp_replicate, dp_shard) mesh, got 1-D: build the mesh with "
+            "hsdp_replicate set exactly when the mode is hsdp",
+            "data-parallel mode 'zero1': choose one of ddp, zero2, zero3, hsdp",
+        ]
         for lay, got in zip(LAYOUTS, meshes):
             c = lay.coords(rank)
             assert got["names"] == ("dp", "pp", "cp", "tp")

@@ -18,6 +18,8 @@ counts everywhere) the average is the gradient of the global-batch mean.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
@@ -48,10 +50,9 @@ def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, mode: str = "zero3") -> nn.M
     else:
         mp = MixedPrecisionPolicy()
     if mode == "ddp":
-        wrap = lambda m: replicate(m, mesh=dp_mesh, mp_policy=mp)  # noqa: E731
+        wrap = partial(replicate, mesh=dp_mesh, mp_policy=mp)
     else:
-        reshard = mode != "zero2"
-        wrap = lambda m: fully_shard(m, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)  # noqa: E731
+        wrap = partial(fully_shard, mesh=dp_mesh, reshard_after_forward=mode != "zero2", mp_policy=mp)
     for block in model.layers.values():
         wrap(block)
     wrap(model)
