@@ -120,7 +120,7 @@ def time_op(op: str, nbytes: int, iters: int, warmup: int, group=None) -> dict:
     for i in range(iters):
         dist.barrier(group=group)
         t0 = time.perf_counter()
-        fn()
+        ring_stats = fn()
         sync()
         times[i] = time.perf_counter() - t0
     times = times.to(device)
@@ -129,22 +129,15 @@ def time_op(op: str, nbytes: int, iters: int, warmup: int, group=None) -> dict:
     size = count * 4
     t = statistics.median(times.tolist())
     algbw = size / t / 1e9
-    return {"op": op, "nproc": n, "bytes": size, "time_s": t, "algbw_gbps": algbw,
-            "busbw_gbps": algbw * bus_factor(op, n), "iters": iters, "backend": dist.get_backend(group)}
+    row = {"op": op, "nproc": n, "bytes": size, "time_s": t, "algbw_gbps": algbw,
+           "busbw_gbps": algbw * bus_factor(op, n), "iters": iters, "backend": dist.get_backend(group)}
+    if op == "ring":
+        row.update(steps=ring_stats.steps, bytes_sent_per_rank=ring_stats.bytes_sent)
+    return row
 
 
 def _sweep(rank: int, nproc: int, ops, sizes, iters, warmup) -> list[dict]:
-    rows = [time_op(op, s, iters, warmup) for op in ops for s in sizes]
-    if "ring" in ops:
-        import torch
-
-        from fourd.comm.ring import ring_all_reduce
-
-        for row in rows:
-            if row["op"] == "ring":
-                stats = ring_all_reduce(torch.zeros(row["bytes"] // 4, device=_device()))
-                row.update(steps=stats.steps, bytes_sent_per_rank=stats.bytes_sent)
-    return rows
+    return [time_op(op, s, iters, warmup) for op in ops for s in sizes]
 
 
 def _device():
