@@ -9,6 +9,7 @@ import re
 import shutil
 import struct
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -215,3 +216,30 @@ def test_the_simulated_trace_of_the_planner_panels_layout(page, url):
     sched = build_schedule("1f1b", 4, 8)
     assert [kinds[2 * r] for r in range(4)] == [[a.kind for a in sched.ranks[r]] for r in range(4)]
     assert all(set(kinds[2 * r + 1]) <= {"pp", "dp"} and "pp" in kinds[2 * r + 1] for r in range(4))
+
+
+def test_a_trace_opens_by_path_under_the_trace_dir(page, tmp_path):
+    """`fourd sim step --trace` writes the file; the page opens it by name through /api/trace."""
+    done = subprocess.run([sys.executable, "-m", "fourd", "sim", "step", "--model", "debug", "--gpus", "4",
+                           "--layout", "pp=2,dp=2", "--schedule", "gpipe", "--microbatches", "4", "--seq", "256",
+                           "--global-batch-tokens", "4096", "--trace", str(tmp_path / "step.json")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    server = make_server("127.0.0.1", 0, trace_dir=tmp_path)
+    serve_in_thread(server)
+    try:
+        page.goto(server.url)
+        page.locator("#trace-path").fill("step.json")
+        page.locator("#trace-form button[type=submit]").click()
+        expect(page.locator("#measured g.row")).to_have_count(4)  # 2 pipeline ranks: compute, sends
+        expect(page.locator("#measured-name")).to_have_text("step.json")
+        blocks = page.evaluate("document.querySelector('#measured g.row').querySelectorAll('rect.blk').length")
+        assert blocks == 8  # GPipe on rank 0: 4 forwards, 4 backwards
+        page.locator("#trace-path").fill("../step.json")
+        page.locator("#trace-form button[type=submit]").click()
+        expect(page.locator("#trace-error")).to_contain_text("is outside the lab's --trace-dir")
+        assert page.lab_errors == ["Failed to load resource: the server responded with a status of 400 (Bad Request)"]
+        page.lab_errors.clear()
+    finally:
+        server.shutdown()
+        server.server_close()
