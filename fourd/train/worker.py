@@ -157,8 +157,12 @@ def run_worker(cfg: Config, cache: TokenCache, peak_flops: float, peak_source: s
     else:
         device = torch.device("cpu")
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=cfg.train.timeout_s),
-                            **({"device_id": device} if use_cuda else {}))
+    timeout = timedelta(seconds=cfg.train.timeout_s)
+    # The elastic agent keeps one TCP store for all restarts of the job: without a key prefix per
+    # attempt, a restarted worker would read its peers' addresses from the failed attempt and hang.
+    store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+    dist.init_process_group("nccl" if use_cuda else "gloo", store=dist.PrefixStore(f"fourd/attempt{attempt}", store),
+                            rank=rank, world_size=world, timeout=timeout, **({"device_id": device} if use_cuda else {}))
     beats = Heartbeat(rank, world, attempt)
     try:
         _train(cfg, cache, peak_flops, peak_source, rank, world, attempt, device, beats)
