@@ -71,18 +71,23 @@ def _flat_coordinate(mesh):
 
 
 def _four_ranks(rank, world):
+    """Nine configurations in seven rounds: in a 2-rank round the two halves of the job run different ones."""
     results = {}
-    # Two independent 2-rank groups per sub-mesh: every rank reports, the test checks them all.
-    pairs = build_mesh(Layout(tp=2, dp=2))
-    results["tp=2"] = _train(DEBUG, tp_mesh=pairs["tp"])
-    results["tp=2 sp"] = _train(DEBUG, tp_mesh=pairs["tp"], sp=True)
-    dp_pairs = dp_cp_mesh(pairs)
-    results["dp=2 ddp M=2"] = _train(DEBUG, dp_mesh=dp_pairs, mode="ddp", microbatches=2)
-    for mode in ("zero2", "zero3"):
-        results[f"dp=2 {mode}"] = _train(DEBUG, dp_mesh=dp_pairs, mode=mode)
-    results["tp=2,dp=2 zero3"] = _train(DEBUG, tp_mesh=pairs["tp"], dp_mesh=dp_pairs, mode="zero3", clip_mesh=pairs)
+    mesh = build_mesh(Layout(tp=2, dp=2))
+    pairs, dp_pairs = mesh["tp"], dp_cp_mesh(mesh)  # ranks {0, 1}, {2, 3} and {0, 2}, {1, 3}
+    c = Layout(tp=2, dp=2).coords(rank)
+    if c["dp"] == 0:
+        results["tp=2"] = _train(DEBUG, tp_mesh=pairs)
+        results["dp=2 zero3"] = _train(DEBUG, dp_mesh=pairs, mode="zero3")
+    else:
+        results["tp=2 sp"] = _train(DEBUG, tp_mesh=pairs, sp=True)
+    if c["tp"] == 0:
+        results["dp=2 ddp M=2"] = _train(DEBUG, dp_mesh=dp_pairs, mode="ddp", microbatches=2)
+    else:
+        results["dp=2 zero2"] = _train(DEBUG, dp_mesh=dp_pairs, mode="zero2")
+    results["tp=2,dp=2 zero3"] = _train(DEBUG, tp_mesh=pairs, dp_mesh=dp_pairs, mode="zero3", clip_mesh=mesh)
     results["tp=2,dp=2 sp zero2 M=2"] = _train(
-        DEBUG, tp_mesh=pairs["tp"], dp_mesh=dp_pairs, mode="zero2", sp=True, clip_mesh=pairs, microbatches=2
+        DEBUG, tp_mesh=pairs, dp_mesh=dp_pairs, mode="zero2", sp=True, clip_mesh=mesh, microbatches=2
     )
     results["tp=4"] = _train(DEBUG_KV4, tp_mesh=build_mesh(Layout(tp=4))["tp"])
     hsdp = build_mesh(Layout(dp=4), hsdp_replicate=2)
@@ -101,8 +106,10 @@ def test_tp_and_dp_match_one_process():
     assert ref[DEBUG][0][-1] < ref[DEBUG][0][0] - 0.05, "the reference run must learn for the test to mean anything"
     assert ref[DEBUG][1][0] > MAX_NORM, "clipping must be active"
     per_rank = run_ranks(_four_ranks, 4, timeout=200)
+    ran = {}
     for rank, results in enumerate(per_rank):
-        assert len(results) == 9
+        for name in results:
+            ran.setdefault(name, []).append(rank)
         for name, (losses, norms, params) in results.items():
             r_losses, r_norms, r_params = ref[DEBUG_KV4 if name == "tp=4" else DEBUG]
             for a, b in zip(losses + norms, r_losses + r_norms):
@@ -110,3 +117,8 @@ def test_tp_and_dp_match_one_process():
             assert params.keys() == r_params.keys()
             worst = max(_rel(params[n], r_params[n]) for n in params)
             assert worst <= 1e-5, f"{name} rank {rank}: parameters differ by {worst:.2e} relative"
+    assert ran == {
+        "tp=2": [0, 1], "tp=2 sp": [2, 3], "dp=2 zero3": [0, 1], "dp=2 ddp M=2": [0, 2], "dp=2 zero2": [1, 3],
+        "tp=2,dp=2 zero3": [0, 1, 2, 3], "tp=2,dp=2 sp zero2 M=2": [0, 1, 2, 3], "tp=4": [0, 1, 2, 3],
+        "dp=4 hsdp 2x2": [0, 1, 2, 3],
+    }
