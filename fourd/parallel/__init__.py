@@ -1,5 +1,6 @@
-"""The four parallel dimensions, each applied from outside to the unmodified model.
+"""The four parallel dimensions, each applied from outside to the unmodified model (docs/parallelism.md,
+docs/pipeline-context.md).
 
-layout (pure Python): the degrees and the rank numbering; mesh: the DeviceMesh; tp, dp: tensor and
-data parallelism; grad: the global gradient norm over sharded gradients.
+layout (pure Python): the degrees, the rank numbering and the refusals; mesh: the DeviceMesh; tp, cp, pp,
+dp: tensor, context, pipeline and data parallelism; grad: the global gradient norm over sharded gradients.
 """
