@@ -59,7 +59,11 @@ def prepare(args):
     cfg = build_config(args.config, {FLAGS[k]: getattr(args, k) for k in FLAGS}, list(getattr(args, "_unknown", [])))
     mcfg = model_config(cfg)
     layout = parse_layout(cfg.parallel.layout)
-    validate_layout(layout, mcfg, cfg.data.seq_len, cfg.train.global_batch, cfg.parallel.microbatches)
+    par = cfg.parallel
+    validate_layout(layout, mcfg, cfg.data.seq_len, cfg.train.global_batch, par.microbatches,
+                    virtual_stages=par.virtual_stages if par.schedule == "interleaved" else 1,
+                    sequence_parallel=par.sequence_parallel,
+                    hsdp_replicate=(par.hsdp_replicate or 2) if par.dp_mode == "hsdp" else None)
     if layout.pp > 1:
         from fourd.schedules import build_schedule
 
