@@ -1,7 +1,7 @@
 """fourd's ring all-reduce against gloo's own all_reduce, on real gloo process groups.
 
 One launch of 8 workers serves every case: groups of 2, 3, 4 and 8 ranks are real gloo
-subgroups of that world (starting 8 fresh interpreters once instead of per case keeps this fast).
+subgroups of that world, and the rings of different groups run one after another.
 """
 
 import pytest

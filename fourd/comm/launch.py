@@ -49,14 +49,17 @@ def _worker(rank: int, nproc: int, port: int, out_dir: str, fn, args, timeout_s:
 def run_workers(fn, nproc: int, args: tuple = (), timeout_s: float = 300.0) -> list:
     """Run `fn(rank, nproc, *args)` on `nproc` fresh processes; return the results in rank order.
 
-    `fn` must be importable by name (a module-level function), since workers are spawned.
+    `fn` must be importable by name (a module-level function), since GPU workers are spawned.
     """
     import torch.multiprocessing as mp
 
     os.environ["OMP_NUM_THREADS"] = "1"
+    # Forked workers start in milliseconds where spawned ones each import torch again (seconds of a
+    # shared core); CUDA cannot be forked into, so GPU workers are spawned.
+    method = "spawn" if backend() == "nccl" else "fork"
     with tempfile.TemporaryDirectory(prefix="fourd-comm-") as out:
         ctx = mp.start_processes(_worker, args=(nproc, free_port(), out, fn, args, timeout_s),
-                                 nprocs=nproc, join=False, start_method="spawn")
+                                 nprocs=nproc, join=False, start_method=method)
         deadline = time.monotonic() + timeout_s
         while not ctx.join(timeout=1.0):
             if time.monotonic() > deadline:
