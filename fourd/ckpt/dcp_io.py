@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from fourd.ckpt import store
@@ -178,7 +179,7 @@ class Checkpointer:
         if self.async_save:
             try:
                 fut = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(str(tmp)), process_group=self.async_group)
-            except Exception as e:  # noqa: BLE001 - staging failed: report like a failed write
+            except (Exception, CheckpointException) as e:  # staging failed: report like a failed write
                 self._finish(step, final, tmp, digest, manifest_extra, f"{type(e).__name__}: {e}")
                 return
             self.pending = (fut, final, tmp, step, digest, manifest_extra)
@@ -186,7 +187,7 @@ class Checkpointer:
         error = None
         try:
             dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)))
-        except Exception as e:  # noqa: BLE001 - DCP raises the same CheckpointException on every rank
+        except (Exception, CheckpointException) as e:  # DCP raises the same error on every rank
             error = _describe(e)
         self._finish(step, final, tmp, digest, manifest_extra, error)
 
@@ -208,7 +209,7 @@ class Checkpointer:
         error = None
         try:
             fut.result()
-        except Exception as e:  # noqa: BLE001
+        except (Exception, CheckpointException) as e:
             error = _describe(e)
         self._finish(step, final, tmp, digest, manifest_extra, error)
 
@@ -358,11 +359,9 @@ def _free_name(path: Path) -> Path:
 
 def _describe(e: BaseException) -> str:
     """One line for an error that may be DCP's wrapper around the failures of several ranks."""
-    failures = getattr(e, "failures", None)
-    if isinstance(failures, dict) and failures:
-        rank, inner = min(failures.items())
-        inner = getattr(inner, "exc", inner) if not isinstance(inner, BaseException) else inner
-        return f"rank {rank}: {_describe(inner) if isinstance(inner, BaseException) else inner}"
+    if isinstance(e, CheckpointException) and e.failures:
+        rank, (inner, _trace) = min(e.failures.items())
+        return f"rank {rank}: {_describe(inner)}"
     if isinstance(e, OSError) and e.strerror:
         return f"{e.strerror}" + (f" ({e.filename})" if e.filename else "")
     return f"{type(e).__name__}: {e}".splitlines()[0]
