@@ -12,7 +12,7 @@ with the backend's all_reduce. `sendrecv`: every rank sends to the next and rece
 previous at once. Workers are launched here: gloo on CPU, NCCL when CUDA is available.
 
 The sweep doubles from --min-bytes to --max-bytes: 1K to 256M on GPUs, 1K to 64M on CPU, where
-the full 256M sweep takes minutes; pass --max-bytes 256M for it.
+128M and 256M alone add 10 to 40 s per op on a shared 2-core machine; pass --max-bytes 256M for them.
 
 examples:
   fourd bench comm --op all_reduce --nproc 4

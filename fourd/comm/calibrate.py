@@ -11,7 +11,8 @@ What it measures, as one worker process of `fourd train` sees it (one OpenMP thr
     ranks, and for point-to-point send/recv between 2 ranks (op "send")
 The loopback figures of the send/recv fit also stand for the node's links and the network.
 
-Default run: about a minute; --quick: a coarser, smaller sweep in about 20 s (tests use it).
+Default run: under a minute (15 to 30 s here); --quick: a coarser, smaller sweep in about 10 s
+(tests use it).
 
 examples:
   fourd calibrate
@@ -34,7 +35,7 @@ DEVICES = 8           # worker processes taken as one node
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 PLANS = {
     #            gemm sizes (square)                                              group sizes  message sizes       iters
-    "full": ((16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048), (2, 4, 8), (1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24), 5),
+    "full": ((16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048), (2, 4, 8), (1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24), 10),
     "quick": ((16, 32, 64, 128, 256), (2, 4), (1 << 10, 1 << 14, 1 << 20, 1 << 22), 4),
 }
 SMALL_MESSAGE = 1 << 14   # at most this: time is latency (alpha)
@@ -66,7 +67,7 @@ def gemm_tflops(n: int, threads: int, seconds: float = 0.1) -> float:
         torch.set_num_threads(before)
 
 
-def copy_gbps(nbytes: int = 64 << 20, repeats: int = 5) -> float:
+def copy_gbps(nbytes: int = 64 << 20, repeats: int = 20) -> float:
     """Memory bandwidth of one thread copying a large tensor: bytes read plus bytes written, per second."""
     import torch
 
@@ -202,7 +203,7 @@ def profile_toml(m: dict, command: str) -> str:
 def add_arguments(p):
     p.add_argument("--out", default=None,
                    help="where to write the profile (default $FOURD_HOME/clusters/local.toml, FOURD_HOME defaults to ~/.fourd)")
-    p.add_argument("--quick", action="store_true", help="a coarser, smaller sweep (about 20 s)")
+    p.add_argument("--quick", action="store_true", help="a coarser, smaller sweep (about 10 s)")
 
 
 def run(args) -> int:
