@@ -6,7 +6,8 @@
 
 Each layout trains `--steps` steps in a fresh run directory; the first `--warmup` steps (start-up,
 allocator and thread-pool warm-up) are dropped and the median of the rest is the measured step time.
-Prints a markdown table and the median absolute error.
+Prints a markdown table and the median absolute error; also each layout's step time relative to the first
+layout's (1 rank), measured and predicted, which other load on a shared machine disturbs less.
 """
 
 from __future__ import annotations
@@ -79,16 +80,21 @@ def main() -> None:
     chosen = [row for row in LAYOUTS if not args.only or row[0] in args.only.split(";")]
     print(f"{args.model}, {args.global_batch} × {args.seq} tokens per step, {args.dp_mode}, "
           f"{time.strftime('%Y-%m-%d')}, cluster profile {args.cluster}\n")
-    print("| layout | schedule | m | measured s | predicted s | error |")
-    print("|---|---|---|---|---|---|")
-    errors = []
+    print("| layout | schedule | m | measured s | predicted s | error | measured / first | predicted / first |")
+    print("|---|---|---|---|---|---|---|---|")
+    errors, relative, first = [], [], None
     for layout, schedule, m in chosen:
-        plan = predict(args.model, layout, schedule, m, args)
+        predicted = predict(args.model, layout, schedule, m, args)["step_time_s"]
         measured = measure(args.model, layout, schedule, m, args)
-        err = plan["step_time_s"] / measured - 1
+        first = first or (measured, predicted)
+        err = predicted / measured - 1
         errors.append(abs(err))
-        print(f"| {layout} | {schedule} | {m} | {measured:.3f} | {plan['step_time_s']:.3f} | {100 * err:+.0f} % |", flush=True)
-    print(f"\nmedian absolute error {100 * statistics.median(errors):.0f} % over {len(errors)} layouts")
+        rel_m, rel_p = measured / first[0], predicted / first[1]
+        relative.append(abs(rel_p / rel_m - 1))
+        print(f"| {layout} | {schedule} | {m} | {measured:.3f} | {predicted:.3f} | {100 * err:+.0f} % | "
+              f"{rel_m:.2f} | {rel_p:.2f} |", flush=True)
+    print(f"\nmedian absolute error {100 * statistics.median(errors):.0f} % over {len(errors)} layouts; "
+          f"of the step times relative to the first layout's: {100 * statistics.median(relative[1:] or [0]):.0f} %")
 
 
 if __name__ == "__main__":
