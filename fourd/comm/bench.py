@@ -120,7 +120,7 @@ def time_op(op: str, nbytes: int, iters: int, warmup: int, group=None) -> dict:
     for i in range(iters):
         dist.barrier(group=group)
         t0 = time.perf_counter()
-        ring_stats = fn()
+        result = fn()  # the ring returns its RingStats
         sync()
         times[i] = time.perf_counter() - t0
     times = times.to(device)
@@ -132,7 +132,7 @@ def time_op(op: str, nbytes: int, iters: int, warmup: int, group=None) -> dict:
     row = {"op": op, "nproc": n, "bytes": size, "time_s": t, "algbw_gbps": algbw,
            "busbw_gbps": algbw * bus_factor(op, n), "iters": iters, "backend": dist.get_backend(group)}
     if op == "ring":
-        row.update(steps=ring_stats.steps, bytes_sent_per_rank=ring_stats.bytes_sent)
+        row.update(steps=result.steps, bytes_sent_per_rank=result.bytes_sent)
     return row
 
 
