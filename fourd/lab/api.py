@@ -9,13 +9,22 @@ HTTP 400) and shapes the answers for the page.
 from __future__ import annotations
 
 import functools
-import importlib
 import json
 import re
-import threading
 from pathlib import Path
 
 from fourd.errors import FourdError
+from fourd.model.config import PRESETS, get_preset
+from fourd.parallel.layout import DIMS, parse_layout
+from fourd.plan import cluster as clusters
+from fourd.plan import search
+from fourd.plan.cli import count
+from fourd.plan.memory import rank_memory
+from fourd.plan.report import why
+from fourd.schedules import SCHEDULES, build_schedule
+from fourd.sim import pipeline
+from fourd.sim.step import simulate_step
+from fourd.sim.trace import chrome_trace
 
 # The seed's bench (brief.md §1 row 14): p from 1 to 16 stages, m from 1 to 64 microbatches.
 P_RANGE = (1, 16)
@@ -24,10 +33,6 @@ V_RANGE = (1, 8)
 # One Llama 3 replica (brief.md §1 rows 1, 4): 128 GPUs, 8 racks of 2 servers of 8 GPUs.
 REPLICA_GPUS = 128
 TRACE_MAX_BYTES = 64 << 20
-
-
-class Unavailable(Exception):
-    """A part of fourd that an endpoint calls is not installed (answered with HTTP 503)."""
 
 
 def single_values(pairs: list[tuple[str, str]]) -> dict[str, str]:
@@ -67,30 +72,6 @@ def _choice(q: dict[str, str], name: str, choices, default: str | None = None) -
     return value
 
 
-# What the endpoints call. They are imported when the server starts, in one thread: modules first
-# imported by two request threads at once can meet half-initialized (an import cycle across threads).
-DEPENDENCIES = ("fourd.model.config", "fourd.schedules", "fourd.sim.pipeline", "fourd.parallel.layout",
-                "fourd.plan.cluster", "fourd.plan.search", "fourd.plan.memory", "fourd.plan.cli", "fourd.plan.report",
-                "fourd.sim.step", "fourd.sim.trace")
-_import_lock = threading.Lock()
-
-
-def preload() -> None:
-    for name in DEPENDENCIES:
-        try:
-            _import(name)
-        except Unavailable:
-            pass  # the endpoint that needs it answers 503 naming it
-
-
-def _import(what: str):
-    with _import_lock:
-        try:
-            return importlib.import_module(what)
-        except ModuleNotFoundError as e:
-            raise Unavailable(f"{what} is not available in this installation ({e})") from e
-
-
 def schedule(q: dict[str, str], **_) -> dict:
     """The bench: per-rank timelines of a schedule with no communication, from fourd.sim.pipeline.
 
@@ -98,7 +79,7 @@ def schedule(q: dict[str, str], **_) -> dict:
     1/V of a GPU's layers, so its actions take 1/V as long and the total work stays that of V = 1.
     """
     _known(q, "p", "m", "schedule", "v")
-    name = _choice(q, "schedule", _import("fourd.schedules").SCHEDULES, default="gpipe")
+    name = _choice(q, "schedule", SCHEDULES, default="gpipe")
     p, m = _int(q, "p", *P_RANGE), _int(q, "m", *M_RANGE)
     v = _int(q, "v", *V_RANGE, default=1)
     if v > 1 and name != "interleaved":
@@ -108,8 +89,7 @@ def schedule(q: dict[str, str], **_) -> dict:
 
 @functools.lru_cache(maxsize=256)  # a slider dragged back and forth asks for the same settings again
 def _bench(name: str, p: int, m: int, v: int) -> dict:
-    schedules, pipeline = _import("fourd.schedules"), _import("fourd.sim.pipeline")
-    sched = schedules.build_schedule(name, p, m, v)
+    sched = build_schedule(name, p, m, v)
     events = pipeline.timeline(sched, {k: t / v for k, t in pipeline.UNIT.items()})
     step, idle = pipeline.idle_fractions(events)
     busy = sum(e.end - e.start for rank in events for e in rank)
@@ -134,8 +114,7 @@ def cluster(q: dict[str, str], **_) -> dict:
     replica of 8 racks, 16 servers, 128 GPUs on the llama3-h100 profile.
     """
     _known(q, "layout", "cluster")
-    layouts, clusters = _import("fourd.parallel.layout"), _import("fourd.plan.cluster")
-    layout = layouts.parse_layout(q.get("layout") or "tp=8,pp=16")
+    layout = parse_layout(q.get("layout") or "tp=8,pp=16")
     profile = clusters.load_cluster(_profile_name(q.get("cluster") or "llama3-h100"))
     clusters.check_fits(layout.world, profile)
     groups = clusters.placement(layout, profile)
@@ -145,7 +124,7 @@ def cluster(q: dict[str, str], **_) -> dict:
         coords = layout.coords(rank)
         # A group is named by its first member: the rank with this dimension's index at 0.
         gpus.append({"rank": rank, "server": rank // per_server, "rack": rank // per_rack, "coords": coords,
-                     "groups": {d: layout.rank(**{**coords, d: 0}) for d in layouts.DIMS}})
+                     "groups": {d: layout.rank(**{**coords, d: 0}) for d in DIMS}})
     return {
         "layout": str(layout), "world": layout.world, "cluster": profile.name,
         "racks": REPLICA_GPUS // per_rack, "servers_per_rack": per_rack // per_server, "gpus_per_server": per_server,
@@ -162,18 +141,15 @@ PLAN_PARAMS = ("model", "cluster", "gpus", "layout", "schedule", "microbatches",
 def _best_plan(q: dict[str, str]):
     """`fourd plan` for the panel's settings; those left out are the planner's choice (fastest that fits)."""
     _known(q, *PLAN_PARAMS)
-    config, layouts = _import("fourd.model.config"), _import("fourd.parallel.layout")
-    clusters, search = _import("fourd.plan.cluster"), _import("fourd.plan.search")
-    plan_cli = _import("fourd.plan.cli")
-    model = config.get_preset(_choice(q, "model", list(config.PRESETS), "llama3-405b"))
+    model = get_preset(_choice(q, "model", list(PRESETS), "llama3-405b"))
     cluster = clusters.load_cluster(_profile_name(q.get("cluster") or "llama3-h100"))
-    layout = layouts.parse_layout(q["layout"]) if q.get("layout") else None
+    layout = parse_layout(q["layout"]) if q.get("layout") else None
     gpus = _int(q, "gpus", 1, cluster.total_gpus, layout.world if layout else None)
     if layout and layout.world != gpus:
         raise FourdError(f"layout={layout} uses {layout.world} GPUs but gpus={gpus}: make the product of the degrees "
                          f"equal {gpus}")
     seq = _int(q, "seq", 2, 1 << 22, model.max_seq)
-    tokens = plan_cli.count(q.get("global_batch_tokens") or "16M")
+    tokens = count(q.get("global_batch_tokens") or "16M")
     if tokens % seq or tokens < seq:
         raise FourdError(f"global_batch_tokens={q.get('global_batch_tokens') or '16M'} is not a whole number of "
                          f"{seq}-token sequences: use a multiple of {seq}")
@@ -205,23 +181,22 @@ def plan(q: dict[str, str], **_) -> dict:
     """The planner panel: the plan, memory per GPU of each pipeline rank, and the report's explanations."""
     best = _best_plan(q)
     c = best.config
-    rank_memory = _import("fourd.plan.memory").rank_memory
     bars = [{"label": f"pipeline rank {r}",
              **rank_memory(best.model, best.cluster, c.layout, best.seq, best.micro_seqs, c.schedule, c.microbatches,
                            c.virtual_stages, c.zero, c.recompute, r).gb()}
             for r in range(c.layout.pp)]
     return {"plan": best.to_json(), "memory": bars, "gpu_memory_gb": best.cluster.gpu.memory_gb,
-            "why": _import("fourd.plan.report").why(best)}
+            "why": why(best)}
 
 
 def simtrace(q: dict[str, str], **_) -> dict:
     """Chrome trace of the planner panel's plan, simulated step by step with communication (`fourd sim step`)."""
     best = _best_plan(q)
     c = best.config
-    sched = _import("fourd.schedules").build_schedule(c.schedule, c.layout.pp, c.microbatches, c.virtual_stages)
-    result = _import("fourd.sim.step").simulate_step(best.model, best.cluster, c.layout, sched, best.seq,
-                                                     best.micro_seqs, zero=c.zero, recompute=c.recompute)
-    return _import("fourd.sim.trace").chrome_trace(result)
+    sched = build_schedule(c.schedule, c.layout.pp, c.microbatches, c.virtual_stages)
+    result = simulate_step(best.model, best.cluster, c.layout, sched, best.seq, best.micro_seqs, zero=c.zero,
+                           recompute=c.recompute)
+    return chrome_trace(result)
 
 
 def _profile_name(text: str) -> str:
@@ -262,8 +237,7 @@ def trace(q: dict[str, str], *, trace_dir: Path, **_) -> dict:
 def options(q: dict[str, str], **_) -> dict:
     """What the page's selectors offer: model presets, cluster profiles, schedules and the bench's ranges."""
     _known(q)
-    return {"models": list(_import("fourd.model.config").PRESETS), "clusters": _import("fourd.plan.cluster").preset_names(),
-            "schedules": list(_import("fourd.schedules").SCHEDULES),
+    return {"models": list(PRESETS), "clusters": clusters.preset_names(), "schedules": list(SCHEDULES),
             "ranges": {"p": P_RANGE, "m": M_RANGE, "v": V_RANGE}}
 
 

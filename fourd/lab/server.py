@@ -66,7 +66,6 @@ class LabServer(ThreadingHTTPServer):
     def __init__(self, host: str, port: int, static_dir: Path, trace_dir: Path):
         if ":" in host:
             self.address_family = socket.AF_INET6
-        api.preload()
         self.static = load_static(static_dir)
         self.trace_dir = trace_dir.resolve()
         self.loopback_only = _is_loopback(host)
@@ -182,8 +181,6 @@ class _Handler(BaseHTTPRequestHandler):
             result = handler(params, trace_dir=self.server.trace_dir)
         except (FourdError, ValueError) as e:
             return self._error(HTTPStatus.BAD_REQUEST, str(e), body)
-        except api.Unavailable as e:
-            return self._error(HTTPStatus.SERVICE_UNAVAILABLE, str(e), body)
         except Exception as e:  # a bug, not bad input: say so instead of dropping the connection
             print(f"fourd lab: internal error on {self.path}: {type(e).__name__}: {e}", file=sys.stderr)
             return self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error: {type(e).__name__}: {e}", body)
