@@ -13,6 +13,12 @@ import sys
 from fourd.errors import FourdError
 
 # name -> (module, one-line help). Groups ("model info", "sim step") are "group:sub".
+GROUPS = {
+    "model": "model presets: dimensions and parameter counts",
+    "sim": "simulate one training step, or months of failures",
+    "bench": "benchmarks: collectives",
+    "ckpt": "verify and inspect checkpoints",
+}
 COMMANDS = {
     "train": ("fourd.train.cli", "train a model with 4D parallelism (launches its own workers)"),
     "model:info": ("fourd.model.cli", "a model preset's dimensions and parameter count"),
@@ -61,7 +67,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         if ":" in name:
             group, sub = name.split(":")
             if group not in groups:
-                gp = subs.add_parser(group, help=f"{group} commands")
+                gp = subs.add_parser(group, help=GROUPS[group], description=GROUPS[group])
                 groups[group] = gp.add_subparsers(dest="subcommand", metavar="SUBCOMMAND", parser_class=_Parser)
             p = groups[group].add_parser(sub, help=help_, description=doc, formatter_class=fmt)
         else:
