@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import resource
 import shutil
 import signal
 import sys
@@ -232,6 +233,7 @@ class Checkpointer:
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
                 previous = store.latest(self.run_dir)
+                error += f" ({_storage_state(self.root)})"
                 kept = f"the newest complete checkpoint, {previous.name}, is intact" if previous else \
                     "there is no earlier checkpoint"
             else:
@@ -355,6 +357,15 @@ def _free_name(path: Path) -> Path:
         n += 1
         candidate = path.with_name(f"{path.name}{n}")
     return candidate
+
+
+def _storage_state(root: Path) -> str:
+    """What a failed write may have run into: a full file system or a file-size limit."""
+    state = [f"{shutil.disk_usage(root).free / 2**30:.2f} GiB free there"]
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if soft != resource.RLIM_INFINITY:
+        state.append(f"a file-size limit of {soft:,} bytes (ulimit -f)")
+    return ", ".join(state)
 
 
 def _describe(e: BaseException) -> str:
