@@ -125,6 +125,13 @@ def test_stage_time_is_the_sum_of_its_layers_and_ends():
     assert full.input_grad_s == pytest.approx(one.input_grad_s + one.forward_s)
 
 
+def _with_gemm(tmp_path, path, one_worker):
+    text = path.read_text().replace("[node]", f"[[gpu.gemm]]\nm = 512\nn = 512\nk = 512\ntflops = {one_worker}\n[node]")
+    out = tmp_path / "measured.toml"
+    out.write_text(text)
+    return out
+
+
 def test_ranks_sharing_cpu_cores_compute_slower(tmp_path):
     path = tmp_path / "cpu.toml"
     path.write_text("""
@@ -143,9 +150,15 @@ nic_bw_gbps = 1.0
 """)
     cpu = load_cluster(str(path))
     m = get_preset("debug")
+    one = stage_compute_time(m, cpu, Layout(dp=1), 256, 1, 4)
     two = stage_compute_time(m, cpu, Layout(dp=2), 256, 1, 4)
     four = stage_compute_time(m, cpu, Layout(dp=4), 256, 1, 4)
     assert four.forward_s == pytest.approx(2 * two.forward_s)
+    assert two.forward_s == pytest.approx(one.forward_s)      # no one-worker figure: two cores, twice the work
+    measured = load_cluster(str(_with_gemm(tmp_path, path, one_worker=0.03)))   # two together 0.05, alone 0.03
+    alone = stage_compute_time(m, measured, Layout(dp=1), 256, 1, 4)
+    pair = stage_compute_time(m, measured, Layout(dp=2), 256, 1, 4)
+    assert pair.forward_s == pytest.approx(alone.forward_s * 2 * 0.03 / 0.05)
 
 
 def test_search_finds_at_least_41_percent_for_405b_on_16k():

@@ -265,11 +265,20 @@ def _embedding_time(model, cluster: Cluster, tokens: int, tp: int, tp_group: Gro
 
 
 def compute_share(layout, cluster: Cluster) -> float:
-    """How much slower each rank computes because ranks of one server share its compute (CPU profiles:
-    more processes than cores)."""
+    """How much slower each rank computes because ranks of one server share its compute (CPU profiles).
+
+    Ranks beyond `concurrent_ranks` (the cores) take turns; and the cores in use share memory bandwidth
+    and clocks, so together they reach the profile's all-core peak, not each its one-worker best (on this
+    kind of machine 92 GFLOP/s on two cores against 54 on one, brief.md §6).
+    """
     slots = cluster.node.concurrent_ranks
+    if not slots:
+        return 1.0
     per_node = min(layout.tp * layout.cp * layout.pp * layout.dp, cluster.node.gpus)
-    return max(1.0, per_node / slots) if slots else 1.0
+    gpu = cluster.gpu
+    one = max(s.tflops for s in gpu.gemm) if gpu.gemm else gpu.peak_tflops / slots
+    busy = min(per_node, slots)
+    return max(1.0, per_node / slots) * max(1.0, busy * one / gpu.peak_tflops)
 
 
 def stage_compute_time(model, cluster: Cluster, layout, seq: int, micro_seqs: int, layers: int, *,
