@@ -33,6 +33,7 @@ import resource
 import shutil
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -167,6 +168,7 @@ class Checkpointer:
     def save(self, step: int, samples: int, extra: dict | None = None) -> None:
         """Write checkpoint step-<step>; returns when it is committed (sync) or staged (async)."""
         self.wait()
+        self.started, self.blocked = time.perf_counter(), None
         final = checkpoint_dir(self.run_dir, step)
         tmp = store.staging_dir(final)
         if self.rank == 0:
@@ -184,6 +186,7 @@ class Checkpointer:
                 self._finish(step, final, tmp, digest, manifest_extra, f"{type(e).__name__}: {e}")
                 return
             self.pending = (fut, final, tmp, step, digest, manifest_extra)
+            self.blocked = time.perf_counter() - self.started
             return
         error = None
         try:
@@ -218,8 +221,8 @@ class Checkpointer:
         self._maybe_kill(step)
         if self.rank == 0 and error is None:
             try:
-                store.write_manifest(tmp, cfg=self.model_cfg, digest=digest, step=step, layout=self.layout,
-                                     extra=manifest_extra)
+                written = store.write_manifest(tmp, cfg=self.model_cfg, digest=digest, step=step,
+                                               layout=self.layout, extra=manifest_extra)
                 if final.exists():  # a damaged one that resume set aside would have been renamed
                     raise FourdError(f"{final} already exists")
                 store.commit(tmp, final)
@@ -241,7 +244,11 @@ class Checkpointer:
             raise FourdError(f"checkpoint step-{step} was not saved: {error}; {kept}; "
                              f"free space under {self.root} (or lower checkpoint.keep) and run again to resume")
         if self.rank == 0:
-            print(f"fourd: checkpoint {final} saved (step {step})", flush=True)
+            size = sum(f["bytes"] for f in written["files"].values()) / 1e6
+            took = time.perf_counter() - self.started
+            how = f"{took:.2f} s" if self.blocked is None else \
+                f"asynchronous: committed {took:.2f} s after it began, training waited {self.blocked:.2f} s"
+            print(f"fourd: checkpoint {final} saved (step {step}, {size:.1f} MB, {how})", flush=True)
             self._retain()
 
     def _maybe_kill(self, step: int) -> None:
