@@ -111,6 +111,13 @@ def test_sliders_update_the_readouts_and_the_url(page, url):
     expect(page.locator("#schedule")).to_have_value("interleaved")
 
 
+def test_a_link_with_capital_v_sets_the_stages_per_gpu(page, url):
+    page.goto(f"{url}?p=4&m=8&schedule=interleaved&V=4")
+    expect(page.locator("#v-value")).to_have_text("4")
+    expect(page.locator("#idle")).to_have_text(f"{100 * 3 / (4 * 8 + 3):.1f} %")
+    expect(page).to_have_url(f"{url}?p=4&m=8&schedule=interleaved&v=4")
+
+
 def test_out_of_range_link_is_clamped_to_the_sliders(page, url):
     page.goto(f"{url}?p=99&m=0&schedule=nonsense")
     expect(page.locator("#p-value")).to_have_text("16")

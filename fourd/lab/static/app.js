@@ -89,6 +89,7 @@ function benchParams() {
 
 function readURL() {
   const q = new URLSearchParams(location.search);
+  if (!q.has("v") && q.has("V")) q.set("v", q.get("V"));  // the seed names it V
   for (const k of ["p", "m", "v"]) if (q.has(k)) $(k).value = q.get(k);
   const s = q.get("schedule");
   if (s && [...$("schedule").options].some((o) => o.value === s)) $("schedule").value = s;
