@@ -166,3 +166,19 @@ def test_a_cpu_profile_defaults_to_what_fourd_train_runs(tmp_path):
     assert d["sequence_parallel"] is False and d["dtype"] == "fp32"
     gpu = json.loads(plan("--model", "small", "--layout", "tp=2", "--json").stdout)
     assert (gpu["seq"], gpu["global_batch_tokens"], gpu["sequence_parallel"]) == (1024, 2 ** 24, True)
+
+
+def test_a_gpt_block_by_model_spec():
+    spec = "layers=96,dim=12288,ffn=49152,heads=96,vocab=51200,mlp=gelu"
+    r = plan("--model-spec", spec, "--cluster", "selene-a100", "--layout", "tp=8,pp=16,dp=8", "--seq", "2048",
+             "--global-batch-tokens", "3M", "--schedule", "1f1b", "--zero", "0", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["model"]["mlp"] == "gelu" and d["model"]["kv_heads"] == 96
+    # GPT-3 175B: 96 layers of 12·h² weights (and the norms' weights and biases) in 16 stages, the trainer's
+    # split: embedding and output count as a layer each, the 2 left over go to the first middle stages
+    assert d["stage_layers"] == [5, 7, 7] + [6] * 12 + [5]
+    layer = 4 * 12288 ** 2 + 2 * 12288 * 49152 + 4 * 12288
+    # the fullest GPU is pipeline rank 1: 7 layers and 15 microbatches in flight, BF16 weights cut by TP
+    assert d["memory_gb"]["params"] == pytest.approx(7 * layer / 8 * 2 / 1e9, abs=1e-3)
+    assert 0 < d["mfu"] < 1
