@@ -104,9 +104,11 @@ def run(args) -> int:
     fixed = {"layout": layout, "schedule": args.schedule, "microbatches": args.microbatches,
              "virtual_stages": args.virtual_stages, "zero": args.zero,
              "sequence_parallel": args.sequence_parallel == "on"}
+    interleaving = args.schedule in (None, "interleaved")
     left_open = [name for name, value in (("layout", layout), ("schedule", args.schedule),
-                                      ("virtual stages", args.virtual_stages), ("microbatches", args.microbatches),
-                                      ("zero", args.zero), ("recompute", args.recompute)) if value is None]
+                                          ("virtual stages", args.virtual_stages if interleaving else 1),
+                                          ("microbatches", args.microbatches), ("zero", args.zero),
+                                          ("recompute", args.recompute)) if value is None]
     if layout:
         # Name what is wrong with the user's own settings before searching the rest.
         per_replica = global_seqs // layout.dp if global_seqs % layout.dp == 0 else 1
