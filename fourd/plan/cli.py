@@ -26,6 +26,11 @@ from fourd.errors import FourdError
 from fourd.schedules import SCHEDULES
 
 _SUFFIX = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "B": 1e9, "T": 1e12}
+# Defaults for GPU clusters. argparse hands back these very objects when a flag is absent, so `run` can
+# tell "left out" from "given" and default differently on a CPU profile, while other commands that share
+# these flags (`fourd sim step`) read the plain values.
+DEFAULT_BATCH = "".join("16M")
+DEFAULT_SP = "".join("on")
 
 
 def count(text: str) -> float:
@@ -51,11 +56,11 @@ def add_arguments(p):
     p.add_argument("--virtual-stages", type=int, help="pipeline stages per rank (interleaved schedule)")
     p.add_argument("--seq", type=int, help="sequence length in tokens (default: the model's max_seq; on a CPU "
                    "profile `fourd train`'s data.seq_len)")
-    p.add_argument("--global-batch-tokens", help="tokens per optimizer step (default 16M = 16,777,216, Llama 3's; "
-                   "on a CPU profile `fourd train`'s global batch)")
+    p.add_argument("--global-batch-tokens", default=DEFAULT_BATCH, help="tokens per optimizer step (default 16M = "
+                   "16,777,216, Llama 3's; on a CPU profile `fourd train`'s global batch)")
     p.add_argument("--recompute", choices=("none", "selective", "full"), help="activation recomputation")
     p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), help="ZeRO stage of the data-parallel sharding")
-    p.add_argument("--sequence-parallel", choices=("on", "off"),
+    p.add_argument("--sequence-parallel", choices=("on", "off"), default=DEFAULT_SP,
                    help="sequence parallelism with TP (default on; on a CPU profile `fourd train`'s default, off)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), help="training precision (default: the cluster profile's)")
     p.add_argument("--train-tokens", help="token budget of the whole run, e.g. 15.6T, for training_days")
@@ -82,12 +87,12 @@ def run(args) -> int:
     seq = args.seq or (DataSection().seq_len if trainer else model.max_seq)
     if seq < 2:
         raise FourdError(f"--seq {seq}: a sequence needs at least 2 tokens")
-    if args.global_batch_tokens:
-        tokens = count(args.global_batch_tokens)
+    if trainer and args.global_batch_tokens is DEFAULT_BATCH:
+        tokens = TrainSection().global_batch * seq
     else:
-        tokens = TrainSection().global_batch * seq if trainer else 2 ** 24
-    if args.sequence_parallel is None:
-        args.sequence_parallel = "off" if trainer and not ParallelSection().sequence_parallel else "on"
+        tokens = count(args.global_batch_tokens)
+    if trainer and args.sequence_parallel is DEFAULT_SP:
+        args.sequence_parallel = "on" if ParallelSection().sequence_parallel else "off"
     if tokens % seq or tokens < seq:
         raise FourdError(f"--global-batch-tokens {args.global_batch_tokens} is not a whole number of {seq}-token "
                          f"sequences: use a multiple of {seq}")
