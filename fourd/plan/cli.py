@@ -20,7 +20,7 @@ $FOURD_HOME/clusters/<name>.toml (`fourd calibrate` writes `local`), or a path; 
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from fourd.errors import FourdError
 from fourd.schedules import SCHEDULES
@@ -69,12 +69,24 @@ def add_arguments(p):
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def run(args) -> int:
+@dataclass(frozen=True)
+class Inputs:
+    model: object
+    cluster: object
+    seq: int
+    global_seqs: int
+    layout: object | None
+    gpus: int
+    train_tokens: float | None
+    sequence_parallel: bool
+
+
+def resolve_inputs(args) -> Inputs:
+    """The run these flags describe, defaults filled in; shared by the commands that take `fourd plan`'s
+    flags (`add_arguments`), so that they read them alike."""
     from fourd.model.config import get_preset, parse_model_spec
     from fourd.parallel.layout import parse_layout
     from fourd.plan.cluster import load_cluster
-    from fourd.plan.report import plan_report, search_report
-    from fourd.plan.search import Config, check, search
 
     model = parse_model_spec(args.model_spec) if args.model_spec else get_preset(args.model or "llama3-405b")
     cluster = load_cluster(args.cluster)
@@ -91,24 +103,34 @@ def run(args) -> int:
         tokens = TrainSection().global_batch * seq
     else:
         tokens = count(args.global_batch_tokens)
+    sp = args.sequence_parallel == "on"
     if trainer and args.sequence_parallel is DEFAULT_SP:
-        args.sequence_parallel = "on" if ParallelSection().sequence_parallel else "off"
+        sp = ParallelSection().sequence_parallel
     if tokens % seq or tokens < seq:
         raise FourdError(f"--global-batch-tokens {args.global_batch_tokens} is not a whole number of {seq}-token "
                          f"sequences: use a multiple of {seq}")
-    global_seqs = int(tokens // seq)
-    train_tokens = count(args.train_tokens) if args.train_tokens else None
     layout = parse_layout(args.layout) if args.layout else None
     gpus = args.gpus or (layout.world if layout else None)
     if gpus is None:
         raise FourdError("give --gpus N or a --layout (its product is the number of GPUs)")
     if layout and layout.world != gpus:
         raise FourdError(f"--layout {layout} uses {layout.world} GPUs but --gpus is {gpus}: make the product of the degrees equal {gpus}")
+    return Inputs(model, cluster, seq, int(tokens // seq), layout, gpus,
+                  count(args.train_tokens) if args.train_tokens else None, sp)
+
+
+def run(args) -> int:
+    from fourd.plan.report import plan_report, search_report
+    from fourd.plan.search import Config, check, search
+
+    inputs = resolve_inputs(args)
+    model, cluster, seq, global_seqs = inputs.model, inputs.cluster, inputs.seq, inputs.global_seqs
+    layout, gpus, train_tokens, sp = inputs.layout, inputs.gpus, inputs.train_tokens, inputs.sequence_parallel
     if args.virtual_stages and args.virtual_stages > 1 and args.schedule is None:
         args.schedule = "interleaved"
     fixed = {"layout": layout, "schedule": args.schedule, "microbatches": args.microbatches,
              "virtual_stages": args.virtual_stages, "zero": args.zero,
-             "sequence_parallel": args.sequence_parallel == "on"}
+             "sequence_parallel": sp}
     interleaving = args.schedule in (None, "interleaved")
     left_open = [name for name, value in (("layout", layout), ("schedule", args.schedule),
                                           ("virtual stages", args.virtual_stages if interleaving else 1),
@@ -120,8 +142,8 @@ def run(args) -> int:
         sched = args.schedule or "1f1b"
         check(model, cluster, Config(layout, sched, args.microbatches or per_replica,
                                      args.virtual_stages or (2 if sched == "interleaved" and layout.pp > 1 else 1),
-                                     1 if args.zero is None else args.zero, args.recompute or "none",
-                                     args.sequence_parallel == "on"), seq, global_seqs)
+                                     1 if args.zero is None else args.zero, args.recompute or "none", sp),
+              seq, global_seqs)
     plans = search(model, cluster, gpus, seq, global_seqs, recompute=args.recompute, chosen=left_open, **fixed)
     if not plans:
         m = f" in {args.microbatches} microbatches per replica" if args.microbatches else ""
