@@ -205,3 +205,41 @@ def test_zero_shards_over_dp_and_cp():
     plan = evaluate(L405, H100, base, 131072, 128)
     per_gpu = plan.memory.params / 2          # BF16 weights
     assert plan.memory.optimizer == pytest.approx(per_gpu * 12 / 128)
+
+
+def test_measured_gemms_and_collectives_replace_the_models(tmp_path):
+    path = tmp_path / "measured.toml"
+    path.write_text("""
+[gpu]
+name = "x"
+peak_tflops = 1.0
+memory_gb = 16.0
+hbm_bw_gbps = 10.0
+[[gpu.gemm]]
+m = 256
+n = 256
+k = 256
+tflops = 0.02
+[[gpu.gemm]]
+m = 1024
+n = 1024
+k = 1024
+tflops = 0.06
+[node]
+gpus = 8
+intra_bw_gbps = 1.0
+[network]
+nic_bw_gbps = 1.0
+[[collectives]]
+op = "all_reduce"
+nproc = 2
+alpha_s = 1e-4
+beta_s_per_byte = 2e-9
+""")
+    c = load_cluster(str(path))
+    assert gemm_time(1024, 1024, 1024, c) == pytest.approx(2 * 1024 ** 3 / 0.06e12)
+    assert gemm_time(4096, 4096, 4096, c) == pytest.approx(2 * 4096 ** 3 / 0.06e12)     # flat beyond the samples
+    assert gemm_time(512, 512, 512, c) == pytest.approx(2 * 512 ** 3 / 0.04e12)         # halfway in log(FLOPs)
+    assert collective_time("all_reduce", 1e6, Group(2, 1, 2), c) == pytest.approx(1e-4 + 2e-3)
+    # no fit for 4 ranks: the ring model on the node's 1 GB/s, 5 us
+    assert collective_time("all_reduce", 1e6, Group(4, 1, 4), c) == pytest.approx(6 * 5e-6 + 1.5e6 / 1e9)
