@@ -15,7 +15,6 @@ from functools import lru_cache
 
 from fourd.plan.cluster import Cluster, Group, group_bandwidth, placement, shard_group
 from fourd.plan.memory import max_rank_params, rank_shapes, stage_layers
-from fourd.schedules import SCHEDULES
 
 RECOMPUTE = ("none", "selective", "full")
 KERNEL_LAUNCH_S = 4e-6          # CUDA kernel launch and tail, per GEMM on a GPU

@@ -10,7 +10,8 @@ from fourd.errors import FourdError
 from fourd.parallel.layout import Layout
 from fourd.plan.cluster import Cluster, check_fits, group_level, placement
 from fourd.plan.memory import GB, Memory, fullest_rank, peak_memory, stage_layers
-from fourd.plan.perf import RECOMPUTE, SCHEDULES, StepTime, step_time
+from fourd.plan.perf import RECOMPUTE, StepTime, step_time
+from fourd.schedules import SCHEDULES
 
 ZERO_STAGES = (0, 1, 2, 3)
 MICRO_SEQS = (1, 2, 4, 8, 16)       # sequences per microbatch the search tries
