@@ -176,9 +176,9 @@ def test_a_gpt_block_by_model_spec():
     d = json.loads(r.stdout)
     assert d["model"]["mlp"] == "gelu" and d["model"]["kv_heads"] == 96
     # GPT-3 175B: 96 layers of 12·h² weights (and the norms' weights and biases) in 16 stages, the trainer's
-    # split: embedding and output count as a layer each, the 2 left over go to the first middle stages
-    assert d["stage_layers"] == [5, 7, 7] + [6] * 12 + [5]
+    # split: embedding and output count as a layer each, the 2 left over fill the first and last stage
+    assert d["stage_layers"] == [6] * 16
     layer = 4 * 12288 ** 2 + 2 * 12288 * 49152 + 4 * 12288
-    # the fullest GPU is pipeline rank 1: 7 layers and 15 microbatches in flight, BF16 weights cut by TP
-    assert d["memory_gb"]["params"] == pytest.approx(7 * layer / 8 * 2 / 1e9, abs=1e-3)
+    # the fullest GPU is pipeline rank 0: 6 layers and the input embedding, BF16 weights cut by TP
+    assert d["memory_gb"]["params"] == pytest.approx((6 * layer + 51200 * 12288) / 8 * 2 / 1e9, abs=1e-3)
     assert 0 < d["mfu"] < 1

@@ -103,10 +103,14 @@ def test_layer_split_llama3_405b_and_small_cases():
     assert sum(layer_split(126, 16)) == 126
     assert layer_split(128, 16, fewer_first_last=False) == [8] * 16
     assert layer_split(8, 2) == [4, 4]
-    assert layer_split(8, 4) == [1, 3, 3, 1]
-    assert layer_split(32, 4) == [7, 9, 9, 7]
+    assert layer_split(128, 16) == [8] * 16  # the two leftover layers fill the first and last stage
+    assert layer_split(127, 16) == [8] + [8] * 14 + [7]
+    assert layer_split(8, 4) == [2, 2, 2, 2]
+    assert layer_split(32, 4) == [8, 8, 8, 8]
+    assert layer_split(30, 4) == [7, 8, 8, 7]
     assert layer_split(8, 8) == [1] * 8  # one layer fewer would leave an edge stage empty
     assert layer_split(10, 4, fewer_first_last=False) == [2, 3, 3, 2]
+    assert layer_split(126, 128, empty_edges=True) == [0] + [1] * 126 + [0]
     assert layer_split(5, 1) == [5]
     with pytest.raises(FourdError, match=r"3 layers cannot fill 4 pipeline stages"):
         layer_split(3, 4)
@@ -115,8 +119,8 @@ def test_layer_split_llama3_405b_and_small_cases():
 def test_pipeline_split_places_layers_by_loop_and_keeps_names():
     schedule = build_schedule("interleaved", pp=2, microbatches=4, virtual_stages=2)
     model = build_model(CFG, seed=0)
-    stages = pipeline_split(model, 1, schedule)  # stages 1 and 3 of [1, 3, 3, 1] layers
-    assert [list(s.layers) for s in stages] == [["1", "2", "3"], ["7"]]
+    stages = pipeline_split(model, 1, schedule)  # stages 1 and 3 of [2, 2, 2, 2] layers
+    assert [list(s.layers) for s in stages] == [["2", "3"], ["6", "7"]]
     assert stages[0].tok_embeddings is None and stages[0].output is None
     assert stages[1].output is model.output and stages[1].norm is model.norm
     assert stages[0].layers["2"] is model.layers["2"]

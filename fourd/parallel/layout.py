@@ -141,3 +141,36 @@ def validate_layout(
             f"choose one of {', '.join(str(d) for d in range(1, dp + 1) if dp % d == 0)}"
         )
 
+
+
+def layer_split(n_layers: int, stages: int, fewer_first_last: bool = True, empty_edges: bool = False) -> list[int]:
+    """Transformer layers of each pipeline stage, in model order; the trainer's split and the planner's.
+
+    With `fewer_first_last` the embedding and the output projection count as one layer each, so the
+    first and last stage hold one layer fewer than the middle ones (Llama 3 paper §3.3.2: 126 layers in
+    16 stages are 7, 8, ..., 8, 7); layers left over go to the first and last stage first, which keeps
+    every stage's work equal where it can be (128 in 16: all 8; 32 in 4: all 8). If that would leave a
+    stage empty, the layers are split evenly instead (leftovers to the middle stages), unless
+    `empty_edges` lets the first and last stage hold only the embedding and the output (the planner's
+    405B with 128 stages).
+    """
+    if stages < 1 or n_layers < 1:
+        raise FourdError(f"{n_layers} layers in {stages} pipeline stages: both must be at least 1")
+    if stages == 1:
+        return [n_layers]
+    if fewer_first_last:
+        base, extra = divmod(n_layers + 2, stages)
+        counts = [base] * stages
+        for s in [0, stages - 1, *range(1, stages - 1)][:extra]:
+            counts[s] += 1
+        counts[0] -= 1
+        counts[-1] -= 1
+        if min(counts[1:-1], default=1) >= 1 and (min(counts) >= 1 or empty_edges):
+            return counts
+    if n_layers < stages:
+        raise FourdError(f"{n_layers} layers cannot fill {stages} pipeline stages: lower pp or the virtual stages")
+    base, extra = divmod(n_layers, stages)
+    counts = [base] * stages
+    for s in [*range(1, stages - 1), 0, stages - 1][:extra]:
+        counts[s] += 1
+    return counts

@@ -24,33 +24,10 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import _Action, _ComputationType, _PipelineScheduleRuntime
 
 from fourd.errors import FourdError
+from fourd.parallel.layout import layer_split
 from fourd.model.config import ModelConfig
 from fourd.model.llama import Llama, Rope
 from fourd.schedules import Schedule
-
-
-def layer_split(n_layers: int, stages: int, fewer_first_last: bool = True) -> list[int]:
-    """Layers per stage, in model order.
-
-    With `fewer_first_last`, the first and last stage hold one layer fewer than the middle ones, as
-    they also run the embedding and the output projection (Llama 3 paper, §3.3.2: 126 layers in 16
-    stages are 7, 8, ..., 8, 7). Layers that do not divide evenly go to the middle stages first.
-    """
-    if stages < 1 or n_layers < stages:
-        raise FourdError(f"{n_layers} layers cannot fill {stages} pipeline stages: lower --pp or --virtual-stages")
-    if stages == 1:
-        return [n_layers]
-    units = n_layers + (2 if fewer_first_last else 0)
-    base, extra = divmod(units, stages)
-    counts = [base] * stages
-    for s in [*range(1, stages - 1), 0, stages - 1][:extra]:
-        counts[s] += 1
-    if fewer_first_last:
-        counts[0] -= 1
-        counts[-1] -= 1
-        if min(counts) < 1:
-            return layer_split(n_layers, stages, fewer_first_last=False)
-    return counts
 
 
 def pipeline_split(

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from fourd.parallel.layout import layer_split
+
 GB = 1e9
 
 
@@ -50,28 +52,10 @@ def state_bytes_per_param(zero: int, dp: int, dtype_bytes: int = 2) -> tuple[flo
 # ---- parameters on each pipeline stage ---------------------------------------------------------------
 
 def stage_layers(layers: int, pp: int, virtual_stages: int = 1) -> list[int]:
-    """Transformer layers of each of the pp·V pipeline stages, in model order, split as the trainer splits
-    them (fourd.parallel.pp.layer_split): the first and last stage also embed and compute the output, so
-    each counts that as a layer and holds one fewer (Llama 3 §3.3.2: 126 layers in 16 stages are 7, 8, ...,
-    8, 7); remainders go to the middle stages first. Beyond the trainer, the planner lets the first and last
-    stage hold only the embedding and the output when layers + 2 = pp·V (405B: 128 stages of one layer).
-    """
-    n = pp * virtual_stages
-    if n == 1:
-        return [layers]
-    base, extra = divmod(layers + 2, n)
-    counts = [base] * n
-    for s in [*range(1, n - 1), 0, n - 1][:extra]:
-        counts[s] += 1
-    counts[0] -= 1
-    counts[-1] -= 1
-    if min(counts[1:-1], default=1) >= 1 and (min(counts) >= 1 or layers + 2 == n):
-        return counts
-    base, extra = divmod(layers, n)
-    counts = [base] * n
-    for s in [*range(1, n - 1), 0, n - 1][:extra]:
-        counts[s] += 1
-    return counts
+    """Transformer layers of each of the pp·V pipeline stages: the trainer's split
+    (fourd.parallel.layout.layer_split), and beyond the trainer, the first and last stage may hold only
+    the embedding and the output when layers + 2 = pp·V (405B: 128 stages of one layer)."""
+    return layer_split(layers, pp * virtual_stages, empty_edges=True)
 
 
 def stage_params(model, counts: list[int], stage: int) -> int:
