@@ -84,7 +84,7 @@ class FaultSection:
 class RunSection:
     dir: str = "runs/latest"
     max_restarts: int = 0
-    trace: bool = False  # write a Chrome trace of the pipeline actions of the last step
+    trace: bool = True  # with a pipeline: DIR/trace.json, the last step's actions on every rank (Chrome trace)
 
 
 @dataclass

@@ -39,6 +39,13 @@ def test_layout_losses_equal_one_process(fourd, tmp_path, reference, layout, ext
     rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
     if "pp=2" in layout:
         assert all(0 <= r["bubble_fraction"] < 1 for r in rows)
+        # the last step's pipeline actions of every rank: 4 forwards and 4 backwards each (1F1B, M = 4)
+        events = json.load(open(tmp_path / "trace.json"))["traceEvents"]
+        names = [e for e in events if e["ph"] == "M"]
+        actions = [e for e in events if e["ph"] == "X"]
+        assert len(names) == 16 and len(actions) == 16 * 8
+        assert sorted(e["name"] for e in actions if e["pid"] == 0) == sorted(
+            [f"F0.{m}" for m in range(4)] + [f"B0.{m}" for m in range(4)])
 
 
 @pytest.mark.parametrize("args,needle", [

@@ -17,6 +17,11 @@ config keys (--section.key=value): model.preset|layers|dim|ffn|heads|kv_heads|vo
   warmup_steps|weight_decay|beta1|beta2|grad_clip|seed|dtype|log_every|timeout_s,
   parallel.layout|schedule|microbatches|virtual_stages|dp_mode|sequence_parallel|hsdp_replicate,
   checkpoint.interval|keep|async_save, fault.kill_rank|at_step|hang_rank, run.dir|max_restarts|trace
+  (dashes and underscores are the same in keys: --fault.kill-rank 5 --fault.at-step 7)
+
+fault injection (tests, demos): --fault.kill-rank R --fault.at-step S sends SIGKILL to rank R at step S
+  of the first attempt; --fault.hang-rank R hangs it instead (caught by train.timeout_s); the environment
+  variable FOURD_FAULT_KILL_IN_SAVE=R@S kills rank R while it writes the checkpoint of step S.
 """
 
 from __future__ import annotations

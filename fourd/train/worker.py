@@ -7,6 +7,7 @@ any layout reproduces the single-process run up to floating-point rounding.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -244,6 +245,8 @@ def _train(cfg, cache, peak_flops, peak_source, rank, world, attempt, device, be
             if par.runner is not None:
                 row["bubble_fraction"] = par.runner.bubble_fraction
             writer.log(row, show=step % t.log_every == 0 or step == t.steps)
+        if step == t.steps and par.runner is not None and cfg.run.trace:
+            _write_trace(par, run_dir / "trace.json")
         interval = cfg.checkpoint.interval
         if step == t.steps or (interval and step % interval == 0):
             ckpt.save(step, first + B)
@@ -253,6 +256,21 @@ def _train(cfg, cache, peak_flops, peak_source, rank, world, attempt, device, be
         print(summary_table(writer.rows, {"layout": f"{lay} on {world} {device.type} rank(s)",
                                           "MFU peak": f"{peak_flops / 1e12:.3f} TFLOP/s ({peak_source})",
                                           "run dir": str(run_dir)}), flush=True)
+
+
+def _write_trace(par: Parallel, path: Path) -> None:
+    """The pipeline actions of this step on every rank, as one Chrome trace (opens in Perfetto and the lab)."""
+    c = par.coords
+    events = [{"ph": "M", "name": "process_name", "pid": par.rank,
+               "args": {"name": f"rank {par.rank} (pp={c['pp']} tp={c['tp']} cp={c['cp']} dp={c['dp']})"}}]
+    events += par.runner.trace_events(pid=par.rank)
+    gathered = [None] * dist.get_world_size() if par.rank == 0 else None
+    dist.gather_object(events, gathered, dst=0)
+    if par.rank == 0:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"traceEvents": [e for rank_events in gathered for e in rank_events],
+                                   "displayTimeUnit": "ms"}))
+        os.replace(tmp, path)
 
 
 class _no_amp:
