@@ -50,7 +50,8 @@ function latest(fn) {
 
 // rows: [{label, right, blocks: [{kind, start, dur, text, info}]}], times in one unit.
 function drawTimeline(container, rows, span, unit) {
-  const width = 1100, left = 120, right = 80, rowH = 18, gap = 4, top = 4, axis = 18;
+  const longest = Math.max(0, ...rows.map((r) => r.label.length));
+  const width = 1100, left = Math.min(280, Math.max(120, 7 * longest)), right = 80, rowH = 18, gap = 4, top = 4, axis = 18;
   const plotW = width - left - right;
   const height = top + rows.length * (rowH + gap) + axis;
   const scale = span > 0 ? plotW / span : 0;
