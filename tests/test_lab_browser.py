@@ -5,6 +5,7 @@ A screenshot of the bench is kept in test-artifacts/."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import struct
@@ -247,6 +248,37 @@ def test_a_trace_opens_by_path_under_the_trace_dir(page, tmp_path):
         expect(page.locator("#trace-error")).to_contain_text("is outside the lab's --trace-dir")
         assert page.lab_errors == ["Failed to load resource: the server responded with a status of 400 (Bad Request)"]
         page.lab_errors.clear()
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_trace_written_by_fourd_train_beside_the_simulated_step(page, tmp_path):
+    """Two real ranks train one step with 1F1B and write trace.json; the page draws, for each rank,
+    the schedule's actions in order, and the simulated step of the same layout beneath."""
+    done = subprocess.run([sys.executable, "-m", "fourd", "train", "--model", "debug", "--layout", "pp=2",
+                           "--schedule", "1f1b", "--microbatches", "4", "--steps", "1", "--run-dir",
+                           str(tmp_path / "run"), "--run.trace=true"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    server = make_server("127.0.0.1", 0, trace_dir=tmp_path)
+    serve_in_thread(server)
+    try:
+        page.goto(server.url)
+        page.locator("#trace-path").fill("run/trace.json")
+        page.locator("#trace-form button[type=submit]").click()
+        expect(page.locator("#measured g.row")).to_have_count(2)
+        for field, value in (("#plan-gpus", "2"), ("#plan-layout", "pp=2"), ("#plan-microbatches", "4"),
+                             ("#plan-seq", "256"), ("#plan-tokens", "4096")):
+            page.locator(field).fill(value)
+        page.locator("#plan-model").select_option("debug")
+        page.locator("#plan-schedule").select_option("1f1b")
+        page.locator("#simulate").click()
+        expect(page.locator("#simulated g.row")).to_have_count(4)
+        kinds = "[...document.querySelectorAll('#WHICH g.row')].map((g) => [...g.querySelectorAll('rect.blk')].map((r) => r.classList[1]))"
+        sched = [[a.kind for a in actions] for actions in build_schedule("1f1b", 2, 4).ranks]
+        assert page.evaluate(kinds.replace("WHICH", "measured")) == sched
+        assert page.evaluate(kinds.replace("WHICH", "simulated"))[::2] == sched
     finally:
         server.shutdown()
         server.server_close()
