@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import replace
 
 from fourd.errors import FourdError
 
@@ -57,31 +56,15 @@ def _slow(text: str | None):
 
 def resolve(args):
     """The planner's Plans for these flags, best first (what the user left open, the planner chooses)."""
-    from fourd.model.config import get_preset, parse_model_spec
-    from fourd.parallel.layout import parse_layout
-    from fourd.plan.cli import count
-    from fourd.plan.cluster import load_cluster
+    from fourd.plan.cli import resolve_inputs
     from fourd.plan.search import search
 
-    model = parse_model_spec(args.model_spec) if args.model_spec else get_preset(args.model or "llama3-405b")
-    cluster = load_cluster(args.cluster)
-    if args.dtype:
-        cluster = replace(cluster, dtype=args.dtype)
-    seq = args.seq or model.max_seq
-    tokens = count(args.global_batch_tokens)
-    if seq < 2 or tokens % seq or tokens < seq:
-        raise FourdError(f"--global-batch-tokens {args.global_batch_tokens} is not a whole number of {seq}-token "
-                         f"sequences: use a multiple of --seq {seq}")
-    layout = parse_layout(args.layout) if args.layout else None
-    gpus = args.gpus or (layout.world if layout else None)
-    if gpus is None:
-        raise FourdError("give --gpus N or a --layout (its product is the number of GPUs)")
-    if layout and layout.world != gpus:
-        raise FourdError(f"--layout {layout} uses {layout.world} GPUs but --gpus is {gpus}: make the product equal {gpus}")
+    i = resolve_inputs(args)
+    model, cluster, seq, layout, gpus = i.model, i.cluster, i.seq, i.layout, i.gpus
     schedule = args.schedule or ("interleaved" if (args.virtual_stages or 1) > 1 else None)
-    plans = search(model, cluster, gpus, seq, int(tokens // seq), recompute=args.recompute, layout=layout,
+    plans = search(model, cluster, gpus, seq, i.global_seqs, recompute=args.recompute, layout=layout,
                    schedule=schedule, microbatches=args.microbatches, virtual_stages=args.virtual_stages, zero=args.zero,
-                   sequence_parallel=args.sequence_parallel == "on")
+                   sequence_parallel=i.sequence_parallel)
     if not plans:
         raise FourdError(f"no configuration of {gpus} GPUs runs this model with these settings: change --layout, "
                          f"--microbatches or --global-batch-tokens (`fourd plan` explains)")
