@@ -8,6 +8,8 @@ Each layout trains `--steps` steps in a fresh run directory; the first `--warmup
 allocator and thread-pool warm-up) are dropped and the median of the rest is the measured step time.
 Prints a markdown table and the median absolute error; also each layout's step time relative to the first
 layout's (1 rank), measured and predicted, which other load on a shared machine disturbs less.
+`--save FILE` keeps the measured step times (JSON); `--measured FILE` predicts against them again
+without training, e.g. after recalibrating.
 """
 
 from __future__ import annotations
@@ -76,6 +78,8 @@ def main() -> None:
     p.add_argument("--dp-mode", default="zero2", choices=tuple(ZERO))
     p.add_argument("--only", help="layouts to run, separated by semicolons, e.g. 'dp=2;tp=2,dp=2'")
     p.add_argument("--timeout", type=int, default=600, help="seconds per training run")
+    p.add_argument("--save", help="write the measured step times to this JSON file")
+    p.add_argument("--measured", help="take the measured step times from a --save file instead of training")
     args = p.parse_args()
     chosen = [row for row in LAYOUTS if not args.only or row[0] in args.only.split(";")]
     print(f"{args.model}, {args.global_batch} × {args.seq} tokens per step, {args.dp_mode}, "
@@ -83,9 +87,16 @@ def main() -> None:
     print("| layout | schedule | m | measured s | predicted s | error | measured / first | predicted / first |")
     print("|---|---|---|---|---|---|---|---|")
     errors, relative, first = [], [], None
+    saved = json.loads(Path(args.measured).read_text()) if args.measured else {}
     for layout, schedule, m in chosen:
         predicted = predict(args.model, layout, schedule, m, args)["step_time_s"]
-        measured = measure(args.model, layout, schedule, m, args)
+        key = f"{args.model} {layout} {schedule} m={m} seq={args.seq} batch={args.global_batch} {args.dp_mode}"
+        if args.measured and key not in saved:
+            continue
+        measured = saved[key] if args.measured else measure(args.model, layout, schedule, m, args)
+        saved[key] = measured
+        if args.save:
+            Path(args.save).write_text(json.dumps(saved, indent=1) + "\n")
         first = first or (measured, predicted)
         err = predicted / measured - 1
         errors.append(abs(err))

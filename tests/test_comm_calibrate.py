@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from fourd.comm.calibrate import DEVICES, PLANS, fit_alpha_beta
+from fourd.comm.calibrate import DEVICES, PLANS, SHAPES, fit_alpha_beta
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -57,6 +57,22 @@ def test_matmul_throughput_rises_with_size_while_overhead_dominates(local):
     assert all((g.m, g.n, g.k) == (g.m, g.m, g.m) and g.tflops > 0 for g in local.gpu.gemm)
     small = [g.tflops for g in local.gpu.gemm if g.m <= 128]
     assert small == sorted(small) and small[-1] > 4 * small[0]
+
+
+def test_training_shapes_attention_and_eager_rates_are_measured(local):
+    tokens, dims, seqs, head_dims = SHAPES["quick"]
+    want = set()
+    for t in tokens:
+        for d_in in dims:
+            for d_out in dims:
+                want |= {(t, d_out, d_in), (t, d_in, d_out), (d_in, d_out, t)}
+    shapes = [(g.m, g.n, g.k) for g in local.gpu.gemm_shapes]
+    # three per (tokens, in, out); the forward and input-gradient shapes coincide when in and out swap
+    assert len(shapes) == 3 * len(tokens) * len(dims) ** 2 and set(shapes) == want
+    assert all(g.tflops > 0 for g in local.gpu.gemm_shapes)
+    assert [(a.seq, a.head_dim) for a in local.gpu.attention] == [(s, d) for s in seqs for d in head_dims]
+    assert all(a.fwd_tflops > 0 and a.bwd_tflops > 0 for a in local.gpu.attention)
+    assert local.gpu.elementwise_gbps > 0 and local.gpu.optimizer_gbps > 0
 
 
 def test_collective_fits_cover_every_op_and_group(local):

@@ -243,3 +243,61 @@ beta_s_per_byte = 2e-9
     assert collective_time("all_reduce", 1e6, Group(2, 1, 2), c) == pytest.approx(1e-4 + 2e-3)
     # no fit for 4 ranks: the ring model on the node's 1 GB/s, 5 us
     assert collective_time("all_reduce", 1e6, Group(4, 1, 4), c) == pytest.approx(6 * 5e-6 + 1.5e6 / 1e9)
+
+
+def test_training_shape_gemms_attention_and_eager_rates_replace_the_models(tmp_path):
+    from fourd.plan.perf import attention_time, elementwise_bytes, elementwise_time, layer_time, optimizer_time
+    path = tmp_path / "cpu.toml"
+    path.write_text("""
+dtype = "fp32"
+[gpu]
+name = "x"
+peak_tflops = 1.0
+memory_gb = 16.0
+hbm_bw_gbps = 10.0
+elementwise_gbps = 5.0
+optimizer_gbps = 2.0
+[[gpu.gemm_shapes]]
+m = 4096
+n = 256
+k = 256
+tflops = 0.1
+[[gpu.gemm_shapes]]
+m = 4096
+n = 256
+k = 256
+tflops = 0.08
+[[gpu.gemm_shapes]]
+m = 256
+n = 256
+k = 4096
+tflops = 0.05
+[[gpu.attention]]
+seq = 256
+head_dim = 32
+fwd_tflops = 0.02
+bwd_tflops = 0.01
+[node]
+gpus = 8
+intra_bw_gbps = 1.0
+[network]
+nic_bw_gbps = 1.0
+""")
+    c = load_cluster(str(path))
+    flops = 2 * 4096 * 256 * 256
+    assert gemm_time(4096, 256, 256, c) == pytest.approx(flops / 0.09e12)     # two orientations measured there
+    assert gemm_time(256, 256, 4096, c) == pytest.approx(flops / 0.05e12)
+    assert gemm_time(256, 256, 16384, c) == pytest.approx(4 * flops / 0.05e12)  # flat beyond the samples
+    # equally far (in log2) from both points: the mean of the three samples
+    assert gemm_time(1024, 256, 1024, c) == pytest.approx(flops / (0.23e12 / 3))
+    pairs = 4096 * 256 / 2
+    fwd, bwd = attention_time(4096, 256, 8, 32, c)
+    assert fwd == pytest.approx(4 * pairs * 32 * 8 / 0.02e12)
+    assert bwd == pytest.approx(2.5 * 4 * pairs * 32 * 8 / 0.01e12)
+    assert elementwise_time(1e9, c) == pytest.approx(0.2)
+    assert optimizer_time(1e6, c) == pytest.approx(32e6 / 2e9)
+    m = get_preset("small")
+    g = placement(Layout(), c)
+    t = layer_time(m, c, 1, 1, 256, 16, "none", g["tp"], g["cp"], False)
+    gemms = sum(gemm_time(4096, n, k, c) for _, n, k in [(0, 512, 256), (0, 256, 256), (0, 1408, 256), (0, 256, 704)])
+    assert t.forward_s == pytest.approx(gemms + fwd + elementwise_bytes(m, 4096, 1, 4, False)[0] / 5e9)

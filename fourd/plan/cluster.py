@@ -29,6 +29,16 @@ class GemmSample:
 
 
 @dataclass(frozen=True)
+class AttentionSample:
+    """Measured causal attention (CPU profiles): `seq` queries against as many keys per head of `head_dim`,
+    at these rates in the planner's FLOPs (4·seq²/2·head_dim forward, 2.5 times that backward)."""
+    seq: int
+    head_dim: int
+    fwd_tflops: float
+    bwd_tflops: float
+
+
+@dataclass(frozen=True)
 class CollectiveSample:
     """A measured collective fit: time = alpha_s + beta_s_per_byte · bytes (bytes as nccl-tests count them)."""
     op: str
@@ -49,6 +59,11 @@ class GPU:
     attention_bwd_efficiency: float | None = None
     memory_reserve_gb: float = 0.0          # what the runtime keeps for itself
     gemm: tuple[GemmSample, ...] = ()
+    # CPU profiles (fourd calibrate): what eager torch does at training shapes
+    gemm_shapes: tuple[GemmSample, ...] = ()        # forward, input- and weight-gradient GEMMs (m, n, k as the planner names them)
+    attention: tuple[AttentionSample, ...] = ()
+    elementwise_gbps: float | None = None           # unfused norms, RoPE, SiLU·mul, adds: planner-counted bytes per second
+    optimizer_gbps: float | None = None             # AdamW, one parameter at a time: planner-counted bytes per second
 
 
 @dataclass(frozen=True)
@@ -136,7 +151,8 @@ def load_cluster(name_or_path: str) -> Cluster:
         if not isinstance(data.get(key), dict):
             raise FourdError(f"{path}: missing the [{key}] table; see docs/planner.md for the schema")
     gpu = dict(data["gpu"])
-    gpu["gemm"] = tuple(_section(GemmSample, g, "gpu.gemm", path) for g in gpu.get("gemm", ()))
+    for key, cls in (("gemm", GemmSample), ("gemm_shapes", GemmSample), ("attention", AttentionSample)):
+        gpu[key] = tuple(_section(cls, g, f"gpu.{key}", path) for g in gpu.get(key, ()))
     dtype = data.get("dtype", "bf16")
     if dtype not in DTYPE_BYTES:
         raise FourdError(f"{path}: dtype = {dtype!r}; allowed: {', '.join(DTYPE_BYTES)}")

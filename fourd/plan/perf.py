@@ -50,16 +50,38 @@ def _measured_tflops(samples, flops: float) -> float:
     return pts[-1][1]
 
 
+def _interpolate(samples: list[tuple[tuple[float, ...], float]], point: tuple[float, ...]) -> float:
+    """A measured value at `point` from samples at other points: inverse-distance weighting (power 4, so the
+    nearest samples dominate) in log2 coordinates, each clamped to the samples' range (flat beyond them).
+    Samples measured at the point itself are averaged."""
+    logs = [tuple(math.log2(c) for c in where) for where, _ in samples]
+    lo = [min(c) for c in zip(*logs)]
+    hi = [max(c) for c in zip(*logs)]
+    q = [min(max(math.log2(c), a), b) for c, a, b in zip(point, lo, hi)]
+    hits, weights, total = [], 0.0, 0.0
+    for where, (_, value) in zip(logs, samples):
+        d2 = sum((a - b) ** 2 for a, b in zip(where, q))
+        if d2 < 1e-12:
+            hits.append(value)
+        elif not hits:
+            w = 1.0 / (d2 * d2)
+            weights, total = weights + w, total + w * value
+    return sum(hits) / len(hits) if hits else total / weights
+
+
 @lru_cache(maxsize=65536)
 def gemm_time(m: int, n: int, k: int, cluster: Cluster) -> float:
     """Seconds for one (m×k)·(k×n) GEMM in the cluster's training precision.
 
-    Measured samples (calibrate) win when the profile has them. Otherwise a roofline: FLOPs at the
-    sustained GEMM rate, reduced by wave quantization of the output tiles over the SMs, or the bytes
-    of the three matrices over HBM bandwidth, whichever is slower.
+    Measured samples (calibrate) win when the profile has them: those at training shapes, interpolated
+    over (m, n, k), else the square ones, over FLOPs. Otherwise a roofline: FLOPs at the sustained GEMM
+    rate, reduced by wave quantization of the output tiles over the SMs, or the bytes of the three
+    matrices over HBM bandwidth, whichever is slower.
     """
     gpu = cluster.gpu
     flops = 2.0 * m * n * k
+    if gpu.gemm_shapes:
+        return flops / (_interpolate([((s.m, s.n, s.k), s.tflops) for s in gpu.gemm_shapes], (m, n, k)) * 1e12)
     if gpu.gemm:
         return flops / (_measured_tflops(gpu.gemm, flops) * 1e12)
     util = _wave_utilization(m, n, gpu.sms) if gpu.sms else 1.0
@@ -73,6 +95,21 @@ def memory_time(nbytes: float, cluster: Cluster) -> float:
     return nbytes / (cluster.gpu.hbm_bw_gbps * 1e9)
 
 
+def elementwise_time(nbytes: float, cluster: Cluster) -> float:
+    """Seconds of a model's memory-bound kernels that move `nbytes` as fused kernels would. On GPUs they
+    stream at HBM bandwidth; a CPU profile measures eager torch, one op and one pass at a time, and the
+    rate it gives these same counted bytes (`elementwise_gbps`) wins."""
+    rate = cluster.gpu.elementwise_gbps or cluster.gpu.hbm_bw_gbps
+    return nbytes / (rate * 1e9)
+
+
+def optimizer_time(params: float, cluster: Cluster) -> float:
+    """Seconds of an Adam update of `params` parameters: ADAM_BYTES each at HBM bandwidth, or at the rate
+    a CPU profile measured for torch's AdamW going parameter by parameter (`optimizer_gbps`)."""
+    rate = cluster.gpu.optimizer_gbps or cluster.gpu.hbm_bw_gbps
+    return params * ADAM_BYTES[cluster.dtype_bytes] / (rate * 1e9)
+
+
 def attention_time(q_tokens: int, kv_len: int, heads: int, head_dim: int, cluster: Cluster,
                    causal: bool = True) -> tuple[float, float]:
     """(forward, backward) seconds of fused attention for q_tokens queries per head against kv_len keys.
@@ -82,8 +119,14 @@ def attention_time(q_tokens: int, kv_len: int, heads: int, head_dim: int, cluste
     gpu = cluster.gpu
     pairs = q_tokens * kv_len * (0.5 if causal else 1.0)
     fwd_flops = 4.0 * pairs * head_dim * heads
+    if gpu.attention:
+        # CPU profiles: the rates measured for torch's attention at this sequence length and head size
+        at = (kv_len, head_dim)
+        fwd = _interpolate([((s.seq, s.head_dim), s.fwd_tflops) for s in gpu.attention], at) * 1e12
+        bwd = _interpolate([((s.seq, s.head_dim), s.bwd_tflops) for s in gpu.attention], at) * 1e12
+        return fwd_flops / fwd, fwd_flops * FA_BACKWARD_FLOPS / bwd
     if gpu.attention_fwd_efficiency is None:
-        # No fused-kernel figure (CPU profiles): two batched matmuls, at the measured GEMM rate.
+        # No fused-kernel figure: two batched matmuls, at the measured GEMM rate.
         per_head = gemm_time(q_tokens, kv_len, head_dim, cluster) * 2 * (0.5 if causal else 1.0)
         return per_head * heads, per_head * heads * FA_BACKWARD_FLOPS
     length = kv_len / (kv_len + FA_HALF_LENGTH)
@@ -167,7 +210,7 @@ def _gemms(model, tokens: int, tp: int) -> list[tuple[int, int, int]]:
             (tokens, model.dim, model.ffn // tp)]                 # w2
 
 
-def _elementwise_bytes(model, tokens: int, tp: int, b: int, sequence_parallel: bool = True) -> tuple[float, float]:
+def elementwise_bytes(model, tokens: int, tp: int, b: int, sequence_parallel: bool = True) -> tuple[float, float]:
     """HBM bytes of a layer's memory-bound kernels in forward: (norms and residuals, on the sequence-parallel
     shard or, without SP, on every token on every TP rank; RoPE and the MLP activation on the TP shard), and
     the part a selective recomputation redoes."""
@@ -218,13 +261,13 @@ def layer_time(model, cluster: Cluster, tp: int, cp: int, seq: int, micro_seqs: 
     # Each CP rank holds chunks i and 2·CP−1−i of every sequence, so its queries see on average half the
     # sequence and the causal work is even across ranks (Llama 3 §3.3.2): tokens·seq/2 score pairs.
     a_fwd, a_bwd = attention_time(tokens, seq, model.heads // tp, model.head_dim, cluster)
-    ew, ew_selective = _elementwise_bytes(model, tokens, tp, b, sequence_parallel)
-    fwd += a_fwd + memory_time(ew, cluster)
-    dgrad += a_bwd + memory_time(2 * ew, cluster)
+    ew, ew_selective = elementwise_bytes(model, tokens, tp, b, sequence_parallel)
+    fwd += a_fwd + elementwise_time(ew, cluster)
+    dgrad += a_bwd + elementwise_time(2 * ew, cluster)
     tp_f, tp_b, cp_f, cp_b = layer_comm(model, cluster, tp, cp, seq, micro_seqs, tp_group, cp_group, sequence_parallel)
     fwd_comm, bwd_comm = tp_f + cp_f, tp_b + cp_b
     if recompute == "selective":
-        dgrad += memory_time(ew_selective, cluster)
+        dgrad += elementwise_time(ew_selective, cluster)
     elif recompute == "full":
         dgrad += fwd
         bwd_comm += fwd_comm
@@ -235,12 +278,12 @@ def _head_time(model, cluster: Cluster, tokens: int, tp: int, tp_group: Group, s
     """Final norm, output projection (vocabulary split over TP) and cross-entropy in FP32."""
     b, v = cluster.dtype_bytes, model.vocab // tp
     norm = 4 * model.dim * b * tokens / (tp if sequence_parallel else 1)
-    fwd = gemm_time(tokens, v, model.dim, cluster) + memory_time(norm, cluster)
+    fwd = gemm_time(tokens, v, model.dim, cluster) + elementwise_time(norm, cluster)
     dgrad = gemm_time(tokens, model.dim, v, cluster)
     wgrad = gemm_time(model.dim, v, tokens, cluster)
     logits = 4 * tokens * v  # FP32: written, read by the softmax, its gradient written
-    fwd += memory_time(2 * logits, cluster)
-    dgrad += memory_time(2 * logits, cluster)
+    fwd += elementwise_time(2 * logits, cluster)
+    dgrad += elementwise_time(2 * logits, cluster)
     act = tokens * model.dim * b
     # the vocabulary-parallel loss all-reduces max, sum and target logit; SP gathers the input first and
     # reduce-scatters its gradient, plain TP all-reduces the gradient
@@ -256,9 +299,9 @@ def _embedding_time(model, cluster: Cluster, tokens: int, tp: int, tp_group: Gro
     all-reduced without SP)."""
     act = tokens * model.dim * cluster.dtype_bytes
     if not sequence_parallel:
-        return StageTime(memory_time(act, cluster), memory_time(2 * act, cluster), 0.0,
+        return StageTime(elementwise_time(act, cluster), elementwise_time(2 * act, cluster), 0.0,
                          collective_time("all_reduce", act, tp_group, cluster), 0.0)
-    return StageTime(memory_time(act, cluster), memory_time(2 * act, cluster), 0.0,
+    return StageTime(elementwise_time(act, cluster), elementwise_time(2 * act, cluster), 0.0,
                      collective_time("reduce_scatter", act, tp_group, cluster),
                      collective_time("all_gather", act, tp_group, cluster))
 
@@ -436,7 +479,7 @@ def step_time(model, cluster: Cluster, layout, seq: int, global_seqs: int, sched
     exposed, total = _dp_exposure(zero, m, params * cluster.dtype_bytes, shard, cluster, t, bubble, layers)
     overlap = OVERLAP_SLOWDOWN * (total - exposed)
     owned = params / (shard.size if zero >= 1 else 1)
-    optimizer = memory_time(owned * ADAM_BYTES[cluster.dtype_bytes], cluster)
+    optimizer = optimizer_time(owned, cluster)
     step = compute + bubble + p2p + exposed + overlap + optimizer
     return StepTime(step, compute, bubble, p2p, exposed, total, overlap, optimizer, m * tp_comm, m * cp_comm, slow, t)
 
