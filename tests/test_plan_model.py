@@ -277,6 +277,8 @@ seq = 256
 head_dim = 32
 fwd_tflops = 0.02
 bwd_tflops = 0.01
+masked_fwd_tflops = 0.04
+masked_bwd_tflops = 0.03
 [node]
 gpus = 8
 intra_bw_gbps = 1.0
@@ -294,6 +296,9 @@ nic_bw_gbps = 1.0
     fwd, bwd = attention_time(4096, 256, 8, 32, c)
     assert fwd == pytest.approx(4 * pairs * 32 * 8 / 0.02e12)
     assert bwd == pytest.approx(2.5 * 4 * pairs * 32 * 8 / 0.01e12)
+    # an explicit mask (context parallelism's chunks) computes every pair, at the masked kernel's rate
+    assert attention_time(4096, 256, 8, 32, c, causal=False) == pytest.approx(
+        (8 * pairs * 32 * 8 / 0.04e12, 2.5 * 8 * pairs * 32 * 8 / 0.03e12))
     assert elementwise_time(1e9, c) == pytest.approx(0.2)
     assert optimizer_time(1e6, c) == pytest.approx(32e6 / 2e9)
     m = get_preset("small")
@@ -301,3 +306,28 @@ nic_bw_gbps = 1.0
     t = layer_time(m, c, 1, 1, 256, 16, "none", g["tp"], g["cp"], False)
     gemms = sum(gemm_time(4096, n, k, c) for _, n, k in [(0, 512, 256), (0, 256, 256), (0, 1408, 256), (0, 256, 704)])
     assert t.forward_s == pytest.approx(gemms + fwd + elementwise_bytes(m, 4096, 1, 4, False)[0] / 5e9)
+
+
+def test_cpu_profiles_hide_no_data_parallel_traffic_behind_compute(tmp_path):
+    path = tmp_path / "cpu.toml"
+    text = """
+dtype = "fp32"
+[gpu]
+name = "x"
+peak_tflops = 0.05
+memory_gb = 16.0
+hbm_bw_gbps = 10.0
+[node]
+gpus = 8
+intra_bw_gbps = 1.0
+{cores}
+[network]
+nic_bw_gbps = 1.0
+"""
+    path.write_text(text.format(cores="concurrent_ranks = 2"))
+    cpu = load_cluster(str(path))
+    s = step_time(get_preset("small"), cpu, Layout(dp=2), 256, 16, "1f1b", 1, 1, 2)
+    assert s.dp_exposed_s == s.dp_total_s > 0 and s.overlap_s == 0
+    path.write_text(text.format(cores=""))
+    gpu_like = step_time(get_preset("small"), load_cluster(str(path)), Layout(dp=2), 256, 16, "1f1b", 1, 1, 2)
+    assert gpu_like.dp_exposed_s < gpu_like.dp_total_s

@@ -110,9 +110,11 @@ def training_gemms(tokens, dims, seconds: float = SAMPLE_S) -> list[tuple[int, i
     return out
 
 
-def attention_rates(seqs, head_dims, seconds: float = SAMPLE_S) -> list[tuple[int, int, float, float]]:
-    """(seq, head_dim, forward TFLOP/s, backward TFLOP/s) of torch's causal scaled_dot_product_attention on
-    one thread, in the planner's FLOPs: 4·seq²/2·head_dim per head forward, 2.5 times that backward.
+def attention_rates(seqs, head_dims, seconds: float = SAMPLE_S) -> list[tuple[int, int, float, float, float, float]]:
+    """(seq, head_dim, forward and backward TFLOP/s with is_causal, the same with an explicit causal mask)
+    of torch's scaled_dot_product_attention on one thread, in the planner's FLOPs: 4·pairs·head_dim per
+    head forward, 2.5 times that backward; is_causal skips the masked half (seq²/2 pairs), an explicit
+    mask (context parallelism's) computes all seq².
     Heads times batch make about 4M query-key pairs per call, the size of a training microbatch's."""
     import torch
     import torch.nn.functional as F
@@ -124,6 +126,7 @@ def attention_rates(seqs, head_dims, seconds: float = SAMPLE_S) -> list[tuple[in
             # [batch, seq, heads, hd] transposed to [batch, heads, seq, hd], as the model hands them over
             q, k, v = (torch.randn(1, seq, heads, hd).transpose(1, 2).requires_grad_() for _ in range(3))
             grad = torch.randn(1, heads, seq, hd)
+            mask = torch.ones(seq, seq, dtype=torch.bool).tril()
 
             def forward():
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -131,10 +134,19 @@ def attention_rates(seqs, head_dims, seconds: float = SAMPLE_S) -> list[tuple[in
             def both():
                 forward().backward(grad)
 
-            flops = 4 * seq * seq / 2 * hd * heads / 1e12
-            fwd = best_seconds(forward, seconds)
-            bwd = max(best_seconds(both, seconds) - fwd, 1e-9)
-            out.append((seq, hd, flops / fwd, 2.5 * flops / bwd))
+            def masked():
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+            def masked_both():
+                masked().backward(grad)
+
+            rates = []
+            for fwd_fn, both_fn, pairs in ((forward, both, seq * seq / 2), (masked, masked_both, seq * seq)):
+                flops = 4 * pairs * hd * heads / 1e12
+                fwd = best_seconds(fwd_fn, seconds)
+                bwd = max(best_seconds(both_fn, seconds) - fwd, 1e-9)
+                rates += [flops / fwd, 2.5 * flops / bwd]
+            out.append((seq, hd, *rates))
     return out
 
 
@@ -349,9 +361,9 @@ def profile_toml(m: dict, command: str) -> str:
         out += ["[[gpu.gemm]]", f"m = {n}", f"n = {n}", f"k = {n}", f"tflops = {tflops:.6g}", ""]
     for gm, gn, gk, tflops in m["gemm_shapes"]:
         out += ["[[gpu.gemm_shapes]]", f"m = {gm}", f"n = {gn}", f"k = {gk}", f"tflops = {tflops:.6g}", ""]
-    for seq, hd, fwd, bwd in m["attention"]:
+    for seq, hd, fwd, bwd, masked_fwd, masked_bwd in m["attention"]:
         out += ["[[gpu.attention]]", f"seq = {seq}", f"head_dim = {hd}", f"fwd_tflops = {fwd:.6g}",
-                f"bwd_tflops = {bwd:.6g}", ""]
+                f"bwd_tflops = {bwd:.6g}", f"masked_fwd_tflops = {masked_fwd:.6g}", f"masked_bwd_tflops = {masked_bwd:.6g}", ""]
     for (op, g), (a, b) in m["fits"].items():
         out += ["[[collectives]]", f'op = "{op}"', f"nproc = {g}", f"alpha_s = {a:.6g}", f"beta_s_per_byte = {b:.6g}", ""]
     return "\n".join(out)

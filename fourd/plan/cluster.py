@@ -30,12 +30,16 @@ class GemmSample:
 
 @dataclass(frozen=True)
 class AttentionSample:
-    """Measured causal attention (CPU profiles): `seq` queries against as many keys per head of `head_dim`,
-    at these rates in the planner's FLOPs (4·seq²/2·head_dim forward, 2.5 times that backward)."""
+    """Measured attention (CPU profiles): `seq` queries against as many keys per head of `head_dim`, at
+    these rates in the planner's FLOPs (4·pairs·head_dim forward, 2.5 times that backward). Causal
+    (`is_causal`) skips the masked half: seq²/2 pairs; with an explicit mask (`masked_*`, what context
+    parallelism's chunk layout needs) every one of the seq² pairs is computed."""
     seq: int
     head_dim: int
     fwd_tflops: float
     bwd_tflops: float
+    masked_fwd_tflops: float | None = None
+    masked_bwd_tflops: float | None = None
 
 
 @dataclass(frozen=True)

@@ -120,10 +120,14 @@ def attention_time(q_tokens: int, kv_len: int, heads: int, head_dim: int, cluste
     pairs = q_tokens * kv_len * (0.5 if causal else 1.0)
     fwd_flops = 4.0 * pairs * head_dim * heads
     if gpu.attention:
-        # CPU profiles: the rates measured for torch's attention at this sequence length and head size
+        # CPU profiles: the rates measured for torch's attention at this sequence length and head size;
+        # non-causal calls take the explicit-mask kernel, which computes every pair
         at = (kv_len, head_dim)
-        fwd = _interpolate([((s.seq, s.head_dim), s.fwd_tflops) for s in gpu.attention], at) * 1e12
-        bwd = _interpolate([((s.seq, s.head_dim), s.bwd_tflops) for s in gpu.attention], at) * 1e12
+        masked = not causal and all(s.masked_fwd_tflops and s.masked_bwd_tflops for s in gpu.attention)
+        fwd = _interpolate([((s.seq, s.head_dim), s.masked_fwd_tflops if masked else s.fwd_tflops)
+                            for s in gpu.attention], at) * 1e12
+        bwd = _interpolate([((s.seq, s.head_dim), s.masked_bwd_tflops if masked else s.bwd_tflops)
+                            for s in gpu.attention], at) * 1e12
         return fwd_flops / fwd, fwd_flops * FA_BACKWARD_FLOPS / bwd
     if gpu.attention_fwd_efficiency is None:
         # No fused-kernel figure: two batched matmuls, at the measured GEMM rate.
@@ -260,7 +264,10 @@ def layer_time(model, cluster: Cluster, tp: int, cp: int, seq: int, micro_seqs: 
         wgrad += gemm_time(k, n, m, cluster)
     # Each CP rank holds chunks i and 2·CP−1−i of every sequence, so its queries see on average half the
     # sequence and the causal work is even across ranks (Llama 3 §3.3.2): tokens·seq/2 score pairs.
-    a_fwd, a_bwd = attention_time(tokens, seq, model.heads // tp, model.head_dim, cluster)
+    # A CPU profile's measured attention is torch's: there the chunks take an explicit mask, whose kernel
+    # computes all tokens·seq pairs.
+    all_pairs = cp > 1 and bool(cluster.gpu.attention)
+    a_fwd, a_bwd = attention_time(tokens, seq, model.heads // tp, model.head_dim, cluster, causal=not all_pairs)
     ew, ew_selective = elementwise_bytes(model, tokens, tp, b, sequence_parallel)
     fwd += a_fwd + elementwise_time(ew, cluster)
     dgrad += a_bwd + elementwise_time(2 * ew, cluster)
@@ -477,6 +484,10 @@ def step_time(model, cluster: Cluster, layout, seq: int, global_seqs: int, sched
     compute = m * (t.forward + t.backward)
     bubble = bubble_time(schedule, p, m, v, t) if p > 1 else 0.0
     exposed, total = _dp_exposure(zero, m, params * cluster.dtype_bytes, shard, cluster, t, bubble, layers)
+    if cluster.node.concurrent_ranks:
+        # CPU profiles: a collective's copies, reductions and socket work run on the cores the compute
+        # needs, so nothing hides behind compute
+        exposed = total
     overlap = OVERLAP_SLOWDOWN * (total - exposed)
     owned = params / (shard.size if zero >= 1 else 1)
     optimizer = optimizer_time(owned, cluster)
