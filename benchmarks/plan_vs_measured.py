@@ -1,7 +1,7 @@
 """The planner against measurement: `fourd train` step times on this machine for several layouts
 (1 to 8 ranks), next to what `fourd plan --cluster local` predicts for the same run.
 
-    fourd calibrate                     # writes $FOURD_HOME/clusters/local.toml (once)
+    fourd calibrate                     # writes $FOURD_HOME/clusters/local.toml (once, when the machine is quiet)
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/plan_vs_measured.py [--model small] [--steps 8]
 
 Each layout trains `--steps` steps in a fresh run directory; the first `--warmup` steps (start-up,
