@@ -9,8 +9,9 @@ What it measures, as one worker process of `fourd train` sees it (one OpenMP thr
   - the GEMMs of training, as eager torch runs them: a linear layer's forward x·Wᵀ, input gradient
     dY·W and weight gradient dYᵀ·X for token counts and model dimensions around the presets'
     (one thread), as [[gpu.gemm_shapes]] samples
-  - causal attention (torch's scaled_dot_product_attention, forward and backward) across sequence
-    lengths and head sizes, as [[gpu.attention]] samples
+  - causal attention (torch's scaled_dot_product_attention, forward and backward, with is_causal and
+    with an explicit mask as context parallelism uses) across sequence lengths and head sizes, as
+    [[gpu.attention]] samples
   - the unfused elementwise ops of a layer (RMSNorm, RoPE, SiLU·mul, residual adds; forward and
     backward) and torch's AdamW (foreach=False, as the trainer runs it): rates in the bytes the
     planner counts for them (elementwise_gbps, optimizer_gbps)
@@ -20,7 +21,7 @@ What it measures, as one worker process of `fourd train` sees it (one OpenMP thr
     ranks, and for point-to-point send/recv between 2 ranks (op "send")
 The loopback figures of the send/recv fit also stand for the node's links and the network.
 
-Default run: under a minute (15 to 30 s here); --quick: a coarser, smaller sweep in about 10 s
+Default run: under a minute (about 30 s here); --quick: a coarser, smaller sweep in about 8 s
 (tests use it).
 
 examples:
@@ -372,7 +373,7 @@ def profile_toml(m: dict, command: str) -> str:
 def add_arguments(p):
     p.add_argument("--out", default=None,
                    help="where to write the profile (default $FOURD_HOME/clusters/local.toml, FOURD_HOME defaults to ~/.fourd)")
-    p.add_argument("--quick", action="store_true", help="a coarser, smaller sweep (about 10 s)")
+    p.add_argument("--quick", action="store_true", help="a coarser, smaller sweep (about 8 s)")
 
 
 def run(args) -> int:
