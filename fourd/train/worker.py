@@ -8,6 +8,7 @@ any layout reproduces the single-process run up to floating-point rounding.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import signal
@@ -164,6 +165,9 @@ def run_worker(cfg: Config, cache: TokenCache, peak_flops: float, peak_source: s
     store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
     dist.init_process_group("nccl" if use_cuda else "gloo", store=dist.PrefixStore(f"fourd/attempt{attempt}", store),
                             rank=rank, world_size=world, timeout=timeout, **({"device_id": device} if use_cuda else {}))
+    # The digest gathers 2-D-sharded parameters once per checkpoint; DTensor's advice on merging those
+    # all-gathers is about throughput, not correctness, and would flood every rank's log.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     beats = Heartbeat(rank, world, attempt)
     try:
         _train(cfg, cache, peak_flops, peak_source, rank, world, attempt, device, beats)
