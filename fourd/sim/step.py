@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from fourd.errors import FourdError
 from fourd.plan.cluster import Group, group_bandwidth, group_level, members_per_node, shard_group
 from fourd.plan.memory import stage_layers, stage_params
-from fourd.plan.perf import ADAM_BYTES, chunk_times, collective_time, memory_time, ring_bytes_per_rank
+from fourd.plan.perf import chunk_times, collective_time, optimizer_time, ring_bytes_per_rank
 from fourd.schedules import Action, Schedule
 from fourd.sim.network import Flow, Network
 from fourd.sim.pipeline import Event
@@ -407,7 +407,7 @@ def simulate_step(model, cluster, layout, schedule: Schedule, seq: int, micro_se
     for r in range(layout.pp):
         params = sum(dp_bytes[s] for s in schedule.stages_of_rank(r)) / dtype
         owned = params / (shard_group(layout).size if zero >= 1 else 1)
-        optimizer.append(memory_time(owned * ADAM_BYTES[dtype], cluster) * throttle)
+        optimizer.append(optimizer_time(owned, cluster) * throttle)
     slow = None
     if slow_gpu is not None:
         g, factor = slow_gpu
