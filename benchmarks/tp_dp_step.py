@@ -15,14 +15,13 @@ import time
 from pathlib import Path
 
 import torch
-from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from dist_util import run_ranks  # noqa: E402
 
 from fourd.model.config import get_preset  # noqa: E402
 from fourd.model.llama import build_model  # noqa: E402
-from fourd.parallel.dp import apply_dp  # noqa: E402
+from fourd.parallel.dp import apply_dp, held_bytes  # noqa: E402
 from fourd.parallel.grad import clip_grad_norm  # noqa: E402
 from fourd.parallel.layout import Layout  # noqa: E402
 from fourd.parallel.mesh import build_mesh, dp_cp_mesh  # noqa: E402
@@ -33,14 +32,6 @@ BATCH, SEQ, STEPS = 8, 256, 5
 CONFIGS = [("tp=2", dict(tp=2)), ("tp=2 + SP", dict(tp=2, sp=True))] + [
     (f"dp=2 {m}", dict(dp=2, mode=m)) for m in ("ddp", "zero2", "zero3")
 ]
-
-
-def _held(tensors) -> int:
-    storages = {}
-    for t in tensors:
-        s = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
-        storages[s.data_ptr()] = s.nbytes()
-    return sum(storages.values())
 
 
 def _run(tp=1, dp=1, sp=False, mode=None):
@@ -67,7 +58,7 @@ def _run(tp=1, dp=1, sp=False, mode=None):
         opt.step()
         times.append(time.perf_counter() - t0)
     moments = [v for s in opt.state.values() for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")]
-    held = _held(model.parameters()) + _held(p.grad for p in model.parameters()) + _held(moments)
+    held = held_bytes(model.parameters()) + held_bytes(p.grad for p in model.parameters()) + held_bytes(moments)
     return statistics.median(times[1:]), held
 
 

@@ -16,7 +16,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from dist_util import run_ranks
 from fourd.model.config import ModelConfig, get_preset
 from fourd.model.llama import build_model
-from fourd.parallel.dp import apply_dp
+from fourd.parallel.dp import apply_dp, held_bytes
 from fourd.parallel.layout import Layout
 from fourd.parallel.mesh import build_mesh, dp_cp_mesh
 from fourd.parallel.tp import apply_tp, loss_fn
@@ -41,15 +41,6 @@ def _block_comms(tp_mesh, sp):
     return names(fwd), names(bwd)
 
 
-def _held(tensors) -> int:
-    """Bytes of the distinct storages behind these tensors' local shards (FSDP keeps padded storages)."""
-    storages = {}
-    for t in tensors:
-        s = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
-        storages[s.data_ptr()] = s.nbytes()
-    return sum(storages.values())
-
-
 def _memory(mode):
     mesh = build_mesh(Layout(dp=4), hsdp_replicate=2 if mode == "hsdp" else None)
     model = build_model(ODD, seed=0)
@@ -59,15 +50,15 @@ def _memory(mode):
     x = torch.randint(0, ODD.vocab, (2, SEQ + 1), generator=torch.Generator().manual_seed(0))
     logits = model(x[:, :-1])
     # Between forward and backward: the sharded parameters plus whatever forward left gathered.
-    params_peak = _held(at_rest + list(model.parameters()))
+    params_peak = held_bytes(at_rest + list(model.parameters()))
     loss_fn(logits, x[:, 1:]).backward()
     opt.step()
     moments = [v for state in opt.state.values() for k, v in state.items() if k in ("exp_avg", "exp_avg_sq")]
     return {
-        "params_at_rest": _held(model.parameters()),
+        "params_at_rest": held_bytes(model.parameters()),
         "params_peak": params_peak,
-        "grads": _held(p.grad for p in model.parameters()),
-        "adam": _held(moments),
+        "grads": held_bytes(p.grad for p in model.parameters()),
+        "adam": held_bytes(moments),
     }
 
 

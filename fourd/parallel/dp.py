@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from fourd.errors import FourdError
@@ -57,3 +58,13 @@ def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, mode: str = "zero3") -> nn.M
         wrap(block)
     wrap(model)
     return model
+
+
+def held_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind these tensors' local shards (FSDP keeps padded storages),
+    i.e. what this rank really holds for them."""
+    storages = {}
+    for t in tensors:
+        s = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
+        storages[s.data_ptr()] = s.nbytes()
+    return sum(storages.values())

@@ -96,10 +96,9 @@ def run(args) -> int:
     device_type = "cuda" if torch.cuda.is_available() and cfg.train.dtype != "float32" else "cpu"
     from fourd.train.worker import worker_entry
 
+    peak, source = device_peak_flops(device_type, fourd_home())
     if under_torchrun():
-        peak, source = device_peak_flops(device_type, fourd_home())
         worker_entry(cfg.to_dict(), cache, peak, source)
         return 0
-    peak, source = device_peak_flops(device_type, fourd_home())
     os.makedirs(cfg.run.dir, exist_ok=True)
     return launch_local(layout.world, cfg.run.max_restarts, worker_entry, cfg.to_dict(), cache, peak, source)
