@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test install clean
+.PHONY: run test test-fast lint install clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -22,8 +22,18 @@ install: $(STAMP)
 run: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/fourd train --config configs/run.toml --run-dir runs/make-run-$$(date +%Y%m%d-%H%M%S)
 
-test: $(STAMP)
+# Lint, format and type checks first (seconds), then the suite.
+lint: $(STAMP)
+	$(BIN)/ruff check fourd tests benchmarks
+	$(BIN)/ruff format --check fourd tests benchmarks
+	$(BIN)/mypy fourd
+
+test: lint
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
+
+# Everything but the multi-process tests (marked slow).
+test-fast: lint
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not slow" tests
 
 clean:
 	rm -rf $(VENV) runs

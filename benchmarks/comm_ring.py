@@ -20,7 +20,20 @@ import sys
 
 
 def bench(op: str, nproc: int, max_bytes: str) -> list[dict]:
-    cmd = [sys.executable, "-m", "fourd", "bench", "comm", "--op", op, "--nproc", str(nproc), "--max-bytes", max_bytes, "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "fourd",
+        "bench",
+        "comm",
+        "--op",
+        op,
+        "--nproc",
+        str(nproc),
+        "--max-bytes",
+        max_bytes,
+        "--json",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     if done.returncode:
         sys.exit(done.stderr)
@@ -46,15 +59,21 @@ def main() -> None:
         print(f"\n### {n} ranks\n\n```json")
         for r in ar + ring:
             print(json.dumps({k: (round(v, 9) if isinstance(v, float) else v) for k, v in r.items()}))
-        print("```\n\n| bytes | all_reduce us | busbw GB/s | ring us | busbw GB/s | ring / all_reduce |\n|---|---|---|---|---|---|")
+        print(
+            "```\n\n| bytes | all_reduce us | busbw GB/s | ring us | busbw GB/s | ring / all_reduce |\n|---|---|---|---|---|---|"
+        )
         for a, r in zip(ar, ring):
-            print(f"| {a['bytes']:,} | {a['time_s'] * 1e6:,.0f} | {a['busbw_gbps']:.3f} | {r['time_s'] * 1e6:,.0f} | "
-                  f"{r['busbw_gbps']:.3f} | {r['busbw_gbps'] / a['busbw_gbps']:.2f} |")
+            print(
+                f"| {a['bytes']:,} | {a['time_s'] * 1e6:,.0f} | {a['busbw_gbps']:.3f} | {r['time_s'] * 1e6:,.0f} | "
+                f"{r['busbw_gbps']:.3f} | {r['busbw_gbps'] / a['busbw_gbps']:.2f} |"
+            )
         big = ar[-1]["bytes"]
-        print(f"\nring / all_reduce busbw at {big:,} B, {n} ranks: "
-              f"{ring[-1]['busbw_gbps'] / ar[-1]['busbw_gbps']:.2f} (medians of {args.rounds} rounds: "
-              f"{statistics.median(r[-1]['time_s'] for r in runs['ring']) * 1e3:.1f} ms vs "
-              f"{statistics.median(r[-1]['time_s'] for r in runs['all_reduce']) * 1e3:.1f} ms)")
+        print(
+            f"\nring / all_reduce busbw at {big:,} B, {n} ranks: "
+            f"{ring[-1]['busbw_gbps'] / ar[-1]['busbw_gbps']:.2f} (medians of {args.rounds} rounds: "
+            f"{statistics.median(r[-1]['time_s'] for r in runs['ring']) * 1e3:.1f} ms vs "
+            f"{statistics.median(r[-1]['time_s'] for r in runs['all_reduce']) * 1e3:.1f} ms)"
+        )
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 
 import torch
 
@@ -60,9 +59,18 @@ def main() -> None:
     tokens_per_s = a.batch * seq / step
     peak, source = device_peak_flops(device.type, fourd_home())
     mfu = cfg.flops_per_token(seq) * tokens_per_s / peak
-    out = {"device": torch.cuda.get_device_name() if cuda else "cpu", "params": cfg.params(), "batch": a.batch,
-           "seq": seq, "step_time_s": step, "tokens_per_s": tokens_per_s, "mfu": mfu, "peak_source": source,
-           "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None, "loss": loss.item()}
+    out = {
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "params": cfg.params(),
+        "batch": a.batch,
+        "seq": seq,
+        "step_time_s": step,
+        "tokens_per_s": tokens_per_s,
+        "mfu": mfu,
+        "peak_source": source,
+        "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "loss": loss.item(),
+    }
     print(json.dumps(out))
 
 

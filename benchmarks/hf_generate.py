@@ -1,6 +1,6 @@
 """Generation speed with and without the KV cache, and conversion time, on random weights.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/hf_generate.py [--model small] [--new 128]
+OMP_NUM_THREADS=1 .venv/bin/python benchmarks/hf_generate.py [--model small] [--new 128]
 """
 
 import argparse
@@ -22,7 +22,7 @@ def recompute(model, prompt, n):
     with torch.no_grad():
         for _ in range(n):
             ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def main():
@@ -51,8 +51,10 @@ def main():
         t2 = time.perf_counter()
         convert.hf_to_fourd(Path(tmp) / "hf", Path(tmp) / "fd2")
         t3 = time.perf_counter()
-    print(f"  save {t1 - t0:.2f} s, export to HF {t2 - t1:.2f} s, import from HF {t3 - t2:.2f} s "
-          f"({cfg.params() * 4 / 1e6:.1f} MB of float32)")
+    print(
+        f"  save {t1 - t0:.2f} s, export to HF {t2 - t1:.2f} s, import from HF {t3 - t2:.2f} s "
+        f"({cfg.params() * 4 / 1e6:.1f} MB of float32)"
+    )
 
 
 if __name__ == "__main__":

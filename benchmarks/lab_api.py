@@ -21,11 +21,19 @@ REQUESTS = {
     "bench p=16 m=64 interleaved V=8 (largest)": "/api/schedule?p=16&m=64&schedule=interleaved&v=8",
     "cluster row tp=8,pp=16,dp=128": "/api/cluster?layout=tp%3D8%2Cpp%3D16%2Cdp%3D128",
     "planner 405B on 16,384 GPUs, layout given": "/api/plan?model=llama3-405b&gpus=16384&layout=tp%3D8%2Cpp%3D16%2Cdp%3D128"
-                                                 "&schedule=interleaved&microbatches=16&seq=8192",
+    "&schedule=interleaved&microbatches=16&seq=8192",
     "static app.js": "/app.js",
 }
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 def main():
@@ -51,13 +59,25 @@ def main():
             runs = []
             for _ in range(3):
                 t = time.perf_counter()
-                dom = subprocess.run([chromium, *FLAGS, f"--user-data-dir={profile}", "--virtual-time-budget=5000",
-                                      "--dump-dom", f"{server.url}?p=16&m=16&schedule=gpipe"],
-                                     capture_output=True, text=True, timeout=60).stdout
+                dom = subprocess.run(
+                    [
+                        chromium,
+                        *FLAGS,
+                        f"--user-data-dir={profile}",
+                        "--virtual-time-budget=5000",
+                        "--dump-dom",
+                        f"{server.url}?p=16&m=16&schedule=gpipe",
+                    ],
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                ).stdout
                 runs.append(time.perf_counter() - t)
                 assert '<output id="idle">48.4 %</output>' in dom
-        print(f"\nchromium --dump-dom of /?p=16&m=16&schedule=gpipe (browser start included): "
-              f"median {statistics.median(runs):.2f} s")
+        print(
+            f"\nchromium --dump-dom of /?p=16&m=16&schedule=gpipe (browser start included): "
+            f"median {statistics.median(runs):.2f} s"
+        )
     server.shutdown()
 
 

@@ -29,9 +29,25 @@ from fourd.train.worker import _param_groups, cross_entropy
 def fourd_round(model: str, steps: int, threads: int) -> float:
     with tempfile.TemporaryDirectory() as d:
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-        subprocess.run([sys.executable, "-m", "fourd", "train", "--model", model, "--steps", str(steps),
-                        "--run-dir", d, "--train.log_every=1000"], check=True, env=env, capture_output=True)
-        rows = [json.loads(l) for l in open(Path(d) / "metrics.jsonl")]
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "fourd",
+                "train",
+                "--model",
+                model,
+                "--steps",
+                str(steps),
+                "--run-dir",
+                d,
+                "--train.log_every=1000",
+            ],
+            check=True,
+            env=env,
+            capture_output=True,
+        )
+        rows = [json.loads(line) for line in open(Path(d) / "metrics.jsonl")]
     return statistics.median(r["tokens_per_s"] for r in rows[2:])
 
 

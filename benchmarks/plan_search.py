@@ -16,8 +16,21 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ARGS = ["plan", "--model", "llama3-405b", "--cluster", "llama3-h100", "--gpus", "16384", "--seq", "8192",
-        "--global-batch-tokens", "16777216", "--search", "--json"]
+ARGS = [
+    "plan",
+    "--model",
+    "llama3-405b",
+    "--cluster",
+    "llama3-h100",
+    "--gpus",
+    "16384",
+    "--seq",
+    "8192",
+    "--global-batch-tokens",
+    "16777216",
+    "--search",
+    "--json",
+]
 
 
 def search_once() -> tuple[float, float, int, float]:
@@ -53,9 +66,13 @@ def main() -> None:
     cpu = [c for _, c, _, _ in runs]
     _, _, n, mfu = runs[0]
     print(f"search of {n:,} configurations, best MFU {mfu:.3f}")
-    print(f"  search alone:  median {statistics.median(searches):.3f} s, min {min(searches):.3f} s "
-          f"(CPU time of the process: median {statistics.median(cpu):.3f} s)")
-    print(f"  whole command: median {statistics.median(whole):.3f} s, min {min(whole):.3f} s (interpreter start included)")
+    print(
+        f"  search alone:  median {statistics.median(searches):.3f} s, min {min(searches):.3f} s "
+        f"(CPU time of the process: median {statistics.median(cpu):.3f} s)"
+    )
+    print(
+        f"  whole command: median {statistics.median(whole):.3f} s, min {min(whole):.3f} s (interpreter start included)"
+    )
 
 
 if __name__ == "__main__":

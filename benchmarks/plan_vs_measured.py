@@ -42,25 +42,62 @@ LAYOUTS = [
 
 def measure(model: str, layout: str, schedule: str, m: int, args) -> float:
     with tempfile.TemporaryDirectory(prefix="fourd-pvm-") as run_dir:
-        cmd = [*FOURD, "train", "--model", model, "--layout", layout, "--schedule", schedule,
-               "--microbatches", str(m), "--steps", str(args.steps), "--seed", "0", "--run-dir", run_dir,
-               f"--train.global_batch={args.global_batch}", f"--data.seq_len={args.seq}",
-               f"--parallel.dp_mode={args.dp_mode}"]
+        cmd = [
+            *FOURD,
+            "train",
+            "--model",
+            model,
+            "--layout",
+            layout,
+            "--schedule",
+            schedule,
+            "--microbatches",
+            str(m),
+            "--steps",
+            str(args.steps),
+            "--seed",
+            "0",
+            "--run-dir",
+            run_dir,
+            f"--train.global_batch={args.global_batch}",
+            f"--data.seq_len={args.seq}",
+            f"--parallel.dp_mode={args.dp_mode}",
+        ]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=args.timeout)
         if r.returncode:
             raise RuntimeError(f"{' '.join(cmd[2:])} failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
         rows = [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines() if line.strip()]
-    times = [row["step_time_s"] for row in rows[args.warmup:]]
+    times = [row["step_time_s"] for row in rows[args.warmup :]]
     if not times:
         raise RuntimeError(f"{layout}: no steps after the {args.warmup} warm-up steps; raise --steps")
     return statistics.median(times)
 
 
 def predict(model: str, layout: str, schedule: str, m: int, args) -> dict:
-    cmd = [*FOURD, "plan", "--model", model, "--cluster", args.cluster, "--layout", layout, "--schedule", schedule,
-           "--microbatches", str(m), "--seq", str(args.seq), "--global-batch-tokens", str(args.global_batch * args.seq),
-           "--zero", str(ZERO[args.dp_mode]), "--recompute", "none", "--json"]
+    cmd = [
+        *FOURD,
+        "plan",
+        "--model",
+        model,
+        "--cluster",
+        args.cluster,
+        "--layout",
+        layout,
+        "--schedule",
+        schedule,
+        "--microbatches",
+        str(m),
+        "--seq",
+        str(args.seq),
+        "--global-batch-tokens",
+        str(args.global_batch * args.seq),
+        "--zero",
+        str(ZERO[args.dp_mode]),
+        "--recompute",
+        "none",
+        "--json",
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=60)
     if r.returncode:
         raise RuntimeError(f"fourd plan failed: {r.stderr.strip()}")
@@ -82,8 +119,10 @@ def main() -> None:
     p.add_argument("--measured", help="take the measured step times from a --save file instead of training")
     args = p.parse_args()
     chosen = [row for row in LAYOUTS if not args.only or row[0] in args.only.split(";")]
-    print(f"{args.model}, {args.global_batch} × {args.seq} tokens per step, {args.dp_mode}, "
-          f"{time.strftime('%Y-%m-%d')}, cluster profile {args.cluster}\n")
+    print(
+        f"{args.model}, {args.global_batch} × {args.seq} tokens per step, {args.dp_mode}, "
+        f"{time.strftime('%Y-%m-%d')}, cluster profile {args.cluster}\n"
+    )
     print("| layout | schedule | m | measured s | predicted s | error | measured / first | predicted / first |")
     print("|---|---|---|---|---|---|---|---|")
     errors, relative, first = [], [], None
@@ -102,10 +141,15 @@ def main() -> None:
         errors.append(abs(err))
         rel_m, rel_p = measured / first[0], predicted / first[1]
         relative.append(abs(rel_p / rel_m - 1))
-        print(f"| {layout} | {schedule} | {m} | {measured:.3f} | {predicted:.3f} | {100 * err:+.0f} % | "
-              f"{rel_m:.2f} | {rel_p:.2f} |", flush=True)
-    print(f"\nmedian absolute error {100 * statistics.median(errors):.0f} % over {len(errors)} layouts; "
-          f"of the step times relative to the first layout's: {100 * statistics.median(relative[1:] or [0]):.0f} %")
+        print(
+            f"| {layout} | {schedule} | {m} | {measured:.3f} | {predicted:.3f} | {100 * err:+.0f} % | "
+            f"{rel_m:.2f} | {rel_p:.2f} |",
+            flush=True,
+        )
+    print(
+        f"\nmedian absolute error {100 * statistics.median(errors):.0f} % over {len(errors)} layouts; "
+        f"of the step times relative to the first layout's: {100 * statistics.median(relative[1:] or [0]):.0f} %"
+    )
 
 
 if __name__ == "__main__":

@@ -45,8 +45,9 @@ def _rank(rank: int, p: int, port: int, ms: list[int], layers: int, steps: int, 
     for m in ms:
         schedule = build_schedule("gpipe", p, m)
         stages = pipeline_split(cfg, rank, schedule, seed=0, fewer_first_last=False)
-        runner = PipelineRunner(stages, schedule, dist.group.WORLD,
-                                lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten()))
+        runner = PipelineRunner(
+            stages, schedule, dist.group.WORLD, lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        )
         tokens = torch.randint(0, VOCAB, (m, SEQ + 1), generator=torch.Generator().manual_seed(0))
         bubbles, walls = [], []
         for step in range(steps + 1):
@@ -71,16 +72,20 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="timed steps per (p, m), after one warm-up step")
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
-    print(f"GPipe, {args.layers_per_stage} blocks of dim {DIM} / FFN {FFN} per stage, microbatch 1 x {SEQ} tokens, "
-          f"median of {args.steps} steps")
+    print(
+        f"GPipe, {args.layers_per_stage} blocks of dim {DIM} / FFN {FFN} per stage, microbatch 1 x {SEQ} tokens, "
+        f"median of {args.steps} steps"
+    )
     print(f"{'p':>3} {'m':>3} {'formula':>8} {'measured':>9} {'diff':>7}   per rank   F ms   B ms  step s")
     for p in args.p:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         out = ctx.Queue()
-        procs = [ctx.Process(target=_rank, args=(r, p, port, args.m, args.layers_per_stage, args.steps, out))
-                 for r in range(p)]
+        procs = [
+            ctx.Process(target=_rank, args=(r, p, port, args.m, args.layers_per_stage, args.steps, out))
+            for r in range(p)
+        ]
         for proc in procs:
             proc.start()
         per_rank = dict(out.get(timeout=1800) for _ in range(p))
@@ -90,9 +95,11 @@ def main() -> None:
             formula = (p - 1) / (m + p - 1)
             rows = [per_rank[r][m] for r in range(p)]
             measured = statistics.mean(r[0] for r in rows)
-            print(f"{p:>3} {m:>3} {formula:>8.3f} {measured:>9.3f} {measured - formula:>+7.3f}   "
-                  f"{' '.join(f'{r[0]:.3f}' for r in rows)}   {1e3 * rows[0][2]:.0f}   {1e3 * rows[0][3]:.0f}"
-                  f"  {max(r[1] for r in rows):.2f}")
+            print(
+                f"{p:>3} {m:>3} {formula:>8.3f} {measured:>9.3f} {measured - formula:>+7.3f}   "
+                f"{' '.join(f'{r[0]:.3f}' for r in rows)}   {1e3 * rows[0][2]:.0f}   {1e3 * rows[0][3]:.0f}"
+                f"  {max(r[1] for r in rows):.2f}"
+            )
 
 
 if __name__ == "__main__":

@@ -21,10 +21,12 @@ def main() -> None:
         start = time.perf_counter()
         s = faults.summary(faults.simulate(16384, 54, runs=args.runs, seed=0))
         best = min(best, time.perf_counter() - start)
-    print(f"{args.runs} runs x 54 days on 16,384 GPUs: {best:.3f} s (fastest of 3); unexpected "
-          f"{s['unexpected_interruptions']:.1f}, planned {s['planned_interruptions']:.1f}, effective "
-          f"{100 * s['effective_training_fraction']:.2f} %, Daly {s['optimal_checkpoint_interval_min']:.2f} min, "
-          f"Young {s['young_interval_min']:.2f} min")
+    print(
+        f"{args.runs} runs x 54 days on 16,384 GPUs: {best:.3f} s (fastest of 3); unexpected "
+        f"{s['unexpected_interruptions']:.1f}, planned {s['planned_interruptions']:.1f}, effective "
+        f"{100 * s['effective_training_fraction']:.2f} %, Daly {s['optimal_checkpoint_interval_min']:.2f} min, "
+        f"Young {s['young_interval_min']:.2f} min"
+    )
     daly = faults.daly_interval(faults.CHECKPOINT_S, faults.mtbf_s(16384))
     print("| interval | minutes | effective training |")
     print("|---|---|---|")

@@ -24,25 +24,38 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="simulations per row; the fastest counts")
     args = ap.parse_args()
     model, cluster = get_preset("llama3-405b"), load_cluster("llama3-h100")
-    print("| GPUs | layout | seq | schedule | V | m | ZeRO | recompute | sim step s | planner s | sim − planner | "
-          "sim MFU | wall s | transfers |")
+    print(
+        "| GPUs | layout | seq | schedule | V | m | ZeRO | recompute | sim step s | planner s | sim − planner | "
+        "sim MFU | wall s | transfers |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for text, seq in ROWS:
         layout = parse_layout(text)
         for schedule in ("interleaved", "1f1b"):
-            plan = search(model, cluster, layout.world, seq, 2 ** 24 // seq, layout=layout, schedule=schedule)[0]
+            plan = search(model, cluster, layout.world, seq, 2**24 // seq, layout=layout, schedule=schedule)[0]
             c = plan.config
             best = float("inf")
             for _ in range(args.repeat):
                 start = time.perf_counter()
                 s = build_schedule(c.schedule, layout.pp, c.microbatches, c.virtual_stages)
-                r = simulate_step(model, cluster, layout, s, seq, plan.micro_seqs, zero=c.zero, recompute=c.recompute,
-                                  sequence_parallel=c.sequence_parallel)
+                r = simulate_step(
+                    model,
+                    cluster,
+                    layout,
+                    s,
+                    seq,
+                    plan.micro_seqs,
+                    zero=c.zero,
+                    recompute=c.recompute,
+                    sequence_parallel=c.sequence_parallel,
+                )
                 best = min(best, time.perf_counter() - start)
             mfu = plan.model_flops / r.step_time_s / layout.world / 1e12 / cluster.gpu.peak_tflops
-            print(f"| {layout.world:,} | {text} | {seq:,} | {c.schedule} | {c.virtual_stages} | {c.microbatches} | {c.zero} "
-                  f"| {c.recompute} | {r.step_time_s:.3f} | {plan.step.step_s:.3f} | "
-                  f"{100 * (r.step_time_s / plan.step.step_s - 1):+.1f} % | {100 * mfu:.1f} % | {best:.2f} | {len(r.transfers)} |")
+            print(
+                f"| {layout.world:,} | {text} | {seq:,} | {c.schedule} | {c.virtual_stages} | {c.microbatches} | {c.zero} "
+                f"| {c.recompute} | {r.step_time_s:.3f} | {plan.step.step_s:.3f} | "
+                f"{100 * (r.step_time_s / plan.step.step_s - 1):+.1f} % | {100 * mfu:.1f} % | {best:.2f} | {len(r.transfers)} |"
+            )
 
 
 if __name__ == "__main__":

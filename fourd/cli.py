@@ -51,8 +51,11 @@ def _module(name: str):
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The full parser; `only` builds just one command's subparser (fast start-up)."""
-    top = _Parser(prog="fourd", description="fourd: train Llama-style models with 4D parallelism; plan and simulate such runs.",
-                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    top = _Parser(
+        prog="fourd",
+        description="fourd: train Llama-style models with 4D parallelism; plan and simulate such runs.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     top.add_argument("--debug", action="store_true", help="show tracebacks")
     subs = top.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     groups: dict[str, argparse._SubParsersAction] = {}
@@ -119,6 +122,5 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # an unexpected failure: one line, the traceback with --debug
         if debug:
             raise
-        print(f"fourd: internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)",
-              file=sys.stderr)
+        print(f"fourd: internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)", file=sys.stderr)
         return 1

@@ -8,10 +8,11 @@ the wrong type are refused with one line naming the key and what it accepts.
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import tomllib
 
 from fourd.errors import FourdError
 
@@ -101,7 +102,7 @@ class Config:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Config":
+    def from_dict(cls, d: dict) -> Config:
         cfg = cls()
         for section, values in d.items():
             for key, value in values.items():
@@ -211,14 +212,23 @@ def build_config(toml_path: str | None, flags: dict[str, object], overrides: lis
 
 def check(cfg: Config) -> None:
     """Value ranges that no single field type expresses."""
-    positive = ("train.steps", "train.global_batch", "data.seq_len", "parallel.microbatches",
-                "parallel.virtual_stages", "checkpoint.keep", "train.log_every")
+    positive = (
+        "train.steps",
+        "train.global_batch",
+        "data.seq_len",
+        "parallel.microbatches",
+        "parallel.virtual_stages",
+        "checkpoint.keep",
+        "train.log_every",
+    )
     for key in positive:
         s, n = key.split(".")
         if getattr(getattr(cfg, s), n) < 1:
             raise FourdError(f"{key} = {getattr(getattr(cfg, s), n)} must be at least 1")
     if cfg.train.lr <= 0 or cfg.train.min_lr < 0 or cfg.train.min_lr > cfg.train.lr:
-        raise FourdError(f"train.lr = {cfg.train.lr} and train.min_lr = {cfg.train.min_lr}: need 0 <= min_lr <= lr, lr > 0")
+        raise FourdError(
+            f"train.lr = {cfg.train.lr} and train.min_lr = {cfg.train.min_lr}: need 0 <= min_lr <= lr, lr > 0"
+        )
     if cfg.train.warmup_steps < 0 or cfg.checkpoint.interval < 0 or cfg.run.max_restarts < 0:
         raise FourdError("train.warmup_steps, checkpoint.interval and run.max_restarts must be >= 0")
     if not 0 <= cfg.data.holdout_fraction < 0.5:

@@ -84,8 +84,10 @@ def build_schedule(name: str, pp: int, microbatches: int, virtual_stages: int = 
     if name not in SCHEDULES:
         raise FourdError(f"unknown schedule {name!r}: choose one of {', '.join(SCHEDULES)}")
     if name != "interleaved" and virtual_stages != 1:
-        raise FourdError(f"--virtual-stages {virtual_stages} needs --schedule interleaved "
-                         f"({name} runs one stage per rank; use --virtual-stages 1)")
+        raise FourdError(
+            f"--virtual-stages {virtual_stages} needs --schedule interleaved "
+            f"({name} runs one stage per rank; use --virtual-stages 1)"
+        )
     build = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved": _interleaved, "zero-bubble": _zb_h1}[name]
     ranks = tuple(tuple(build(r, pp, microbatches, virtual_stages)) for r in range(pp))
     schedule = Schedule(name, pp, microbatches, virtual_stages, ranks)
@@ -101,15 +103,16 @@ def _gpipe(rank, pp, m, v):
 def _one_f_one_b(rank, pp, m, v):
     """Warm-up of pp−1−rank forwards, then one forward one backward, then the remaining backwards
     (PipeDream-Flush, Narayanan et al. 2021): at most pp−rank microbatches in flight."""
-    return _warm_steady_cool([Action("F", rank, j) for j in range(m)],
-                             [Action("B", rank, j) for j in range(m)], min(pp - 1 - rank, m))
+    return _warm_steady_cool(
+        [Action("F", rank, j) for j in range(m)], [Action("B", rank, j) for j in range(m)], min(pp - 1 - rank, m)
+    )
 
 
 def _warm_steady_cool(forwards, backwards, warmup):
     order = forwards[:warmup]
     for f, b in zip(forwards[warmup:], backwards):
         order += [f, b]
-    return order + backwards[len(forwards) - warmup:]
+    return order + backwards[len(forwards) - warmup :]
 
 
 def _rounds(pp: int, m: int) -> list[range]:
@@ -152,8 +155,9 @@ def _zb_h1(rank, pp, m, v):
     times, and holds at most pp microbatches, 1F1B's peak (rank 0's).
     """
     order = []
-    for a in _warm_steady_cool([Action("F", rank, j) for j in range(m)],
-                               [Action("I", rank, j) for j in range(m)], min(pp - 1 - rank, m)):
+    for a in _warm_steady_cool(
+        [Action("F", rank, j) for j in range(m)], [Action("I", rank, j) for j in range(m)], min(pp - 1 - rank, m)
+    ):
         order.append(a)
         if a.kind == "I" and a.microbatch >= rank:
             order.append(Action("W", rank, a.microbatch - rank))
@@ -176,11 +180,15 @@ def validate(schedule: Schedule) -> None:
     for r, actions in enumerate(schedule.ranks):
         for a in actions:
             if a.kind not in KINDS or not (0 <= a.stage < n) or not (0 <= a.microbatch < m):
-                raise FourdError(f"schedule {schedule.name}: action {a} is out of range "
-                                 f"(kinds {'/'.join(KINDS)}, stages 0..{n - 1}, microbatches 0..{m - 1})")
+                raise FourdError(
+                    f"schedule {schedule.name}: action {a} is out of range "
+                    f"(kinds {'/'.join(KINDS)}, stages 0..{n - 1}, microbatches 0..{m - 1})"
+                )
             if schedule.stage_rank(a.stage) != r:
-                raise FourdError(f"schedule {schedule.name}: {a} is on rank {r} but stage {a.stage} "
-                                 f"lives on rank {schedule.stage_rank(a.stage)}")
+                raise FourdError(
+                    f"schedule {schedule.name}: {a} is on rank {r} but stage {a.stage} "
+                    f"lives on rank {schedule.stage_rank(a.stage)}"
+                )
             key = (a.kind, a.stage, a.microbatch)
             if key in seen:
                 raise FourdError(f"schedule {schedule.name}: {a} appears twice")
@@ -190,8 +198,10 @@ def validate(schedule: Schedule) -> None:
             full = ("B", s, j) in seen
             split = ("I", s, j) in seen, ("W", s, j) in seen
             if ("F", s, j) not in seen or not (full ^ all(split)) or (full and any(split)) or (split[0] != split[1]):
-                raise FourdError(f"schedule {schedule.name}: stage {s} microbatch {j} needs exactly one F "
-                                 f"and either one B or one I and one W")
+                raise FourdError(
+                    f"schedule {schedule.name}: stage {s} microbatch {j} needs exactly one F "
+                    f"and either one B or one I and one W"
+                )
     stuck = _first_deadlock(schedule)
     if stuck:
         raise FourdError(f"schedule {schedule.name} deadlocks: every rank waits ({stuck})")

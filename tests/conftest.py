@@ -13,8 +13,14 @@ def run_fourd(*args, env=None, timeout=300, cwd=None):
     e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     if env:
         e.update(env)
-    p = subprocess.run([sys.executable, "-m", "fourd", *map(str, args)], capture_output=True, text=True,
-                       timeout=timeout, env=e, cwd=cwd or ROOT)
+    p = subprocess.run(
+        [sys.executable, "-m", "fourd", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=e,
+        cwd=cwd or ROOT,
+    )
     return p.returncode, p.stdout, p.stderr
 
 

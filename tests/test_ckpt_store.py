@@ -50,6 +50,7 @@ def test_digest_covers_name_dtype_shape_and_bytes():
 
 def test_bit_flip_is_named(saved, tmp_path):
     import shutil
+
     d = tmp_path / "ck"
     shutil.copytree(saved[0], d)
     data = sorted(p for p in d.iterdir() if p.suffix == ".distcp")[0]
@@ -64,6 +65,7 @@ def test_bit_flip_is_named(saved, tmp_path):
 
 def test_missing_file_and_missing_manifest(saved, tmp_path):
     import shutil
+
     d = tmp_path / "ck"
     shutil.copytree(saved[0], d)
     (d / ".metadata").unlink()
@@ -127,6 +129,7 @@ class _Payload:
 def test_metadata_pickle_cannot_run_code_even_with_a_matching_manifest(saved, tmp_path):
     import pickle
     import shutil
+
     d = tmp_path / "ck"
     shutil.copytree(saved[0], d)
     marker = tmp_path / "ran"

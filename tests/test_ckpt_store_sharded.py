@@ -4,10 +4,10 @@ same model_digest as a single-process save of the same weights."""
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from dist_util import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from dist_util import run_ranks
 from fourd.ckpt import store
 from fourd.model.config import get_preset
 from fourd.model.llama import build_model

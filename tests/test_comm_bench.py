@@ -28,11 +28,15 @@ def test_sizes_and_factors():
 def test_bad_size_is_one_line_and_exit_2():
     done = _fourd("bench", "comm", "--max-bytes", "64Q")
     assert done.returncode == 2
-    assert done.stderr.strip().splitlines() == ["fourd: error: bad size '64Q': give a positive byte count such as 4096, 64K, 16M or 1G"]
+    assert done.stderr.strip().splitlines() == [
+        "fourd: error: bad size '64Q': give a positive byte count such as 4096, 64K, 16M or 1G"
+    ]
 
 
 def test_json_rows_for_every_op_over_three_ranks():
-    done = _fourd("bench", "comm", "--op", "all", "--nproc", "3", "--max-bytes", "2K", "--iters", "2", "--warmup", "1", "--json")
+    done = _fourd(
+        "bench", "comm", "--op", "all", "--nproc", "3", "--max-bytes", "2K", "--iters", "2", "--warmup", "1", "--json"
+    )
     assert done.returncode == 0, done.stderr
     rows = json.loads(done.stdout)
     ops = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "ring", "sendrecv"]

@@ -23,8 +23,9 @@ def test_fit_recovers_alpha_and_beta_exactly():
 def local(tmp_path_factory):
     home = tmp_path_factory.mktemp("fourd-home")
     env = dict(os.environ, FOURD_HOME=str(home), OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-m", "fourd", "calibrate", "--quick"], env=env,
-                          capture_output=True, text=True, timeout=200)
+    done = subprocess.run(
+        [sys.executable, "-m", "fourd", "calibrate", "--quick"], env=env, capture_output=True, text=True, timeout=200
+    )
     assert done.returncode == 0, done.stderr
     path = home / "clusters" / "local.toml"
     assert path.is_file() and f"wrote {path}" in done.stdout
@@ -44,8 +45,15 @@ def local(tmp_path_factory):
 def test_profile_has_every_figure_positive(local):
     assert local.name == "local" and local.dtype == "fp32"
     assert local.node.gpus == DEVICES and local.node.concurrent_ranks == os.cpu_count()
-    for value in (local.gpu.peak_tflops, local.gpu.memory_gb, local.gpu.hbm_bw_gbps, local.node.intra_bw_gbps,
-                  local.node.intra_latency_us, local.network.nic_bw_gbps, local.network.latency_us):
+    for value in (
+        local.gpu.peak_tflops,
+        local.gpu.memory_gb,
+        local.gpu.hbm_bw_gbps,
+        local.node.intra_bw_gbps,
+        local.node.intra_latency_us,
+        local.network.nic_bw_gbps,
+        local.network.latency_us,
+    ):
         assert value > 0
     # the best matmul the machine does is its peak, which no single sample exceeds
     assert local.gpu.peak_tflops >= max(g.tflops for g in local.gpu.gemm)
@@ -71,7 +79,9 @@ def test_training_shapes_attention_and_eager_rates_are_measured(local):
     assert len(shapes) == 3 * len(tokens) * len(dims) ** 2 and set(shapes) == want
     assert all(g.tflops > 0 for g in local.gpu.gemm_shapes)
     assert [(a.seq, a.head_dim) for a in local.gpu.attention] == [(s, d) for s in seqs for d in head_dims]
-    assert all(min(a.fwd_tflops, a.bwd_tflops, a.masked_fwd_tflops, a.masked_bwd_tflops) > 0 for a in local.gpu.attention)
+    assert all(
+        min(a.fwd_tflops, a.bwd_tflops, a.masked_fwd_tflops, a.masked_bwd_tflops) > 0 for a in local.gpu.attention
+    )
     assert local.gpu.elementwise_gbps > 0 and local.gpu.optimizer_gbps > 0
 
 
@@ -91,7 +101,9 @@ def test_planner_times_collectives_with_the_fit(local):
     from fourd.plan.perf import collective_time
 
     fit = next(c for c in local.collectives if (c.op, c.nproc) == ("all_reduce", 4))
-    assert collective_time("all_reduce", 1 << 20, Group(4, 1, 4), local) == fit.alpha_s + fit.beta_s_per_byte * (1 << 20)
+    assert collective_time("all_reduce", 1 << 20, Group(4, 1, 4), local) == fit.alpha_s + fit.beta_s_per_byte * (
+        1 << 20
+    )
 
 
 def test_fit_falls_back_to_an_upper_bound_when_latency_noise_swamps_it():

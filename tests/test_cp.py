@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
 from dist_util import run_ranks
+
 from fourd.errors import FourdError
 from fourd.model.config import get_preset
 from fourd.model.llama import build_model

@@ -60,11 +60,14 @@ def test_folder_and_jsonl_sources(tmp_path):
     assert bytes(c.array()) == b"first\n\nsecond\n\nthird"
 
 
-@pytest.mark.parametrize("setup,needle", [
-    (lambda p: None, "does not exist"),
-    (lambda p: p.write_text(""), "holds no text"),
-    (lambda p: p.write_bytes(b"ok\xff\xfe bad"), "not UTF-8"),
-])
+@pytest.mark.parametrize(
+    "setup,needle",
+    [
+        (lambda p: None, "does not exist"),
+        (lambda p: p.write_text(""), "holds no text"),
+        (lambda p: p.write_bytes(b"ok\xff\xfe bad"), "not UTF-8"),
+    ],
+)
 def test_bad_data_is_refused_with_one_clear_line(tmp_path, setup, needle):
     f = tmp_path / "data.txt"
     setup(f)
@@ -83,7 +86,12 @@ def test_config_layers_and_refusals(tmp_path):
     toml = tmp_path / "c.toml"
     toml.write_text('[train]\nsteps = 7\nlr = 0.01\n[parallel]\nlayout = "dp=2"\n')
     cfg = build_config(str(toml), {"train.steps": 9}, ["--train.lr=0.002", "--parallel.sequence_parallel", "true"])
-    assert (cfg.train.steps, cfg.train.lr, cfg.parallel.layout, cfg.parallel.sequence_parallel) == (9, 0.002, "dp=2", True)
+    assert (cfg.train.steps, cfg.train.lr, cfg.parallel.layout, cfg.parallel.sequence_parallel) == (
+        9,
+        0.002,
+        "dp=2",
+        True,
+    )
     with pytest.raises(FourdError, match=r"unknown config key 'train.lrr'.*allowed keys in \[train\] are steps"):
         build_config(None, {}, ["--train.lrr=1"])
     with pytest.raises(FourdError, match="train.steps = 'x' is not a valid int"):

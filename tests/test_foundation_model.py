@@ -34,10 +34,12 @@ def test_rope_rotates_pairs_and_keeps_norms():
 def test_rope_is_relative():
     """q·k after rotation depends on the distance between positions only."""
     q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)
+
     def score(pq, pk):
         cq, sq = rope_table(16, torch.tensor([pq]), 500_000.0)
         ck, sk = rope_table(16, torch.tensor([pk]), 500_000.0)
         return (apply_rope(q, cq, sq) * apply_rope(k, ck, sk)).sum()
+
     torch.testing.assert_close(score(7, 3), score(104, 100), rtol=1e-5, atol=1e-5)
 
 

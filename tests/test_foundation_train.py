@@ -13,7 +13,7 @@ from fourd.train.worker import lr_at
 
 
 def rows(run_dir):
-    return [json.loads(l) for l in open(run_dir / "metrics.jsonl") if l.strip()]
+    return [json.loads(line) for line in open(run_dir / "metrics.jsonl") if line.strip()]
 
 
 @pytest.fixture(scope="module")
@@ -56,18 +56,21 @@ def test_lr_schedule_warmup_then_cosine():
     assert lr_at(100, cfg) == pytest.approx(1e-4)
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--model", "no-such-model"], "unknown model preset 'no-such-model'"),
-    (["--train.lr=abc"], "train.lr = 'abc' is not a valid float"),
-    (["--trian.lr=1"], "unknown config key 'trian.lr'"),
-    (["--data.path=/no/such/corpus"], "data path '/no/such/corpus' does not exist"),
-    (["--layout", "tp=3"], "tp"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--model", "no-such-model"], "unknown model preset 'no-such-model'"),
+        (["--train.lr=abc"], "train.lr = 'abc' is not a valid float"),
+        (["--trian.lr=1"], "unknown config key 'trian.lr'"),
+        (["--data.path=/no/such/corpus"], "data path '/no/such/corpus' does not exist"),
+        (["--layout", "tp=3"], "tp"),
+    ],
+)
 def test_bad_input_exits_2_with_one_line(fourd, tmp_path, args, needle):
     code, out, err = fourd("train", "--steps", 1, "--run-dir", tmp_path / "r", *args)
     assert code == 2, err
     assert "Traceback" not in err
-    lines = [l for l in err.splitlines() if l.strip()]
+    lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and needle in lines[0], err
 
 
@@ -83,11 +86,37 @@ def test_two_node_launch_with_c10d_rendezvous(tmp_path):
     """Two launcher agents on 127.0.0.1, as two nodes would run torchrun, one rendezvous endpoint."""
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", FOURD_HOME=str(tmp_path / "home"))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes",
-           "-m", "fourd", "train", "--model", "debug", "--layout", "dp=2", "--steps", "3", "--seed", "0",
-           "--run-dir", str(tmp_path / "run")]
-    agents = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "two-nodes",
+        "-m",
+        "fourd",
+        "train",
+        "--model",
+        "debug",
+        "--layout",
+        "dp=2",
+        "--steps",
+        "3",
+        "--seed",
+        "0",
+        "--run-dir",
+        str(tmp_path / "run"),
+    ]
+    agents = [
+        subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)
+    ]
     outs = [a.communicate(timeout=200)[0] for a in agents]
     assert [a.returncode for a in agents] == [0, 0], outs
     r = rows(tmp_path / "run")

@@ -7,8 +7,8 @@ import resource
 import shutil
 
 import pytest
-
 from conftest import run_fourd
+
 from fourd.ckpt import store
 
 pytestmark = pytest.mark.slow
@@ -16,7 +16,7 @@ BASE = ("train", "--model", "debug", "--layout", "dp=2", "--seed", 0, "--steps",
 
 
 def rows(run_dir):
-    return [json.loads(l) for l in open(run_dir / "metrics.jsonl") if l.strip()]
+    return [json.loads(line) for line in open(run_dir / "metrics.jsonl") if line.strip()]
 
 
 def digest(run_dir, step):
@@ -47,8 +47,9 @@ def test_retention_keeps_the_newest_two(clean):
 
 def test_kill_during_save_ignores_the_partial_one(clean, tmp_path):
     # rank 0 dies after every rank wrote its data files for step 4, before it writes the manifest
-    code, out, err = run_fourd(*BASE, "--max-restarts", 1, "--run-dir", tmp_path,
-                               env={"FOURD_FAULT_KILL_IN_SAVE": "0@4"})
+    code, out, err = run_fourd(
+        *BASE, "--max-restarts", 1, "--run-dir", tmp_path, env={"FOURD_FAULT_KILL_IN_SAVE": "0@4"}
+    )
     assert code == 0, err
     assert f"ignoring the incomplete checkpoint {tmp_path}/checkpoints/.step-4.partial" in err
     assert f"resuming after restart 1 from checkpoint {tmp_path}/checkpoints/step-2 at step 2" in out
@@ -104,8 +105,14 @@ def test_disk_full_during_save_keeps_the_previous_checkpoint(clean, tmp_path):
     (run / "checkpoints").mkdir(parents=True)
     shutil.copytree(clean / "checkpoints" / "step-4", run / "checkpoints" / "step-4")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    p = subprocess.run([sys.executable, "-m", "fourd", *map(str, BASE), "--run-dir", str(run)],
-                       capture_output=True, text=True, timeout=300, env=env, preexec_fn=_small_files)
+    p = subprocess.run(
+        [sys.executable, "-m", "fourd", *map(str, BASE), "--run-dir", str(run)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        preexec_fn=_small_files,
+    )
     assert p.returncode == 2, p.stderr
     assert "checkpoint step-6 was not saved: rank " in p.stderr
     assert "a file-size limit of 1,048,576 bytes (ulimit -f)" in p.stderr
@@ -115,9 +122,29 @@ def test_disk_full_during_save_keeps_the_previous_checkpoint(clean, tmp_path):
 
 
 def test_hung_rank_is_named_and_the_job_restarts(tmp_path):
-    code, out, err = run_fourd("train", "--model", "debug", "--layout", "dp=2", "--seed", 0, "--steps", 4,
-                               "--checkpoint.interval", 2, "--fault.hang_rank", 1, "--fault.at_step", 3,
-                               "--train.timeout_s", 15, "--max-restarts", 1, "--run-dir", tmp_path)
+    code, out, err = run_fourd(
+        "train",
+        "--model",
+        "debug",
+        "--layout",
+        "dp=2",
+        "--seed",
+        0,
+        "--steps",
+        4,
+        "--checkpoint.interval",
+        2,
+        "--fault.hang_rank",
+        1,
+        "--fault.at_step",
+        3,
+        "--train.timeout_s",
+        15,
+        "--max-restarts",
+        1,
+        "--run-dir",
+        tmp_path,
+    )
     assert code == 0, err
     assert "rank 0: step 3 failed" in err and "did not begin step 3: rank 1 (last began step 2)" in err
     assert f"resuming after restart 1 from checkpoint {tmp_path}/checkpoints/step-2 at step 2" in out

@@ -9,20 +9,33 @@ import shutil
 
 import pytest
 import torch
-
 from conftest import run_fourd
+
 from fourd.ckpt import store
 
 pytestmark = pytest.mark.slow
 STEPS, INTERVAL = 10, 4
-BASE = ("train", "--model", "debug", "--schedule", "1f1b", "--microbatches", 4, "--seed", 0, "--steps", STEPS,
-        "--checkpoint.interval", INTERVAL)
+BASE = (
+    "train",
+    "--model",
+    "debug",
+    "--schedule",
+    "1f1b",
+    "--microbatches",
+    4,
+    "--seed",
+    0,
+    "--steps",
+    STEPS,
+    "--checkpoint.interval",
+    INTERVAL,
+)
 PICK = random.Random()  # a fresh step and rank each session; the failure message names them
 KILL_STEP, KILL_RANK = PICK.randint(2, STEPS), PICK.randrange(8)
 
 
 def rows(run_dir):
-    return [json.loads(l) for l in open(run_dir / "metrics.jsonl") if l.strip()]
+    return [json.loads(line) for line in open(run_dir / "metrics.jsonl") if line.strip()]
 
 
 def manifest(run_dir, step):
@@ -40,8 +53,20 @@ def uninterrupted(tmp_path_factory):
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory):
     d = tmp_path_factory.mktemp("b")
-    code, out, err = run_fourd(*BASE, "--layout", "tp=2,pp=2,dp=2", "--max-restarts", 2, "--fault.kill-rank",
-                               KILL_RANK, "--fault.at-step", KILL_STEP, "--run-dir", d, timeout=1200)
+    code, out, err = run_fourd(
+        *BASE,
+        "--layout",
+        "tp=2,pp=2,dp=2",
+        "--max-restarts",
+        2,
+        "--fault.kill-rank",
+        KILL_RANK,
+        "--fault.at-step",
+        KILL_STEP,
+        "--run-dir",
+        d,
+        timeout=1200,
+    )
     assert code == 0, f"kill rank {KILL_RANK} at step {KILL_STEP}: {err}"
     return d, out
 

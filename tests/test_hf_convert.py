@@ -18,9 +18,18 @@ PROMPT = [5, 17, 42, 99, 7, 250, 3, 64]
 
 def tiny_hf(tie=False, dtype=torch.float32, seed=0):
     torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=300, rope_theta=500000.0, rms_norm_eps=1e-5,
-                                   tie_word_embeddings=tie, max_position_embeddings=256)
+    cfg = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tie,
+        max_position_embeddings=256,
+    )
     return transformers.LlamaForCausalLM(cfg).to(dtype).eval()
 
 
@@ -57,8 +66,13 @@ def test_names_match_transformers(hf_dir):
 def test_imported_logits_equal_transformers(hf_dir):
     d, m = hf_dir
     model, _ = load_model(d / "fd")
-    assert (model.cfg.kv_heads, model.cfg.heads, model.cfg.rope_theta, model.cfg.norm_eps, model.cfg.max_seq) == \
-        (2, 4, 500000.0, 1e-5, 256)
+    assert (model.cfg.kv_heads, model.cfg.heads, model.cfg.rope_theta, model.cfg.norm_eps, model.cfg.max_seq) == (
+        2,
+        4,
+        500000.0,
+        1e-5,
+        256,
+    )
     ids = torch.tensor([PROMPT * 4])
     with torch.no_grad():
         want = m(ids).logits
@@ -69,7 +83,7 @@ def test_imported_logits_equal_transformers(hf_dir):
 def test_greedy_ids_equal_transformers(hf_dir):
     d, m = hf_dir
     model, _ = load_model(d / "fd")
-    want = m.generate(torch.tensor([PROMPT]), max_new_tokens=24, do_sample=False, pad_token_id=0)[0, len(PROMPT):]
+    want = m.generate(torch.tensor([PROMPT]), max_new_tokens=24, do_sample=False, pad_token_id=0)[0, len(PROMPT) :]
     assert generate(model, PROMPT, 24, greedy=True, stop_ids=[2]) == want.tolist()
 
 
@@ -136,6 +150,7 @@ def test_fourd_checkpoint_loads_in_transformers(tmp_path):
 
 # ---- malformed inputs: exit 2 with one line naming the tensor or field --------------------------------
 
+
 def _convert_fails(capsys, src, dst):
     code = main(["convert", "--from", "hf", str(src), "--to", "fourd", str(dst)])
     err = capsys.readouterr().err
@@ -166,6 +181,7 @@ def test_missing_tensor_is_named(hf_dir, tmp_path, capsys):
 def test_wrong_shape_is_named(hf_dir, tmp_path, capsys):
     def shrink(t):
         t["model.layers.2.mlp.up_proj.weight"] = t["model.layers.2.mlp.up_proj.weight"][:100]
+
     src = _broken_copy(hf_dir, tmp_path, edit_tensors=shrink)
     err = _convert_fails(capsys, src, tmp_path / "out")
     assert "tensor model.layers.2.mlp.up_proj.weight has shape [100, 64]; config.json implies [160, 64]" in err
@@ -174,20 +190,33 @@ def test_wrong_shape_is_named(hf_dir, tmp_path, capsys):
 def test_unexpected_tensor_is_named(hf_dir, tmp_path, capsys):
     def add_bias(t):
         t["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(64)
+
     src = _broken_copy(hf_dir, tmp_path, edit_tensors=add_bias)
     assert "tensor model.layers.0.self_attn.q_proj.bias is not part of" in _convert_fails(capsys, src, tmp_path / "out")
 
 
-@pytest.mark.parametrize("edit, needle", [
-    (lambda c: c.update(architectures=["MistralForCausalLM"]), "architecture 'MistralForCausalLM' is not supported"),
-    (lambda c: c.update(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}), "field 'rope_parameters.rope_type' = 'llama3'"),
-    (lambda c: c.update(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "field 'rope_scaling' = {'rope_type': 'llama3'"),
-    (lambda c: c.update(rms_norm_eps="small"), "field 'rms_norm_eps' = 'small' is not a number"),
-    (lambda c: c.pop("hidden_size"), "field 'hidden_size' missing"),
-    (lambda c: c.update(num_attention_heads=0), "field 'num_attention_heads' missing or not a positive integer"),
-    (lambda c: c.update(num_key_value_heads=3), "model.heads = 4 must be a multiple of model.kv_heads = 3"),
-    (lambda c: c.update(hidden_act="gelu"), "field 'hidden_act' = 'gelu' is not supported"),
-])
+@pytest.mark.parametrize(
+    "edit, needle",
+    [
+        (
+            lambda c: c.update(architectures=["MistralForCausalLM"]),
+            "architecture 'MistralForCausalLM' is not supported",
+        ),
+        (
+            lambda c: c.update(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}),
+            "field 'rope_parameters.rope_type' = 'llama3'",
+        ),
+        (
+            lambda c: c.update(rope_scaling={"rope_type": "llama3", "factor": 8.0}),
+            "field 'rope_scaling' = {'rope_type': 'llama3'",
+        ),
+        (lambda c: c.update(rms_norm_eps="small"), "field 'rms_norm_eps' = 'small' is not a number"),
+        (lambda c: c.pop("hidden_size"), "field 'hidden_size' missing"),
+        (lambda c: c.update(num_attention_heads=0), "field 'num_attention_heads' missing or not a positive integer"),
+        (lambda c: c.update(num_key_value_heads=3), "model.heads = 4 must be a multiple of model.kv_heads = 3"),
+        (lambda c: c.update(hidden_act="gelu"), "field 'hidden_act' = 'gelu' is not supported"),
+    ],
+)
 def test_bad_config_field_is_named(hf_dir, tmp_path, capsys, edit, needle):
     src = _broken_copy(hf_dir, tmp_path, edit_config=edit)
     assert needle in _convert_fails(capsys, src, tmp_path / "out")
@@ -203,6 +232,7 @@ def test_pickle_checkpoint_is_refused(tmp_path, capsys, hf_dir):
 
 def test_export_of_a_damaged_checkpoint_names_the_file(hf_dir, tmp_path, capsys):
     import shutil
+
     src = tmp_path / "fd"
     shutil.copytree(hf_dir[0] / "fd", src)
     (src / "__0_0.distcp").write_bytes(b"\0" * 10)

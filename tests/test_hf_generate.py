@@ -26,7 +26,7 @@ def greedy_without_cache(model, prompt, n):
     with torch.no_grad():
         for _ in range(n):
             ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def trained(tmp_path_factory):
     model.train()
     for _ in range(60):
         starts = torch.randint(0, len(data) - 129, (16,), generator=gen)
-        x = torch.stack([data[s:s + 129] for s in starts])
+        x = torch.stack([data[s : s + 129] for s in starts])
         loss = F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
         opt.zero_grad()
         loss.backward()
@@ -104,7 +104,9 @@ def test_perplexity_of_trained_model_on_held_out_stdlib(trained):
 
 def test_generate_cli_json(trained, capsys):
     d, _ = trained
-    assert main(["generate", "--ckpt", str(d), "--prompt", "def f(", "--max-new-tokens", "16", "--greedy", "--json"]) == 0
+    assert (
+        main(["generate", "--ckpt", str(d), "--prompt", "def f(", "--max-new-tokens", "16", "--greedy", "--json"]) == 0
+    )
     out = json.loads(capsys.readouterr().out)
     model, _ = load_model(d)
     assert out["ids"] == generate(model, list(b"def f("), 16) and out["prompt_ids"] == list(b"def f(")
@@ -114,12 +116,15 @@ def test_generate_cli_json(trained, capsys):
     assert ev["perplexity"] == perplexity(model, list(HELD_OUT.read_bytes()), 256)["perplexity"]
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["--prompt-ids", "1,x"], "--prompt-ids '1,x': give integers"),
-    (["--prompt-ids", "1,256"], "prompt id 256 is outside the model's vocabulary 0..255"),
-    (["--prompt", "ab", "--max-new-tokens", "300"], "exceeds the model's max_seq 256"),
-    (["--prompt", "ab", "--top-p", "0"], "--top-p 0.0 must be in (0, 1]"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--prompt-ids", "1,x"], "--prompt-ids '1,x': give integers"),
+        (["--prompt-ids", "1,256"], "prompt id 256 is outside the model's vocabulary 0..255"),
+        (["--prompt", "ab", "--max-new-tokens", "300"], "exceeds the model's max_seq 256"),
+        (["--prompt", "ab", "--top-p", "0"], "--top-p 0.0 must be in (0, 1]"),
+    ],
+)
 def test_generate_cli_bad_input(trained, capsys, argv, needle):
     assert main(["generate", "--ckpt", str(trained[0]), *argv]) == 2
     err = capsys.readouterr().err
@@ -136,9 +141,19 @@ def test_eval_holdout_scores_the_corpus_tail(trained, tmp_path, monkeypatch, cap
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(b"".join((STDLIB / f).read_bytes() for f in ("textwrap.py", "shlex.py")))
     raw = corpus.read_bytes()
-    tail = list(raw[int(len(raw) * 0.9):])  # data.holdout_fraction = 0.1: the last tenth
-    argv = ["generate", "--ckpt", str(trained[0]), "--eval-holdout", str(corpus), "--holdout-fraction", "0.1",
-            "--eval-seq", "256", "--json"]
+    tail = list(raw[int(len(raw) * 0.9) :])  # data.holdout_fraction = 0.1: the last tenth
+    argv = [
+        "generate",
+        "--ckpt",
+        str(trained[0]),
+        "--eval-holdout",
+        str(corpus),
+        "--holdout-fraction",
+        "0.1",
+        "--eval-seq",
+        "256",
+        "--json",
+    ]
     assert main(argv) == 0
     got = json.loads(capsys.readouterr().out)
     model, _ = load_model(trained[0])

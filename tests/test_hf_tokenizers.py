@@ -54,11 +54,14 @@ def test_byte_tokenizer_stays_the_default():
     assert tok.encode("é!") == [0xC3, 0xA9, 0x21] and tok.vocab_size == 256
 
 
-@pytest.mark.parametrize("content, needle", [
-    ("bm90IGEgdG9rZW4= zero\n", "not a tiktoken BPE line"),
-    ("YQ== 0\nYg== 5\n", "ranks are not 0..1 each once"),
-    ('{"model": 1}', "not a valid Hugging Face tokenizer.json"),
-])
+@pytest.mark.parametrize(
+    "content, needle",
+    [
+        ("bm90IGEgdG9rZW4= zero\n", "not a tiktoken BPE line"),
+        ("YQ== 0\nYg== 5\n", "ranks are not 0..1 each once"),
+        ('{"model": 1}', "not a valid Hugging Face tokenizer.json"),
+    ],
+)
 def test_malformed_tokenizer_files(tmp_path, content, needle):
     path = tmp_path / "tok"
     path.write_text(content)
@@ -74,6 +77,10 @@ def test_fourd_imports_without_the_tokenizer_libraries(tmp_path):
         "from fourd.data.tokenizer import load_tokenizer\n"
         "try:\n    load_tokenizer(sys.argv[1])\nexcept Exception as e:\n    print(type(e).__name__, e)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "tokenizer.model")], capture_output=True,
-                         text=True, timeout=120)
-    assert out.stdout.strip() == "FourdError reading this tokenizer file needs the 'tiktoken' package: pip install 'fourd[hf]'"
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "tokenizer.model")], capture_output=True, text=True, timeout=120
+    )
+    assert (
+        out.stdout.strip()
+        == "FourdError reading this tokenizer file needs the 'tiktoken' package: pip install 'fourd[hf]'"
+    )

@@ -56,8 +56,9 @@ def test_zero_bubble_idles_one_forward_per_stage():
     assert kinds == [["F", "I", "W"]] * p
 
 
-@pytest.mark.parametrize("schedule,v,per_rank", [("gpipe", None, 2), ("1f1b", None, 2), ("zero-bubble", None, 3),
-                                                 ("interleaved", 2, 4)])
+@pytest.mark.parametrize(
+    "schedule,v,per_rank", [("gpipe", None, 2), ("1f1b", None, 2), ("zero-bubble", None, 3), ("interleaved", 2, 4)]
+)
 def test_events_are_the_simulators_timeline(schedule, v, per_rank):
     p, m = 4, 8
     d = bench(p, m, schedule, v)
@@ -81,12 +82,19 @@ def test_cluster_row_of_one_llama3_replica():
     assert (d["racks"], d["servers_per_rack"], d["gpus_per_server"], d["world"]) == (8, 2, 8, 128)
     assert len(d["gpus"]) == 128
     g = d["gpus"][77]  # rank = tp + 8·pp: tp 5, pp 9, on server 9 of rack 4
-    assert g == {"rank": 77, "server": 9, "rack": 4, "coords": {"tp": 5, "cp": 0, "pp": 9, "dp": 0},
-                 "groups": {"tp": 72, "cp": 77, "pp": 5, "dp": 77}}
-    assert d["spans"] == {"tp": {"size": 8, "groups": 16, "level": "nvlink"},
-                          "cp": {"size": 1, "groups": 128, "level": "single"},
-                          "pp": {"size": 16, "groups": 8, "level": "pod"},
-                          "dp": {"size": 1, "groups": 128, "level": "single"}}
+    assert g == {
+        "rank": 77,
+        "server": 9,
+        "rack": 4,
+        "coords": {"tp": 5, "cp": 0, "pp": 9, "dp": 0},
+        "groups": {"tp": 72, "cp": 77, "pp": 5, "dp": 77},
+    }
+    assert d["spans"] == {
+        "tp": {"size": 8, "groups": 16, "level": "nvlink"},
+        "cp": {"size": 1, "groups": 128, "level": "single"},
+        "pp": {"size": 16, "groups": 8, "level": "pod"},
+        "dp": {"size": 1, "groups": 128, "level": "single"},
+    }
 
 
 def test_cluster_row_shows_the_first_replica_of_a_large_layout():
@@ -106,7 +114,7 @@ def test_cluster_row_refuses_more_gpus_than_the_cluster_has():
 def test_trace_opens_only_chrome_json_under_the_trace_dir(tmp_path):
     (tmp_path / "runs").mkdir()
     events = [{"name": "F0.0", "ph": "X", "ts": 0, "dur": 5, "pid": 0, "tid": 0}]
-    (tmp_path / "runs" / "trace.json").write_text('{"traceEvents": %s}' % str(events).replace("'", '"'))
+    (tmp_path / "runs" / "trace.json").write_text('{{"traceEvents": {}}}'.format(str(events).replace("'", '"')))
     (tmp_path / "runs" / "list.json").write_text('[{"name": "B0.0", "ph": "X", "ts": 1, "dur": 2, "pid": 1, "tid": 0}]')
     (tmp_path / "runs" / "bad.json").write_text("{not json")
     (tmp_path / "runs" / "notes.txt").write_text("x")
@@ -125,8 +133,15 @@ def test_trace_opens_only_chrome_json_under_the_trace_dir(tmp_path):
         api.trace({"path": "link.json"}, trace_dir=root)
 
 
-PLAN_405B = {"model": "llama3-405b", "cluster": "llama3-h100", "gpus": "16384", "layout": "tp=8,pp=16,dp=128",
-             "schedule": "interleaved", "microbatches": "16", "seq": "8192"}
+PLAN_405B = {
+    "model": "llama3-405b",
+    "cluster": "llama3-h100",
+    "gpus": "16384",
+    "layout": "tp=8,pp=16,dp=128",
+    "schedule": "interleaved",
+    "microbatches": "16",
+    "seq": "8192",
+}
 
 
 def test_plan_panel_is_fourd_plan_with_one_memory_bar_per_pipeline_rank():
@@ -142,16 +157,29 @@ def test_plan_panel_is_fourd_plan_with_one_memory_bar_per_pipeline_rank():
     assert 0 < plan["mfu"] < 1 and d["why"][0].startswith("Pipeline bubble: each replica gets 16 sequences")
 
 
-@pytest.mark.parametrize("q,message", [
-    ({"layout": "tp=8,pp=16", "gpus": "256"}, "layout=tp=8,cp=1,pp=16,dp=1 uses 128 GPUs but gpus=256: make the "
-                                              "product of the degrees equal 256"),
-    ({"model": "llama3-1t", "gpus": "8"}, "model='llama3-1t': choose one of debug, small, llama3-8b, llama3-70b, llama3-405b"),
-    ({"gpus": "0"}, "gpus=0 is out of range: give an integer from 1 to 24576"),
-    ({"gpus": "8", "seq": "8192", "global_batch_tokens": "1000"},
-     "global_batch_tokens=1000 is not a whole number of 8192-token sequences: use a multiple of 8192"),
-    ({**PLAN_405B, "microbatches": "7"}, "--microbatches 7 does not divide the 16 sequences per DP replica: choose a divisor of 16"),
-    ({**PLAN_405B, "cluster": "../x"}, "cluster='../x': give a cluster profile name such as llama3-h100"),
-])
+@pytest.mark.parametrize(
+    "q,message",
+    [
+        (
+            {"layout": "tp=8,pp=16", "gpus": "256"},
+            "layout=tp=8,cp=1,pp=16,dp=1 uses 128 GPUs but gpus=256: make the product of the degrees equal 256",
+        ),
+        (
+            {"model": "llama3-1t", "gpus": "8"},
+            "model='llama3-1t': choose one of debug, small, llama3-8b, llama3-70b, llama3-405b",
+        ),
+        ({"gpus": "0"}, "gpus=0 is out of range: give an integer from 1 to 24576"),
+        (
+            {"gpus": "8", "seq": "8192", "global_batch_tokens": "1000"},
+            "global_batch_tokens=1000 is not a whole number of 8192-token sequences: use a multiple of 8192",
+        ),
+        (
+            {**PLAN_405B, "microbatches": "7"},
+            "--microbatches 7 does not divide the 16 sequences per DP replica: choose a divisor of 16",
+        ),
+        ({**PLAN_405B, "cluster": "../x"}, "cluster='../x': give a cluster profile name such as llama3-h100"),
+    ],
+)
 def test_plan_panel_refuses_bad_settings(q, message):
     with pytest.raises(FourdError) as e:
         api.plan(q)
@@ -159,8 +187,15 @@ def test_plan_panel_refuses_bad_settings(q, message):
 
 
 def test_simulated_trace_runs_the_schedules_actions_with_transfers():
-    q = {"model": "debug", "gpus": "8", "layout": "pp=4,dp=2", "schedule": "1f1b", "microbatches": "8", "seq": "256",
-         "global_batch_tokens": "8192"}
+    q = {
+        "model": "debug",
+        "gpus": "8",
+        "layout": "pp=4,dp=2",
+        "schedule": "1f1b",
+        "microbatches": "8",
+        "seq": "256",
+        "global_batch_tokens": "8192",
+    }
     events = api.simtrace(q)["traceEvents"]
     sched = build_schedule("1f1b", 4, 8)
     for r in range(4):

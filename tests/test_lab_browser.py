@@ -19,12 +19,21 @@ from fourd.lab.server import make_server, serve_in_thread
 from fourd.schedules import build_schedule
 
 CHROMIUM = shutil.which("chromium")
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (`make install` installs it)")
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None, reason="Debian's chromium is not installed (`make install` installs it)"
+)
 sync_api = pytest.importorskip("playwright.sync_api")
 expect = sync_api.expect
 
-FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync"]
+FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 
 
@@ -60,12 +69,25 @@ def page(browser):
 
 def test_dump_dom_shows_the_seed_readouts(url, tmp_path):
     """What a plain `chromium --dump-dom` sees once the page has loaded (no scripting of the page)."""
-    for query, idle, speedup in (("p=16&m=16&schedule=gpipe", "48.4 %", "8.26×"),
-                                 ("p=16&m=64&schedule=gpipe", "19.0 %", "12.96×"),
-                                 ("p=1&m=16&schedule=gpipe", "0.0 %", "1.00×")):
-        dom = subprocess.run([CHROMIUM, "--headless", *FLAGS, f"--user-data-dir={tmp_path / 'profile'}",
-                              "--virtual-time-budget=5000", "--dump-dom", f"{url}?{query}"],
-                             capture_output=True, text=True, timeout=60).stdout
+    for query, idle, speedup in (
+        ("p=16&m=16&schedule=gpipe", "48.4 %", "8.26×"),
+        ("p=16&m=64&schedule=gpipe", "19.0 %", "12.96×"),
+        ("p=1&m=16&schedule=gpipe", "0.0 %", "1.00×"),
+    ):
+        dom = subprocess.run(
+            [
+                CHROMIUM,
+                "--headless",
+                *FLAGS,
+                f"--user-data-dir={tmp_path / 'profile'}",
+                "--virtual-time-budget=5000",
+                "--dump-dom",
+                f"{url}?{query}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout
         assert f'<output id="idle">{idle}</output>' in dom, query
         assert f'<output id="speedup">{speedup}</output>' in dom, query
 
@@ -76,8 +98,10 @@ def drawn(page):
         (g) => [...g.querySelectorAll('rect.blk')].map((r) => r.classList[1]))""")
 
 
-@pytest.mark.parametrize("schedule,p,m,v", [("gpipe", 4, 6, 1), ("1f1b", 5, 7, 1), ("interleaved", 4, 8, 2),
-                                            ("zero-bubble", 4, 6, 1), ("gpipe", 16, 64, 1)])
+@pytest.mark.parametrize(
+    "schedule,p,m,v",
+    [("gpipe", 4, 6, 1), ("1f1b", 5, 7, 1), ("interleaved", 4, 8, 2), ("zero-bubble", 4, 6, 1), ("gpipe", 16, 64, 1)],
+)
 def test_blocks_per_stage_are_the_schedules_actions(page, url, schedule, p, m, v):
     query = f"p={p}&m={m}&schedule={schedule}" + (f"&v={v}" if v > 1 else "")
     page.goto(f"{url}?{query}")
@@ -146,8 +170,11 @@ def test_cluster_row_colours_the_groups_of_a_layout(page, url):
     expect(page.locator("#racks .server")).to_have_count(16)
 
     def colours():
-        return len(set(page.evaluate("[...document.querySelectorAll('#racks .gpu[data-rank]')]"
-                                     ".map((g) => g.style.background)")))
+        return len(
+            set(
+                page.evaluate("[...document.querySelectorAll('#racks .gpu[data-rank]')].map((g) => g.style.background)")
+            )
+        )
 
     assert colours() == 8  # tp=8,pp=16 coloured by pipeline: one pipeline per GPU slot of a server
     page.locator("#colour-by").select_option("tp")
@@ -156,28 +183,38 @@ def test_cluster_row_colours_the_groups_of_a_layout(page, url):
     expect(page.locator("#colour-by option[value=cp]")).to_be_disabled()
     page.locator("#layout").fill("tp=2,cp=2,pp=4,dp=2")
     expect(page.locator("#racks .gpu.unused")).to_have_count(128 - 32)
-    expect(page.locator("#spans li")).to_have_text([
-        "TP: 16 groups of 2, each inside one server (NVLink)",
-        "CP: 16 groups of 2, each inside one server (NVLink)",
-        "PP: 8 groups of 4, each inside one rack",
-        "DP: 16 groups of 2, each across racks inside one pod",  # ranks r and r+16: two racks
-    ])
+    expect(page.locator("#spans li")).to_have_text(
+        [
+            "TP: 16 groups of 2, each inside one server (NVLink)",
+            "CP: 16 groups of 2, each inside one server (NVLink)",
+            "PP: 8 groups of 4, each inside one rack",
+            "DP: 16 groups of 2, each across racks inside one pod",  # ranks r and r+16: two racks
+        ]
+    )
     assert "layout=tp%3D2%2Ccp%3D2%2Cpp%3D4%2Cdp%3D2" in page.url
     page.locator("#colour-by").select_option("cp")
     expect(page.locator('#racks .gpu[data-rank="3"]')).to_have_attribute("data-group", "1")
     assert colours() == 16
     page.locator("#layout").fill("tp=3,zz=1")
     expect(page.locator("#cluster-error")).to_have_text(
-        "layout 'tp=3,zz=1': bad item 'zz=1'; write key=value with keys tp, cp, pp, dp")
+        "layout 'tp=3,zz=1': bad item 'zz=1'; write key=value with keys tp, cp, pp, dp"
+    )
     assert page.lab_errors == ["Failed to load resource: the server responded with a status of 400 (Bad Request)"]
     page.lab_errors.clear()
 
 
 def test_a_measured_trace_opens_from_a_file(page, url, tmp_path):
     events = [{"ph": "M", "name": "thread_name", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}} for r in range(2)]
-    events += [{"ph": "X", "name": f"{k}0.{j}", "pid": 0, "tid": r, "ts": 1000 * (j + 3 * r + (k == "B")), "dur": 800}
-               for r in range(2) for j in range(3) for k in "FB"]
-    events += [{"ph": "B", "name": "W", "pid": 0, "tid": 1, "ts": 20000}, {"ph": "E", "name": "W", "pid": 0, "tid": 1, "ts": 21000}]
+    events += [
+        {"ph": "X", "name": f"{k}0.{j}", "pid": 0, "tid": r, "ts": 1000 * (j + 3 * r + (k == "B")), "dur": 800}
+        for r in range(2)
+        for j in range(3)
+        for k in "FB"
+    ]
+    events += [
+        {"ph": "B", "name": "W", "pid": 0, "tid": 1, "ts": 20000},
+        {"ph": "E", "name": "W", "pid": 0, "tid": 1, "ts": 21000},
+    ]
     trace = tmp_path / "trace.json"
     trace.write_text(json.dumps({"traceEvents": events}))
     page.goto(url)
@@ -196,9 +233,18 @@ def test_planner_panel_shows_the_plans_mfu_and_a_memory_bar_per_pipeline_rank(pa
     from fourd.lab import api
 
     page.goto(url)
-    plan = api.plan({"model": "llama3-405b", "cluster": "llama3-h100", "gpus": "16384", "layout": "tp=8,pp=16,dp=128",
-                     "schedule": "interleaved", "microbatches": "16", "seq": "8192",
-                     "global_batch_tokens": "16M"})["plan"]
+    plan = api.plan(
+        {
+            "model": "llama3-405b",
+            "cluster": "llama3-h100",
+            "gpus": "16384",
+            "layout": "tp=8,pp=16,dp=128",
+            "schedule": "interleaved",
+            "microbatches": "16",
+            "seq": "8192",
+            "global_batch_tokens": "16M",
+        }
+    )["plan"]
     expect(page.locator("#plan-mfu")).to_have_text(f"{100 * plan['mfu']:.1f} %")
     expect(page.locator("#memory .bar")).to_have_count(16)
     page.locator("#plan-layout").fill("tp=8,pp=4,dp=2")
@@ -212,8 +258,13 @@ def test_planner_panel_shows_the_plans_mfu_and_a_memory_bar_per_pipeline_rank(pa
 def test_the_simulated_trace_of_the_planner_panels_layout(page, url):
     page.goto(url)
     expect(page.locator("#memory .bar")).to_have_count(16)  # the default plan has drawn
-    for field, value in (("#plan-gpus", "8"), ("#plan-layout", "pp=4,dp=2"), ("#plan-microbatches", "8"),
-                         ("#plan-seq", "256"), ("#plan-tokens", "8192")):
+    for field, value in (
+        ("#plan-gpus", "8"),
+        ("#plan-layout", "pp=4,dp=2"),
+        ("#plan-microbatches", "8"),
+        ("#plan-seq", "256"),
+        ("#plan-tokens", "8192"),
+    ):
         page.locator(field).fill(value)
     page.locator("#plan-model").select_option("debug")
     page.locator("#plan-schedule").select_option("1f1b")
@@ -228,10 +279,34 @@ def test_the_simulated_trace_of_the_planner_panels_layout(page, url):
 
 def test_a_trace_opens_by_path_under_the_trace_dir(page, tmp_path):
     """`fourd sim step --trace` writes the file; the page opens it by name through /api/trace."""
-    done = subprocess.run([sys.executable, "-m", "fourd", "sim", "step", "--model", "debug", "--gpus", "4",
-                           "--layout", "pp=2,dp=2", "--schedule", "gpipe", "--microbatches", "4", "--seq", "256",
-                           "--global-batch-tokens", "4096", "--trace", str(tmp_path / "step.json")],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fourd",
+            "sim",
+            "step",
+            "--model",
+            "debug",
+            "--gpus",
+            "4",
+            "--layout",
+            "pp=2,dp=2",
+            "--schedule",
+            "gpipe",
+            "--microbatches",
+            "4",
+            "--seq",
+            "256",
+            "--global-batch-tokens",
+            "4096",
+            "--trace",
+            str(tmp_path / "step.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     server = make_server("127.0.0.1", 0, trace_dir=tmp_path)
     serve_in_thread(server)
@@ -256,10 +331,31 @@ def test_a_trace_opens_by_path_under_the_trace_dir(page, tmp_path):
 def test_a_trace_written_by_fourd_train_beside_the_simulated_step(page, tmp_path):
     """Two real ranks train one step with 1F1B and write trace.json; the page draws, for each rank,
     the schedule's actions in order, and the simulated step of the same layout beneath."""
-    done = subprocess.run([sys.executable, "-m", "fourd", "train", "--model", "debug", "--layout", "pp=2",
-                           "--schedule", "1f1b", "--microbatches", "4", "--steps", "1", "--run-dir",
-                           str(tmp_path / "run"), "--run.trace=true"],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fourd",
+            "train",
+            "--model",
+            "debug",
+            "--layout",
+            "pp=2",
+            "--schedule",
+            "1f1b",
+            "--microbatches",
+            "4",
+            "--steps",
+            "1",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--run.trace=true",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     server = make_server("127.0.0.1", 0, trace_dir=tmp_path)
     serve_in_thread(server)
@@ -268,8 +364,13 @@ def test_a_trace_written_by_fourd_train_beside_the_simulated_step(page, tmp_path
         page.locator("#trace-path").fill("run/trace.json")
         page.locator("#trace-form button[type=submit]").click()
         expect(page.locator("#measured g.row")).to_have_count(2)
-        for field, value in (("#plan-gpus", "2"), ("#plan-layout", "pp=2"), ("#plan-microbatches", "4"),
-                             ("#plan-seq", "256"), ("#plan-tokens", "4096")):
+        for field, value in (
+            ("#plan-gpus", "2"),
+            ("#plan-layout", "pp=2"),
+            ("#plan-microbatches", "4"),
+            ("#plan-seq", "256"),
+            ("#plan-tokens", "4096"),
+        ):
             page.locator(field).fill(value)
         page.locator("#plan-model").select_option("debug")
         page.locator("#plan-schedule").select_option("1f1b")

@@ -150,19 +150,32 @@ BAD = [
     ("/api/schedule?p=-1&m=16", "p='-1' is not a whole number: give an integer from 1 to 16"),
     ("/api/schedule?p=1e1&m=16", "p='1e1' is not a whole number: give an integer from 1 to 16"),
     ("/api/schedule?p=%204&m=16", "p=' 4' is not a whole number: give an integer from 1 to 16"),
-    ("/api/schedule?p=99999999999999999999&m=16", "p='99999999999999999999' is not a whole number: give an integer from 1 to 16"),
+    (
+        "/api/schedule?p=99999999999999999999&m=16",
+        "p='99999999999999999999' is not a whole number: give an integer from 1 to 16",
+    ),
     ("/api/schedule?m=16", "missing parameter p: give an integer from 1 to 16"),
-    ("/api/schedule?p=4&m=4&schedule=pipedream", "schedule='pipedream': choose one of gpipe, 1f1b, interleaved, zero-bubble"),
+    (
+        "/api/schedule?p=4&m=4&schedule=pipedream",
+        "schedule='pipedream': choose one of gpipe, 1f1b, interleaved, zero-bubble",
+    ),
     ("/api/schedule?p=4&m=4&v=9&schedule=interleaved", "v=9 is out of range: give an integer from 1 to 8"),
-    ("/api/schedule?p=4&m=4&v=2&schedule=gpipe", "v=2 needs schedule=interleaved (gpipe runs one stage per GPU; "
-                                                 "drop v or set v=1)"),
+    (
+        "/api/schedule?p=4&m=4&v=2&schedule=gpipe",
+        "v=2 needs schedule=interleaved (gpipe runs one stage per GPU; drop v or set v=1)",
+    ),
     ("/api/schedule?p=4&m=4&q=1", "unknown parameter 'q'; this endpoint takes p, m, schedule, v"),
     ("/api/schedule?p=4&p=5&m=4", "parameter 'p' is given twice; give it once"),
     ("/api/cluster?layout=tp%3D0", "layout tp=0: each degree must be a positive integer, e.g. tp=2"),
     ("/api/cluster?layout=xx%3D2", "layout 'xx=2': bad item 'xx=2'; write key=value with keys tp, cp, pp, dp"),
-    ("/api/cluster?layout=tp%3D8&cluster=..%2F..%2Fetc%2Fpasswd",
-     "cluster='../../etc/passwd': give a cluster profile name such as llama3-h100"),
-    ("/api/cluster?layout=tp%3D8&cluster=%2Fetc%2Fx.toml", "cluster='/etc/x.toml': give a cluster profile name such as llama3-h100"),
+    (
+        "/api/cluster?layout=tp%3D8&cluster=..%2F..%2Fetc%2Fpasswd",
+        "cluster='../../etc/passwd': give a cluster profile name such as llama3-h100",
+    ),
+    (
+        "/api/cluster?layout=tp%3D8&cluster=%2Fetc%2Fx.toml",
+        "cluster='/etc/x.toml': give a cluster profile name such as llama3-h100",
+    ),
     ("/api/trace?path=..%2F..%2F..%2Fetc%2Fpasswd", None),
     ("/api/trace?path=%2Fetc%2Fpasswd", None),
     ("/api/trace?path=missing.json", "path='missing.json': no such file under the lab's --trace-dir"),
@@ -199,8 +212,9 @@ def _listening_address(port: int) -> str:
 
 
 def test_cli_binds_loopback_by_default_and_prints_its_url():
-    proc = subprocess.Popen([sys.executable, "-m", "fourd", "lab", "--port", "0"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fourd", "lab", "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         line = proc.stdout.readline()
         m = re.fullmatch(r"fourd lab: serving http://127\.0\.0\.1:(\d+)/ \(Ctrl-C to stop\)\n", line)
@@ -216,8 +230,12 @@ def test_cli_binds_loopback_by_default_and_prints_its_url():
             return status
 
         # The page's first requests arrive together, each on its own thread, in a fresh process.
-        targets = ["/api/schedule?p=6&m=10&schedule=zero-bubble", "/api/cluster?layout=tp%3D8%2Cpp%3D16",
-                   "/api/options", "/?p=16&m=16&schedule=gpipe"]
+        targets = [
+            "/api/schedule?p=6&m=10&schedule=zero-bubble",
+            "/api/cluster?layout=tp%3D8%2Cpp%3D16",
+            "/api/options",
+            "/?p=16&m=16&schedule=gpipe",
+        ]
         with ThreadPoolExecutor(len(targets)) as pool:
             assert list(pool.map(get, targets)) == [200] * len(targets)
     finally:
@@ -230,11 +248,14 @@ def test_cli_names_a_busy_port_in_one_line():
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        done = subprocess.run([sys.executable, "-m", "fourd", "lab", "--port", str(port)], capture_output=True,
-                              text=True, timeout=60)
+        done = subprocess.run(
+            [sys.executable, "-m", "fourd", "lab", "--port", str(port)], capture_output=True, text=True, timeout=60
+        )
     assert done.returncode == 2
-    assert done.stderr == (f"fourd: error: cannot listen on 127.0.0.1:{port} (Address already in use); "
-                           "choose another --port, or --port 0\n")
+    assert done.stderr == (
+        f"fourd: error: cannot listen on 127.0.0.1:{port} (Address already in use); "
+        "choose another --port, or --port 0\n"
+    )
 
 
 def test_server_answers_while_another_request_is_slow(lab):

@@ -52,8 +52,15 @@ def test_malformed_layouts_are_refused(text, message):
 def test_a_valid_layout_passes():
     validate_layout(Layout(tp=2, pp=2, dp=2), DEBUG, seq=64, global_batch=8, microbatches=2, world=8)
     # Llama 3 405B at 16,384 GPUs, long context: 8 × 16 × 16 × 8, 16 sequences per replica (brief.md §3).
-    validate_layout(Layout(tp=8, cp=16, pp=16, dp=8), L405, seq=131072, global_batch=128, microbatches=16,
-                    world=16384, virtual_stages=7)
+    validate_layout(
+        Layout(tp=8, cp=16, pp=16, dp=8),
+        L405,
+        seq=131072,
+        global_batch=128,
+        microbatches=16,
+        world=16384,
+        virtual_stages=7,
+    )
 
 
 @pytest.mark.parametrize(
@@ -85,7 +92,9 @@ def test_sequence_parallelism_needs_whole_token_shards():
 
 def test_ffn_and_vocab_must_split_evenly():
     odd_ffn = ModelConfig(layers=2, dim=64, ffn=170, heads=4, kv_heads=4, vocab=256)
-    with pytest.raises(FourdError, match=r"FFN width \(170\) cannot be cut into tp=4 equal parts: choose tp among 1, 2$"):
+    with pytest.raises(
+        FourdError, match=r"FFN width \(170\) cannot be cut into tp=4 equal parts: choose tp among 1, 2$"
+    ):
         validate_layout(Layout(tp=4), odd_ffn, seq=8, global_batch=1)
     odd = ModelConfig(layers=2, dim=64, ffn=176, heads=4, kv_heads=4, vocab=257)
     with pytest.raises(FourdError, match=r"vocabulary \(257\) cannot be cut into tp=2"):

@@ -6,10 +6,16 @@ import pytest
 
 from fourd.model.config import ModelConfig, get_preset
 from fourd.plan.cluster import Group, load_cluster
-from fourd.plan.memory import (activation_bytes_per_token, gpt_activation_bytes_per_layer, in_flight, min_gpus,
-                               state_bytes_per_param, training_state_bytes, weights_bytes)
-from fourd.plan.perf import (bubble_fraction, collective_time, gpu_years, ring_bytes_per_rank, run_days,
-                             training_flops)
+from fourd.plan.memory import (
+    activation_bytes_per_token,
+    gpt_activation_bytes_per_layer,
+    in_flight,
+    min_gpus,
+    state_bytes_per_param,
+    training_state_bytes,
+    weights_bytes,
+)
+from fourd.plan.perf import bubble_fraction, collective_time, gpu_years, ring_bytes_per_rank, run_days, training_flops
 
 
 def test_weights_state_and_fewest_gpus_of_405b():
@@ -76,7 +82,7 @@ def test_zero_bytes_per_parameter():
     assert sum(state_bytes_per_param(1, n)) == 4 + 12 / n
     assert sum(state_bytes_per_param(2, n)) == 2 + 14 / n
     assert sum(state_bytes_per_param(3, n)) == 16 / n
-    assert sum(state_bytes_per_param(0, n, dtype_bytes=4)) == 16   # FP32: weights, grads, Adam m and v
+    assert sum(state_bytes_per_param(0, n, dtype_bytes=4)) == 16  # FP32: weights, grads, Adam m and v
 
 
 def test_1f1b_holds_p_microbatches_gpipe_holds_m():

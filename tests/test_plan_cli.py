@@ -8,8 +8,22 @@ from pathlib import Path
 
 import pytest
 
-ROW1 = ["--model", "llama3-405b", "--cluster", "llama3-h100", "--gpus", "8192", "--layout", "tp=8,pp=16,dp=64",
-        "--seq", "8192", "--global-batch-tokens", "16777216", "--schedule", "interleaved"]
+ROW1 = [
+    "--model",
+    "llama3-405b",
+    "--cluster",
+    "llama3-h100",
+    "--gpus",
+    "8192",
+    "--layout",
+    "tp=8,pp=16,dp=64",
+    "--seq",
+    "8192",
+    "--global-batch-tokens",
+    "16777216",
+    "--schedule",
+    "interleaved",
+]
 
 # Runs the CLI in a fresh interpreter and reports whether torch got imported on the way.
 _RUNNER = """
@@ -23,8 +37,9 @@ sys.exit(code)
 
 def plan(*args, home=None):
     env = dict(os.environ, FOURD_HOME=str(home or "/nonexistent-fourd-home"))
-    return subprocess.run([sys.executable, "-c", _RUNNER, "plan", *args], capture_output=True, text=True,
-                          env=env, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-c", _RUNNER, "plan", *args], capture_output=True, text=True, env=env, timeout=60
+    )
 
 
 def test_json_plan_has_the_contract_keys_and_never_imports_torch():
@@ -61,27 +76,52 @@ def test_readable_report_explains_the_drop_from_43_to_41():
 
 
 def test_search_json_best_and_candidates():
-    r = plan("--model", "llama3-405b", "--cluster", "llama3-h100", "--gpus", "16384", "--seq", "8192",
-             "--global-batch-tokens", "16777216", "--search", "--json", "--top", "5")
+    r = plan(
+        "--model",
+        "llama3-405b",
+        "--cluster",
+        "llama3-h100",
+        "--gpus",
+        "16384",
+        "--seq",
+        "8192",
+        "--global-batch-tokens",
+        "16777216",
+        "--search",
+        "--json",
+        "--top",
+        "5",
+    )
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     assert d["best"]["mfu"] >= 0.41 and d["best"]["fits"]
     assert d["best"] == d["candidates"][0] and len(d["candidates"]) == 5
     rates = [c["tokens_per_s"] for c in d["candidates"]]
     assert rates == sorted(rates, reverse=True)
-    assert all(c["layout"]["tp"] * c["layout"]["cp"] * c["layout"]["pp"] * c["layout"]["dp"] == 16384 for c in d["candidates"])
+    assert all(
+        c["layout"]["tp"] * c["layout"]["cp"] * c["layout"]["pp"] * c["layout"]["dp"] == 16384 for c in d["candidates"]
+    )
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--layout", "tp=3,dp=2"], "tp=3 cannot split"),
-    (["--layout", "tp=8,pp=16,dp=64", "--gpus", "100"], "make the product of the degrees equal 100"),
-    (["--layout", "tp=8,pp=16,dp=64", "--global-batch-tokens", "1000"], "not a whole number of 8192-token sequences"),
-    (["--layout", "tp=8,pp=16,dp=64", "--schedule", "interleaved", "--microbatches", "8"], "at least pp=16 microbatches"),
-    (["--gpus", "100000"], "cluster llama3-h100 has 24576"),
-    (["--gpus", "64", "--microbatches", "7"], "in 7 microbatches per replica"),
-    (["--cluster", "nowhere"], "unknown cluster 'nowhere'"),
-    (["--cluster", "local"], "run `fourd calibrate` to write it"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--layout", "tp=3,dp=2"], "tp=3 cannot split"),
+        (["--layout", "tp=8,pp=16,dp=64", "--gpus", "100"], "make the product of the degrees equal 100"),
+        (
+            ["--layout", "tp=8,pp=16,dp=64", "--global-batch-tokens", "1000"],
+            "not a whole number of 8192-token sequences",
+        ),
+        (
+            ["--layout", "tp=8,pp=16,dp=64", "--schedule", "interleaved", "--microbatches", "8"],
+            "at least pp=16 microbatches",
+        ),
+        (["--gpus", "100000"], "cluster llama3-h100 has 24576"),
+        (["--gpus", "64", "--microbatches", "7"], "in 7 microbatches per replica"),
+        (["--cluster", "nowhere"], "unknown cluster 'nowhere'"),
+        (["--cluster", "local"], "run `fourd calibrate` to write it"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(args, needle):
     r = plan("--model", "llama3-405b", "--seq", "8192", *args)
     assert r.returncode == 2
@@ -143,42 +183,93 @@ nproc = 2
 alpha_s = 1e-4
 beta_s_per_byte = 1e-9
 """)
-    d = json.loads(plan("--model", "small", "--cluster", str(path), "--layout", "dp=2", "--seq", "256",
-                        "--global-batch-tokens", "4096", "--zero", "0", "--json").stdout)
+    d = json.loads(
+        plan(
+            "--model",
+            "small",
+            "--cluster",
+            str(path),
+            "--layout",
+            "dp=2",
+            "--seq",
+            "256",
+            "--global-batch-tokens",
+            "4096",
+            "--zero",
+            "0",
+            "--json",
+        ).stdout
+    )
     from fourd.model.config import get_preset
+
     params = get_preset("small").params()
     assert d["dtype"] == "fp32"
     assert d["memory_gb"]["params"] == pytest.approx(4 * params / 1e9, abs=1e-3)
     assert d["memory_gb"]["optimizer"] == pytest.approx(8 * params / 1e9, abs=1e-3)
-    bf16 = json.loads(plan("--model", "small", "--cluster", str(path), "--layout", "dp=2", "--seq", "256",
-                           "--global-batch-tokens", "4096", "--zero", "0", "--dtype", "bf16", "--json").stdout)
+    bf16 = json.loads(
+        plan(
+            "--model",
+            "small",
+            "--cluster",
+            str(path),
+            "--layout",
+            "dp=2",
+            "--seq",
+            "256",
+            "--global-batch-tokens",
+            "4096",
+            "--zero",
+            "0",
+            "--dtype",
+            "bf16",
+            "--json",
+        ).stdout
+    )
     assert bf16["memory_gb"]["params"] == pytest.approx(2 * params / 1e9, abs=1e-3)
 
 
 def test_a_cpu_profile_defaults_to_what_fourd_train_runs(tmp_path):
     from fourd.config import DataSection, TrainSection
+
     path = tmp_path / "cpu.toml"
-    path.write_text('dtype = "fp32"\n[gpu]\nname = "CPU"\npeak_tflops = 0.05\nmemory_gb = 16.0\nhbm_bw_gbps = 10.0\n'
-                    '[node]\ngpus = 8\nintra_bw_gbps = 1.0\nconcurrent_ranks = 2\n[network]\nnic_bw_gbps = 1.0\n')
+    path.write_text(
+        'dtype = "fp32"\n[gpu]\nname = "CPU"\npeak_tflops = 0.05\nmemory_gb = 16.0\nhbm_bw_gbps = 10.0\n'
+        "[node]\ngpus = 8\nintra_bw_gbps = 1.0\nconcurrent_ranks = 2\n[network]\nnic_bw_gbps = 1.0\n"
+    )
     d = json.loads(plan("--model", "small", "--cluster", str(path), "--layout", "tp=2", "--json").stdout)
     assert d["seq"] == DataSection().seq_len
     assert d["global_batch_tokens"] == TrainSection().global_batch * DataSection().seq_len
     assert d["sequence_parallel"] is False and d["dtype"] == "fp32"
     gpu = json.loads(plan("--model", "small", "--layout", "tp=2", "--json").stdout)
-    assert (gpu["seq"], gpu["global_batch_tokens"], gpu["sequence_parallel"]) == (1024, 2 ** 24, True)
+    assert (gpu["seq"], gpu["global_batch_tokens"], gpu["sequence_parallel"]) == (1024, 2**24, True)
 
 
 def test_a_gpt_block_by_model_spec():
     spec = "layers=96,dim=12288,ffn=49152,heads=96,vocab=51200,mlp=gelu"
-    r = plan("--model-spec", spec, "--cluster", "selene-a100", "--layout", "tp=8,pp=16,dp=8", "--seq", "2048",
-             "--global-batch-tokens", "3M", "--schedule", "1f1b", "--zero", "0", "--json")
+    r = plan(
+        "--model-spec",
+        spec,
+        "--cluster",
+        "selene-a100",
+        "--layout",
+        "tp=8,pp=16,dp=8",
+        "--seq",
+        "2048",
+        "--global-batch-tokens",
+        "3M",
+        "--schedule",
+        "1f1b",
+        "--zero",
+        "0",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     assert d["model"]["mlp"] == "gelu" and d["model"]["kv_heads"] == 96
     # GPT-3 175B: 96 layers of 12·h² weights (and the norms' weights and biases) in 16 stages, the trainer's
     # split: embedding and output count as a layer each, the 2 left over fill the first and last stage
     assert d["stage_layers"] == [6] * 16
-    layer = 4 * 12288 ** 2 + 2 * 12288 * 49152 + 4 * 12288
+    layer = 4 * 12288**2 + 2 * 12288 * 49152 + 4 * 12288
     # the fullest GPU is pipeline rank 0: 6 layers and the input embedding, BF16 weights cut by TP
     assert d["memory_gb"]["params"] == pytest.approx((6 * layer + 51200 * 12288) / 8 * 2 / 1e9, abs=1e-3)
     assert 0 < d["mfu"] < 1

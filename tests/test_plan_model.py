@@ -9,8 +9,16 @@ from fourd.parallel.layout import Layout
 from fourd.parallel.pp import layer_split
 from fourd.plan.cluster import Group, group_bandwidth, group_level, load_cluster, placement
 from fourd.plan.memory import in_flight, stage_layers
-from fourd.plan.perf import (KERNEL_LAUNCH_S, StageTime, bubble_time, chunk_times, collective_time, gemm_time,
-                             stage_compute_time, step_time)
+from fourd.plan.perf import (
+    KERNEL_LAUNCH_S,
+    StageTime,
+    bubble_time,
+    chunk_times,
+    collective_time,
+    gemm_time,
+    stage_compute_time,
+    step_time,
+)
 from fourd.plan.report import why
 from fourd.plan.search import Config, evaluate, search
 from fourd.schedules import build_schedule
@@ -21,7 +29,7 @@ TABLE4 = [(Layout(8, 1, 16, 64), 8192, 0.43), (Layout(8, 1, 16, 128), 8192, 0.41
 
 
 def _table4(layout, seq):
-    gs = 2 ** 24 // seq
+    gs = 2**24 // seq
     return evaluate(L405, H100, Config(layout, "interleaved", gs // layout.dp, 8, 1, "selective"), seq, gs)
 
 
@@ -45,7 +53,7 @@ def test_the_drop_from_43_to_41_is_the_bubble_of_half_the_microbatches():
 
 def test_gemm_waves_and_roofline():
     peak = H100.gpu.peak_tflops * 1e12 * H100.gpu.gemm_efficiency
-    m, n, k = 12 * 128, 11 * 128, 8192      # 132 output tiles of 128x128: every SM busy once
+    m, n, k = 12 * 128, 11 * 128, 8192  # 132 output tiles of 128x128: every SM busy once
     assert gemm_time(m, n, k, H100) == pytest.approx(2 * m * n * k / peak + KERNEL_LAUNCH_S)
     # one row more needs a second wave: as slow as twice the work
     assert gemm_time(m + 1, n, k, H100) == pytest.approx(gemm_time(2 * m, n, k, H100))
@@ -62,7 +70,7 @@ def test_placement_of_table4_groups():
 
 
 def test_cross_pod_groups_share_oversubscribed_uplinks(tmp_path):
-    text = (tmp_path / "base.toml")
+    text = tmp_path / "base.toml"
     text.write_text("""
 [gpu]
 name = "x"
@@ -81,11 +89,13 @@ pods = 4
 cross_pod_oversubscription = 7.0
 """)
     c = load_cluster(str(text))
-    inside = Group(2, 8, 64)    # two servers of one rack, at NIC speed
-    across = Group(2, 16, 64)   # two pods: 16 such groups per pod share its 16·50/7 GB/s of uplink
+    inside = Group(2, 8, 64)  # two servers of one rack, at NIC speed
+    across = Group(2, 16, 64)  # two pods: 16 such groups per pod share its 16·50/7 GB/s of uplink
     assert group_bandwidth(inside, c)[0] == 50e9
     assert group_bandwidth(across, c)[0] == pytest.approx(50e9 / 7)
-    assert collective_time("all_gather", 1e9, across, c) == pytest.approx(7 * collective_time("all_gather", 1e9, inside, c))
+    assert collective_time("all_gather", 1e9, across, c) == pytest.approx(
+        7 * collective_time("all_gather", 1e9, inside, c)
+    )
 
 
 def test_bubble_per_schedule():
@@ -93,7 +103,7 @@ def test_bubble_per_schedule():
     assert bubble_time("gpipe", 4, 8, 1, t) == 9.0
     assert bubble_time("1f1b", 4, 8, 1, t) == 9.0
     assert bubble_time("interleaved", 4, 8, 3, t) == 3.0
-    assert bubble_time("zero-bubble", 4, 8, 1, t) == 3.0     # (p−1)(T_F + T_I − T_W), a third of 1F1B's
+    assert bubble_time("zero-bubble", 4, 8, 1, t) == 3.0  # (p−1)(T_F + T_I − T_W), a third of 1F1B's
 
 
 def test_closed_forms_agree_with_the_schedule_action_lists():
@@ -102,7 +112,9 @@ def test_closed_forms_agree_with_the_schedule_action_lists():
             for m in (pp, pp + 1, 2 * pp, 3 * pp + 2):
                 for v in vs:
                     s = build_schedule(name, pp, m, v)
-                    assert [s.peak_in_flight(r) / v for r in range(pp)] == [in_flight(name, pp, m, v, r) for r in range(pp)]
+                    assert [s.peak_in_flight(r) / v for r in range(pp)] == [
+                        in_flight(name, pp, m, v, r) for r in range(pp)
+                    ]
 
 
 def test_stage_split_is_the_trainers():
@@ -110,7 +122,7 @@ def test_stage_split_is_the_trainers():
         for stages in range(1, layers + 1):
             assert stage_layers(layers, stages) == layer_split(layers, stages)
     assert stage_layers(126, 16) == [7] + [8] * 14 + [7]
-    assert stage_layers(126, 16, 8) == [0] + [1] * 126 + [0]   # the planner's extension: embedding and output alone
+    assert stage_layers(126, 16, 8) == [0] + [1] * 126 + [0]  # the planner's extension: embedding and output alone
 
 
 def test_stage_time_is_the_sum_of_its_layers_and_ends():
@@ -120,7 +132,10 @@ def test_stage_time_is_the_sum_of_its_layers_and_ends():
     assert eight.forward == pytest.approx(8 * one.forward)
     chunks = chunk_times(L405, H100, lay, 8192, 1, 1)
     assert chunks[1] == eight
-    assert chunks[0].forward > 7 * one.forward and chunks[-1].forward > 7 * one.forward + chunks[0].forward - 7 * one.forward
+    assert (
+        chunks[0].forward > 7 * one.forward
+        and chunks[-1].forward > 7 * one.forward + chunks[0].forward - 7 * one.forward
+    )
     full = stage_compute_time(L405, H100, lay, 8192, 1, 1, recompute="full")
     assert full.input_grad_s == pytest.approx(one.input_grad_s + one.forward_s)
 
@@ -154,8 +169,8 @@ nic_bw_gbps = 1.0
     two = stage_compute_time(m, cpu, Layout(dp=2), 256, 1, 4)
     four = stage_compute_time(m, cpu, Layout(dp=4), 256, 1, 4)
     assert four.forward_s == pytest.approx(2 * two.forward_s)
-    assert two.forward_s == pytest.approx(one.forward_s)      # no one-worker figure: two cores, twice the work
-    measured = load_cluster(str(_with_gemm(tmp_path, path, one_worker=0.03)))   # two together 0.05, alone 0.03
+    assert two.forward_s == pytest.approx(one.forward_s)  # no one-worker figure: two cores, twice the work
+    measured = load_cluster(str(_with_gemm(tmp_path, path, one_worker=0.03)))  # two together 0.05, alone 0.03
     alone = stage_compute_time(m, measured, Layout(dp=1), 256, 1, 4)
     pair = stage_compute_time(m, measured, Layout(dp=2), 256, 1, 4)
     assert pair.forward_s == pytest.approx(alone.forward_s * 2 * 0.03 / 0.05)
@@ -176,7 +191,7 @@ def test_step_time_adds_up():
     assert s.step_s == pytest.approx(s.compute_s + s.bubble_s + s.p2p_s + s.dp_exposed_s + s.overlap_s + s.optimizer_s)
     assert s.bubble_s == pytest.approx(15 * (s.per_microbatch.forward + s.per_microbatch.backward))
     z3 = step_time(L405, H100, lay, 8192, 2048, "1f1b", 32, 1, 3, "selective")
-    assert z3.dp_total_s > 30 * s.dp_total_s     # stage 3 gathers weights for every microbatch
+    assert z3.dp_total_s > 30 * s.dp_total_s  # stage 3 gathers weights for every microbatch
 
 
 def test_fp32_profile_doubles_weight_bytes():
@@ -187,15 +202,18 @@ def test_fp32_profile_doubles_weight_bytes():
 
 
 def test_without_sequence_parallelism_tp_all_reduces_and_norms_run_on_every_token():
-    from fourd.plan.perf import layer_comm
     from fourd.plan.memory import activation_bytes_per_token
+    from fourd.plan.perf import layer_comm
+
     g = placement(Layout(tp=8), H100)
     f, b, _, _ = layer_comm(L405, H100, 8, 1, 8192, 1, g["tp"], g["cp"], False)
     act = 8192 * L405.dim * 2
     assert f == b == pytest.approx(2 * collective_time("all_reduce", act, g["tp"], H100))
     sp_f, sp_b, _, _ = layer_comm(L405, H100, 8, 1, 8192, 1, g["tp"], g["cp"], True)
-    assert sp_f == pytest.approx(2 * (collective_time("all_gather", act, g["tp"], H100) + collective_time("reduce_scatter", act, g["tp"], H100)))
-    assert sp_b > sp_f     # the weight gradients gather the saved input shards again
+    assert sp_f == pytest.approx(
+        2 * (collective_time("all_gather", act, g["tp"], H100) + collective_time("reduce_scatter", act, g["tp"], H100))
+    )
+    assert sp_b > sp_f  # the weight gradients gather the saved input shards again
     gap = activation_bytes_per_token(L405, 8, sequence_parallel=False) - activation_bytes_per_token(L405, 8)
     assert gap == pytest.approx(4 * L405.dim * 2 * (1 - 1 / 8))
 
@@ -203,7 +221,7 @@ def test_without_sequence_parallelism_tp_all_reduces_and_norms_run_on_every_toke
 def test_zero_shards_over_dp_and_cp():
     base = Config(Layout(8, 16, 16, 8), "interleaved", 16, 8, 1, "selective")
     plan = evaluate(L405, H100, base, 131072, 128)
-    per_gpu = plan.memory.params / 2          # BF16 weights
+    per_gpu = plan.memory.params / 2  # BF16 weights
     assert plan.memory.optimizer == pytest.approx(per_gpu * 12 / 128)
 
 
@@ -237,9 +255,9 @@ alpha_s = 1e-4
 beta_s_per_byte = 2e-9
 """)
     c = load_cluster(str(path))
-    assert gemm_time(1024, 1024, 1024, c) == pytest.approx(2 * 1024 ** 3 / 0.06e12)
-    assert gemm_time(4096, 4096, 4096, c) == pytest.approx(2 * 4096 ** 3 / 0.06e12)     # flat beyond the samples
-    assert gemm_time(512, 512, 512, c) == pytest.approx(2 * 512 ** 3 / 0.04e12)         # halfway in log(FLOPs)
+    assert gemm_time(1024, 1024, 1024, c) == pytest.approx(2 * 1024**3 / 0.06e12)
+    assert gemm_time(4096, 4096, 4096, c) == pytest.approx(2 * 4096**3 / 0.06e12)  # flat beyond the samples
+    assert gemm_time(512, 512, 512, c) == pytest.approx(2 * 512**3 / 0.04e12)  # halfway in log(FLOPs)
     assert collective_time("all_reduce", 1e6, Group(2, 1, 2), c) == pytest.approx(1e-4 + 2e-3)
     # no fit for 4 ranks: the ring model on the node's 1 GB/s, 5 us
     assert collective_time("all_reduce", 1e6, Group(4, 1, 4), c) == pytest.approx(6 * 5e-6 + 1.5e6 / 1e9)
@@ -247,6 +265,7 @@ beta_s_per_byte = 2e-9
 
 def test_training_shape_gemms_attention_and_eager_rates_replace_the_models(tmp_path):
     from fourd.plan.perf import attention_time, elementwise_bytes, elementwise_time, layer_time, optimizer_time
+
     path = tmp_path / "cpu.toml"
     path.write_text("""
 dtype = "fp32"
@@ -287,7 +306,7 @@ nic_bw_gbps = 1.0
 """)
     c = load_cluster(str(path))
     flops = 2 * 4096 * 256 * 256
-    assert gemm_time(4096, 256, 256, c) == pytest.approx(flops / 0.09e12)     # two orientations measured there
+    assert gemm_time(4096, 256, 256, c) == pytest.approx(flops / 0.09e12)  # two orientations measured there
     assert gemm_time(256, 256, 4096, c) == pytest.approx(flops / 0.05e12)
     assert gemm_time(256, 256, 16384, c) == pytest.approx(4 * flops / 0.05e12)  # flat beyond the samples
     # equally far (in log2) from both points: the mean of the three samples
@@ -298,7 +317,8 @@ nic_bw_gbps = 1.0
     assert bwd == pytest.approx(2.5 * 4 * pairs * 32 * 8 / 0.01e12)
     # an explicit mask (context parallelism's chunks) computes every pair, at the masked kernel's rate
     assert attention_time(4096, 256, 8, 32, c, causal=False) == pytest.approx(
-        (8 * pairs * 32 * 8 / 0.04e12, 2.5 * 8 * pairs * 32 * 8 / 0.03e12))
+        (8 * pairs * 32 * 8 / 0.04e12, 2.5 * 8 * pairs * 32 * 8 / 0.03e12)
+    )
     assert elementwise_time(1e9, c) == pytest.approx(0.2)
     assert optimizer_time(1e6, c) == pytest.approx(32e6 / 2e9)
     m = get_preset("small")

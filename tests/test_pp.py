@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
 from dist_util import run_ranks
+
 from fourd.errors import FourdError
 from fourd.model.config import get_preset, with_overrides
 from fourd.model.llama import build_model
@@ -60,16 +60,23 @@ def _pp_run(pp, group, name, v):
     ran = [e["name"] for e in runner.trace_events(pid=rank)]
     planned = [str(a) for a in schedule.ranks[rank]]
     times = [t for r in runner.records for t in (r.start, r.end)]
-    in_order = times == sorted(times) and 0 <= times[0] and times[-1] <= runner.wall
-    return {"case": (pp, name), "losses": losses, "params": params, "ran_as_planned": ran == planned and in_order,
-            "bubble": runner.bubble_fraction}
+    in_order = times == sorted(times) and times[0] >= 0 and times[-1] <= runner.wall
+    return {
+        "case": (pp, name),
+        "losses": losses,
+        "params": params,
+        "ran_as_planned": ran == planned and in_order,
+        "bubble": runner.bubble_fraction,
+    }
 
 
 def _all_schedules(rank, world):
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    return [_pp_run(pp, group, name, v)
-            for pp, group in ((4, dist.group.WORLD), (2, pairs[rank // 2]))
-            for name, v in SCHEDULES]
+    return [
+        _pp_run(pp, group, name, v)
+        for pp, group in ((4, dist.group.WORLD), (2, pairs[rank // 2]))
+        for name, v in SCHEDULES
+    ]
 
 
 @pytest.mark.timeout(240)
@@ -78,7 +85,7 @@ def test_every_schedule_at_pp2_and_pp4_equals_single_process():
     results = run_ranks(_all_schedules, 4, timeout=230)
     for i, (pp, name) in enumerate((pp, name) for pp in (4, 2) for name, _ in SCHEDULES):
         ref_losses, ref_params = refs[pp]
-        for group in ([range(4)] if pp == 4 else [range(0, 2), range(2, 4)]):
+        for group in [range(4)] if pp == 4 else [range(0, 2), range(2, 4)]:
             _check_group([results[r][i] for r in group], pp, name, ref_losses, ref_params)
     assert refs[4][0][-1] < refs[4][0][0]  # the runs really trained
 

@@ -5,9 +5,9 @@ equal the single-process run: losses, gradient norms (clipping active) and final
 import pytest
 import torch
 import torch.distributed as dist
+from dist_util import run_ranks
 from torch.distributed.tensor import DTensor
 
-from dist_util import run_ranks
 from fourd.model.config import get_preset, with_overrides
 from fourd.model.llama import build_model
 from fourd.parallel.cp import apply_cp, cp_shard
@@ -88,8 +88,11 @@ def _run(layout, schedule_name, v, m, mode, sp):
         if group_mesh is not None:
             dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=group_mesh.get_group())
         losses.append(loss.item())
-    full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-            for s in stages for n, p in s.named_parameters()}
+    full = {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for s in stages
+        for n, p in s.named_parameters()
+    }
     return losses, norms, full
 
 

@@ -10,7 +10,7 @@ def _grid():
     for name in SCHEDULES:
         for p in range(1, 9):
             for m in range(1, 17):
-                for v in ((1, 2, 3, 4) if name == "interleaved" else (1,)):
+                for v in (1, 2, 3, 4) if name == "interleaved" else (1,):
                     yield name, p, m, v
 
 
@@ -23,8 +23,12 @@ def test_every_schedule_on_the_grid_is_valid_with_exact_action_counts():
         assert [len(r) for r in s.ranks] == [per_rank] * p, (name, p, m, v)
         kinds = {k: sum(a.kind == k for r in s.ranks for a in r) for k in "FBIW"}
         split = name == "zero-bubble"
-        assert kinds == {"F": p * v * m, "B": 0 if split else p * v * m,
-                         "I": p * m if split else 0, "W": p * m if split else 0}
+        assert kinds == {
+            "F": p * v * m,
+            "B": 0 if split else p * v * m,
+            "I": p * m if split else 0,
+            "W": p * m if split else 0,
+        }
         built += 1
     assert built == 896
 
@@ -44,7 +48,10 @@ def test_small_orders_exactly():
     ]
     i = build_schedule("interleaved", 2, 4, 2)
     assert i.stages_of_rank(1) == [1, 3] and i.stage_rank(3) == 1
-    assert " ".join(map(str, i.ranks[0])) == "F0.0 F0.1 F2.0 F2.1 F0.2 B2.0 F0.3 B2.1 F2.2 B0.0 F2.3 B0.1 B2.2 B2.3 B0.2 B0.3"
+    assert (
+        " ".join(map(str, i.ranks[0]))
+        == "F0.0 F0.1 F2.0 F2.1 F0.2 B2.0 F0.3 B2.1 F2.2 B0.0 F2.3 B0.1 B2.2 B2.3 B0.2 B0.3"
+    )
 
 
 def test_peak_in_flight():
@@ -63,8 +70,16 @@ def test_peak_in_flight():
 def test_validate_catches_deadlock_missing_and_misplaced_actions():
     good = build_schedule("1f1b", 2, 2)
     # rank 0 waits at B0.0 for B1.0, which rank 1 runs only after F1.1, which needs rank 0 F0.1
-    swapped = Schedule("x", 2, 2, 1, ((Action("F", 0, 0), Action("B", 0, 0), Action("F", 0, 1), Action("B", 0, 1)),
-                                       (Action("F", 1, 1), Action("F", 1, 0), Action("B", 1, 0), Action("B", 1, 1))))
+    swapped = Schedule(
+        "x",
+        2,
+        2,
+        1,
+        (
+            (Action("F", 0, 0), Action("B", 0, 0), Action("F", 0, 1), Action("B", 0, 1)),
+            (Action("F", 1, 1), Action("F", 1, 0), Action("B", 1, 0), Action("B", 1, 1)),
+        ),
+    )
     with pytest.raises(FourdError, match="deadlocks: every rank waits .rank 0 at B0.0; rank 1 at F1.1"):
         validate(swapped)
     with pytest.raises(FourdError, match="stage 1 microbatch 1 needs exactly one F"):

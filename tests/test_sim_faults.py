@@ -33,7 +33,8 @@ def test_54_days_on_16384_gpus_matches_llama3():
     assert s["effective_training_fraction"] > 0.90
     assert 0.76 <= s["hardware_share"] <= 0.79  # Llama 3: "about 78 %"
     assert s["optimal_checkpoint_interval_min"] == pytest.approx(
-        faults.daly_interval(faults.CHECKPOINT_S, faults.mtbf_s(16384)) / 60)
+        faults.daly_interval(faults.CHECKPOINT_S, faults.mtbf_s(16384)) / 60
+    )
 
 
 def test_time_is_accounted_for_and_lost_work_matches_its_expectation():
@@ -52,23 +53,63 @@ def test_time_is_accounted_for_and_lost_work_matches_its_expectation():
 def test_daly_interval_beats_half_and_one_and_a_half_times_it():
     m = faults.mtbf_s(16384)
     best = faults.daly_interval(faults.CHECKPOINT_S, m)
-    eff = {k: faults.simulate(16384, 54, runs=1000, seed=2, interval_s=k * best).effective.mean()
-           for k in (0.5, 1.0, 1.5)}
+    eff = {
+        k: faults.simulate(16384, 54, runs=1000, seed=2, interval_s=k * best).effective.mean() for k in (0.5, 1.0, 1.5)
+    }
     assert eff[1.0] > eff[0.5] and eff[1.0] > eff[1.5]
     # expected overhead δ/τ + τ/2M is 25 % and 8 % larger there; the runs share random numbers
     assert eff[1.0] - eff[0.5] > 0.003 and eff[1.0] - eff[1.5] > 0.001
 
 
 def test_cli_json_and_bad_input():
-    out = subprocess.run([sys.executable, "-m", "fourd", "sim", "faults", "--gpus", "16384", "--days", "54",
-                          "--runs", "200", "--seed", "0", "--json"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fourd",
+            "sim",
+            "faults",
+            "--gpus",
+            "16384",
+            "--days",
+            "54",
+            "--runs",
+            "200",
+            "--seed",
+            "0",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     d = json.loads(out.stdout)
-    for key in ("unexpected_interruptions", "planned_interruptions", "effective_training_fraction",
-                "optimal_checkpoint_interval_min"):
+    for key in (
+        "unexpected_interruptions",
+        "planned_interruptions",
+        "effective_training_fraction",
+        "optimal_checkpoint_interval_min",
+    ):
         assert math.isfinite(d[key])
-    bad = subprocess.run([sys.executable, "-m", "fourd", "sim", "faults", "--gpus", "16", "--days", "1",
-                          "--checkpoint-interval-min", "0"], capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fourd",
+            "sim",
+            "faults",
+            "--gpus",
+            "16",
+            "--days",
+            "1",
+            "--checkpoint-interval-min",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "--checkpoint-interval-min 0 must be positive" in bad.stderr
     with pytest.raises(FourdError, match="--gpus 0"):
         faults.simulate(0, 1)

@@ -56,7 +56,11 @@ def test_zero_bubble_h1_idles_a_third_of_1f1b():
 def test_events_are_the_lab_view():
     ev = timeline(build_schedule("1f1b", 2, 2))
     assert [(e.rank, e.stage, e.kind, e.microbatch, e.start, e.end) for e in ev[0]] == [
-        (0, 0, "F", 0, 0.0, 1.0), (0, 0, "F", 1, 1.0, 2.0), (0, 0, "B", 0, 4.0, 6.0), (0, 0, "B", 1, 7.0, 9.0)]
+        (0, 0, "F", 0, 0.0, 1.0),
+        (0, 0, "F", 1, 1.0, 2.0),
+        (0, 0, "B", 0, 4.0, 6.0),
+        (0, 0, "B", 1, 7.0, 9.0),
+    ]
     # a transfer delay of 0.5 on every cross-rank edge stretches the first forward chain
     delayed = timeline(build_schedule("gpipe", 2, 1), delay=lambda dep, a: 0.5 if dep.stage != a.stage else 0.0)
     assert [(e.kind, e.start, e.end) for e in delayed[1]] == [("F", 1.5, 2.5), ("B", 2.5, 4.5)]

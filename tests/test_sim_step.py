@@ -27,7 +27,9 @@ def test_no_comm_equal_stages_idle_fraction_exact_gpipe_1f1b():
             for m in range(1, 65):
                 r = simulate(build_schedule(name, p, m), [UNIT] * p)
                 assert r.step_time_s == 3 * (m + p - 1)
-                assert [Fraction(r.step_time_s - b, r.step_time_s) for b in r.busy_s] == [Fraction(p - 1, m + p - 1)] * p
+                assert [Fraction(r.step_time_s - b, r.step_time_s) for b in r.busy_s] == [
+                    Fraction(p - 1, m + p - 1)
+                ] * p
 
 
 def test_no_comm_interleaved_bubble_over_compute_exact():
@@ -58,21 +60,40 @@ def test_links_are_shared_equally_and_fractions_count():
 
 
 def _plan(model, cluster, layout, seq, tokens, schedule, **fixed):
-    return search(get_preset(model), load_cluster(cluster) if isinstance(cluster, str) else cluster,
-                  parse_layout(layout).world, seq, tokens // seq, layout=parse_layout(layout), schedule=schedule, **fixed)[0]
+    return search(
+        get_preset(model),
+        load_cluster(cluster) if isinstance(cluster, str) else cluster,
+        parse_layout(layout).world,
+        seq,
+        tokens // seq,
+        layout=parse_layout(layout),
+        schedule=schedule,
+        **fixed,
+    )[0]
 
 
 def _sim(plan, **kw):
     c = plan.config
     s = build_schedule(c.schedule, c.layout.pp, c.microbatches, c.virtual_stages)
-    return simulate_step(plan.model, plan.cluster, c.layout, s, plan.seq, plan.micro_seqs, zero=c.zero,
-                         recompute=c.recompute, sequence_parallel=c.sequence_parallel, **kw)
+    return simulate_step(
+        plan.model,
+        plan.cluster,
+        c.layout,
+        s,
+        plan.seq,
+        plan.micro_seqs,
+        zero=c.zero,
+        recompute=c.recompute,
+        sequence_parallel=c.sequence_parallel,
+        **kw,
+    )
 
 
-@pytest.mark.parametrize("layout,seq", [("tp=8,pp=16,dp=64", 8192), ("tp=8,pp=16,dp=128", 8192),
-                                        ("tp=8,cp=16,pp=16,dp=8", 131072)])
+@pytest.mark.parametrize(
+    "layout,seq", [("tp=8,pp=16,dp=64", 8192), ("tp=8,pp=16,dp=128", 8192), ("tp=8,cp=16,pp=16,dp=8", 131072)]
+)
 def test_table4_layouts_agree_with_the_planner_within_10_percent(layout, seq):
-    plan = _plan("llama3-405b", "llama3-h100", layout, seq, 2 ** 24, "interleaved")
+    plan = _plan("llama3-405b", "llama3-h100", layout, seq, 2**24, "interleaved")
     r = _sim(plan)
     assert abs(r.step_time_s / plan.step.step_s - 1) < 0.10
     # 16,384 GPUs, simulated as one pipeline of 16 ranks
@@ -107,14 +128,15 @@ def test_dp_group_over_two_pods_is_seven_times_slower(tmp_path):
     # 1:7 oversubscribed uplinks; with a 16-GPU pod it stays inside.
     dp_time, step = {}, {}
     for pod in (8, 16):
-        plan = _plan("llama3-8b", _two_pod_cluster(tmp_path, pod), "tp=8,dp=2", 8192, 8 * 8192, "1f1b",
-                     microbatches=4, zero=0)
+        plan = _plan(
+            "llama3-8b", _two_pod_cluster(tmp_path, pod), "tp=8,dp=2", 8192, 8 * 8192, "1f1b", microbatches=4, zero=0
+        )
         r = _sim(plan)
         buckets = [t for t in r.transfers if t.kind == "ar"]
         # each bucket pays 2 ring steps of 10 µs latency on top of its bytes
         dp_time[pod] = sum(t.end - t.start for t in buckets) - len(buckets) * 2 * 10e-6
         step[pod] = r.step_time_s
-    assert dp_time[8] / dp_time[16] == pytest.approx(7.0, rel=1e-6)   # bandwidth-bound: the 1:7 factor
+    assert dp_time[8] / dp_time[16] == pytest.approx(7.0, rel=1e-6)  # bandwidth-bound: the 1:7 factor
     assert step[8] > step[16] * 1.05
 
 
@@ -154,10 +176,35 @@ def test_diurnal_throttle_scales_compute():
 
 def test_cli_json_trace_and_the_big_step(tmp_path):
     trace = tmp_path / "t.json"
-    out = subprocess.run([sys.executable, "-m", "fourd", "sim", "step", "--model", "llama3-405b", "--gpus", "16384",
-                          "--layout", "tp=8,pp=16,dp=128", "--seq", "8192", "--global-batch-tokens", "16M",
-                          "--schedule", "1f1b", "--microbatches", "16", "--trace", str(trace), "--json"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fourd",
+            "sim",
+            "step",
+            "--model",
+            "llama3-405b",
+            "--gpus",
+            "16384",
+            "--layout",
+            "tp=8,pp=16,dp=128",
+            "--seq",
+            "8192",
+            "--global-batch-tokens",
+            "16M",
+            "--schedule",
+            "1f1b",
+            "--microbatches",
+            "16",
+            "--trace",
+            str(trace),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     d = json.loads(out.stdout)
     assert len(d["per_rank_idle_fraction"]) == 16 and d["microbatches"] == 16 and d["schedule"] == "1f1b"
@@ -165,15 +212,52 @@ def test_cli_json_trace_and_the_big_step(tmp_path):
     events = json.loads(trace.read_text())["traceEvents"]
     compute = [e for e in events if e["ph"] == "X" and e["cat"] in ("forward", "backward")]
     assert len(compute) == 16 * 16 * 2
-    bad = subprocess.run([sys.executable, "-m", "fourd", "sim", "step", "--model", "llama3-8b", "--layout", "tp=8,dp=2",
-                          "--slow-gpu", "99:1.5"], capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fourd",
+            "sim",
+            "step",
+            "--model",
+            "llama3-8b",
+            "--layout",
+            "tp=8,dp=2",
+            "--slow-gpu",
+            "99:1.5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "--slow-gpu 99:1.5: rank 99 is outside 0..15" in bad.stderr
 
 
 def test_cli_search_ranks_the_planners_candidates_by_simulated_time():
-    out = subprocess.run([sys.executable, "-m", "fourd", "sim", "step", "--model", "llama3-8b", "--gpus", "64",
-                          "--seq", "8192", "--global-batch-tokens", "1M", "--search", "--top", "3", "--json"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fourd",
+            "sim",
+            "step",
+            "--model",
+            "llama3-8b",
+            "--gpus",
+            "64",
+            "--seq",
+            "8192",
+            "--global-batch-tokens",
+            "1M",
+            "--search",
+            "--top",
+            "3",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     d = json.loads(out.stdout)
     times = [c["step_time_s"] for c in d["candidates"]]
@@ -183,10 +267,20 @@ def test_cli_search_ranks_the_planners_candidates_by_simulated_time():
 def test_lab_view_with_cost_model_durations_matches_the_simulator_without_comm():
     from fourd.sim.step import cost_duration
 
-    plan = _plan("llama3-8b", "llama3-h100", "tp=8,pp=4,dp=4", 8192, 64 * 8192, "interleaved", microbatches=8,
-                 virtual_stages=2)
+    plan = _plan(
+        "llama3-8b", "llama3-h100", "tp=8,pp=4,dp=4", 8192, 64 * 8192, "interleaved", microbatches=8, virtual_stages=2
+    )
     c = plan.config
     s = build_schedule(c.schedule, 4, c.microbatches, c.virtual_stages)
-    dur = cost_duration(plan.model, plan.cluster, c.layout, plan.seq, plan.micro_seqs, c.virtual_stages, c.recompute,
-                        comm=False, sequence_parallel=c.sequence_parallel)
+    dur = cost_duration(
+        plan.model,
+        plan.cluster,
+        c.layout,
+        plan.seq,
+        plan.micro_seqs,
+        c.virtual_stages,
+        c.recompute,
+        comm=False,
+        sequence_parallel=c.sequence_parallel,
+    )
     assert timeline(s, dur) == _sim(plan, comm=False).events

@@ -10,10 +10,10 @@ import math
 
 import pytest
 import torch
+from dist_util import run_ranks
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 
-from dist_util import run_ranks
 from fourd.model.config import ModelConfig, get_preset
 from fourd.model.llama import build_model
 from fourd.parallel.dp import apply_dp, held_bytes

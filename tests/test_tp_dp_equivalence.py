@@ -5,9 +5,9 @@ M=2: two microbatches, gradients synchronised on the last only."""
 import pytest
 import torch
 import torch.distributed as dist
+from dist_util import run_ranks
 from torch.distributed.tensor import DTensor
 
-from dist_util import run_ranks
 from fourd.model.config import get_preset, with_overrides
 from fourd.model.llama import build_model
 from fourd.parallel.dp import apply_dp
@@ -118,7 +118,13 @@ def test_tp_and_dp_match_one_process():
             worst = max(_rel(params[n], r_params[n]) for n in params)
             assert worst <= 1e-5, f"{name} rank {rank}: parameters differ by {worst:.2e} relative"
     assert ran == {
-        "tp=2": [0, 1], "tp=2 sp": [2, 3], "dp=2 zero3": [0, 1], "dp=2 ddp M=2": [0, 2], "dp=2 zero2": [1, 3],
-        "tp=2,dp=2 zero3": [0, 1, 2, 3], "tp=2,dp=2 sp zero2 M=2": [0, 1, 2, 3], "tp=4": [0, 1, 2, 3],
+        "tp=2": [0, 1],
+        "tp=2 sp": [2, 3],
+        "dp=2 zero3": [0, 1],
+        "dp=2 ddp M=2": [0, 2],
+        "dp=2 zero2": [1, 3],
+        "tp=2,dp=2 zero3": [0, 1, 2, 3],
+        "tp=2,dp=2 sp zero2 M=2": [0, 1, 2, 3],
+        "tp=4": [0, 1, 2, 3],
         "dp=4 hsdp 2x2": [0, 1, 2, 3],
     }

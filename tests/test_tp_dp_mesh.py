@@ -4,9 +4,9 @@ pipeline stages."""
 
 import pytest
 import torch
+from dist_util import run_ranks
 from torch.distributed.tensor import DTensor
 
-from dist_util import run_ranks
 from fourd.errors import FourdError
 from fourd.model.config import get_preset
 from fourd.model.llama import build_model

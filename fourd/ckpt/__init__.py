@@ -10,4 +10,12 @@ from fourd.ckpt.store import (
     verify,
 )
 
-__all__ = ["latest", "load_model_checkpoint", "model_digest", "read_manifest", "resolve", "save_model_checkpoint", "verify"]
+__all__ = [
+    "latest",
+    "load_model_checkpoint",
+    "model_digest",
+    "read_manifest",
+    "resolve",
+    "save_model_checkpoint",
+    "verify",
+]

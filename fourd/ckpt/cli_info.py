@@ -25,16 +25,28 @@ def run(args) -> int:
 
     directory = store.resolve(args.dir)
     manifest = store.read_manifest(directory)
-    info = {**{k: v for k, v in manifest.items() if k != "files"}, "path": str(directory),
-            "files": len(manifest["files"]), "bytes": sum(f["bytes"] for f in manifest["files"].values())}
+    info = {
+        **{k: v for k, v in manifest.items() if k != "files"},
+        "path": str(directory),
+        "files": len(manifest["files"]),
+        "bytes": sum(f["bytes"] for f in manifest["files"].values()),
+    }
     if args.json:
         print(json.dumps(info, indent=1, sort_keys=True))
         return 0
     m = manifest["model"]
-    rows = [("path", str(directory)), ("step", str(manifest["step"])), ("layout", manifest["layout"]),
-            ("model", f"{m.get('layers')} layers, dim {m.get('dim')}, heads {m.get('heads')}/{m.get('kv_heads')}, "
-                      f"vocab {m.get('vocab')}"),
-            ("model_digest", manifest["model_digest"]), ("files", f"{info['files']} ({info['bytes']:,} bytes)")]
+    rows = [
+        ("path", str(directory)),
+        ("step", str(manifest["step"])),
+        ("layout", manifest["layout"]),
+        (
+            "model",
+            f"{m.get('layers')} layers, dim {m.get('dim')}, heads {m.get('heads')}/{m.get('kv_heads')}, "
+            f"vocab {m.get('vocab')}",
+        ),
+        ("model_digest", manifest["model_digest"]),
+        ("files", f"{info['files']} ({info['bytes']:,} bytes)"),
+    ]
     train = manifest.get("train")
     if isinstance(train, dict):
         rows.append(("train", ", ".join(f"{k} {v}" for k, v in sorted(train.items()))))

@@ -24,6 +24,8 @@ def run(args) -> int:
     directory = store.resolve(args.dir)
     manifest = store.verify(directory)
     total = sum(f["bytes"] for f in manifest["files"].values())
-    print(f"{directory}: OK, step {manifest['step']}, {len(manifest['files'])} files, {total:,} bytes, "
-          f"model_digest {manifest['model_digest']}")
+    print(
+        f"{directory}: OK, step {manifest['step']}, {len(manifest['files'])} files, {total:,} bytes, "
+        f"model_digest {manifest['model_digest']}"
+    )
     return 0

@@ -64,8 +64,12 @@ def warn(message: str) -> None:
 # --- reading DCP metadata without running code -------------------------------------------------
 
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
-_ALLOWED_GLOBALS = {("collections", "OrderedDict"), ("torch", "Size"), ("pathlib", "PosixPath"),
-                    ("torch.serialization", "_get_layout")}  # the last looks a layout up by name
+_ALLOWED_GLOBALS = {
+    ("collections", "OrderedDict"),
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"),
+    ("torch.serialization", "_get_layout"),
+}  # the last looks a layout up by name
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -101,6 +105,7 @@ class SafeReader(dcp.FileSystemReader):
 
 # --- the model digest across pipeline ranks ------------------------------------------------------
 
+
 def gathered_digest(model_sd: dict[str, torch.Tensor], contributes: bool) -> str | None:
     """store.model_digest of the whole model when each rank holds a part of it (collective).
 
@@ -117,20 +122,32 @@ def gathered_digest(model_sd: dict[str, torch.Tensor], contributes: bool) -> str
     dist.gather_object(full if contributes else None, parts, dst=0)
     if dist.get_rank() != 0:
         return None
-    merged = {}
-    for part in parts:
+    merged: dict = {}
+    for part in parts or []:
         merged.update(part or {})
     return store.model_digest(merged)
 
 
 # --- the job's checkpointer ---------------------------------------------------------------------
 
+
 class Checkpointer:
     """Saves and restores this rank's stages and optimizer; all methods are collectives."""
 
-    def __init__(self, run_dir: str | os.PathLike, stages: list[nn.Module], optimizer: torch.optim.Optimizer, *,
-                 model_cfg: ModelConfig, layout: str, contributes: bool, keep: int, async_save: bool = False,
-                 attempt: int = 0, info: dict | None = None):
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        stages: list[nn.Module],
+        optimizer: torch.optim.Optimizer,
+        *,
+        model_cfg: ModelConfig,
+        layout: str,
+        contributes: bool,
+        keep: int,
+        async_save: bool = False,
+        attempt: int = 0,
+        info: dict | None = None,
+    ):
         self.run_dir = Path(run_dir)
         self.root = self.run_dir / CHECKPOINTS
         # Stage modules under "0.", "1." ... so that one optimizer over all of them maps to names;
@@ -156,13 +173,17 @@ class Checkpointer:
     def _state(self) -> tuple[dict, dict, dict, dict]:
         msd, osd = get_state_dict(self.module, self.optimizer, options=self.options)
         model = {k.split(".", 1)[1]: v for k, v in msd.items()}
-        optim = {"state." + k.removeprefix("state.").split(".", 1)[1]: v
-                 for k, v in osd.items() if k.startswith("state.")}
+        optim = {
+            "state." + k.removeprefix("state.").split(".", 1)[1]: v for k, v in osd.items() if k.startswith("state.")
+        }
         return model, optim, msd, osd
 
     def _train_state(self, step: int, samples: int) -> dict:
-        return {"step": torch.tensor(step, dtype=torch.int64), "samples": torch.tensor(samples, dtype=torch.int64),
-                f"rng_rank{self.rank}": torch.get_rng_state()}
+        return {
+            "step": torch.tensor(step, dtype=torch.int64),
+            "samples": torch.tensor(samples, dtype=torch.int64),
+            f"rng_rank{self.rank}": torch.get_rng_state(),
+        }
 
     # saving ------------------------------------------------------------------------------------
     def save(self, step: int, samples: int, extra: dict | None = None) -> None:
@@ -181,7 +202,9 @@ class Checkpointer:
         manifest_extra = {"train": {"step": step, "samples": samples, **self.info, **(extra or {})}}
         if self.async_save:
             try:
-                fut = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(str(tmp)), process_group=self.async_group)
+                fut = dcp.async_save(
+                    state, storage_writer=dcp.FileSystemWriter(str(tmp)), process_group=self.async_group
+                )
             except (Exception, CheckpointException) as e:  # staging failed: report like a failed write
                 self._finish(step, final, tmp, digest, manifest_extra, f"{type(e).__name__}: {e}")
                 return
@@ -221,8 +244,9 @@ class Checkpointer:
         self._maybe_kill(step)
         if self.rank == 0 and error is None:
             try:
-                written = store.write_manifest(tmp, cfg=self.model_cfg, digest=digest, step=step,
-                                               layout=self.layout, extra=manifest_extra)
+                written = store.write_manifest(
+                    tmp, cfg=self.model_cfg, digest=digest, step=step, layout=self.layout, extra=manifest_extra
+                )
                 if final.exists():  # a damaged one that resume set aside would have been renamed
                     raise FourdError(f"{final} already exists")
                 store.commit(tmp, final)
@@ -237,17 +261,25 @@ class Checkpointer:
                 shutil.rmtree(tmp, ignore_errors=True)
                 previous = store.latest(self.run_dir)
                 error += f" ({_storage_state(self.root)})"
-                kept = f"the newest complete checkpoint, {previous.name}, is intact" if previous else \
-                    "there is no earlier checkpoint"
+                kept = (
+                    f"the newest complete checkpoint, {previous.name}, is intact"
+                    if previous
+                    else "there is no earlier checkpoint"
+                )
             else:
                 kept = "see rank 0"
-            raise FourdError(f"checkpoint step-{step} was not saved: {error}; {kept}; "
-                             f"free space under {self.root} (or lower checkpoint.keep) and run again to resume")
+            raise FourdError(
+                f"checkpoint step-{step} was not saved: {error}; {kept}; "
+                f"free space under {self.root} (or lower checkpoint.keep) and run again to resume"
+            )
         if self.rank == 0:
             size = sum(f["bytes"] for f in written["files"].values()) / 1e6
             took = time.perf_counter() - self.started
-            how = f"{took:.2f} s" if self.blocked is None else \
-                f"asynchronous: committed {took:.2f} s after it began, training waited {self.blocked:.2f} s"
+            how = (
+                f"{took:.2f} s"
+                if self.blocked is None
+                else f"asynchronous: committed {took:.2f} s after it began, training waited {self.blocked:.2f} s"
+            )
             print(f"fourd: checkpoint {final} saved (step {step}, {size:.1f} MB, {how})", flush=True)
             self._retain()
 
@@ -260,7 +292,7 @@ class Checkpointer:
 
     def _retain(self) -> None:
         complete = sorted(_complete(self.root))
-        for step, path in complete[:-self.keep]:
+        for _step, path in complete[: -self.keep]:
             shutil.rmtree(path, ignore_errors=True)
 
     def _barrier(self) -> None:
@@ -270,7 +302,7 @@ class Checkpointer:
     # resuming ----------------------------------------------------------------------------------
     def resume(self) -> tuple[int, int] | None:
         """Load the newest checkpoint that verifies; (step, samples), or None to start afresh."""
-        choice = None
+        choice: str | FourdError | None = None
         if self.rank == 0:
             try:
                 choice = str(self._choose()) if self.root.is_dir() else None
@@ -296,36 +328,51 @@ class Checkpointer:
             train[rng_key] = torch.get_rng_state()
         missing = sorted(f"model.{k}" for k in model if f"model.{k}" not in saved)
         if missing:
-            raise FourdError(f"{directory}: has no tensor {missing[0]} (and {len(missing) - 1} more): "
-                             "it was saved from another model; use another --run-dir")
+            raise FourdError(
+                f"{directory}: has no tensor {missing[0]} (and {len(missing) - 1} more): "
+                "it was saved from another model; use another --run-dir"
+            )
         dcp.load({"model": model, "optim": optim, "train": train}, storage_reader=reader)
         # back to the prefixed names the module and optimizer know
         prefixed = {k.split(".", 1)[1]: k for k in msd}
-        set_state_dict(self.module, self.optimizer,
-                       model_state_dict={prefixed[k]: v for k, v in model.items()},
-                       optim_state_dict={**osd, **{"state." + prefixed[k.removeprefix("state.").rsplit(".", 1)[0]]
-                                                   + "." + k.rsplit(".", 1)[1]: v for k, v in optim.items()}},
-                       options=self.options)
+        set_state_dict(
+            self.module,
+            self.optimizer,
+            model_state_dict={prefixed[k]: v for k, v in model.items()},
+            optim_state_dict={
+                **osd,
+                **{
+                    "state." + prefixed[k.removeprefix("state.").rsplit(".", 1)[0]] + "." + k.rsplit(".", 1)[1]: v
+                    for k, v in optim.items()
+                },
+            },
+            options=self.options,
+        )
         if rng_key in train:
             torch.set_rng_state(train[rng_key])
         step, samples = int(train["step"]), int(train["samples"])
         if self.rank == 0:
             where = "" if same_layout else f" (saved at layout {manifest['layout']}, resharded to {self.layout})"
             after = f" after restart {self.attempt}" if self.attempt else ""
-            print(f"fourd: resuming{after} from checkpoint {directory} at step {step}, sample {samples}{where}",
-                  flush=True)
+            print(
+                f"fourd: resuming{after} from checkpoint {directory} at step {step}, sample {samples}{where}",
+                flush=True,
+            )
         return step, samples
 
     def _choose(self) -> Path | None:
         """Rank 0: the newest checkpoint that verifies; damaged and partial ones are set aside loudly."""
         for partial in sorted(self.root.glob(".step-*.partial")):
-            warn(f"ignoring the incomplete checkpoint {partial} (a save was interrupted before its manifest "
-                 "was written); removing it")
+            warn(
+                f"ignoring the incomplete checkpoint {partial} (a save was interrupted before its manifest "
+                "was written); removing it"
+            )
             shutil.rmtree(partial, ignore_errors=True)
-        candidates = sorted(((int(p.name[5:]), p) for p in self.root.glob("step-*") if p.name[5:].isdigit()),
-                            reverse=True)
+        candidates = sorted(
+            ((int(p.name[5:]), p) for p in self.root.glob("step-*") if p.name[5:].isdigit()), reverse=True
+        )
         skipped = []
-        for step, path in candidates:
+        for _step, path in candidates:
             try:
                 manifest = store.verify(path)
             except FourdError as e:
@@ -335,11 +382,15 @@ class Checkpointer:
                 skipped.append(path.name)
                 continue
             if manifest["model"] != self.model_cfg.to_dict():
-                raise FourdError(f"{path} holds another model ({manifest['model']}); this run asks for "
-                                 f"{self.model_cfg.to_dict()}: use another --run-dir")
+                raise FourdError(
+                    f"{path} holds another model ({manifest['model']}); this run asks for "
+                    f"{self.model_cfg.to_dict()}: use another --run-dir"
+                )
             if skipped:
-                warn(f"falling back to the previous complete checkpoint {path.name} "
-                     f"(skipped damaged {', '.join(skipped)})")
+                warn(
+                    f"falling back to the previous complete checkpoint {path.name} "
+                    f"(skipped damaged {', '.join(skipped)})"
+                )
             return path
         if skipped:
             warn(f"no complete checkpoint left in {self.root}; starting from step 0")

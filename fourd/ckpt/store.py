@@ -83,14 +83,31 @@ def staging_dir(final_dir: str | os.PathLike) -> Path:
     return final.parent / f".{final.name}.partial"
 
 
-def write_manifest(directory: str | os.PathLike, *, cfg: ModelConfig, digest: str, step: int = 0,
-                   layout: str = "dp=1", extra: dict | None = None) -> dict:
+def write_manifest(
+    directory: str | os.PathLike,
+    *,
+    cfg: ModelConfig,
+    digest: str,
+    step: int = 0,
+    layout: str = "dp=1",
+    extra: dict | None = None,
+) -> dict:
     """Hash every file already in `directory` and write manifest.json; call it after the last data file."""
     directory = Path(directory)
-    files = {p.relative_to(directory).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256_file(p)}
-             for p in _data_files(directory)}
-    manifest = {"format": FORMAT, "version": VERSION, "step": int(step), "layout": str(layout),
-                "model": cfg.to_dict(), "model_digest": digest, **(extra or {}), "files": files}
+    files = {
+        p.relative_to(directory).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256_file(p)}
+        for p in _data_files(directory)
+    }
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": int(step),
+        "layout": str(layout),
+        "model": cfg.to_dict(),
+        "model_digest": digest,
+        **(extra or {}),
+        "files": files,
+    }
     path = directory / MANIFEST
     with open(path, "w") as f:
         json.dump(manifest, f, indent=1, sort_keys=True)
@@ -182,8 +199,14 @@ def _single_process(fn, *args, **kw):
         return fn(*args, no_dist=True, **kw)
 
 
-def save_model_checkpoint(directory: str | os.PathLike, cfg: ModelConfig, state_dict: dict[str, torch.Tensor],
-                          step: int = 0, layout: str = "dp=1", extra: dict | None = None) -> Path:
+def save_model_checkpoint(
+    directory: str | os.PathLike,
+    cfg: ModelConfig,
+    state_dict: dict[str, torch.Tensor],
+    step: int = 0,
+    layout: str = "dp=1",
+    extra: dict | None = None,
+) -> Path:
     """One process, full tensors: the checkpoint `fourd convert` writes and tests build."""
     final = Path(directory)
     if final.exists():
@@ -220,5 +243,7 @@ def load_model_checkpoint(directory: str | os.PathLike) -> tuple[ModelConfig, di
         raise FourdError(f"{directory}: holds no model tensors")
     _single_process(dcp.load, {"model": sd}, storage_reader=reader)
     if model_digest(sd) != manifest["model_digest"]:
-        raise FourdError(f"{directory}: model_digest of the loaded tensors differs from {MANIFEST}; the checkpoint is damaged")
+        raise FourdError(
+            f"{directory}: model_digest of the loaded tensors differs from {MANIFEST}; the checkpoint is damaged"
+        )
     return cfg, sd

@@ -67,6 +67,7 @@ def sweep_sizes(lo: int, hi: int) -> list[int]:
 
 # ---- inside a worker ------------------------------------------------------------------------
 
+
 def _prepare(op: str, nbytes: int, group, device):
     """The callable that runs `op` once on `nbytes`, and the number of float32 elements it moves."""
     import torch
@@ -97,10 +98,15 @@ def _prepare(op: str, nbytes: int, group, device):
         rank, inbox = dist.get_rank(group), torch.zeros_like(buf)
 
         def shift():
-            reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, buf, group=group, group_peer=(rank + 1) % n),
-                                           dist.P2POp(dist.irecv, inbox, group=group, group_peer=(rank - 1) % n)])
+            reqs = dist.batch_isend_irecv(
+                [
+                    dist.P2POp(dist.isend, buf, group=group, group_peer=(rank + 1) % n),
+                    dist.P2POp(dist.irecv, inbox, group=group, group_peer=(rank - 1) % n),
+                ]
+            )
             for r in reqs:
                 r.wait()
+
         return shift, count
     raise ValueError(f"unknown collective {op}")
 
@@ -129,8 +135,16 @@ def time_op(op: str, nbytes: int, iters: int, warmup: int, group=None) -> dict:
     size = count * 4
     t = statistics.median(times.tolist())
     algbw = size / t / 1e9
-    row = {"op": op, "nproc": n, "bytes": size, "time_s": t, "algbw_gbps": algbw,
-           "busbw_gbps": algbw * bus_factor(op, n), "iters": iters, "backend": dist.get_backend(group)}
+    row = {
+        "op": op,
+        "nproc": n,
+        "bytes": size,
+        "time_s": t,
+        "algbw_gbps": algbw,
+        "busbw_gbps": algbw * bus_factor(op, n),
+        "iters": iters,
+        "backend": dist.get_backend(group),
+    }
     if op == "ring":
         row.update(steps=result.steps, bytes_sent_per_rank=result.bytes_sent)
     return row
@@ -148,11 +162,15 @@ def _device():
 
 # ---- command line ---------------------------------------------------------------------------
 
+
 def add_arguments(p):
-    p.add_argument("--op", default="all_reduce", choices=COLLECTIVES + ("all",),
-                   help="collective to time (default all_reduce; `all` runs every one)")
-    p.add_argument("--nproc", type=int, default=None,
-                   help="ranks to launch (default: the GPUs, or 2 on CPU)")
+    p.add_argument(
+        "--op",
+        default="all_reduce",
+        choices=COLLECTIVES + ("all",),
+        help="collective to time (default all_reduce; `all` runs every one)",
+    )
+    p.add_argument("--nproc", type=int, default=None, help="ranks to launch (default: the GPUs, or 2 on CPU)")
     p.add_argument("--min-bytes", default="1K", help="smallest message (default 1K)")
     p.add_argument("--max-bytes", default=None, help="largest message (default 256M on GPUs, 64M on CPU)")
     p.add_argument("--iters", type=int, default=10, help="timed iterations per size (default 10)")
@@ -163,7 +181,9 @@ def add_arguments(p):
 def run(args) -> int:
     lo = parse_bytes(args.min_bytes)
     if args.iters < 1 or args.warmup < 0:
-        raise FourdError(f"--iters {args.iters} --warmup {args.warmup}: need at least 1 timed iteration and no negative warm-up")
+        raise FourdError(
+            f"--iters {args.iters} --warmup {args.warmup}: need at least 1 timed iteration and no negative warm-up"
+        )
     import torch
 
     from fourd.comm.launch import backend, run_workers
@@ -185,6 +205,8 @@ def run(args) -> int:
     print(f"# {backend()}, {nproc} ranks, float32, median of {args.iters} timed iterations after {args.warmup} warm-up")
     print(f"{'op':>14} {'size':>8} {'bytes':>11} {'time (us)':>11} {'algbw GB/s':>11} {'busbw GB/s':>11}")
     for r in rows:
-        print(f"{r['op']:>14} {fmt_bytes(r['bytes']):>8} {r['bytes']:>11} {r['time_s'] * 1e6:>11.1f} "
-              f"{r['algbw_gbps']:>11.3f} {r['busbw_gbps']:>11.3f}")
+        print(
+            f"{r['op']:>14} {fmt_bytes(r['bytes']):>8} {r['bytes']:>11} {r['time_s'] * 1e6:>11.1f} "
+            f"{r['algbw_gbps']:>11.3f} {r['busbw_gbps']:>11.3f}"
+        )
     return 0

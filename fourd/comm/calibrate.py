@@ -41,11 +41,16 @@ from pathlib import Path
 
 from fourd.errors import FourdError
 
-DEVICES = 8           # worker processes taken as one node
+DEVICES = 8  # worker processes taken as one node
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 PLANS = {
     #            gemm sizes (square)                                              group sizes  message sizes       iters
-    "full": ((16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048), (2, 4, 8), (1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24), 10),
+    "full": (
+        (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048),
+        (2, 4, 8),
+        (1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24),
+        10,
+    ),
     "quick": ((16, 32, 64, 128, 256), (2, 4), (1 << 10, 1 << 14, 1 << 20, 1 << 22), 4),
 }
 SHAPES = {
@@ -53,10 +58,10 @@ SHAPES = {
     "full": ((256, 1024, 4096), (64, 256, 1024), (64, 256, 1024), (16, 32, 64, 128)),
     "quick": ((256, 1024), (64, 256), (128, 256), (32,)),
 }
-CONCURRENT_N = 512        # matmul size timed on every core at once
-SAMPLE_S = 0.03           # timed per training-shape sample (best of batches)
-SMALL_MESSAGE = 1 << 14   # at most this: time is latency (alpha)
-LARGE_MESSAGE = 1 << 18   # at least this: time is mostly bandwidth (beta)
+CONCURRENT_N = 512  # matmul size timed on every core at once
+SAMPLE_S = 0.03  # timed per training-shape sample (best of batches)
+SMALL_MESSAGE = 1 << 14  # at most this: time is latency (alpha)
+LARGE_MESSAGE = 1 << 18  # at least this: time is mostly bandwidth (beta)
 
 
 def best_seconds(fn, seconds: float) -> float:
@@ -104,9 +109,11 @@ def training_gemms(tokens, dims, seconds: float = SAMPLE_S) -> list[tuple[int, i
             for d_out in dims:
                 x, w, dy = torch.randn(t, d_in), torch.randn(d_out, d_in), torch.randn(t, d_out)
                 flops = 2 * t * d_in * d_out / 1e12
-                for shape, fn in (((t, d_out, d_in), lambda: torch.mm(x, w.t())),
-                                  ((t, d_in, d_out), lambda: torch.mm(dy, w)),
-                                  ((d_in, d_out, t), lambda: torch.mm(dy.t(), x))):
+                for shape, fn in (
+                    ((t, d_out, d_in), lambda: torch.mm(x, w.t())),
+                    ((t, d_in, d_out), lambda: torch.mm(dy, w)),
+                    ((d_in, d_out, t), lambda: torch.mm(dy.t(), x)),
+                ):
                     out.append((*shape, flops / best_seconds(fn, seconds)))
     return out
 
@@ -177,8 +184,7 @@ def elementwise_rate(tokens: int = 4096, seconds: float = 0.1) -> float:
 
     def forward():
         h = x + attn
-        return [norms[0](x), apply_rope(q, cos, sin), apply_rope(k, cos, sin), norms[1](h),
-                F.silu(gate) * up, h + ff]
+        return [norms[0](x), apply_rope(q, cos, sin), apply_rope(k, cos, sin), norms[1](h), F.silu(gate) * up, h + ff]
 
     grads = [torch.randn_like(t) for t in forward()]
 
@@ -295,8 +301,19 @@ def measure(plan: str) -> dict:
         for g in (2,) if op == "send" else group_sizes:
             alpha, beta = fit_alpha_beta([(r["bytes"], r["time_s"]) for r in rows if r["op"] == op and r["nproc"] == g])
             fits[(op, g)] = (alpha, beta)
-    return {"cores": cores, "gemm": gemm, "peak_tflops": peak, "concurrent_tflops": concurrent, "copy_gbps": bandwidth, "fits": fits, "rows": rows,
-            "gemm_shapes": shaped, "attention": attention, "elementwise_gbps": elementwise, "optimizer_gbps": optimizer}
+    return {
+        "cores": cores,
+        "gemm": gemm,
+        "peak_tflops": peak,
+        "concurrent_tflops": concurrent,
+        "copy_gbps": bandwidth,
+        "fits": fits,
+        "rows": rows,
+        "gemm_shapes": shaped,
+        "attention": attention,
+        "elementwise_gbps": elementwise,
+        "optimizer_gbps": optimizer,
+    }
 
 
 def _memory_gb() -> float:
@@ -363,16 +380,34 @@ def profile_toml(m: dict, command: str) -> str:
     for gm, gn, gk, tflops in m["gemm_shapes"]:
         out += ["[[gpu.gemm_shapes]]", f"m = {gm}", f"n = {gn}", f"k = {gk}", f"tflops = {tflops:.6g}", ""]
     for seq, hd, fwd, bwd, masked_fwd, masked_bwd in m["attention"]:
-        out += ["[[gpu.attention]]", f"seq = {seq}", f"head_dim = {hd}", f"fwd_tflops = {fwd:.6g}",
-                f"bwd_tflops = {bwd:.6g}", f"masked_fwd_tflops = {masked_fwd:.6g}", f"masked_bwd_tflops = {masked_bwd:.6g}", ""]
+        out += [
+            "[[gpu.attention]]",
+            f"seq = {seq}",
+            f"head_dim = {hd}",
+            f"fwd_tflops = {fwd:.6g}",
+            f"bwd_tflops = {bwd:.6g}",
+            f"masked_fwd_tflops = {masked_fwd:.6g}",
+            f"masked_bwd_tflops = {masked_bwd:.6g}",
+            "",
+        ]
     for (op, g), (a, b) in m["fits"].items():
-        out += ["[[collectives]]", f'op = "{op}"', f"nproc = {g}", f"alpha_s = {a:.6g}", f"beta_s_per_byte = {b:.6g}", ""]
+        out += [
+            "[[collectives]]",
+            f'op = "{op}"',
+            f"nproc = {g}",
+            f"alpha_s = {a:.6g}",
+            f"beta_s_per_byte = {b:.6g}",
+            "",
+        ]
     return "\n".join(out)
 
 
 def add_arguments(p):
-    p.add_argument("--out", default=None,
-                   help="where to write the profile (default $FOURD_HOME/clusters/local.toml, FOURD_HOME defaults to ~/.fourd)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="where to write the profile (default $FOURD_HOME/clusters/local.toml, FOURD_HOME defaults to ~/.fourd)",
+    )
     p.add_argument("--quick", action="store_true", help="a coarser, smaller sweep (about 8 s)")
 
 
@@ -393,18 +428,28 @@ def run(args) -> int:
     cluster = load_cluster(str(out))
     best = max(m["gemm"], key=lambda x: x[1])
     print(f"wrote {out}")
-    print(f"  matmul FP32: {cluster.gpu.peak_tflops * 1e3:.1f} GFLOP/s on all {m['cores']} cores "
-          f"({m['concurrent_tflops'] * 1e3:.1f} as one worker per core); one worker "
-          f"{best[1] * 1e3:.1f} GFLOP/s at n={best[0]}, {m['gemm'][0][1] * 1e3:.2f} at n={m['gemm'][0][0]}")
+    print(
+        f"  matmul FP32: {cluster.gpu.peak_tflops * 1e3:.1f} GFLOP/s on all {m['cores']} cores "
+        f"({m['concurrent_tflops'] * 1e3:.1f} as one worker per core); one worker "
+        f"{best[1] * 1e3:.1f} GFLOP/s at n={best[0]}, {m['gemm'][0][1] * 1e3:.2f} at n={m['gemm'][0][0]}"
+    )
     rates = sorted(g.tflops for g in cluster.gpu.gemm_shapes)
     attn = [a.fwd_tflops for a in cluster.gpu.attention]
-    print(f"  training-shape GEMMs: {rates[0] * 1e3:.1f} to {rates[-1] * 1e3:.1f} GFLOP/s (median "
-          f"{statistics.median(rates) * 1e3:.1f}) over {len(rates)} shapes; attention forward "
-          f"{min(attn) * 1e3:.1f} to {max(attn) * 1e3:.1f} GFLOP/s")
-    print(f"  eager elementwise ops {cluster.gpu.elementwise_gbps:.2f} GB/s, AdamW {cluster.gpu.optimizer_gbps:.2f} GB/s "
-          "(planner-counted bytes)")
-    print(f"  memory copy: {cluster.gpu.hbm_bw_gbps:.2f} GB/s; send/recv {cluster.node.intra_bw_gbps:.3f} GB/s, "
-          f"{cluster.node.intra_latency_us:.0f} us")
+    print(
+        f"  training-shape GEMMs: {rates[0] * 1e3:.1f} to {rates[-1] * 1e3:.1f} GFLOP/s (median "
+        f"{statistics.median(rates) * 1e3:.1f}) over {len(rates)} shapes; attention forward "
+        f"{min(attn) * 1e3:.1f} to {max(attn) * 1e3:.1f} GFLOP/s"
+    )
+    print(
+        f"  eager elementwise ops {cluster.gpu.elementwise_gbps:.2f} GB/s, AdamW {cluster.gpu.optimizer_gbps:.2f} GB/s "
+        "(planner-counted bytes)"
+    )
+    print(
+        f"  memory copy: {cluster.gpu.hbm_bw_gbps:.2f} GB/s; send/recv {cluster.node.intra_bw_gbps:.3f} GB/s, "
+        f"{cluster.node.intra_latency_us:.0f} us"
+    )
     for s in cluster.collectives:
-        print(f"  {s.op:>14} x{s.nproc}: alpha {s.alpha_s * 1e6:8.1f} us  1/beta {1 / s.beta_s_per_byte / 1e9:6.3f} GB/s")
+        print(
+            f"  {s.op:>14} x{s.nproc}: alpha {s.alpha_s * 1e6:8.1f} us  1/beta {1 / s.beta_s_per_byte / 1e9:6.3f} GB/s"
+        )
     return 0

@@ -36,8 +36,9 @@ def _worker(rank: int, nproc: int, port: int, out_dir: str, fn, args, timeout_s:
     be = backend()
     if be == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(be, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=nproc,
-                            timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        be, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=nproc, timeout=timedelta(seconds=timeout_s)
+    )
     try:
         result = fn(rank, nproc, *args)
         with open(Path(out_dir) / f"{rank}.pkl", "wb") as f:
@@ -58,8 +59,9 @@ def run_workers(fn, nproc: int, args: tuple = (), timeout_s: float = 300.0) -> l
     # shared core); CUDA cannot be forked into, so GPU workers are spawned.
     method = "spawn" if backend() == "nccl" else "fork"
     with tempfile.TemporaryDirectory(prefix="fourd-comm-") as out:
-        ctx = mp.start_processes(_worker, args=(nproc, free_port(), out, fn, args, timeout_s),
-                                 nprocs=nproc, join=False, start_method=method)
+        ctx = mp.start_processes(
+            _worker, args=(nproc, free_port(), out, fn, args, timeout_s), nprocs=nproc, join=False, start_method=method
+        )
         deadline = time.monotonic() + timeout_s
         while not ctx.join(timeout=1.0):
             if time.monotonic() > deadline:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-SEGMENT_BYTES = 4 << 20   # best of 256 KiB, 1 MiB, 4 MiB and whole chunks here (docs/comm.md)
+SEGMENT_BYTES = 4 << 20  # best of 256 KiB, 1 MiB, 4 MiB and whole chunks here (docs/comm.md)
 
 _COMBINE = {
     dist.ReduceOp.SUM: torch.Tensor.add_,
@@ -33,14 +33,18 @@ class RingStats:
     """What one rank did in one ring all-reduce."""
 
     world: int
-    steps: int = 0        # ring steps: N−1 reduce-scatter + N−1 all-gather
-    bytes_sent: int = 0   # payload this rank sent, padding included
-    pad_elems: int = 0    # zeros appended so that N divides the length
-    messages: int = 0     # point-to-point sends (steps × segments)
+    steps: int = 0  # ring steps: N−1 reduce-scatter + N−1 all-gather
+    bytes_sent: int = 0  # payload this rank sent, padding included
+    pad_elems: int = 0  # zeros appended so that N divides the length
+    messages: int = 0  # point-to-point sends (steps × segments)
 
 
-def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None,
-                    op=dist.ReduceOp.SUM, segment_bytes: int = SEGMENT_BYTES) -> RingStats:
+def ring_all_reduce(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    op=dist.ReduceOp.SUM,
+    segment_bytes: int = SEGMENT_BYTES,
+) -> RingStats:
     """Reduce `tensor` in place across `group` (default: the world), like `dist.all_reduce`."""
     if op not in _COMBINE:
         raise ValueError(f"ring_all_reduce supports SUM, PRODUCT, MAX and MIN, not {op}")
@@ -76,8 +80,10 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
         tag = t * n_seg + j  # one tag per message: segments in flight at once never match the wrong receive
         stats.bytes_sent += seg.numel() * seg.element_size()
         stats.messages += 1
-        return (dist.isend(seg, group=group, group_dst=nxt, tag=tag),
-                dist.irecv(target, group=group, group_src=prv, tag=tag))
+        return (
+            dist.isend(seg, group=group, group_dst=nxt, tag=tag),
+            dist.irecv(target, group=group, group_src=prv, tag=tag),
+        )
 
     # A segment received in place at step t + 1 may still be in this rank's send of step t only when
     # N = 2, and then the peer has received that send in full before it sends the segment back.
@@ -97,7 +103,7 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
         stats.steps += 1
 
     if buf is not flat:
-        flat.copy_(buf[:flat.numel()])
+        flat.copy_(buf[: flat.numel()])
     if flat.data_ptr() != tensor.data_ptr():
         tensor.copy_(flat.view_as(tensor))
     return stats

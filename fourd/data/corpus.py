@@ -23,8 +23,9 @@ def _read_text(path: Path, strict: bool) -> str | None:
         return path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as e:
         if strict:
-            raise FourdError(f"data file {str(path)!r} is not UTF-8 text (byte {e.start}): convert it to UTF-8 "
-                             "or leave it out") from None
+            raise FourdError(
+                f"data file {str(path)!r} is not UTF-8 text (byte {e.start}): convert it to UTF-8 or leave it out"
+            ) from None
         return None
     except OSError as e:
         raise FourdError(f"data file {str(path)!r} cannot be read: {e.strerror}") from None
@@ -42,15 +43,18 @@ def _jsonl_docs(path: Path) -> list[str]:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            raise FourdError(f"{path}:{n}: not valid JSON ({e.msg}); each line must be an object with a \"text\" field") from None
+            raise FourdError(
+                f'{path}:{n}: not valid JSON ({e.msg}); each line must be an object with a "text" field'
+            ) from None
         if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-            raise FourdError(f"{path}:{n}: no string field \"text\"; each line must be an object with a \"text\" field")
+            raise FourdError(f'{path}:{n}: no string field "text"; each line must be an object with a "text" field')
         docs.append(obj["text"])
     return docs
 
 
 def read_documents(path: str) -> tuple[list[str], str]:
     """The documents of a corpus, and a short description of where they came from."""
+    docs: list
     if not path:
         files = stdlib_files()
         # A few stdlib test files are deliberately not UTF-8; the default corpus skips them.
@@ -58,9 +62,13 @@ def read_documents(path: str) -> tuple[list[str], str]:
         return docs, f"Python standard library ({len(docs)} files)"
     p = Path(path).expanduser()
     if not p.exists():
-        raise FourdError(f"data path {path!r} does not exist: give a text file, a folder of text files or a .jsonl file")
+        raise FourdError(
+            f"data path {path!r} does not exist: give a text file, a folder of text files or a .jsonl file"
+        )
     if p.is_dir():
-        files = sorted(f for f in p.rglob("*") if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts))
+        files = sorted(
+            f for f in p.rglob("*") if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts)
+        )
         docs = []
         for f in files:
             docs.extend(_jsonl_docs(f) if f.suffix == ".jsonl" else [_read_text(f, strict=True)])
@@ -71,7 +79,7 @@ def read_documents(path: str) -> tuple[list[str], str]:
     else:
         docs = [_read_text(p, strict=True)]
         where = path
-    docs = [d for d in docs if d]
-    if not docs:
+    texts = [d for d in docs if d]
+    if not texts:
         raise FourdError(f"data path {path!r} holds no text: give a non-empty text file, folder or .jsonl file")
-    return docs, where
+    return texts, where

@@ -73,8 +73,13 @@ def prepare(data_path: str, tokenizer_spec: str, cache_dir: str = "") -> TokenCa
     tmp = root / f".tokens-{key}.{os.getpid()}.tmp"
     arr.astype(dtype).tofile(tmp)
     os.replace(tmp, bin_path)
-    meta = {"tokens": int(arr.size), "vocab_size": tok.vocab_size, "dtype": dtype, "tokenizer": tok.identity(),
-            "source": source}
+    meta = {
+        "tokens": int(arr.size),
+        "vocab_size": tok.vocab_size,
+        "dtype": dtype,
+        "tokenizer": tok.identity(),
+        "source": source,
+    }
     tmp_meta = root / f".tokens-{key}.{os.getpid()}.json.tmp"
     tmp_meta.write_text(json.dumps(meta))
     os.replace(tmp_meta, meta_path)
@@ -90,8 +95,10 @@ class SampleStream:
         self.train_tokens = int(cache.tokens * (1 - holdout_fraction))
         self.windows = (self.train_tokens - 1) // seq_len
         if self.windows < 1:
-            raise FourdError(f"the corpus has {cache.tokens} tokens, too few for one sequence of {seq_len}: "
-                             "give more text or a smaller data.seq_len")
+            raise FourdError(
+                f"the corpus has {cache.tokens} tokens, too few for one sequence of {seq_len}: "
+                "give more text or a smaller data.seq_len"
+            )
         self._perm_epoch, self._perm = -1, None
 
     def _order(self, epoch: int) -> np.ndarray:
@@ -103,11 +110,11 @@ class SampleStream:
     def sample(self, index: int) -> np.ndarray:
         epoch, j = divmod(index, self.windows)
         start = int(self._order(epoch)[j]) * self.seq_len
-        return np.asarray(self.tokens[start:start + self.seq_len + 1], dtype=np.int64)
+        return np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64)
 
     def samples(self, first: int, count: int) -> np.ndarray:
         """[count, seq_len + 1] token ids of samples first .. first + count − 1."""
         return np.stack([self.sample(first + k) for k in range(count)])
 
     def holdout(self) -> np.ndarray:
-        return np.asarray(self.tokens[self.train_tokens:], dtype=np.int64)
+        return np.asarray(self.tokens[self.train_tokens :], dtype=np.int64)

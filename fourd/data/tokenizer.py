@@ -22,12 +22,14 @@ class ByteTokenizer:
 
 
 def load_tokenizer(spec: str):
-    """"byte", or a local file: a Hugging Face tokenizer.json or a tiktoken-format BPE file."""
+    """ "byte", or a local file: a Hugging Face tokenizer.json or a tiktoken-format BPE file."""
     if spec in ("", "byte"):
         return ByteTokenizer()
     if not Path(spec).is_file():
-        raise FourdError(f"tokenizer {spec!r}: not 'byte' and not a file; give 'byte' or the path of a "
-                         "tokenizer.json or tiktoken BPE file")
+        raise FourdError(
+            f"tokenizer {spec!r}: not 'byte' and not a file; give 'byte' or the path of a "
+            "tokenizer.json or tiktoken BPE file"
+        )
     from fourd.hf.tokenizers import load_tokenizer_file
 
     return load_tokenizer_file(spec)

@@ -34,8 +34,12 @@ def add_arguments(p) -> None:
     p.add_argument("src", metavar="SRC", help="directory to read")
     p.add_argument("--to", dest="dst_format", required=True, choices=("hf", "fourd"), help="format of DST")
     p.add_argument("dst", metavar="DST", help="directory to create (must not exist)")
-    p.add_argument("--shard-mb", type=int, default=5000,
-                   help="Hugging Face export: largest safetensors file in MB; more becomes shards plus an index")
+    p.add_argument(
+        "--shard-mb",
+        type=int,
+        default=5000,
+        help="Hugging Face export: largest safetensors file in MB; more becomes shards plus an index",
+    )
 
 
 def run(args) -> int:
@@ -44,20 +48,29 @@ def run(args) -> int:
     elif (args.src_format, args.dst_format) == ("fourd", "hf"):
         cfg = fourd_to_hf(args.src, args.dst, shard_bytes=args.shard_mb * 1_000_000)
     else:
-        raise FourdError(f"--from {args.src_format} --to {args.dst_format}: convert between hf and fourd, "
-                         "one each way")
+        raise FourdError(f"--from {args.src_format} --to {args.dst_format}: convert between hf and fourd, one each way")
     print(f"wrote {args.dst} ({args.dst_format}): {cfg.layers} layers, dim {cfg.dim}, {cfg.params():,} parameters")
     return 0
 
 
 # ---- names and the rotary layout -------------------------------------------------------------------
 
-_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight"}
-_BLOCK = {"attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-          "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
-          "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
-          "feed_forward.w1": "mlp.gate_proj", "feed_forward.w2": "mlp.down_proj", "feed_forward.w3": "mlp.up_proj"}
+_TOP = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK = {
+    "attention_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attention.wq": "self_attn.q_proj",
+    "attention.wk": "self_attn.k_proj",
+    "attention.wv": "self_attn.v_proj",
+    "attention.wo": "self_attn.o_proj",
+    "feed_forward.w1": "mlp.gate_proj",
+    "feed_forward.w2": "mlp.down_proj",
+    "feed_forward.w3": "mlp.up_proj",
+}
 
 
 def hf_name(name: str) -> str:
@@ -98,6 +111,7 @@ def _shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 # ---- Hugging Face -> fourd -------------------------------------------------------------------------
 
+
 def read_hf_config(src: Path) -> tuple[ModelConfig, dict]:
     path = src / "config.json"
     if not path.is_file():
@@ -128,18 +142,27 @@ def read_hf_config(src: Path) -> tuple[ModelConfig, dict]:
             raise FourdError(f"{path}: field {key!r} = {hf[key]!r} is not supported (fourd's Llama has {want!r})")
     rope = hf.get("rope_parameters") or {}
     if hf.get("rope_scaling"):
-        raise FourdError(f"{path}: field 'rope_scaling' = {hf['rope_scaling']!r} is not supported; fourd implements plain RoPE")
+        raise FourdError(
+            f"{path}: field 'rope_scaling' = {hf['rope_scaling']!r} is not supported; fourd implements plain RoPE"
+        )
     if rope.get("rope_type", "default") != "default":
-        raise FourdError(f"{path}: field 'rope_parameters.rope_type' = {rope['rope_type']!r} is not supported; "
-                         "fourd implements plain RoPE")
+        raise FourdError(
+            f"{path}: field 'rope_parameters.rope_type' = {rope['rope_type']!r} is not supported; "
+            "fourd implements plain RoPE"
+        )
     dim, heads = integer("hidden_size"), integer("num_attention_heads")
     cfg = ModelConfig(
-        layers=integer("num_hidden_layers"), dim=dim, ffn=integer("intermediate_size"), heads=heads,
-        kv_heads=integer("num_key_value_heads", heads), vocab=integer("vocab_size"),
+        layers=integer("num_hidden_layers"),
+        dim=dim,
+        ffn=integer("intermediate_size"),
+        heads=heads,
+        kv_heads=integer("num_key_value_heads", heads),
+        vocab=integer("vocab_size"),
         head_dim=integer("head_dim", dim // heads),
         norm_eps=number("rms_norm_eps", hf.get("rms_norm_eps", _HF_DEFAULTS["rms_norm_eps"])),
         rope_theta=number("rope_theta", rope.get("rope_theta", hf.get("rope_theta", _HF_DEFAULTS["rope_theta"]))),
-        max_seq=integer("max_position_embeddings", _HF_DEFAULTS["max_position_embeddings"]))
+        max_seq=integer("max_position_embeddings", _HF_DEFAULTS["max_position_embeddings"]),
+    )
     return cfg, hf
 
 
@@ -158,7 +181,11 @@ def _safetensors_files(src: Path) -> list[Path]:
     files = sorted(src.glob("*.safetensors"))
     if not files:
         bins = sorted(p.name for p in src.glob("*.bin"))
-        hint = f" ({bins[0]} is a pickle, which fourd does not load; save the model with safe_serialization)" if bins else ""
+        hint = (
+            f" ({bins[0]} is a pickle, which fourd does not load; save the model with safe_serialization)"
+            if bins
+            else ""
+        )
         raise FourdError(f"{src}: no .safetensors files{hint}")
     return files
 
@@ -170,7 +197,7 @@ def read_hf_tensors(src: Path) -> dict[str, torch.Tensor]:
     for f in _safetensors_files(src):
         try:
             with safe_open(str(f), framework="pt") as st:
-                for k in st.keys():
+                for k in st.keys():  # noqa: SIM118 - safe_open is not iterable
                     if k in tensors:
                         raise FourdError(f"{f}: tensor {k} also appears in another file")
                     tensors[k] = st.get_tensor(k)
@@ -196,8 +223,10 @@ def hf_to_fourd_state_dict(cfg: ModelConfig, hf: dict, tensors: dict[str, torch.
             w = halves_to_interleaved(w, cfg.heads if name.endswith("wq.weight") else cfg.kv_heads)
         sd[name] = w
     if tensors:
-        raise FourdError(f"tensor {sorted(tensors)[0]} is not part of a {ARCHITECTURE} "
-                         f"({len(tensors)} unexpected tensor(s)); fourd would drop it")
+        raise FourdError(
+            f"tensor {sorted(tensors)[0]} is not part of a {ARCHITECTURE} "
+            f"({len(tensors)} unexpected tensor(s)); fourd would drop it"
+        )
     return sd
 
 
@@ -213,21 +242,36 @@ def hf_to_fourd(src: str | os.PathLike, dst: str | os.PathLike) -> tuple[ModelCo
 
 # ---- fourd -> Hugging Face -------------------------------------------------------------------------
 
+
 def hf_config(cfg: ModelConfig, dtype: torch.dtype, base: dict | None = None) -> dict:
     """config.json for `cfg`; `base` (the imported model's own config) keeps its other keys, e.g. token ids."""
     dtype_name = str(dtype).removeprefix("torch.")
     out = dict(base or {"bos_token_id": None, "eos_token_id": None})
     out.pop("rope_scaling", None)
-    out.update({
-        "architectures": [ARCHITECTURE], "model_type": "llama", "hidden_act": "silu",
-        "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
-        "hidden_size": cfg.dim, "intermediate_size": cfg.ffn, "num_hidden_layers": cfg.layers,
-        "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
-        "vocab_size": cfg.vocab, "rms_norm_eps": cfg.norm_eps, "max_position_embeddings": cfg.max_seq,
-        # Older readers take rope_theta at the top, newer ones from rope_parameters.
-        "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "torch_dtype": dtype_name, "dtype": dtype_name,
-    })
+    out.update(
+        {
+            "architectures": [ARCHITECTURE],
+            "model_type": "llama",
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+            "tie_word_embeddings": False,
+            "hidden_size": cfg.dim,
+            "intermediate_size": cfg.ffn,
+            "num_hidden_layers": cfg.layers,
+            "num_attention_heads": cfg.heads,
+            "num_key_value_heads": cfg.kv_heads,
+            "head_dim": cfg.head_dim,
+            "vocab_size": cfg.vocab,
+            "rms_norm_eps": cfg.norm_eps,
+            "max_position_embeddings": cfg.max_seq,
+            # Older readers take rope_theta at the top, newer ones from rope_parameters.
+            "rope_theta": cfg.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+            "torch_dtype": dtype_name,
+            "dtype": dtype_name,
+        }
+    )
     return out
 
 
@@ -281,9 +325,11 @@ def write_hf(dst: Path, config: dict, tensors: dict[str, torch.Tensor], shard_by
             for i, shard in enumerate(shards, 1):
                 fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
                 save_file(shard, str(tmp / fname), metadata={"format": "pt"})
-                weight_map.update({k: fname for k in shard})
+                weight_map.update(dict.fromkeys(shard, fname))
             total = sum(t.numel() * t.element_size() for t in tensors.values())
-            (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+            (tmp / INDEX).write_text(
+                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+            )
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         os.rename(tmp, dst)
     except BaseException:

@@ -27,23 +27,42 @@ from fourd.errors import FourdError
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--ckpt", required=True, metavar="DIR", help="a fourd checkpoint, or a run directory (its newest checkpoint)")
+    p.add_argument(
+        "--ckpt", required=True, metavar="DIR", help="a fourd checkpoint, or a run directory (its newest checkpoint)"
+    )
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompt", metavar="TEXT", help="prompt text, encoded with --tokenizer")
     what.add_argument("--prompt-ids", metavar="IDS", help="prompt token ids, comma separated")
     what.add_argument("--eval-file", metavar="FILE", help="score this text file instead: per-token NLL and perplexity")
-    what.add_argument("--eval-holdout", nargs="?", const="", metavar="CORPUS",
-                      help="score the held-out tail of a training corpus (default: the standard library, as `fourd train`)")
+    what.add_argument(
+        "--eval-holdout",
+        nargs="?",
+        const="",
+        metavar="CORPUS",
+        help="score the held-out tail of a training corpus (default: the standard library, as `fourd train`)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--greedy", action="store_true", help="always take the most likely token")
-    p.add_argument("--top-p", type=float, default=0.9, help="sample from the smallest set of tokens holding this much probability")
+    p.add_argument(
+        "--top-p", type=float, default=0.9, help="sample from the smallest set of tokens holding this much probability"
+    )
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--stop-id", type=int, action="append", metavar="ID", help="stop after generating this id (repeatable)")
-    p.add_argument("--tokenizer", default="byte", metavar="PATH", help="'byte' (default), tokenizer.json or a tiktoken BPE file")
-    p.add_argument("--eval-seq", type=int, default=None, help="scoring: tokens per window (default: min(model max_seq, 1024))")
-    p.add_argument("--eval-tokens", type=int, default=65536, help="--eval-holdout: score the first N held-out tokens (0: all)")
-    p.add_argument("--holdout-fraction", type=float, default=0.01, help="--eval-holdout: the run's data.holdout_fraction")
+    p.add_argument(
+        "--stop-id", type=int, action="append", metavar="ID", help="stop after generating this id (repeatable)"
+    )
+    p.add_argument(
+        "--tokenizer", default="byte", metavar="PATH", help="'byte' (default), tokenizer.json or a tiktoken BPE file"
+    )
+    p.add_argument(
+        "--eval-seq", type=int, default=None, help="scoring: tokens per window (default: min(model max_seq, 1024))"
+    )
+    p.add_argument(
+        "--eval-tokens", type=int, default=65536, help="--eval-holdout: score the first N held-out tokens (0: all)"
+    )
+    p.add_argument(
+        "--holdout-fraction", type=float, default=0.01, help="--eval-holdout: the run's data.holdout_fraction"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -64,18 +83,37 @@ def run(args) -> int:
         try:
             prompt = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
         except ValueError:
-            raise FourdError(f"--prompt-ids {args.prompt_ids!r}: give integers separated by commas, e.g. 5,17,42") from None
+            raise FourdError(
+                f"--prompt-ids {args.prompt_ids!r}: give integers separated by commas, e.g. 5,17,42"
+            ) from None
     else:
         prompt = tok.encode(args.prompt)
     stop = args.stop_id if args.stop_id is not None else _eos_ids(manifest)
     t0 = time.perf_counter()
-    ids = generate(model, prompt, args.max_new_tokens, greedy=args.greedy, top_p=args.top_p,
-                   temperature=args.temperature, seed=args.seed, stop_ids=stop)
+    ids = generate(
+        model,
+        prompt,
+        args.max_new_tokens,
+        greedy=args.greedy,
+        top_p=args.top_p,
+        temperature=args.temperature,
+        seed=args.seed,
+        stop_ids=stop,
+    )
     elapsed = time.perf_counter() - t0
     text = tok.decode([i for i in ids if i < tok.vocab_size])
     if args.json:
-        print(json.dumps({"ids": ids, "prompt_ids": prompt, "text": text, "new_tokens": len(ids),
-                          "tokens_per_s": len(ids) / elapsed if elapsed > 0 else None}))
+        print(
+            json.dumps(
+                {
+                    "ids": ids,
+                    "prompt_ids": prompt,
+                    "text": text,
+                    "new_tokens": len(ids),
+                    "tokens_per_s": len(ids) / elapsed if elapsed > 0 else None,
+                }
+            )
+        )
     else:
         print(text)
     return 0
@@ -84,7 +122,7 @@ def run(args) -> int:
 def _run_eval(args, model, tok) -> int:
     if args.eval_holdout is not None:
         ids = holdout_ids(args.eval_holdout, args.tokenizer, args.holdout_fraction)
-        ids = ids[:args.eval_tokens] if args.eval_tokens > 0 else ids
+        ids = ids[: args.eval_tokens] if args.eval_tokens > 0 else ids
     else:
         try:
             text = open(args.eval_file, encoding="utf-8").read()
@@ -96,7 +134,9 @@ def _run_eval(args, model, tok) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"{result['tokens']} tokens: {result['nll_per_token']:.4f} nats/token, perplexity {result['perplexity']:.3f}")
+        print(
+            f"{result['tokens']} tokens: {result['nll_per_token']:.4f} nats/token, perplexity {result['perplexity']:.3f}"
+        )
     return 0
 
 
@@ -120,13 +160,13 @@ def load_model(ckpt: str):
     from fourd.ckpt.store import load_model_checkpoint, read_manifest, resolve
     from fourd.model.llama import build_model
 
-    ckpt = resolve(ckpt)
-    cfg, sd = load_model_checkpoint(ckpt)
+    path = resolve(ckpt)
+    cfg, sd = load_model_checkpoint(path)
     if cfg.mlp != "swiglu":
         raise FourdError(f"{ckpt}: model.mlp = {cfg.mlp!r}; only Llama (swiglu) models run")
     model = build_model(cfg, seed=None)
     model.load_state_dict(sd)
-    return model.eval(), read_manifest(ckpt)
+    return model.eval(), read_manifest(path)
 
 
 class KVCache(nn.Module):
@@ -164,7 +204,7 @@ class ShiftedRope(nn.Module):
 
     def forward(self, seqlen: int) -> tuple[torch.Tensor, torch.Tensor]:
         end = self.offset + seqlen
-        return self.rope.cos[self.offset:end], self.rope.sin[self.offset:end]
+        return self.rope.cos[self.offset : end], self.rope.sin[self.offset : end]
 
 
 class Cached:
@@ -205,8 +245,16 @@ def sample(logits: torch.Tensor, greedy: bool, top_p: float, temperature: float,
     return int(idx[torch.multinomial(p * keep, 1, generator=gen)])
 
 
-def generate(model, prompt: list[int], max_new_tokens: int, greedy: bool = True, top_p: float = 1.0,
-             temperature: float = 1.0, seed: int = 0, stop_ids=()) -> list[int]:
+def generate(
+    model,
+    prompt: list[int],
+    max_new_tokens: int,
+    greedy: bool = True,
+    top_p: float = 1.0,
+    temperature: float = 1.0,
+    seed: int = 0,
+    stop_ids=(),
+) -> list[int]:
     """The generated ids (the prompt not included)."""
     cfg = model.cfg
     if not prompt:
@@ -215,8 +263,10 @@ def generate(model, prompt: list[int], max_new_tokens: int, greedy: bool = True,
     if bad:
         raise FourdError(f"prompt id {bad[0]} is outside the model's vocabulary 0..{cfg.vocab - 1}")
     if len(prompt) + max_new_tokens > cfg.max_seq:
-        raise FourdError(f"prompt ({len(prompt)}) + --max-new-tokens ({max_new_tokens}) exceeds the model's "
-                         f"max_seq {cfg.max_seq}; shorten one of them")
+        raise FourdError(
+            f"prompt ({len(prompt)}) + --max-new-tokens ({max_new_tokens}) exceeds the model's "
+            f"max_seq {cfg.max_seq}; shorten one of them"
+        )
     gen = torch.Generator().manual_seed(seed)
     out: list[int] = []
     with Cached(model) as cache:
@@ -239,18 +289,20 @@ def perplexity(model, ids: list[int], seq: int, batch: int = 8) -> dict:
     if len(ids) < 2:
         raise FourdError("the evaluation text has fewer than 2 tokens; give a longer file")
     if max(ids) >= model.cfg.vocab:
-        raise FourdError(f"token id {max(ids)} is outside the model's vocabulary; use the tokenizer it was trained with")
+        raise FourdError(
+            f"token id {max(ids)} is outside the model's vocabulary; use the tokenizer it was trained with"
+        )
     data = torch.tensor(ids, dtype=torch.long)
     starts = list(range(0, len(ids) - 1, seq))
     full = [s for s in starts if s + seq + 1 <= len(ids)]
     total, count = 0.0, 0
     for i in range(0, len(full), batch):
-        x = torch.stack([data[s:s + seq + 1] for s in full[i:i + batch]])
+        x = torch.stack([data[s : s + seq + 1] for s in full[i : i + batch]])
         logits = model(x[:, :-1]).float()
         total += F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten(), reduction="sum").item()
         count += x[:, 1:].numel()
     if len(full) < len(starts):  # the shorter last window
-        x = data[starts[-1]:][None]
+        x = data[starts[-1] :][None]
         logits = model(x[:, :-1]).float()
         total += F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten(), reduction="sum").item()
         count += x.shape[1] - 1

@@ -15,8 +15,10 @@ from fourd.errors import FourdError
 
 # Llama 3's pre-tokenization pattern and special-token count, from Meta's released tokenizer (llama3 repository,
 # tokenizer.py): 256 special tokens follow the BPE ranks, the first two being begin and end of text.
-LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 LLAMA3_SPECIAL = 256
 
 
@@ -64,9 +66,15 @@ class TiktokenTokenizer:
         tiktoken = _require("tiktoken")
         ranks = read_bpe_ranks(path)
         n = len(ranks)
-        specials = ["<|begin_of_text|>", "<|end_of_text|>"] + [f"<|reserved_special_token_{i}|>" for i in range(LLAMA3_SPECIAL - 2)]
-        self._enc = tiktoken.Encoding(name=path.name, pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks,
-                                      special_tokens={s: n + i for i, s in enumerate(specials)})
+        specials = ["<|begin_of_text|>", "<|end_of_text|>"] + [
+            f"<|reserved_special_token_{i}|>" for i in range(LLAMA3_SPECIAL - 2)
+        ]
+        self._enc = tiktoken.Encoding(
+            name=path.name,
+            pat_str=LLAMA3_PATTERN,
+            mergeable_ranks=ranks,
+            special_tokens={s: n + i for i, s in enumerate(specials)},
+        )
         self.vocab_size = n + LLAMA3_SPECIAL
         self._identity = f"tiktoken:{_file_sha256(path)}"
 

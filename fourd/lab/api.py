@@ -12,6 +12,7 @@ import functools
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 from fourd.errors import FourdError
 from fourd.model.config import PRESETS, get_preset
@@ -69,7 +70,7 @@ def _choice(q: dict[str, str], name: str, choices, default: str | None = None) -
     if value not in choices:
         shown = "(missing)" if not value else repr(value[:40])
         raise FourdError(f"{name}={shown}: choose one of {', '.join(choices)}")
-    return value
+    return str(value)
 
 
 def schedule(q: dict[str, str], **_) -> dict:
@@ -94,15 +95,24 @@ def _bench(name: str, p: int, m: int, v: int) -> dict:
     step, idle = pipeline.idle_fractions(events)
     busy = sum(e.end - e.start for rank in events for e in rank)
     return {
-        "p": p, "m": m, "schedule": name, "v": v,
+        "p": p,
+        "m": m,
+        "schedule": name,
+        "v": v,
         "makespan": step,
         "idle_fraction": sum(idle) / p,
         # One GPU running every stage would take the whole busy time.
         "speedup": busy / step,
-        "ranks": [{"rank": r, "stages": sched.stages_of_rank(r), "idle_fraction": idle[r],
-                   "peak_in_flight": sched.peak_in_flight(r),
-                   "events": [[e.kind, e.stage, e.microbatch, e.start, e.end - e.start] for e in events[r]]}
-                  for r in range(p)],
+        "ranks": [
+            {
+                "rank": r,
+                "stages": sched.stages_of_rank(r),
+                "idle_fraction": idle[r],
+                "peak_in_flight": sched.peak_in_flight(r),
+                "events": [[e.kind, e.stage, e.microbatch, e.start, e.end - e.start] for e in events[r]],
+            }
+            for r in range(p)
+        ],
     }
 
 
@@ -123,19 +133,43 @@ def cluster(q: dict[str, str], **_) -> dict:
     for rank in range(min(layout.world, REPLICA_GPUS)):
         coords = layout.coords(rank)
         # A group is named by its first member: the rank with this dimension's index at 0.
-        gpus.append({"rank": rank, "server": rank // per_server, "rack": rank // per_rack, "coords": coords,
-                     "groups": {d: layout.rank(**{**coords, d: 0}) for d in DIMS}})
+        gpus.append(
+            {
+                "rank": rank,
+                "server": rank // per_server,
+                "rack": rank // per_rack,
+                "coords": coords,
+                "groups": {d: layout.rank(**{**coords, d: 0}) for d in DIMS},
+            }
+        )
     return {
-        "layout": str(layout), "world": layout.world, "cluster": profile.name,
-        "racks": REPLICA_GPUS // per_rack, "servers_per_rack": per_rack // per_server, "gpus_per_server": per_server,
+        "layout": str(layout),
+        "world": layout.world,
+        "cluster": profile.name,
+        "racks": REPLICA_GPUS // per_rack,
+        "servers_per_rack": per_rack // per_server,
+        "gpus_per_server": per_server,
         "gpus": gpus,
-        "spans": {d: {"size": g.size, "groups": layout.world // g.size, "level": clusters.group_level(g, profile)}
-                  for d, g in groups.items()},
+        "spans": {
+            d: {"size": g.size, "groups": layout.world // g.size, "level": clusters.group_level(g, profile)}
+            for d, g in groups.items()
+        },
     }
 
 
-PLAN_PARAMS = ("model", "cluster", "gpus", "layout", "schedule", "microbatches", "v", "seq", "global_batch_tokens",
-               "zero", "recompute")
+PLAN_PARAMS = (
+    "model",
+    "cluster",
+    "gpus",
+    "layout",
+    "schedule",
+    "microbatches",
+    "v",
+    "seq",
+    "global_batch_tokens",
+    "zero",
+    "recompute",
+)
 
 
 def _best_plan(q: dict[str, str]):
@@ -146,34 +180,60 @@ def _best_plan(q: dict[str, str]):
     layout = parse_layout(q["layout"]) if q.get("layout") else None
     gpus = _int(q, "gpus", 1, cluster.total_gpus, layout.world if layout else None)
     if layout and layout.world != gpus:
-        raise FourdError(f"layout={layout} uses {layout.world} GPUs but gpus={gpus}: make the product of the degrees "
-                         f"equal {gpus}")
+        raise FourdError(
+            f"layout={layout} uses {layout.world} GPUs but gpus={gpus}: make the product of the degrees equal {gpus}"
+        )
     seq = _int(q, "seq", 2, 1 << 22, model.max_seq)
     tokens = count(q.get("global_batch_tokens") or "16M")
     if tokens % seq or tokens < seq:
-        raise FourdError(f"global_batch_tokens={q.get('global_batch_tokens') or '16M'} is not a whole number of "
-                         f"{seq}-token sequences: use a multiple of {seq}")
+        raise FourdError(
+            f"global_batch_tokens={q.get('global_batch_tokens') or '16M'} is not a whole number of "
+            f"{seq}-token sequences: use a multiple of {seq}"
+        )
     global_seqs = int(tokens // seq)
-    fixed = {"layout": layout,
-             "schedule": _choice(q, "schedule", search.SCHEDULES) if q.get("schedule") else None,
-             "microbatches": _int(q, "microbatches", 1, global_seqs) if q.get("microbatches") else None,
-             "virtual_stages": _int(q, "v", 1, model.layers) if q.get("v") else None,
-             "zero": _int(q, "zero", 0, 3) if q.get("zero") else None}
+    fixed: dict[str, Any] = {
+        "layout": layout,
+        "schedule": _choice(q, "schedule", search.SCHEDULES) if q.get("schedule") else None,
+        "microbatches": _int(q, "microbatches", 1, global_seqs) if q.get("microbatches") else None,
+        "virtual_stages": _int(q, "v", 1, model.layers) if q.get("v") else None,
+        "zero": _int(q, "zero", 0, 3) if q.get("zero") else None,
+    }
     recompute = _choice(q, "recompute", search.RECOMPUTE) if q.get("recompute") else None
     if layout and fixed["schedule"] and fixed["microbatches"]:
         sched = fixed["schedule"]
         v = fixed["virtual_stages"] or (2 if sched == "interleaved" and layout.pp > 1 else 1)
-        search.check(model, cluster, search.Config(layout, sched, fixed["microbatches"], v,
-                                                   1 if fixed["zero"] is None else fixed["zero"], recompute or "none"),
-                     seq, global_seqs)
-    left_open = [name for name, value in (("layout", layout), ("schedule", fixed["schedule"]),
-                                          ("virtual stages", fixed["virtual_stages"]),
-                                          ("microbatches", fixed["microbatches"]), ("zero", fixed["zero"]),
-                                          ("recompute", recompute)) if value is None]
+        search.check(
+            model,
+            cluster,
+            search.Config(
+                layout,
+                sched,
+                fixed["microbatches"],
+                v,
+                1 if fixed["zero"] is None else fixed["zero"],
+                recompute or "none",
+            ),
+            seq,
+            global_seqs,
+        )
+    left_open = [
+        name
+        for name, value in (
+            ("layout", layout),
+            ("schedule", fixed["schedule"]),
+            ("virtual stages", fixed["virtual_stages"]),
+            ("microbatches", fixed["microbatches"]),
+            ("zero", fixed["zero"]),
+            ("recompute", recompute),
+        )
+        if value is None
+    ]
     plans = search.search(model, cluster, gpus, seq, global_seqs, recompute=recompute, chosen=left_open, **fixed)
     if not plans:
-        raise FourdError(f"no configuration of {gpus} GPUs runs {q.get('model') or 'llama3-405b'} with {seq}-token "
-                         f"sequences: change gpus, seq or the layout")
+        raise FourdError(
+            f"no configuration of {gpus} GPUs runs {q.get('model') or 'llama3-405b'} with {seq}-token "
+            f"sequences: change gpus, seq or the layout"
+        )
     return plans[0]
 
 
@@ -181,12 +241,26 @@ def plan(q: dict[str, str], **_) -> dict:
     """The planner panel: the plan, memory per GPU of each pipeline rank, and the report's explanations."""
     best = _best_plan(q)
     c = best.config
-    bars = [{"label": f"pipeline rank {r}",
-             **rank_memory(best.model, best.cluster, c.layout, best.seq, best.micro_seqs, c.schedule, c.microbatches,
-                           c.virtual_stages, c.zero, c.recompute, r).gb()}
-            for r in range(c.layout.pp)]
-    return {"plan": best.to_json(), "memory": bars, "gpu_memory_gb": best.cluster.gpu.memory_gb,
-            "why": why(best)}
+    bars = [
+        {
+            "label": f"pipeline rank {r}",
+            **rank_memory(
+                best.model,
+                best.cluster,
+                c.layout,
+                best.seq,
+                best.micro_seqs,
+                c.schedule,
+                c.microbatches,
+                c.virtual_stages,
+                c.zero,
+                c.recompute,
+                r,
+            ).gb(),
+        }
+        for r in range(c.layout.pp)
+    ]
+    return {"plan": best.to_json(), "memory": bars, "gpu_memory_gb": best.cluster.gpu.memory_gb, "why": why(best)}
 
 
 def simtrace(q: dict[str, str], **_) -> dict:
@@ -194,8 +268,9 @@ def simtrace(q: dict[str, str], **_) -> dict:
     best = _best_plan(q)
     c = best.config
     sched = build_schedule(c.schedule, c.layout.pp, c.microbatches, c.virtual_stages)
-    result = simulate_step(best.model, best.cluster, c.layout, sched, best.seq, best.micro_seqs, zero=c.zero,
-                           recompute=c.recompute)
+    result = simulate_step(
+        best.model, best.cluster, c.layout, sched, best.seq, best.micro_seqs, zero=c.zero, recompute=c.recompute
+    )
     return chrome_trace(result)
 
 
@@ -237,8 +312,12 @@ def trace(q: dict[str, str], *, trace_dir: Path, **_) -> dict:
 def options(q: dict[str, str], **_) -> dict:
     """What the page's selectors offer: model presets, cluster profiles, schedules and the bench's ranges."""
     _known(q)
-    return {"models": list(PRESETS), "clusters": clusters.preset_names(), "schedules": list(SCHEDULES),
-            "ranges": {"p": P_RANGE, "m": M_RANGE, "v": V_RANGE}}
+    return {
+        "models": list(PRESETS),
+        "clusters": clusters.preset_names(),
+        "schedules": list(SCHEDULES),
+        "ranges": {"p": P_RANGE, "m": M_RANGE, "v": V_RANGE},
+    }
 
 
 ENDPOINTS = {

@@ -32,17 +32,26 @@ from fourd.lab import api
 
 STATIC_DIR = Path(__file__).with_name("static")
 # Fixed here rather than guessed from the system's MIME table, which differs between machines.
-CONTENT_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
-                 ".css": "text/css; charset=utf-8", ".svg": "image/svg+xml", ".png": "image/png"}
+CONTENT_TYPES = {
+    ".html": "text/html; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+    ".svg": "image/svg+xml",
+    ".png": "image/png",
+}
 _LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1", "[::1]"}
 
 
 def add_arguments(p):
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on (default 127.0.0.1: only this machine can connect)")
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: only this machine can connect)"
+    )
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
-    p.add_argument("--trace-dir", default=".",
-                   help="folder whose Chrome trace files the page may open by path (default: the current folder)")
+    p.add_argument(
+        "--trace-dir",
+        default=".",
+        help="folder whose Chrome trace files the page may open by path (default: the current folder)",
+    )
 
 
 def run(args) -> int:
@@ -72,7 +81,9 @@ class LabServer(ThreadingHTTPServer):
         try:
             super().__init__((host, port), _Handler)
         except OSError as e:
-            raise FourdError(f"cannot listen on {host}:{port} ({e.strerror}); choose another --port, or --port 0") from e
+            raise FourdError(
+                f"cannot listen on {host}:{port} ({e.strerror}); choose another --port, or --port 0"
+            ) from e
 
     def handle_error(self, request, client_address):
         if isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError)):
@@ -81,12 +92,13 @@ class LabServer(ThreadingHTTPServer):
 
     @property
     def url(self) -> str:
-        host, port = self.server_address[:2]
+        host, port = str(self.server_address[0]), self.server_address[1]
         return f"http://[{host}]:{port}/" if ":" in host else f"http://{host}:{port}/"
 
 
-def make_server(host: str = "127.0.0.1", port: int = 0, *, static_dir: Path = STATIC_DIR,
-                trace_dir: Path = Path(".")) -> LabServer:
+def make_server(
+    host: str = "127.0.0.1", port: int = 0, *, static_dir: Path = STATIC_DIR, trace_dir: Path = Path(".")
+) -> LabServer:
     return LabServer(host, port, static_dir, trace_dir)
 
 
@@ -126,7 +138,7 @@ def _is_loopback(host: str) -> bool:
 _HEADERS = {
     "X-Content-Type-Options": "nosniff",
     "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; style-src 'self'; "
-                               "script-src 'self'; connect-src 'self'; frame-ancestors 'none'",
+    "script-src 'self'; connect-src 'self'; frame-ancestors 'none'",
     "Referrer-Policy": "no-referrer",
 }
 
@@ -151,9 +163,12 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _not_allowed(self):
         self.close_connection = True  # the request may carry a body we do not read
-        self._send(HTTPStatus.METHOD_NOT_ALLOWED, _json({"error": f"method {self.command} not allowed: "
-                                                                  "the lab answers GET and HEAD only"}),
-                   "application/json", extra={"Allow": "GET, HEAD", "Connection": "close"})
+        self._send(
+            HTTPStatus.METHOD_NOT_ALLOWED,
+            _json({"error": f"method {self.command} not allowed: the lab answers GET and HEAD only"}),
+            "application/json",
+            extra={"Allow": "GET, HEAD", "Connection": "close"},
+        )
 
     def _answer(self, body: bool):
         if self.server.loopback_only and not self._host_is_loopback():
@@ -162,7 +177,7 @@ class _Handler(BaseHTTPRequestHandler):
         target = urlsplit(self.path)
         path = target.path
         if path.startswith("/api/"):
-            return self._api(path[len("/api/"):], target.query, body)
+            return self._api(path[len("/api/") :], target.query, body)
         name = "index.html" if path == "/" else path[1:]
         entry = self.server.static.get(name)
         if entry is None:
@@ -173,11 +188,13 @@ class _Handler(BaseHTTPRequestHandler):
     def _api(self, endpoint: str, query: str, body: bool):
         handler = api.ENDPOINTS.get(endpoint)
         if handler is None:
-            return self._error(HTTPStatus.NOT_FOUND, f"no API endpoint {endpoint!r}; "
-                                                     f"known: {', '.join(sorted(api.ENDPOINTS))}", body)
+            return self._error(
+                HTTPStatus.NOT_FOUND, f"no API endpoint {endpoint!r}; known: {', '.join(sorted(api.ENDPOINTS))}", body
+            )
         try:
-            params = api.single_values(parse_qsl(query, keep_blank_values=True, strict_parsing=False,
-                                                 max_num_fields=64))
+            params = api.single_values(
+                parse_qsl(query, keep_blank_values=True, strict_parsing=False, max_num_fields=64)
+            )
             result = handler(params, trace_dir=self.server.trace_dir)
         except (FourdError, ValueError) as e:
             return self._error(HTTPStatus.BAD_REQUEST, str(e), body)

@@ -21,12 +21,18 @@ def run(args) -> int:
 
     cfg = get_preset(args.preset)
     import torch  # noqa: F401  (after the preset check, so a bad name answers instantly)
+
     from fourd.model.llama import build_model
 
     model = build_model(cfg, device="meta")
     params = sum(p.numel() for p in model.parameters())
-    info = {"preset": args.preset, "params": params, **cfg.to_dict(),
-            "non_embedding_params": cfg.non_embedding_params(), "flops_per_token_at_max_seq": cfg.flops_per_token(cfg.max_seq)}
+    info = {
+        "preset": args.preset,
+        "params": params,
+        **cfg.to_dict(),
+        "non_embedding_params": cfg.non_embedding_params(),
+        "flops_per_token_at_max_seq": cfg.flops_per_token(cfg.max_seq),
+    }
     if args.json:
         print(json.dumps(info))
     else:

@@ -15,18 +15,20 @@ class ModelConfig:
     heads: int
     kv_heads: int
     vocab: int
-    head_dim: int | None = None  # default dim // heads
+    head_dim: int = 0  # 0: dim // heads
     norm_eps: float = 1e-5
     rope_theta: float = 500_000.0
     max_seq: int = 8192
     mlp: str = "swiglu"  # "swiglu" (Llama) or "gelu" (GPT-style, for the planner only)
 
     def __post_init__(self):
-        if self.head_dim is None:
-            object.__setattr__(self, "head_dim", self.dim // self.heads)
         for f in ("layers", "dim", "ffn", "heads", "kv_heads", "vocab", "head_dim"):
-            if getattr(self, f) <= 0:
-                raise FourdError(f"model.{f} = {getattr(self, f)} must be a positive integer")
+            value = getattr(self, f)
+            if f == "head_dim" and not value:
+                value = self.dim // self.heads
+                object.__setattr__(self, "head_dim", value)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise FourdError(f"model.{f} = {value!r} must be a positive integer")
         if self.heads % self.kv_heads:
             raise FourdError(f"model.heads = {self.heads} must be a multiple of model.kv_heads = {self.kv_heads}")
         if self.head_dim % 2:
@@ -100,7 +102,7 @@ def parse_model_spec(spec: str) -> ModelConfig:
     if missing:
         raise FourdError(f"--model-spec lacks {', '.join(sorted(missing))}")
     values.setdefault("kv_heads", values["heads"])
-    return ModelConfig(**values)
+    return ModelConfig(**values)  # type: ignore[arg-type]
 
 
 def with_overrides(cfg: ModelConfig, **kw) -> ModelConfig:
@@ -109,5 +111,5 @@ def with_overrides(cfg: ModelConfig, **kw) -> ModelConfig:
     if bad:
         raise FourdError(f"unknown model key(s) {', '.join(sorted(bad))}: allowed keys are {', '.join(sorted(known))}")
     if ("dim" in kw or "heads" in kw) and "head_dim" not in kw:
-        kw["head_dim"] = None  # recomputed as dim // heads
+        kw["head_dim"] = 0  # recomputed as dim // heads
     return replace(cfg, **kw)

@@ -28,7 +28,9 @@ def cp_positions(seq_len: int, cp_rank: int, cp: int) -> torch.Tensor:
         raise FourdError(f"sequence length {seq_len} must be a multiple of 2·cp = {2 * cp}: choose --seq accordingly")
     chunk = seq_len // (2 * cp)
     first, second = cp_rank, 2 * cp - 1 - cp_rank
-    return torch.cat((torch.arange(first * chunk, (first + 1) * chunk), torch.arange(second * chunk, (second + 1) * chunk)))
+    return torch.cat(
+        (torch.arange(first * chunk, (first + 1) * chunk), torch.arange(second * chunk, (second + 1) * chunk))
+    )
 
 
 def cp_shard(tensor: torch.Tensor, cp_rank: int, cp: int, dim: int = 1) -> torch.Tensor:

@@ -52,4 +52,3 @@ def clip_grad_norm(params, max_norm: float, mesh: DeviceMesh | None = None) -> f
         for p in params:
             p.grad.mul_(scale)
     return norm
-

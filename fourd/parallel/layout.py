@@ -100,8 +100,12 @@ def validate_layout(
             f"make the product of the degrees equal {world}"
         )
     # Each TP rank holds whole heads, whole KV heads, and equal column blocks of the FFN and the vocabulary.
-    cut = {"heads": model_cfg.heads, "KV heads": model_cfg.kv_heads, "FFN width": model_cfg.ffn,
-           "vocabulary": model_cfg.vocab}
+    cut = {
+        "heads": model_cfg.heads,
+        "KV heads": model_cfg.kv_heads,
+        "FFN width": model_cfg.ffn,
+        "vocabulary": model_cfg.vocab,
+    }
     for name, value in cut.items():
         if value % tp:
             choices = [d for d in range(1, model_cfg.kv_heads + 1) if all(v % d == 0 for v in cut.values())]
@@ -140,7 +144,6 @@ def validate_layout(
             f"HSDP replicas = {hsdp_replicate!r} must divide dp={dp} (replicas × shard groups = dp): "
             f"choose one of {', '.join(str(d) for d in range(1, dp + 1) if dp % d == 0)}"
         )
-
 
 
 def layer_split(n_layers: int, stages: int, fewer_first_last: bool = True, empty_edges: bool = False) -> list[int]:

@@ -24,9 +24,9 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import _Action, _ComputationType, _PipelineScheduleRuntime
 
 from fourd.errors import FourdError
-from fourd.parallel.layout import layer_split
 from fourd.model.config import ModelConfig
 from fourd.model.llama import Llama, Rope
+from fourd.parallel.layout import layer_split
 from fourd.schedules import Schedule
 
 
@@ -126,19 +126,29 @@ class PipelineRunner:
         self.schedule = schedule
         self.rank = dist.get_rank(self.group)
         if dist.get_world_size(self.group) != schedule.pp:
-            raise FourdError(f"schedule {schedule.name} is for pp = {schedule.pp} but the pp group has "
-                             f"{dist.get_world_size(self.group)} ranks: build it with pp = the layout's pp")
+            raise FourdError(
+                f"schedule {schedule.name} is for pp = {schedule.pp} but the pp group has "
+                f"{dist.get_world_size(self.group)} ranks: build it with pp = the layout's pp"
+            )
         indices = schedule.stages_of_rank(self.rank)
         if len(stages) != len(indices):
-            raise FourdError(f"pp rank {self.rank} got {len(stages)} stage modules; schedule {schedule.name} "
-                             f"places {len(indices)} on it: use pipeline_split with the same schedule")
+            raise FourdError(
+                f"pp rank {self.rank} got {len(stages)} stage modules; schedule {schedule.name} "
+                f"places {len(indices)} on it: use pipeline_split with the same schedule"
+            )
         self.records: list[ActionRecord] = []
         self.wall = 0.0
         self.bubble_fraction = 0.0
         self._loss_fn = loss_fn
         self._stages = [
-            _TimedStage(module, s, schedule.stages, torch.device(device) if device is not None else _device_of(module),
-                        group=self.group, log=self.records)
+            _TimedStage(
+                module,
+                s,
+                schedule.stages,
+                torch.device(device) if device is not None else _device_of(module),
+                group=self.group,
+                log=self.records,
+            )
             for module, s in zip(stages, indices)
         ]
         self._has_first = 0 in indices
@@ -149,8 +159,10 @@ class PipelineRunner:
             self._stages, schedule.microbatches, loss_fn=self._timed_loss, scale_grads=True
         )
         self._runtime._prepare_schedule_with_comms(
-            {r: [_Action(a.stage, _ComputationType(a.kind), a.microbatch) for a in actions]
-             for r, actions in enumerate(schedule.ranks)}
+            {
+                r: [_Action(a.stage, _ComputationType(a.kind), a.microbatch) for a in actions]
+                for r, actions in enumerate(schedule.ranks)
+            }
         )
 
     def _timed_loss(self, output, target):
@@ -160,8 +172,9 @@ class PipelineRunner:
         # (no record yet when the runtime infers shapes before the first step).
         if self.records:
             last = self.records[-1]
-            self.records[-1] = ActionRecord(last.kind, last.stage, last.microbatch, last.start,
-                                            last.end + perf_counter() - start)
+            self.records[-1] = ActionRecord(
+                last.kind, last.stage, last.microbatch, last.start, last.end + perf_counter() - start
+            )
         return loss
 
     def step(self, x: torch.Tensor | None, y: torch.Tensor | None) -> torch.Tensor:
@@ -174,8 +187,10 @@ class PipelineRunner:
         m = self.schedule.microbatches
         for t in (x, y):
             if t is not None and t.shape[0] % m:
-                raise FourdError(f"a batch of {t.shape[0]} sequences does not split into {m} equal microbatches: "
-                                 f"make the per-rank batch a multiple of --microbatches")
+                raise FourdError(
+                    f"a batch of {t.shape[0]} sequences does not split into {m} equal microbatches: "
+                    f"make the per-rank batch a multiple of --microbatches"
+                )
         self.records.clear()
         # The step is one window for the whole pipeline: from all ranks starting together to the last one
         # finishing. A rank's own window would hide the fill (later stages wait before their first F) or
@@ -193,7 +208,7 @@ class PipelineRunner:
         )
         device = self._stages[0].device
         # Only the last stage's rank has losses; the others add zero, and everyone waits for the last rank.
-        loss = torch.stack([l.detach().float() for l in losses]).mean() if losses else torch.zeros((), device=device)
+        loss = torch.stack([x.detach().float() for x in losses]).mean() if losses else torch.zeros((), device=device)
         dist.all_reduce(loss, group=self.group)
         self.wall = perf_counter() - t0
         busy = sum(r.end - r.start for r in self.records)
@@ -203,9 +218,16 @@ class PipelineRunner:
     def trace_events(self, pid: int = 0, offset_us: float = 0.0) -> list[dict]:
         """The last step's actions as Chrome trace events (one row per pipeline rank)."""
         return [
-            {"name": f"{r.kind}{r.stage}.{r.microbatch}", "cat": r.kind, "ph": "X", "pid": pid, "tid": 0,
-             "ts": offset_us + r.start * 1e6, "dur": (r.end - r.start) * 1e6,
-             "args": {"stage": r.stage, "microbatch": r.microbatch}}
+            {
+                "name": f"{r.kind}{r.stage}.{r.microbatch}",
+                "cat": r.kind,
+                "ph": "X",
+                "pid": pid,
+                "tid": 0,
+                "ts": offset_us + r.start * 1e6,
+                "dur": (r.end - r.start) * 1e6,
+                "args": {"stage": r.stage, "microbatch": r.microbatch},
+            }
             for r in self.records
         ]
 

@@ -9,9 +9,10 @@ user profiles in `$FOURD_HOME/clusters/<name>.toml` (they win over presets; `fou
 from __future__ import annotations
 
 import os
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+
+import tomllib
 
 from fourd.errors import FourdError
 
@@ -22,6 +23,7 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 @dataclass(frozen=True)
 class GemmSample:
     """A measured GEMM: (m×k)·(k×n) at `tflops`."""
+
     m: int
     n: int
     k: int
@@ -34,6 +36,7 @@ class AttentionSample:
     these rates in the planner's FLOPs (4·pairs·head_dim forward, 2.5 times that backward). Causal
     (`is_causal`) skips the masked half: seq²/2 pairs; with an explicit mask (`masked_*`, what context
     parallelism's chunk layout needs) every one of the seq² pairs is computed."""
+
     seq: int
     head_dim: int
     fwd_tflops: float
@@ -45,6 +48,7 @@ class AttentionSample:
 @dataclass(frozen=True)
 class CollectiveSample:
     """A measured collective fit: time = alpha_s + beta_s_per_byte · bytes (bytes as nccl-tests count them)."""
+
     op: str
     nproc: int
     alpha_s: float
@@ -57,17 +61,19 @@ class GPU:
     peak_tflops: float
     memory_gb: float
     hbm_bw_gbps: float
-    sms: int | None = None                  # streaming multiprocessors, for wave quantization; None on CPUs
-    gemm_efficiency: float = 0.7            # sustained fraction of peak on large GEMMs
-    attention_fwd_efficiency: float | None = None   # fused attention kernels; None: as a GEMM of that shape
+    sms: int | None = None  # streaming multiprocessors, for wave quantization; None on CPUs
+    gemm_efficiency: float = 0.7  # sustained fraction of peak on large GEMMs
+    attention_fwd_efficiency: float | None = None  # fused attention kernels; None: as a GEMM of that shape
     attention_bwd_efficiency: float | None = None
-    memory_reserve_gb: float = 0.0          # what the runtime keeps for itself
+    memory_reserve_gb: float = 0.0  # what the runtime keeps for itself
     gemm: tuple[GemmSample, ...] = ()
     # CPU profiles (fourd calibrate): what eager torch does at training shapes
-    gemm_shapes: tuple[GemmSample, ...] = ()        # forward, input- and weight-gradient GEMMs (m, n, k as the planner names them)
+    gemm_shapes: tuple[
+        GemmSample, ...
+    ] = ()  # forward, input- and weight-gradient GEMMs (m, n, k as the planner names them)
     attention: tuple[AttentionSample, ...] = ()
-    elementwise_gbps: float | None = None           # unfused norms, RoPE, SiLU·mul, adds: planner-counted bytes per second
-    optimizer_gbps: float | None = None             # AdamW, one parameter at a time: planner-counted bytes per second
+    elementwise_gbps: float | None = None  # unfused norms, RoPE, SiLU·mul, adds: planner-counted bytes per second
+    optimizer_gbps: float | None = None  # AdamW, one parameter at a time: planner-counted bytes per second
 
 
 @dataclass(frozen=True)
@@ -75,8 +81,8 @@ class Node:
     gpus: int
     intra_bw_gbps: float
     intra_latency_us: float = 5.0
-    intra_efficiency: float = 1.0           # fraction of the link rate a collective reaches
-    concurrent_ranks: int | None = None     # ranks that compute at full speed at once (CPU cores); None: all
+    intra_efficiency: float = 1.0  # fraction of the link rate a collective reaches
+    concurrent_ranks: int | None = None  # ranks that compute at full speed at once (CPU cores); None: all
 
 
 @dataclass(frozen=True)
@@ -90,7 +96,7 @@ class Network:
     cross_pod_oversubscription: float = 1.0
 
 
-@dataclass(frozen=True, eq=False)   # identity hash: the time model caches on it, and hashing every field is slow
+@dataclass(frozen=True, eq=False)  # identity hash: the time model caches on it, and hashing every field is slow
 class Cluster:
     name: str
     description: str
@@ -129,15 +135,19 @@ def _find(name_or_path: str) -> Path:
         if path.is_file():
             return path
     hint = " (run `fourd calibrate` to write it)" if name_or_path == "local" else ""
-    raise FourdError(f"unknown cluster {name_or_path!r}{hint}: choose one of {', '.join(preset_names())}, "
-                     f"a profile in {fourd_home() / 'clusters'}, or a path to a .toml file")
+    raise FourdError(
+        f"unknown cluster {name_or_path!r}{hint}: choose one of {', '.join(preset_names())}, "
+        f"a profile in {fourd_home() / 'clusters'}, or a path to a .toml file"
+    )
 
 
 def _section(cls, data: dict, where: str, path: Path):
     known = set(cls.__dataclass_fields__)
     bad = set(data) - known
     if bad:
-        raise FourdError(f"{path}: unknown key(s) {', '.join(sorted(bad))} in [{where}]; allowed: {', '.join(sorted(known))}")
+        raise FourdError(
+            f"{path}: unknown key(s) {', '.join(sorted(bad))} in [{where}]; allowed: {', '.join(sorted(known))}"
+        )
     try:
         return cls(**data)
     except TypeError as e:
@@ -150,7 +160,9 @@ def load_cluster(name_or_path: str) -> Cluster:
     try:
         data = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as e:
-        raise FourdError(f"{path}: not a readable TOML profile ({e}); fix the file or rerun `fourd calibrate`") from None
+        raise FourdError(
+            f"{path}: not a readable TOML profile ({e}); fix the file or rerun `fourd calibrate`"
+        ) from None
     for key in ("gpu", "node", "network"):
         if not isinstance(data.get(key), dict):
             raise FourdError(f"{path}: missing the [{key}] table; see docs/planner.md for the schema")
@@ -170,9 +182,14 @@ def load_cluster(name_or_path: str) -> Cluster:
         collectives=tuple(_section(CollectiveSample, c, "collectives", path) for c in data.get("collectives", ())),
         source=str(path),
     )
-    for label, value in (("gpu.peak_tflops", cluster.gpu.peak_tflops), ("gpu.memory_gb", cluster.gpu.memory_gb),
-                         ("gpu.hbm_bw_gbps", cluster.gpu.hbm_bw_gbps), ("node.gpus", cluster.node.gpus),
-                         ("node.intra_bw_gbps", cluster.node.intra_bw_gbps), ("network.nic_bw_gbps", cluster.network.nic_bw_gbps)):
+    for label, value in (
+        ("gpu.peak_tflops", cluster.gpu.peak_tflops),
+        ("gpu.memory_gb", cluster.gpu.memory_gb),
+        ("gpu.hbm_bw_gbps", cluster.gpu.hbm_bw_gbps),
+        ("node.gpus", cluster.node.gpus),
+        ("node.intra_bw_gbps", cluster.node.intra_bw_gbps),
+        ("network.nic_bw_gbps", cluster.network.nic_bw_gbps),
+    ):
         if not value > 0:
             raise FourdError(f"{path}: {label} = {value} must be positive")
     return cluster
@@ -187,6 +204,7 @@ LEVELS = ("single", "nvlink", "rack", "pod", "cross-pod")
 class Group:
     """Ranks base, base+stride, ..., base+(size-1)·stride of a world of `world` ranks, placed in rank order
     on the cluster (rank r on server r // gpus_per_node). Every rank belongs to one such group per dimension."""
+
     size: int
     stride: int
     world: int
@@ -238,10 +256,12 @@ def group_bandwidth(group: Group, cluster: Cluster) -> tuple[float, float]:
 def placement(layout, cluster: Cluster) -> dict[str, Group]:
     """The group of each parallel dimension for ranks laid out innermost first in [TP, CP, PP, DP] order."""
     world = layout.tp * layout.cp * layout.pp * layout.dp
-    return {"tp": Group(layout.tp, 1, world),
-            "cp": Group(layout.cp, layout.tp, world),
-            "pp": Group(layout.pp, layout.tp * layout.cp, world),
-            "dp": Group(layout.dp, layout.tp * layout.cp * layout.pp, world)}
+    return {
+        "tp": Group(layout.tp, 1, world),
+        "cp": Group(layout.cp, layout.tp, world),
+        "pp": Group(layout.pp, layout.tp * layout.cp, world),
+        "dp": Group(layout.dp, layout.tp * layout.cp * layout.pp, world),
+    }
 
 
 def shard_group(layout) -> Group:
@@ -256,6 +276,7 @@ def shard_group(layout) -> Group:
 
 def check_fits(world: int, cluster: Cluster) -> None:
     if world > cluster.total_gpus:
-        raise FourdError(f"{world} GPUs asked but cluster {cluster.name} has {cluster.total_gpus} "
-                         f"({cluster.network.pods} pods x {cluster.network.gpus_per_pod}); use fewer GPUs or another --cluster")
-
+        raise FourdError(
+            f"{world} GPUs asked but cluster {cluster.name} has {cluster.total_gpus} "
+            f"({cluster.network.pods} pods x {cluster.network.gpus_per_pod}); use fewer GPUs or another --cluster"
+        )

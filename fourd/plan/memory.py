@@ -16,6 +16,7 @@ GB = 1e9
 
 # ---- whole-model arithmetic (brief.md §1, rows 01-02) --------------------------------------------------
 
+
 def weights_bytes(params: float, bytes_per_param: int = 2) -> float:
     """405e9 BF16 parameters are 810 GB."""
     return params * bytes_per_param
@@ -51,6 +52,7 @@ def state_bytes_per_param(zero: int, dp: int, dtype_bytes: int = 2) -> tuple[flo
 
 # ---- parameters on each pipeline stage ---------------------------------------------------------------
 
+
 def stage_layers(layers: int, pp: int, virtual_stages: int = 1) -> list[int]:
     """Transformer layers of each of the pp·V pipeline stages: the trainer's split
     (fourd.parallel.layout.layer_split), and beyond the trainer, the first and last stage may hold only
@@ -70,9 +72,11 @@ def stage_params(model, counts: list[int], stage: int) -> int:
 
 # ---- activations ---------------------------------------------------------------------------------------
 
+
 @lru_cache(maxsize=4096)
-def activation_bytes_per_token(model, tp: int = 1, recompute: str = "none", sequence_parallel: bool = True,
-                               dtype_bytes: int = 2) -> float:
+def activation_bytes_per_token(
+    model, tp: int = 1, recompute: str = "none", sequence_parallel: bool = True, dtype_bytes: int = 2
+) -> float:
     """Bytes one layer keeps for backward per token on one TP rank, with a fused (flash) attention kernel.
 
     Derived for these blocks the way Korthikanti et al. 2022 (§4.1) derive 34·sbh for GPT: a pre-norm
@@ -96,11 +100,12 @@ def activation_bytes_per_token(model, tp: int = 1, recompute: str = "none", sequ
     if recompute == "selective":
         norms, mlp = 2 * h, mlp - model.ffn
     attention = q + kv + q  # Q, K, V, output
-    return (norms * b / norm_cut + (attention + mlp) * b / tp + 4 * model.heads / tp)
+    return norms * b / norm_cut + (attention + mlp) * b / tp + 4 * model.heads / tp
 
 
-def gpt_activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False,
-                                   flash: bool = False) -> float:
+def gpt_activation_bytes_per_layer(
+    s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False, flash: bool = False
+) -> float:
     """Korthikanti et al. 2022 eq. 1-4 (16-bit GPT layer with dropout): sbh(34 + 5as/h) with no parallelism,
     sbh(10 + 24/t + 5as/(ht)) with TP, (sbh/t)(34 + 5as/h) with TP and SP; flash attention drops the 5as/h."""
     scores = 0 if flash else 5 * a * s / h
@@ -135,7 +140,7 @@ class Memory:
     grads: float
     optimizer: float
     activations: float
-    other: float            # logits of the loss, gathered ZeRO-3 buffers
+    other: float  # logits of the loss, gathered ZeRO-3 buffers
     reserve: float
 
     @property
@@ -143,9 +148,15 @@ class Memory:
         return self.params + self.grads + self.optimizer + self.activations + self.other
 
     def gb(self) -> dict:
-        return {"params": self.params / GB, "grads": self.grads / GB, "optimizer": self.optimizer / GB,
-                "activations": self.activations / GB, "other": self.other / GB, "reserve": self.reserve / GB,
-                "total": self.total / GB}
+        return {
+            "params": self.params / GB,
+            "grads": self.grads / GB,
+            "optimizer": self.optimizer / GB,
+            "activations": self.activations / GB,
+            "other": self.other / GB,
+            "reserve": self.reserve / GB,
+            "total": self.total / GB,
+        }
 
 
 @lru_cache(maxsize=4096)
@@ -165,13 +176,25 @@ def rank_shapes(model, pp: int, virtual_stages: int) -> tuple[tuple[int, ...], t
     return layers, params, tuple(sorted({0, pp - 1, *first_with.values()})), biggest
 
 
-def rank_memory(model, cluster, layout, seq: int, micro_seqs: int, schedule: str, microbatches: int,
-                virtual_stages: int, zero: int, recompute: str, rank: int, sequence_parallel: bool = True) -> Memory:
+def rank_memory(
+    model,
+    cluster,
+    layout,
+    seq: int,
+    micro_seqs: int,
+    schedule: str,
+    microbatches: int,
+    virtual_stages: int,
+    zero: int,
+    recompute: str,
+    rank: int,
+    sequence_parallel: bool = True,
+) -> Memory:
     """Peak memory of one GPU of pipeline rank `rank`."""
     b = cluster.dtype_bytes
     layers, params, _, biggest = rank_shapes(model, layout.pp, virtual_stages)
     mine = params[rank] / layout.tp
-    w, g, o = state_bytes_per_param(zero, layout.cp * layout.dp, b)   # FSDP shards over dp×cp
+    w, g, o = state_bytes_per_param(zero, layout.cp * layout.dp, b)  # FSDP shards over dp×cp
     tokens = micro_seqs * seq // layout.cp
     per_layer = tokens * activation_bytes_per_token(model, layout.tp, recompute, sequence_parallel, b)
     acts = in_flight(schedule, layout.pp, microbatches, virtual_stages, rank) * layers[rank] * per_layer
@@ -188,17 +211,62 @@ def rank_memory(model, cluster, layout, seq: int, micro_seqs: int, schedule: str
     return Memory(mine * w, mine * g, mine * o, acts, other, cluster.gpu.memory_reserve_gb * GB)
 
 
-def peak_memory(model, cluster, layout, seq, micro_seqs, schedule, microbatches, virtual_stages, zero, recompute,
-                sequence_parallel: bool = True) -> Memory:
+def peak_memory(
+    model,
+    cluster,
+    layout,
+    seq,
+    micro_seqs,
+    schedule,
+    microbatches,
+    virtual_stages,
+    zero,
+    recompute,
+    sequence_parallel: bool = True,
+) -> Memory:
     """The pipeline rank with the most memory."""
-    _, fullest = fullest_rank(model, cluster, layout, seq, micro_seqs, schedule, microbatches, virtual_stages, zero,
-                              recompute, sequence_parallel)
-    return rank_memory(model, cluster, layout, seq, micro_seqs, schedule, microbatches, virtual_stages, zero,
-                       recompute, fullest, sequence_parallel)
+    _, fullest = fullest_rank(
+        model,
+        cluster,
+        layout,
+        seq,
+        micro_seqs,
+        schedule,
+        microbatches,
+        virtual_stages,
+        zero,
+        recompute,
+        sequence_parallel,
+    )
+    return rank_memory(
+        model,
+        cluster,
+        layout,
+        seq,
+        micro_seqs,
+        schedule,
+        microbatches,
+        virtual_stages,
+        zero,
+        recompute,
+        fullest,
+        sequence_parallel,
+    )
 
 
-def fullest_rank(model, cluster, layout, seq, micro_seqs, schedule, microbatches, virtual_stages, zero, recompute,
-                 sequence_parallel: bool = True) -> tuple[float, int]:
+def fullest_rank(
+    model,
+    cluster,
+    layout,
+    seq,
+    micro_seqs,
+    schedule,
+    microbatches,
+    virtual_stages,
+    zero,
+    recompute,
+    sequence_parallel: bool = True,
+) -> tuple[float, int]:
     """(bytes, pipeline rank) of the GPU with the most memory, the reserve included: the quick form of
     peak_memory that the search asks many times."""
     layers, params, ranks, biggest = rank_shapes(model, layout.pp, virtual_stages)
@@ -212,9 +280,16 @@ def fullest_rank(model, cluster, layout, seq, micro_seqs, schedule, microbatches
         common += tokens * activation_bytes_per_token(model, layout.tp, "none", sequence_parallel, b)
     if zero == 3:
         common += 2 * biggest / layout.tp * b
-    return max((params[r] * per_param + logits * (r == layout.pp - 1) + common
-                + per_layer * layers[r] * in_flight(schedule, layout.pp, microbatches, virtual_stages, r), r)
-               for r in ranks)
+    return max(
+        (
+            params[r] * per_param
+            + logits * (r == layout.pp - 1)
+            + common
+            + per_layer * layers[r] * in_flight(schedule, layout.pp, microbatches, virtual_stages, r),
+            r,
+        )
+        for r in ranks
+    )
 
 
 def max_rank_params(model, pp: int, virtual_stages: int, tp: int) -> float:

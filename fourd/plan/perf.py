@@ -17,15 +17,16 @@ from fourd.plan.cluster import Cluster, Group, group_bandwidth, placement, shard
 from fourd.plan.memory import max_rank_params, rank_shapes, stage_layers
 
 RECOMPUTE = ("none", "selective", "full")
-KERNEL_LAUNCH_S = 4e-6          # CUDA kernel launch and tail, per GEMM on a GPU
-GPU_TILES = ((128, 128), (128, 256), (256, 128))   # output tiles cuBLAS picks among for large BF16 GEMMs
-FA_BACKWARD_FLOPS = 2.5         # FlashAttention's backward redoes QK^T: 5 matmuls to the forward's 2 (Dao 2023 §3.1)
-FA_HALF_LENGTH = 384            # attention kernels lose efficiency on short sequences: eff · L/(L+384)
-OVERLAP_SLOWDOWN = 0.1          # compute slowdown while a collective runs beside it (SMs and HBM it takes)
-ADAM_BYTES = {2: 30, 4: 32}     # HBM bytes per owned parameter in an Adam update (read+write states, grad, weight)
+KERNEL_LAUNCH_S = 4e-6  # CUDA kernel launch and tail, per GEMM on a GPU
+GPU_TILES = ((128, 128), (128, 256), (256, 128))  # output tiles cuBLAS picks among for large BF16 GEMMs
+FA_BACKWARD_FLOPS = 2.5  # FlashAttention's backward redoes QK^T: 5 matmuls to the forward's 2 (Dao 2023 §3.1)
+FA_HALF_LENGTH = 384  # attention kernels lose efficiency on short sequences: eff · L/(L+384)
+OVERLAP_SLOWDOWN = 0.1  # compute slowdown while a collective runs beside it (SMs and HBM it takes)
+ADAM_BYTES = {2: 30, 4: 32}  # HBM bytes per owned parameter in an Adam update (read+write states, grad, weight)
 
 
 # ---- one kernel ---------------------------------------------------------------------------------------
+
 
 def _wave_utilization(m: int, n: int, sms: int) -> float:
     """Fraction of the SMs doing useful work when an m×n output is cut into tiles and run in waves."""
@@ -110,8 +111,9 @@ def optimizer_time(params: float, cluster: Cluster) -> float:
     return params * ADAM_BYTES[cluster.dtype_bytes] / (rate * 1e9)
 
 
-def attention_time(q_tokens: int, kv_len: int, heads: int, head_dim: int, cluster: Cluster,
-                   causal: bool = True) -> tuple[float, float]:
+def attention_time(
+    q_tokens: int, kv_len: int, heads: int, head_dim: int, cluster: Cluster, causal: bool = True
+) -> tuple[float, float]:
     """(forward, backward) seconds of fused attention for q_tokens queries per head against kv_len keys.
 
     Causal attention does half the score work; the backward does 2.5× the forward's FLOPs.
@@ -124,10 +126,26 @@ def attention_time(q_tokens: int, kv_len: int, heads: int, head_dim: int, cluste
         # non-causal calls take the explicit-mask kernel, which computes every pair
         at = (kv_len, head_dim)
         masked = not causal and all(s.masked_fwd_tflops and s.masked_bwd_tflops for s in gpu.attention)
-        fwd = _interpolate([((s.seq, s.head_dim), s.masked_fwd_tflops if masked else s.fwd_tflops)
-                            for s in gpu.attention], at) * 1e12
-        bwd = _interpolate([((s.seq, s.head_dim), s.masked_bwd_tflops if masked else s.bwd_tflops)
-                            for s in gpu.attention], at) * 1e12
+        fwd = (
+            _interpolate(
+                [
+                    ((s.seq, s.head_dim), float(s.masked_fwd_tflops or 0) if masked else s.fwd_tflops)
+                    for s in gpu.attention
+                ],
+                at,
+            )
+            * 1e12
+        )
+        bwd = (
+            _interpolate(
+                [
+                    ((s.seq, s.head_dim), float(s.masked_bwd_tflops or 0) if masked else s.bwd_tflops)
+                    for s in gpu.attention
+                ],
+                at,
+            )
+            * 1e12
+        )
         return fwd_flops / fwd, fwd_flops * FA_BACKWARD_FLOPS / bwd
     if gpu.attention_fwd_efficiency is None:
         # No fused-kernel figure: two batched matmuls, at the measured GEMM rate.
@@ -135,18 +153,31 @@ def attention_time(q_tokens: int, kv_len: int, heads: int, head_dim: int, cluste
         return per_head * heads, per_head * heads * FA_BACKWARD_FLOPS
     length = kv_len / (kv_len + FA_HALF_LENGTH)
     peak = gpu.peak_tflops * 1e12 * length
-    return (fwd_flops / (peak * gpu.attention_fwd_efficiency),
-            fwd_flops * FA_BACKWARD_FLOPS / (peak * gpu.attention_bwd_efficiency))
+    return (
+        fwd_flops / (peak * gpu.attention_fwd_efficiency),
+        fwd_flops * FA_BACKWARD_FLOPS / (peak * (gpu.attention_bwd_efficiency or gpu.attention_fwd_efficiency)),
+    )
 
 
 # ---- collectives --------------------------------------------------------------------------------------
 
 # nccl-tests conventions (brief.md §5): bytes each rank sends = factor · nbytes; ring steps.
-_BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-               "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
-               "broadcast": lambda n: 1.0, "send": lambda n: 1.0}
-_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1, "reduce_scatter": lambda n: n - 1,
-          "all_to_all": lambda n: n - 1, "broadcast": lambda n: n - 1, "send": lambda n: 1}
+_BUS_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "send": lambda n: 1.0,
+}
+_STEPS = {
+    "all_reduce": lambda n: 2 * (n - 1),
+    "all_gather": lambda n: n - 1,
+    "reduce_scatter": lambda n: n - 1,
+    "all_to_all": lambda n: n - 1,
+    "broadcast": lambda n: n - 1,
+    "send": lambda n: 1,
+}
 
 
 def ring_bytes_per_rank(op: str, nbytes: float, n: int) -> float:
@@ -172,13 +203,15 @@ def collective_time(op: str, nbytes: float, group: Group, cluster: Cluster) -> f
 
 # ---- the model's work per microbatch -------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class StageTime:
     """One microbatch through one pipeline stage (a run of consecutive layers) on one rank."""
-    forward_s: float            # compute
-    input_grad_s: float         # backward with respect to inputs (and any recomputation)
-    weight_grad_s: float        # weight gradients (zero-bubble schedules defer these)
-    forward_comm_s: float       # TP and CP collectives on the critical path
+
+    forward_s: float  # compute
+    input_grad_s: float  # backward with respect to inputs (and any recomputation)
+    weight_grad_s: float  # weight gradients (zero-bubble schedules defer these)
+    forward_comm_s: float  # TP and CP collectives on the critical path
     backward_comm_s: float
 
     @property
@@ -189,10 +222,10 @@ class StageTime:
     def backward(self) -> float:
         return self.input_grad_s + self.weight_grad_s + self.backward_comm_s
 
-    def __add__(self, other: "StageTime") -> "StageTime":
+    def __add__(self, other: StageTime) -> StageTime:
         return StageTime(*(a + b for a, b in zip(self._t(), other._t())))
 
-    def scaled(self, k: float) -> "StageTime":
+    def scaled(self, k: float) -> StageTime:
         return StageTime(*(a * k for a in self._t()))
 
     def _t(self):
@@ -208,10 +241,12 @@ def _gemms(model, tokens: int, tp: int) -> list[tuple[int, int, int]]:
     q_heads = model.heads // tp
     kv_heads = max(1, model.kv_heads // tp)
     up = 2 * model.ffn // tp if model.mlp == "swiglu" else model.ffn // tp
-    return [(tokens, (q_heads + 2 * kv_heads) * hd, model.dim),  # fused QKV
-            (tokens, model.dim, q_heads * hd),                    # attention output
-            (tokens, up, model.dim),                              # w1 and w3 fused (fc1 for GeLU)
-            (tokens, model.dim, model.ffn // tp)]                 # w2
+    return [
+        (tokens, (q_heads + 2 * kv_heads) * hd, model.dim),  # fused QKV
+        (tokens, model.dim, q_heads * hd),  # attention output
+        (tokens, up, model.dim),  # w1 and w3 fused (fc1 for GeLU)
+        (tokens, model.dim, model.ffn // tp),
+    ]  # w2
 
 
 def elementwise_bytes(model, tokens: int, tp: int, b: int, sequence_parallel: bool = True) -> tuple[float, float]:
@@ -220,16 +255,25 @@ def elementwise_bytes(model, tokens: int, tp: int, b: int, sequence_parallel: bo
     the part a selective recomputation redoes."""
     h, hd = model.dim, model.head_dim
     sp = tp if sequence_parallel else 1
-    norms = 2 * 2 * h * b * tokens / sp                    # two norms: read and write h
-    residual = 2 * 3 * h * b * tokens / sp                 # two adds: read 2h, write h
+    norms = 2 * 2 * h * b * tokens / sp  # two norms: read and write h
+    residual = 2 * 3 * h * b * tokens / sp  # two adds: read 2h, write h
     rope = 2 * 2 * (model.heads + model.kv_heads) * hd * b * tokens / tp
     act = (3 if model.mlp == "swiglu" else 2) * model.ffn * b * tokens / tp
     return norms + residual + rope + act, norms + act
 
 
 @lru_cache(maxsize=8192)
-def layer_comm(model, cluster: Cluster, tp: int, cp: int, seq: int, micro_seqs: int, tp_group: Group,
-               cp_group: Group, sequence_parallel: bool = True) -> tuple[float, float, float, float]:
+def layer_comm(
+    model,
+    cluster: Cluster,
+    tp: int,
+    cp: int,
+    seq: int,
+    micro_seqs: int,
+    tp_group: Group,
+    cp_group: Group,
+    sequence_parallel: bool = True,
+) -> tuple[float, float, float, float]:
     """(TP forward, TP backward, CP forward, CP backward) seconds of one layer's collectives, none overlapped.
 
     TP alone: an all-reduce after each of attention and MLP, forward and backward (Shoeybi et al. 2019
@@ -252,8 +296,18 @@ def layer_comm(model, cluster: Cluster, tp: int, cp: int, seq: int, micro_seqs: 
 
 
 @lru_cache(maxsize=8192)
-def layer_time(model, cluster: Cluster, tp: int, cp: int, seq: int, micro_seqs: int, recompute: str,
-               tp_group: Group, cp_group: Group, sequence_parallel: bool = True) -> StageTime:
+def layer_time(
+    model,
+    cluster: Cluster,
+    tp: int,
+    cp: int,
+    seq: int,
+    micro_seqs: int,
+    recompute: str,
+    tp_group: Group,
+    cp_group: Group,
+    sequence_parallel: bool = True,
+) -> StageTime:
     """One transformer layer, one microbatch of micro_seqs sequences, on one rank of a (tp, cp) group."""
     b = cluster.dtype_bytes
     tokens = micro_seqs * seq // cp
@@ -301,16 +355,27 @@ def _head_time(model, cluster: Cluster, tokens: int, tp: int, tp_group: Group, s
     return StageTime(fwd, dgrad, wgrad, comm_f, collective_time("reduce_scatter", act, tp_group, cluster))
 
 
-def _embedding_time(model, cluster: Cluster, tokens: int, tp: int, tp_group: Group, sequence_parallel: bool) -> StageTime:
+def _embedding_time(
+    model, cluster: Cluster, tokens: int, tp: int, tp_group: Group, sequence_parallel: bool
+) -> StageTime:
     """Vocabulary-parallel lookup: partial rows, reduce-scattered into the sequence-parallel shard (or
     all-reduced without SP)."""
     act = tokens * model.dim * cluster.dtype_bytes
     if not sequence_parallel:
-        return StageTime(elementwise_time(act, cluster), elementwise_time(2 * act, cluster), 0.0,
-                         collective_time("all_reduce", act, tp_group, cluster), 0.0)
-    return StageTime(elementwise_time(act, cluster), elementwise_time(2 * act, cluster), 0.0,
-                     collective_time("reduce_scatter", act, tp_group, cluster),
-                     collective_time("all_gather", act, tp_group, cluster))
+        return StageTime(
+            elementwise_time(act, cluster),
+            elementwise_time(2 * act, cluster),
+            0.0,
+            collective_time("all_reduce", act, tp_group, cluster),
+            0.0,
+        )
+    return StageTime(
+        elementwise_time(act, cluster),
+        elementwise_time(2 * act, cluster),
+        0.0,
+        collective_time("reduce_scatter", act, tp_group, cluster),
+        collective_time("all_gather", act, tp_group, cluster),
+    )
 
 
 def compute_share(layout, cluster: Cluster) -> float:
@@ -330,16 +395,28 @@ def compute_share(layout, cluster: Cluster) -> float:
     return max(1.0, per_node / slots) * max(1.0, busy * one / gpu.peak_tflops)
 
 
-def stage_compute_time(model, cluster: Cluster, layout, seq: int, micro_seqs: int, layers: int, *,
-                       first: bool = False, last: bool = False, recompute: str = "none",
-                       sequence_parallel: bool = True) -> StageTime:
+def stage_compute_time(
+    model,
+    cluster: Cluster,
+    layout,
+    seq: int,
+    micro_seqs: int,
+    layers: int,
+    *,
+    first: bool = False,
+    last: bool = False,
+    recompute: str = "none",
+    sequence_parallel: bool = True,
+) -> StageTime:
     """One microbatch of `micro_seqs` sequences of `seq` tokens through a pipeline stage of `layers` layers
     (plus the embedding if `first`, the output and loss if `last`) on one GPU of `layout`; TP and CP
     collectives included as exposed communication."""
     groups = placement(layout, cluster)
     tokens = micro_seqs * seq // layout.cp
     sp = sequence_parallel
-    t = layer_time(model, cluster, layout.tp, layout.cp, seq, micro_seqs, recompute, groups["tp"], groups["cp"], sp).scaled(layers)
+    t = layer_time(
+        model, cluster, layout.tp, layout.cp, seq, micro_seqs, recompute, groups["tp"], groups["cp"], sp
+    ).scaled(layers)
     if first:
         t = t + _embedding_time(model, cluster, tokens, layout.tp, groups["tp"], sp)
     if last:
@@ -348,18 +425,47 @@ def stage_compute_time(model, cluster: Cluster, layout, seq: int, micro_seqs: in
     return StageTime(t.forward_s * k, t.input_grad_s * k, t.weight_grad_s * k, t.forward_comm_s, t.backward_comm_s)
 
 
-def chunk_times(model, cluster: Cluster, layout, seq: int, micro_seqs: int, virtual_stages: int = 1,
-                recompute: str = "none", sequence_parallel: bool = True) -> list[StageTime]:
+def chunk_times(
+    model,
+    cluster: Cluster,
+    layout,
+    seq: int,
+    micro_seqs: int,
+    virtual_stages: int = 1,
+    recompute: str = "none",
+    sequence_parallel: bool = True,
+) -> list[StageTime]:
     """StageTime of each global pipeline stage 0 .. pp·V−1 in model order (stage s runs on rank s % pp)."""
     counts = stage_layers(model.layers, layout.pp, virtual_stages)
     last = len(counts) - 1
-    return [stage_compute_time(model, cluster, layout, seq, micro_seqs, n, first=(s == 0), last=(s == last),
-                               recompute=recompute, sequence_parallel=sequence_parallel) for s, n in enumerate(counts)]
+    return [
+        stage_compute_time(
+            model,
+            cluster,
+            layout,
+            seq,
+            micro_seqs,
+            n,
+            first=(s == 0),
+            last=(s == last),
+            recompute=recompute,
+            sequence_parallel=sequence_parallel,
+        )
+        for s, n in enumerate(counts)
+    ]
 
 
 @lru_cache(maxsize=16384)
-def slowest_rank(model, cluster: Cluster, layout, seq: int, micro_seqs: int, virtual_stages: int,
-                 recompute: str, sequence_parallel: bool = True) -> tuple[int, StageTime]:
+def slowest_rank(
+    model,
+    cluster: Cluster,
+    layout,
+    seq: int,
+    micro_seqs: int,
+    virtual_stages: int,
+    recompute: str,
+    sequence_parallel: bool = True,
+) -> tuple[int, StageTime]:
     """The pipeline rank with the most work per microbatch, and that work (all its stages). Rank 0 also
     embeds and rank pp−1 also runs the output and the loss."""
     per_rank = rank_shapes(model, layout.pp, virtual_stages)[0]
@@ -369,9 +475,21 @@ def slowest_rank(model, cluster: Cluster, layout, seq: int, micro_seqs: int, vir
     for r in range(1, p - 1):
         seen.setdefault(per_rank[r], r)
     candidates = {0, p - 1, *seen.values()}
-    times = {r: stage_compute_time(model, cluster, layout, seq, micro_seqs, per_rank[r], first=(r == 0),
-                                   last=(r == p - 1), recompute=recompute, sequence_parallel=sequence_parallel)
-             for r in candidates}
+    times = {
+        r: stage_compute_time(
+            model,
+            cluster,
+            layout,
+            seq,
+            micro_seqs,
+            per_rank[r],
+            first=(r == 0),
+            last=(r == p - 1),
+            recompute=recompute,
+            sequence_parallel=sequence_parallel,
+        )
+        for r in candidates
+    }
     r = max(times, key=lambda r: times[r].forward + times[r].backward)
     return r, times[r]
 
@@ -385,6 +503,7 @@ def p2p_time(model, cluster: Cluster, layout, seq: int, micro_seqs: int, sequenc
 
 
 # ---- one optimizer step ----------------------------------------------------------------------------------
+
 
 def bubble_time(schedule: str, pp: int, microbatches: int, virtual_stages: int, stage: StageTime) -> float:
     """Idle time of a pipeline rank per step, for per-microbatch times `stage` (all its layers).
@@ -416,21 +535,22 @@ def bubble_fraction(pp: int, microbatches: int, virtual_stages: int = 1) -> floa
 @dataclass(frozen=True)
 class StepTime:
     step_s: float
-    compute_s: float            # m · (t_f + t_b) of the slowest pipeline rank, TP/CP communication included
+    compute_s: float  # m · (t_f + t_b) of the slowest pipeline rank, TP/CP communication included
     bubble_s: float
-    p2p_s: float                # pipeline sends on the critical path (warm-up and cool-down)
-    dp_exposed_s: float         # data-parallel collectives not hidden behind compute
-    dp_total_s: float           # all data-parallel collectives of the step
-    overlap_s: float            # compute slowed by collectives running beside it
+    p2p_s: float  # pipeline sends on the critical path (warm-up and cool-down)
+    dp_exposed_s: float  # data-parallel collectives not hidden behind compute
+    dp_total_s: float  # all data-parallel collectives of the step
+    overlap_s: float  # compute slowed by collectives running beside it
     optimizer_s: float
-    tp_comm_s: float            # part of compute_s
-    cp_comm_s: float            # part of compute_s
+    tp_comm_s: float  # part of compute_s
+    cp_comm_s: float  # part of compute_s
     slowest_rank: int
-    per_microbatch: StageTime   # the slowest pipeline rank, all its stages
+    per_microbatch: StageTime  # the slowest pipeline rank, all its stages
 
 
-def _dp_exposure(zero: int, m: int, nbytes: float, group: Group, cluster: Cluster, t: StageTime,
-                 bubble: float, layers: int) -> tuple[float, float]:
+def _dp_exposure(
+    zero: int, m: int, nbytes: float, group: Group, cluster: Cluster, t: StageTime, bubble: float, layers: int
+) -> tuple[float, float]:
     """(exposed, total) seconds of ZeRO/DDP traffic on `nbytes` of weights (and as many of gradients).
 
     Gradients of a layer are reduced as soon as its last backward ends, weights gathered just before their
@@ -439,11 +559,12 @@ def _dp_exposure(zero: int, m: int, nbytes: float, group: Group, cluster: Cluste
     and all-gathers the updated weights; 2 reduce-scatters every microbatch (gradients stay sharded);
     3 also gathers weights for every microbatch's forward and backward (Rajbhandari et al. 2020).
     """
+
     def ct(op):
         return collective_time(op, nbytes, group, cluster)
 
-    tail = t.backward + bubble / 2      # the last microbatch's backward and the cool-down
-    head = t.forward + bubble / 2       # the first microbatch's forward and the warm-up
+    tail = t.backward + bubble / 2  # the last microbatch's backward and the cool-down
+    head = t.forward + bubble / 2  # the first microbatch's forward and the warm-up
     if zero == 0:
         phases = [(ct("all_reduce"), tail, 1)]
     elif zero == 1:
@@ -451,16 +572,26 @@ def _dp_exposure(zero: int, m: int, nbytes: float, group: Group, cluster: Cluste
     elif zero == 2:
         phases = [(m * ct("reduce_scatter"), m * t.backward, m), (ct("all_gather"), head, 1)]
     else:
-        phases = [(m * ct("all_gather"), m * t.forward, m),
-                  (m * (ct("all_gather") + ct("reduce_scatter")), m * t.backward, m)]
+        phases = [
+            (m * ct("all_gather"), m * t.forward, m),
+            (m * (ct("all_gather") + ct("reduce_scatter")), m * t.backward, m),
+        ]
     total = sum(c for c, _, _ in phases)
     exposed = sum(max(0.0, c - window) + c / (max(1, layers) * n) for c, window, n in phases)
     return min(exposed, total), total
 
 
 @lru_cache(maxsize=16384)
-def _pipeline_work(model, cluster: Cluster, layout, seq: int, micro_seqs: int, virtual_stages: int, recompute: str,
-                   sequence_parallel: bool):
+def _pipeline_work(
+    model,
+    cluster: Cluster,
+    layout,
+    seq: int,
+    micro_seqs: int,
+    virtual_stages: int,
+    recompute: str,
+    sequence_parallel: bool,
+):
     """What a step's time needs that does not depend on the schedule or the ZeRO stage."""
     p, sp = layout.pp, sequence_parallel
     slow, t = slowest_rank(model, cluster, layout, seq, micro_seqs, virtual_stages, recompute, sp)
@@ -468,19 +599,41 @@ def _pipeline_work(model, cluster: Cluster, layout, seq: int, micro_seqs: int, v
     params = max_rank_params(model, p, virtual_stages, layout.tp)
     layers = rank_shapes(model, p, virtual_stages)[0][slow]
     groups = placement(layout, cluster)
-    tp_f, tp_b, cp_f, cp_b = layer_comm(model, cluster, layout.tp, layout.cp, seq, micro_seqs, groups["tp"], groups["cp"], sp)
+    tp_f, tp_b, cp_f, cp_b = layer_comm(
+        model, cluster, layout.tp, layout.cp, seq, micro_seqs, groups["tp"], groups["cp"], sp
+    )
     redo = 2 if recompute == "full" else 1
-    return (slow, t, p2p, params, layers, shard_group(layout), layers * (tp_f * redo + tp_b),
-            layers * (cp_f * redo + cp_b))
+    return (
+        slow,
+        t,
+        p2p,
+        params,
+        layers,
+        shard_group(layout),
+        layers * (tp_f * redo + tp_b),
+        layers * (cp_f * redo + cp_b),
+    )
 
 
-def step_time(model, cluster: Cluster, layout, seq: int, global_seqs: int, schedule: str, microbatches: int,
-              virtual_stages: int = 1, zero: int = 1, recompute: str = "none", sequence_parallel: bool = True) -> StepTime:
+def step_time(
+    model,
+    cluster: Cluster,
+    layout,
+    seq: int,
+    global_seqs: int,
+    schedule: str,
+    microbatches: int,
+    virtual_stages: int = 1,
+    zero: int = 1,
+    recompute: str = "none",
+    sequence_parallel: bool = True,
+) -> StepTime:
     """Seconds per optimizer step of `global_seqs` sequences of `seq` tokens, and where they go."""
     p, v, m = layout.pp, virtual_stages, microbatches
     micro = global_seqs // (layout.dp * m)
     slow, t, p2p, params, layers, shard, tp_comm, cp_comm = _pipeline_work(
-        model, cluster, layout, seq, micro, v, recompute, sequence_parallel)
+        model, cluster, layout, seq, micro, v, recompute, sequence_parallel
+    )
     compute = m * (t.forward + t.backward)
     bubble = bubble_time(schedule, p, m, v, t) if p > 1 else 0.0
     exposed, total = _dp_exposure(zero, m, params * cluster.dtype_bytes, shard, cluster, t, bubble, layers)

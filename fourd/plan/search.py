@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from fourd.errors import FourdError
+from fourd.model.config import ModelConfig
 from fourd.parallel.layout import Layout
 from fourd.plan.cluster import Cluster, check_fits, group_level, placement
 from fourd.plan.memory import GB, Memory, fullest_rank, peak_memory, stage_layers
@@ -14,8 +15,8 @@ from fourd.plan.perf import RECOMPUTE, StepTime, step_time
 from fourd.schedules import SCHEDULES
 
 ZERO_STAGES = (0, 1, 2, 3)
-MICRO_SEQS = (1, 2, 4, 8, 16)       # sequences per microbatch the search tries
-MIN_CP_TOKENS = 1024                # the search splits a sequence over CP ranks only down to this many tokens each
+MICRO_SEQS = (1, 2, 4, 8, 16)  # sequences per microbatch the search tries
+MIN_CP_TOKENS = 1024  # the search splits a sequence over CP ranks only down to this many tokens each
 
 
 @dataclass(frozen=True)
@@ -31,14 +32,14 @@ class Config:
 
 @dataclass(frozen=True)
 class Plan:
-    model: object
+    model: ModelConfig
     cluster: Cluster
     config: Config
     seq: int
     global_seqs: int
     step: StepTime
     memory: Memory
-    chosen: tuple[str, ...] = field(default=())   # settings the planner chose because the user left them open
+    chosen: tuple[str, ...] = field(default=())  # settings the planner chose because the user left them open
 
     @property
     def gpus(self) -> int:
@@ -85,20 +86,40 @@ class Plan:
     def to_json(self, train_tokens: float | None = None) -> dict:
         c, s, lay = self.config, self.step, self.config.layout
         out = {
-            "model": self.model.to_dict(), "cluster": self.cluster.name, "gpus": self.gpus, "dtype": self.cluster.dtype,
+            "model": self.model.to_dict(),
+            "cluster": self.cluster.name,
+            "gpus": self.gpus,
+            "dtype": self.cluster.dtype,
             "layout": {"tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp},
-            "schedule": c.schedule, "microbatches": c.microbatches, "virtual_stages": c.virtual_stages,
-            "micro_batch_seqs": self.micro_seqs, "zero": c.zero, "recompute": c.recompute,
+            "schedule": c.schedule,
+            "microbatches": c.microbatches,
+            "virtual_stages": c.virtual_stages,
+            "micro_batch_seqs": self.micro_seqs,
+            "zero": c.zero,
+            "recompute": c.recompute,
             "sequence_parallel": c.sequence_parallel,
-            "seq": self.seq, "global_batch_tokens": self.global_seqs * self.seq,
+            "seq": self.seq,
+            "global_batch_tokens": self.global_seqs * self.seq,
             "memory_gb": {k: round(v, 3) for k, v in self.memory.gb().items()},
-            "memory_capacity_gb": self.cluster.gpu.memory_gb, "fits": self.fits,
-            "step_time_s": s.step_s, "tokens_per_s": self.tokens_per_s,
-            "tflops_per_gpu": self.tflops_per_gpu, "hw_tflops_per_gpu": self.hw_tflops_per_gpu,
-            "mfu": self.mfu, "bubble_fraction": self.bubble_fraction,
-            "breakdown_s": {"compute": s.compute_s, "tp_comm": s.tp_comm_s, "cp_comm": s.cp_comm_s,
-                            "bubble": s.bubble_s, "pp_p2p": s.p2p_s, "dp_exposed": s.dp_exposed_s,
-                            "dp_total": s.dp_total_s, "overlap_slowdown": s.overlap_s, "optimizer": s.optimizer_s},
+            "memory_capacity_gb": self.cluster.gpu.memory_gb,
+            "fits": self.fits,
+            "step_time_s": s.step_s,
+            "tokens_per_s": self.tokens_per_s,
+            "tflops_per_gpu": self.tflops_per_gpu,
+            "hw_tflops_per_gpu": self.hw_tflops_per_gpu,
+            "mfu": self.mfu,
+            "bubble_fraction": self.bubble_fraction,
+            "breakdown_s": {
+                "compute": s.compute_s,
+                "tp_comm": s.tp_comm_s,
+                "cp_comm": s.cp_comm_s,
+                "bubble": s.bubble_s,
+                "pp_p2p": s.p2p_s,
+                "dp_exposed": s.dp_exposed_s,
+                "dp_total": s.dp_total_s,
+                "overlap_slowdown": s.overlap_s,
+                "optimizer": s.optimizer_s,
+            },
             "placement": self.placement_levels(),
             "stage_layers": stage_layers(self.model.layers, lay.pp, c.virtual_stages),
             "chosen_by_planner": list(self.chosen),
@@ -110,6 +131,7 @@ class Plan:
 
 
 # ---- validity ----------------------------------------------------------------------------------------------
+
 
 def split_ok(layers: int, stages: int) -> bool:
     """Whether `stages` pipeline stages can each get a layer (first and last may hold just the embedding and
@@ -128,11 +150,15 @@ def check(model, cluster: Cluster, config: Config, seq: int, global_seqs: int) -
     check_fits(lay.world, cluster)
     if not tp_ok(model, lay.tp):
         ok = [t for t in range(1, model.kv_heads + 1) if tp_ok(model, t)]
-        raise FourdError(f"tp={lay.tp} cannot split the model's heads ({model.heads}), KV heads ({model.kv_heads}), "
-                         f"FFN ({model.ffn}) and vocabulary ({model.vocab}) evenly: choose tp among {', '.join(map(str, ok))}")
+        raise FourdError(
+            f"tp={lay.tp} cannot split the model's heads ({model.heads}), KV heads ({model.kv_heads}), "
+            f"FFN ({model.ffn}) and vocabulary ({model.vocab}) evenly: choose tp among {', '.join(map(str, ok))}"
+        )
     if seq % (2 * lay.cp):
-        raise FourdError(f"--seq {seq} is not divisible by 2·cp = {2 * lay.cp} (CP cuts a sequence into 2·cp chunks): "
-                         f"choose a sequence length that is a multiple of {2 * lay.cp} or a smaller cp")
+        raise FourdError(
+            f"--seq {seq} is not divisible by 2·cp = {2 * lay.cp} (CP cuts a sequence into 2·cp chunks): "
+            f"choose a sequence length that is a multiple of {2 * lay.cp} or a smaller cp"
+        )
     if c.schedule not in SCHEDULES:
         raise FourdError(f"--schedule {c.schedule!r}: choose one of {', '.join(SCHEDULES)}")
     if c.recompute not in RECOMPUTE:
@@ -142,40 +168,77 @@ def check(model, cluster: Cluster, config: Config, seq: int, global_seqs: int) -
     if c.schedule == "interleaved" and lay.pp > 1 and c.virtual_stages < 2:
         raise FourdError(f"the interleaved schedule needs --virtual-stages of 2 or more (got {c.virtual_stages})")
     if c.schedule != "interleaved" and c.virtual_stages != 1:
-        raise FourdError(f"--virtual-stages {c.virtual_stages} needs --schedule interleaved (the {c.schedule} schedule has one stage per rank)")
+        raise FourdError(
+            f"--virtual-stages {c.virtual_stages} needs --schedule interleaved (the {c.schedule} schedule has one stage per rank)"
+        )
     stages = lay.pp * c.virtual_stages
     if not split_ok(model.layers, stages):
-        raise FourdError(f"pp={lay.pp} × {c.virtual_stages} virtual stage(s) = {stages} stages for {model.layers} layers: "
-                         f"use at most {model.layers} stages, or exactly {model.layers + 2} (embedding and output a stage each)")
+        raise FourdError(
+            f"pp={lay.pp} × {c.virtual_stages} virtual stage(s) = {stages} stages for {model.layers} layers: "
+            f"use at most {model.layers} stages, or exactly {model.layers + 2} (embedding and output a stage each)"
+        )
     if global_seqs % lay.dp:
-        raise FourdError(f"the global batch of {global_seqs} sequences does not split over dp={lay.dp}: "
-                         f"choose --global-batch-tokens a multiple of dp·seq = {lay.dp * seq}")
+        raise FourdError(
+            f"the global batch of {global_seqs} sequences does not split over dp={lay.dp}: "
+            f"choose --global-batch-tokens a multiple of dp·seq = {lay.dp * seq}"
+        )
     per_replica = global_seqs // lay.dp
     if c.microbatches < 1 or per_replica % c.microbatches:
-        raise FourdError(f"--microbatches {c.microbatches} does not divide the {per_replica} sequences per DP replica: "
-                         f"choose a divisor of {per_replica}")
+        raise FourdError(
+            f"--microbatches {c.microbatches} does not divide the {per_replica} sequences per DP replica: "
+            f"choose a divisor of {per_replica}"
+        )
     if c.sequence_parallel and (seq // lay.cp) % lay.tp:
-        raise FourdError(f"sequence parallelism cuts each rank's {seq // lay.cp} tokens into tp={lay.tp} parts: choose "
-                         f"--seq a multiple of cp·tp = {lay.cp * lay.tp}, or --sequence-parallel off")
+        raise FourdError(
+            f"sequence parallelism cuts each rank's {seq // lay.cp} tokens into tp={lay.tp} parts: choose "
+            f"--seq a multiple of cp·tp = {lay.cp * lay.tp}, or --sequence-parallel off"
+        )
     if c.schedule == "interleaved" and lay.pp > 1 and c.microbatches < lay.pp:
-        raise FourdError(f"the interleaved schedule needs at least pp={lay.pp} microbatches (got {c.microbatches}): "
-                         f"raise --microbatches or the global batch")
+        raise FourdError(
+            f"the interleaved schedule needs at least pp={lay.pp} microbatches (got {c.microbatches}): "
+            f"raise --microbatches or the global batch"
+        )
 
 
 def evaluate(model, cluster: Cluster, config: Config, seq: int, global_seqs: int, chosen=()) -> Plan:
     c = config
-    step = step_time(model, cluster, c.layout, seq, global_seqs, c.schedule, c.microbatches, c.virtual_stages,
-                     c.zero, c.recompute, c.sequence_parallel)
-    return Plan(model, cluster, c, seq, global_seqs, step, config_memory(model, cluster, c, seq, global_seqs), tuple(chosen))
+    step = step_time(
+        model,
+        cluster,
+        c.layout,
+        seq,
+        global_seqs,
+        c.schedule,
+        c.microbatches,
+        c.virtual_stages,
+        c.zero,
+        c.recompute,
+        c.sequence_parallel,
+    )
+    return Plan(
+        model, cluster, c, seq, global_seqs, step, config_memory(model, cluster, c, seq, global_seqs), tuple(chosen)
+    )
 
 
 def config_memory(model, cluster: Cluster, c: Config, seq: int, global_seqs: int) -> Memory:
     micro = global_seqs // (c.layout.dp * c.microbatches)
-    return peak_memory(model, cluster, c.layout, seq, micro, c.schedule, c.microbatches, c.virtual_stages,
-                       c.zero, c.recompute, c.sequence_parallel)
+    return peak_memory(
+        model,
+        cluster,
+        c.layout,
+        seq,
+        micro,
+        c.schedule,
+        c.microbatches,
+        c.virtual_stages,
+        c.zero,
+        c.recompute,
+        c.sequence_parallel,
+    )
 
 
 # ---- the search ---------------------------------------------------------------------------------------------
+
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
@@ -199,13 +262,26 @@ def layouts(model, cluster: Cluster, gpus: int, seq: int, global_seqs: int) -> l
 
 def _virtual_stages(layers: int, pp: int) -> list[int]:
     """V values that split the layers cleanly: every stage the same, or first and last one fewer."""
-    return [v for v in range(2, (layers + 2) // pp + 1)
-            if split_ok(layers, pp * v) and (layers % (pp * v) == 0 or (layers + 2) % (pp * v) == 0)]
+    return [
+        v
+        for v in range(2, (layers + 2) // pp + 1)
+        if split_ok(layers, pp * v) and (layers % (pp * v) == 0 or (layers + 2) % (pp * v) == 0)
+    ]
 
 
-def configs(model, cluster: Cluster, gpus: int, seq: int, global_seqs: int, layout: Layout | None = None,
-            schedule: str | None = None, microbatches: int | None = None, virtual_stages: int | None = None,
-            zero: int | None = None, sequence_parallel: bool = True):
+def configs(
+    model,
+    cluster: Cluster,
+    gpus: int,
+    seq: int,
+    global_seqs: int,
+    layout: Layout | None = None,
+    schedule: str | None = None,
+    microbatches: int | None = None,
+    virtual_stages: int | None = None,
+    zero: int | None = None,
+    sequence_parallel: bool = True,
+):
     """Every configuration the fixed settings allow, recomputation left open (see `search`)."""
     for lay in [layout] if layout else layouts(model, cluster, gpus, seq, global_seqs):
         if sequence_parallel and (seq // lay.cp) % lay.tp:
@@ -217,7 +293,7 @@ def configs(model, cluster: Cluster, gpus: int, seq: int, global_seqs: int, layo
             counts = [per_replica // s for s in MICRO_SEQS if per_replica % s == 0]
         for sched in [schedule] if schedule else SCHEDULES:
             if lay.pp == 1 and schedule is None and sched != "1f1b":
-                continue    # without a pipeline every schedule is the same
+                continue  # without a pipeline every schedule is the same
             if sched == "interleaved" and lay.pp > 1:
                 vs = [virtual_stages] if virtual_stages else _virtual_stages(model.layers, lay.pp)
             else:
@@ -230,8 +306,9 @@ def configs(model, cluster: Cluster, gpus: int, seq: int, global_seqs: int, layo
                         yield Config(lay, sched, m, v, z, "none", sequence_parallel)
 
 
-def search(model, cluster: Cluster, gpus: int, seq: int, global_seqs: int, recompute: str | None = None,
-           chosen=(), **fixed) -> list[Plan]:
+def search(
+    model, cluster: Cluster, gpus: int, seq: int, global_seqs: int, recompute: str | None = None, chosen=(), **fixed
+) -> list[Plan]:
     """Plans for every configuration, fitting ones first, fastest first. Recomputation, when left open,
     is the lightest that fits (none, then selective, then full): each costs time and saves memory."""
     check_fits(gpus, cluster)
@@ -241,8 +318,19 @@ def search(model, cluster: Cluster, gpus: int, seq: int, global_seqs: int, recom
         micro = global_seqs // (c.layout.dp * c.microbatches)
         for rc in [recompute] if recompute else RECOMPUTE:
             c = Config(c.layout, c.schedule, c.microbatches, c.virtual_stages, c.zero, rc, c.sequence_parallel)
-            need, _ = fullest_rank(model, cluster, c.layout, seq, micro, c.schedule, c.microbatches,
-                                   c.virtual_stages, c.zero, rc, c.sequence_parallel)
+            need, _ = fullest_rank(
+                model,
+                cluster,
+                c.layout,
+                seq,
+                micro,
+                c.schedule,
+                c.microbatches,
+                c.virtual_stages,
+                c.zero,
+                rc,
+                c.sequence_parallel,
+            )
             if need <= capacity:
                 break
         plans.append(evaluate(model, cluster, c, seq, global_seqs, chosen))

@@ -24,12 +24,24 @@ from fourd.errors import FourdError
 # Llama 3 Table 5 (brief.md §4): unexpected interruptions in 54 days on 16,384 GPUs, and whether the
 # component is hardware (the paper's "~78 % hardware").
 TABLE5 = {
-    "faulty GPU": (148, True), "GPU HBM3 memory": (72, True), "software bug": (54, False),
-    "network switch/cable": (35, True), "host maintenance": (32, False), "GPU SRAM memory": (19, True),
-    "GPU system processor": (17, True), "NIC": (7, True), "NCCL watchdog timeouts": (7, False),
-    "silent data corruption": (6, True), "GPU thermal interface + sensor": (6, True), "SSD": (3, True),
-    "power supply": (3, True), "server chassis": (2, True), "IO expansion board": (2, True),
-    "dependency": (2, False), "CPU": (2, True), "system memory": (2, True),
+    "faulty GPU": (148, True),
+    "GPU HBM3 memory": (72, True),
+    "software bug": (54, False),
+    "network switch/cable": (35, True),
+    "host maintenance": (32, False),
+    "GPU SRAM memory": (19, True),
+    "GPU system processor": (17, True),
+    "NIC": (7, True),
+    "NCCL watchdog timeouts": (7, False),
+    "silent data corruption": (6, True),
+    "GPU thermal interface + sensor": (6, True),
+    "SSD": (3, True),
+    "power supply": (3, True),
+    "server chassis": (2, True),
+    "IO expansion board": (2, True),
+    "dependency": (2, False),
+    "CPU": (2, True),
+    "system memory": (2, True),
 }
 TABLE5_GPUS, TABLE5_DAYS, TABLE5_PLANNED = 16_384, 54, 47
 
@@ -79,11 +91,11 @@ class FaultResult:
     interval_s: float
     checkpoint_s: float
     restart_s: float
-    unexpected: np.ndarray        # per run
+    unexpected: np.ndarray  # per run
     planned: np.ndarray
     by_component: dict[str, float]  # mean per run
-    useful_s: np.ndarray          # training time kept, per run
-    lost_s: np.ndarray            # work redone after unexpected interruptions
+    useful_s: np.ndarray  # training time kept, per run
+    lost_s: np.ndarray  # work redone after unexpected interruptions
     restart_total_s: np.ndarray
     checkpoint_total_s: np.ndarray
 
@@ -92,8 +104,15 @@ class FaultResult:
         return self.useful_s / (self.days * DAY_S)
 
 
-def simulate(gpus: int, days: float, runs: int = 1000, seed: int = 0, interval_s: float | None = None,
-             checkpoint_s: float = CHECKPOINT_S, restart_s: float = RESTART_S) -> FaultResult:
+def simulate(
+    gpus: int,
+    days: float,
+    runs: int = 1000,
+    seed: int = 0,
+    interval_s: float | None = None,
+    checkpoint_s: float = CHECKPOINT_S,
+    restart_s: float = RESTART_S,
+) -> FaultResult:
     """`runs` independent runs of `days` days; the checkpoint interval defaults to Daly's optimum."""
     if gpus < 1 or days <= 0 or runs < 1:
         raise FourdError(f"--gpus {gpus}, --days {days}, --runs {runs}: each must be positive")
@@ -146,10 +165,20 @@ def simulate(gpus: int, days: float, runs: int = 1000, seed: int = 0, interval_s
     probs = np.array([rates[c] for c in names]) / sum(rates.values())
     counts = rng.multinomial(total_u, probs) if total_u else np.zeros(len(names), dtype=int)
     return FaultResult(
-        gpus, days, runs, tau, checkpoint_s, restart_s, n_unexpected, planned.sum(axis=1),
+        gpus,
+        days,
+        runs,
+        tau,
+        checkpoint_s,
+        restart_s,
+        n_unexpected,
+        planned.sum(axis=1),
         {c: counts[i] / runs for i, c in enumerate(names)},
-        np.where(live, useful, 0.0).sum(axis=1), np.where(live, lost, 0.0).sum(axis=1),
-        np.where(live, downtime, 0.0).sum(axis=1), np.where(live, ckpt, 0.0).sum(axis=1))
+        np.where(live, useful, 0.0).sum(axis=1),
+        np.where(live, lost, 0.0).sum(axis=1),
+        np.where(live, downtime, 0.0).sum(axis=1),
+        np.where(live, ckpt, 0.0).sum(axis=1),
+    )
 
 
 def summary(r: FaultResult) -> dict:
@@ -168,8 +197,11 @@ def summary(r: FaultResult) -> dict:
         "effective_training_fraction_p5": float(np.percentile(eff, 5)),
         "effective_training_fraction_p95": float(np.percentile(eff, 95)),
         "mtbf_h": m / 3600,
-        "gpus": r.gpus, "days": r.days, "runs": r.runs,
-        "checkpoint_save_s": r.checkpoint_s, "restart_s": r.restart_s,
+        "gpus": r.gpus,
+        "days": r.days,
+        "runs": r.runs,
+        "checkpoint_save_s": r.checkpoint_s,
+        "restart_s": r.restart_s,
         "lost_work_h": float(r.lost_s.mean()) / 3600,
         "restart_h": float(r.restart_total_s.mean()) / 3600,
         "checkpointing_h": float(r.checkpoint_total_s.mean()) / 3600,

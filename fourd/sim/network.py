@@ -9,18 +9,18 @@ event to the next. A flow is delivered `latency` seconds after its last byte lea
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 
 @dataclass(eq=False)
 class Flow:
-    size: float                 # bytes still to move
-    links: tuple                # (link id, fraction of the flow's bytes it carries)
-    cap: float                  # bytes/s it can reach alone
+    size: float  # bytes still to move
+    links: tuple  # (link id, fraction of the flow's bytes it carries)
+    cap: float  # bytes/s it can reach alone
     latency: float
     done: Callable[[float], None]  # called with the delivery time
-    label: tuple = ()           # (rank class, pipeline rank, kind, name) for the trace
+    label: tuple = ()  # (rank class, pipeline rank, kind, name) for the trace
     start: float = 0.0
     rate: float = field(default=0.0)
 
@@ -54,7 +54,8 @@ class Network:
         """Move every flow dt seconds forward; return the flows that finished (their bytes all sent)."""
         if self.dirty:
             self._rates()
-        finished, running = [], []
+        finished: list = []
+        running: list = []
         for f in self.flows:
             f.size -= f.rate * dt
             (finished if f.size <= 1e-3 else running).append(f)  # bytes: float noise, not data

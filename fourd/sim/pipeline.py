@@ -7,8 +7,9 @@ communication and link contention on top (fourd.sim.step).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any
 
 from fourd.schedules import Action, Schedule, depends_on
 
@@ -26,8 +27,11 @@ class Event:
     end: float
 
 
-def timeline(schedule: Schedule, duration: Callable[[Action], float] | dict | None = None,
-             delay: Callable[[Action, Action], float] | None = None) -> list[list[Event]]:
+def timeline(
+    schedule: Schedule,
+    duration: Callable[[Action], float] | dict | None = None,
+    delay: Callable[[Action, Action], float] | None = None,
+) -> list[list[Event]]:
     """Per-rank lists of timed events (rank, stage, kind, microbatch, start, end), in execution order.
 
     `duration` gives an action's compute time: a dict by kind ({"F": 1, "B": 2, "I": 1, "W": 1},
@@ -42,18 +46,18 @@ def timeline(schedule: Schedule, duration: Callable[[Action], float] | dict | No
         [('F', 0, 1.0, 2.0), ('F', 1, 2.0, 3.0), ('B', 0, 3.0, 5.0), ('B', 1, 5.0, 7.0)]
     """
     table = UNIT if duration is None else duration
-    dur = (lambda a: table[a.kind]) if isinstance(table, dict) else duration
+    dur: Any = (lambda a: table[a.kind]) if isinstance(table, dict) else duration
     finish: dict[tuple[str, int, int], tuple[float, Action]] = {}
     events: list[list[Event]] = [[] for _ in range(schedule.pp)]
     pos = [0] * schedule.pp
-    free = [0] * schedule.pp
+    free: list[Any] = [0] * schedule.pp
     remaining = schedule.actions()
     while remaining:
         moved = False
         for r, actions in enumerate(schedule.ranks):
             while pos[r] < len(actions):
                 a = actions[pos[r]]
-                deps = [finish.get(d) for d in depends_on(a, schedule.stages)]
+                deps: list[Any] = [finish.get(d) for d in depends_on(a, schedule.stages)]
                 if None in deps:
                     break
                 start = free[r]

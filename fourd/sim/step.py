@@ -26,6 +26,7 @@ import heapq
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from fourd.errors import FourdError
 from fourd.plan.cluster import Group, group_bandwidth, group_level, members_per_node, shard_group
@@ -36,8 +37,17 @@ from fourd.sim.network import Flow, Network
 from fourd.sim.pipeline import Event
 
 
-def stage_costs(model, cluster, layout, seq: int, micro_seqs: int, virtual_stages: int, recompute: str = "none",
-                comm: bool = True, sequence_parallel: bool = True) -> list[dict[str, float]]:
+def stage_costs(
+    model,
+    cluster,
+    layout,
+    seq: int,
+    micro_seqs: int,
+    virtual_stages: int,
+    recompute: str = "none",
+    comm: bool = True,
+    sequence_parallel: bool = True,
+) -> list[dict[str, float]]:
     """Seconds of each action kind ("F", "B", "I", "W") per global stage, from the planner's cost model.
 
     TP and CP collectives are part of F, B and I (they sit on the critical path of every layer);
@@ -51,8 +61,17 @@ def stage_costs(model, cluster, layout, seq: int, micro_seqs: int, virtual_stage
     return out
 
 
-def cost_duration(model, cluster, layout, seq: int, micro_seqs: int, virtual_stages: int = 1,
-                  recompute: str = "none", comm: bool = True, sequence_parallel: bool = True):
+def cost_duration(
+    model,
+    cluster,
+    layout,
+    seq: int,
+    micro_seqs: int,
+    virtual_stages: int = 1,
+    recompute: str = "none",
+    comm: bool = True,
+    sequence_parallel: bool = True,
+):
     """A duration function for `fourd.sim.pipeline.timeline`: the cost model's time of each Action."""
     costs = stage_costs(model, cluster, layout, seq, micro_seqs, virtual_stages, recompute, comm, sequence_parallel)
     return lambda a: costs[a.stage][a.kind]
@@ -60,9 +79,9 @@ def cost_duration(model, cluster, layout, seq: int, micro_seqs: int, virtual_sta
 
 @dataclass(frozen=True)
 class Transfer:
-    replica: int        # 0: the replicas that stand for all (or the only one); 1: the straggler's replica
-    rank: int           # pipeline rank of the GPU that sends
-    kind: str           # "pp" (activation or gradient to a neighbour stage) or "ag", "rs", "ar" (data parallel)
+    replica: int  # 0: the replicas that stand for all (or the only one); 1: the straggler's replica
+    rank: int  # pipeline rank of the GPU that sends
+    kind: str  # "pp" (activation or gradient to a neighbour stage) or "ag", "rs", "ar" (data parallel)
     name: str
     start: float
     end: float
@@ -71,11 +90,11 @@ class Transfer:
 @dataclass
 class StepResult:
     step_time_s: float
-    events: list[list[Event]]           # per pipeline rank, the representative replica
+    events: list[list[Event]]  # per pipeline rank, the representative replica
     transfers: list[Transfer]
-    busy_s: list[float]                 # compute per rank (TP/CP collectives included, optimizer excluded)
+    busy_s: list[float]  # compute per rank (TP/CP collectives included, optimizer excluded)
     optimizer_s: list[float]
-    pipeline_span_s: float              # first forward to last backward, the representative replica
+    pipeline_span_s: float  # first forward to last backward, the representative replica
     slow_events: list[list[Event]] | None = None
 
     @property
@@ -95,15 +114,18 @@ class StepResult:
 @dataclass
 class Comm:
     """What transfers cost on a cluster for one layout: links, and each transfer's bytes, cap and latency."""
+
     capacity: dict = field(default_factory=dict)
     p2p_bytes: float = 0.0
-    p2p: dict = field(default_factory=dict)          # (src rank, dst rank) -> ((out port, in port), cap, latency)
-    dp_group: Group | None = None
-    dp_bw: float = 0.0                               # what a DP ring reaches alone (group_bandwidth)
-    dp_links: tuple = ()                             # (port, share of the ring's bytes) per GPU
+    p2p: dict = field(default_factory=dict)  # (src rank, dst rank) -> ((out port, in port), cap, latency)
+    dp_group: Any = None  # Group
+    dp_bw: float = 0.0  # what a DP ring reaches alone (group_bandwidth)
+    dp_links: tuple = ()  # (port, share of the ring's bytes) per GPU
 
 
-def build_comm(model, cluster, layout, seq: int, micro_seqs: int, replicas: int, sequence_parallel: bool = True) -> Comm:
+def build_comm(
+    model, cluster, layout, seq: int, micro_seqs: int, replicas: int, sequence_parallel: bool = True
+) -> Comm:
     """Links and transfer costs of `layout` on `cluster`, for `replicas` classes of replica."""
     node, net = cluster.node, cluster.network
     nic = net.nic_bw_gbps * 1e9 * net.nic_efficiency
@@ -111,10 +133,13 @@ def build_comm(model, cluster, layout, seq: int, micro_seqs: int, replicas: int,
     comm = Comm()
     for c in range(replicas):
         for r in range(layout.pp):
-            comm.capacity.update({("nic_out", c, r): nic, ("nic_in", c, r): nic,
-                                  ("nvl_out", c, r): nvl, ("nvl_in", c, r): nvl})
+            comm.capacity.update(
+                {("nic_out", c, r): nic, ("nic_in", c, r): nic, ("nvl_out", c, r): nvl, ("nvl_in", c, r): nvl}
+            )
     # each TP rank sends its sequence-parallel shard; without SP every TP rank holds (and sends) it all
-    comm.p2p_bytes = micro_seqs * seq // layout.cp * model.dim * cluster.dtype_bytes / (layout.tp if sequence_parallel else 1)
+    comm.p2p_bytes = (
+        micro_seqs * seq // layout.cp * model.dim * cluster.dtype_bytes / (layout.tp if sequence_parallel else 1)
+    )
     gpu = [layout.rank(pp=r) for r in range(layout.pp)]
     for src in range(layout.pp):
         for dst in range(layout.pp):
@@ -151,17 +176,26 @@ def _dp_flow(comm: Comm, cluster, op: str, nbytes: float) -> tuple[float, float,
 @dataclass
 class _Piece:
     action: Action
-    part: int                   # layer piece index when an action is split into its layers
+    part: int  # layer piece index when an action is split into its layers
     parts: int
     dur: float
     needs: tuple
-    after: list                 # effects when it ends: ("token", t) | ("send", dst, token) | ("enqueue", stream, key)
+    after: list  # effects when it ends: ("token", t) | ("send", dst, token) | ("enqueue", stream, key)
 
 
-def simulate(schedule: Schedule, costs: list[dict[str, float]], *, layers: list[int] | None = None,
-             comm: Comm | None = None, cluster=None, zero: int = 1, dp_bytes: list[float] | None = None,
-             optimizer_s: list[float] | None = None, slow: tuple[int, float] | None = None,
-             dp: int = 1) -> StepResult:
+def simulate(
+    schedule: Schedule,
+    costs: list[dict[str, float]],
+    *,
+    layers: list[int] | None = None,
+    comm: Comm | None = None,
+    cluster=None,
+    zero: int = 1,
+    dp_bytes: list[float] | None = None,
+    optimizer_s: list[float] | None = None,
+    slow: tuple[int, float] | None = None,
+    dp: int = 1,
+) -> StepResult:
     """Run one step. `costs[stage][kind]` are compute seconds; `comm` None makes transfers free.
 
     `layers[stage]` cuts actions into per-layer pieces where data-parallel buckets gate or follow
@@ -179,8 +213,9 @@ def simulate(schedule: Schedule, costs: list[dict[str, float]], *, layers: list[
     for c, straggler in enumerate(classes):
         for r in range(p):
             factor = straggler[1] if straggler and straggler[0] == r else 1
-            sim.pieces[(c, r)] = _rank_pieces(schedule, r, c, costs, layers, factor, zero if with_dp else None,
-                                              sim, dp_bytes)
+            sim.pieces[(c, r)] = _rank_pieces(
+                schedule, r, c, costs, layers, factor, zero if with_dp else None, sim, dp_bytes
+            )
             opt_needs = tuple((c, "coll", key) for key in sim.rs_keys[(c, r)])
             sim.pieces[(c, r)].append(_Piece(Action("O", r, 0), 0, 1, optimizer_s[r] * factor, opt_needs, []))
     return sim.run(classes)
@@ -212,7 +247,9 @@ def _rank_pieces(schedule, r, c, costs, layers, factor, zero, sim, dp_bytes):
                 needs.append((c, "gin", s + 1, j))
         if a.kind == "W":
             needs.append((c, "I", s, j))
-        gather = zero is not None and ((zero in (1, 2) and idx == first_f.get(s)) or (zero == 3 and a.kind in ("F", "B", "I")))
+        gather = zero is not None and (
+            (zero in (1, 2) and idx == first_f.get(s)) or (zero == 3 and a.kind in ("F", "B", "I"))
+        )
         reduce = zero is not None and a.kind in grad_kinds and (zero >= 2 or idx == last_grad[s])
         parts = layers[s] if (gather or reduce) else 1
         dur = costs[s][a.kind] * factor / parts if parts > 1 else costs[s][a.kind] * factor
@@ -251,7 +288,7 @@ class _Engine:
         self.deliveries: list = []
         self.seq = 0
         self.transfers: list[Transfer] = []
-        self.done_colls: dict = {}     # collectives finished, whose streams move on
+        self.done_colls: dict = {}  # collectives finished, whose streams move on
 
     def enqueue(self, stream, key, nbytes):
         self.streams.setdefault(stream, deque()).append((key, math.inf))
@@ -260,12 +297,12 @@ class _Engine:
     def run(self, classes) -> StepResult:
         p = self.schedule.pp
         ranks = [(c, r) for c in range(len(classes)) for r in range(p)]
-        pos = {k: 0 for k in ranks}
+        pos = dict.fromkeys(ranks, 0)
         running: dict[tuple, tuple[float, _Piece]] = {}
         started: dict[tuple, float] = {}
-        events = {k: [] for k in ranks}
-        busy = {k: 0 for k in ranks}
-        opt = {k: 0 for k in ranks}
+        events: dict[tuple, list] = {k: [] for k in ranks}
+        busy: dict[tuple, Any] = dict.fromkeys(ranks, 0)
+        opt: dict[tuple, Any] = dict.fromkeys(ranks, 0)
         # enqueued keys of the rs streams become ready when emitted; ag keys are ready at once
         for stream, q in self.streams.items():
             if stream[2] == "ag":
@@ -274,7 +311,7 @@ class _Engine:
             for r in range(p):
                 self.streams.setdefault((c, r, "rs"), deque())
                 self.streams.setdefault((c, r, "ag"), deque())
-        waiting_coll: dict = {}        # key -> set of streams whose head it is
+        waiting_coll: dict = {}  # key -> set of streams whose head it is
         busy_stream: set = set()
         t = 0
         end_time = 0
@@ -300,8 +337,11 @@ class _Engine:
                     if len(waiting_coll[key]) == self.n_classes:
                         self._launch(key, waiting_coll.pop(key), t)
                     moved = True
-            nxt = min([e for e, _ in running.values()] + [self.net.next_finish(t)]
-                      + ([self.deliveries[0][0]] if self.deliveries else []))
+            nxt = min(
+                [e for e, _ in running.values()]
+                + [self.net.next_finish(t)]
+                + ([self.deliveries[0][0]] if self.deliveries else [])
+            )
             if nxt == math.inf:
                 break
             for f in self.net.advance(t, nxt - t):
@@ -335,9 +375,15 @@ class _Engine:
         starts = [e[0].start for e in rep if e]
         ends = [e[-1].end for e in rep if e]
         span = max(ends) - min(starts) if starts else 0.0
-        return StepResult(end_time, rep, self.transfers, [busy[(0, r)] for r in range(p)],
-                          [opt[(0, r)] for r in range(p)], span,
-                          [events[(1, r)] for r in range(p)] if len(classes) > 1 else None)
+        return StepResult(
+            end_time,
+            rep,
+            self.transfers,
+            [busy[(0, r)] for r in range(p)],
+            [opt[(0, r)] for r in range(p)],
+            span,
+            [events[(1, r)] for r in range(p)] if len(classes) > 1 else None,
+        )
 
     def _deliver_later(self, when, fn):
         self.seq += 1
@@ -363,6 +409,7 @@ class _Engine:
             def done(when, token=token, start=t, label=label):
                 self.tokens.add(token)
                 self.transfers.append(Transfer(c, r, "pp", label, start, when))
+
             self.net.add(Flow(self.comm.p2p_bytes, links, bw, latency, done), t)
 
     def _launch(self, key, streams, t):
@@ -387,9 +434,21 @@ class _Engine:
             self.net.add(Flow(volume, links, cap, latency, lambda when, s=stream: done(when, s)), t)
 
 
-def simulate_step(model, cluster, layout, schedule: Schedule, seq: int, micro_seqs: int, *, zero: int = 1,
-                  recompute: str = "none", comm: bool = True, slow_gpu: tuple[int, float] | None = None,
-                  throttle: float = 1.0, sequence_parallel: bool = True) -> StepResult:
+def simulate_step(
+    model,
+    cluster,
+    layout,
+    schedule: Schedule,
+    seq: int,
+    micro_seqs: int,
+    *,
+    zero: int = 1,
+    recompute: str = "none",
+    comm: bool = True,
+    slow_gpu: tuple[int, float] | None = None,
+    throttle: float = 1.0,
+    sequence_parallel: bool = True,
+) -> StepResult:
     """One step of `model` on `cluster` with `layout` and `schedule`, microbatches of micro_seqs sequences.
 
     `slow_gpu = (global rank, factor)`: that GPU computes factor× slower, and with it its TP/CP group
@@ -398,8 +457,10 @@ def simulate_step(model, cluster, layout, schedule: Schedule, seq: int, micro_se
     if schedule.pp != layout.pp:
         raise FourdError(f"schedule for pp={schedule.pp} but layout {layout} has pp={layout.pp}")
     v = schedule.virtual_stages
-    costs = [{k: t * throttle for k, t in c.items()}
-             for c in stage_costs(model, cluster, layout, seq, micro_seqs, v, recompute, comm, sequence_parallel)]
+    costs = [
+        {k: t * throttle for k, t in c.items()}
+        for c in stage_costs(model, cluster, layout, seq, micro_seqs, v, recompute, comm, sequence_parallel)
+    ]
     counts = stage_layers(model.layers, layout.pp, v)
     dtype = cluster.dtype_bytes
     dp_bytes = [stage_params(model, counts, s) / layout.tp * dtype for s in range(len(counts))]
@@ -418,5 +479,15 @@ def simulate_step(model, cluster, layout, schedule: Schedule, seq: int, micro_se
         slow = (layout.coords(g)["pp"], factor)
     replicas = 1 if slow is None or layout.dp == 1 else 2
     net = build_comm(model, cluster, layout, seq, micro_seqs, replicas, sequence_parallel) if comm else None
-    return simulate(schedule, costs, layers=[max(1, n) for n in counts], comm=net, cluster=cluster, zero=zero,
-                    dp_bytes=dp_bytes, optimizer_s=optimizer, slow=slow, dp=layout.dp)
+    return simulate(
+        schedule,
+        costs,
+        layers=[max(1, n) for n in counts],
+        comm=net,
+        cluster=cluster,
+        zero=zero,
+        dp_bytes=dp_bytes,
+        optimizer_s=optimizer,
+        slow=slow,
+        dp=layout.dp,
+    )

@@ -32,8 +32,13 @@ def add_arguments(p):
     plan_cli.add_arguments(p)  # the same model, cluster, layout and run flags as `fourd plan`
     p.add_argument("--no-comm", action="store_true", help="every transfer free: the schedule's figures alone")
     p.add_argument("--slow-gpu", metavar="RANK:FACTOR", help="GPU RANK computes FACTOR times slower, e.g. 37:1.25")
-    p.add_argument("--diurnal", type=float, default=0.0, metavar="PCT",
-                   help="daily clock throttle amplitude in percent (Llama 3 saw 1-2 %%), largest at 15:00")
+    p.add_argument(
+        "--diurnal",
+        type=float,
+        default=0.0,
+        metavar="PCT",
+        help="daily clock throttle amplitude in percent (Llama 3 saw 1-2 %%), largest at 15:00",
+    )
     p.add_argument("--hour", type=float, default=15.0, help="time of day for --diurnal, 0-24 (default 15)")
     p.add_argument("--trace", metavar="FILE.json", help="write a Chrome trace (open it in Perfetto)")
 
@@ -51,7 +56,9 @@ def _slow(text: str | None):
     try:
         return int(rank), float(factor)
     except ValueError:
-        raise FourdError(f"--slow-gpu {text!r}: write RANK:FACTOR, e.g. 37:1.25 for GPU 37 computing 25 % slower") from None
+        raise FourdError(
+            f"--slow-gpu {text!r}: write RANK:FACTOR, e.g. 37:1.25 for GPU 37 computing 25 % slower"
+        ) from None
 
 
 def resolve(args):
@@ -62,12 +69,25 @@ def resolve(args):
     i = resolve_inputs(args)
     model, cluster, seq, layout, gpus = i.model, i.cluster, i.seq, i.layout, i.gpus
     schedule = args.schedule or ("interleaved" if (args.virtual_stages or 1) > 1 else None)
-    plans = search(model, cluster, gpus, seq, i.global_seqs, recompute=args.recompute, layout=layout,
-                   schedule=schedule, microbatches=args.microbatches, virtual_stages=args.virtual_stages, zero=args.zero,
-                   sequence_parallel=i.sequence_parallel)
+    plans = search(
+        model,
+        cluster,
+        gpus,
+        seq,
+        i.global_seqs,
+        recompute=args.recompute,
+        layout=layout,
+        schedule=schedule,
+        microbatches=args.microbatches,
+        virtual_stages=args.virtual_stages,
+        zero=args.zero,
+        sequence_parallel=i.sequence_parallel,
+    )
     if not plans:
-        raise FourdError(f"no configuration of {gpus} GPUs runs this model with these settings: change --layout, "
-                         f"--microbatches or --global-batch-tokens (`fourd plan` explains)")
+        raise FourdError(
+            f"no configuration of {gpus} GPUs runs this model with these settings: change --layout, "
+            f"--microbatches or --global-batch-tokens (`fourd plan` explains)"
+        )
     return plans
 
 
@@ -89,14 +109,25 @@ def report(plan, result, comm: bool, wall: float, train_tokens: float | None = N
         "planner_step_time_s": plan.step.step_s,
         "planner_vs_sim": plan.step.step_s / step - 1,
         "comm": comm,
-        "layout": {d: getattr(c.layout, d) for d in ("tp", "cp", "pp", "dp")}, "gpus": plan.gpus,
-        "schedule": c.schedule, "microbatches": c.microbatches, "virtual_stages": c.virtual_stages,
-        "micro_batch_seqs": plan.micro_seqs, "zero": c.zero, "recompute": c.recompute,
-        "sequence_parallel": c.sequence_parallel, "seq": plan.seq,
-        "global_batch_tokens": plan.global_seqs * plan.seq, "cluster": plan.cluster.name,
-        "transfers": len(result.transfers), "sim_wall_s": wall,
-        **({"train_tokens": train_tokens, "training_days": train_tokens * step / (plan.global_seqs * plan.seq) / 86400}
-           if train_tokens else {}),
+        "layout": {d: getattr(c.layout, d) for d in ("tp", "cp", "pp", "dp")},
+        "gpus": plan.gpus,
+        "schedule": c.schedule,
+        "microbatches": c.microbatches,
+        "virtual_stages": c.virtual_stages,
+        "micro_batch_seqs": plan.micro_seqs,
+        "zero": c.zero,
+        "recompute": c.recompute,
+        "sequence_parallel": c.sequence_parallel,
+        "seq": plan.seq,
+        "global_batch_tokens": plan.global_seqs * plan.seq,
+        "cluster": plan.cluster.name,
+        "transfers": len(result.transfers),
+        "sim_wall_s": wall,
+        **(
+            {"train_tokens": train_tokens, "training_days": train_tokens * step / (plan.global_seqs * plan.seq) / 86400}
+            if train_tokens
+            else {}
+        ),
     }
 
 
@@ -108,9 +139,20 @@ def simulate_plan(plan, args):
     c = plan.config
     start = time.perf_counter()
     schedule = build_schedule(c.schedule, c.layout.pp, c.microbatches, c.virtual_stages)
-    result = simulate_step(plan.model, plan.cluster, c.layout, schedule, plan.seq, plan.micro_seqs, zero=c.zero,
-                           recompute=c.recompute, comm=not args.no_comm, slow_gpu=_slow(args.slow_gpu),
-                           throttle=diurnal_factor(args.diurnal, args.hour), sequence_parallel=c.sequence_parallel)
+    result = simulate_step(
+        plan.model,
+        plan.cluster,
+        c.layout,
+        schedule,
+        plan.seq,
+        plan.micro_seqs,
+        zero=c.zero,
+        recompute=c.recompute,
+        comm=not args.no_comm,
+        slow_gpu=_slow(args.slow_gpu),
+        throttle=diurnal_factor(args.diurnal, args.hour),
+        sequence_parallel=c.sequence_parallel,
+    )
     return result, time.perf_counter() - start
 
 
@@ -118,13 +160,15 @@ def run(args) -> int:
     from fourd.plan.cli import count
 
     if not 0 <= args.hour <= 24 or args.diurnal < 0:
-        raise FourdError(f"--diurnal {args.diurnal} --hour {args.hour}: the amplitude is a percentage >= 0, the hour 0-24")
+        raise FourdError(
+            f"--diurnal {args.diurnal} --hour {args.hour}: the amplitude is a percentage >= 0, the hour 0-24"
+        )
     _slow(args.slow_gpu)
     train_tokens = count(args.train_tokens) if args.train_tokens else None
     plans = resolve(args)
     if args.search:
         # The planner's best candidates that fit, ranked again by simulated step time.
-        fitting = [p for p in plans if p.fits][:args.top] or plans[:1]
+        fitting = [p for p in plans if p.fits][: args.top] or plans[:1]
         rows = []
         for plan in fitting:
             result, wall = simulate_plan(plan, args)
@@ -135,26 +179,38 @@ def run(args) -> int:
             return 0
         for i, r in enumerate(rows):
             lay = ",".join(f"{d}={r['layout'][d]}" for d in ("tp", "cp", "pp", "dp"))
-            print(f"{i + 1:2}. {r['step_time_s']:.4g} s (planner {r['planner_step_time_s']:.4g} s)  {lay} {r['schedule']}"
-                  f" V={r['virtual_stages']} m={r['microbatches']} ZeRO {r['zero']} recompute {r['recompute']}")
+            print(
+                f"{i + 1:2}. {r['step_time_s']:.4g} s (planner {r['planner_step_time_s']:.4g} s)  {lay} {r['schedule']}"
+                f" V={r['virtual_stages']} m={r['microbatches']} ZeRO {r['zero']} recompute {r['recompute']}"
+            )
         return 0
     plan = plans[0]
     result, wall = simulate_plan(plan, args)
     out = report(plan, result, not args.no_comm, wall, train_tokens)
     if args.trace:
         from fourd.sim.trace import write_trace
+
         write_trace(result, args.trace)
     if args.json:
         print(json.dumps(out))
         return 0
     c = plan.config
-    print(f"{plan.gpus:,} GPUs, layout {c.layout}, {c.schedule}" + (f" V={c.virtual_stages}" if c.virtual_stages > 1 else "")
-          + f", {c.microbatches} microbatches of {plan.micro_seqs} x {plan.seq} tokens, ZeRO {c.zero}, recompute {c.recompute}"
-          + ("" if out["comm"] else ", transfers free"))
+    print(
+        f"{plan.gpus:,} GPUs, layout {c.layout}, {c.schedule}"
+        + (f" V={c.virtual_stages}" if c.virtual_stages > 1 else "")
+        + f", {c.microbatches} microbatches of {plan.micro_seqs} x {plan.seq} tokens, ZeRO {c.zero}, recompute {c.recompute}"
+        + ("" if out["comm"] else ", transfers free")
+    )
     print(f"  step time        {out['step_time_s']:.4g} s   (planner {out['planner_step_time_s']:.4g} s)")
-    print(f"  throughput       {out['tokens_per_s']:,.0f} tokens/s, {out['tflops_per_gpu']:.0f} TFLOP/s per GPU, MFU {100 * out['mfu']:.1f} %")
-    print(f"  bubble           {100 * out['bubble_fraction']:.1f} % of the pipeline span ({out['pipeline_span_s']:.4g} s) on the busiest rank")
-    print("  idle per rank    " + " ".join(f"{100 * x:.1f}" for x in out["per_rank_idle_fraction"]) + "  (% of the step)")
+    print(
+        f"  throughput       {out['tokens_per_s']:,.0f} tokens/s, {out['tflops_per_gpu']:.0f} TFLOP/s per GPU, MFU {100 * out['mfu']:.1f} %"
+    )
+    print(
+        f"  bubble           {100 * out['bubble_fraction']:.1f} % of the pipeline span ({out['pipeline_span_s']:.4g} s) on the busiest rank"
+    )
+    print(
+        "  idle per rank    " + " ".join(f"{100 * x:.1f}" for x in out["per_rank_idle_fraction"]) + "  (% of the step)"
+    )
     if args.slow_gpu:
         print(f"  straggler        GPU {args.slow_gpu.replace(':', ' at ')}x")
     if train_tokens:

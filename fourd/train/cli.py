@@ -30,9 +30,15 @@ import argparse
 
 # short flag -> config key
 FLAGS = {
-    "model": "model.preset", "layout": "parallel.layout", "schedule": "parallel.schedule",
-    "microbatches": "parallel.microbatches", "virtual_stages": "parallel.virtual_stages",
-    "steps": "train.steps", "seed": "train.seed", "run_dir": "run.dir", "max_restarts": "run.max_restarts",
+    "model": "model.preset",
+    "layout": "parallel.layout",
+    "schedule": "parallel.schedule",
+    "microbatches": "parallel.microbatches",
+    "virtual_stages": "parallel.virtual_stages",
+    "steps": "train.steps",
+    "seed": "train.seed",
+    "run_dir": "run.dir",
+    "max_restarts": "run.max_restarts",
 }
 
 
@@ -42,13 +48,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layout", help="e.g. tp=2,cp=1,pp=2,dp=2 (omitted dimensions are 1)")
     p.add_argument("--schedule", help="pipeline schedule: gpipe, 1f1b, interleaved, zero-bubble")
     p.add_argument("--microbatches", type=int, metavar="M", help="microbatches per step")
-    p.add_argument("--virtual-stages", dest="virtual_stages", type=int, metavar="V",
-                   help="stages per pipeline rank (interleaved)")
+    p.add_argument(
+        "--virtual-stages", dest="virtual_stages", type=int, metavar="V", help="stages per pipeline rank (interleaved)"
+    )
     p.add_argument("--steps", type=int, metavar="N")
     p.add_argument("--seed", type=int, metavar="S")
     p.add_argument("--run-dir", dest="run_dir", metavar="DIR", help="metrics.jsonl, TensorBoard, checkpoints")
-    p.add_argument("--max-restarts", dest="max_restarts", type=int, metavar="R",
-                   help="restart all workers from the newest checkpoint up to R times")
+    p.add_argument(
+        "--max-restarts",
+        dest="max_restarts",
+        type=int,
+        metavar="R",
+        help="restart all workers from the newest checkpoint up to R times",
+    )
 
 
 # `--section.key=value` words reach run() as args._unknown (see fourd.cli).
@@ -65,21 +77,33 @@ def prepare(args):
     mcfg = model_config(cfg)
     layout = parse_layout(cfg.parallel.layout)
     par = cfg.parallel
-    validate_layout(layout, mcfg, cfg.data.seq_len, cfg.train.global_batch, par.microbatches,
-                    virtual_stages=par.virtual_stages if par.schedule == "interleaved" else 1,
-                    sequence_parallel=par.sequence_parallel,
-                    hsdp_replicate=(par.hsdp_replicate or 2) if par.dp_mode == "hsdp" else None)
+    validate_layout(
+        layout,
+        mcfg,
+        cfg.data.seq_len,
+        cfg.train.global_batch,
+        par.microbatches,
+        virtual_stages=par.virtual_stages if par.schedule == "interleaved" else 1,
+        sequence_parallel=par.sequence_parallel,
+        hsdp_replicate=(par.hsdp_replicate or 2) if par.dp_mode == "hsdp" else None,
+    )
     if layout.pp > 1:
         from fourd.schedules import build_schedule
 
-        build_schedule(cfg.parallel.schedule, layout.pp, cfg.parallel.microbatches,
-                       cfg.parallel.virtual_stages if cfg.parallel.schedule == "interleaved" else 1)
+        build_schedule(
+            cfg.parallel.schedule,
+            layout.pp,
+            cfg.parallel.microbatches,
+            cfg.parallel.virtual_stages if cfg.parallel.schedule == "interleaved" else 1,
+        )
     cache = prepare_data(cfg.data.path, cfg.data.tokenizer, cfg.data.cache_dir)
     if cache.vocab_size > mcfg.vocab:
         from fourd.errors import FourdError
 
-        raise FourdError(f"the tokenizer has {cache.vocab_size} ids but the model's vocabulary is {mcfg.vocab}: "
-                         f"set --model.vocab={cache.vocab_size} or use another tokenizer")
+        raise FourdError(
+            f"the tokenizer has {cache.vocab_size} ids but the model's vocabulary is {mcfg.vocab}: "
+            f"set --model.vocab={cache.vocab_size} or use another tokenizer"
+        )
     return cfg, layout, cache
 
 

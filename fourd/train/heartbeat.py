@@ -14,7 +14,7 @@ class Heartbeat:
     def __init__(self, rank: int, world: int, attempt: int):
         self.rank, self.world, self.step = rank, world, 0
         self.prefix = f"fourd/attempt{attempt}/began/"  # the store outlives restarts: keys per attempt
-        self.store = None
+        self.store: dist.Store | None = None
 
     def beat(self, step: int) -> None:
         self.step = step

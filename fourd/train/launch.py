@@ -33,9 +33,16 @@ def launch_local(nproc: int, max_restarts: int, entrypoint, *args) -> int:
         logging.getLogger(name).setLevel(logging.ERROR)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"fourd-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", rdzv_configs={"timeout": 120},
-        max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn",
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"fourd-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        rdzv_configs={"timeout": 120},
+        max_restarts=max_restarts,
+        monitor_interval=0.1,
+        start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=tempfile.mkdtemp(prefix="fourd-elastic-")),
     )
     try:
@@ -46,6 +53,8 @@ def launch_local(nproc: int, max_restarts: int, entrypoint, *args) -> int:
             return 2  # a worker refused bad input and already said why on stderr
         rank, failure = min(e.failures.items())
         why = f"signal {-failure.exitcode}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
-        raise FourdError(f"worker rank {rank} failed ({why}) after {max_restarts} restart(s); "
-                         "its error is above; --max-restarts R restarts the job from the newest checkpoint") from None
+        raise FourdError(
+            f"worker rank {rank} failed ({why}) after {max_restarts} restart(s); "
+            "its error is above; --max-restarts R restarts the job from the newest checkpoint"
+        ) from None
     return 0

@@ -12,8 +12,18 @@ import time
 from pathlib import Path
 
 # Dense BF16 peaks from the vendors' datasheets (TFLOP/s, without sparsity).
-GPU_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0,
-                   "L40S": 362.0, "A10G": 125.0, "L4": 121.0, "B200": 2250.0, "GB200": 2500.0}
+GPU_PEAK_TFLOPS = {
+    "H100": 989.0,
+    "H200": 989.0,
+    "H800": 989.0,
+    "A100": 312.0,
+    "A800": 312.0,
+    "L40S": 362.0,
+    "A10G": 125.0,
+    "L4": 121.0,
+    "B200": 2250.0,
+    "GB200": 2500.0,
+}
 
 
 def measure_cpu_peak_flops(seconds: float = 1.0) -> float:
@@ -112,9 +122,13 @@ class MetricsWriter:
         """A resumed run rewrites the steps after its checkpoint: keep the rows before it only."""
         if not self.path.exists():
             return
-        keep = [l for l in self.path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= start_step]
+        keep = [
+            line
+            for line in self.path.read_text().splitlines()
+            if line.strip() and json.loads(line)["step"] <= start_step
+        ]
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(l + "\n" for l in keep))
+        tmp.write_text("".join(line + "\n" for line in keep))
         os.replace(tmp, self.path)
 
     def log(self, row: dict, show: bool) -> None:
@@ -125,8 +139,10 @@ class MetricsWriter:
             for k, v in row.items():
                 if k != "step" and isinstance(v, (int, float)):
                     self.tb.add_scalar(f"train/{k}", v, row["step"])
-        text = (f"loss {row['loss']:.4f}  lr {row['lr']:.2e}  grad {row['grad_norm']:.3f}  "
-                f"{row['tokens_per_s']:,.0f} tok/s  mfu {100 * row['mfu']:.1f}%")
+        text = (
+            f"loss {row['loss']:.4f}  lr {row['lr']:.2e}  grad {row['grad_norm']:.3f}  "
+            f"{row['tokens_per_s']:,.0f} tok/s  mfu {100 * row['mfu']:.1f}%"
+        )
         if self.bar is not None:
             self.bar.set_postfix_str(text, refresh=False)
             self.bar.update(1)

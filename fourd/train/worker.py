@@ -17,19 +17,20 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from fourd.ckpt.dcp_io import Checkpointer
 from fourd.config import Config, model_config
-from fourd.data.dataset import SampleStream, TokenCache, fourd_home
+from fourd.data.dataset import SampleStream, TokenCache
 from fourd.errors import FourdError
 from fourd.model.llama import build_model
 from fourd.parallel.grad import clip_grad_norm
 from fourd.parallel.layout import Layout, parse_layout
 from fourd.train.heartbeat import Heartbeat
-from fourd.train.metrics import MetricsWriter, device_peak_flops, peak_memory_gb, summary_table
+from fourd.train.metrics import MetricsWriter, peak_memory_gb, summary_table
 
 
 def lr_at(step: int, cfg: Config) -> float:
@@ -51,7 +52,7 @@ class Parallel:
     coords: dict
     mesh: object | None
     stages: list[torch.nn.Module]
-    runner: object | None  # the pipeline executor when pp > 1
+    runner: Any  # the pipeline executor (PipelineRunner) when pp > 1, else None
 
     @property
     def data_rank(self) -> int:
@@ -61,8 +62,10 @@ class Parallel:
 def build_parallel(cfg: Config, device: torch.device, rank: int, world: int) -> Parallel:
     layout = parse_layout(cfg.parallel.layout)
     if layout.world != world:
-        raise FourdError(f"layout {layout} needs {layout.world} ranks but {world} were started: "
-                         f"start {layout.world} workers or change --layout")
+        raise FourdError(
+            f"layout {layout} needs {layout.world} ranks but {world} were started: "
+            f"start {layout.world} workers or change --layout"
+        )
     mcfg = model_config(cfg)
     coords = layout.coords(rank)
     seed = cfg.train.seed
@@ -79,8 +82,12 @@ def build_parallel(cfg: Config, device: torch.device, rank: int, world: int) -> 
         from fourd.parallel.pp import pipeline_split
         from fourd.schedules import build_schedule
 
-        schedule = build_schedule(cfg.parallel.schedule, layout.pp, cfg.parallel.microbatches,
-                                  cfg.parallel.virtual_stages if cfg.parallel.schedule == "interleaved" else 1)
+        schedule = build_schedule(
+            cfg.parallel.schedule,
+            layout.pp,
+            cfg.parallel.microbatches,
+            cfg.parallel.virtual_stages if cfg.parallel.schedule == "interleaved" else 1,
+        )
         stages = pipeline_split(mcfg, coords["pp"], schedule, seed=seed, device=device)
     else:
         schedule = None
@@ -110,7 +117,8 @@ def build_parallel(cfg: Config, device: torch.device, rank: int, world: int) -> 
 
 
 def _param_groups(stages, weight_decay: float):
-    decay, no_decay = [], []
+    decay: list = []
+    no_decay: list = []
     for s in stages:
         for name, p in s.named_parameters():
             (no_decay if name.endswith("norm.weight") else decay).append(p)
@@ -163,8 +171,14 @@ def run_worker(cfg: Config, cache: TokenCache, peak_flops: float, peak_source: s
     # The elastic agent keeps one TCP store for all restarts of the job: without a key prefix per
     # attempt, a restarted worker would read its peers' addresses from the failed attempt and hang.
     store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
-    dist.init_process_group("nccl" if use_cuda else "gloo", store=dist.PrefixStore(f"fourd/attempt{attempt}", store),
-                            rank=rank, world_size=world, timeout=timeout, **({"device_id": device} if use_cuda else {}))
+    dist.init_process_group(
+        "nccl" if use_cuda else "gloo",
+        store=dist.PrefixStore(f"fourd/attempt{attempt}", store),
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
+        **({"device_id": device} if use_cuda else {}),
+    )
     # The digest gathers 2-D-sharded parameters once per checkpoint; DTensor's advice on merging those
     # all-gathers is about throughput, not correctness, and would flood every rank's log.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
@@ -190,23 +204,37 @@ def _train(cfg, cache, peak_flops, peak_source, rank, world, attempt, device, be
     per_dp = B // lay.dp
     stream = SampleStream(cache, seq, t.seed, cfg.data.holdout_fraction)
     params = [p for s in par.stages for p in s.parameters()]
-    opt = torch.optim.AdamW(_param_groups(par.stages, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
-                            eps=1e-8, foreach=False)
+    opt = torch.optim.AdamW(
+        _param_groups(par.stages, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, foreach=False
+    )
     amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else _no_amp
     run_dir = Path(cfg.run.dir)
-    ckpt = Checkpointer(run_dir, par.stages, opt, model_cfg=model_config(cfg), layout=str(lay),
-                        contributes=all(par.coords[d] == 0 for d in ("tp", "cp", "dp")), keep=cfg.checkpoint.keep,
-                        async_save=cfg.checkpoint.async_save, attempt=attempt,
-                        info={"seed": t.seed, "global_batch": B, "steps": t.steps})
+    ckpt = Checkpointer(
+        run_dir,
+        par.stages,
+        opt,
+        model_cfg=model_config(cfg),
+        layout=str(lay),
+        contributes=all(par.coords[d] == 0 for d in ("tp", "cp", "dp")),
+        keep=cfg.checkpoint.keep,
+        async_save=cfg.checkpoint.async_save,
+        attempt=attempt,
+        info={"seed": t.seed, "global_batch": B, "steps": t.steps},
+    )
     start_step, start_sample = ckpt.resume() or (0, 0)
     if start_step > t.steps:
-        raise FourdError(f"{run_dir} has a checkpoint at step {start_step}, beyond --steps {t.steps}: "
-                         "ask for more steps or use another --run-dir")
+        raise FourdError(
+            f"{run_dir} has a checkpoint at step {start_step}, beyond --steps {t.steps}: "
+            "ask for more steps or use another --run-dir"
+        )
     writer = MetricsWriter(run_dir, t.steps, start_step) if rank == 0 else None
     flops_per_step = model_config(cfg).flops_per_token(seq) * B * seq
     if rank == 0:
-        print(f"fourd train: {cfg.model.preset} model, layout {lay} ({world} rank{'s' if world > 1 else ''}, "
-              f"{device.type}), {B} x {seq} tokens per step, data: {cache.source}", flush=True)
+        print(
+            f"fourd train: {cfg.model.preset} model, layout {lay} ({world} rank{'s' if world > 1 else ''}, "
+            f"{device.type}), {B} x {seq} tokens per step, data: {cache.source}",
+            flush=True,
+        )
     for step in range(start_step + 1, t.steps + 1):
         if attempt == 0 and step == cfg.fault.at_step and rank == cfg.fault.kill_rank:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -242,10 +270,17 @@ def _train(cfg, cache, peak_flops, peak_source, rank, world, attempt, device, be
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         if writer is not None:
-            row = {"step": step, "loss": loss.item(), "lr": lr, "grad_norm": float(grad_norm),
-                   "tokens_per_s": B * seq / dt, "step_time_s": dt,
-                   "mfu": flops_per_step / dt / (peak_flops * (world if device.type == "cuda" else 1)),
-                   "peak_mem_gb": peak_memory_gb(device.type), "tokens": step * B * seq}
+            row = {
+                "step": step,
+                "loss": loss.item(),
+                "lr": lr,
+                "grad_norm": float(grad_norm),
+                "tokens_per_s": B * seq / dt,
+                "step_time_s": dt,
+                "mfu": flops_per_step / dt / (peak_flops * (world if device.type == "cuda" else 1)),
+                "peak_mem_gb": peak_memory_gb(device.type),
+                "tokens": step * B * seq,
+            }
             if par.runner is not None:
                 row["bubble_fraction"] = par.runner.bubble_fraction
             writer.log(row, show=step % t.log_every == 0 or step == t.steps)
@@ -257,23 +292,38 @@ def _train(cfg, cache, peak_flops, peak_source, rank, world, attempt, device, be
     ckpt.wait()
     if writer is not None:
         writer.close()
-        print(summary_table(writer.rows, {"layout": f"{lay} on {world} {device.type} rank(s)",
-                                          "MFU peak": f"{peak_flops / 1e12:.3f} TFLOP/s ({peak_source})",
-                                          "run dir": str(run_dir)}), flush=True)
+        print(
+            summary_table(
+                writer.rows,
+                {
+                    "layout": f"{lay} on {world} {device.type} rank(s)",
+                    "MFU peak": f"{peak_flops / 1e12:.3f} TFLOP/s ({peak_source})",
+                    "run dir": str(run_dir),
+                },
+            ),
+            flush=True,
+        )
 
 
 def _write_trace(par: Parallel, path: Path) -> None:
     """The pipeline actions of this step on every rank, as one Chrome trace (opens in Perfetto and the lab)."""
     c = par.coords
-    events = [{"ph": "M", "name": "process_name", "pid": par.rank,
-               "args": {"name": f"rank {par.rank} (pp={c['pp']} tp={c['tp']} cp={c['cp']} dp={c['dp']})"}}]
+    events = [
+        {
+            "ph": "M",
+            "name": "process_name",
+            "pid": par.rank,
+            "args": {"name": f"rank {par.rank} (pp={c['pp']} tp={c['tp']} cp={c['cp']} dp={c['dp']})"},
+        }
+    ]
     events += par.runner.trace_events(pid=par.rank)
-    gathered = [None] * dist.get_world_size() if par.rank == 0 else None
+    gathered: Any = [None] * dist.get_world_size() if par.rank == 0 else None
     dist.gather_object(events, gathered, dst=0)
     if par.rank == 0:
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"traceEvents": [e for rank_events in gathered for e in rank_events],
-                                   "displayTimeUnit": "ms"}))
+        tmp.write_text(
+            json.dumps({"traceEvents": [e for rank_events in gathered for e in rank_events], "displayTimeUnit": "ms"})
+        )
         os.replace(tmp, path)
 
 
