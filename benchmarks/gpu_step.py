@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from fourd.data.dataset import fourd_home
+from fourd.config import fourd_home
 from fourd.model.config import PRESETS, ModelConfig
 from fourd.model.llama import build_model
 from fourd.train.metrics import device_peak_flops

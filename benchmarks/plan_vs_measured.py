@@ -26,7 +26,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 FOURD = [sys.executable, "-m", "fourd"]
-ZERO = {"ddp": 0, "zero2": 2, "zero3": 3}
 # (layout, schedule, microbatches): 1 to 8 ranks, every dimension alone and combined
 LAYOUTS = [
     ("dp=1", "1f1b", 1),
@@ -61,7 +60,7 @@ def measure(model: str, layout: str, schedule: str, m: int, args) -> float:
             run_dir,
             f"--train.global_batch={args.global_batch}",
             f"--data.seq_len={args.seq}",
-            f"--parallel.dp_mode={args.dp_mode}",
+            f"--parallel.zero={args.zero}",
         ]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=args.timeout)
@@ -93,7 +92,7 @@ def predict(model: str, layout: str, schedule: str, m: int, args) -> dict:
         "--global-batch-tokens",
         str(args.global_batch * args.seq),
         "--zero",
-        str(ZERO[args.dp_mode]),
+        str(args.zero),
         "--recompute",
         "none",
         "--json",
@@ -112,7 +111,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--global-batch", type=int, default=16, help="sequences per step")
-    p.add_argument("--dp-mode", default="zero2", choices=tuple(ZERO))
+    p.add_argument("--zero", type=int, default=2, choices=(0, 1, 2, 3), help="ZeRO stage (default 2)")
     p.add_argument("--only", help="layouts to run, separated by semicolons, e.g. 'dp=2;tp=2,dp=2'")
     p.add_argument("--timeout", type=int, default=600, help="seconds per training run")
     p.add_argument("--save", help="write the measured step times to this JSON file")
@@ -120,7 +119,7 @@ def main() -> None:
     args = p.parse_args()
     chosen = [row for row in LAYOUTS if not args.only or row[0] in args.only.split(";")]
     print(
-        f"{args.model}, {args.global_batch} × {args.seq} tokens per step, {args.dp_mode}, "
+        f"{args.model}, {args.global_batch} × {args.seq} tokens per step, ZeRO {args.zero}, "
         f"{time.strftime('%Y-%m-%d')}, cluster profile {args.cluster}\n"
     )
     print("| layout | schedule | m | measured s | predicted s | error | measured / first | predicted / first |")
@@ -129,7 +128,7 @@ def main() -> None:
     saved = json.loads(Path(args.measured).read_text()) if args.measured else {}
     for layout, schedule, m in chosen:
         predicted = predict(args.model, layout, schedule, m, args)["step_time_s"]
-        key = f"{args.model} {layout} {schedule} m={m} seq={args.seq} batch={args.global_batch} {args.dp_mode}"
+        key = f"{args.model} {layout} {schedule} m={m} seq={args.seq} batch={args.global_batch} zero{args.zero}"
         if args.measured and key not in saved:
             continue
         measured = saved[key] if args.measured else measure(args.model, layout, schedule, m, args)

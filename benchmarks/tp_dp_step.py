@@ -19,11 +19,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from dist_util import run_ranks  # noqa: E402
 
+from fourd.layout import Layout  # noqa: E402
 from fourd.model.config import get_preset  # noqa: E402
 from fourd.model.llama import build_model  # noqa: E402
 from fourd.parallel.dp import apply_dp, held_bytes  # noqa: E402
 from fourd.parallel.grad import clip_grad_norm  # noqa: E402
-from fourd.parallel.layout import Layout  # noqa: E402
 from fourd.parallel.mesh import build_mesh, dp_cp_mesh  # noqa: E402
 from fourd.parallel.tp import apply_tp, loss_fn  # noqa: E402
 

@@ -26,7 +26,7 @@ COMMANDS = {
     "sim:step": ("fourd.sim.step_cli", "discrete-event simulation of one training step on a cluster"),
     "sim:faults": ("fourd.sim.faults_cli", "Monte-Carlo of interruptions over a long run"),
     "bench:comm": ("fourd.comm.bench", "nccl-tests-style collective benchmark"),
-    "calibrate": ("fourd.comm.calibrate", "measure this machine and write the `local` cluster profile"),
+    "calibrate": ("fourd.plan.calibrate", "measure this machine and write the `local` cluster profile"),
     "ckpt:verify": ("fourd.ckpt.cli_verify", "check every file of a checkpoint against its manifest"),
     "ckpt:info": ("fourd.ckpt.cli_info", "a checkpoint's step, layout and model digest"),
     "convert": ("fourd.hf.convert", "convert checkpoints between Hugging Face and fourd formats"),

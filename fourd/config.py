@@ -8,6 +8,7 @@ the wrong type are refused with one line naming the key and what it accepts.
 from __future__ import annotations
 
 import dataclasses
+import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,13 @@ from pathlib import Path
 import tomllib
 
 from fourd.errors import FourdError
+from fourd.layout import PRECISIONS, RECOMPUTE, ZERO_STAGES, Parallelism, parse_layout
+from fourd.schedules import SCHEDULES
+
+
+def fourd_home() -> Path:
+    """$FOURD_HOME (unset or empty: ~/.fourd): the token cache, measured profiles, user cluster profiles."""
+    return Path(os.environ.get("FOURD_HOME") or "~/.fourd").expanduser()
 
 
 @dataclass
@@ -51,7 +59,7 @@ class TrainSection:
     beta2: float = 0.95
     grad_clip: float = 1.0
     seed: int = 0
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 autocast on CUDA
+    dtype: str = "auto"  # auto: fp32 on CPU, bf16 (autocast over FP32 weights) on CUDA
     log_every: int = 1
     timeout_s: float = 300.0  # collective timeout: a hung rank fails the step instead of the job hanging
 
@@ -62,9 +70,11 @@ class ParallelSection:
     schedule: str = "1f1b"
     microbatches: int = 1
     virtual_stages: int = 1
-    dp_mode: str = "zero2"
+    zero: int = 2  # ZeRO stage over the dp×cp ranks: 0 replicates (DDP), 1 shards optimizer state, 2 and
+    # gradients, 3 and weights
+    hsdp_replicas: int = 1  # more than one (with zero = 3): HSDP, ZeRO 3 inside each of this many groups
+    recompute: str = "none"  # none, selective or full: what each layer keeps for backward
     sequence_parallel: bool = False
-    hsdp_replicate: int = 0  # with dp_mode = "hsdp": replicas (the rest of dp shards); 0 = 2 when dp allows
 
 
 @dataclass
@@ -111,9 +121,10 @@ class Config:
 
 
 CHOICES = {
-    "parallel.schedule": ("gpipe", "1f1b", "interleaved", "zero-bubble"),
-    "parallel.dp_mode": ("ddp", "zero2", "zero3", "hsdp"),
-    "train.dtype": ("auto", "float32", "bfloat16"),
+    "parallel.schedule": SCHEDULES,
+    "parallel.zero": ZERO_STAGES,
+    "parallel.recompute": RECOMPUTE,
+    "train.dtype": ("auto", *PRECISIONS),
 }
 
 
@@ -160,7 +171,7 @@ def set_value(cfg: Config, key: str, value) -> None:
     value = _coerce(key, value, hints[name])
     allowed = CHOICES.get(key)
     if allowed and value not in allowed:
-        raise FourdError(f"{key} = {value!r}: allowed values are {', '.join(allowed)}")
+        raise FourdError(f"{key} = {value!r}: allowed values are {', '.join(map(str, allowed))}")
     setattr(section, name, value)
 
 
@@ -244,3 +255,18 @@ def model_config(cfg: Config):
     if cfg.data.seq_len > model.max_seq:
         model = with_overrides(model, max_seq=cfg.data.seq_len)
     return model
+
+
+def parallelism(cfg: Config) -> Parallelism:
+    """The run's Parallelism, in the words the planner uses too."""
+    p = cfg.parallel
+    return Parallelism(
+        parse_layout(p.layout),
+        p.schedule,
+        p.microbatches,
+        p.virtual_stages,
+        p.zero,
+        p.recompute,
+        p.sequence_parallel,
+        p.hsdp_replicas,
+    )

@@ -76,18 +76,23 @@ class Schedule:
         return sum(len(r) for r in self.ranks)
 
 
-def build_schedule(name: str, pp: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
-    """The per-rank action lists of schedule `name`; FourdError for impossible combinations."""
-    for flag, value in (("--pp", pp), ("--microbatches", microbatches), ("--virtual-stages", virtual_stages)):
+def check_stages(name: str, pp: int, microbatches: int, virtual_stages: int = 1) -> None:
+    """FourdError unless schedule `name` can run pp ranks, this many microbatches and virtual stages."""
+    for what, value in (("pipeline ranks", pp), ("microbatches", microbatches), ("virtual stages", virtual_stages)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise FourdError(f"{flag} {value!r} must be a positive integer")
+            raise FourdError(f"{what} = {value!r} must be a positive integer")
     if name not in SCHEDULES:
         raise FourdError(f"unknown schedule {name!r}: choose one of {', '.join(SCHEDULES)}")
     if name != "interleaved" and virtual_stages != 1:
         raise FourdError(
-            f"--virtual-stages {virtual_stages} needs --schedule interleaved "
-            f"({name} runs one stage per rank; use --virtual-stages 1)"
+            f"{virtual_stages} virtual stages need the interleaved schedule ({name} runs one stage per rank): "
+            "choose the interleaved schedule or one virtual stage"
         )
+
+
+def build_schedule(name: str, pp: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
+    """The per-rank action lists of schedule `name`; FourdError for impossible combinations."""
+    check_stages(name, pp, microbatches, virtual_stages)
     build = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved": _interleaved, "zero-bubble": _zb_h1}[name]
     ranks = tuple(tuple(build(r, pp, microbatches, virtual_stages)) for r in range(pp))
     schedule = Schedule(name, pp, microbatches, virtual_stages, ranks)

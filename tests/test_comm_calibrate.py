@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from fourd.comm.calibrate import DEVICES, PLANS, SHAPES, fit_alpha_beta
+from fourd.plan.calibrate import DEVICES, PLANS, SHAPES, fit_alpha_beta
 
 pytestmark = pytest.mark.timeout(240)
 

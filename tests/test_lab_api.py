@@ -175,7 +175,8 @@ def test_plan_panel_is_fourd_plan_with_one_memory_bar_per_pipeline_rank():
         ),
         (
             {**PLAN_405B, "microbatches": "7"},
-            "--microbatches 7 does not divide the 16 sequences per DP replica: choose a divisor of 16",
+            "the global batch of 2048 sequences does not split into dp × microbatches = 128 × 7 equal parts: choose a "
+            "global batch that is a multiple of 896",
         ),
         ({**PLAN_405B, "cluster": "../x"}, "cluster='../x': give a cluster profile name such as llama3-h100"),
     ],

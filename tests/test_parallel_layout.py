@@ -3,8 +3,8 @@
 import pytest
 
 from fourd.errors import FourdError
+from fourd.layout import Layout, Parallelism, check, layer_split, parse_layout
 from fourd.model.config import ModelConfig, get_preset, with_overrides
-from fourd.parallel.layout import Layout, parse_layout, validate_layout
 
 DEBUG = get_preset("debug")  # 4 layers, 4 heads, 2 KV heads, FFN 176, vocab 256
 L405 = get_preset("llama3-405b")
@@ -50,52 +50,106 @@ def test_malformed_layouts_are_refused(text, message):
 
 
 def test_a_valid_layout_passes():
-    validate_layout(Layout(tp=2, pp=2, dp=2), DEBUG, seq=64, global_batch=8, microbatches=2, world=8)
+    check(DEBUG, Parallelism(Layout(tp=2, pp=2, dp=2), microbatches=2), seq=64, global_seqs=8)
     # Llama 3 405B at 16,384 GPUs, long context: 8 × 16 × 16 × 8, 16 sequences per replica (brief.md §3).
-    validate_layout(
-        Layout(tp=8, cp=16, pp=16, dp=8),
-        L405,
-        seq=131072,
-        global_batch=128,
-        microbatches=16,
-        world=16384,
-        virtual_stages=7,
-    )
+    lay = Layout(tp=8, cp=16, pp=16, dp=8)
+    check(L405, Parallelism(lay, "interleaved", 16, virtual_stages=8), seq=131072, global_seqs=128)
 
 
 @pytest.mark.parametrize(
-    "layout, kw, message",
+    "par, kw, message",
     [
-        (Layout(tp=2, dp=2), dict(world=8), r"needs 4 ranks \(tp·cp·pp·dp\) but 8 processes run"),
-        (Layout(tp=3), {}, r"heads \(4\) cannot be cut into tp=3 equal parts: choose tp among 1, 2"),
-        (Layout(tp=4), {}, r"KV heads \(2\) cannot be cut into tp=4 equal parts: choose tp among 1, 2"),
-        (Layout(pp=5), {}, r"makes 5 pipeline stages but the model has 4 layers"),
-        (Layout(pp=2), dict(virtual_stages=3), r"pp=2 with 3 virtual stage\(s\) makes 6 pipeline stages"),
-        (Layout(cp=3), {}, r"sequence length 64 is not divisible by 2·cp = 6"),
-        (Layout(dp=3), {}, r"global batch 8 sequences is not divisible by dp × microbatches = 3 × 1 = 3"),
-        (Layout(dp=2), dict(microbatches=3), r"dp × microbatches = 2 × 3 = 6"),
-        (Layout(dp=4), dict(global_batch=8, hsdp_replicate=3), r"HSDP replicas = 3 must divide dp=4 .*one of 1, 2, 4$"),
+        (
+            Parallelism(Layout(tp=3)),
+            {},
+            "tp=3 cannot cut the model's heads (4), KV heads (2), FFN width (176) and vocabulary (256) into equal "
+            "parts: choose tp among 1, 2",
+        ),
+        (
+            Parallelism(Layout(pp=5)),
+            {},
+            "pp=5 with 1 virtual stage(s) makes 5 pipeline stages for 4 layers: use at most 4 stages, or exactly 6 "
+            "(the embedding and the output a stage each)",
+        ),
+        (
+            Parallelism(Layout(pp=2), "interleaved", virtual_stages=4),
+            {},
+            "pp=2 with 4 virtual stage(s) makes 8 pipeline stages for 4 layers: use at most 4 stages, or exactly 6 "
+            "(the embedding and the output a stage each)",
+        ),
+        (
+            Parallelism(Layout(pp=2), virtual_stages=2),
+            {},
+            "2 virtual stages need the interleaved schedule (1f1b runs one stage per rank): choose the interleaved "
+            "schedule or one virtual stage",
+        ),
+        (
+            Parallelism(Layout(dp=2), "interleaved", virtual_stages=2),
+            {},
+            "2 virtual stages need a pipeline: choose pp > 1 or one virtual stage",
+        ),
+        (
+            Parallelism(Layout(cp=3)),
+            {},
+            "sequence length 64 is not a multiple of 2·cp = 6 (context parallelism cuts each sequence into 2·cp "
+            "chunks): choose a multiple of 6, or a smaller cp",
+        ),
+        (
+            Parallelism(Layout(dp=3)),
+            {},
+            "the global batch of 8 sequences does not split into dp × microbatches = 3 × 1 equal parts: choose a "
+            "global batch that is a multiple of 3",
+        ),
+        (
+            Parallelism(Layout(dp=2), microbatches=3),
+            {},
+            "the global batch of 8 sequences does not split into dp × microbatches = 2 × 3 equal parts: choose a "
+            "global batch that is a multiple of 6",
+        ),
+        (
+            Parallelism(Layout(dp=4), zero=3, hsdp_replicas=3),
+            {},
+            "HSDP replicas = 3 with ZeRO stage 3: HSDP is ZeRO 3 inside each replica group, and the replicas must "
+            "divide dp=4: choose among 1, 2, 4 with ZeRO stage 3",
+        ),
+        (Parallelism(Layout(), zero=5), {}, "ZeRO stage 5: choose one of 0, 1, 2, 3"),
+        (Parallelism(Layout(), recompute="some"), {}, "recomputation 'some': choose one of none, selective, full"),
+        (
+            Parallelism(Layout(), schedule="pipedream"),
+            {},
+            "schedule 'pipedream': choose one of gpipe, 1f1b, interleaved, zero-bubble",
+        ),
     ],
 )
-def test_impossible_layouts_are_refused_with_the_reason(layout, kw, message):
-    args = dict(seq=64, global_batch=8, microbatches=1) | kw
-    with pytest.raises(FourdError, match=message):
-        validate_layout(layout, DEBUG, **args)
+def test_impossible_layouts_are_refused_with_the_reason(par, kw, message):
+    args = dict(seq=64, global_seqs=8) | kw
+    with pytest.raises(FourdError) as e:
+        check(DEBUG, par, **args)
+    assert str(e.value) == message
+
+
+def test_the_embedding_and_the_output_may_take_a_stage_each():
+    check(DEBUG, Parallelism(Layout(pp=3), "interleaved", virtual_stages=2), seq=64, global_seqs=8)
+    assert layer_split(4, 6, empty_edges=True) == [0, 1, 1, 1, 1, 0]
 
 
 def test_sequence_parallelism_needs_whole_token_shards():
     kv4 = with_overrides(DEBUG, kv_heads=4)
-    validate_layout(Layout(tp=4), kv4, seq=66, global_batch=1)
-    with pytest.raises(FourdError, match=r"cuts each rank's 66 tokens into tp=4 parts: choose a sequence length"):
-        validate_layout(Layout(tp=4), kv4, seq=66, global_batch=1, sequence_parallel=True)
+    check(kv4, Parallelism(Layout(tp=4)), seq=66, global_seqs=1)
+    with pytest.raises(FourdError) as e:
+        check(kv4, Parallelism(Layout(tp=4), sequence_parallel=True), seq=66, global_seqs=1)
+    assert str(e.value) == (
+        "sequence parallelism cuts each rank's 66 tokens into tp=4 parts: choose a sequence length that is a "
+        "multiple of cp·tp = 4, or turn sequence parallelism off"
+    )
 
 
 def test_ffn_and_vocab_must_split_evenly():
     odd_ffn = ModelConfig(layers=2, dim=64, ffn=170, heads=4, kv_heads=4, vocab=256)
     with pytest.raises(
-        FourdError, match=r"FFN width \(170\) cannot be cut into tp=4 equal parts: choose tp among 1, 2$"
+        FourdError, match=r"FFN width \(170\) and vocabulary \(256\) into equal parts: choose tp among 1, 2$"
     ):
-        validate_layout(Layout(tp=4), odd_ffn, seq=8, global_batch=1)
+        check(odd_ffn, Parallelism(Layout(tp=4)), seq=8, global_seqs=1)
     odd = ModelConfig(layers=2, dim=64, ffn=176, heads=4, kv_heads=4, vocab=257)
-    with pytest.raises(FourdError, match=r"vocabulary \(257\) cannot be cut into tp=2"):
-        validate_layout(Layout(tp=2), odd, seq=8, global_batch=1)
+    with pytest.raises(FourdError, match=r"vocabulary \(257\) into equal parts: choose tp among 1$"):
+        check(odd, Parallelism(Layout(tp=2)), seq=8, global_seqs=1)

@@ -106,7 +106,7 @@ def test_search_json_best_and_candidates():
 @pytest.mark.parametrize(
     "args,needle",
     [
-        (["--layout", "tp=3,dp=2"], "tp=3 cannot split"),
+        (["--layout", "tp=3,dp=2"], "tp=3 cannot cut the model's heads (128), KV heads (8), FFN width (53248)"),
         (["--layout", "tp=8,pp=16,dp=64", "--gpus", "100"], "make the product of the degrees equal 100"),
         (
             ["--layout", "tp=8,pp=16,dp=64", "--global-batch-tokens", "1000"],
@@ -114,7 +114,7 @@ def test_search_json_best_and_candidates():
         ),
         (
             ["--layout", "tp=8,pp=16,dp=64", "--schedule", "interleaved", "--microbatches", "8"],
-            "at least pp=16 microbatches",
+            "no configuration of 8192 GPUs runs this model with 8192-token sequences and 2048 sequences per step in 8",
         ),
         (["--gpus", "100000"], "cluster llama3-h100 has 24576"),
         (["--gpus", "64", "--microbatches", "7"], "in 7 microbatches per replica"),

@@ -4,8 +4,8 @@ import dataclasses
 
 import pytest
 
+from fourd.layout import Layout
 from fourd.model.config import get_preset
-from fourd.parallel.layout import Layout
 from fourd.parallel.pp import layer_split
 from fourd.plan.cluster import Group, group_bandwidth, group_level, load_cluster, placement
 from fourd.plan.memory import in_flight, stage_layers

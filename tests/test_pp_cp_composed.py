@@ -8,12 +8,12 @@ import torch.distributed as dist
 from dist_util import run_ranks
 from torch.distributed.tensor import DTensor
 
+from fourd.layout import Layout
 from fourd.model.config import get_preset, with_overrides
 from fourd.model.llama import build_model
 from fourd.parallel.cp import apply_cp, cp_shard
 from fourd.parallel.dp import apply_dp
 from fourd.parallel.grad import clip_grad_norm
-from fourd.parallel.layout import Layout
 from fourd.parallel.mesh import build_mesh, dp_cp_mesh
 from fourd.parallel.pp import PipelineRunner, pipeline_split
 from fourd.parallel.tp import apply_tp, loss_fn

@@ -8,8 +8,8 @@ from fractions import Fraction
 
 import pytest
 
+from fourd.layout import parse_layout
 from fourd.model.config import get_preset
-from fourd.parallel.layout import parse_layout
 from fourd.plan.cluster import load_cluster
 from fourd.plan.search import search
 from fourd.schedules import build_schedule

@@ -14,10 +14,10 @@ from dist_util import run_ranks
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 
+from fourd.layout import Layout
 from fourd.model.config import ModelConfig, get_preset
 from fourd.model.llama import build_model
 from fourd.parallel.dp import apply_dp, held_bytes
-from fourd.parallel.layout import Layout
 from fourd.parallel.mesh import build_mesh, dp_cp_mesh
 from fourd.parallel.tp import apply_tp, loss_fn
 

@@ -16,13 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
+from fourd.config import fourd_home
 from fourd.data.corpus import SEPARATOR, read_documents
 from fourd.data.tokenizer import load_tokenizer
 from fourd.errors import FourdError
-
-
-def fourd_home() -> Path:
-    return Path(os.environ.get("FOURD_HOME", "~/.fourd")).expanduser()
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The lab's JSON API: each endpoint turns query parameters into a call to fourd's own code.
 
 Nothing here knows how a schedule orders its work or what a layout costs: the bench asks
-`fourd.schedules` and `fourd.sim`, the cluster row `fourd.parallel.layout`, the planner panel
+`fourd.schedules` and `fourd.sim`, the cluster row `fourd.layout`, the planner panel
 `fourd.plan`. This module only checks the parameters (bad ones raise FourdError, answered with
 HTTP 400) and shapes the answers for the page.
 """
@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from fourd.errors import FourdError
+from fourd.layout import DIMS, parse_layout
 from fourd.model.config import PRESETS, get_preset
-from fourd.parallel.layout import DIMS, parse_layout
 from fourd.plan import cluster as clusters
 from fourd.plan import search
 from fourd.plan.cli import count

@@ -56,8 +56,9 @@ class ModelConfig:
         return self.params() - 2 * self.embedding_params()
 
     def flops_per_token(self, seq: int) -> float:
-        """Training FLOPs per token, 6N + 12·L·H·Q·T (PaLM, Chowdhery et al. 2022, appendix B)."""
-        return 6 * self.non_embedding_params() + 12 * self.layers * self.heads * self.head_dim * seq
+        """Model FLOPs per trained token, 6·(N − input embedding) + 12·L·H·Q·T: PaLM's count (Chowdhery et al.
+        2022, appendix B) with the output projection in N, as Megatron-LM and torchtitan count it."""
+        return 6 * (self.params() - self.embedding_params()) + 12 * self.layers * self.heads * self.head_dim * seq
 
     def to_dict(self) -> dict:
         return asdict(self)

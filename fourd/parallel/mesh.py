@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fourd.errors import FourdError
-from fourd.parallel.layout import Layout
+from fourd.layout import Layout
 
 MESH_DIMS = ("dp", "pp", "cp", "tp")
 

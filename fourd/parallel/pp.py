@@ -24,9 +24,9 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import _Action, _ComputationType, _PipelineScheduleRuntime
 
 from fourd.errors import FourdError
+from fourd.layout import layer_split
 from fourd.model.config import ModelConfig
 from fourd.model.llama import Llama, Rope
-from fourd.parallel.layout import layer_split
 from fourd.schedules import Schedule
 
 
@@ -47,7 +47,7 @@ def pipeline_split(
     initialised from `seed`, giving the same weights as the full model (init is per parameter name).
     """
     cfg = model_or_cfg.cfg if isinstance(model_or_cfg, Llama) else model_or_cfg
-    counts = layer_split(cfg.layers, schedule.stages, fewer_first_last)
+    counts = layer_split(cfg.layers, schedule.stages, fewer_first_last, empty_edges=True)
     starts = [sum(counts[:s]) for s in range(schedule.stages)]
     out = []
     for s in schedule.stages_of_rank(pp_rank):

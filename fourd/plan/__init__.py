@@ -6,4 +6,5 @@ memory.py   bytes per GPU: weights, gradients, optimizer state, activations
 perf.py     seconds: GEMMs, attention, collectives, one stage, one step (shared with fourd.sim)
 search.py   every valid configuration, ranked
 report.py   the readable report
+calibrate.py  `fourd calibrate`: measures this machine and writes its profile (the only module that uses torch)
 """

@@ -23,8 +23,8 @@ import json
 from dataclasses import dataclass, replace
 
 from fourd.errors import FourdError
+from fourd.layout import PRECISIONS, Layout
 from fourd.model.config import ModelConfig
-from fourd.parallel.layout import Layout
 from fourd.plan.cluster import Cluster
 from fourd.schedules import SCHEDULES
 
@@ -80,7 +80,7 @@ def add_arguments(p):
         default=DEFAULT_SP,
         help="sequence parallelism with TP (default on; on a CPU profile `fourd train`'s default, off)",
     )
-    p.add_argument("--dtype", choices=("bf16", "fp32"), help="training precision (default: the cluster profile's)")
+    p.add_argument("--dtype", choices=PRECISIONS, help="training precision (default: the cluster profile's)")
     p.add_argument("--train-tokens", help="token budget of the whole run, e.g. 15.6T, for training_days")
     p.add_argument("--search", action="store_true", help="rank every valid configuration; report the best and the top")
     p.add_argument("--top", type=int, default=10, help="candidates listed by --search (default 10)")
@@ -102,8 +102,8 @@ class Inputs:
 def resolve_inputs(args) -> Inputs:
     """The run these flags describe, defaults filled in; shared by the commands that take `fourd plan`'s
     flags (`add_arguments`), so that they read them alike."""
+    from fourd.layout import parse_layout
     from fourd.model.config import get_preset, parse_model_spec
-    from fourd.parallel.layout import parse_layout
     from fourd.plan.cluster import load_cluster
 
     model = parse_model_spec(args.model_spec) if args.model_spec else get_preset(args.model or "llama3-405b")

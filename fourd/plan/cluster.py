@@ -14,6 +14,7 @@ from pathlib import Path
 
 import tomllib
 
+from fourd.config import fourd_home
 from fourd.errors import FourdError
 
 PRESET_DIR = Path(__file__).parent / "clusters"
@@ -114,10 +115,6 @@ class Cluster:
     @property
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
-
-
-def fourd_home() -> Path:
-    return Path(os.environ.get("FOURD_HOME") or Path.home() / ".fourd")
 
 
 def preset_names() -> list[str]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from fourd.parallel.layout import layer_split
+from fourd.layout import layer_split
 
 GB = 1e9
 
@@ -55,7 +55,7 @@ def state_bytes_per_param(zero: int, dp: int, dtype_bytes: int = 2) -> tuple[flo
 
 def stage_layers(layers: int, pp: int, virtual_stages: int = 1) -> list[int]:
     """Transformer layers of each of the pp·V pipeline stages: the trainer's split
-    (fourd.parallel.layout.layer_split), and beyond the trainer, the first and last stage may hold only
+    (fourd.layout.layer_split), and beyond the trainer, the first and last stage may hold only
     the embedding and the output when layers + 2 = pp·V (405B: 128 stages of one layer)."""
     return layer_split(layers, pp * virtual_stages, empty_edges=True)
 

@@ -16,7 +16,6 @@ from functools import lru_cache
 from fourd.plan.cluster import Cluster, Group, group_bandwidth, placement, shard_group
 from fourd.plan.memory import max_rank_params, rank_shapes, stage_layers
 
-RECOMPUTE = ("none", "selective", "full")
 KERNEL_LAUNCH_S = 4e-6  # CUDA kernel launch and tail, per GEMM on a GPU
 GPU_TILES = ((128, 128), (128, 256), (256, 128))  # output tiles cuBLAS picks among for large BF16 GEMMs
 FA_BACKWARD_FLOPS = 2.5  # FlashAttention's backward redoes QK^T: 5 matmuls to the forward's 2 (Dao 2023 §3.1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from fourd.parallel.layout import Layout
+from fourd.layout import Layout
 from fourd.plan.search import Plan, evaluate
 
 LEVEL_WORDS = {

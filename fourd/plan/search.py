@@ -6,15 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from fourd.errors import FourdError
+from fourd.layout import RECOMPUTE, ZERO_STAGES, Layout, Parallelism, split_ok, tp_ok
+from fourd.layout import check as layout_check
 from fourd.model.config import ModelConfig
-from fourd.parallel.layout import Layout
 from fourd.plan.cluster import Cluster, check_fits, group_level, placement
 from fourd.plan.memory import GB, Memory, fullest_rank, peak_memory, stage_layers
-from fourd.plan.perf import RECOMPUTE, StepTime, step_time
+from fourd.plan.perf import StepTime, step_time
 from fourd.schedules import SCHEDULES
 
-ZERO_STAGES = (0, 1, 2, 3)
 MICRO_SEQS = (1, 2, 4, 8, 16)  # sequences per microbatch the search tries
 MIN_CP_TOKENS = 1024  # the search splits a sequence over CP ranks only down to this many tokens each
 
@@ -133,71 +132,16 @@ class Plan:
 # ---- validity ----------------------------------------------------------------------------------------------
 
 
-def split_ok(layers: int, stages: int) -> bool:
-    """Whether `stages` pipeline stages can each get a layer (first and last may hold just the embedding and
-    the output when there are exactly layers + 2 stages; see memory.stage_layers)."""
-    return stages <= layers or stages == layers + 2
-
-
-def tp_ok(model, tp: int) -> bool:
-    """Each TP rank holds whole heads and whole KV heads, and equal blocks of the FFN and the vocabulary."""
-    return all(v % tp == 0 for v in (model.heads, model.kv_heads, model.ffn, model.vocab))
-
-
 def check(model, cluster: Cluster, config: Config, seq: int, global_seqs: int) -> None:
-    """FourdError naming the fix for a configuration that cannot run."""
-    lay, c = config.layout, config
-    check_fits(lay.world, cluster)
-    if not tp_ok(model, lay.tp):
-        ok = [t for t in range(1, model.kv_heads + 1) if tp_ok(model, t)]
-        raise FourdError(
-            f"tp={lay.tp} cannot split the model's heads ({model.heads}), KV heads ({model.kv_heads}), "
-            f"FFN ({model.ffn}) and vocabulary ({model.vocab}) evenly: choose tp among {', '.join(map(str, ok))}"
-        )
-    if seq % (2 * lay.cp):
-        raise FourdError(
-            f"--seq {seq} is not divisible by 2·cp = {2 * lay.cp} (CP cuts a sequence into 2·cp chunks): "
-            f"choose a sequence length that is a multiple of {2 * lay.cp} or a smaller cp"
-        )
-    if c.schedule not in SCHEDULES:
-        raise FourdError(f"--schedule {c.schedule!r}: choose one of {', '.join(SCHEDULES)}")
-    if c.recompute not in RECOMPUTE:
-        raise FourdError(f"--recompute {c.recompute!r}: choose one of {', '.join(RECOMPUTE)}")
-    if c.zero not in ZERO_STAGES:
-        raise FourdError(f"--zero {c.zero}: choose a ZeRO stage 0, 1, 2 or 3")
-    if c.schedule == "interleaved" and lay.pp > 1 and c.virtual_stages < 2:
-        raise FourdError(f"the interleaved schedule needs --virtual-stages of 2 or more (got {c.virtual_stages})")
-    if c.schedule != "interleaved" and c.virtual_stages != 1:
-        raise FourdError(
-            f"--virtual-stages {c.virtual_stages} needs --schedule interleaved (the {c.schedule} schedule has one stage per rank)"
-        )
-    stages = lay.pp * c.virtual_stages
-    if not split_ok(model.layers, stages):
-        raise FourdError(
-            f"pp={lay.pp} × {c.virtual_stages} virtual stage(s) = {stages} stages for {model.layers} layers: "
-            f"use at most {model.layers} stages, or exactly {model.layers + 2} (embedding and output a stage each)"
-        )
-    if global_seqs % lay.dp:
-        raise FourdError(
-            f"the global batch of {global_seqs} sequences does not split over dp={lay.dp}: "
-            f"choose --global-batch-tokens a multiple of dp·seq = {lay.dp * seq}"
-        )
-    per_replica = global_seqs // lay.dp
-    if c.microbatches < 1 or per_replica % c.microbatches:
-        raise FourdError(
-            f"--microbatches {c.microbatches} does not divide the {per_replica} sequences per DP replica: "
-            f"choose a divisor of {per_replica}"
-        )
-    if c.sequence_parallel and (seq // lay.cp) % lay.tp:
-        raise FourdError(
-            f"sequence parallelism cuts each rank's {seq // lay.cp} tokens into tp={lay.tp} parts: choose "
-            f"--seq a multiple of cp·tp = {lay.cp * lay.tp}, or --sequence-parallel off"
-        )
-    if c.schedule == "interleaved" and lay.pp > 1 and c.microbatches < lay.pp:
-        raise FourdError(
-            f"the interleaved schedule needs at least pp={lay.pp} microbatches (got {c.microbatches}): "
-            f"raise --microbatches or the global batch"
-        )
+    """FourdError naming the fix for a configuration that cannot run (fourd.layout.check, the trainer's too)."""
+    check_fits(config.layout.world, cluster)
+    c = config
+    layout_check(
+        model,
+        Parallelism(c.layout, c.schedule, c.microbatches, c.virtual_stages, c.zero, c.recompute, c.sequence_parallel),
+        seq,
+        global_seqs,
+    )
 
 
 def evaluate(model, cluster: Cluster, config: Config, seq: int, global_seqs: int, chosen=()) -> Plan:

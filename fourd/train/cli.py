@@ -15,7 +15,7 @@ examples:
 config keys (--section.key=value): model.preset|layers|dim|ffn|heads|kv_heads|vocab|max_seq,
   data.path|tokenizer|seq_len|cache_dir|holdout_fraction, train.steps|global_batch|lr|min_lr|
   warmup_steps|weight_decay|beta1|beta2|grad_clip|seed|dtype|log_every|timeout_s,
-  parallel.layout|schedule|microbatches|virtual_stages|dp_mode|sequence_parallel|hsdp_replicate,
+  parallel.layout|schedule|microbatches|virtual_stages|zero|hsdp_replicas|recompute|sequence_parallel,
   checkpoint.interval|keep|async_save, fault.kill_rank|at_step|hang_rank, run.dir|max_restarts|trace
   (dashes and underscores are the same in keys: --fault.kill-rank 5 --fault.at-step 7)
 
@@ -69,33 +69,19 @@ ACCEPTS_OVERRIDES = True
 
 def prepare(args):
     """Everything that can fail on bad input, done before any worker starts."""
-    from fourd.config import build_config, model_config
+    from fourd.config import build_config, model_config, parallelism
     from fourd.data.dataset import prepare as prepare_data
-    from fourd.parallel.layout import parse_layout, validate_layout
+    from fourd.layout import check
 
     cfg = build_config(args.config, {FLAGS[k]: getattr(args, k) for k in FLAGS}, list(getattr(args, "_unknown", [])))
     mcfg = model_config(cfg)
-    layout = parse_layout(cfg.parallel.layout)
-    par = cfg.parallel
-    validate_layout(
-        layout,
-        mcfg,
-        cfg.data.seq_len,
-        cfg.train.global_batch,
-        par.microbatches,
-        virtual_stages=par.virtual_stages if par.schedule == "interleaved" else 1,
-        sequence_parallel=par.sequence_parallel,
-        hsdp_replicate=(par.hsdp_replicate or 2) if par.dp_mode == "hsdp" else None,
-    )
-    if layout.pp > 1:
-        from fourd.schedules import build_schedule
+    par = parallelism(cfg)
+    check(mcfg, par, cfg.data.seq_len, cfg.train.global_batch)
+    from fourd.errors import FourdError
 
-        build_schedule(
-            cfg.parallel.schedule,
-            layout.pp,
-            cfg.parallel.microbatches,
-            cfg.parallel.virtual_stages if cfg.parallel.schedule == "interleaved" else 1,
-        )
+    if par.recompute != "none":
+        raise FourdError(f"parallel.recompute = {par.recompute!r} is not implemented yet: use none")
+    layout = par.layout
     cache = prepare_data(cfg.data.path, cfg.data.tokenizer, cfg.data.cache_dir)
     if cache.vocab_size > mcfg.vocab:
         from fourd.errors import FourdError
@@ -110,14 +96,14 @@ def prepare(args):
 def run(args) -> int:
     import os
 
-    from fourd.data.dataset import fourd_home
+    from fourd.config import fourd_home
     from fourd.train.launch import launch_local, under_torchrun
     from fourd.train.metrics import device_peak_flops
 
     cfg, layout, cache = prepare(args)
     import torch
 
-    device_type = "cuda" if torch.cuda.is_available() and cfg.train.dtype != "float32" else "cpu"
+    device_type = "cuda" if torch.cuda.is_available() and cfg.train.dtype != "fp32" else "cpu"
     from fourd.train.worker import worker_entry
 
     peak, source = device_peak_flops(device_type, fourd_home())

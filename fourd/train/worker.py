@@ -26,9 +26,9 @@ from fourd.ckpt.dcp_io import Checkpointer
 from fourd.config import Config, model_config
 from fourd.data.dataset import SampleStream, TokenCache
 from fourd.errors import FourdError
+from fourd.layout import Layout, parse_layout
 from fourd.model.llama import build_model
 from fourd.parallel.grad import clip_grad_norm
-from fourd.parallel.layout import Layout, parse_layout
 from fourd.train.heartbeat import Heartbeat
 from fourd.train.metrics import MetricsWriter, peak_memory_gb, summary_table
 
@@ -75,7 +75,7 @@ def build_parallel(cfg: Config, device: torch.device, rank: int, world: int) -> 
 
     from fourd.parallel.mesh import build_mesh, dp_cp_mesh
 
-    hsdp = (cfg.parallel.hsdp_replicate or 2) if cfg.parallel.dp_mode == "hsdp" else None
+    hsdp = cfg.parallel.hsdp_replicas if cfg.parallel.hsdp_replicas > 1 else None
     mesh = build_mesh(layout, device.type, hsdp_replicate=hsdp)
     runner = None
     if layout.pp > 1:
@@ -83,10 +83,7 @@ def build_parallel(cfg: Config, device: torch.device, rank: int, world: int) -> 
         from fourd.schedules import build_schedule
 
         schedule = build_schedule(
-            cfg.parallel.schedule,
-            layout.pp,
-            cfg.parallel.microbatches,
-            cfg.parallel.virtual_stages if cfg.parallel.schedule == "interleaved" else 1,
+            cfg.parallel.schedule, layout.pp, cfg.parallel.microbatches, cfg.parallel.virtual_stages
         )
         stages = pipeline_split(mcfg, coords["pp"], schedule, seed=seed, device=device)
     else:
@@ -108,12 +105,19 @@ def build_parallel(cfg: Config, device: torch.device, rank: int, world: int) -> 
 
         group_mesh = dp_cp_mesh(mesh)
         for s in stages:
-            apply_dp(s, group_mesh, cfg.parallel.dp_mode)
+            apply_dp(s, group_mesh, _dp_mode(cfg))
     if schedule is not None:
         from fourd.parallel.pp import PipelineRunner
 
         runner = PipelineRunner(stages, schedule, mesh["pp"], _loss_fn(layout), device=device)
     return Parallel(layout, rank, coords, mesh, stages, runner)
+
+
+def _dp_mode(cfg: Config) -> str:
+    zero = cfg.parallel.zero
+    if zero == 1:
+        raise FourdError("ZeRO stage 1 is not implemented yet: use parallel.zero = 0, 2 or 3")
+    return {0: "ddp", 2: "zero2", 3: "hsdp" if cfg.parallel.hsdp_replicas > 1 else "zero3"}[zero]
 
 
 def _param_groups(stages, weight_decay: float):
@@ -160,7 +164,7 @@ def run_worker(cfg: Config, cache: TokenCache, peak_flops: float, peak_source: s
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    use_cuda = torch.cuda.is_available() and cfg.train.dtype != "float32"
+    use_cuda = torch.cuda.is_available() and cfg.train.dtype != "fp32"
     if use_cuda:
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)

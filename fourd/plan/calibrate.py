@@ -412,7 +412,8 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    from fourd.plan.cluster import fourd_home, load_cluster
+    from fourd.config import fourd_home
+    from fourd.plan.cluster import load_cluster
 
     out = Path(args.out) if args.out else fourd_home() / "clusters" / "local.toml"
     if out.suffix != ".toml":

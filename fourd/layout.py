@@ -75,74 +75,98 @@ def parse_layout(text: str) -> Layout:
     return Layout(**values)
 
 
-def validate_layout(
-    layout: Layout,
-    model_cfg,
-    seq: int,
-    global_batch: int,
-    microbatches: int = 1,
-    world: int | None = None,
-    virtual_stages: int = 1,
-    sequence_parallel: bool = False,
-    hsdp_replicate: int | None = None,
-) -> None:
-    """Refuse, before any worker starts, every layout the trainer cannot run; one line naming the fix.
+# The words `fourd plan` and `fourd train` share for how a run is cut (schedule names: fourd.schedules).
+PRECISIONS = ("bf16", "fp32")  # BF16 autocast over FP32 master weights, or plain FP32
+ZERO_STAGES = (0, 1, 2, 3)  # 0 replicates (DDP); 1 shards optimizer state; 2 and gradients; 3 and weights
+RECOMPUTE = ("none", "selective", "full")  # what a layer keeps for backward: fourd.plan.memory
 
-    model_cfg is a fourd.model.config.ModelConfig; seq the sequence length; global_batch the sequences
-    per optimizer step; world the number of processes actually started (None: not known yet);
-    hsdp_replicate the number of HSDP replicas when data parallelism is HSDP.
-    KV heads are not replicated: TP must divide the KV heads, as Llama 3 does (8 KV heads, TP = 8).
+
+@dataclass(frozen=True)
+class Parallelism:
+    """How a run is cut: the layout and the settings that go with it, as plan and train both name them."""
+
+    layout: Layout
+    schedule: str = "1f1b"
+    microbatches: int = 1  # per data-parallel replica per step
+    virtual_stages: int = 1  # pipeline stages per rank; more than one only with the interleaved schedule
+    zero: int = 1
+    recompute: str = "none"
+    sequence_parallel: bool = False
+    hsdp_replicas: int = 1  # more than one: ZeRO-3 inside each replica group, gradients all-reduced across
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages of the whole model (pp × virtual stages)."""
+        return self.layout.pp * self.virtual_stages
+
+    @property
+    def shard_ranks(self) -> int:
+        """Ranks one ZeRO shard group spans: FSDP over dp×cp, divided among the HSDP replicas."""
+        return self.layout.cp * self.layout.dp // self.hsdp_replicas
+
+
+def tp_ok(model, tp: int) -> bool:
+    """Each TP rank holds whole heads and whole KV heads, and equal blocks of the FFN and the vocabulary."""
+    return all(v % tp == 0 for v in (model.heads, model.kv_heads, model.ffn, model.vocab))
+
+
+def split_ok(layers: int, stages: int) -> bool:
+    """Every pipeline stage gets a layer, except that with exactly layers + 2 stages the first and last hold
+    only the embedding and the output (layer_split)."""
+    return stages <= layers or stages == layers + 2
+
+
+def _choose(name: str, value, allowed) -> None:
+    if value not in allowed or isinstance(value, bool):
+        raise FourdError(f"{name} {value!r}: choose one of {', '.join(map(str, allowed))}")
+
+
+def check(model, par: Parallelism, seq: int, global_seqs: int) -> None:
+    """FourdError naming the fix for a run that cannot go: the one validator of plan, sim, lab and train.
+
+    model is a fourd.model.config.ModelConfig, seq the sequence length, global_seqs the sequences per step.
     """
-    tp, cp, pp, dp = layout.tp, layout.cp, layout.pp, layout.dp
-    if world is not None and layout.world != world:
+    from fourd.schedules import SCHEDULES, check_stages
+
+    lay = par.layout
+    _choose("schedule", par.schedule, SCHEDULES)
+    _choose("ZeRO stage", par.zero, ZERO_STAGES)
+    _choose("recomputation", par.recompute, RECOMPUTE)
+    if not tp_ok(model, lay.tp):
+        ok = [t for t in range(1, model.kv_heads + 1) if tp_ok(model, t)]
         raise FourdError(
-            f"layout {layout} needs {layout.world} ranks (tp·cp·pp·dp) but {world} processes run: "
-            f"make the product of the degrees equal {world}"
+            f"tp={lay.tp} cannot cut the model's heads ({model.heads}), KV heads ({model.kv_heads}), FFN width "
+            f"({model.ffn}) and vocabulary ({model.vocab}) into equal parts: choose tp among {', '.join(map(str, ok))}"
         )
-    # Each TP rank holds whole heads, whole KV heads, and equal column blocks of the FFN and the vocabulary.
-    cut = {
-        "heads": model_cfg.heads,
-        "KV heads": model_cfg.kv_heads,
-        "FFN width": model_cfg.ffn,
-        "vocabulary": model_cfg.vocab,
-    }
-    for name, value in cut.items():
-        if value % tp:
-            choices = [d for d in range(1, model_cfg.kv_heads + 1) if all(v % d == 0 for v in cut.values())]
-            raise FourdError(
-                f"layout tp={tp}: the model's {name} ({value}) cannot be cut into tp={tp} equal parts: "
-                f"choose tp among {', '.join(map(str, choices))}"
-            )
-    if not (isinstance(virtual_stages, int) and virtual_stages >= 1):
-        raise FourdError(f"virtual stages = {virtual_stages!r} must be a positive integer")
-    stages = pp * virtual_stages
-    if model_cfg.layers < stages:
+    check_stages(par.schedule, lay.pp, par.microbatches, par.virtual_stages)
+    if lay.pp == 1 and par.virtual_stages > 1:
+        raise FourdError(f"{par.virtual_stages} virtual stages need a pipeline: choose pp > 1 or one virtual stage")
+    if not split_ok(model.layers, par.stages):
         raise FourdError(
-            f"layout pp={pp} with {virtual_stages} virtual stage(s) makes {stages} pipeline stages but the model "
-            f"has {model_cfg.layers} layers: use pp × virtual stages ≤ {model_cfg.layers}"
+            f"pp={lay.pp} with {par.virtual_stages} virtual stage(s) makes {par.stages} pipeline stages for "
+            f"{model.layers} layers: use at most {model.layers} stages, or exactly {model.layers + 2} (the "
+            "embedding and the output a stage each)"
         )
-    if seq % (2 * cp):
+    if seq < 2 or seq % (2 * lay.cp):
         raise FourdError(
-            f"sequence length {seq} is not divisible by 2·cp = {2 * cp} (context parallelism cuts each sequence "
-            f"into 2·cp chunks): choose a sequence length that is a multiple of {2 * cp}, or a smaller cp"
+            f"sequence length {seq} is not a multiple of 2·cp = {2 * lay.cp} (context parallelism cuts each "
+            f"sequence into 2·cp chunks): choose a multiple of {2 * lay.cp}, or a smaller cp"
         )
-    if sequence_parallel and (seq // cp) % tp:
+    if par.sequence_parallel and (seq // lay.cp) % lay.tp:
         raise FourdError(
-            f"sequence parallelism cuts each rank's {seq // cp} tokens into tp={tp} parts: choose a sequence "
-            f"length that is a multiple of cp·tp = {cp * tp}, or turn sequence parallelism off"
+            f"sequence parallelism cuts each rank's {seq // lay.cp} tokens into tp={lay.tp} parts: choose a "
+            f"sequence length that is a multiple of cp·tp = {lay.cp * lay.tp}, or turn sequence parallelism off"
         )
-    if not (isinstance(microbatches, int) and microbatches >= 1):
-        raise FourdError(f"microbatches = {microbatches!r} must be a positive integer")
-    if global_batch % (dp * microbatches):
+    if global_seqs < 1 or global_seqs % (lay.dp * par.microbatches):
         raise FourdError(
-            f"global batch {global_batch} sequences is not divisible by dp × microbatches = {dp} × {microbatches}"
-            f" = {dp * microbatches}: choose a global batch that is a multiple of {dp * microbatches}"
+            f"the global batch of {global_seqs} sequences does not split into dp × microbatches = {lay.dp} × "
+            f"{par.microbatches} equal parts: choose a global batch that is a multiple of {lay.dp * par.microbatches}"
         )
-    bad_hsdp = not (isinstance(hsdp_replicate, int) and hsdp_replicate >= 1 and dp % hsdp_replicate == 0)
-    if hsdp_replicate is not None and bad_hsdp:
+    if par.hsdp_replicas < 1 or lay.dp % par.hsdp_replicas or (par.hsdp_replicas > 1 and par.zero != 3):
         raise FourdError(
-            f"HSDP replicas = {hsdp_replicate!r} must divide dp={dp} (replicas × shard groups = dp): "
-            f"choose one of {', '.join(str(d) for d in range(1, dp + 1) if dp % d == 0)}"
+            f"HSDP replicas = {par.hsdp_replicas} with ZeRO stage {par.zero}: HSDP is ZeRO 3 inside each replica "
+            f"group, and the replicas must divide dp={lay.dp}: choose among "
+            f"{', '.join(str(d) for d in range(1, lay.dp + 1) if lay.dp % d == 0)} with ZeRO stage 3"
         )
 
 

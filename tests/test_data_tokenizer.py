@@ -6,9 +6,8 @@ import sys
 
 import pytest
 
-from fourd.data.tokenizer import load_tokenizer
+from fourd.data.tokenizer import LLAMA3_SPECIAL, load_tokenizer
 from fourd.errors import FourdError
-from fourd.hf.tokenizers import LLAMA3_SPECIAL
 
 pytest.importorskip("tokenizers")
 pytest.importorskip("tiktoken")
@@ -73,7 +72,7 @@ def test_fourd_imports_without_the_tokenizer_libraries(tmp_path):
     write_bpe(tmp_path / "tokenizer.model", [])
     code = (
         "import sys; sys.modules['tiktoken'] = None; sys.modules['tokenizers'] = None; sys.modules['transformers'] = None\n"
-        "import fourd.cli, fourd.hf.convert, fourd.hf.generate, fourd.hf.tokenizers\n"
+        "import fourd.cli, fourd.hf.convert, fourd.hf.generate, fourd.data.tokenizer\n"
         "from fourd.data.tokenizer import load_tokenizer\n"
         "try:\n    load_tokenizer(sys.argv[1])\nexcept Exception as e:\n    print(type(e).__name__, e)\n"
     )
