@@ -18,8 +18,8 @@ import torch
 from fourd.config import fourd_home
 from fourd.model.config import PRESETS, ModelConfig
 from fourd.model.llama import build_model
+from fourd.parallel.apply import cross_entropy
 from fourd.train.metrics import device_peak_flops
-from fourd.train.worker import cross_entropy
 
 ONE_B = ModelConfig(layers=16, dim=2048, ffn=8192, heads=32, kv_heads=8, vocab=128256, max_seq=8192)
 

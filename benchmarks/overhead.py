@@ -23,7 +23,8 @@ import torch
 from fourd.config import Config, model_config
 from fourd.data.dataset import SampleStream, prepare
 from fourd.model.llama import build_model
-from fourd.train.worker import _param_groups, cross_entropy
+from fourd.parallel.apply import cross_entropy
+from fourd.train.step import param_groups
 
 
 def fourd_round(model: str, steps: int, threads: int) -> float:
@@ -57,7 +58,7 @@ def plain_round(model: str, steps: int, threads: int) -> float:
     cfg.model.preset = model
     mcfg, t = model_config(cfg), cfg.train
     net = build_model(mcfg, seed=t.seed)
-    opt = torch.optim.AdamW(_param_groups([net], t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), foreach=False)
+    opt = torch.optim.AdamW(param_groups([net], t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), foreach=False)
     stream = SampleStream(prepare("", "byte"), cfg.data.seq_len, t.seed)
     rates = []
     for step in range(steps):

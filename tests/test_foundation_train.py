@@ -9,7 +9,7 @@ import pytest
 
 from fourd.config import Config
 from fourd.train.launch import free_port
-from fourd.train.worker import lr_at
+from fourd.train.step import lr_at
 
 
 def rows(run_dir):

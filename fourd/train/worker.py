@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -26,137 +24,10 @@ from fourd.ckpt.dcp_io import Checkpointer
 from fourd.config import Config, model_config
 from fourd.data.dataset import SampleStream, TokenCache
 from fourd.errors import FourdError
-from fourd.layout import Layout, parse_layout
-from fourd.model.llama import build_model
-from fourd.parallel.grad import clip_grad_norm
+from fourd.parallel.apply import Parallel, build_parallel
 from fourd.train.heartbeat import Heartbeat
 from fourd.train.metrics import MetricsWriter, peak_memory_gb, summary_table
-
-
-def lr_at(step: int, cfg: Config) -> float:
-    """Linear warm-up to train.lr, then cosine decay to train.min_lr at the last step (step counts from 1)."""
-    t = cfg.train
-    if t.warmup_steps and step <= t.warmup_steps:
-        return t.lr * step / t.warmup_steps
-    span = max(1, t.steps - t.warmup_steps)
-    progress = min(1.0, (step - t.warmup_steps) / span)
-    return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * progress))
-
-
-@dataclass
-class Parallel:
-    """This rank's place in the layout and the pieces that run its part of the model."""
-
-    layout: Layout
-    rank: int
-    coords: dict
-    mesh: object | None
-    stages: list[torch.nn.Module]
-    runner: Any  # the pipeline executor (PipelineRunner) when pp > 1, else None
-
-    @property
-    def data_rank(self) -> int:
-        return self.coords["dp"]
-
-
-def build_parallel(cfg: Config, device: torch.device, rank: int, world: int) -> Parallel:
-    layout = parse_layout(cfg.parallel.layout)
-    if layout.world != world:
-        raise FourdError(
-            f"layout {layout} needs {layout.world} ranks but {world} were started: "
-            f"start {layout.world} workers or change --layout"
-        )
-    mcfg = model_config(cfg)
-    coords = layout.coords(rank)
-    seed = cfg.train.seed
-    if world == 1:
-        model = build_model(mcfg, seed=seed, device=device)
-        return Parallel(layout, rank, coords, None, [model], None)
-
-    from fourd.parallel.mesh import build_mesh, dp_cp_mesh
-
-    hsdp = cfg.parallel.hsdp_replicas if cfg.parallel.hsdp_replicas > 1 else None
-    mesh = build_mesh(layout, device.type, hsdp_replicate=hsdp)
-    runner = None
-    if layout.pp > 1:
-        from fourd.parallel.pp import pipeline_split
-        from fourd.schedules import build_schedule
-
-        schedule = build_schedule(
-            cfg.parallel.schedule, layout.pp, cfg.parallel.microbatches, cfg.parallel.virtual_stages
-        )
-        stages = pipeline_split(mcfg, coords["pp"], schedule, seed=seed, device=device)
-    else:
-        schedule = None
-        stages = [build_model(mcfg, seed=seed, device=device)]
-    if layout.tp > 1:
-        from fourd.parallel.tp import apply_tp
-
-        for s in stages:
-            apply_tp(s, mesh["tp"], sequence_parallel=cfg.parallel.sequence_parallel)
-    if layout.cp > 1:
-        from fourd.parallel.cp import apply_cp
-
-        for s in stages:
-            apply_cp(s, mesh["cp"], cfg.data.seq_len)
-    group_mesh = None
-    if layout.dp * layout.cp > 1:
-        from fourd.parallel.dp import apply_dp
-
-        group_mesh = dp_cp_mesh(mesh)
-        for s in stages:
-            apply_dp(s, group_mesh, _dp_mode(cfg))
-    if schedule is not None:
-        from fourd.parallel.pp import PipelineRunner
-
-        runner = PipelineRunner(stages, schedule, mesh["pp"], _loss_fn(layout), device=device)
-    return Parallel(layout, rank, coords, mesh, stages, runner)
-
-
-def _dp_mode(cfg: Config) -> str:
-    zero = cfg.parallel.zero
-    if zero == 1:
-        raise FourdError("ZeRO stage 1 is not implemented yet: use parallel.zero = 0, 2 or 3")
-    return {0: "ddp", 2: "zero2", 3: "hsdp" if cfg.parallel.hsdp_replicas > 1 else "zero3"}[zero]
-
-
-def _param_groups(stages, weight_decay: float):
-    decay: list = []
-    no_decay: list = []
-    for s in stages:
-        for name, p in s.named_parameters():
-            (no_decay if name.endswith("norm.weight") else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss in nats (float32 whatever the compute dtype)."""
-    return torch.nn.functional.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
-
-
-def _loss_fn(layout: Layout):
-    if layout.tp > 1:
-        from fourd.parallel.tp import loss_fn
-
-        return loss_fn
-    return cross_entropy
-
-
-def _forward_backward(par: Parallel, x: torch.Tensor, y: torch.Tensor, microbatches: int, amp) -> torch.Tensor:
-    """Without a pipeline: accumulate each microbatch's mean loss / M. Returns the rank's mean loss."""
-    loss_fn = _loss_fn(par.layout)
-    model = par.stages[0]
-    total = torch.zeros((), device=x.device)
-    xs, ys = x.chunk(microbatches), y.chunk(microbatches)
-    for i, (xm, ym) in enumerate(zip(xs, ys)):
-        sync = i == microbatches - 1
-        if hasattr(model, "set_requires_gradient_sync"):
-            model.set_requires_gradient_sync(sync)
-        with amp():
-            loss = loss_fn(model(xm), ym) / microbatches
-        loss.backward()
-        total += loss.detach()
-    return total
+from fourd.train.step import build_optimizer, lr_at, train_step
 
 
 def run_worker(cfg: Config, cache: TokenCache, peak_flops: float, peak_source: str) -> None:
@@ -204,13 +75,10 @@ def _train(cfg, cache, peak_flops, peak_source, rank, world, attempt, device, be
     par = build_parallel(cfg, device, rank, world)
     t, lay = cfg.train, par.layout
     seq = cfg.data.seq_len
-    B, M = t.global_batch, cfg.parallel.microbatches
+    B = t.global_batch
     per_dp = B // lay.dp
     stream = SampleStream(cache, seq, t.seed, cfg.data.holdout_fraction)
-    params = [p for s in par.stages for p in s.parameters()]
-    opt = torch.optim.AdamW(
-        _param_groups(par.stages, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, foreach=False
-    )
+    opt = build_optimizer(par, cfg)
     amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else _no_amp
     run_dir = Path(cfg.run.dir)
     ckpt = Checkpointer(
@@ -247,36 +115,17 @@ def _train(cfg, cache, peak_flops, peak_source, rank, world, attempt, device, be
         beats.beat(step)
         ckpt.poll()
         t0 = time.perf_counter()
-        lr = lr_at(step, cfg)
-        for g in opt.param_groups:
-            g["lr"] = lr
         first = start_sample + (step - start_step - 1) * B  # the global sample index: same stream at any dp
-        batch = torch.from_numpy(stream.samples(first + par.data_rank * per_dp, per_dp)).to(device)
-        x, y = batch[:, :-1], batch[:, 1:]
-        if lay.cp > 1:
-            from fourd.parallel.cp import cp_shard
-
-            x, y = (cp_shard(v, par.coords["cp"], lay.cp, dim=1) for v in (x, y))
-        if par.runner is not None:
-            with amp():
-                loss = par.runner.step(x, y)
-        else:
-            loss = _forward_backward(par, x, y, M, amp)
-        grad_norm = clip_grad_norm(params, t.grad_clip, par.mesh)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        loss = loss.detach().float().reshape(())
-        if world > 1:
-            # TP and PP ranks hold equal copies of their replica's loss: the world mean is the
-            # mean over the dp×cp ranks, i.e. over the global batch.
-            dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+        x, y = _batch(par, stream, first, per_dp, device)
+        lr = lr_at(step, cfg)
+        loss, grad_norm = train_step(par, opt, x, y, lr, cfg, amp)
         if device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         if writer is not None:
             row = {
                 "step": step,
-                "loss": loss.item(),
+                "loss": loss,
                 "lr": lr,
                 "grad_norm": float(grad_norm),
                 "tokens_per_s": B * seq / dt,
@@ -307,6 +156,17 @@ def _train(cfg, cache, peak_flops, peak_source, rank, world, attempt, device, be
             ),
             flush=True,
         )
+
+
+def _batch(par: Parallel, stream: SampleStream, first: int, per_dp: int, device):
+    """This rank's inputs and targets of the step whose global batch starts at sample `first`."""
+    batch = torch.from_numpy(stream.samples(first + par.data_rank * per_dp, per_dp)).to(device)
+    x, y = batch[:, :-1], batch[:, 1:]
+    if par.layout.cp > 1:
+        from fourd.parallel.cp import cp_shard
+
+        x, y = (cp_shard(v, par.coords["cp"], par.layout.cp, dim=1) for v in (x, y))
+    return x, y
 
 
 def _write_trace(par: Parallel, path: Path) -> None:

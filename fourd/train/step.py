@@ -1,0 +1,77 @@
+"""One optimizer step, the math apart from the bookkeeping (fourd.train.worker): the learning rate, the
+forward and backward of every microbatch, gradient clipping, the optimizer and the loss reduced over ranks."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from fourd.config import Config
+from fourd.parallel.apply import Parallel, loss_fn
+from fourd.parallel.grad import clip_grad_norm
+
+
+def lr_at(step: int, cfg: Config) -> float:
+    """Linear warm-up to train.lr, then cosine decay to train.min_lr at the last step (step counts from 1)."""
+    t = cfg.train
+    if t.warmup_steps and step <= t.warmup_steps:
+        return t.lr * step / t.warmup_steps
+    span = max(1, t.steps - t.warmup_steps)
+    progress = min(1.0, (step - t.warmup_steps) / span)
+    return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def param_groups(stages, weight_decay: float):
+    decay: list = []
+    no_decay: list = []
+    for s in stages:
+        for name, p in s.named_parameters():
+            (no_decay if name.endswith("norm.weight") else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _forward_backward(par: Parallel, x: torch.Tensor, y: torch.Tensor, microbatches: int, amp) -> torch.Tensor:
+    """Without a pipeline: accumulate each microbatch's mean loss / M. Returns the rank's mean loss."""
+    criterion = loss_fn(par.layout)
+    model = par.stages[0]
+    total = torch.zeros((), device=x.device)
+    xs, ys = x.chunk(microbatches), y.chunk(microbatches)
+    for i, (xm, ym) in enumerate(zip(xs, ys)):
+        sync = i == microbatches - 1
+        if hasattr(model, "set_requires_gradient_sync"):
+            model.set_requires_gradient_sync(sync)
+        with amp():
+            loss = criterion(model(xm), ym) / microbatches
+        loss.backward()
+        total += loss.detach()
+    return total
+
+
+def build_optimizer(par: Parallel, cfg: Config) -> torch.optim.Optimizer:
+    t = cfg.train
+    return torch.optim.AdamW(
+        param_groups(par.stages, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, foreach=False
+    )
+
+
+def train_step(par: Parallel, opt, x: torch.Tensor, y: torch.Tensor, lr: float, cfg: Config, amp):
+    """Forward and backward of the rank's batch, clipping, the update: (mean loss over the global batch as a
+    float, gradient norm before clipping)."""
+    for g in opt.param_groups:
+        g["lr"] = lr
+    if par.runner is not None:
+        with amp():
+            loss = par.runner.step(x, y)
+    else:
+        loss = _forward_backward(par, x, y, cfg.parallel.microbatches, amp)
+    grad_norm = clip_grad_norm([p for s in par.stages for p in s.parameters()], cfg.train.grad_clip, par.mesh)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    loss = loss.detach().float().reshape(())
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        # TP and PP ranks hold equal copies of their replica's loss: the world mean is the mean over the
+        # dp×cp ranks, i.e. over the global batch.
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+    return loss.item(), grad_norm
