@@ -66,12 +66,9 @@ class CausalAttention(nn.Module):
     """softmax(q kᵀ / √d + causal mask) v on local heads; k and v carry the KV heads (GQA)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q: [b, s, hq, d], k, v: [b, s, hkv, d]
-        rep = q.shape[2] // k.shape[2]
+        # q: [b, s, hq, d], k, v: [b, s, hkv, d]; SDPA's grouped-query path shares each KV head without copies.
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        if rep > 1:
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
 
 
 class Attention(nn.Module):

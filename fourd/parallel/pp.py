@@ -1,16 +1,5 @@
-"""Pipeline parallelism: split the model into stages by layer count and run a `fourd.schedules` schedule.
-
-    schedule = build_schedule("interleaved", pp=4, microbatches=6, virtual_stages=2)
-    stages = pipeline_split(cfg, pp_rank, schedule, seed=0)     # this rank's stage modules
-    ...apply_tp / apply_cp / apply_dp to each stage...
-    runner = PipelineRunner(stages, schedule, mesh["pp"], loss_fn)
-    loss = runner.step(x, y)          # all microbatches forward and backward; the step's mean loss on every rank
-    runner.bubble_fraction, runner.records
-
-The runner does not reorder anything: it hands each rank's action list from `fourd.schedules` (the
-same lists the simulator times and the lab draws) to torch.distributed.pipelining's action runtime,
-which inserts the sends and receives between stages and the FSDP unshard / gradient reduction steps.
-"""
+"""Pipeline parallelism: split the model into stages by layer count and run a `fourd.schedules` schedule, its
+per-rank action lists unchanged, on torch.distributed.pipelining's action runtime (docs/pipeline-context.md)."""
 
 from __future__ import annotations
 
@@ -21,8 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import _Action, _ComputationType, _PipelineScheduleRuntime
 
+from fourd.compat import pipeline_runtime
 from fourd.errors import FourdError
 from fourd.layout import layer_split
 from fourd.model.config import ModelConfig
@@ -155,14 +144,11 @@ class PipelineRunner:
         self._has_last = schedule.stages - 1 in indices
         # Each microbatch's mean loss counts 1/M: the runtime divides the gradients by M once all
         # backwards are done (after FSDP's reduction), which is the same as backpropagating loss / M.
-        self._runtime = _PipelineScheduleRuntime(
-            self._stages, schedule.microbatches, loss_fn=self._timed_loss, scale_grads=True
-        )
-        self._runtime._prepare_schedule_with_comms(
-            {
-                r: [_Action(a.stage, _ComputationType(a.kind), a.microbatch) for a in actions]
-                for r, actions in enumerate(schedule.ranks)
-            }
+        self._runtime = pipeline_runtime(
+            self._stages,
+            schedule.microbatches,
+            self._timed_loss,
+            {r: [(a.stage, a.kind, a.microbatch) for a in actions] for r, actions in enumerate(schedule.ranks)},
         )
 
     def _timed_loss(self, output, target):

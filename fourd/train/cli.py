@@ -14,7 +14,7 @@ examples:
 
 config keys (--section.key=value): model.preset|layers|dim|ffn|heads|kv_heads|vocab|max_seq,
   data.path|tokenizer|seq_len|cache_dir|holdout_fraction, train.steps|global_batch|lr|min_lr|
-  warmup_steps|weight_decay|beta1|beta2|grad_clip|seed|dtype|log_every|timeout_s,
+  warmup_steps|weight_decay|beta1|beta2|grad_clip|seed|dtype|compile|fp8|log_every|timeout_s,
   parallel.layout|schedule|microbatches|virtual_stages|zero|hsdp_replicas|recompute|sequence_parallel,
   checkpoint.interval|keep|async_save, fault.kill_rank|at_step|hang_rank, run.dir|max_restarts|trace
   (dashes and underscores are the same in keys: --fault.kill-rank 5 --fault.at-step 7)
@@ -79,17 +79,23 @@ def prepare(args):
     check(mcfg, par, cfg.data.seq_len, cfg.train.global_batch)
     from fourd.errors import FourdError
 
-    if par.recompute != "none":
-        raise FourdError(f"parallel.recompute = {par.recompute!r} is not implemented yet: use none")
     layout = par.layout
     cache = prepare_data(cfg.data.path, cfg.data.tokenizer, cfg.data.cache_dir)
     if cache.vocab_size > mcfg.vocab:
-        from fourd.errors import FourdError
-
         raise FourdError(
             f"the tokenizer has {cache.vocab_size} ids but the model's vocabulary is {mcfg.vocab}: "
             f"set --model.vocab={cache.vocab_size} or use another tokenizer"
         )
+    if cache.vocab_size < mcfg.vocab:
+        print(
+            f"fourd train: note: the model's vocabulary ({mcfg.vocab:,}) is larger than the tokenizer's "
+            f"({cache.vocab_size:,} ids); the other rows are padding, never a target",
+            flush=True,
+        )
+    if cfg.train.fp8:
+        from fourd.parallel.apply import check_fp8
+
+        check_fp8(cfg)
     return cfg, layout, cache
 
 

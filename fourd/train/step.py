@@ -50,10 +50,16 @@ def _forward_backward(par: Parallel, x: torch.Tensor, y: torch.Tensor, microbatc
 
 
 def build_optimizer(par: Parallel, cfg: Config) -> torch.optim.Optimizer:
+    """AdamW, fused on CUDA and multi-tensor (foreach) elsewhere; ZeRO 1 shards its state (ShardedAdamW)."""
     t = cfg.train
-    return torch.optim.AdamW(
-        param_groups(par.stages, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, foreach=False
-    )
+    groups = param_groups(par.stages, t.weight_decay)
+    kw = dict(lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8)
+    kw |= {"fused": True} if next(par.stages[0].parameters()).is_cuda else {"foreach": True}
+    if par.setting.zero == 1 and par.dp_mesh is not None:
+        from fourd.parallel.dp import ShardedAdamW
+
+        return ShardedAdamW(groups, par.dp_mesh, **kw)
+    return torch.optim.AdamW(groups, **kw)
 
 
 def train_step(par: Parallel, opt, x: torch.Tensor, y: torch.Tensor, lr: float, cfg: Config, amp):

@@ -46,9 +46,10 @@ def run_worker(cfg: Config, cache: TokenCache, peak_flops: float, peak_source: s
     # The elastic agent keeps one TCP store for all restarts of the job: without a key prefix per
     # attempt, a restarted worker would read its peers' addresses from the failed attempt and hang.
     store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+    store = dist.PrefixStore(f"fourd/attempt{attempt}", store)
     dist.init_process_group(
         "nccl" if use_cuda else "gloo",
-        store=dist.PrefixStore(f"fourd/attempt{attempt}", store),
+        store=store,
         rank=rank,
         world_size=world,
         timeout=timeout,
@@ -57,7 +58,7 @@ def run_worker(cfg: Config, cache: TokenCache, peak_flops: float, peak_source: s
     # The digest gathers 2-D-sharded parameters once per checkpoint; DTensor's advice on merging those
     # all-gathers is about throughput, not correctness, and would flood every rank's log.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    beats = Heartbeat(rank, world, attempt)
+    beats = Heartbeat(rank, world, store)
     try:
         _train(cfg, cache, peak_flops, peak_source, rank, world, attempt, device, beats)
     except FourdError:
