@@ -1,6 +1,7 @@
 """The trainer's own path (build_parallel, build_optimizer, train_step) on real gloo ranks equals one process:
-recomputation (selective, full) at tp=2,pp=2,dp=2 equals none within 1e-6, ZeRO 1 equals ZeRO 0 and one process,
-and a pipeline of layers + 2 stages (embedding and output a stage each) equals one process within 1e-5."""
+recomputation (selective, full) at tp=2,pp=2,dp=2 equals none within 1e-6, ZeRO 1 equals ZeRO 0 and one process
+(and resumes from its checkpoints exactly), a pipeline of layers + 2 stages (embedding and output a stage each) and
+compiled blocks under TP and PP equal one process within 1e-5 (compiled on one process: 1e-4)."""
 
 from contextlib import nullcontext
 
@@ -10,6 +11,7 @@ from dist_util import run_ranks
 from torch.distributed.tensor import DTensor
 
 from fourd.config import Config, set_value
+from fourd.model.config import get_preset
 from fourd.parallel.apply import build_parallel
 from fourd.parallel.cp import cp_shard
 from fourd.train.step import build_optimizer, train_step
@@ -98,6 +100,7 @@ FOUR_RANKS = {
     "cp=2,dp=2 zero 1 selective": _config(
         parallel__layout="cp=2,dp=2", parallel__zero=1, parallel__recompute="selective"
     ),
+    "tp=2,pp=2 compiled": _config(parallel__layout="tp=2,pp=2", parallel__microbatches=2, train__compile=True),
     "cp=2,pp=2 zero 3 full": _config(
         parallel__layout="cp=2,pp=2", parallel__zero=3, parallel__recompute="full", parallel__microbatches=2
     ),
@@ -106,7 +109,7 @@ FOUR_RANKS = {
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_layers_plus_two_stages_zero1_and_recompute_under_cp_equal_one_process():
+def test_layers_plus_two_stages_zero1_recompute_under_cp_and_compile_equal_one_process():
     refs = {"2 layers": trainer_run(0, 1, _config(model__layers=2)), "4 layers": trainer_run(0, 1, _config())}
     per_rank = run_ranks(_each, 4, FOUR_RANKS, timeout=280)
     for name in FOUR_RANKS:
@@ -123,3 +126,52 @@ def test_layers_plus_two_stages_zero1_and_recompute_under_cp_equal_one_process()
     ]
     for rank, results in enumerate(per_rank):
         _assert_same(f"zero 1 against zero 0, rank {rank}", results["dp=4 zero 1"], results["dp=4 zero 0"], 1e-6)
+
+
+def _resume(rank, world, run_dir):
+    """ZeRO 1 at dp=2: 3 steps straight, and 2 steps, a checkpoint, then a third step resumed at ZeRO 1 and 0."""
+    from fourd.ckpt.dcp_io import Checkpointer
+
+    def build(zero):
+        cfg = _config(parallel__layout="dp=2", parallel__zero=zero)
+        par = build_parallel(cfg, torch.device("cpu"), rank, world)
+        opt = build_optimizer(par, cfg)
+        ckpt = Checkpointer(
+            run_dir, par.stages, opt, model_cfg=get_preset("debug"), layout="dp=2", contributes=rank == 0, keep=2
+        )
+        return cfg, par, opt, ckpt
+
+    rows = torch.randint(0, 256, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(3))[rank * 2 : rank * 2 + 2]
+
+    def step(cfg, par, opt):
+        return train_step(par, opt, rows[:, :-1], rows[:, 1:], cfg.train.lr, cfg, nullcontext)[0]
+
+    cfg, par, opt, _ = build(1)
+    straight = [step(cfg, par, opt) for _ in range(3)]
+    cfg, par, opt, ckpt = build(1)
+    for _ in range(2):
+        step(cfg, par, opt)
+    ckpt.save(2, 2 * BATCH)
+    resumed = {}
+    for zero in (1, 0):
+        cfg, par, opt, ckpt = build(zero)
+        assert ckpt.resume() == (2, 2 * BATCH)
+        resumed[zero] = step(cfg, par, opt)
+    return straight, resumed
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_zero1_checkpoint_resumes_exactly_at_zero1_and_zero0(tmp_path):
+    for straight, resumed in run_ranks(_resume, 2, tmp_path, timeout=180):
+        assert straight[0] > straight[2]
+        assert resumed[1] == straight[2]  # the same AdamW state, bit for bit
+        assert abs(resumed[0] - straight[2]) <= 1e-6 * straight[2]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_compiled_blocks_train_within_1e_4_of_eager_on_cpu():
+    eager = trainer_run(0, 1, _config())
+    compiled = trainer_run(0, 1, _config(train__compile=True))
+    _assert_same("compiled", compiled, eager, 1e-4)

@@ -60,9 +60,16 @@ class ShardedAdamW(torch.optim.AdamW):
             loads[self.owner[p]] += p.numel()
         self.mine = {p for p, r in self.owner.items() if r == rank}
         self.steps = 0
-        # Never empty, even on a rank that owns nothing, so that torch.distributed.checkpoint does not call step()
-        # (a collective here) on one rank alone to create the state.
-        self.state.update({p: {} for p in self.owner})
+        # The state exists from the start, as torch.distributed.checkpoint wants to load into it; never empty, even on
+        # a rank that owns nothing, or it would call step() (here a collective) on that rank alone to create it.
+        for group in self.param_groups:
+            self.state.update({p: self._zeros(p, group) if p in self.mine else {} for p in group["params"]})
+
+    def _zeros(self, p: torch.Tensor, group: dict) -> dict:
+        """AdamW's state of p before its first step, as torch.optim.AdamW creates it."""
+        on_device = group["fused"] or group["capturable"]
+        step = torch.tensor(float(self.steps), device=p.device if on_device else "cpu")
+        return {"step": step, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
 
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
@@ -86,12 +93,7 @@ class ShardedAdamW(torch.optim.AdamW):
         owned, full = dict(self.state), {}
         for group in self.param_groups:
             for p in group["params"]:
-                on_device = group["fused"] or group["capturable"]
-                full[p] = {
-                    "step": torch.tensor(float(self.steps), device=p.device if on_device else "cpu"),
-                    "exp_avg": torch.zeros_like(p),
-                    "exp_avg_sq": torch.zeros_like(p),
-                } | owned.get(p, {})
+                full[p] = owned[p] if p in self.mine else self._zeros(p, group)
                 for key in ("exp_avg", "exp_avg_sq"):
                     dist.broadcast(_local(full[p][key]), group=self.group, group_src=self.owner[p])
         self.state.update(full)

@@ -68,6 +68,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = Fa
     if model.output is not None:
         plan["output"] = ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False)
     parallelize_module(model, tp_mesh, plan)
+    if model.tok_embeddings is not None and not sequence_parallel:
+        # Its all-reduce returns an AsyncCollectiveTensor, which a compiled block cannot take as input (the gradient
+        # it returns is a plain tensor): wait for it here, in a copy.
+        model.tok_embeddings.register_forward_hook(lambda module, args, out: out.clone())
     if sequence_parallel:
         # Each rank's norm-weight gradient covers only its own tokens: a partial sum that autograd leaves
         # as such in .grad. Sum it here (Megatron does the same), so that the optimizer and the gradient
