@@ -96,9 +96,8 @@ def _typed(cls, table: dict, what: str):
     unknown = sorted(set(table) - set(known))
     missing = [n for n, f in known.items() if n not in table and f.default is MISSING and f.default_factory is MISSING]
     if unknown or missing:
-        raise FourdError(
-            f"runs.toml {what}: unknown keys {unknown} / missing keys {missing}: use the schema of README.md"
-        )
+        problem = f"unknown keys {unknown}" if unknown else f"missing keys {missing}"
+        raise FourdError(f"runs.toml {what}: {problem}: the keys are those of the schema in README.md")
     for name, value in table.items():
         want = typing.get_origin(hints[name]) or hints[name]
         ok = isinstance(value, (int, float)) if want is float else isinstance(value, want)
