@@ -17,10 +17,11 @@ import logging
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: this folder and the repository root on the path
+if __package__ in (None, ""):  # run as a script: this folder's parent and the repository root on the path
     sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2])]
-
-from validation.runs import Run, load
+    from validation.runs import Run, load
+else:
+    from .runs import Run, load
 
 # Ours -> llm-analysis's GPU config names; the H200 and Grand Teton's 96 GB H100 have none there.
 GPU_NAMES = {"A100-SXM-40GB": "a100-sxm-40gb", "A100-SXM-80GB": "a100-sxm-80gb", "H100-SXM-80GB": "h100-sxm-80gb"}
