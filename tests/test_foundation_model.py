@@ -1,6 +1,6 @@
 import torch
 
-from fourd.model.config import PRESETS, ModelConfig
+from fourd.model.config import PRESETS, ModelConfig, parse_model_spec
 from fourd.model.llama import Attention, apply_rope, build_model, rope_table
 
 
@@ -72,3 +72,9 @@ def test_causality_and_deterministic_init():
     y = x.clone()
     y[0, 8:] = (y[0, 8:] + 1) % 256
     torch.testing.assert_close(m1(x)[0, :8], m1(y)[0, :8])  # changing later tokens never changes earlier logits
+
+
+def test_model_spec_parsing():
+    cfg = parse_model_spec("layers=2,dim=64,ffn=128,heads=4,kv_heads=2,vocab=100,mlp=gelu")
+    assert (cfg.layers, cfg.head_dim, cfg.mlp) == (2, 16, "gelu")
+    assert cfg.params() == 2 * (64 * 64 * 2 + 2 * 64 * 32 + 2 * 64 * 128 + 4 * 64) + 2 * 100 * 64 + 2 * 64

@@ -16,13 +16,6 @@ from fourd.plan.memory import GB, peak_memory
 H100 = load_cluster("llama3-h100")
 
 
-def test_model_spec_parsing():
-    cfg = request.model_spec("layers=2,dim=64,ffn=128,heads=4,kv_heads=2,vocab=100,mlp=gelu")
-    assert (cfg.layers, cfg.head_dim, cfg.mlp) == (2, 16, "gelu")
-    assert cfg.params() == 2 * (64 * 64 * 2 + 2 * 64 * 32 + 2 * 64 * 128 + 4 * 64) + 2 * 100 * 64 + 2 * 64
-    assert request.model_spec("layers=2,dim=64,ffn=128,heads=4,vocab=100").kv_heads == 4
-
-
 def test_counts_and_bounds():
     assert request.count("16M") == 2**24 and request.count("15.6T") == 15.6e12 and request.count("4e6") == 4e6
     for bad in ("-5T", "0", "nan", "inf", "x"):

@@ -82,6 +82,34 @@ def get_preset(name: str) -> ModelConfig:
     return PRESETS[name]
 
 
+_SPEC_KEYS = {"layers", "dim", "ffn", "heads", "kv_heads", "vocab", "mlp", "head_dim"}
+
+
+def parse_model_spec(spec: str) -> ModelConfig:
+    """`layers=126,dim=16384,ffn=53248,heads=128,kv_heads=8,vocab=128256[,mlp=gelu]`."""
+    values: dict[str, object] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        key, sep, val = part.partition("=")
+        if not sep or key not in _SPEC_KEYS:
+            raise FourdError(f"--model-spec: bad item {part!r}; keys are {', '.join(sorted(_SPEC_KEYS))} as key=value")
+        if key in values:
+            raise FourdError(f"--model-spec: {key} is given twice; give each key once")
+        if key == "mlp":
+            values[key] = val
+        else:
+            try:
+                values[key] = int(val)
+            except ValueError:
+                raise FourdError(f"--model-spec: {key}={val!r} must be an integer") from None
+            if values[key] < 1:
+                raise FourdError(f"--model-spec: {key}={val} must be a positive integer")
+    missing = {"layers", "dim", "ffn", "heads", "vocab"} - values.keys()
+    if missing:
+        raise FourdError(f"--model-spec lacks {', '.join(sorted(missing))}")
+    values.setdefault("kv_heads", values["heads"])
+    return ModelConfig(**values)  # type: ignore[arg-type]
+
+
 def with_overrides(cfg: ModelConfig, **kw) -> ModelConfig:
     known = {f.name for f in fields(ModelConfig)}
     bad = set(kw) - known

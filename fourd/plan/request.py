@@ -18,7 +18,7 @@ from typing import Any
 from fourd.errors import FourdError
 from fourd.layout import PRECISIONS, RECOMPUTE, ZERO_STAGES, Layout, Parallelism, parse_layout
 from fourd.layout import check as layout_check
-from fourd.model.config import ModelConfig, get_preset
+from fourd.model.config import ModelConfig, get_preset, parse_model_spec
 from fourd.plan.cluster import Cluster, load_cluster
 from fourd.plan.job import Job
 from fourd.plan.search import Fixed, Plan, search
@@ -30,7 +30,6 @@ DEFAULT_BATCH_TOKENS = 2**24  # 16M tokens per step, Llama 3's
 MAX_GPUS = 1 << 20  # the search enumerates divisors: a million GPUs answers in a second
 MAX_SEQ = 1 << 24
 _SUFFIX = {"K": 2**10, "M": 2**20, "G": 2**30, "B": 1e9, "T": 1e12}
-_SPEC_KEYS = ("layers", "dim", "ffn", "heads", "kv_heads", "vocab", "head_dim", "mlp")
 
 
 class BadValue(FourdError, argparse.ArgumentTypeError):
@@ -77,23 +76,6 @@ def on_off(text) -> bool:
     return text == "on"
 
 
-def model_spec(spec: str) -> ModelConfig:
-    """A model by its dimensions: `layers=126,dim=16384,ffn=53248,heads=128,kv_heads=8,vocab=128256[,mlp=gelu]`."""
-    values: dict[str, Any] = {}
-    for part in filter(None, (p.strip() for p in str(spec).split(","))):
-        key, sep, val = (s.strip() for s in part.partition("="))
-        if not sep or key not in _SPEC_KEYS:
-            raise BadValue(f"bad item {part[:40]!r}; write key=value with keys {', '.join(_SPEC_KEYS)}")
-        if key in values:
-            raise BadValue(f"{key} is given twice; give each key once")
-        values[key] = val if key == "mlp" else bounded(int, 1, 1 << 30, f"{key} as a whole number")(val)
-    missing = [k for k in ("layers", "dim", "ffn", "heads", "vocab") if k not in values]
-    if missing:
-        raise BadValue(f"the model lacks {', '.join(missing)}")
-    values.setdefault("kv_heads", values["heads"])
-    return ModelConfig(**values)
-
-
 # The planner's flags, each parsed in one place (the lab's panel reuses the parsers by name).
 PARSERS: dict[str, Any] = {
     "gpus": bounded(int, 1, MAX_GPUS),
@@ -119,7 +101,7 @@ def add_arguments(p) -> None:
     )
     g.add_argument(
         "--model-spec",
-        type=model_spec,
+        type=parse_model_spec,
         help="a model by its dimensions: layers=,dim=,ffn=,heads=,kv_heads=,vocab=[,head_dim=][,mlp=gelu]",
     )
     p.add_argument("--cluster", help=f"cluster profile name or .toml path (default {DEFAULT_CLUSTER})")
