@@ -98,10 +98,11 @@ def parse_model_spec(spec: str) -> ModelConfig:
             values[key] = val
         else:
             try:
-                values[key] = int(val)
+                number = int(val)
             except ValueError:
                 raise FourdError(f"--model-spec: {key}={val!r} must be an integer") from None
-            if values[key] < 1:
+            values[key] = number
+            if number < 1:
                 raise FourdError(f"--model-spec: {key}={val} must be a positive integer")
     missing = {"layers", "dim", "ffn", "heads", "vocab"} - values.keys()
     if missing:
