@@ -39,10 +39,10 @@ def search_once() -> tuple[float, float, int, float]:
         "import time\n"
         "from fourd.model.config import get_preset\n"
         "from fourd.plan.cluster import load_cluster\n"
-        "from fourd.plan.search import search\n"
+        "from fourd.plan.request import plans as search, resolve\n"
         "m, c = get_preset('llama3-405b'), load_cluster('llama3-h100')\n"
         "t0, c0 = time.perf_counter(), time.process_time()\n"
-        "plans = search(m, c, 16384, 8192, 2048)\n"
+        "plans = search(resolve(m, c, {'gpus': 16384, 'seq': 8192, 'global_seqs': 2048}))\n"
         "print(time.perf_counter() - t0, time.process_time() - c0, len(plans), plans[0].mfu)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout

@@ -12,8 +12,7 @@ import time
 from fourd.layout import parse_layout
 from fourd.model.config import get_preset
 from fourd.plan.cluster import load_cluster
-from fourd.plan.search import search
-from fourd.schedules import build_schedule
+from fourd.plan.request import best_plan
 from fourd.sim.step import simulate_step
 
 ROWS = [("tp=8,pp=16,dp=64", 8192), ("tp=8,pp=16,dp=128", 8192), ("tp=8,cp=16,pp=16,dp=8", 131072)]
@@ -32,23 +31,12 @@ def main() -> None:
     for text, seq in ROWS:
         layout = parse_layout(text)
         for schedule in ("interleaved", "1f1b"):
-            plan = search(model, cluster, layout.world, seq, 2**24 // seq, layout=layout, schedule=schedule)[0]
+            plan = best_plan(model, cluster, layout.world, seq, 2**24 // seq, {"layout": layout, "schedule": schedule})
             c = plan.config
             best = float("inf")
             for _ in range(args.repeat):
                 start = time.perf_counter()
-                s = build_schedule(c.schedule, layout.pp, c.microbatches, c.virtual_stages)
-                r = simulate_step(
-                    model,
-                    cluster,
-                    layout,
-                    s,
-                    seq,
-                    plan.micro_seqs,
-                    zero=c.zero,
-                    recompute=c.recompute,
-                    sequence_parallel=c.sequence_parallel,
-                )
+                r = simulate_step(plan.job)
                 best = min(best, time.perf_counter() - start)
             mfu = plan.model_flops / r.step_time_s / layout.world / 1e12 / cluster.gpu.peak_tflops
             print(

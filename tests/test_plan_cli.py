@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from fourd.model.config import get_preset
+
 ROW1 = [
     "--model",
     "llama3-405b",
@@ -110,16 +112,29 @@ def test_search_json_best_and_candidates():
         (["--layout", "tp=8,pp=16,dp=64", "--gpus", "100"], "make the product of the degrees equal 100"),
         (
             ["--layout", "tp=8,pp=16,dp=64", "--global-batch-tokens", "1000"],
-            "not a whole number of 8192-token sequences",
+            "a global batch of 1000 tokens is not a whole number of 8192-token sequences: use a multiple of 8192",
         ),
         (
-            ["--layout", "tp=8,pp=16,dp=64", "--schedule", "interleaved", "--microbatches", "8"],
-            "no configuration of 8192 GPUs runs this model with 8192-token sequences and 2048 sequences per step in 8",
+            ["--gpus", "64", "--microbatches", "7"],
+            "no configuration of 64 GPUs runs this model with 8192-token sequences and 2048 sequences per step in 7 "
+            "microbatches per replica: change the number of GPUs, the sequence length, the microbatches or the global batch",
         ),
-        (["--gpus", "100000"], "cluster llama3-h100 has 24576"),
-        (["--gpus", "64", "--microbatches", "7"], "in 7 microbatches per replica"),
         (["--cluster", "nowhere"], "unknown cluster 'nowhere'"),
         (["--cluster", "local"], "run `fourd calibrate` to write it"),
+        (["--gpus", "8", "--seq", "0"], "argument --seq: 0 is out of range: give a sequence length from 2 to 16777216"),
+        (
+            ["--gpus", "8", "--microbatches", "0"],
+            "argument --microbatches: 0 is out of range: give a whole number from 1",
+        ),
+        (
+            ["--gpus", "8", "--virtual-stages", "0"],
+            "argument --virtual-stages: 0 is out of range: give a whole number from 1",
+        ),
+        (["--gpus", "8", "--top", "-1"], "argument --top: -1 is out of range: give a whole number from 1 to 10000"),
+        (["--gpus", "8", "--train-tokens=-5T"], "argument --train-tokens: '-5T' must be a positive finite count"),
+        (["--gpus", "8", "--global-batch-tokens", "nan"], "argument --global-batch-tokens: 'nan' must be a positive"),
+        (["--gpus", "nan"], "argument --gpus: 'nan' is not a whole number"),
+        (["--gpus", "8", "--sequence-parallel", "yes"], "argument --sequence-parallel: 'yes': choose on or off"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, needle):
@@ -129,7 +144,41 @@ def test_bad_input_is_one_line_and_exit_2(args, needle):
     assert len(lines) == 1 and needle in lines[0], r.stderr
 
 
+@pytest.mark.parametrize(
+    "spec,needle",
+    [
+        ("layers=2,dim=64,ffn=128,heads=0,vocab=256", "--model-spec: heads=0 must be a positive integer"),
+        ("layers=2,dim=64,ffn=128,heads=4,heads=8,vocab=256", "--model-spec: heads is given twice; give each key once"),
+        ("layers=2,dim=64,ffn=128,heads=4", "--model-spec lacks vocab"),
+        ("layers=2,dim=64,ffn=128,heads=4,vocab=256,depth=3", "--model-spec: bad item 'depth=3'"),
+    ],
+)
+def test_bad_model_spec_is_one_line(spec, needle):
+    r = plan("--model-spec", spec, "--gpus", "1")
+    lines = [ln for ln in r.stderr.splitlines() if ln not in ("NO_TORCH", "TORCH_LOADED")]
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("fourd: error: --model-spec")
+    assert needle in lines[0]
+
+
+def test_any_gpu_count_on_a_preset_and_interleaving_with_fewer_microbatches_than_stages():
+    # a profile describes a server, a pod and the network, not a size: 6,144 GPUs are six pods of dgx-h100
+    r = plan("--model", "llama3-405b", "--cluster", "dgx-h100", "--gpus", "6144", "--layout", "tp=8,pp=8,dp=96",
+             "--seq", "8192", "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["placement"]["dp"] == "cross-pod"
+    # 8 microbatches on 16 pipeline ranks: each of the V rounds waits for microbatch 0 to come round
+    d = json.loads(plan(*ROW1, "--microbatches", "8", "--json").stdout)
+    assert (d["microbatches"], d["virtual_stages"]) == (8, 8)
+    compute, bubble = d["breakdown_s"]["compute"], d["breakdown_s"]["bubble"]
+    assert bubble / compute == pytest.approx((15 * 8 - 7 * 7) / (8 * 8), rel=1e-12)
+
+
 def test_user_profile_wins_over_the_preset_and_paths_work(tmp_path):
+    from fourd.layout import Layout, Parallelism
+    from fourd.plan.cluster import load_cluster
+    from fourd.plan.job import Job
+    from fourd.plan.search import evaluate
+
     preset = Path(__file__).resolve().parents[1] / "fourd" / "plan" / "clusters" / "llama3-h100.toml"
     (tmp_path / "clusters").mkdir()
     # the same cluster with twice the peak: a user profile of that name must change the prediction
@@ -137,11 +186,15 @@ def test_user_profile_wins_over_the_preset_and_paths_work(tmp_path):
     (tmp_path / "clusters" / "llama3-h100.toml").write_text(faster)
     base = json.loads(plan(*ROW1, "--json").stdout)
     mine = json.loads(plan(*ROW1, "--json", home=tmp_path).stdout)
-    assert mine["step_time_s"] < base["step_time_s"]
     path = tmp_path / "elsewhere.toml"
     path.write_text(faster)
+    par = Parallelism(Layout(8, 1, 16, 64), "interleaved", base["microbatches"], base["virtual_stages"], base["zero"],
+                      base["recompute"], sequence_parallel=True)  # fmt: skip
+    want = evaluate(Job(get_preset("llama3-405b"), load_cluster(str(path)), par, 8192, 2048)).step.step_s
+    assert (mine["microbatches"], mine["virtual_stages"], mine["zero"], mine["recompute"]) == (32, 8, 1, "selective")
+    assert mine["step_time_s"] == want and base["step_time_s"] != want
     args = [a if a != "llama3-h100" else str(path) for a in ROW1]
-    assert json.loads(plan(*args, "--json").stdout)["step_time_s"] == mine["step_time_s"]
+    assert json.loads(plan(*args, "--json").stdout)["step_time_s"] == want
 
 
 def test_a_broken_profile_names_the_key(tmp_path):
@@ -200,8 +253,6 @@ beta_s_per_byte = 1e-9
             "--json",
         ).stdout
     )
-    from fourd.model.config import get_preset
-
     params = get_preset("small").params()
     assert d["dtype"] == "fp32"
     assert d["memory_gb"]["params"] == pytest.approx(4 * params / 1e9, abs=1e-3)

@@ -1,36 +1,35 @@
 """The planner's time and memory model: kernels, placement, schedules, and Llama 3 Table 4."""
 
 import dataclasses
+from fractions import Fraction
 
 import pytest
 
-from fourd.layout import Layout
+from fourd.layout import Layout, Parallelism
 from fourd.model.config import get_preset
-from fourd.parallel.pp import layer_split
 from fourd.plan.cluster import Group, group_bandwidth, group_level, load_cluster, placement
-from fourd.plan.memory import in_flight, stage_layers
-from fourd.plan.perf import (
-    KERNEL_LAUNCH_S,
-    StageTime,
-    bubble_time,
-    chunk_times,
-    collective_time,
-    gemm_time,
-    stage_compute_time,
-    step_time,
-)
+from fourd.plan.job import Job, stage_layers
+from fourd.plan.kernels import KERNEL_LAUNCH_S, collective_time, gemm_time
+from fourd.plan.memory import in_flight
+from fourd.plan.perf import StageTime, bubble_time, chunk_times, stage_time, step_time
 from fourd.plan.report import why
-from fourd.plan.search import Config, evaluate, search
+from fourd.plan.search import Fixed, evaluate, search
 from fourd.schedules import build_schedule
+from fourd.sim.step import simulate
 
 H100 = load_cluster("llama3-h100")
 L405 = get_preset("llama3-405b")
 TABLE4 = [(Layout(8, 1, 16, 64), 8192, 0.43), (Layout(8, 1, 16, 128), 8192, 0.41), (Layout(8, 16, 16, 8), 131072, 0.38)]
 
 
+def job(model, cluster, layout, seq, global_seqs, *settings, sp=True):
+    """A Job with Parallelism(layout, schedule, microbatches, virtual_stages, zero, recompute) from `settings`."""
+    return Job(model, cluster, Parallelism(layout, *settings, sequence_parallel=sp), seq, global_seqs)
+
+
 def _table4(layout, seq):
     gs = 2**24 // seq
-    return evaluate(L405, H100, Config(layout, "interleaved", gs // layout.dp, 8, 1, "selective"), seq, gs)
+    return evaluate(job(L405, H100, layout, seq, gs, "interleaved", gs // layout.dp, 8, 1, "selective"))
 
 
 @pytest.mark.parametrize("layout,seq,mfu", TABLE4)
@@ -63,9 +62,9 @@ def test_gemm_waves_and_roofline():
 
 
 def test_placement_of_table4_groups():
-    levels = {d: group_level(g, H100) for d, g in placement(Layout(8, 1, 16, 128), H100).items()}
+    levels = {d: group_level(g, H100) for d, g in placement(Layout(8, 1, 16, 128)).items()}
     assert levels == {"tp": "nvlink", "cp": "single", "pp": "pod", "dp": "cross-pod"}
-    assert {d: group_level(g, H100) for d, g in placement(Layout(8, 16, 16, 8), H100).items()}["cp"] == "pod"
+    assert {d: group_level(g, H100) for d, g in placement(Layout(8, 16, 16, 8)).items()}["cp"] == "pod"
     assert group_level(Group(2, 8, 16), H100) == "rack"
 
 
@@ -85,7 +84,6 @@ nic_bw_gbps = 50.0
 latency_us = 0.0
 gpus_per_rack = 16
 gpus_per_pod = 16
-pods = 4
 cross_pod_oversubscription = 7.0
 """)
     c = load_cluster(str(text))
@@ -106,10 +104,20 @@ def test_bubble_per_schedule():
     assert bubble_time("zero-bubble", 4, 8, 1, t) == 3.0  # (p−1)(T_F + T_I − T_W), a third of 1F1B's
 
 
+def test_interleaved_bubble_is_exact_for_every_microbatch_count_fewer_than_p_included():
+    # equal stages of F = 1, B = 2 per virtual stage: t_f + t_b = 3·V per rank, as Fractions so equal is equal
+    for p in (2, 3, 4, 8):
+        for v in (2, 3, 4):
+            for m in range(1, 2 * p + 2):
+                r = simulate(build_schedule("interleaved", p, m, v), [{"F": 1, "B": 2}] * (p * v))
+                whole = StageTime(Fraction(v), Fraction(2 * v), Fraction(0), Fraction(0), Fraction(0))
+                assert r.step_time_s - 3 * v * m == bubble_time("interleaved", p, m, v, whole), (p, v, m)
+
+
 def test_closed_forms_agree_with_the_schedule_action_lists():
     for name, vs in (("gpipe", (1,)), ("1f1b", (1,)), ("zero-bubble", (1,)), ("interleaved", (2, 3, 4))):
         for pp in (2, 3, 4, 8):
-            for m in (pp, pp + 1, 2 * pp, 3 * pp + 2):
+            for m in (1, pp - 1, pp, pp + 1, 2 * pp, 3 * pp + 2):
                 for v in vs:
                     s = build_schedule(name, pp, m, v)
                     assert [s.peak_in_flight(r) / v for r in range(pp)] == [
@@ -117,26 +125,31 @@ def test_closed_forms_agree_with_the_schedule_action_lists():
                     ]
 
 
-def test_stage_split_is_the_trainers():
+def test_stage_split_gives_the_ends_one_layer_fewer():
+    assert stage_layers(126, 16) == [7] + [8] * 14 + [7]  # Llama 3 §3.3.2
+    assert stage_layers(128, 16) == [8] * 16  # the two left over fill the first and last stage
+    assert stage_layers(32, 4) == [8] * 4
+    assert stage_layers(96, 16) == [6] * 16
+    assert stage_layers(30, 4) == [7, 8, 8, 7]
+    assert stage_layers(5, 4) == [1, 2, 1, 1]  # one fewer would empty the ends: split evenly
+    assert stage_layers(126, 16, 8) == [0] + [1] * 126 + [0]  # the planner's extension: embedding and output alone
     for layers in range(1, 33):
         for stages in range(1, layers + 1):
-            assert stage_layers(layers, stages) == layer_split(layers, stages)
-    assert stage_layers(126, 16) == [7] + [8] * 14 + [7]
-    assert stage_layers(126, 16, 8) == [0] + [1] * 126 + [0]  # the planner's extension: embedding and output alone
+            split = stage_layers(layers, stages)
+            assert sum(split) == layers and min(split) >= 1 and max(split) - min(split) <= 2
 
 
 def test_stage_time_is_the_sum_of_its_layers_and_ends():
-    lay = Layout(8, 1, 16, 64)
-    one = stage_compute_time(L405, H100, lay, 8192, 1, 1)
-    eight = stage_compute_time(L405, H100, lay, 8192, 1, 8)
+    j = job(L405, H100, Layout(8, 1, 16, 64), 8192, 2048, "1f1b", 32)
+    one, eight = stage_time(j.work, 1), stage_time(j.work, 8)
     assert eight.forward == pytest.approx(8 * one.forward)
-    chunks = chunk_times(L405, H100, lay, 8192, 1, 1)
+    chunks = chunk_times(j)
     assert chunks[1] == eight
     assert (
         chunks[0].forward > 7 * one.forward
         and chunks[-1].forward > 7 * one.forward + chunks[0].forward - 7 * one.forward
     )
-    full = stage_compute_time(L405, H100, lay, 8192, 1, 1, recompute="full")
+    full = stage_time(j.with_par(recompute="full").work, 1)
     assert full.input_grad_s == pytest.approx(one.input_grad_s + one.forward_s)
 
 
@@ -165,19 +178,20 @@ nic_bw_gbps = 1.0
 """)
     cpu = load_cluster(str(path))
     m = get_preset("debug")
-    one = stage_compute_time(m, cpu, Layout(dp=1), 256, 1, 4)
-    two = stage_compute_time(m, cpu, Layout(dp=2), 256, 1, 4)
-    four = stage_compute_time(m, cpu, Layout(dp=4), 256, 1, 4)
+
+    def stage(cluster, dp):
+        return stage_time(job(m, cluster, Layout(dp=dp), 256, dp, "1f1b", 1).work, 4)
+
+    one, two, four = stage(cpu, 1), stage(cpu, 2), stage(cpu, 4)
     assert four.forward_s == pytest.approx(2 * two.forward_s)
     assert two.forward_s == pytest.approx(one.forward_s)  # no one-worker figure: two cores, twice the work
     measured = load_cluster(str(_with_gemm(tmp_path, path, one_worker=0.03)))  # two together 0.05, alone 0.03
-    alone = stage_compute_time(m, measured, Layout(dp=1), 256, 1, 4)
-    pair = stage_compute_time(m, measured, Layout(dp=2), 256, 1, 4)
+    alone, pair = stage(measured, 1), stage(measured, 2)
     assert pair.forward_s == pytest.approx(alone.forward_s * 2 * 0.03 / 0.05)
 
 
 def test_search_finds_at_least_41_percent_for_405b_on_16k():
-    plans = search(L405, H100, 16384, 8192, 2048)
+    plans = search(job(L405, H100, Layout(), 8192, 2048), 16384, Fixed())
     best = plans[0]
     assert best.fits and best.mfu >= 0.41
     fitting = [p.tokens_per_s for p in plans if p.fits]
@@ -186,18 +200,17 @@ def test_search_finds_at_least_41_percent_for_405b_on_16k():
 
 
 def test_step_time_adds_up():
-    lay = Layout(8, 1, 16, 64)
-    s = step_time(L405, H100, lay, 8192, 2048, "1f1b", 32, 1, 1, "selective")
+    j = job(L405, H100, Layout(8, 1, 16, 64), 8192, 2048, "1f1b", 32, 1, 1, "selective")
+    s = step_time(j)
     assert s.step_s == pytest.approx(s.compute_s + s.bubble_s + s.p2p_s + s.dp_exposed_s + s.overlap_s + s.optimizer_s)
     assert s.bubble_s == pytest.approx(15 * (s.per_microbatch.forward + s.per_microbatch.backward))
-    z3 = step_time(L405, H100, lay, 8192, 2048, "1f1b", 32, 1, 3, "selective")
+    z3 = step_time(j.with_par(zero=3))
     assert z3.dp_total_s > 30 * s.dp_total_s  # stage 3 gathers weights for every microbatch
 
 
 def test_fp32_profile_doubles_weight_bytes():
     plan = _table4(*TABLE4[0][:2])
-    fp32 = dataclasses.replace(H100, dtype="fp32")
-    plan32 = evaluate(L405, fp32, plan.config, plan.seq, plan.global_seqs)
+    plan32 = evaluate(dataclasses.replace(plan.job, precision="fp32"))
     assert plan32.memory.params == 2 * plan.memory.params
 
 
@@ -205,22 +218,23 @@ def test_without_sequence_parallelism_tp_all_reduces_and_norms_run_on_every_toke
     from fourd.plan.memory import activation_bytes_per_token
     from fourd.plan.perf import layer_comm
 
-    g = placement(Layout(tp=8), H100)
-    f, b, _, _ = layer_comm(L405, H100, 8, 1, 8192, 1, g["tp"], g["cp"], False)
+    g = placement(Layout(tp=8))
+    plain = job(L405, H100, Layout(tp=8), 8192, 1, "1f1b", 1, sp=False)
+    f, b, _, _ = layer_comm(plain.work)
     act = 8192 * L405.dim * 2
     assert f == b == pytest.approx(2 * collective_time("all_reduce", act, g["tp"], H100))
-    sp_f, sp_b, _, _ = layer_comm(L405, H100, 8, 1, 8192, 1, g["tp"], g["cp"], True)
+    sp = job(L405, H100, Layout(tp=8), 8192, 1, "1f1b", 1)
+    sp_f, sp_b, _, _ = layer_comm(sp.work)
     assert sp_f == pytest.approx(
         2 * (collective_time("all_gather", act, g["tp"], H100) + collective_time("reduce_scatter", act, g["tp"], H100))
     )
     assert sp_b > sp_f  # the weight gradients gather the saved input shards again
-    gap = activation_bytes_per_token(L405, 8, sequence_parallel=False) - activation_bytes_per_token(L405, 8)
+    gap = activation_bytes_per_token(plain.work) - activation_bytes_per_token(sp.work)
     assert gap == pytest.approx(4 * L405.dim * 2 * (1 - 1 / 8))
 
 
 def test_zero_shards_over_dp_and_cp():
-    base = Config(Layout(8, 16, 16, 8), "interleaved", 16, 8, 1, "selective")
-    plan = evaluate(L405, H100, base, 131072, 128)
+    plan = evaluate(job(L405, H100, Layout(8, 16, 16, 8), 131072, 128, "interleaved", 16, 8, 1, "selective"))
     per_gpu = plan.memory.params / 2  # BF16 weights
     assert plan.memory.optimizer == pytest.approx(per_gpu * 12 / 128)
 
@@ -264,7 +278,8 @@ beta_s_per_byte = 2e-9
 
 
 def test_training_shape_gemms_attention_and_eager_rates_replace_the_models(tmp_path):
-    from fourd.plan.perf import attention_time, elementwise_bytes, elementwise_time, layer_time, optimizer_time
+    from fourd.plan.kernels import attention_time, elementwise_time, optimizer_time
+    from fourd.plan.perf import elementwise_bytes, layer_time
 
     path = tmp_path / "cpu.toml"
     path.write_text("""
@@ -320,10 +335,9 @@ nic_bw_gbps = 1.0
         (8 * pairs * 32 * 8 / 0.04e12, 2.5 * 8 * pairs * 32 * 8 / 0.03e12)
     )
     assert elementwise_time(1e9, c) == pytest.approx(0.2)
-    assert optimizer_time(1e6, c) == pytest.approx(32e6 / 2e9)
+    assert optimizer_time(1e6, c, 4) == pytest.approx(32e6 / 2e9)
     m = get_preset("small")
-    g = placement(Layout(), c)
-    t = layer_time(m, c, 1, 1, 256, 16, "none", g["tp"], g["cp"], False)
+    t = layer_time(job(m, c, Layout(), 256, 16, "1f1b", 1, sp=False).work)
     gemms = sum(gemm_time(4096, n, k, c) for _, n, k in [(0, 512, 256), (0, 256, 256), (0, 1408, 256), (0, 256, 704)])
     assert t.forward_s == pytest.approx(gemms + fwd + elementwise_bytes(m, 4096, 1, 4, False)[0] / 5e9)
 
@@ -346,8 +360,8 @@ nic_bw_gbps = 1.0
 """
     path.write_text(text.format(cores="concurrent_ranks = 2"))
     cpu = load_cluster(str(path))
-    s = step_time(get_preset("small"), cpu, Layout(dp=2), 256, 16, "1f1b", 1, 1, 2)
+    s = step_time(job(get_preset("small"), cpu, Layout(dp=2), 256, 16, "1f1b", 1, 1, 2))
     assert s.dp_exposed_s == s.dp_total_s > 0 and s.overlap_s == 0
     path.write_text(text.format(cores=""))
-    gpu_like = step_time(get_preset("small"), load_cluster(str(path)), Layout(dp=2), 256, 16, "1f1b", 1, 1, 2)
+    gpu_like = step_time(job(get_preset("small"), load_cluster(str(path)), Layout(dp=2), 256, 16, "1f1b", 1, 1, 2))
     assert gpu_like.dp_exposed_s < gpu_like.dp_total_s

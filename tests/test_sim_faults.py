@@ -61,55 +61,40 @@ def test_daly_interval_beats_half_and_one_and_a_half_times_it():
     assert eff[1.0] - eff[0.5] > 0.003 and eff[1.0] - eff[1.5] > 0.001
 
 
-def test_cli_json_and_bad_input():
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "fourd",
-            "sim",
-            "faults",
-            "--gpus",
-            "16384",
-            "--days",
-            "54",
-            "--runs",
-            "200",
-            "--seed",
-            "0",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
+def _faults(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "fourd", "sim", "faults", *args], capture_output=True, text=True, timeout=60
     )
+
+
+def test_cli_json_is_the_librarys_summary_for_the_same_seed():
+    out = _faults("--gpus", "16384", "--days", "54", "--runs", "200", "--seed", "3", "--json")
     assert out.returncode == 0, out.stderr
-    d = json.loads(out.stdout)
-    for key in (
-        "unexpected_interruptions",
-        "planned_interruptions",
-        "effective_training_fraction",
-        "optimal_checkpoint_interval_min",
-    ):
-        assert math.isfinite(d[key])
-    bad = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "fourd",
-            "sim",
-            "faults",
-            "--gpus",
-            "16",
-            "--days",
-            "1",
-            "--checkpoint-interval-min",
-            "0",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
+    assert json.loads(out.stdout) == faults.summary(faults.simulate(16384, 54, runs=200, seed=3))
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--days", "nan"], "argument --days: nan is out of range"),
+        (["--days", "inf"], "argument --days: inf is out of range: give a number from 1e-06 to 1000000"),
+        (["--days", "1", "--checkpoint-interval-min", "0"], "argument --checkpoint-interval-min: 0.0 is out of range"),
+        (["--days", "1", "--runs", "0"], "argument --runs: 0 is out of range: give a whole number from 1"),
+        (["--days", "54", "--runs", "100000000"], "GiB, more than the"),
+        (["--days", "100000", "--runs", "100000"], "use fewer runs or fewer days"),
+        (["--days", "1", "--seed", "-1"], "argument --seed: -1 is out of range"),
+    ],
+)
+def test_cli_bad_input_is_one_line(args, needle):
+    bad = _faults("--gpus", "16384", *args)
+    lines = bad.stderr.strip().splitlines()
+    assert bad.returncode == 2 and len(lines) == 1 and lines[0].startswith("fourd: error:") and needle in lines[0], (
+        bad.stderr
     )
-    assert bad.returncode == 2 and "--checkpoint-interval-min 0 must be positive" in bad.stderr
-    with pytest.raises(FourdError, match="--gpus 0"):
+
+
+def test_library_refuses_what_the_cli_cannot_reach():
+    with pytest.raises(FourdError, match="0 GPUs, 1 days, 1000 runs: each must be positive and finite"):
         faults.simulate(0, 1)
+    with pytest.raises(FourdError, match="must be positive and finite"):
+        faults.simulate(16, math.inf)

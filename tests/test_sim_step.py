@@ -8,10 +8,9 @@ from fractions import Fraction
 
 import pytest
 
-from fourd.layout import parse_layout
 from fourd.model.config import get_preset
+from fourd.plan import request
 from fourd.plan.cluster import load_cluster
-from fourd.plan.search import search
 from fourd.schedules import build_schedule
 from fourd.sim.network import Flow, Network
 from fourd.sim.pipeline import timeline
@@ -60,33 +59,13 @@ def test_links_are_shared_equally_and_fractions_count():
 
 
 def _plan(model, cluster, layout, seq, tokens, schedule, **fixed):
-    return search(
-        get_preset(model),
-        load_cluster(cluster) if isinstance(cluster, str) else cluster,
-        parse_layout(layout).world,
-        seq,
-        tokens // seq,
-        layout=parse_layout(layout),
-        schedule=schedule,
-        **fixed,
-    )[0]
+    cluster = load_cluster(cluster) if isinstance(cluster, str) else cluster
+    values = {"layout": layout, "seq": seq, "global_batch_tokens": tokens, "schedule": schedule, **fixed}
+    return request.plans(request.resolve(get_preset(model), cluster, values))[0]
 
 
 def _sim(plan, **kw):
-    c = plan.config
-    s = build_schedule(c.schedule, c.layout.pp, c.microbatches, c.virtual_stages)
-    return simulate_step(
-        plan.model,
-        plan.cluster,
-        c.layout,
-        s,
-        plan.seq,
-        plan.micro_seqs,
-        zero=c.zero,
-        recompute=c.recompute,
-        sequence_parallel=c.sequence_parallel,
-        **kw,
-    )
+    return simulate_step(plan.job, **kw)
 
 
 @pytest.mark.parametrize(
@@ -117,7 +96,6 @@ nic_bw_gbps = 50.0
 latency_us = 10.0
 gpus_per_rack = {min(16, gpus_per_pod)}
 gpus_per_pod = {gpus_per_pod}
-pods = {16 // gpus_per_pod}
 cross_pod_oversubscription = 7.0
 """)
     return load_cluster(str(path))
@@ -230,7 +208,9 @@ def test_cli_json_trace_and_the_big_step(tmp_path):
         text=True,
         timeout=60,
     )
-    assert bad.returncode == 2 and "--slow-gpu 99:1.5: rank 99 is outside 0..15" in bad.stderr
+    assert (
+        bad.returncode == 2 and "slow GPU 99:1.5: rank 99 is outside 0..15 of layout tp=8,cp=1,pp=1,dp=2" in bad.stderr
+    )
 
 
 def test_cli_search_ranks_the_planners_candidates_by_simulated_time():
@@ -262,6 +242,19 @@ def test_cli_search_ranks_the_planners_candidates_by_simulated_time():
     d = json.loads(out.stdout)
     times = [c["step_time_s"] for c in d["candidates"]]
     assert len(times) == 3 and times == sorted(times) and d["best"]["step_time_s"] == times[0]
+    # each candidate's time is the simulated step of its own configuration, and it is the planner's top three
+    req = request.resolve(
+        get_preset("llama3-8b"), load_cluster("llama3-h100"), {"gpus": 64, "seq": 8192, "global_batch_tokens": 2**20}
+    )
+    top = [p for p in request.plans(req) if p.fits][:3]
+    key = ("layout", "schedule", "microbatches", "virtual_stages", "zero", "recompute")
+    mine = {tuple(str(c[k]) for k in key): c["step_time_s"] for c in d["candidates"]}
+    assert len(top) == 3
+    for p in top:
+        lay = p.config.layout
+        k = (str({"tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp}), p.config.schedule, str(p.config.microbatches),
+             str(p.config.virtual_stages), str(p.config.zero), p.config.recompute)  # fmt: skip
+        assert mine[k] == simulate_step(p.job).step_time_s
 
 
 def test_lab_view_with_cost_model_durations_matches_the_simulator_without_comm():
@@ -272,15 +265,5 @@ def test_lab_view_with_cost_model_durations_matches_the_simulator_without_comm()
     )
     c = plan.config
     s = build_schedule(c.schedule, 4, c.microbatches, c.virtual_stages)
-    dur = cost_duration(
-        plan.model,
-        plan.cluster,
-        c.layout,
-        plan.seq,
-        plan.micro_seqs,
-        c.virtual_stages,
-        c.recompute,
-        comm=False,
-        sequence_parallel=c.sequence_parallel,
-    )
+    dur = cost_duration(plan.job, comm=False)
     assert timeline(s, dur) == _sim(plan, comm=False).events

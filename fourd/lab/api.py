@@ -12,14 +12,12 @@ import functools
 import json
 import re
 from pathlib import Path
-from typing import Any
 
 from fourd.errors import FourdError
 from fourd.layout import DIMS, parse_layout
 from fourd.model.config import PRESETS, get_preset
 from fourd.plan import cluster as clusters
-from fourd.plan import search
-from fourd.plan.cli import count
+from fourd.plan import request
 from fourd.plan.memory import rank_memory
 from fourd.plan.report import why
 from fourd.schedules import SCHEDULES, build_schedule
@@ -126,8 +124,7 @@ def cluster(q: dict[str, str], **_) -> dict:
     _known(q, "layout", "cluster")
     layout = parse_layout(q.get("layout") or "tp=8,pp=16")
     profile = clusters.load_cluster(_profile_name(q.get("cluster") or "llama3-h100"))
-    clusters.check_fits(layout.world, profile)
-    groups = clusters.placement(layout, profile)
+    groups = clusters.placement(layout)
     per_server, per_rack = profile.node.gpus, profile.network.gpus_per_rack
     gpus = []
     for rank in range(min(layout.world, REPLICA_GPUS)):
@@ -173,105 +170,25 @@ PLAN_PARAMS = (
 
 
 def _best_plan(q: dict[str, str]):
-    """`fourd plan` for the panel's settings; those left out are the planner's choice (fastest that fits)."""
+    """`fourd plan` for the panel's settings, through the planner's one resolver (fourd.plan.request): those
+    left out are the planner's choice (fastest that fits), defaults as `fourd plan` fills them."""
     _known(q, *PLAN_PARAMS)
-    model = get_preset(_choice(q, "model", list(PRESETS), "llama3-405b"))
-    cluster = clusters.load_cluster(_profile_name(q.get("cluster") or "llama3-h100"))
-    layout = parse_layout(q["layout"]) if q.get("layout") else None
-    gpus = _int(q, "gpus", 1, cluster.total_gpus, layout.world if layout else None)
-    if layout and layout.world != gpus:
-        raise FourdError(
-            f"layout={layout} uses {layout.world} GPUs but gpus={gpus}: make the product of the degrees equal {gpus}"
-        )
-    seq = _int(q, "seq", 2, 1 << 22, model.max_seq)
-    tokens = count(q.get("global_batch_tokens") or "16M")
-    if tokens % seq or tokens < seq:
-        raise FourdError(
-            f"global_batch_tokens={q.get('global_batch_tokens') or '16M'} is not a whole number of "
-            f"{seq}-token sequences: use a multiple of {seq}"
-        )
-    global_seqs = int(tokens // seq)
-    fixed: dict[str, Any] = {
-        "layout": layout,
-        "schedule": _choice(q, "schedule", search.SCHEDULES) if q.get("schedule") else None,
-        "microbatches": _int(q, "microbatches", 1, global_seqs) if q.get("microbatches") else None,
-        "virtual_stages": _int(q, "v", 1, model.layers) if q.get("v") else None,
-        "zero": _int(q, "zero", 0, 3) if q.get("zero") else None,
-    }
-    recompute = _choice(q, "recompute", search.RECOMPUTE) if q.get("recompute") else None
-    if layout and fixed["schedule"] and fixed["microbatches"]:
-        sched = fixed["schedule"]
-        v = fixed["virtual_stages"] or (2 if sched == "interleaved" and layout.pp > 1 else 1)
-        search.check(
-            model,
-            cluster,
-            search.Config(
-                layout,
-                sched,
-                fixed["microbatches"],
-                v,
-                1 if fixed["zero"] is None else fixed["zero"],
-                recompute or "none",
-            ),
-            seq,
-            global_seqs,
-        )
-    left_open = [
-        name
-        for name, value in (
-            ("layout", layout),
-            ("schedule", fixed["schedule"]),
-            ("virtual stages", fixed["virtual_stages"]),
-            ("microbatches", fixed["microbatches"]),
-            ("zero", fixed["zero"]),
-            ("recompute", recompute),
-        )
-        if value is None
-    ]
-    plans = search.search(model, cluster, gpus, seq, global_seqs, recompute=recompute, chosen=left_open, **fixed)
-    if not plans:
-        raise FourdError(
-            f"no configuration of {gpus} GPUs runs {q.get('model') or 'llama3-405b'} with {seq}-token "
-            f"sequences: change gpus, seq or the layout"
-        )
-    return plans[0]
+    model = get_preset(_choice(q, "model", list(PRESETS), request.DEFAULT_MODEL))
+    cluster = clusters.load_cluster(_profile_name(q.get("cluster") or request.DEFAULT_CLUSTER))
+    values = {"virtual_stages" if k == "v" else k: v for k, v in q.items() if k not in ("model", "cluster")}
+    return request.plans(request.resolve(model, cluster, values))[0]
 
 
 def plan(q: dict[str, str], **_) -> dict:
     """The planner panel: the plan, memory per GPU of each pipeline rank, and the report's explanations."""
     best = _best_plan(q)
-    c = best.config
-    bars = [
-        {
-            "label": f"pipeline rank {r}",
-            **rank_memory(
-                best.model,
-                best.cluster,
-                c.layout,
-                best.seq,
-                best.micro_seqs,
-                c.schedule,
-                c.microbatches,
-                c.virtual_stages,
-                c.zero,
-                c.recompute,
-                r,
-            ).gb(),
-        }
-        for r in range(c.layout.pp)
-    ]
+    bars = [{"label": f"pipeline rank {r}", **rank_memory(best.job, r).gb()} for r in range(best.config.layout.pp)]
     return {"plan": best.to_json(), "memory": bars, "gpu_memory_gb": best.cluster.gpu.memory_gb, "why": why(best)}
 
 
 def simtrace(q: dict[str, str], **_) -> dict:
     """Chrome trace of the planner panel's plan, simulated step by step with communication (`fourd sim step`)."""
-    best = _best_plan(q)
-    c = best.config
-    sched = build_schedule(c.schedule, c.layout.pp, c.microbatches, c.virtual_stages)
-    result = simulate_step(
-        best.model, best.cluster, c.layout, sched, best.seq, best.micro_seqs, zero=c.zero, recompute=c.recompute
-    )
-    return chrome_trace(result)
+    return chrome_trace(simulate_step(_best_plan(q).job))
 
 
 def _profile_name(text: str) -> str:

@@ -96,13 +96,18 @@ def parse_model_spec(spec: str) -> ModelConfig:
         key, sep, val = part.partition("=")
         if not sep or key not in _SPEC_KEYS:
             raise FourdError(f"--model-spec: bad item {part!r}; keys are {', '.join(sorted(_SPEC_KEYS))} as key=value")
+        if key in values:
+            raise FourdError(f"--model-spec: {key} is given twice; give each key once")
         if key == "mlp":
             values[key] = val
         else:
             try:
-                values[key] = int(val)
+                number = int(val)
             except ValueError:
                 raise FourdError(f"--model-spec: {key}={val!r} must be an integer") from None
+            values[key] = number
+            if number < 1:
+                raise FourdError(f"--model-spec: {key}={val} must be a positive integer")
     missing = {"layers", "dim", "ffn", "heads", "vocab"} - values.keys()
     if missing:
         raise FourdError(f"--model-spec lacks {', '.join(sorted(missing))}")

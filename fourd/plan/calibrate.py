@@ -203,7 +203,7 @@ def optimizer_rate(seconds: float = 0.1) -> float:
 
     from fourd.model.config import get_preset
     from fourd.model.llama import build_model
-    from fourd.plan.perf import ADAM_BYTES
+    from fourd.plan.kernels import ADAM_BYTES
 
     model = build_model(get_preset("small"), 0, "cpu")
     params = list(model.parameters())
@@ -366,7 +366,6 @@ def profile_toml(m: dict, command: str) -> str:
         f"latency_us = {link_us:.4g}",
         f"gpus_per_rack = {DEVICES}",
         f"gpus_per_pod = {DEVICES}",
-        "pods = 1",
         "",
         "[calibration]",
         f'date = "{today}"',

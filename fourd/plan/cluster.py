@@ -1,5 +1,6 @@
-"""Cluster profiles: what one accelerator can do, how servers and the network connect them, and where
-a parallel group of ranks lands in that topology.
+"""Cluster profiles: what one accelerator can do, how a server, a pod and the network connect them, and
+where a parallel group of ranks lands in that topology. A profile describes hardware, not a size: any
+number of GPUs may be asked of it (more than one pod's worth spread over several pods).
 
 Profiles are TOML files (schema in docs/planner.md): presets in `fourd/plan/clusters/<name>.toml`,
 user profiles in `$FOURD_HOME/clusters/<name>.toml` (they win over presets; `fourd calibrate` writes
@@ -8,6 +9,7 @@ user profiles in `$FOURD_HOME/clusters/<name>.toml` (they win over presets; `fou
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,9 +18,10 @@ import tomllib
 
 from fourd.config import fourd_home
 from fourd.errors import FourdError
+from fourd.layout import PRECISIONS
 
 PRESET_DIR = Path(__file__).parent / "clusters"
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+DTYPE_BYTES = dict(zip(PRECISIONS, (2, 4)))
 
 
 @dataclass(frozen=True)
@@ -33,10 +36,9 @@ class GemmSample:
 
 @dataclass(frozen=True)
 class AttentionSample:
-    """Measured attention (CPU profiles): `seq` queries against as many keys per head of `head_dim`, at
-    these rates in the planner's FLOPs (4·pairs·head_dim forward, 2.5 times that backward). Causal
-    (`is_causal`) skips the masked half: seq²/2 pairs; with an explicit mask (`masked_*`, what context
-    parallelism's chunk layout needs) every one of the seq² pairs is computed."""
+    """Measured attention: `seq` queries against as many keys per head of `head_dim`, at these rates in the
+    planner's FLOPs (4·pairs·head_dim forward, 2.5 times that backward; causal: seq²/2 pairs). `masked_*`:
+    an explicit mask (context parallelism's chunk layout on CPUs), every one of the seq² pairs computed."""
 
     seq: int
     head_dim: int
@@ -59,22 +61,19 @@ class CollectiveSample:
 @dataclass(frozen=True)
 class GPU:
     name: str
-    peak_tflops: float
+    peak_tflops: float  # dense peak in the training precision (datasheet; CPU profiles: measured)
     memory_gb: float
     hbm_bw_gbps: float
     sms: int | None = None  # streaming multiprocessors, for wave quantization; None on CPUs
     gemm_efficiency: float = 0.7  # sustained fraction of peak on large GEMMs
-    attention_fwd_efficiency: float | None = None  # fused attention kernels; None: as a GEMM of that shape
+    attention_fwd_efficiency: float | None = None  # fused attention kernels; None: as GEMMs of that shape
     attention_bwd_efficiency: float | None = None
     memory_reserve_gb: float = 0.0  # what the runtime keeps for itself
     gemm: tuple[GemmSample, ...] = ()
-    # CPU profiles (fourd calibrate): what eager torch does at training shapes
-    gemm_shapes: tuple[
-        GemmSample, ...
-    ] = ()  # forward, input- and weight-gradient GEMMs (m, n, k as the planner names them)
+    gemm_shapes: tuple[GemmSample, ...] = ()  # measured at training shapes (m, n, k as the planner names them)
     attention: tuple[AttentionSample, ...] = ()
-    elementwise_gbps: float | None = None  # unfused norms, RoPE, SiLU·mul, adds: planner-counted bytes per second
-    optimizer_gbps: float | None = None  # AdamW, one parameter at a time: planner-counted bytes per second
+    elementwise_gbps: float | None = None  # measured eager norms, RoPE, SiLU·mul, adds: planner-counted bytes/s
+    optimizer_gbps: float | None = None  # measured AdamW, one parameter at a time: planner-counted bytes/s
 
 
 @dataclass(frozen=True)
@@ -92,9 +91,8 @@ class Network:
     latency_us: float = 10.0
     nic_efficiency: float = 1.0
     gpus_per_rack: int = 16
-    gpus_per_pod: int = 3072
-    pods: int = 1
-    cross_pod_oversubscription: float = 1.0
+    gpus_per_pod: int = 3072  # full bisection inside a pod
+    cross_pod_oversubscription: float = 1.0  # uplinks between pods, as a fraction of the pod's NICs
 
 
 @dataclass(frozen=True, eq=False)  # identity hash: the time model caches on it, and hashing every field is slow
@@ -104,17 +102,14 @@ class Cluster:
     gpu: GPU
     node: Node
     network: Network
-    dtype: str = "bf16"
+    dtype: str = "bf16"  # the profile's training precision (CPU profiles: fp32)
     collectives: tuple[CollectiveSample, ...] = ()
     source: str = ""
 
     @property
-    def total_gpus(self) -> int:
-        return self.network.gpus_per_pod * self.network.pods
-
-    @property
-    def dtype_bytes(self) -> int:
-        return DTYPE_BYTES[self.dtype]
+    def cpu(self) -> bool:
+        """A CPU profile (`fourd calibrate`): ranks share cores, and it describes what `fourd train` runs here."""
+        return self.node.concurrent_ranks is not None
 
 
 def preset_names() -> list[str]:
@@ -125,7 +120,7 @@ def _find(name_or_path: str) -> Path:
     if name_or_path.endswith(".toml") or os.sep in name_or_path:
         path = Path(name_or_path)
         if not path.is_file():
-            raise FourdError(f"--cluster {name_or_path}: no such file; give a preset name or a path to a .toml profile")
+            raise FourdError(f"cluster {name_or_path}: no such file; give a preset name or a path to a .toml profile")
         return path
     for folder in (fourd_home() / "clusters", PRESET_DIR):
         path = folder / f"{name_or_path}.toml"
@@ -138,13 +133,37 @@ def _find(name_or_path: str) -> Path:
     )
 
 
-def _section(cls, data: dict, where: str, path: Path):
-    known = set(cls.__dataclass_fields__)
-    bad = set(data) - known
+# Fields that must be above zero (the rest of the numbers: at least zero); each value of its declared type.
+POSITIVE = {
+    *("m", "n", "k", "tflops", "seq", "head_dim", "fwd_tflops", "bwd_tflops", "masked_fwd_tflops"),
+    *("masked_bwd_tflops", "nproc", "beta_s_per_byte", "peak_tflops", "memory_gb", "hbm_bw_gbps", "sms"),
+    *("gemm_efficiency", "attention_fwd_efficiency", "attention_bwd_efficiency", "elementwise_gbps"),
+    *("optimizer_gbps", "gpus", "intra_bw_gbps", "intra_efficiency", "concurrent_ranks", "nic_bw_gbps"),
+    *("nic_efficiency", "gpus_per_rack", "gpus_per_pod", "cross_pod_oversubscription"),
+}
+_TYPES = {"int": (int,), "float": (int, float), "str": (str,)}
+
+
+def _section(cls, data, where: str, path: Path):
+    """`cls` from a TOML table, every key known, every number finite and in range, of its field's type."""
+    if not isinstance(data, dict):
+        raise FourdError(f"{path}: [{where}] must be a table; see docs/planner.md for the schema")
+    fields = cls.__dataclass_fields__
+    bad = set(data) - set(fields)
     if bad:
         raise FourdError(
-            f"{path}: unknown key(s) {', '.join(sorted(bad))} in [{where}]; allowed: {', '.join(sorted(known))}"
+            f"{path}: unknown key(s) {', '.join(sorted(bad))} in [{where}]; allowed: {', '.join(sorted(fields))}"
         )
+    for key, value in data.items():
+        kind = _TYPES.get(str(fields[key].type).split(" ")[0])
+        if kind is None:
+            continue  # the tuples of samples, read by their own _section
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise FourdError(f"{path}: {where}.{key} = {value!r} must be of type {kind[-1].__name__}")
+        if not isinstance(value, str) and not (math.isfinite(value) and (value > 0 if key in POSITIVE else value >= 0)):
+            raise FourdError(
+                f"{path}: {where}.{key} = {value} must be a finite number {'above' if key in POSITIVE else 'of at least'} 0"
+            )
     try:
         return cls(**data)
     except TypeError as e:
@@ -156,7 +175,7 @@ def load_cluster(name_or_path: str) -> Cluster:
     path = _find(name_or_path)
     try:
         data = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as e:
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
         raise FourdError(
             f"{path}: not a readable TOML profile ({e}); fix the file or rerun `fourd calibrate`"
         ) from None
@@ -170,8 +189,8 @@ def load_cluster(name_or_path: str) -> Cluster:
     if dtype not in DTYPE_BYTES:
         raise FourdError(f"{path}: dtype = {dtype!r}; allowed: {', '.join(DTYPE_BYTES)}")
     cluster = Cluster(
-        name=data.get("name", path.stem),
-        description=data.get("description", ""),
+        name=str(data.get("name", path.stem)),
+        description=str(data.get("description", "")),
         gpu=_section(GPU, gpu, "gpu", path),
         node=_section(Node, data["node"], "node", path),
         network=_section(Network, data["network"], "network", path),
@@ -179,16 +198,6 @@ def load_cluster(name_or_path: str) -> Cluster:
         collectives=tuple(_section(CollectiveSample, c, "collectives", path) for c in data.get("collectives", ())),
         source=str(path),
     )
-    for label, value in (
-        ("gpu.peak_tflops", cluster.gpu.peak_tflops),
-        ("gpu.memory_gb", cluster.gpu.memory_gb),
-        ("gpu.hbm_bw_gbps", cluster.gpu.hbm_bw_gbps),
-        ("node.gpus", cluster.node.gpus),
-        ("node.intra_bw_gbps", cluster.node.intra_bw_gbps),
-        ("network.nic_bw_gbps", cluster.network.nic_bw_gbps),
-    ):
-        if not value > 0:
-            raise FourdError(f"{path}: {label} = {value} must be positive")
     return cluster
 
 
@@ -250,9 +259,9 @@ def group_bandwidth(group: Group, cluster: Cluster) -> tuple[float, float]:
     return min(intra, k * nic), net.latency_us * 1e-6
 
 
-def placement(layout, cluster: Cluster) -> dict[str, Group]:
+def placement(layout) -> dict[str, Group]:
     """The group of each parallel dimension for ranks laid out innermost first in [TP, CP, PP, DP] order."""
-    world = layout.tp * layout.cp * layout.pp * layout.dp
+    world = layout.world
     return {
         "tp": Group(layout.tp, 1, world),
         "cp": Group(layout.cp, layout.tp, world),
@@ -265,15 +274,6 @@ def shard_group(layout) -> Group:
     """The cp·dp ranks that hold the same weights (one TP and PP position): they reduce gradients together
     and ZeRO shards over them (FSDP over dp×cp, as the trainer and Llama 3 do). Modelled as one ring spread
     evenly over the span of the DP group (exact when cp or dp is 1)."""
-    world = layout.tp * layout.cp * layout.pp * layout.dp
     if layout.dp == 1:
-        return Group(layout.cp, layout.tp, world)
-    return Group(layout.cp * layout.dp, layout.tp * layout.pp, world)
-
-
-def check_fits(world: int, cluster: Cluster) -> None:
-    if world > cluster.total_gpus:
-        raise FourdError(
-            f"{world} GPUs asked but cluster {cluster.name} has {cluster.total_gpus} "
-            f"({cluster.network.pods} pods x {cluster.network.gpus_per_pod}); use fewer GPUs or another --cluster"
-        )
+        return Group(layout.cp, layout.tp, layout.world)
+    return Group(layout.cp * layout.dp, layout.tp * layout.pp, layout.world)

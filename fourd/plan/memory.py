@@ -1,7 +1,7 @@
 """Memory per GPU: weights, gradients and optimizer state by ZeRO stage, activations per layer for the block
 type and recomputation, microbatches in flight per pipeline schedule, embedding and logits.
 
-All sizes in bytes unless a name says otherwise. Pure functions, tested against brief.md.
+All sizes in bytes unless a name says otherwise. Pure functions; docs/planner.md derives each term.
 """
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from fourd.layout import layer_split
+from fourd.plan.job import Job, Work, stage_layers
 
 GB = 1e9
 
 
-# ---- whole-model arithmetic (brief.md §1, rows 01-02) --------------------------------------------------
+# ---- whole-model arithmetic ----------------------------------------------------------------------------
 
 
 def weights_bytes(params: float, bytes_per_param: int = 2) -> float:
@@ -39,25 +39,10 @@ def state_bytes_per_param(zero: int, dp: int, dtype_bytes: int = 2) -> tuple[flo
     4 + 4 + 8 (no master copy)."""
     w = g = dtype_bytes
     opt = 12 if dtype_bytes == 2 else 8
-    if zero == 0:
-        return w, g, opt
-    if zero == 1:
-        return w, g, opt / dp
-    if zero == 2:
-        return w, g / dp, opt / dp
-    if zero == 3:
-        return w / dp, g / dp, opt / dp
-    raise ValueError(f"ZeRO stage {zero} is not 0-3")
+    return (w / dp if zero >= 3 else w, g / dp if zero >= 2 else g, opt / dp if zero >= 1 else opt)
 
 
 # ---- parameters on each pipeline stage ---------------------------------------------------------------
-
-
-def stage_layers(layers: int, pp: int, virtual_stages: int = 1) -> list[int]:
-    """Transformer layers of each of the pp·V pipeline stages: the trainer's split
-    (fourd.layout.layer_split), and beyond the trainer, the first and last stage may hold only
-    the embedding and the output when layers + 2 = pp·V (405B: 128 stages of one layer)."""
-    return layer_split(layers, pp * virtual_stages, empty_edges=True)
 
 
 def stage_params(model, counts: list[int], stage: int) -> int:
@@ -70,13 +55,33 @@ def stage_params(model, counts: list[int], stage: int) -> int:
     return p
 
 
+@lru_cache(maxsize=4096)
+def rank_shapes(model, pp: int, virtual_stages: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int]:
+    """(layers per pipeline rank, parameters per pipeline rank before TP, the ranks that can peak in memory,
+    parameters of the largest stage).
+
+    In-flight microbatches fall with the rank, so besides the last (logits) only the first rank with each
+    layer count can hold the most."""
+    counts = stage_layers(model.layers, pp, virtual_stages)
+    layers = tuple(sum(counts[s] for s in range(r, len(counts), pp)) for r in range(pp))
+    params = tuple(sum(stage_params(model, counts, s) for s in range(r, len(counts), pp)) for r in range(pp))
+    first_with: dict[int, int] = {}
+    for r, n in enumerate(layers):
+        first_with.setdefault(n, r)
+    biggest = max(stage_params(model, counts, s) for s in range(len(counts)))
+    return layers, params, tuple(sorted({0, pp - 1, *first_with.values()})), biggest
+
+
+def max_rank_params(model, pp: int, virtual_stages: int, tp: int) -> float:
+    """Parameters on the GPU that holds the most (what its data-parallel collectives move)."""
+    return max(rank_shapes(model, pp, virtual_stages)[1]) / tp
+
+
 # ---- activations ---------------------------------------------------------------------------------------
 
 
 @lru_cache(maxsize=4096)
-def activation_bytes_per_token(
-    model, tp: int = 1, recompute: str = "none", sequence_parallel: bool = True, dtype_bytes: int = 2
-) -> float:
+def activation_bytes_per_token(work: Work, recompute: str | None = None) -> float:
     """Bytes one layer keeps for backward per token on one TP rank, with a fused (flash) attention kernel.
 
     Derived for these blocks the way Korthikanti et al. 2022 (§4.1) derive 34·sbh for GPT: a pre-norm
@@ -84,13 +89,13 @@ def activation_bytes_per_token(
     MLP GEMMs); attention saves Q, K, V and its output (GQA: K and V have kv_heads) and a logsumexp per
     head (4 B); the MLP saves the inputs of its nonlinearity and of its last GEMM (SwiGLU: w1 and w3
     outputs and their product, 3·ffn; GeLU: 2·ffn). No dropout. Sequence parallelism cuts the norm
-    parts by tp; TP cuts the rest.
-    - selective: norm outputs and the MLP product are recomputed from what is kept (cheap elementwise).
-    - full: only the layer input is kept (the layer is recomputed in backward).
+    parts by tp; TP cuts the rest. `selective` recomputes the norm outputs and the MLP product; `full`
+    keeps only the layer input. `recompute` overrides the work's own.
     """
-    b = dtype_bytes
+    model, tp, b = work.model, work.layout.tp, work.dtype_bytes
+    recompute = recompute or work.recompute
     h, hd = model.dim, model.head_dim
-    norm_cut = tp if sequence_parallel else 1
+    norm_cut = tp if work.sequence_parallel else 1
     if recompute == "full":
         return h * b / norm_cut
     q = model.heads * hd
@@ -134,6 +139,9 @@ def in_flight(schedule: str, pp: int, microbatches: int, virtual_stages: int, ra
     return min(m * v, (v - 1) * first_round + 2 * (p - rank - 1) + 1) / v
 
 
+# ---- one GPU ---------------------------------------------------------------------------------------------
+
+
 @dataclass(frozen=True)
 class Memory:
     params: float
@@ -148,150 +156,34 @@ class Memory:
         return self.params + self.grads + self.optimizer + self.activations + self.other
 
     def gb(self) -> dict:
-        return {
-            "params": self.params / GB,
-            "grads": self.grads / GB,
-            "optimizer": self.optimizer / GB,
-            "activations": self.activations / GB,
-            "other": self.other / GB,
-            "reserve": self.reserve / GB,
-            "total": self.total / GB,
-        }
+        names = ("params", "grads", "optimizer", "activations", "other", "reserve", "total")
+        return {k: getattr(self, k) / GB for k in names}
 
 
-@lru_cache(maxsize=4096)
-def rank_shapes(model, pp: int, virtual_stages: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int]:
-    """(layers per pipeline rank, parameters per pipeline rank before TP, the ranks that can peak in memory,
-    parameters of the largest stage).
-
-    In-flight microbatches fall with the rank, so besides the last (logits) only the first rank with each
-    layer count can hold the most."""
-    counts = stage_layers(model.layers, pp, virtual_stages)
-    layers = tuple(sum(counts[s] for s in range(r, len(counts), pp)) for r in range(pp))
-    params = tuple(sum(stage_params(model, counts, s) for s in range(r, len(counts), pp)) for r in range(pp))
-    first_with: dict[int, int] = {}
-    for r, n in enumerate(layers):
-        first_with.setdefault(n, r)
-    biggest = max(stage_params(model, counts, s) for s in range(len(counts)))
-    return layers, params, tuple(sorted({0, pp - 1, *first_with.values()})), biggest
-
-
-def rank_memory(
-    model,
-    cluster,
-    layout,
-    seq: int,
-    micro_seqs: int,
-    schedule: str,
-    microbatches: int,
-    virtual_stages: int,
-    zero: int,
-    recompute: str,
-    rank: int,
-    sequence_parallel: bool = True,
-) -> Memory:
+@lru_cache(maxsize=16384)
+def rank_memory(job: Job, rank: int) -> Memory:
     """Peak memory of one GPU of pipeline rank `rank`."""
-    b = cluster.dtype_bytes
-    layers, params, _, biggest = rank_shapes(model, layout.pp, virtual_stages)
-    mine = params[rank] / layout.tp
-    w, g, o = state_bytes_per_param(zero, layout.cp * layout.dp, b)  # FSDP shards over dp×cp
-    tokens = micro_seqs * seq // layout.cp
-    per_layer = tokens * activation_bytes_per_token(model, layout.tp, recompute, sequence_parallel, b)
-    acts = in_flight(schedule, layout.pp, microbatches, virtual_stages, rank) * layers[rank] * per_layer
+    par, lay, work, b = job.par, job.layout, job.work, job.dtype_bytes
+    layers, params, _, biggest = rank_shapes(job.model, lay.pp, par.virtual_stages)
+    mine = params[rank] / lay.tp
+    w, g, o = state_bytes_per_param(par.zero, lay.cp * lay.dp, b)  # FSDP shards over dp×cp
+    tokens = work.tokens
+    per_layer = tokens * activation_bytes_per_token(work)
+    acts = in_flight(par.schedule, lay.pp, par.microbatches, par.virtual_stages, rank) * layers[rank] * per_layer
     other = 0.0
-    if recompute == "full":
+    if par.recompute == "full":
         # the layer being recomputed holds its whole activations for one microbatch
-        other += tokens * activation_bytes_per_token(model, layout.tp, "none", sequence_parallel, b)
-    if rank == layout.pp - 1:
+        other += tokens * activation_bytes_per_token(work, "none")
+    if rank == lay.pp - 1:
         # FP32 logits and their gradient for one microbatch, vocabulary split over TP
-        other += 2 * 4 * tokens * model.vocab / layout.tp
-    if zero == 3:
+        other += 2 * 4 * tokens * job.model.vocab / lay.tp
+    if par.zero == 3:
         # one gathered stage and the next, prefetched
-        other += 2 * biggest / layout.tp * b
-    return Memory(mine * w, mine * g, mine * o, acts, other, cluster.gpu.memory_reserve_gb * GB)
+        other += 2 * biggest / lay.tp * b
+    return Memory(mine * w, mine * g, mine * o, acts, other, job.cluster.gpu.memory_reserve_gb * GB)
 
 
-def peak_memory(
-    model,
-    cluster,
-    layout,
-    seq,
-    micro_seqs,
-    schedule,
-    microbatches,
-    virtual_stages,
-    zero,
-    recompute,
-    sequence_parallel: bool = True,
-) -> Memory:
-    """The pipeline rank with the most memory."""
-    _, fullest = fullest_rank(
-        model,
-        cluster,
-        layout,
-        seq,
-        micro_seqs,
-        schedule,
-        microbatches,
-        virtual_stages,
-        zero,
-        recompute,
-        sequence_parallel,
-    )
-    return rank_memory(
-        model,
-        cluster,
-        layout,
-        seq,
-        micro_seqs,
-        schedule,
-        microbatches,
-        virtual_stages,
-        zero,
-        recompute,
-        fullest,
-        sequence_parallel,
-    )
-
-
-def fullest_rank(
-    model,
-    cluster,
-    layout,
-    seq,
-    micro_seqs,
-    schedule,
-    microbatches,
-    virtual_stages,
-    zero,
-    recompute,
-    sequence_parallel: bool = True,
-) -> tuple[float, int]:
-    """(bytes, pipeline rank) of the GPU with the most memory, the reserve included: the quick form of
-    peak_memory that the search asks many times."""
-    layers, params, ranks, biggest = rank_shapes(model, layout.pp, virtual_stages)
-    b = cluster.dtype_bytes
-    per_param = sum(state_bytes_per_param(zero, layout.cp * layout.dp, b)) / layout.tp
-    tokens = micro_seqs * seq // layout.cp
-    per_layer = tokens * activation_bytes_per_token(model, layout.tp, recompute, sequence_parallel, b)
-    logits = 8 * tokens * model.vocab / layout.tp
-    common = cluster.gpu.memory_reserve_gb * GB
-    if recompute == "full":
-        common += tokens * activation_bytes_per_token(model, layout.tp, "none", sequence_parallel, b)
-    if zero == 3:
-        common += 2 * biggest / layout.tp * b
-    return max(
-        (
-            params[r] * per_param
-            + logits * (r == layout.pp - 1)
-            + common
-            + per_layer * layers[r] * in_flight(schedule, layout.pp, microbatches, virtual_stages, r),
-            r,
-        )
-        for r in ranks
-    )
-
-
-def max_rank_params(model, pp: int, virtual_stages: int, tp: int) -> float:
-    """Parameters on the GPU that holds the most (what its data-parallel collectives move)."""
-    return max(rank_shapes(model, pp, virtual_stages)[1]) / tp
+def peak_memory(job: Job) -> tuple[int, Memory]:
+    """The pipeline rank with the most memory, the reserve included, and its memory."""
+    ranks = rank_shapes(job.model, job.layout.pp, job.par.virtual_stages)[2]
+    return max(((r, rank_memory(job, r)) for r in ranks), key=lambda rm: rm[1].total + rm[1].reserve)

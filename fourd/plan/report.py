@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from fourd.layout import Layout
 from fourd.plan.search import Plan, evaluate
 
@@ -35,9 +33,8 @@ def _counterfactual(plan: Plan) -> Plan | None:
     lay = c.layout
     if lay.dp % 2 or lay.pp == 1:
         return None
-    half = Layout(lay.tp, lay.cp, lay.pp, lay.dp // 2)
     return evaluate(
-        plan.model, plan.cluster, replace(c, layout=half, microbatches=2 * c.microbatches), plan.seq, plan.global_seqs
+        plan.job.with_par(layout=Layout(lay.tp, lay.cp, lay.pp, lay.dp // 2), microbatches=2 * c.microbatches)
     )
 
 
@@ -49,7 +46,9 @@ def why(plan: Plan) -> list[str]:
     if p > 1:
         per_replica = plan.global_seqs // c.layout.dp
         shape = {
-            "interleaved": f"(p−1)/(V·m) = {p - 1}/({v}·{m})",
+            "interleaved": f"(p−1)/(V·m) = {p - 1}/({v}·{m})"
+            if m >= p
+            else f"(p−1−(V−1)(m−1)/V)/m, m < p, = ({p - 1}−{v - 1}·{m - 1}/{v})/{m}",
             "gpipe": f"(p−1)/m = {p - 1}/{m}",
             "1f1b": f"(p−1)/m = {p - 1}/{m}",
             "zero-bubble": "(p−1)·(t_f + t_i − t_w)/(m·(t_f + t_b))",

@@ -3,14 +3,15 @@ N GPUs ranked by tokens/s among those that fit."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
+from fourd.errors import FourdError
 from fourd.layout import RECOMPUTE, ZERO_STAGES, Layout, Parallelism, split_ok, tp_ok
 from fourd.layout import check as layout_check
-from fourd.model.config import ModelConfig
-from fourd.plan.cluster import Cluster, check_fits, group_level, placement
-from fourd.plan.memory import GB, Memory, fullest_rank, peak_memory, stage_layers
+from fourd.plan.cluster import group_level, placement
+from fourd.plan.job import Job, stage_layers
+from fourd.plan.memory import GB, Memory, peak_memory
 from fourd.plan.perf import StepTime, step_time
 from fourd.schedules import SCHEDULES
 
@@ -19,34 +20,52 @@ MIN_CP_TOKENS = 1024  # the search splits a sequence over CP ranks only down to 
 
 
 @dataclass(frozen=True)
-class Config:
-    layout: Layout
-    schedule: str
-    microbatches: int
-    virtual_stages: int = 1
-    zero: int = 1
-    recompute: str = "none"
+class Fixed:
+    """The settings a user pinned; None leaves one to the planner (fastest that fits)."""
+
+    layout: Layout | None = None
+    schedule: str | None = None
+    microbatches: int | None = None
+    virtual_stages: int | None = None
+    zero: int | None = None
+    recompute: str | None = None
     sequence_parallel: bool = True
 
 
 @dataclass(frozen=True)
 class Plan:
-    model: ModelConfig
-    cluster: Cluster
-    config: Config
-    seq: int
-    global_seqs: int
+    job: Job
     step: StepTime
     memory: Memory
     chosen: tuple[str, ...] = field(default=())  # settings the planner chose because the user left them open
 
     @property
+    def config(self) -> Parallelism:
+        return self.job.par
+
+    @property
+    def model(self):
+        return self.job.model
+
+    @property
+    def cluster(self):
+        return self.job.cluster
+
+    @property
+    def seq(self) -> int:
+        return self.job.seq
+
+    @property
+    def global_seqs(self) -> int:
+        return self.job.global_seqs
+
+    @property
     def gpus(self) -> int:
-        return self.config.layout.world
+        return self.job.layout.world
 
     @property
     def micro_seqs(self) -> int:
-        return self.global_seqs // (self.config.layout.dp * self.config.microbatches)
+        return self.job.micro_seqs
 
     @property
     def fits(self) -> bool:
@@ -80,7 +99,7 @@ class Plan:
         return self.step.bubble_s / self.step.step_s
 
     def placement_levels(self) -> dict[str, str]:
-        return {d: group_level(g, self.cluster) for d, g in placement(self.config.layout, self.cluster).items()}
+        return {d: group_level(g, self.cluster) for d, g in placement(self.config.layout).items()}
 
     def to_json(self, train_tokens: float | None = None) -> dict:
         c, s, lay = self.config, self.step, self.config.layout
@@ -88,7 +107,8 @@ class Plan:
             "model": self.model.to_dict(),
             "cluster": self.cluster.name,
             "gpus": self.gpus,
-            "dtype": self.cluster.dtype,
+            "dtype": self.job.precision or self.cluster.dtype,
+            "compiled": self.job.compiled,
             "layout": {"tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp},
             "schedule": c.schedule,
             "microbatches": c.microbatches,
@@ -118,7 +138,7 @@ class Plan:
                 "dp_total": s.dp_total_s,
                 "overlap_slowdown": s.overlap_s,
                 "optimizer": s.optimizer_s,
-            },
+            },  # fmt: skip
             "placement": self.placement_levels(),
             "stage_layers": stage_layers(self.model.layers, lay.pp, c.virtual_stages),
             "chosen_by_planner": list(self.chosen),
@@ -129,56 +149,9 @@ class Plan:
         return out
 
 
-# ---- validity ----------------------------------------------------------------------------------------------
-
-
-def check(model, cluster: Cluster, config: Config, seq: int, global_seqs: int) -> None:
-    """FourdError naming the fix for a configuration that cannot run (fourd.layout.check, the trainer's too)."""
-    check_fits(config.layout.world, cluster)
-    c = config
-    layout_check(
-        model,
-        Parallelism(c.layout, c.schedule, c.microbatches, c.virtual_stages, c.zero, c.recompute, c.sequence_parallel),
-        seq,
-        global_seqs,
-    )
-
-
-def evaluate(model, cluster: Cluster, config: Config, seq: int, global_seqs: int, chosen=()) -> Plan:
-    c = config
-    step = step_time(
-        model,
-        cluster,
-        c.layout,
-        seq,
-        global_seqs,
-        c.schedule,
-        c.microbatches,
-        c.virtual_stages,
-        c.zero,
-        c.recompute,
-        c.sequence_parallel,
-    )
-    return Plan(
-        model, cluster, c, seq, global_seqs, step, config_memory(model, cluster, c, seq, global_seqs), tuple(chosen)
-    )
-
-
-def config_memory(model, cluster: Cluster, c: Config, seq: int, global_seqs: int) -> Memory:
-    micro = global_seqs // (c.layout.dp * c.microbatches)
-    return peak_memory(
-        model,
-        cluster,
-        c.layout,
-        seq,
-        micro,
-        c.schedule,
-        c.microbatches,
-        c.virtual_stages,
-        c.zero,
-        c.recompute,
-        c.sequence_parallel,
-    )
+def evaluate(job: Job, chosen=()) -> Plan:
+    """The plan of one configuration (valid by fourd.layout.check)."""
+    return Plan(job, step_time(job), peak_memory(job)[1], tuple(chosen))
 
 
 # ---- the search ---------------------------------------------------------------------------------------------
@@ -188,7 +161,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layouts(model, cluster: Cluster, gpus: int, seq: int, global_seqs: int) -> list[Layout]:
+def layouts(model, gpus: int, seq: int, global_seqs: int) -> list[Layout]:
     """Every (tp, cp, pp, dp) with tp·cp·pp·dp = gpus that splits the model, the sequence and the batch."""
     out = []
     for tp in _divisors(gpus):
@@ -213,70 +186,54 @@ def _virtual_stages(layers: int, pp: int) -> list[int]:
     ]
 
 
-def configs(
-    model,
-    cluster: Cluster,
-    gpus: int,
-    seq: int,
-    global_seqs: int,
-    layout: Layout | None = None,
-    schedule: str | None = None,
-    microbatches: int | None = None,
-    virtual_stages: int | None = None,
-    zero: int | None = None,
-    sequence_parallel: bool = True,
-):
-    """Every configuration the fixed settings allow, recomputation left open (see `search`)."""
-    for lay in [layout] if layout else layouts(model, cluster, gpus, seq, global_seqs):
-        if sequence_parallel and (seq // lay.cp) % lay.tp:
+def configs(model, gpus: int, seq: int, global_seqs: int, fixed: Fixed):
+    """Every Parallelism the fixed settings allow, recomputation "none" (see `search`)."""
+    sp = fixed.sequence_parallel
+    for lay in [fixed.layout] if fixed.layout else layouts(model, gpus, seq, global_seqs):
+        if sp and (seq // lay.cp) % lay.tp:
             continue
         per_replica = global_seqs // lay.dp
-        if microbatches:
-            counts = [microbatches] if per_replica % microbatches == 0 else []
+        if fixed.microbatches:
+            counts = [fixed.microbatches] if per_replica % fixed.microbatches == 0 else []
         else:
             counts = [per_replica // s for s in MICRO_SEQS if per_replica % s == 0]
-        for sched in [schedule] if schedule else SCHEDULES:
-            if lay.pp == 1 and schedule is None and sched != "1f1b":
+        for sched in [fixed.schedule] if fixed.schedule else SCHEDULES:
+            if lay.pp == 1 and fixed.schedule is None and sched != "1f1b":
                 continue  # without a pipeline every schedule is the same
             if sched == "interleaved" and lay.pp > 1:
-                vs = [virtual_stages] if virtual_stages else _virtual_stages(model.layers, lay.pp)
+                vs = [fixed.virtual_stages] if fixed.virtual_stages else _virtual_stages(model.layers, lay.pp)
             else:
-                vs = [virtual_stages or 1] if lay.pp == 1 else [1]
+                vs = [fixed.virtual_stages or 1] if lay.pp == 1 else [1]
             for v in vs:
                 for m in counts:
-                    if sched == "interleaved" and lay.pp > 1 and m < lay.pp:
-                        continue
-                    for z in [zero] if zero is not None else ZERO_STAGES:
-                        yield Config(lay, sched, m, v, z, "none", sequence_parallel)
+                    for z in [fixed.zero] if fixed.zero is not None else ZERO_STAGES:
+                        yield Parallelism(lay, sched, m, v, z, "none", sp)
 
 
-def search(
-    model, cluster: Cluster, gpus: int, seq: int, global_seqs: int, recompute: str | None = None, chosen=(), **fixed
-) -> list[Plan]:
-    """Plans for every configuration, fitting ones first, fastest first. Recomputation, when left open,
-    is the lightest that fits (none, then selective, then full): each costs time and saves memory."""
-    check_fits(gpus, cluster)
+def valid(job: Job) -> bool:
+    """Whether fourd.layout.check lets the job run (the search skips what pinned settings rule out)."""
+    try:
+        layout_check(job.model, job.par, job.seq, job.global_seqs)
+    except FourdError:
+        return False
+    return True
+
+
+def search(base: Job, gpus: int, fixed: Fixed, chosen=()) -> list[Plan]:
+    """Plans for every configuration of `gpus` GPUs for `base`'s model, cluster, sequence and batch (its own
+    Parallelism is ignored), fitting ones first, fastest first. Recomputation, when left open, is the
+    lightest that fits (none, then selective, then full): each costs time and saves memory."""
     plans = []
-    capacity = cluster.gpu.memory_gb * GB
-    for c in configs(model, cluster, gpus, seq, global_seqs, **fixed):
-        micro = global_seqs // (c.layout.dp * c.microbatches)
-        for rc in [recompute] if recompute else RECOMPUTE:
-            c = Config(c.layout, c.schedule, c.microbatches, c.virtual_stages, c.zero, rc, c.sequence_parallel)
-            need, _ = fullest_rank(
-                model,
-                cluster,
-                c.layout,
-                seq,
-                micro,
-                c.schedule,
-                c.microbatches,
-                c.virtual_stages,
-                c.zero,
-                rc,
-                c.sequence_parallel,
-            )
-            if need <= capacity:
+    capacity = base.cluster.gpu.memory_gb * GB
+    for par in configs(base.model, gpus, base.seq, base.global_seqs, fixed):
+        job = replace(base, par=par)
+        if not valid(job):
+            continue
+        for rc in [fixed.recompute] if fixed.recompute else RECOMPUTE:
+            job = job.with_par(recompute=rc)
+            memory = peak_memory(job)[1]
+            if memory.total + memory.reserve <= capacity:
                 break
-        plans.append(evaluate(model, cluster, c, seq, global_seqs, chosen))
+        plans.append(Plan(job, step_time(job), memory, tuple(chosen)))
     plans.sort(key=lambda p: (not p.fits, -p.tokens_per_s if p.fits else p.memory.total))
     return plans

@@ -15,13 +15,14 @@ it strikes is lost too) and costs `restart_s` before training resumes. A planned
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
 
 from fourd.errors import FourdError
 
-# Llama 3 Table 5 (brief.md §4): unexpected interruptions in 54 days on 16,384 GPUs, and whether the
+# Llama 3 Table 5 (Dubey et al. 2024 §3.3.4): unexpected interruptions in 54 days on 16,384 GPUs, and whether the
 # component is hardware (the paper's "~78 % hardware").
 TABLE5 = {
     "faulty GPU": (148, True),
@@ -51,6 +52,7 @@ TABLE5_GPUS, TABLE5_DAYS, TABLE5_PLANNED = 16_384, 54, 47
 # communicators and read the checkpoint back; 5 minutes is our assumption for an automated restart
 # (the paper says all but 3 interruptions were handled automatically and > 90 % of time trained).
 CHECKPOINT_S = 10.0
+BYTES_PER_SLOT = 160  # peak NumPy memory of `simulate` per run and slot: 111 B measured (tracemalloc), and a margin
 RESTART_S = 300.0
 DAY_S = 86_400.0
 
@@ -104,6 +106,28 @@ class FaultResult:
         return self.useful_s / (self.days * DAY_S)
 
 
+def machine_memory_bytes() -> int:
+    """Memory this machine can give a computation now (MemAvailable), or all of it where that is not known."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _check_size(runs: int, slots: int) -> None:
+    """Refuse a simulation whose arrays would not fit in half the machine's available memory."""
+    need, limit = runs * slots * BYTES_PER_SLOT, machine_memory_bytes() // 2
+    if need > limit:
+        raise FourdError(
+            f"{runs:,} runs of {slots:,} interruption slots each need about {need / 2**30:,.1f} GiB, more than "
+            f"the {limit / 2**30:,.1f} GiB this machine can give: use fewer runs or fewer days"
+        )
+
+
 def simulate(
     gpus: int,
     days: float,
@@ -114,37 +138,54 @@ def simulate(
     restart_s: float = RESTART_S,
 ) -> FaultResult:
     """`runs` independent runs of `days` days; the checkpoint interval defaults to Daly's optimum."""
-    if gpus < 1 or days <= 0 or runs < 1:
-        raise FourdError(f"--gpus {gpus}, --days {days}, --runs {runs}: each must be positive")
-    if checkpoint_s < 0 or restart_s < 0:
-        raise FourdError(f"checkpoint time {checkpoint_s} s and restart time {restart_s} s must be >= 0")
+    if gpus < 1 or not 0 < days < math.inf or runs < 1:
+        raise FourdError(f"{gpus} GPUs, {days} days, {runs} runs: each must be positive and finite")
+    if not (0 <= checkpoint_s < math.inf and 0 <= restart_s < math.inf):
+        raise FourdError(f"checkpoint time {checkpoint_s} s and restart time {restart_s} s must be finite and >= 0")
     m = mtbf_s(gpus)
     tau = daly_interval(checkpoint_s, m) if interval_s is None else interval_s
-    if not tau > 0:
-        raise FourdError(f"--checkpoint-interval-min {tau / 60:g} must be positive")
+    if not 0 < tau < math.inf:
+        raise FourdError(f"checkpoint interval {tau / 60:g} min must be positive and finite")
     rates = unexpected_per_day(gpus)
     lam_u, lam_p = sum(rates.values()) / DAY_S, planned_per_day() / DAY_S
     lam = lam_u + lam_p
     horizon = days * DAY_S
-    rng = np.random.default_rng(seed)
-
     # Enough arrival slots that running out has probability ~1e-15 (mean + 8 sigma).
     mean = lam * horizon
     slots = int(mean + 8 * math.sqrt(mean) + 16)
-    gaps = rng.exponential(1 / lam, size=(runs, slots))
-    arrivals = np.cumsum(gaps, axis=1)
+    _check_size(runs, slots)
+    rng = np.random.default_rng(seed)
+    arrivals = np.cumsum(rng.exponential(1 / lam, size=(runs, slots)), axis=1)
     happened = arrivals < horizon
     planned = (rng.random((runs, slots)) < lam_p / lam) & happened
     unexpected = happened & ~planned
+    useful, lost, downtime, ckpt, live = _spans(arrivals, happened, planned, horizon, (tau, checkpoint_s, restart_s))
+    n_unexpected = unexpected.sum(axis=1)
+    total_u = int(n_unexpected.sum())
+    names = list(rates)
+    probs = np.array([rates[c] for c in names]) / sum(rates.values())
+    counts = rng.multinomial(total_u, probs) if total_u else np.zeros(len(names), dtype=int)
 
-    # Each gap runs from one restart to the next interruption (the last one to the horizon).
+    def per_run(x):
+        return np.where(live, x, 0.0).sum(axis=1)
+
+    return FaultResult(
+        gpus, days, runs, tau, checkpoint_s, restart_s, n_unexpected, planned.sum(axis=1),
+        {c: counts[i] / runs for i, c in enumerate(names)}, per_run(useful), per_run(lost), per_run(downtime), per_run(ckpt),
+    )  # fmt: skip
+
+
+def _spans(arrivals, happened, planned, horizon: float, times: tuple[float, float, float]):
+    """(useful, lost, downtime, checkpointing, live) per gap between interruptions; each gap runs from one
+    restart to the next interruption (the last one to the horizon)."""
+    tau, checkpoint_s, restart_s = times
+    runs = arrivals.shape[0]
     starts = np.concatenate([np.zeros((runs, 1)), arrivals[:, :-1]], axis=1)
-    ends = np.where(happened, arrivals, horizon)
     live = starts < horizon
-    span = np.where(live, ends - starts, 0.0)
+    span = np.where(live, np.where(happened, arrivals, horizon) - starts, 0.0)
     # What the previous interruption costs before training resumes: nothing at the start; a planned
     # stop saves first. An interruption during a restart starts it over.
-    pause = np.full((runs, slots), restart_s)
+    pause = np.full(arrivals.shape, restart_s)
     pause[:, 0] = 0.0
     pause[:, 1:] += np.where(planned[:, :-1], checkpoint_s, 0.0)
     downtime = np.minimum(span, pause)
@@ -152,37 +193,15 @@ def simulate(
     cycle = tau + checkpoint_s
     cycles = np.floor(run_s / cycle)
     rest = run_s - cycles * cycle
-    saved = cycles * tau
     # Interrupted by a planned stop or by the end of the horizon: the partial interval is saved.
     keep_rest = planned | ~happened
-    useful = saved + np.where(keep_rest, np.minimum(rest, tau), 0.0)
-    lost = np.where(unexpected, np.minimum(rest, tau), 0.0)
-    ckpt = cycles * checkpoint_s + np.maximum(rest - tau, 0.0)
-
-    n_unexpected = unexpected.sum(axis=1)
-    total_u = int(n_unexpected.sum())
-    names = list(rates)
-    probs = np.array([rates[c] for c in names]) / sum(rates.values())
-    counts = rng.multinomial(total_u, probs) if total_u else np.zeros(len(names), dtype=int)
-    return FaultResult(
-        gpus,
-        days,
-        runs,
-        tau,
-        checkpoint_s,
-        restart_s,
-        n_unexpected,
-        planned.sum(axis=1),
-        {c: counts[i] / runs for i, c in enumerate(names)},
-        np.where(live, useful, 0.0).sum(axis=1),
-        np.where(live, lost, 0.0).sum(axis=1),
-        np.where(live, downtime, 0.0).sum(axis=1),
-        np.where(live, ckpt, 0.0).sum(axis=1),
-    )
+    useful = cycles * tau + np.where(keep_rest, np.minimum(rest, tau), 0.0)
+    lost = np.where(happened & ~planned, np.minimum(rest, tau), 0.0)
+    return useful, lost, downtime, cycles * checkpoint_s + np.maximum(rest - tau, 0.0), live
 
 
 def summary(r: FaultResult) -> dict:
-    """The `fourd sim faults --json` object: means over runs (contract keys first)."""
+    """The `fourd sim faults --json` object: means over runs (the headline keys first)."""
     m = mtbf_s(r.gpus)
     eff = r.effective
     hardware = sum(v for c, v in r.by_component.items() if TABLE5[c][1])

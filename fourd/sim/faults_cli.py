@@ -18,28 +18,34 @@ from fourd.sim import faults
 
 
 def add_arguments(p):
-    p.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
-    p.add_argument("--days", type=float, required=True, help="length of the run in days")
+    from fourd.plan.request import bounded
+
+    p.add_argument("--gpus", type=bounded(int, 1, 1 << 24), required=True, help="GPUs in the job")
+    p.add_argument("--days", type=bounded(float, 1e-6, 1e6), required=True, help="length of the run in days")
     p.add_argument(
         "--checkpoint-interval-min",
-        type=float,
-        default=None,
+        type=bounded(float, 1e-6, 1e9),
         help="training minutes between checkpoints (default: Daly's optimum)",
     )
     p.add_argument(
         "--checkpoint-s",
-        type=float,
+        type=bounded(float, 0, 1e9),
         default=faults.CHECKPOINT_S,
         help=f"seconds the job pauses to save a checkpoint (default {faults.CHECKPOINT_S:g})",
     )
     p.add_argument(
         "--restart-min",
-        type=float,
+        type=bounded(float, 0, 1e9),
         default=faults.RESTART_S / 60,
         help=f"minutes from an interruption to training again (default {faults.RESTART_S / 60:g})",
     )
-    p.add_argument("--runs", type=int, default=1000, help="Monte-Carlo runs (default 1000)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument(
+        "--runs",
+        type=bounded(int, 1, 1 << 40),
+        default=1000,
+        help="Monte-Carlo runs (default 1000; refused beyond what this machine's memory holds)",
+    )
+    p.add_argument("--seed", type=bounded(int, 0, 2**63 - 1), default=0, help="random seed (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 

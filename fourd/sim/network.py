@@ -3,8 +3,8 @@
 A flow moves `size` bytes over a set of links at a rate capped by its own bandwidth (what its
 placement allows: NVLink, a NIC, its share of a pod's uplinks); flows on the same link share it
 equally. A link may carry only a fraction of a flow's bytes (a ring with k members per server sends
-1/k of its bytes through each NIC, the rest over NVLink), so links come with that fraction. Rates change only when a flow starts or ends, so the simulator advances from one such
-event to the next. A flow is delivered `latency` seconds after its last byte leaves.
+1/k of its bytes through each NIC, the rest over NVLink), so links come with that fraction. Rates change
+only when a flow starts or ends, so the simulator advances from one such event to the next. A flow is delivered `latency` seconds after its last byte leaves.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ class Flow:
     cap: float  # bytes/s it can reach alone
     latency: float
     done: Callable[[float], None]  # called with the delivery time
-    label: tuple = ()  # (rank class, pipeline rank, kind, name) for the trace
     start: float = 0.0
     rate: float = field(default=0.0)
 

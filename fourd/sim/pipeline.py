@@ -1,6 +1,6 @@
 """Timed pipeline schedules: when each action of a `fourd.schedules` list runs, given durations.
 
-This is the schedule-only view (the seed's bench and the lab): every rank runs its list in order,
+This is the schedule-only view (the lab's bench): every rank runs its list in order,
 each action as soon as its rank is free and its inputs have arrived. `fourd sim step` adds
 communication and link contention on top (fourd.sim.step).
 """
@@ -13,7 +13,7 @@ from typing import Any
 
 from fourd.schedules import Action, Schedule, depends_on
 
-# Backward twice forward, as in the seed's bench; a split backward is half input, half weight.
+# Backward twice forward (the usual count: two GEMMs per forward one); a split backward is half input, half weight.
 UNIT = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 
 

@@ -22,25 +22,49 @@ from __future__ import annotations
 import json
 import math
 import time
+from pathlib import Path
 
-from fourd.errors import FourdError
+from fourd.plan.request import BadValue, bounded
+from fourd.plan.request import add_arguments as plan_arguments
+
+
+def slow_gpu(text: str) -> tuple[int, float]:
+    """RANK:FACTOR, e.g. 37:1.25 (GPU 37 computes 25 % slower)."""
+    rank, _, factor = str(text).partition(":")
+    try:
+        return bounded(int, 0, 1 << 20)(rank), bounded(float, 1e-3, 1e3)(factor)
+    except BadValue as e:
+        raise BadValue(
+            f"{str(text)[:40]!r} ({e}): write RANK:FACTOR, e.g. 37:1.25 for GPU 37 computing 25 % slower"
+        ) from None
+
+
+def trace_path(text: str) -> Path:
+    """A file to write, in a folder that exists."""
+    path = Path(text)
+    if path.is_dir() or not path.parent.is_dir():
+        what = "is a folder" if path.is_dir() else f"is in {path.parent}, which is not a folder"
+        raise BadValue(f"{text[:80]} {what}: give a file path in an existing folder")
+    return path
 
 
 def add_arguments(p):
-    from fourd.plan import cli as plan_cli
-
-    plan_cli.add_arguments(p)  # the same model, cluster, layout and run flags as `fourd plan`
+    plan_arguments(p)  # the same model, cluster, layout and run flags as `fourd plan`
     p.add_argument("--no-comm", action="store_true", help="every transfer free: the schedule's figures alone")
-    p.add_argument("--slow-gpu", metavar="RANK:FACTOR", help="GPU RANK computes FACTOR times slower, e.g. 37:1.25")
+    p.add_argument(
+        "--slow-gpu", type=slow_gpu, metavar="RANK:FACTOR", help="GPU RANK computes FACTOR times slower, e.g. 37:1.25"
+    )
     p.add_argument(
         "--diurnal",
-        type=float,
+        type=bounded(float, 0, 100),
         default=0.0,
         metavar="PCT",
         help="daily clock throttle amplitude in percent (Llama 3 saw 1-2 %%), largest at 15:00",
     )
-    p.add_argument("--hour", type=float, default=15.0, help="time of day for --diurnal, 0-24 (default 15)")
-    p.add_argument("--trace", metavar="FILE.json", help="write a Chrome trace (open it in Perfetto)")
+    p.add_argument(
+        "--hour", type=bounded(float, 0, 24), default=15.0, help="time of day for --diurnal, 0-24 (default 15)"
+    )
+    p.add_argument("--trace", type=trace_path, metavar="FILE.json", help="write a Chrome trace (open it in Perfetto)")
 
 
 def diurnal_factor(pct: float, hour: float) -> float:
@@ -49,61 +73,18 @@ def diurnal_factor(pct: float, hour: float) -> float:
     return 1 + pct / 100 * (1 - math.cos(2 * math.pi * (hour - 3) / 24)) / 2
 
 
-def _slow(text: str | None):
-    if not text:
-        return None
-    rank, sep, factor = text.partition(":")
-    try:
-        return int(rank), float(factor)
-    except ValueError:
-        raise FourdError(
-            f"--slow-gpu {text!r}: write RANK:FACTOR, e.g. 37:1.25 for GPU 37 computing 25 % slower"
-        ) from None
-
-
-def resolve(args):
-    """The planner's Plans for these flags, best first (what the user left open, the planner chooses)."""
-    from fourd.plan.cli import resolve_inputs
-    from fourd.plan.search import search
-
-    i = resolve_inputs(args)
-    model, cluster, seq, layout, gpus = i.model, i.cluster, i.seq, i.layout, i.gpus
-    schedule = args.schedule or ("interleaved" if (args.virtual_stages or 1) > 1 else None)
-    plans = search(
-        model,
-        cluster,
-        gpus,
-        seq,
-        i.global_seqs,
-        recompute=args.recompute,
-        layout=layout,
-        schedule=schedule,
-        microbatches=args.microbatches,
-        virtual_stages=args.virtual_stages,
-        zero=args.zero,
-        sequence_parallel=i.sequence_parallel,
-    )
-    if not plans:
-        raise FourdError(
-            f"no configuration of {gpus} GPUs runs this model with these settings: change --layout, "
-            f"--microbatches or --global-batch-tokens (`fourd plan` explains)"
-        )
-    return plans
-
-
 def report(plan, result, comm: bool, wall: float, train_tokens: float | None = None) -> dict:
-    c = plan.config
-    step = result.step_time_s
-    flops = plan.global_seqs * plan.seq * plan.model.flops_per_token(plan.seq)
-    busy = result.busy_s
-    return {
+    c, step = plan.config, result.step_time_s
+    tokens = plan.global_seqs * plan.seq
+    tflops = plan.model_flops / step / plan.gpus / 1e12
+    out = {
         "step_time_s": step,
         "bubble_fraction": result.bubble_fraction,
         "per_rank_idle_fraction": result.per_rank_idle_fraction,
-        "bubble_over_compute": [(result.pipeline_span_s - b) / b for b in busy],
-        "tokens_per_s": plan.global_seqs * plan.seq / step,
-        "tflops_per_gpu": flops / step / plan.gpus / 1e12,
-        "mfu": flops / step / plan.gpus / 1e12 / plan.cluster.gpu.peak_tflops,
+        "bubble_over_compute": [(result.pipeline_span_s - b) / b if b else 0.0 for b in result.busy_s],
+        "tokens_per_s": tokens / step,
+        "tflops_per_gpu": tflops,
+        "mfu": tflops / plan.cluster.gpu.peak_tflops,
         "pipeline_span_s": result.pipeline_span_s,
         "optimizer_s": max(result.optimizer_s),
         "planner_step_time_s": plan.step.step_s,
@@ -119,74 +100,51 @@ def report(plan, result, comm: bool, wall: float, train_tokens: float | None = N
         "recompute": c.recompute,
         "sequence_parallel": c.sequence_parallel,
         "seq": plan.seq,
-        "global_batch_tokens": plan.global_seqs * plan.seq,
+        "global_batch_tokens": tokens,
         "cluster": plan.cluster.name,
         "transfers": len(result.transfers),
         "sim_wall_s": wall,
-        **(
-            {"train_tokens": train_tokens, "training_days": train_tokens * step / (plan.global_seqs * plan.seq) / 86400}
-            if train_tokens
-            else {}
-        ),
     }
+    if train_tokens:
+        out.update(train_tokens=train_tokens, training_days=train_tokens * step / tokens / 86400)
+    return out
 
 
-def simulate_plan(plan, args):
-    """Simulate the planner's configuration `plan` with the straggler and throttle flags of `args`."""
-    from fourd.schedules import build_schedule
+def simulate_plan(plan, args, train_tokens: float | None = None):
+    """Simulate the planner's configuration `plan` with the straggler and throttle flags of `args`:
+    (the StepResult, its report)."""
     from fourd.sim.step import simulate_step
 
-    c = plan.config
     start = time.perf_counter()
-    schedule = build_schedule(c.schedule, c.layout.pp, c.microbatches, c.virtual_stages)
-    result = simulate_step(
-        plan.model,
-        plan.cluster,
-        c.layout,
-        schedule,
-        plan.seq,
-        plan.micro_seqs,
-        zero=c.zero,
-        recompute=c.recompute,
-        comm=not args.no_comm,
-        slow_gpu=_slow(args.slow_gpu),
-        throttle=diurnal_factor(args.diurnal, args.hour),
-        sequence_parallel=c.sequence_parallel,
+    result = simulate_step(plan.job, not args.no_comm, args.slow_gpu, diurnal_factor(args.diurnal, args.hour))
+    return result, report(plan, result, not args.no_comm, time.perf_counter() - start, train_tokens)
+
+
+def _line(r: dict) -> str:
+    lay = ",".join(f"{d}={r['layout'][d]}" for d in ("tp", "cp", "pp", "dp"))
+    return (
+        f"{r['step_time_s']:.4g} s (planner {r['planner_step_time_s']:.4g} s)  {lay} {r['schedule']}"
+        f" V={r['virtual_stages']} m={r['microbatches']} ZeRO {r['zero']} recompute {r['recompute']}"
     )
-    return result, time.perf_counter() - start
 
 
 def run(args) -> int:
-    from fourd.plan.cli import count
+    from fourd.plan.request import plans, resolve_inputs
 
-    if not 0 <= args.hour <= 24 or args.diurnal < 0:
-        raise FourdError(
-            f"--diurnal {args.diurnal} --hour {args.hour}: the amplitude is a percentage >= 0, the hour 0-24"
-        )
-    _slow(args.slow_gpu)
-    train_tokens = count(args.train_tokens) if args.train_tokens else None
-    plans = resolve(args)
+    req = resolve_inputs(args)
+    found = plans(req)
     if args.search:
         # The planner's best candidates that fit, ranked again by simulated step time.
-        fitting = [p for p in plans if p.fits][: args.top] or plans[:1]
-        rows = []
-        for plan in fitting:
-            result, wall = simulate_plan(plan, args)
-            rows.append(report(plan, result, not args.no_comm, wall, train_tokens))
-        rows.sort(key=lambda r: r["step_time_s"])
-        if args.json:
-            print(json.dumps({"best": rows[0], "candidates": rows}))
-            return 0
-        for i, r in enumerate(rows):
-            lay = ",".join(f"{d}={r['layout'][d]}" for d in ("tp", "cp", "pp", "dp"))
-            print(
-                f"{i + 1:2}. {r['step_time_s']:.4g} s (planner {r['planner_step_time_s']:.4g} s)  {lay} {r['schedule']}"
-                f" V={r['virtual_stages']} m={r['microbatches']} ZeRO {r['zero']} recompute {r['recompute']}"
-            )
+        fitting = [p for p in found if p.fits][: args.top] or found[:1]
+        rows = sorted((simulate_plan(p, args, req.train_tokens)[1] for p in fitting), key=lambda r: r["step_time_s"])
+        print(
+            json.dumps({"best": rows[0], "candidates": rows})
+            if args.json
+            else "\n".join(f"{i + 1:2}. {_line(r)}" for i, r in enumerate(rows))
+        )
         return 0
-    plan = plans[0]
-    result, wall = simulate_plan(plan, args)
-    out = report(plan, result, not args.no_comm, wall, train_tokens)
+    plan = found[0]
+    result, out = simulate_plan(plan, args, req.train_tokens)
     if args.trace:
         from fourd.sim.trace import write_trace
 
@@ -196,11 +154,10 @@ def run(args) -> int:
         return 0
     c = plan.config
     print(
-        f"{plan.gpus:,} GPUs, layout {c.layout}, {c.schedule}"
-        + (f" V={c.virtual_stages}" if c.virtual_stages > 1 else "")
+        f"{plan.gpus:,} GPUs, layout {c.layout}, {c.schedule}" + (f" V={c.virtual_stages}" if c.virtual_stages > 1 else "")
         + f", {c.microbatches} microbatches of {plan.micro_seqs} x {plan.seq} tokens, ZeRO {c.zero}, recompute {c.recompute}"
         + ("" if out["comm"] else ", transfers free")
-    )
+    )  # fmt: skip
     print(f"  step time        {out['step_time_s']:.4g} s   (planner {out['planner_step_time_s']:.4g} s)")
     print(
         f"  throughput       {out['tokens_per_s']:,.0f} tokens/s, {out['tflops_per_gpu']:.0f} TFLOP/s per GPU, MFU {100 * out['mfu']:.1f} %"
@@ -212,10 +169,10 @@ def run(args) -> int:
         "  idle per rank    " + " ".join(f"{100 * x:.1f}" for x in out["per_rank_idle_fraction"]) + "  (% of the step)"
     )
     if args.slow_gpu:
-        print(f"  straggler        GPU {args.slow_gpu.replace(':', ' at ')}x")
-    if train_tokens:
-        print(f"  training         {out['training_days']:.1f} days for {train_tokens:.3g} tokens")
+        print(f"  straggler        GPU {args.slow_gpu[0]} at {args.slow_gpu[1]:g}x")
+    if req.train_tokens:
+        print(f"  training         {out['training_days']:.1f} days for {req.train_tokens:.3g} tokens")
     if args.trace:
         print(f"  trace            {args.trace} (open in Perfetto)")
-    print(f"  simulated in     {wall:.2f} s, {out['transfers']} transfers")
+    print(f"  simulated in     {out['sim_wall_s']:.2f} s, {out['transfers']} transfers")
     return 0

@@ -1,59 +1,63 @@
-"""Chrome trace JSON of a simulated step (opens in Perfetto, ui.perfetto.dev, or chrome://tracing).
-
-One process per class of replica (the replicas that stand for all, and a straggler's), two tracks
-per pipeline rank: its compute and the transfers it sends.
-"""
+"""Chrome trace JSON (opens in Perfetto, ui.perfetto.dev, or chrome://tracing): the one writer of fourd's
+traces. A simulated step has one process per class of replica (the replicas that stand for all, and a
+straggler's) and two tracks per pipeline rank: its compute and the transfers it sends."""
 
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 from fourd.sim.step import StepResult
 
 NAMES = {"F": "forward", "B": "backward", "I": "backward (input)", "W": "backward (weights)"}
 
 
+def span(pid: int, tid: int, name: str, cat: str, start_s: float, dur_s: float, **args) -> dict:
+    """One complete ("X") event, times in seconds."""
+    out = {"ph": "X", "pid": pid, "tid": tid, "name": name, "cat": cat, "ts": start_s * 1e6, "dur": dur_s * 1e6}
+    return {**out, "args": args} if args else out
+
+
+def label(pid: int, tid: int | None, name: str) -> dict:
+    """A process name (tid None) or a thread name."""
+    if tid is None:
+        return {"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}}
+    return {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}}
+
+
 def chrome_trace(result: StepResult) -> dict:
     out = []
     classes = [(0, result.events)] + ([(1, result.slow_events)] if result.slow_events else [])
     for pid, events in classes:
-        label = "replicas (all alike)" if pid == 0 else "the straggler's replica"
-        out.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": label}})
+        out.append(label(pid, None, "replicas (all alike)" if pid == 0 else "the straggler's replica"))
         for r, evs in enumerate(events):
-            out.append(
-                {"ph": "M", "name": "thread_name", "pid": pid, "tid": 2 * r, "args": {"name": f"rank {r} compute"}}
-            )
-            out.append(
-                {"ph": "M", "name": "thread_name", "pid": pid, "tid": 2 * r + 1, "args": {"name": f"rank {r} sends"}}
-            )
+            out += [label(pid, 2 * r, f"rank {r} compute"), label(pid, 2 * r + 1, f"rank {r} sends")]
             for e in evs:
+                name = f"{e.kind}{e.stage}.{e.microbatch}"
                 out.append(
-                    {
-                        "ph": "X",
-                        "pid": pid,
-                        "tid": 2 * r,
-                        "name": f"{e.kind}{e.stage}.{e.microbatch}",
-                        "cat": NAMES[e.kind],
-                        "ts": e.start * 1e6,
-                        "dur": (e.end - e.start) * 1e6,
-                        "args": {"stage": e.stage, "microbatch": e.microbatch},
-                    }
+                    span(
+                        pid,
+                        2 * r,
+                        name,
+                        NAMES[e.kind],
+                        e.start,
+                        e.end - e.start,
+                        stage=e.stage,
+                        microbatch=e.microbatch,
+                    )
                 )
-    for t in result.transfers:
-        out.append(
-            {
-                "ph": "X",
-                "pid": t.replica,
-                "tid": 2 * t.rank + 1,
-                "name": t.name,
-                "cat": t.kind,
-                "ts": t.start * 1e6,
-                "dur": (t.end - t.start) * 1e6,
-            }
-        )
-    return {"traceEvents": out, "displayTimeUnit": "ms"}
+    out += [span(t.replica, 2 * t.rank + 1, t.name, t.kind, t.start, t.end - t.start) for t in result.transfers]
+    return document(out)
 
 
-def write_trace(result: StepResult, path: str) -> None:
-    with open(path, "w") as f:
-        json.dump(chrome_trace(result), f)
+def document(events: list[dict]) -> dict:
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_trace(result: StepResult | dict, path: str | Path) -> None:
+    """Write a step's trace (or a ready trace document) atomically: a reader never sees half a file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(result if isinstance(result, dict) else chrome_trace(result)))
+    os.replace(tmp, path)

@@ -1,0 +1,76 @@
+"""What the planner plans: one training job (model, cluster, how it is cut, the batch), and the work one
+rank does for one microbatch. Frozen values, so the memory and time model can cache on them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import cached_property
+
+from fourd.layout import Layout, Parallelism, layer_split
+from fourd.model.config import ModelConfig
+from fourd.plan.cluster import DTYPE_BYTES, Cluster
+
+
+@dataclass(frozen=True)
+class Work:
+    """One microbatch on one rank of a (TP, CP) group: everything a layer's time depends on."""
+
+    model: ModelConfig
+    cluster: Cluster
+    layout: Layout
+    seq: int
+    micro_seqs: int
+    recompute: str
+    sequence_parallel: bool
+    dtype_bytes: int
+    compiled: bool
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of one microbatch on one rank (context parallelism cuts each sequence)."""
+        return self.micro_seqs * self.seq // self.layout.cp
+
+
+@dataclass(frozen=True)
+class Job:
+    """A training run: `global_seqs` sequences of `seq` tokens per optimizer step, cut as `par` says.
+    `precision` None trains in the profile's precision; `compiled` runs torch.compile'd (fused) kernels."""
+
+    model: ModelConfig
+    cluster: Cluster
+    par: Parallelism
+    seq: int
+    global_seqs: int
+    precision: str | None = None
+    compiled: bool = False
+
+    @property
+    def layout(self) -> Layout:
+        return self.par.layout
+
+    @property
+    def micro_seqs(self) -> int:
+        """Sequences per microbatch."""
+        return self.global_seqs // (self.layout.dp * self.par.microbatches)
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.precision or self.cluster.dtype]
+
+    @cached_property
+    def work(self) -> Work:
+        p = self.par
+        return Work(
+            self.model, self.cluster, p.layout, self.seq, self.micro_seqs, p.recompute, p.sequence_parallel,
+            self.dtype_bytes, self.compiled,
+        )  # fmt: skip
+
+    def with_par(self, **changes) -> Job:
+        return replace(self, par=replace(self.par, **changes))
+
+
+def stage_layers(layers: int, pp: int, virtual_stages: int = 1) -> list[int]:
+    """Transformer layers of each of the pp·V pipeline stages: the trainer's split
+    (fourd.layout.layer_split), and beyond the trainer, the first and last stage may hold only
+    the embedding and the output when layers + 2 = pp·V (405B: 128 stages of one layer)."""
+    return layer_split(layers, pp * virtual_stages, empty_edges=True)

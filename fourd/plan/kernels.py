@@ -1,0 +1,162 @@
+"""One kernel's time: GEMMs, attention, memory-bound elementwise work, the optimizer update, collectives.
+
+Times in seconds, sizes in bytes, rates in FLOP/s or bytes/s. Measured samples in a profile (`fourd
+calibrate`) win over the models; docs/planner.md names the source of every figure.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from functools import lru_cache
+
+from fourd.plan.cluster import Cluster, Group, group_bandwidth
+
+KERNEL_LAUNCH_S = 4e-6  # CUDA kernel launch and tail, per GEMM on a GPU
+GPU_TILES = ((128, 128), (128, 256), (256, 128))  # output tiles cuBLAS picks among for large BF16 GEMMs
+FA_BACKWARD_FLOPS = 2.5  # FlashAttention's backward redoes QK^T: 5 matmuls to the forward's 2 (Dao 2023 §3.1)
+FA_HALF_LENGTH = 384  # attention kernels lose efficiency on short sequences: eff · L/(L+384)
+ADAM_BYTES = {2: 30, 4: 32}  # HBM bytes per owned parameter in an Adam update (read+write states, grad, weight)
+
+
+def _wave_utilization(m: int, n: int, sms: int) -> float:
+    """Fraction of the SMs doing useful work when an m×n output is cut into tiles and run in waves."""
+    best = 0.0
+    for tm, tn in GPU_TILES:
+        tiles = math.ceil(m / tm) * math.ceil(n / tn)
+        waves = math.ceil(tiles / sms)
+        useful = (m * n) / (math.ceil(m / tm) * tm * math.ceil(n / tn) * tn)
+        best = max(best, useful * tiles / (waves * sms))
+    return best
+
+
+def _interpolate(samples: Sequence[tuple[Sequence[float], float]], point: Sequence[float]) -> float:
+    """A measured value at `point` from samples at other points: inverse-distance weighting (power 4, so the
+    nearest samples dominate) in log2 coordinates, each clamped to the samples' range (flat beyond them).
+    Samples measured at the point itself are averaged. One coordinate: linear between the two neighbours."""
+    logs = [tuple(math.log2(c) for c in where) for where, _ in samples]
+    lo = [min(c) for c in zip(*logs)]
+    hi = [max(c) for c in zip(*logs)]
+    q = [min(max(math.log2(c), a), b) for c, a, b in zip(point, lo, hi)]
+    if len(q) == 1:
+        pts = sorted((x[0], v) for x, (_, v) in zip(logs, samples))
+        for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+            if x0 <= q[0] <= x1:
+                return y0 + (y1 - y0) * (q[0] - x0) / (x1 - x0) if x1 > x0 else y1
+        return pts[0][1] if q[0] <= pts[0][0] else pts[-1][1]
+    hits, weights, total = [], 0.0, 0.0
+    for where, (_, value) in zip(logs, samples):
+        d2 = sum((a - b) ** 2 for a, b in zip(where, q))
+        if d2 < 1e-12:
+            hits.append(value)
+        elif not hits:
+            w = 1.0 / (d2 * d2)
+            weights, total = weights + w, total + w * value
+    return sum(hits) / len(hits) if hits else total / weights
+
+
+@lru_cache(maxsize=65536)
+def gemm_time(m: int, n: int, k: int, cluster: Cluster, dtype_bytes: int = 2) -> float:
+    """Seconds for one (m×k)·(k×n) GEMM.
+
+    Measured samples (calibrate) win when the profile has them: those at training shapes, interpolated
+    over (m, n, k), else the square ones, over FLOPs. Otherwise a roofline: FLOPs at the sustained GEMM
+    rate, reduced by wave quantization of the output tiles over the SMs, or the bytes of the three
+    matrices over HBM bandwidth, whichever is slower.
+    """
+    gpu = cluster.gpu
+    flops = 2.0 * m * n * k
+    if gpu.gemm_shapes:
+        return flops / (_interpolate([((s.m, s.n, s.k), s.tflops) for s in gpu.gemm_shapes], (m, n, k)) * 1e12)
+    if gpu.gemm:
+        return flops / (_interpolate([((2 * s.m * s.n * s.k,), s.tflops) for s in gpu.gemm], (flops,)) * 1e12)
+    util = _wave_utilization(m, n, gpu.sms) if gpu.sms else 1.0
+    compute = flops / (gpu.peak_tflops * 1e12 * gpu.gemm_efficiency * util)
+    memory = dtype_bytes * (m * k + k * n + m * n) / (gpu.hbm_bw_gbps * 1e9)
+    return max(compute, memory) + (KERNEL_LAUNCH_S if gpu.sms else 0.0)
+
+
+def elementwise_time(nbytes: float, cluster: Cluster) -> float:
+    """Seconds of a model's memory-bound kernels that move `nbytes` as fused kernels would. On GPUs they
+    stream at HBM bandwidth; a CPU profile measures eager torch, one op and one pass at a time, and the
+    rate it gives these same counted bytes (`elementwise_gbps`) wins."""
+    return nbytes / ((cluster.gpu.elementwise_gbps or cluster.gpu.hbm_bw_gbps) * 1e9)
+
+
+def optimizer_time(params: float, cluster: Cluster, dtype_bytes: int = 2) -> float:
+    """Seconds of an Adam update of `params` parameters: ADAM_BYTES each at HBM bandwidth, or at the rate
+    a CPU profile measured for torch's AdamW going parameter by parameter (`optimizer_gbps`)."""
+    rate = cluster.gpu.optimizer_gbps or cluster.gpu.hbm_bw_gbps
+    return params * ADAM_BYTES[dtype_bytes] / (rate * 1e9)
+
+
+def _measured_attention(cluster: Cluster, kv_len: int, head_dim: int, masked: bool) -> tuple[float, float]:
+    """(forward, backward) FLOP/s a profile measured for attention at this length and head size."""
+    samples = cluster.gpu.attention
+    rates = []
+    for fwd in (True, False):
+        pick = [
+            ((s.seq, s.head_dim), float((s.masked_fwd_tflops if fwd else s.masked_bwd_tflops) or 0) if masked else
+             (s.fwd_tflops if fwd else s.bwd_tflops))
+            for s in samples
+        ]  # fmt: skip
+        rates.append(_interpolate(pick, (kv_len, head_dim)) * 1e12)
+    return rates[0], rates[1]
+
+
+def attention_time(
+    q_tokens: int, kv_len: int, heads: int, head_dim: int, cluster: Cluster, causal: bool = True
+) -> tuple[float, float]:
+    """(forward, backward) seconds of fused attention for q_tokens queries per head against kv_len keys.
+
+    Causal attention does half the score work; the backward does 2.5× the forward's FLOPs. CPU profiles
+    use their measured rates; non-causal calls there take the explicit-mask kernel, which computes every pair.
+    """
+    gpu = cluster.gpu
+    pairs = q_tokens * kv_len * (0.5 if causal else 1.0)
+    fwd_flops = 4.0 * pairs * head_dim * heads
+    if gpu.attention:
+        masked = not causal and all(s.masked_fwd_tflops and s.masked_bwd_tflops for s in gpu.attention)
+        fwd, bwd = _measured_attention(cluster, kv_len, head_dim, masked)
+        return fwd_flops / fwd, fwd_flops * FA_BACKWARD_FLOPS / bwd
+    if gpu.attention_fwd_efficiency is None:
+        # No fused-kernel figure: two batched matmuls, at the measured GEMM rate.
+        per_head = gemm_time(q_tokens, kv_len, head_dim, cluster) * 2 * (0.5 if causal else 1.0)
+        return per_head * heads, per_head * heads * FA_BACKWARD_FLOPS
+    peak = gpu.peak_tflops * 1e12 * kv_len / (kv_len + FA_HALF_LENGTH)
+    bwd_eff = gpu.attention_bwd_efficiency or gpu.attention_fwd_efficiency
+    return fwd_flops / (peak * gpu.attention_fwd_efficiency), fwd_flops * FA_BACKWARD_FLOPS / (peak * bwd_eff)
+
+
+# ---- collectives: nccl-tests conventions, the one table of fourd --------------------------------------
+
+# bytes each rank sends = factor · nbytes (nbytes: all-gather's output, reduce-scatter's input), and ring steps
+BUS_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "send": lambda n: 1.0,
+}
+_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "send": lambda n: 1}
+
+
+def bus_factor(op: str, n: int) -> float:
+    """nccl-tests' busbw / algbw: the share of the buffer each rank's link carries in a ring `op` over n ranks
+    (all-reduce 2(n−1)/n, the lower bound, Patarasuk & Yuan 2009)."""
+    return BUS_FACTOR[op](n) if n > 1 else 0.0
+
+
+@lru_cache(maxsize=65536)
+def collective_time(op: str, nbytes: float, group: Group, cluster: Cluster) -> float:
+    """Seconds for a collective on an nbytes buffer over `group`, at the bandwidth its placement gives. A
+    measured fit in the profile for this op and group size wins over the ring model."""
+    n = group.size
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    for s in cluster.collectives:
+        if s.op == op and s.nproc == n:
+            return s.alpha_s + s.beta_s_per_byte * nbytes
+    bw, latency = group_bandwidth(group, cluster)
+    return _STEPS.get(op, lambda n: n - 1)(n) * latency + bus_factor(op, n) * nbytes / bw
