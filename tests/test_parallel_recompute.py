@@ -10,13 +10,22 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from fourd.layout import Layout, Parallelism
 from fourd.model.config import get_preset, with_overrides
 from fourd.model.llama import build_model
 from fourd.parallel.apply import cross_entropy
 from fourd.parallel.recompute import apply_recompute
+from fourd.plan.cluster import load_cluster
+from fourd.plan.job import Job
 from fourd.plan.memory import activation_bytes_per_token
 
 CFG = get_preset("debug")
+
+
+def _planned(cfg, mode):
+    """The planner's bytes per token per layer of one rank, FP32, no parallelism."""
+    job = Job(cfg, load_cluster("llama3-h100"), Parallelism(Layout(), recompute=mode), 64, 2, precision="fp32")
+    return activation_bytes_per_token(job.work)
 
 
 class _Alive(TorchDispatchMode):
@@ -56,17 +65,15 @@ def _kept_per_token_per_layer(cfg, mode, batch=2, seq=64):
 @pytest.mark.parametrize("cfg", [CFG, with_overrides(CFG, ffn=96, kv_heads=1)], ids=["debug", "ffn96-mqa"])
 def test_kept_bytes_equal_the_planners_formula(cfg):
     for mode in ("selective", "full"):
-        want = activation_bytes_per_token(cfg, 1, mode, False, 4)
+        want = _planned(cfg, mode)
         assert _kept_per_token_per_layer(cfg, mode) == want, mode
     # debug, FP32: full keeps the input (64 × 4 B); selective the norm inputs, Q, K, V, the attention output and
     # its log-sum-exp, and the w1 and w3 outputs
     if cfg is CFG:
-        assert activation_bytes_per_token(cfg, 1, "full", False, 4) == 256
-        assert (
-            activation_bytes_per_token(cfg, 1, "selective", False, 4) == 4 * (2 * 64 + 64 + 2 * 32 + 64 + 2 * 176) + 16
-        )
+        assert _planned(cfg, "full") == 256
+        assert _planned(cfg, "selective") == 4 * (2 * 64 + 64 + 2 * 32 + 64 + 2 * 176) + 16
     # no recomputation keeps more than selective: eager PyTorch also keeps the norms' and RoPE's intermediates
-    assert _kept_per_token_per_layer(cfg, "none") > activation_bytes_per_token(cfg, 1, "selective", False, 4)
+    assert _kept_per_token_per_layer(cfg, "none") > _planned(cfg, "selective")
 
 
 def test_recompute_changes_no_loss_or_gradient():

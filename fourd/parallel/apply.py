@@ -92,15 +92,15 @@ def _per_block(cfg: Config, stage: torch.nn.Module, par: Parallelism, device: to
     from fourd.parallel.recompute import apply_recompute
 
     apply_recompute(stage, par.recompute)
-    if compiles(cfg, device):
+    if compiles(cfg, device.type):
         for block in stage.layers.values():
             block.compile()
     return stage
 
 
-def compiles(cfg: Config, device: torch.device) -> bool:
+def compiles(cfg: Config, device_type: str) -> bool:
     """train.compile, by default on CUDA only (compiling takes tens of seconds on a CPU)."""
-    return cfg.train.compile if cfg.train.compile is not None else device.type == "cuda"
+    return cfg.train.compile if cfg.train.compile is not None else device_type == "cuda"
 
 
 def check_fp8(cfg: Config) -> None:

@@ -56,11 +56,8 @@ def _group_of(cp_mesh) -> tuple[dist.ProcessGroup, int, int]:
 
 
 class _GatherKV(torch.autograd.Function):
-    """All-gather along a new leading dimension; the backward pass reduce-scatters the gradient.
-
-    Each rank's keys serve every rank's queries, so the gradient of a rank's K and V is the sum of what
-    all ranks' attention sends back to it: exactly a reduce-scatter of the gathered gradient.
-    """
+    """All-gather along a new leading dimension; backward reduce-scatters the gradient (each rank's K and V serve
+    every rank's queries, so their gradient is the sum of what every rank sends back)."""
 
     @staticmethod
     def forward(ctx, local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -78,11 +75,8 @@ class _GatherKV(torch.autograd.Function):
 
 
 class ContextParallelAttention(nn.Module):
-    """Drop-in for `CausalAttention`: local queries against the cp group's gathered keys and values.
-
-    `gathered_elements` counts the K and V elements this rank received from the other cp ranks, for
-    the traffic figure (CP−1)/CP · 2·s·b·h_kv per layer per forward.
-    """
+    """Drop-in for `CausalAttention`: local queries against the cp group's gathered keys and values;
+    `gathered_elements` counts the K and V elements received from the other cp ranks."""
 
     def __init__(self, group: dist.ProcessGroup, seq_len: int):
         super().__init__()
@@ -107,11 +101,8 @@ class ContextParallelAttention(nn.Module):
 
 
 def apply_cp(stage: nn.Module, cp_mesh, seq_len: int) -> nn.Module:
-    """Make `stage` (a Llama or a pipeline stage of one) run on this rank's 2 chunks of each sequence.
-
-    Swaps every attention core for `ContextParallelAttention` and gives `stage.rope` the cos/sin rows
-    of the rank's tokens; inputs must then be cut with `cp_shard` at exactly `seq_len` tokens.
-    """
+    """Make `stage` run on this rank's 2 chunks of each sequence (cut inputs with `cp_shard` at exactly `seq_len`
+    tokens): ContextParallelAttention cores, and the rope rows of the rank's tokens."""
     group, rank, cp = _group_of(cp_mesh)
     if cp == 1:
         return stage

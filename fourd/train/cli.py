@@ -45,7 +45,9 @@ FLAGS = {
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE.toml", help="a TOML file of [section] keys")
     p.add_argument("--model", metavar="PRESET", help="debug, small, llama3-8b, llama3-70b, llama3-405b")
-    p.add_argument("--layout", help="e.g. tp=2,cp=1,pp=2,dp=2 (omitted dimensions are 1)")
+    p.add_argument(
+        "--layout", help="e.g. tp=2,cp=1,pp=2,dp=2 (omitted dimensions are 1), or auto: the planner's choice"
+    )
     p.add_argument("--schedule", help="pipeline schedule: gpipe, 1f1b, interleaved, zero-bubble")
     p.add_argument("--microbatches", type=int, metavar="M", help="microbatches per step")
     p.add_argument(
@@ -72,11 +74,21 @@ def prepare(args):
     from fourd.config import build_config, model_config, parallelism
     from fourd.data.dataset import prepare as prepare_data
     from fourd.layout import check
+    from fourd.train.auto import check_memory, choose, machine
 
     cfg = build_config(args.config, {FLAGS[k]: getattr(args, k) for k in FLAGS}, list(getattr(args, "_unknown", [])))
     mcfg = model_config(cfg)
+    here = machine(cfg) if cfg.parallel.layout == "auto" else None  # (profile, devices, bytes per device)
+    if here:
+        choose(cfg, here[0], here[1])
     par = parallelism(cfg)
     check(mcfg, par, cfg.data.seq_len, cfg.train.global_batch)
+    if cfg.train.fp8:
+        from fourd.parallel.apply import check_fp8
+
+        check_fp8(cfg)
+    cluster, _, capacity = here or machine(cfg)
+    check_memory(cfg, cluster, capacity)
     from fourd.errors import FourdError
 
     layout = par.layout
@@ -92,10 +104,6 @@ def prepare(args):
             f"({cache.vocab_size:,} ids); the other rows are padding, never a target",
             flush=True,
         )
-    if cfg.train.fp8:
-        from fourd.parallel.apply import check_fp8
-
-        check_fp8(cfg)
     return cfg, layout, cache
 
 

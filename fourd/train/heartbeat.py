@@ -1,8 +1,5 @@
-"""Which rank is behind: each rank records the step it has begun in the job's rendezvous store.
-
-When a collective times out (a hung rank) or loses a peer (a dead one), the rank that notices reads
-everyone's last step from the store, which outlives the workers, and names the ranks that never
-began the step the others are stuck in. Cost: one small store write per rank per step.
+"""Which rank is behind: each rank records the step it has begun in the job's store (one small write per step), so
+that the rank that sees a collective time out or lose a peer names the ranks that never began that step.
 """
 
 from __future__ import annotations

@@ -24,11 +24,11 @@ def lr_at(step: int, cfg: Config) -> float:
 
 
 def param_groups(stages, weight_decay: float):
+    """AdamW's groups: norm weights (gains, no decay toward 0) and the rest (with weight_decay)."""
     decay: list = []
     no_decay: list = []
-    for s in stages:
-        for name, p in s.named_parameters():
-            (no_decay if name.endswith("norm.weight") else decay).append(p)
+    for name, p in ((n, p) for s in stages for n, p in s.named_parameters()):
+        (no_decay if name.endswith("norm.weight") else decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
@@ -39,9 +39,8 @@ def _forward_backward(par: Parallel, x: torch.Tensor, y: torch.Tensor, microbatc
     total = torch.zeros((), device=x.device)
     xs, ys = x.chunk(microbatches), y.chunk(microbatches)
     for i, (xm, ym) in enumerate(zip(xs, ys)):
-        sync = i == microbatches - 1
         if hasattr(model, "set_requires_gradient_sync"):
-            model.set_requires_gradient_sync(sync)
+            model.set_requires_gradient_sync(i == microbatches - 1)
         with amp():
             loss = criterion(model(xm), ym) / microbatches
         loss.backward()
