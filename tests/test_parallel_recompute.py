@@ -79,11 +79,11 @@ def test_kept_bytes_equal_the_planners_formula(cfg):
 def test_recompute_changes_no_loss_or_gradient():
     x = torch.randint(0, CFG.vocab, (2, 33), generator=torch.Generator().manual_seed(0))
     grads = {}
-    for mode in ("none", "selective", "full"):
+    for mode in ("none", "selective", "per-op", "full"):  # per-op: torchtitan's policy, for the planner's coming word
         model = apply_recompute(build_model(CFG, seed=0), mode)
         loss = cross_entropy(model(x[:, :-1]), x[:, 1:])
         loss.backward()
         grads[mode] = [loss.detach()] + [p.grad for p in model.parameters()]
         assert [n for n, _ in model.named_parameters()] == [n for n, _ in build_model(CFG).named_parameters()]
-    for mode in ("selective", "full"):
+    for mode in ("selective", "per-op", "full"):
         assert all(torch.equal(a, b) for a, b in zip(grads[mode], grads["none"])), mode

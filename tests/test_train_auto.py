@@ -1,5 +1,5 @@
-"""The planner inside `fourd train`: `--layout auto`, the planner's --search result run as given, the memory check
-before launch, HFU beside MFU, and the prediction beside the measurement in the closing summary."""
+"""What `fourd train` decides before launch and reports after: `--layout auto`, the planner's --search result run as
+given, the memory check, FP8's refusal, a padded vocabulary, HFU beside MFU, the prediction beside the measurement."""
 
 import json
 import time
@@ -118,3 +118,21 @@ def test_hfu_counts_full_recomputation(fourd, tmp_path):
     assert ratio == 1 + (2 * 4 * cfg.layer_params() + 4 * 4 * 64 * 256) / cfg.flops_per_token(256)
     for r in rows(tmp_path):
         assert r["hfu"] == pytest.approx(r["mfu"] * ratio, rel=1e-12)
+
+
+def test_fp8_is_refused_with_one_line_off_an_h100_or_h200(fourd, tmp_path):
+    code, out, err = fourd("train", "--model", "debug", "--steps", 1, "--train.fp8=true", "--run-dir", tmp_path / "r")
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and lines == [
+        "fourd: error: train.fp8 needs a CUDA H100 or H200 training in bf16, found no CUDA device: drop train.fp8"
+    ], err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_model_vocabulary_larger_than_the_tokenizers_is_padding_said_once(fourd, tmp_path):
+    code, out, err = fourd("train", "--model", "debug", "--model.vocab=384", "--steps", 2, "--run-dir", tmp_path)
+    assert code == 0, err
+    note = "fourd train: note: the model's vocabulary (384) is larger than the tokenizer's (256 ids); the other rows"
+    assert [line for line in out.splitlines() if "note:" in line] == [note + " are padding, never a target"]
+    assert len(rows(tmp_path)) == 2

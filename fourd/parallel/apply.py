@@ -43,17 +43,12 @@ def build_parallel(cfg: Config, device: torch.device, rank: int, world: int) -> 
             f"layout {layout} needs {layout.world} ranks but {world} were started: "
             f"start {layout.world} workers or change the layout"
         )
-    coords = layout.coords(rank)
-    if world == 1:
-        model = build_model(mcfg, seed=seed, device=device)
-        if cfg.train.fp8:
-            _fp8(model)
-        return Parallel(par, rank, coords, None, [_per_block(cfg, model, par, device)], None)
+    coords, schedule = layout.coords(rank), None
+    mesh: Any = None  # one rank needs no mesh: every degree is 1
+    if world > 1:
+        from fourd.parallel.mesh import build_mesh, dp_cp_mesh
 
-    from fourd.parallel.mesh import build_mesh, dp_cp_mesh
-
-    mesh = build_mesh(layout, device.type, hsdp_replicate=par.hsdp_replicas if par.hsdp else None)
-    schedule = None
+        mesh = build_mesh(layout, device.type, hsdp_replicate=par.hsdp_replicas if par.hsdp else None)
     if layout.pp > 1:
         from fourd.parallel.pp import pipeline_split
         from fourd.schedules import build_schedule

@@ -1,6 +1,7 @@
 """Activation recomputation per transformer block, applied from outside like the parallelisms: "selective" keeps
-what fourd.plan.memory.activation_bytes_per_token counts (no matmul, attention or reduction is recomputed), "full"
-keeps only each block's input (docs/parallelism.md)."""
+what fourd.plan.memory.activation_bytes_per_token counts (no matmul, attention or reduction is recomputed), "per-op"
+(torchtitan's policy) keeps only every other matmul's output besides, "full" keeps only each block's input
+(docs/parallelism.md)."""
 
 from __future__ import annotations
 
@@ -22,17 +23,19 @@ KEEP = {
 }
 
 
-def _selective(matmuls: int):
-    """Fresh contexts for one block call. Its last matmul (w2) is left out: its output only joins the residual
-    stream, backward never needs it, and recomputation stops before reaching it."""
+def _contexts(matmuls: int, mode: str):
+    """Fresh contexts for one block call. Selective leaves out the block's last matmul (w2): its output only joins
+    the residual stream, backward never needs it, and recomputation stops before reaching it. Per-op keeps the
+    1st, 3rd, ... matmul's output."""
     seen = {False: 0, True: 0}  # matmuls so far in the forward and in the recomputation
 
     def policy(ctx, op, *args, **kwargs):
+        keep = op in KEEP
         if op is _aten.mm.default:
             seen[ctx.is_recompute] += 1
-            if seen[ctx.is_recompute] == matmuls:
-                return CheckpointPolicy.PREFER_RECOMPUTE
-        return CheckpointPolicy.MUST_SAVE if op in KEEP else CheckpointPolicy.PREFER_RECOMPUTE
+            n = seen[ctx.is_recompute]
+            keep = n % 2 == 1 if mode == "per-op" else n < matmuls
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)
 
@@ -41,7 +44,7 @@ def apply_recompute(stage: nn.Module, mode: str) -> nn.Module:
     """Wrap each block's forward in place (parameter names unchanged): mode is one of fourd.layout.RECOMPUTE."""
     for block in stage.layers.values() if mode != "none" else ():
         kw = {}
-        if mode == "selective":
-            kw["context_fn"] = partial(_selective, sum(isinstance(m, nn.Linear) for m in block.modules()))
+        if mode != "full":
+            kw["context_fn"] = partial(_contexts, sum(isinstance(m, nn.Linear) for m in block.modules()), mode)
         block.forward = partial(checkpoint, block.forward, use_reentrant=False, **kw)
     return stage
