@@ -26,6 +26,7 @@ from fourd.parallel.dp import ShardedAdamW, apply_dp, held_bytes  # noqa: E402
 from fourd.parallel.grad import clip_grad_norm  # noqa: E402
 from fourd.parallel.mesh import build_mesh, dp_cp_mesh  # noqa: E402
 from fourd.parallel.tp import apply_tp, loss_fn  # noqa: E402
+from fourd.train.step import param_groups  # noqa: E402
 
 CFG = get_preset("small")
 BATCH, SEQ, STEPS = 8, 256, 5
@@ -45,10 +46,11 @@ def _run(tp=1, dp=1, sp=False, zero=None):
             rank = mesh.get_local_rank("dp")
     else:
         mesh = None
+    groups = param_groups([model], 0.1)  # as the trainer: norm weights apart (plain tensors under TP without SP)
     if zero == 1:
-        opt = ShardedAdamW(model.parameters(), dp_cp_mesh(mesh), lr=1e-3, foreach=True)
+        opt = ShardedAdamW(groups, dp_cp_mesh(mesh), lr=1e-3, foreach=True)
     else:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+        opt = torch.optim.AdamW(groups, lr=1e-3, foreach=True)
     tokens = torch.randint(0, CFG.vocab, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
     per = BATCH // dp
     x, y = tokens[rank * per : (rank + 1) * per, :-1], tokens[rank * per : (rank + 1) * per, 1:]
