@@ -13,7 +13,7 @@ import subprocess
 import tempfile
 import time
 
-from fourd.lab.server import make_server, serve_in_thread
+from fourd.lab.server import LabServer
 
 REQUESTS = {
     "bench p=16 m=16 gpipe": "/api/schedule?p=16&m=16&schedule=gpipe",
@@ -37,8 +37,8 @@ FLAGS = [
 
 
 def main():
-    server = make_server("127.0.0.1", 0)
-    serve_in_thread(server)
+    server = LabServer("127.0.0.1", 0)
+    server.serve_in_thread()
     host, port = server.server_address[:2]
     print("| request | first ms | again ms (median of 6) | bytes |\n|---|---|---|---|")
     for label, target in REQUESTS.items():

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from fourd.lab.server import make_server, serve_in_thread
+from fourd.lab.server import LabServer
 from fourd.schedules import build_schedule
 
 CHROMIUM = shutil.which("chromium")
@@ -39,8 +39,8 @@ ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 
 @pytest.fixture(scope="module")
 def url():
-    server = make_server("127.0.0.1", 0)
-    serve_in_thread(server)
+    server = LabServer("127.0.0.1", 0)
+    server.serve_in_thread()
     yield server.url
     server.shutdown()
     server.server_close()
@@ -308,8 +308,8 @@ def test_a_trace_opens_by_path_under_the_trace_dir(page, tmp_path):
         timeout=120,
     )
     assert done.returncode == 0, done.stderr
-    server = make_server("127.0.0.1", 0, trace_dir=tmp_path)
-    serve_in_thread(server)
+    server = LabServer("127.0.0.1", 0, trace_dir=tmp_path)
+    server.serve_in_thread()
     try:
         page.goto(server.url)
         page.locator("#trace-path").fill("step.json")
@@ -357,8 +357,8 @@ def test_a_trace_written_by_fourd_train_beside_the_simulated_step(page, tmp_path
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    server = make_server("127.0.0.1", 0, trace_dir=tmp_path)
-    serve_in_thread(server)
+    server = LabServer("127.0.0.1", 0, trace_dir=tmp_path)
+    server.serve_in_thread()
     try:
         page.goto(server.url)
         page.locator("#trace-path").fill("run/trace.json")

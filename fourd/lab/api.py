@@ -82,10 +82,7 @@ def schedule(q: dict[str, str], **_) -> dict:
     _known(q, "p", "m", "schedule", "v")
     name = _choice(q, "schedule", SCHEDULES, default="gpipe")
     p, m = _int(q, "p", *P_RANGE), _int(q, "m", *M_RANGE)
-    v = _int(q, "v", *V_RANGE, default=1)
-    if v > 1 and name != "interleaved":
-        raise FourdError(f"v={v} needs schedule=interleaved ({name} runs one stage per GPU; drop v or set v=1)")
-    return _bench(name, p, m, v)
+    return _bench(name, p, m, _int(q, "v", *V_RANGE, default=1))  # build_schedule checks V against the schedule
 
 
 @functools.lru_cache(maxsize=256)  # a slider dragged back and forth asks for the same settings again

@@ -1,9 +1,7 @@
-"""Serve the lab on a local web page: the seed's pipeline bench driven by fourd's own schedules and
-simulator, the cluster row of one Llama 3 replica coloured by a layout's groups, a planner panel,
-and a measured trace beside the simulated one.
-
-Everything the page needs ships inside the package: it works offline. The server answers GET and
-HEAD only, binds to 127.0.0.1 unless told otherwise, and serves no file outside its static folder.
+"""Serve the lab, a local web page: a pipeline bench drawn from fourd's schedules and simulator, the
+cluster row of one Llama 3 replica coloured by a layout's groups, a planner panel, and a measured trace
+beside the simulated one. It works offline, listens on 127.0.0.1 unless told otherwise, and answers
+GET and HEAD addressed to itself only.
 
 examples:
   fourd lab                      # then open http://127.0.0.1:8000/
@@ -16,14 +14,17 @@ examples:
 
 from __future__ import annotations
 
-import ipaddress
+import http.client
+import io
 import json
 import os
+import selectors
 import socket
 import sys
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qsl, urlsplit
 
@@ -36,22 +37,29 @@ CONTENT_TYPES = {
     ".html": "text/html; charset=utf-8",
     ".js": "text/javascript; charset=utf-8",
     ".css": "text/css; charset=utf-8",
-    ".svg": "image/svg+xml",
-    ".png": "image/png",
 }
-_LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1", "[::1]"}
+JSON = "application/json"
+TIMEOUT_S = 5.0  # to send the request line and headers, and again to take the answer
+WORKERS = 8  # threads that answer complete requests; clients still sending hold no thread
+MAX_WAITING = 512  # connections still sending their request; beyond it the oldest is closed
+MAX_QUEUED = 64  # complete requests waiting for a worker; beyond it the answer is 503
+MAX_HEAD = 16 << 10
+_EVERY_INTERFACE = ("0.0.0.0", "::", "")
+# Content-Security-Policy keeps the page from loading anything that is not served here (no CDN).
+_HEADERS = {
+    "Cache-Control": "no-store",
+    "Connection": "close",
+    "X-Content-Type-Options": "nosniff",
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; style-src 'self'; "
+    "script-src 'self'; connect-src 'self'; frame-ancestors 'none'",
+    "Referrer-Policy": "no-referrer",
+}
 
 
 def add_arguments(p):
-    p.add_argument(
-        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: only this machine can connect)"
-    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
-    p.add_argument(
-        "--trace-dir",
-        default=".",
-        help="folder whose Chrome trace files the page may open by path (default: the current folder)",
-    )
+    p.add_argument("--trace-dir", default=".", help="folder whose trace files the page may open (default: here)")
 
 
 def run(args) -> int:
@@ -60,7 +68,7 @@ def run(args) -> int:
     trace_dir = Path(args.trace_dir)
     if not trace_dir.is_dir():
         raise FourdError(f"--trace-dir {args.trace_dir}: no such folder; name an existing one")
-    server = make_server(args.host, args.port, trace_dir=trace_dir)
+    server = LabServer(args.host, args.port, trace_dir=trace_dir)
     print(f"fourd lab: serving {server.url} (Ctrl-C to stop)", flush=True)
     try:
         server.serve_forever()
@@ -69,53 +77,177 @@ def run(args) -> int:
     return 0
 
 
-class LabServer(ThreadingHTTPServer):
-    daemon_threads = True
+class Refused(FourdError):
+    """A request answered with an HTTP error status other than 400."""
 
-    def __init__(self, host: str, port: int, static_dir: Path, trace_dir: Path):
-        if ":" in host:
-            self.address_family = socket.AF_INET6
-        self.static = load_static(static_dir)
-        self.trace_dir = trace_dir.resolve()
-        self.loopback_only = _is_loopback(host)
+    def __init__(self, status: int, message: str, extra: dict | None = None):
+        super().__init__(message)
+        self.status, self.extra = status, extra or {}
+
+
+class LabServer:
+    """One thread reads requests from every connection at once; WORKERS threads answer complete ones.
+
+    Each connection carries one request and is closed after the answer, so a client that sends slowly
+    or not at all costs a socket for at most `timeout` seconds, never a thread.
+    """
+
+    def __init__(self, host="127.0.0.1", port=0, *, static_dir=STATIC_DIR, trace_dir=Path("."), timeout=TIMEOUT_S):
+        self.socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            super().__init__((host, port), _Handler)
+            self.socket.bind((host, port))
+            self.socket.listen(128)
         except OSError as e:
+            self.socket.close()
             raise FourdError(
                 f"cannot listen on {host}:{port} ({e.strerror}); choose another --port, or --port 0"
             ) from e
+        self.socket.setblocking(False)
+        self.server_address = self.socket.getsockname()
+        name, port = str(self.server_address[0]), self.server_address[1]
+        self.url = f"http://[{name}]:{port}/" if ":" in name else f"http://{name}:{port}/"
+        self.static = load_static(static_dir)
+        self.trace_dir, self.timeout = trace_dir.resolve(), timeout
+        self.hosts = _host_values(host, port)
+        self.any_name = host in _EVERY_INTERFACE  # the user let other machines in, under whatever name they use
+        self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="fourd-lab")
+        self._slots = threading.BoundedSemaphore(WORKERS + MAX_QUEUED)
+        self._stop, self._stopped = threading.Event(), threading.Event()
+        self._stopped.set()
 
-    def handle_error(self, request, client_address):
-        if isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError)):
-            return  # the browser closed a connection it no longer needed; nothing went wrong here
-        super().handle_error(request, client_address)
+    def serve_forever(self) -> None:
+        self._stopped.clear()
+        sel = selectors.DefaultSelector()
+        sel.register(self.socket, selectors.EVENT_READ)
+        waiting: dict[socket.socket, tuple[float, bytearray]] = {}  # oldest first
+        try:
+            while not self._stop.is_set():
+                for key, _ in sel.select(0.2):
+                    if key.fileobj is self.socket:
+                        self._accept(sel, waiting)
+                    else:
+                        self._read(sel, waiting, key.fileobj)  # type: ignore[arg-type]
+                now = time.monotonic()
+                for conn in [c for c, (deadline, _) in waiting.items() if deadline < now]:
+                    late = _error(408, f"the request did not arrive within {self.timeout:g} s: send it at once")
+                    self._drop(sel, waiting, conn, late if waiting[conn][1] else b"")
+        finally:
+            for conn in waiting:
+                conn.close()
+            sel.close()
+            self._stop.clear()
+            self._stopped.set()
 
-    @property
-    def url(self) -> str:
-        host, port = str(self.server_address[0]), self.server_address[1]
-        return f"http://[{host}]:{port}/" if ":" in host else f"http://{host}:{port}/"
+    def serve_in_thread(self) -> None:
+        """Serve from a daemon thread (tests and benchmarks); `shutdown()` stops it."""
+        threading.Thread(target=self.serve_forever, daemon=True).start()
 
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._stopped.wait()
 
-def make_server(
-    host: str = "127.0.0.1", port: int = 0, *, static_dir: Path = STATIC_DIR, trace_dir: Path = Path(".")
-) -> LabServer:
-    return LabServer(host, port, static_dir, trace_dir)
+    def server_close(self) -> None:
+        self.socket.close()
+        self._pool.shutdown(wait=False)
 
+    def _accept(self, sel, waiting) -> None:
+        try:
+            conn, _ = self.socket.accept()
+        except OSError:  # gone before we took it, or out of descriptors: the next round tries again
+            return
+        if len(waiting) >= MAX_WAITING:
+            self._drop(sel, waiting, next(iter(waiting)))
+        conn.setblocking(False)
+        waiting[conn] = (time.monotonic() + self.timeout, bytearray())
+        sel.register(conn, selectors.EVENT_READ)
 
-def serve_in_thread(server: LabServer) -> threading.Thread:
-    """Start serving in a daemon thread (tests and benchmarks); `server.shutdown()` stops it."""
-    t = threading.Thread(target=server.serve_forever, daemon=True)
-    t.start()
-    return t
+    def _read(self, sel, waiting, conn: socket.socket) -> None:
+        try:
+            chunk = conn.recv(MAX_HEAD)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        head = waiting[conn][1]
+        head += chunk
+        if not chunk:
+            self._drop(sel, waiting, conn)
+        elif len(head) > MAX_HEAD:
+            self._drop(sel, waiting, conn, _error(431, f"the request head is over {MAX_HEAD >> 10} KiB"))
+        elif b"\r\n\r\n" in head or b"\n\n" in head:
+            sel.unregister(conn)
+            del waiting[conn]
+            if self._slots.acquire(blocking=False):
+                self._pool.submit(self._answer, conn, bytes(head))
+            else:
+                _close(conn, _error(503, "the lab is busy answering other requests: try again in a moment"))
+
+    @staticmethod
+    def _drop(sel, waiting, conn: socket.socket, answer: bytes = b"") -> None:
+        sel.unregister(conn)
+        del waiting[conn]
+        _close(conn, answer)
+
+    def _answer(self, conn: socket.socket, head: bytes) -> None:
+        try:
+            conn.settimeout(self.timeout)
+            _close(conn, self.respond(head))
+        finally:
+            self._slots.release()
+
+    def respond(self, head: bytes) -> bytes:
+        """The whole answer to one request head: the file or the API's JSON, else an error in one line."""
+        method = ""
+        try:
+            method, target, headers = _parse_head(head)
+            return self._route(method, target, headers)
+        except FourdError as e:
+            status, extra = (e.status, e.extra) if isinstance(e, Refused) else (400, {})
+            return _error(status, str(e), method == "HEAD", extra)
+        except Exception as e:  # a bug, not bad input: say so, and keep serving everyone else
+            line = " ".join(f"internal error ({type(e).__name__}: {e}); please report it".split())
+            print(f"fourd lab: {line}", file=sys.stderr)
+            return _error(500, line, method == "HEAD")
+
+    def _route(self, method: str, target: str, headers) -> bytes:
+        if method not in ("GET", "HEAD"):
+            raise Refused(
+                405, f"method {method} not allowed: the lab answers GET and HEAD only", {"Allow": "GET, HEAD"}
+            )
+        self._check_host(headers.get_all("Host") or [])
+        if not target.startswith("/"):
+            raise FourdError(f"request target {target[:60]!r} is not a path: send origin-form, such as GET / HTTP/1.1")
+        parts = urlsplit(target)
+        if parts.path.startswith("/api/"):
+            return _response(200, _json(self._api(parts.path[len("/api/") :], parts.query)), JSON, method == "HEAD")
+        entry = self.static.get("index.html" if parts.path == "/" else parts.path[1:])
+        if entry is None:
+            raise Refused(404, "not found")
+        return _response(200, entry[0], entry[1], method == "HEAD")
+
+    def _check_host(self, values: list[str]) -> None:
+        if len(values) != 1:
+            raise FourdError(f"the request has {len(values)} Host headers: send exactly one, such as {self.hosts[0]}")
+        value = values[0].strip().lower()
+        # A page elsewhere could point its own name at 127.0.0.1 (DNS rebinding); it would send that name.
+        if value not in self.hosts and not (self.any_name and value.endswith(f":{self.server_address[1]}")):
+            raise FourdError(f"Host {values[0][:60]!r} is not this lab: address it as {' or '.join(self.hosts)}")
+
+    def _api(self, endpoint: str, query: str) -> dict:
+        handler = api.ENDPOINTS.get(endpoint)
+        if handler is None:
+            raise Refused(404, f"no API endpoint {endpoint!r}; known: {', '.join(sorted(api.ENDPOINTS))}")
+        try:
+            pairs = parse_qsl(query, keep_blank_values=True, max_num_fields=32)
+        except ValueError:
+            raise FourdError("more than 32 query parameters: give each of the endpoint's parameters once") from None
+        return handler(api.single_values(pairs), trace_dir=self.trace_dir)
 
 
 def load_static(folder: Path) -> dict[str, tuple[bytes, str]]:
-    """The files the server may send, read once: regular files of known types directly inside `folder`.
-
-    Requests are answered from this table by exact name, so no request path ever reaches the file
-    system: `..`, encoded slashes and absolute paths cannot name anything outside it, and a
-    symbolic link placed in the folder is never followed.
-    """
+    """Regular files of known types directly in `folder`, read once: requests name them exactly, so no
+    request path reaches the file system and no symbolic link is followed."""
     files = {}
     with os.scandir(folder) as it:
         for entry in it:
@@ -125,105 +257,46 @@ def load_static(folder: Path) -> dict[str, tuple[bytes, str]]:
     return files
 
 
-def _is_loopback(host: str) -> bool:
-    if host in _LOOPBACK_NAMES:
-        return True
+def _host_values(host: str, port: int) -> list[str]:
+    """The Host header values naming this server: loopback or the bound address, with the port."""
+    names = ["127.0.0.1", "localhost"]
+    if host not in _EVERY_INTERFACE:
+        names.append(f"[{host}]" if ":" in host else host.lower())
+    return [f"{n}:{port}" for n in dict.fromkeys(names)] + (names if port == 80 else [])
+
+
+def _parse_head(head: bytes):
+    line, _, rest = head.partition(b"\n")
+    words = line.decode("latin-1").split()
+    if len(words) != 3 or words[2] not in ("HTTP/1.0", "HTTP/1.1"):
+        raise FourdError(f"request line {line.strip()[:60]!r} is not METHOD TARGET HTTP/1.1")
     try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+        headers = http.client.parse_headers(io.BytesIO(rest))
+    except http.client.HTTPException:
+        raise Refused(431, "more than 100 header lines: send fewer") from None
+    return words[0], words[1], headers
 
 
-# Content-Security-Policy keeps the page from loading anything that is not served here (no CDN).
-_HEADERS = {
-    "X-Content-Type-Options": "nosniff",
-    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; style-src 'self'; "
-    "script-src 'self'; connect-src 'self'; frame-ancestors 'none'",
-    "Referrer-Policy": "no-referrer",
-}
+def _response(status: int, body: bytes, ctype: str, head_only: bool = False, extra: dict | None = None) -> bytes:
+    fields = {"Content-Type": ctype, "Content-Length": str(len(body)), **_HEADERS, **(extra or {})}
+    lines = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}", *(f"{k}: {v}" for k, v in fields.items())]
+    return "\r\n".join(lines).encode("latin-1") + b"\r\n\r\n" + (b"" if head_only else body)
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server: LabServer
-    server_version = "fourd-lab"
-    sys_version = ""
-    protocol_version = "HTTP/1.1"
+def _error(status: int, message: str, head_only: bool = False, extra: dict | None = None) -> bytes:
+    return _response(status, _json({"error": message}), JSON, head_only, extra)
 
-    def do_GET(self):
-        self._answer(body=True)
 
-    def do_HEAD(self):
-        self._answer(body=False)
-
-    def __getattr__(self, name):
-        # The base class looks up do_<METHOD> for each request: every method but GET and HEAD lands here.
-        if name.startswith("do_"):
-            return self._not_allowed
-        raise AttributeError(name)
-
-    def _not_allowed(self):
-        self.close_connection = True  # the request may carry a body we do not read
-        self._send(
-            HTTPStatus.METHOD_NOT_ALLOWED,
-            _json({"error": f"method {self.command} not allowed: the lab answers GET and HEAD only"}),
-            "application/json",
-            extra={"Allow": "GET, HEAD", "Connection": "close"},
-        )
-
-    def _answer(self, body: bool):
-        if self.server.loopback_only and not self._host_is_loopback():
-            # A page elsewhere could point a name at 127.0.0.1 (DNS rebinding); it would send its own Host.
-            return self._error(HTTPStatus.FORBIDDEN, "this lab answers requests for localhost only", body)
-        target = urlsplit(self.path)
-        path = target.path
-        if path.startswith("/api/"):
-            return self._api(path[len("/api/") :], target.query, body)
-        name = "index.html" if path == "/" else path[1:]
-        entry = self.server.static.get(name)
-        if entry is None:
-            return self._error(HTTPStatus.NOT_FOUND, "not found", body)
-        data, ctype = entry
-        self._send(HTTPStatus.OK, data, ctype, body=body)
-
-    def _api(self, endpoint: str, query: str, body: bool):
-        handler = api.ENDPOINTS.get(endpoint)
-        if handler is None:
-            return self._error(
-                HTTPStatus.NOT_FOUND, f"no API endpoint {endpoint!r}; known: {', '.join(sorted(api.ENDPOINTS))}", body
-            )
-        try:
-            params = api.single_values(
-                parse_qsl(query, keep_blank_values=True, strict_parsing=False, max_num_fields=64)
-            )
-            result = handler(params, trace_dir=self.server.trace_dir)
-        except (FourdError, ValueError) as e:
-            return self._error(HTTPStatus.BAD_REQUEST, str(e), body)
-        except Exception as e:  # a bug, not bad input: say so instead of dropping the connection
-            print(f"fourd lab: internal error on {self.path}: {type(e).__name__}: {e}", file=sys.stderr)
-            return self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error: {type(e).__name__}: {e}", body)
-        self._send(HTTPStatus.OK, _json(result), "application/json", body=body)
-
-    def _host_is_loopback(self) -> bool:
-        host = self.headers.get("Host", "")
-        name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
-        return name.lower() in _LOOPBACK_NAMES or _is_loopback(name.strip("[]"))
-
-    def _error(self, status: HTTPStatus, message: str, body: bool = True):
-        self._send(status, _json({"error": message}), "application/json", body=body)
-
-    def _send(self, status, data: bytes, ctype: str, body: bool = True, extra: dict | None = None):
-        self.send_response(status)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(data)))
-        self.send_header("Cache-Control", "no-store")
-        for k, v in {**_HEADERS, **(extra or {})}.items():
-            self.send_header(k, v)
-        self.end_headers()
-        if body:
-            self.wfile.write(data)
-
-    def log_message(self, format, *args):
-        pass  # one line per request would drown the URL the user needs to read
+def _close(conn: socket.socket, answer: bytes) -> None:
+    """Send the answer (if any) and close; a client that left or stopped reading is not told more."""
+    try:
+        if answer:
+            conn.sendall(answer)
+        conn.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass
+    finally:
+        conn.close()
 
 
 def _json(obj) -> bytes:
