@@ -8,6 +8,7 @@ import http.client
 import json
 import os
 import re
+import resource
 import select
 import socket
 import subprocess
@@ -250,7 +251,11 @@ BAD = [
     ("/api/trace?path=..%2F..%2F..%2Fetc%2Fpasswd", None),
     ("/api/trace?path=%2Fetc%2Fpasswd", None),
     ("/api/trace?path=missing.json", "path='missing.json': no such file under the lab's --trace-dir"),
-    ("/api/trace", "missing parameter path: the trace file, relative to the lab's --trace-dir"),
+    ("/api/trace", "missing parameter path: name a trace file under the lab's --trace-dir"),
+    (
+        "/api/trace?path=" + "a" * 300 + ".json",
+        f"path={'a' * 80!r} cannot be read (File name too long): name a trace file under --trace-dir",
+    ),
 ]
 
 
@@ -431,7 +436,7 @@ HOSTILE = [
     (b"GET / HTTP/2.0\r\n\r\n", 400, "request line b'GET / HTTP/2.0' is not METHOD TARGET HTTP/1.1"),
     (b"GET / HTTP/1.1 extra\r\n\r\n", 400, "request line b'GET / HTTP/1.1 extra' is not METHOD TARGET HTTP/1.1"),
     (b"\xff\xfe / HTTP/1.1\r\n\r\n", 405, "method \xff\xfe not allowed: the lab answers GET and HEAD only"),
-    (b"GET / HTTP/1.1\r\n" + b"X: y\r\n" * 101 + b"\r\n", 431, "more than 100 header lines: send fewer"),
+    (b"GET / HTTP/1.1\r\n" + b"X: y\r\n" * 101 + b"\r\n", 400, "more than 100 header lines: send fewer"),
     (b"GET /" + b"a" * 20000 + b" HTTP/1.1\r\n\r\n", 431, "the request head is over 16 KiB"),
     (b"GET http://evil.example/ HTTP/1.1\r\nHost: HOST\r\n\r\n", 400, None),
     (b"GET /api/schedule?p=4&m=4&%ff=%00 HTTP/1.1\r\nHost: HOST\r\n\r\n", 400, None),
@@ -472,13 +477,45 @@ def test_no_hostile_request_gets_a_500_or_stops_the_lab(quick):
 
 
 PLANNER_CASES = [
-    # A ZeroDivisionError inside the planner's search once answered 500 here.
+    # Each of these once ended in an exception inside the planner (a ZeroDivisionError: dp above the global
+    # batch, tp that does not divide the model) or in a simulation that grew without bound (the planner chose
+    # 244 million microbatches), and the lab answered 500 or ran out of memory.
     "/api/plan?gpus=16384&layout=tp%3D1%2Cpp%3D1%2Cdp%3D16384&seq=8192",
     "/api/simtrace?gpus=16384&layout=tp%3D1%2Cpp%3D1%2Cdp%3D16384&seq=8192",
+    "/api/plan?model=debug&layout=tp%3D8&gpus=8&global_batch_tokens=65536",
+    "/api/plan?model=llama3-8b&layout=dp%3D16&gpus=16&global_batch_tokens=65536",
+    "/api/simtrace?model=debug&gpus=1&seq=256&global_batch_tokens=1T",
 ]
 
 
+@pytest.fixture(scope="module")
+def confined_lab():
+    """`fourd lab` in its own process, limited to 4 GiB of address space: a request that would allocate
+    without bound fails there rather than on this machine."""
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fourd", "lab", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        preexec_fn=limit,
+    )
+    port = int(re.search(r":(\d+)/", proc.stdout.readline()).group(1))
+    yield port
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
 @pytest.mark.parametrize("target", PLANNER_CASES)
-def test_planner_requests_that_once_failed_answer_400(lab, target):
-    status, error = error_of(request(lab, "GET", target))
+def test_planner_requests_that_once_failed_answer_400_at_once(confined_lab, target):
+    conn = http.client.HTTPConnection("127.0.0.1", confined_lab, timeout=20)
+    t = time.monotonic()
+    conn.request("GET", target)
+    resp = conn.getresponse()
+    status, error = error_of((resp.status, dict(resp.getheaders()), resp.read()))
+    conn.close()
     assert status == 400, error
+    assert time.monotonic() - t < 10

@@ -7,9 +7,7 @@ examples:
   fourd lab                      # then open http://127.0.0.1:8000/
   fourd lab --port 0             # any free port; the URL is printed
   fourd lab --trace-dir runs     # traces under runs/ can be opened by path
-  # shareable links to a setting of the bench:
-  #   http://127.0.0.1:8000/?p=16&m=16&schedule=gpipe
-  #   http://127.0.0.1:8000/?p=8&m=32&schedule=interleaved&v=2
+  # a link to a setting of the bench: http://127.0.0.1:8000/?p=8&m=32&schedule=interleaved&v=2
 """
 
 from __future__ import annotations
@@ -33,18 +31,13 @@ from fourd.lab import api
 
 STATIC_DIR = Path(__file__).with_name("static")
 # Fixed here rather than guessed from the system's MIME table, which differs between machines.
-CONTENT_TYPES = {
-    ".html": "text/html; charset=utf-8",
-    ".js": "text/javascript; charset=utf-8",
-    ".css": "text/css; charset=utf-8",
-}
+CONTENT_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css"}  # all sent as UTF-8
 JSON = "application/json"
 TIMEOUT_S = 5.0  # to send the request line and headers, and again to take the answer
 WORKERS = 8  # threads that answer complete requests; clients still sending hold no thread
 MAX_WAITING = 512  # connections still sending their request; beyond it the oldest is closed
 MAX_QUEUED = 64  # complete requests waiting for a worker; beyond it the answer is 503
 MAX_HEAD = 16 << 10
-_EVERY_INTERFACE = ("0.0.0.0", "::", "")
 # Content-Security-Policy keeps the page from loading anything that is not served here (no CDN).
 _HEADERS = {
     "Cache-Control": "no-store",
@@ -77,20 +70,10 @@ def run(args) -> int:
     return 0
 
 
-class Refused(FourdError):
-    """A request answered with an HTTP error status other than 400."""
-
-    def __init__(self, status: int, message: str, extra: dict | None = None):
-        super().__init__(message)
-        self.status, self.extra = status, extra or {}
-
-
 class LabServer:
-    """One thread reads requests from every connection at once; WORKERS threads answer complete ones.
-
-    Each connection carries one request and is closed after the answer, so a client that sends slowly
-    or not at all costs a socket for at most `timeout` seconds, never a thread.
-    """
+    """One thread reads requests from every connection at once, WORKERS threads answer complete ones: a client
+    that sends slowly or not at all costs a socket for `timeout` seconds, never a thread. One request per
+    connection."""
 
     def __init__(self, host="127.0.0.1", port=0, *, static_dir=STATIC_DIR, trace_dir=Path("."), timeout=TIMEOUT_S):
         self.socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -109,8 +92,10 @@ class LabServer:
         self.url = f"http://[{name}]:{port}/" if ":" in name else f"http://{name}:{port}/"
         self.static = load_static(static_dir)
         self.trace_dir, self.timeout = trace_dir.resolve(), timeout
-        self.hosts = _host_values(host, port)
-        self.any_name = host in _EVERY_INTERFACE  # the user let other machines in, under whatever name they use
+        # The Host values naming this server, loopback or the bound address with the port (first: the one to suggest).
+        self.any_name = host in ("0.0.0.0", "::", "")  # other machines may connect, under whatever name they use
+        names = ["127.0.0.1", "localhost"] + ([] if self.any_name else [f"[{host}]" if ":" in host else host.lower()])
+        self.hosts = [f"{n}:{port}" for n in dict.fromkeys(names)] + (names if port == 80 else [])
         self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="fourd-lab")
         self._slots = threading.BoundedSemaphore(WORKERS + MAX_QUEUED)
         self._stop, self._stopped = threading.Event(), threading.Event()
@@ -139,8 +124,7 @@ class LabServer:
             self._stop.clear()
             self._stopped.set()
 
-    def serve_in_thread(self) -> None:
-        """Serve from a daemon thread (tests and benchmarks); `shutdown()` stops it."""
+    def serve_in_thread(self) -> None:  # for tests and benchmarks; shutdown() stops it
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
     def shutdown(self) -> None:
@@ -203,28 +187,29 @@ class LabServer:
             method, target, headers = _parse_head(head)
             return self._route(method, target, headers)
         except FourdError as e:
-            status, extra = (e.status, e.extra) if isinstance(e, Refused) else (400, {})
-            return _error(status, str(e), method == "HEAD", extra)
+            return _error(400, str(e), method == "HEAD")
         except Exception as e:  # a bug, not bad input: say so, and keep serving everyone else
             line = " ".join(f"internal error ({type(e).__name__}: {e}); please report it".split())
             print(f"fourd lab: {line}", file=sys.stderr)
             return _error(500, line, method == "HEAD")
 
     def _route(self, method: str, target: str, headers) -> bytes:
+        head_only = method == "HEAD"
         if method not in ("GET", "HEAD"):
-            raise Refused(
-                405, f"method {method} not allowed: the lab answers GET and HEAD only", {"Allow": "GET, HEAD"}
-            )
+            allow = {"Allow": "GET, HEAD"}
+            return _error(405, f"method {method} not allowed: the lab answers GET and HEAD only", extra=allow)
         self._check_host(headers.get_all("Host") or [])
         if not target.startswith("/"):
             raise FourdError(f"request target {target[:60]!r} is not a path: send origin-form, such as GET / HTTP/1.1")
         parts = urlsplit(target)
         if parts.path.startswith("/api/"):
-            return _response(200, _json(self._api(parts.path[len("/api/") :], parts.query)), JSON, method == "HEAD")
+            endpoint = api.ENDPOINTS.get(parts.path[len("/api/") :])
+            if endpoint is None:
+                known = ", ".join(sorted(api.ENDPOINTS))
+                return _error(404, f"no API endpoint {parts.path[5:60]!r}; known: {known}", head_only)
+            return _response(200, _json(endpoint(self._query(parts.query), trace_dir=self.trace_dir)), JSON, head_only)
         entry = self.static.get("index.html" if parts.path == "/" else parts.path[1:])
-        if entry is None:
-            raise Refused(404, "not found")
-        return _response(200, entry[0], entry[1], method == "HEAD")
+        return _response(200, entry[0], entry[1], head_only) if entry else _error(404, "not found", head_only)
 
     def _check_host(self, values: list[str]) -> None:
         if len(values) != 1:
@@ -234,15 +219,12 @@ class LabServer:
         if value not in self.hosts and not (self.any_name and value.endswith(f":{self.server_address[1]}")):
             raise FourdError(f"Host {values[0][:60]!r} is not this lab: address it as {' or '.join(self.hosts)}")
 
-    def _api(self, endpoint: str, query: str) -> dict:
-        handler = api.ENDPOINTS.get(endpoint)
-        if handler is None:
-            raise Refused(404, f"no API endpoint {endpoint!r}; known: {', '.join(sorted(api.ENDPOINTS))}")
+    @staticmethod
+    def _query(text: str) -> dict[str, str]:
         try:
-            pairs = parse_qsl(query, keep_blank_values=True, max_num_fields=32)
+            return api.single_values(parse_qsl(text, keep_blank_values=True, max_num_fields=32))
         except ValueError:
             raise FourdError("more than 32 query parameters: give each of the endpoint's parameters once") from None
-        return handler(api.single_values(pairs), trace_dir=self.trace_dir)
 
 
 def load_static(folder: Path) -> dict[str, tuple[bytes, str]]:
@@ -253,16 +235,8 @@ def load_static(folder: Path) -> dict[str, tuple[bytes, str]]:
         for entry in it:
             ctype = CONTENT_TYPES.get(Path(entry.name).suffix)
             if ctype and entry.is_file(follow_symlinks=False):
-                files[entry.name] = (Path(entry.path).read_bytes(), ctype)
+                files[entry.name] = (Path(entry.path).read_bytes(), f"{ctype}; charset=utf-8")
     return files
-
-
-def _host_values(host: str, port: int) -> list[str]:
-    """The Host header values naming this server: loopback or the bound address, with the port."""
-    names = ["127.0.0.1", "localhost"]
-    if host not in _EVERY_INTERFACE:
-        names.append(f"[{host}]" if ":" in host else host.lower())
-    return [f"{n}:{port}" for n in dict.fromkeys(names)] + (names if port == 80 else [])
 
 
 def _parse_head(head: bytes):
@@ -273,7 +247,7 @@ def _parse_head(head: bytes):
     try:
         headers = http.client.parse_headers(io.BytesIO(rest))
     except http.client.HTTPException:
-        raise Refused(431, "more than 100 header lines: send fewer") from None
+        raise FourdError("more than 100 header lines: send fewer") from None
     return words[0], words[1], headers
 
 
