@@ -107,34 +107,28 @@ def cluster(q: dict[str, str], **_) -> dict:
         | {"groups": {d: layout.rank(**{**c, d: 0}) for d in DIMS}}
         for r, c in ((r, layout.coords(r)) for r in range(min(layout.world, REPLICA_GPUS)))
     ]
-    groups = clusters.placement(layout, profile)
-    return {
-        "layout": str(layout),
-        "world": layout.world,
-        "cluster": profile.name,
+    spans = {
+        d: {"size": g.size, "groups": g.world // g.size, "levels": _levels(g, profile)}
+        for d, g in clusters.placement(layout, profile).items()
+    }
+    shape = {
         "racks": REPLICA_GPUS // per_rack,
         "servers_per_rack": per_rack // per_server,
         "gpus_per_server": per_server,
-        "gpus": gpus,
-        "spans": {
-            d: {"size": g.size, "groups": g.world // g.size, "levels": _levels(g, profile)} for d, g in groups.items()
-        },
     }
+    return {"layout": str(layout), "world": layout.world, "cluster": profile.name, "gpus": gpus, "spans": spans} | shape
 
 
 def _levels(group, profile) -> dict[str, int]:
-    """How many of a dimension's groups lie inside one server ("nvlink"), one rack, one pod, or across pods.
-
-    Each group is placed where its ranks are: with tp=3 on 8-GPU servers some TP groups straddle two servers.
-    """
+    """How many of a dimension's groups lie inside one server ("nvlink"), one rack, one pod, or across pods,
+    each where its ranks are (with tp=3 on 8-GPU servers some TP groups straddle two servers)."""
     if group.size == 1:
         return {}
     blocks = {"nvlink": profile.node.gpus, "rack": profile.network.gpus_per_rack, "pod": profile.network.gpus_per_pod}
     reach = (group.size - 1) * group.stride  # from a group's first rank to its last
     firsts = (r for r in range(group.world) if r // group.stride % group.size == 0)
-    return dict(
-        Counter(next((k for k, n in blocks.items() if r // n == (r + reach) // n), "cross-pod") for r in firsts)
-    )
+    levels = (next((k for k, n in blocks.items() if r // n == (r + reach) // n), "cross-pod") for r in firsts)
+    return dict(Counter(levels))
 
 
 PLAN_PARAMS = (

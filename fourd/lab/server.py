@@ -12,6 +12,7 @@ examples:
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import io
 import json
@@ -155,17 +156,18 @@ class LabServer:
             chunk = b""
         head = waiting[conn][1]
         head += chunk
+        if chunk and len(head) <= MAX_HEAD and b"\r\n\r\n" not in head and b"\n\n" not in head:
+            return  # more to come
+        sel.unregister(conn)
+        del waiting[conn]
         if not chunk:
-            self._drop(sel, waiting, conn)
+            _close(conn, b"")
         elif len(head) > MAX_HEAD:
-            self._drop(sel, waiting, conn, _error(431, f"the request head is over {MAX_HEAD >> 10} KiB"))
-        elif b"\r\n\r\n" in head or b"\n\n" in head:
-            sel.unregister(conn)
-            del waiting[conn]
-            if self._slots.acquire(blocking=False):
-                self._pool.submit(self._answer, conn, bytes(head))
-            else:
-                _close(conn, _error(503, "the lab is busy answering other requests: try again in a moment"))
+            _close(conn, _error(431, f"the request head is over {MAX_HEAD >> 10} KiB"))
+        elif self._slots.acquire(blocking=False):
+            self._pool.submit(self._answer, conn, bytes(head))
+        else:
+            _close(conn, _error(503, "the lab is busy answering other requests: try again in a moment"))
 
     @staticmethod
     def _drop(sel, waiting, conn: socket.socket, answer: bytes = b"") -> None:
@@ -263,14 +265,10 @@ def _error(status: int, message: str, head_only: bool = False, extra: dict | Non
 
 def _close(conn: socket.socket, answer: bytes) -> None:
     """Send the answer (if any) and close; a client that left or stopped reading is not told more."""
-    try:
-        if answer:
-            conn.sendall(answer)
+    with contextlib.suppress(OSError):
+        conn.sendall(answer)
         conn.shutdown(socket.SHUT_WR)
-    except OSError:
-        pass
-    finally:
-        conn.close()
+    conn.close()
 
 
 def _json(obj) -> bytes:
