@@ -409,7 +409,7 @@ def test_300_slow_clients_hold_no_threads_and_others_are_answered(quick):
     try:
         t = time.monotonic()
         assert request(quick, "GET", "/api/options")[0] == 200
-        assert time.monotonic() - t < 0.5
+        assert time.monotonic() - t < 1
         assert threading.active_count() <= before + WORKERS
         for s in clients:  # each is told it was too slow, then closed
             s.settimeout(5)
@@ -419,15 +419,22 @@ def test_300_slow_clients_hold_no_threads_and_others_are_answered(quick):
             s.close()
 
 
-def test_beyond_the_waiting_limit_the_oldest_connection_is_closed(quick):
-    clients = open_slow_clients(quick, MAX_WAITING + 1)
+def test_beyond_the_waiting_limit_the_oldest_connection_is_closed():
+    server = LabServer("127.0.0.1", 0, timeout=60.0)  # long enough to open them all on a busy machine
+    server.serve_in_thread()
+    clients = open_slow_clients(server, MAX_WAITING + 1)
     try:
-        clients[0].settimeout(0.5)
+        clients[0].settimeout(5)
         assert clients[0].recv(100) == b""  # closed without an answer, to make room
-        assert request(quick, "GET", "/style.css")[0] == 200
+        clients[1].settimeout(0.2)
+        with pytest.raises(TimeoutError):  # the next oldest still waits
+            clients[1].recv(100)
+        assert request(server, "GET", "/style.css")[0] == 200
     finally:
         for s in clients:
             s.close()
+        server.shutdown()
+        server.server_close()
 
 
 HOSTILE = [
@@ -470,7 +477,7 @@ def test_no_hostile_request_gets_a_500_or_stops_the_lab(quick):
             assert got[0] == status and (message is None or got[1] == message), (data[:80], got)
         t = time.monotonic()
         assert request(quick, "GET", "/api/schedule?p=4&m=4")[0] == 200
-        assert time.monotonic() - t < 0.5
+        assert time.monotonic() - t < 1
     finally:
         for s in clients:
             s.close()

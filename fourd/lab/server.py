@@ -93,34 +93,34 @@ class LabServer:
         self.url = f"http://[{name}]:{port}/" if ":" in name else f"http://{name}:{port}/"
         self.static = load_static(static_dir)
         self.trace_dir, self.timeout = trace_dir.resolve(), timeout
-        # The Host values naming this server, loopback or the bound address with the port (first: the one to suggest).
         self.any_name = host in ("0.0.0.0", "::", "")  # other machines may connect, under whatever name they use
         names = ["127.0.0.1", "localhost"] + ([] if self.any_name else [f"[{host}]" if ":" in host else host.lower()])
-        self.hosts = [f"{n}:{port}" for n in dict.fromkeys(names)] + (names if port == 80 else [])
+        self.hosts = [f"{n}:{port}" for n in dict.fromkeys(names)] + (names if port == 80 else [])  # first: suggested
         self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="fourd-lab")
         self._slots = threading.BoundedSemaphore(WORKERS + MAX_QUEUED)
         self._stop, self._stopped = threading.Event(), threading.Event()
         self._stopped.set()
 
     def serve_forever(self) -> None:
+        """Accept and read until shutdown(); each connection still sending its request is registered with
+        (deadline, bytes so far) as its data, oldest first."""
         self._stopped.clear()
-        sel = selectors.DefaultSelector()
+        sel = self._sel = selectors.DefaultSelector()
         sel.register(self.socket, selectors.EVENT_READ)
-        waiting: dict[socket.socket, tuple[float, bytearray]] = {}  # oldest first
         try:
             while not self._stop.is_set():
                 for key, _ in sel.select(0.2):
-                    if key.fileobj is self.socket:
-                        self._accept(sel, waiting)
+                    if key.data is None:
+                        self._accept()
                     else:
-                        self._read(sel, waiting, key.fileobj)  # type: ignore[arg-type]
+                        self._read(key.fileobj, key.data[1])  # type: ignore[arg-type]
                 now = time.monotonic()
-                for conn in [c for c, (deadline, _) in waiting.items() if deadline < now]:
+                for key in [k for k in sel.get_map().values() if k.data and k.data[0] < now]:
                     late = _error(408, f"the request did not arrive within {self.timeout:g} s: send it at once")
-                    self._drop(sel, waiting, conn, late if waiting[conn][1] else b"")
+                    self._drop(key.fileobj, late if key.data[1] else b"")  # type: ignore[arg-type]
         finally:
-            for conn in waiting:
-                conn.close()
+            for key in [k for k in sel.get_map().values() if k.data]:
+                key.fileobj.close()  # type: ignore[union-attr]
             sel.close()
             self._stop.clear()
             self._stopped.set()
@@ -136,43 +136,37 @@ class LabServer:
         self.socket.close()
         self._pool.shutdown(wait=False)
 
-    def _accept(self, sel, waiting) -> None:
+    def _accept(self) -> None:
         try:
             conn, _ = self.socket.accept()
         except OSError:  # gone before we took it, or out of descriptors: the next round tries again
             return
+        waiting = [k.fileobj for k in self._sel.get_map().values() if k.data]
         if len(waiting) >= MAX_WAITING:
-            self._drop(sel, waiting, next(iter(waiting)))
+            self._drop(waiting[0])  # type: ignore[arg-type]
         conn.setblocking(False)
-        waiting[conn] = (time.monotonic() + self.timeout, bytearray())
-        sel.register(conn, selectors.EVENT_READ)
+        self._sel.register(conn, selectors.EVENT_READ, (time.monotonic() + self.timeout, bytearray()))
 
-    def _read(self, sel, waiting, conn: socket.socket) -> None:
+    def _read(self, conn: socket.socket, head: bytearray) -> None:
         try:
             chunk = conn.recv(MAX_HEAD)
         except BlockingIOError:
             return
         except OSError:
             chunk = b""
-        head = waiting[conn][1]
         head += chunk
         if chunk and len(head) <= MAX_HEAD and b"\r\n\r\n" not in head and b"\n\n" not in head:
             return  # more to come
-        sel.unregister(conn)
-        del waiting[conn]
-        if not chunk:
-            _close(conn, b"")
-        elif len(head) > MAX_HEAD:
-            _close(conn, _error(431, f"the request head is over {MAX_HEAD >> 10} KiB"))
-        elif self._slots.acquire(blocking=False):
+        if not chunk or len(head) > MAX_HEAD:
+            return self._drop(conn, _error(431, f"the request head is over {MAX_HEAD >> 10} KiB") if chunk else b"")
+        self._sel.unregister(conn)
+        if self._slots.acquire(blocking=False):
             self._pool.submit(self._answer, conn, bytes(head))
         else:
             _close(conn, _error(503, "the lab is busy answering other requests: try again in a moment"))
 
-    @staticmethod
-    def _drop(sel, waiting, conn: socket.socket, answer: bytes = b"") -> None:
-        sel.unregister(conn)
-        del waiting[conn]
+    def _drop(self, conn: socket.socket, answer: bytes = b"") -> None:
+        self._sel.unregister(conn)
         _close(conn, answer)
 
     def _answer(self, conn: socket.socket, head: bytes) -> None:
