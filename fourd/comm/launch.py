@@ -16,6 +16,7 @@ import queue
 import socket
 import time
 import traceback
+from typing import Any
 
 _PRELOAD = [f"torch{m}" for m in ("", ".distributed.tensor.parallel", ".distributed.fsdp", ".distributed.pipelining")]
 
@@ -54,7 +55,7 @@ def _worker(fn, rank, world, port, timeout, args, results, be):
 
 
 def _collect(results, procs, timeout: float) -> dict[int, object]:
-    world, got, failed = len(procs), {}, {}
+    world, got, failed = len(procs), dict[int, object](), dict[int, tuple]()
     deadline = time.monotonic() + timeout
     while len(got) + len(failed) < world:
         try:
@@ -87,7 +88,7 @@ def run_workers(fn, nproc: int, args: tuple = (), timeout_s: float = 300.0) -> l
     import torch.distributed as dist
 
     be = backend()
-    ctx = mp.get_context("spawn" if be == "nccl" else "forkserver")  # CUDA cannot be forked into
+    ctx: Any = mp.get_context("spawn" if be == "nccl" else "forkserver")  # CUDA cannot be forked into
     if be == "gloo":
         ctx.set_forkserver_preload(_PRELOAD)
     store = dist.TCPStore("127.0.0.1", 0, nproc + 1, is_master=True, wait_for_workers=False)
