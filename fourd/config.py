@@ -237,6 +237,9 @@ def apply(cfg: Config, data: dict, where: str) -> None:
 
 
 def load_toml(path: str | Path) -> dict:
+    """The TOML file at `path` ({} for an empty path)."""
+    if not str(path):
+        return {}
     p = Path(path)
     if not p.is_file():
         raise FourdError(f"config file {str(p)!r} does not exist: give the path of a TOML file")

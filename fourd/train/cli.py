@@ -155,7 +155,7 @@ def _init_model(path: str):
 
 def _configure(args):
     """The run's whole configuration and its model: flags over a resumed run's record or an --init-from model."""
-    from fourd.config import Config, ModelSection, build_config, model_config
+    from fourd.config import Config, build_config, load_toml, model_config
 
     resumed, saved = _resuming(args)
     flags = {FLAGS[k]: getattr(args, k) for k in FLAGS}
@@ -165,7 +165,8 @@ def _configure(args):
     cfg = build_config(args.config, flags, overrides, saved, options)
     _absolute(cfg)
     source = _init_model(cfg.train.init_from) if cfg.train.init_from and resumed is None else None
-    if source is not None and cfg.model == ModelSection():  # nothing said about the model: the source's
+    said = args.model or any(w.startswith("--model.") for w in overrides) or "model" in load_toml(args.config or "")
+    if source is not None and not said:  # nothing said about the model: the source's
         dims = {k: v for k, v in source.to_dict().items() if k != "mlp"}
         cfg = build_config(args.config, flags, overrides, {"model": dims}, options)
         _absolute(cfg)
