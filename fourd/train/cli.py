@@ -1,11 +1,10 @@
 """Train a Llama-style model with 4D parallelism.
 
-Started directly, fourd launches its own local workers (one per rank of the layout) through PyTorch's
-elastic launcher; under torchrun it runs as that worker, so the same command trains across nodes. Same
-seed, same data order and same initial weights at any layout. Each run gets a fresh directory
-runs/<model>-<layout>-<time> (or --run-dir) holding config.toml, metrics.jsonl, tensorboard/ and
-checkpoints/. Ctrl-C (SIGINT) or SIGTERM stops every rank at the next step boundary and saves a checkpoint;
---resume continues exactly where it stopped, with the configuration the run recorded.
+Started directly, fourd launches one local worker per rank through PyTorch's elastic launcher; under torchrun it
+is that worker, so the same command trains across nodes. Same seed, same data order and same initial weights at
+any layout. A run gets a fresh directory runs/<model>-<layout>-<time> (or --run-dir) with config.toml,
+metrics.jsonl, tensorboard/ and checkpoints/. Ctrl-C (SIGINT) or SIGTERM stops it at the next step with a
+checkpoint; --resume continues it exactly, with the configuration it recorded.
 
 examples:
   fourd train --model debug --steps 30                # one rank, seconds
@@ -25,6 +24,7 @@ config keys (--section.key=value, or [section] key = value in --config FILE.toml
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -32,18 +32,9 @@ from pathlib import Path
 from fourd.errors import FourdError, plural, si
 
 # short flag -> config key
-FLAGS = {
-    "model": "model.preset",
-    "layout": "parallel.layout",
-    "schedule": "parallel.schedule",
-    "microbatches": "parallel.microbatches",
-    "virtual_stages": "parallel.virtual_stages",
-    "steps": "train.steps",
-    "seed": "train.seed",
-    "run_dir": "run.dir",
-    "max_restarts": "run.max_restarts",
-    "init_from": "train.init_from",
-}
+FLAGS = {"model": "model.preset", "steps": "train.steps", "seed": "train.seed", "init_from": "train.init_from"}
+FLAGS |= {k: f"parallel.{k}" for k in ("layout", "schedule", "microbatches", "virtual_stages")}
+FLAGS |= {"run_dir": "run.dir", "max_restarts": "run.max_restarts"}
 # What a resumed run keeps: the model, its data and the order of its samples.
 KEPT = ("data.path", "data.tokenizer", "data.seq_len", "data.holdout_fraction", "train.global_batch", "train.seed")
 # `--section.key=value` words reach run() as args._unknown (see fourd.cli).
@@ -85,12 +76,13 @@ def _resuming(args) -> tuple[Path | None, dict]:
     if args.resume is not True and args.run_dir is not None and Path(args.resume) != Path(args.run_dir):
         raise FourdError(f"--resume {args.resume} and --run-dir {args.run_dir} name two runs: give one of them")
     where = args.run_dir if args.resume is True else args.resume
-    if not where:
-        raise FourdError("--resume needs the run: --resume DIR, or --run-dir DIR --resume")
-    d = Path(where)
-    if not d.is_dir():
-        raise FourdError(f"--resume {where}: no such run directory; `ls runs/` lists the runs")
-    return d, (load_toml(d / "config.toml") if (d / "config.toml").is_file() else {})
+    if not where or not Path(where).is_dir():
+        raise FourdError(
+            f"--resume {where}: no such run directory; `ls runs/` lists the runs"
+            if where
+            else "--resume needs the run: --resume DIR, or --run-dir DIR --resume"
+        )
+    return Path(where), load_toml(Path(where, "config.toml")) if Path(where, "config.toml").is_file() else {}
 
 
 def _changes(have, asked) -> str:
@@ -99,15 +91,13 @@ def _changes(have, asked) -> str:
     return "; ".join(f"{k} {h[k]}, not {a[k]}" for k in h if h[k] != a[k])
 
 
-def _check_kept(saved, cfg, run_dir: Path) -> None:
+def _check_kept(saved, cfg, mcfg, run_dir: Path) -> None:
     from fourd.config import model_config
 
-    old, new = model_config(saved), model_config(cfg)
-    if old != new:
-        raise FourdError(f"--resume: the model differs from the run's ({_changes(old, new)}): drop the model settings")
+    if model_config(saved) != mcfg:
+        raise FourdError(f"--resume: the model differs from the run's ({_changes(model_config(saved), mcfg)})")
     for key in KEPT:
-        section, name = key.split(".")
-        old, new = getattr(getattr(saved, section), name), getattr(getattr(cfg, section), name)
+        old, new = (getattr(getattr(c, key.split(".")[0]), key.split(".")[1]) for c in (saved, cfg))
         if old != new:
             raise FourdError(
                 f"--resume: {key} = {new!r} contradicts the run's {old!r} ({run_dir}/config.toml): drop it, "
@@ -138,19 +128,22 @@ def _check_run_dir(cfg, given: str | None) -> None:
         )
 
 
-def _init_model(path: str):
-    """The ModelConfig of an --init-from checkpoint or Hugging Face folder, read without loading weights."""
+def init_source(path: str, weights: bool = False):
+    """The ModelConfig of a fourd checkpoint (or run directory) or a Hugging Face folder, and with `weights` its
+    full state dict in fourd's names."""
     from fourd.ckpt import store
     from fourd.model.config import ModelConfig
 
     p = Path(path)
     if (p / "config.json").is_file():
-        from fourd.hf.convert import read_hf_config
+        from fourd.hf.convert import hf_to_fourd_state_dict, read_hf_config, read_hf_tensors
 
-        return read_hf_config(p)[0]
+        mcfg, hf = read_hf_config(p)
+        return (mcfg, hf_to_fourd_state_dict(mcfg, hf, read_hf_tensors(p))) if weights else mcfg
     if not p.is_dir():
         raise FourdError(f"--init-from {path}: no such checkpoint or Hugging Face folder")
-    return ModelConfig(**store.read_manifest(store.resolve(p))["model"])
+    found = store.resolve(p)
+    return store.load_model_checkpoint(found) if weights else ModelConfig(**store.read_manifest(found)["model"])
 
 
 def _configure(args):
@@ -164,7 +157,7 @@ def _configure(args):
     overrides, options = list(args._unknown), [s for a in args._parser._actions for s in a.option_strings]
     cfg = build_config(args.config, flags, overrides, saved, options)
     _absolute(cfg)
-    source = _init_model(cfg.train.init_from) if cfg.train.init_from and resumed is None else None
+    source = init_source(cfg.train.init_from) if cfg.train.init_from and resumed is None else None
     said = args.model or any(w.startswith("--model.") for w in overrides) or "model" in load_toml(args.config or "")
     if source is not None and not said:  # nothing said about the model: the source's
         dims = {k: v for k, v in source.to_dict().items() if k != "mlp"}
@@ -177,7 +170,7 @@ def _configure(args):
             "settings to train its model"
         )
     if resumed is not None:
-        _check_kept(Config.from_dict(saved or cfg.to_dict()), cfg, resumed)
+        _check_kept(Config.from_dict(saved or cfg.to_dict()), cfg, mcfg, resumed)
     return cfg, mcfg, resumed
 
 
@@ -213,6 +206,13 @@ def prepare(args):
     return cfg, par.layout, cache, {**data, "source": cache.source, "tokens": cache.tokens}
 
 
+def _made(d: Path) -> bool:
+    with contextlib.suppress(FileExistsError):
+        d.mkdir()
+        return True
+    return False
+
+
 def _start(cfg) -> None:
     """Create the run directory (a fresh, unique one when none is given) and write config.toml into it."""
     from fourd.layout import DIMS, parse_layout
@@ -222,13 +222,10 @@ def _start(cfg) -> None:
         tag = "-".join(f"{d}{getattr(lay, d)}" for d in DIMS if getattr(lay, d) > 1) or "dp1"
         stem = Path("runs", f"{_model_name(cfg)}-{tag}-{time.strftime('%Y%m%d-%H%M%S')}")
         Path("runs").mkdir(exist_ok=True)
-        for n in range(1, 1000):  # two runs started in the same second get -2, -3, ...
-            d = stem if n == 1 else stem.with_name(f"{stem.name}-{n}")
-            try:
-                d.mkdir()
-                break
-            except FileExistsError:
-                continue
+        d, n = stem, 1
+        while not _made(d):  # two runs started in the same second get -2, -3, ...
+            n += 1
+            d = stem.with_name(f"{stem.name}-{n}")
         cfg.run.dir = str(d)
     try:
         Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,5 @@
-"""Per-step metrics: MFU against the device's peak, memory, and where they are written
-(metrics.jsonl, TensorBoard, a progress bar or plain lines, and a closing summary)."""
+"""Per-step metrics: MFU against the device's peak, memory, and where they go (metrics.jsonl, TensorBoard, a
+progress bar or plain lines, and a closing summary)."""
 
 from __future__ import annotations
 
@@ -70,47 +70,31 @@ def peak_memory_gb(device_type: str) -> float:
 class MetricsWriter:
     """Rank 0's outputs. metrics.jsonl is flushed every step so a crash loses nothing already logged."""
 
-    def __init__(self, run_dir: Path, total_steps: int, start_step: int, tensorboard: bool = True):
-        run_dir.mkdir(parents=True, exist_ok=True)
-        self.path = run_dir / "metrics.jsonl"
-        self._trim(start_step)
-        self.file = open(self.path, "a")
-        self.rows: list[dict] = []
-        self.tb = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
+    def __init__(self, run_dir: Path, total_steps: int, start_step: int):
+        from torch.utils.tensorboard import SummaryWriter
 
-                self.tb = SummaryWriter(str(run_dir / "tensorboard"))
-            except ImportError:
-                self.tb = None
+        self.path, self.rows = run_dir / "metrics.jsonl", list[dict]()
+        if self.path.exists():  # a resumed run rewrites the steps after its checkpoint
+            kept = []
+            for line in self.path.read_text().splitlines():
+                with contextlib.suppress(ValueError):  # a line a crash cut short is dropped
+                    kept += [line] if json.loads(line)["step"] <= start_step else []
+            self.path.with_suffix(".tmp").write_text("".join(line + "\n" for line in kept))
+            os.replace(self.path.with_suffix(".tmp"), self.path)
+        self.file, self.tb = open(self.path, "a"), SummaryWriter(str(run_dir / "tensorboard"))
         self.bar = None
         if sys.stdout.isatty():
             from tqdm import tqdm
 
             self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
 
-    def _trim(self, start_step: int) -> None:
-        """A resumed run rewrites the steps after its checkpoint: keep the rows before it only."""
-        if not self.path.exists():
-            return
-        keep = [
-            line
-            for line in self.path.read_text().splitlines()
-            if line.strip() and json.loads(line)["step"] <= start_step
-        ]
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(line + "\n" for line in keep))
-        os.replace(tmp, self.path)
-
     def log(self, row: dict, show: bool) -> None:
         self.rows.append(row)
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
-        if self.tb is not None:
-            for k, v in row.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self.tb.add_scalar(f"val/{k[4:]}" if k.startswith("val_") else f"train/{k}", v, row["step"])
+        for k, v in row.items():
+            if k != "step":
+                self.tb.add_scalar(f"val/{k[4:]}" if k.startswith("val_") else f"train/{k}", v, row["step"])
         text = (
             f"loss {row['loss']:.4f}  lr {row['lr']:.2e}  grad {row['grad_norm']:.3f}  "
             f"{row['tokens_per_s']:,.0f} tok/s  mfu {100 * row['mfu']:.1f}%"
@@ -122,11 +106,9 @@ class MetricsWriter:
             print(f"step {row['step']:>5}  {text}  {seconds(row['step_time_s'])}", flush=True)
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        if self.tb is not None:
-            self.tb.close()
-        self.file.close()
+        for closing in (self.bar, self.tb, self.file):
+            if closing is not None:
+                closing.close()
 
 
 def seconds(s: float) -> str:
@@ -146,9 +128,7 @@ def summary_table(rows: list[dict], extra: dict[str, str]) -> str:
         ("MFU", f"{100 * mean('mfu'):.2f} %"),
         ("peak memory", f"{max(r['peak_mem_gb'] for r in rows):.2f} GB per rank"),
     ]
-    held = [r for r in rows if "val_loss" in r]
-    if held:
-        r = held[-1]
+    for r in [r for r in rows if "val_loss" in r][-1:]:
         items.append(("held-out loss", f"{r['val_loss']:.4f}, perplexity {r['val_ppl']:.2f}, at step {r['step']}"))
     if "bubble_fraction" in rows[-1]:
         items.append(("pipeline bubble", f"{100 * mean('bubble_fraction'):.1f} % (measured)"))

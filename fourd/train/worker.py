@@ -1,10 +1,7 @@
-"""One training worker: build the parallel model, then the loop around fourd.train.step (fault injection,
-heartbeat, held-out evaluation, metrics, checkpoints, stopping on a signal).
-
-Every rank sees the same global batch of the same step (the data order depends on the seed only), so any
-layout reproduces the single-process run up to floating-point rounding. A SIGINT or SIGTERM only sets a flag;
-the ranks agree on it at each step boundary (an all-reduce MAX), save a checkpoint and return the signal.
-"""
+"""One training worker: the parallel model, then the loop around fourd.train.step (fault injection, heartbeat,
+held-out evaluation, metrics, checkpoints). Every rank sees the same global batch of the same step, so any layout
+reproduces the single-process run up to rounding. A SIGINT or SIGTERM sets a flag; the ranks agree on it at each
+step boundary (an all-reduce MAX), save a checkpoint and return the signal."""
 
 from __future__ import annotations
 
@@ -19,6 +16,7 @@ import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,7 +25,7 @@ import torch.distributed as dist
 from fourd.ckpt.dcp_io import Checkpointer
 from fourd.config import Config, model_config
 from fourd.data.dataset import SampleStream, TokenCache
-from fourd.errors import FourdError, RunFailed
+from fourd.errors import FourdError, RunFailed, plural
 from fourd.parallel.apply import build_parallel
 from fourd.train.heartbeat import Heartbeat
 from fourd.train.launch import LAUNCH_DIR_ENV
@@ -72,26 +70,20 @@ def _report(e: Exception, cfg: Config) -> None:
 
 
 def run_worker(cfg: Config, cache: TokenCache, data: dict, peak: tuple[float, str]) -> int | str:
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    rank, world, local = (int(os.environ.get(k, 0)) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    device = torch.device("cuda", local_rank) if use_cuda(cfg) else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local) if use_cuda(cfg) else torch.device("cpu")
+    cuda = {"device_id": device} if device.type == "cuda" else {}
+    if cuda:
+        torch.cuda.set_device(local)
     else:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     timeout = timedelta(seconds=cfg.train.timeout_s)
     # The elastic agent keeps one TCP store for all restarts of the job: without a key prefix per
     # attempt, a restarted worker would read its peers' addresses from the failed attempt and hang.
-    store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
-    dist.init_process_group(
-        "nccl" if device.type == "cuda" else "gloo",
-        store=dist.PrefixStore(f"fourd/attempt{attempt}", store),
-        rank=rank,
-        world_size=world,
-        timeout=timeout,
-        **({"device_id": device} if device.type == "cuda" else {}),
-    )
+    store = dist.PrefixStore(f"fourd/attempt{attempt}", next(dist.rendezvous("env://", timeout=timeout))[0])
+    backend = "nccl" if cuda else "gloo"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world or 1, timeout=timeout, **cuda)
     # The digest gathers 2-D-sharded parameters once per checkpoint; DTensor's advice on merging those
     # all-gathers is about throughput, not correctness, and would flood every rank's log.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
@@ -107,19 +99,6 @@ def run_worker(cfg: Config, cache: TokenCache, data: dict, peak: tuple[float, st
         dist.destroy_process_group()
 
 
-def load_init(path: str):
-    """(ModelConfig, full state dict in fourd's names) of a fourd checkpoint or a Hugging Face folder."""
-    p = Path(path)
-    if (p / "config.json").is_file():
-        from fourd.hf.convert import hf_to_fourd_state_dict, read_hf_config, read_hf_tensors
-
-        mcfg, hf = read_hf_config(p)
-        return mcfg, hf_to_fourd_state_dict(mcfg, hf, read_hf_tensors(p))
-    from fourd.ckpt.store import load_model_checkpoint, resolve
-
-    return load_model_checkpoint(resolve(p))
-
-
 class _Run:
     """A worker's run: its part of the model, the optimizer, data, checkpointer and outputs; `loop` trains."""
 
@@ -133,19 +112,13 @@ class _Run:
         cuda = device.type == "cuda"
         self.amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
         self.stream = SampleStream(cache, cfg.data.seq_len, cfg.train.seed, cfg.data.holdout_fraction)
-        self.dir = Path(cfg.run.dir)
-        self.ckpt = Checkpointer(
-            self.dir,
-            self.par.stages,
-            self.opt,
-            model_cfg=model_config(cfg),
-            layout=str(self.par.layout),
-            contributes=all(self.par.coords[d] == 0 for d in ("tp", "cp", "dp")),
-            keep=cfg.checkpoint.keep,
-            async_save=cfg.checkpoint.async_save,
-            attempt=self.attempt,
-            info={"config": cfg.to_dict(), "data": data},
+        self.dir, c = Path(cfg.run.dir), cfg.checkpoint
+        first = all(self.par.coords[d] == 0 for d in ("tp", "cp", "dp"))  # one rank per stage sends its weights
+        kw: dict[str, Any] = dict(
+            keep=c.keep, async_save=c.async_save, attempt=self.attempt, layout=str(self.par.layout)
         )
+        kw |= dict(model_cfg=model_config(cfg), contributes=first, info={"config": cfg.to_dict(), "data": data})
+        self.ckpt = Checkpointer(self.dir, self.par.stages, self.opt, **kw)
         self.writer: MetricsWriter | None = None
         self.per_dp = cfg.train.global_batch // self.par.layout.dp
         self.tokens = cfg.train.global_batch * cfg.data.seq_len
@@ -185,7 +158,10 @@ class _Run:
                     f"stopped by {name} after step {step}; checkpoint {self.dir}/checkpoints/"
                     f"step-{step} saved; continue with `fourd train --resume {self.dir}`",
                 )
-        return self._end(0, summary_table(self.writer.rows, self._facts()) if self.writer else "")
+        lay, flops, source = self.par.layout, *self.peak
+        facts = {"layout": f"{lay} on {plural(self.world, self.device.type + ' rank')}", "run dir": str(self.dir)}
+        facts["MFU peak"] = f"{flops / 1e12:.3f} TFLOP/s, {source}"
+        return self._end(0, summary_table(self.writer.rows, facts) if self.writer else "")
 
     def _end(self, result: int | str, text: str = ""):
         self.ckpt.wait()
@@ -194,14 +170,6 @@ class _Run:
             if text:
                 print(text if result == 0 else f"fourd: {text}", flush=True)
         return result
-
-    def _facts(self) -> dict[str, str]:
-        lay, flops, source = self.par.layout, *self.peak
-        return {
-            "layout": f"{lay} on {self.world} {self.device.type} rank{'s' if self.world > 1 else ''}",
-            "MFU peak": f"{flops / 1e12:.3f} TFLOP/s, {source}",
-            "run dir": str(self.dir),
-        }
 
     def _diverged(self, row: dict) -> str:
         from fourd.ckpt.store import latest
@@ -230,17 +198,9 @@ class _Run:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
-        row = {
-            "step": step,
-            "loss": loss,
-            "lr": lr,
-            "grad_norm": float(grad_norm),
-            "tokens_per_s": self.tokens / dt,
-            "step_time_s": dt,
-            "mfu": self.flops_per_step / dt / self.peak_total,
-            "peak_mem_gb": peak_memory_gb(self.device.type),
-            "tokens": step * self.tokens,
-        }
+        row = dict(step=step, loss=loss, lr=lr, grad_norm=float(grad_norm), tokens_per_s=self.tokens / dt)
+        row |= dict(step_time_s=dt, mfu=self.flops_per_step / dt / self.peak_total, tokens=step * self.tokens)
+        row["peak_mem_gb"] = peak_memory_gb(self.device.type)
         if self.par.runner is not None:
             row["bubble_fraction"] = self.par.runner.bubble_fraction
             if step == cfg.train.steps and cfg.run.trace:
@@ -305,7 +265,9 @@ class _Run:
         """Start from --init-from's weights: the full state dict on every rank, each keeping its part."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        _, sd = load_init(self.cfg.train.init_from)
+        from fourd.train.cli import init_source
+
+        _, sd = init_source(self.cfg.train.init_from, weights=True)
         for stage in self.par.stages:
             part = {k: sd[k] for k in stage.state_dict()}
             set_model_state_dict(stage, part, options=StateDictOptions(full_state_dict=True))
