@@ -61,10 +61,23 @@ def _runs(line: str) -> bool:
 
 
 CASES = [(p, [e for e in examples(p) if _runs(e)]) for p in DOCS]
+# Documents of other packages whose examples need what the document does not make (issue 15, item 8).
+NOT_YET = {
+    "hf.md": "a Hugging Face download and the old runs/make-run",
+    "planner.md": "the `local` profile `fourd calibrate` writes",
+}
 
 
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("path,commands", [c for c in CASES if c[1]], ids=[p.name for p, c in CASES if c])
+@pytest.mark.parametrize(
+    "path,commands",
+    [
+        pytest.param(p, c, marks=[pytest.mark.xfail(reason=NOT_YET[p.name], strict=False)] if p.name in NOT_YET else [])
+        for p, c in CASES
+        if c
+    ],
+    ids=[p.name for p, c in CASES if c],
+)
 def test_examples_run_as_written(path, commands, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", FOURD_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT))
     # a fresh FOURD_HOME, but the token cache of this machine's: tokenizing the standard library is no example
