@@ -15,12 +15,8 @@ import sys
 from fourd import __version__
 from fourd.errors import FourdError, did_you_mean
 
-GROUPS = {
-    "model": "model presets: dimensions and parameter counts",
-    "sim": "simulate one training step, or months of failures",
-    "bench": "benchmarks: collectives",
-    "ckpt": "verify and inspect checkpoints",
-}
+GROUPS = {"model": "model presets: dimensions and parameter counts", "bench": "benchmarks: collectives"}
+GROUPS |= {"sim": "simulate one training step, or months of failures", "ckpt": "verify and inspect checkpoints"}
 # name -> (module, one-line help); "group:sub" for the commands of a group ("fourd sim step").
 COMMANDS = {
     "train": ("fourd.train.cli", "train a model with 4D parallelism (launches its own workers)"),
@@ -92,10 +88,8 @@ def _which(argv: list[str]) -> str | None:
 
 def _unknown(args, unknown: list[str]) -> FourdError:
     options = [s for a in args._parser._actions for s in a.option_strings]
-    word = unknown[0]
-    return FourdError(
-        f"unrecognised argument {word!r}{did_you_mean(word.split('=')[0], options)} (see `{args._parser.prog} --help`)"
-    )
+    hint = did_you_mean(unknown[0].split("=")[0], options)
+    return FourdError(f"unrecognised argument {unknown[0]!r}{hint} (see `{args._parser.prog} --help`)")
 
 
 def main(argv: list[str] | None = None) -> int:

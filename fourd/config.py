@@ -1,10 +1,8 @@
 """Training configuration: dataclasses, TOML files, and `--section.key=value` overrides.
 
-Precedence, lowest first: the dataclass defaults, a base (a resumed run's config.toml, or the dimensions of
-the model `--init-from` names), the TOML file (`--config`), the short flags (`--model`, `--layout`, ...), then
-`--section.key=value` overrides. Every value is checked where it is set: unknown keys, wrong types, numbers
-that are not finite or out of range (LIMITS) and values outside a fixed list (CHOICES) are refused in one line.
-"""
+Precedence, lowest first: the defaults, a base (a resumed run's config.toml, or an --init-from model), the TOML
+file (`--config`), the short flags (`--model`, `--layout`, ...), then overrides. Every value is checked where it
+is set: unknown keys, wrong types, numbers not finite or out of range (LIMITS), names not in CHOICES."""
 
 from __future__ import annotations
 
@@ -140,45 +138,28 @@ class Config:
         return "\n".join(out)
 
 
-CHOICES = {
-    "model.preset": tuple(PRESETS),
-    "parallel.schedule": SCHEDULES,
-    "parallel.zero": ZERO_STAGES,
-    "parallel.recompute": RECOMPUTE,
-    "train.dtype": ("auto", *PRECISIONS),
-}
+CHOICES: dict[str, tuple] = {"model.preset": tuple(PRESETS), "parallel.schedule": SCHEDULES}
+CHOICES |= {"parallel.zero": ZERO_STAGES, "parallel.recompute": RECOMPUTE, "train.dtype": ("auto", *PRECISIONS)}
 
 
 def _at_least(lo: int):
     return (lambda v: v >= lo), f"at least {lo}"
 
 
-_POSITIVE = (lambda v: v > 0, "positive")
-_BETA = (lambda v: 0 <= v < 1, "in [0, 1)")
-LIMITS = {
-    **{f"model.{k}": _at_least(1) for k in ("layers", "dim", "ffn", "heads", "kv_heads", "vocab", "max_seq")},
-    **{k: _at_least(1) for k in ("train.steps", "train.global_batch", "train.log_every", "checkpoint.keep")},
-    **{k: _at_least(1) for k in ("parallel.microbatches", "parallel.virtual_stages", "parallel.hsdp_replicas")},
-    **{k: _at_least(0) for k in ("train.min_lr", "train.warmup_steps", "train.weight_decay", "run.max_restarts")},
-    **{k: _at_least(0) for k in ("checkpoint.interval", "eval.every")},
-    **{f"fault.{k}": _at_least(-1) for k in ("kill_rank", "at_step", "hang_rank")},
-    "model.head_dim": _at_least(2),
-    "model.norm_eps": _POSITIVE,
-    "model.rope_theta": _POSITIVE,
-    "data.seq_len": _at_least(2),
+_POSITIVE, _BETA = (lambda v: v > 0, "positive"), (lambda v: 0 <= v < 1, "in [0, 1)")
+LIMITS = {f"model.{k}": _at_least(1) for k in ("layers", "dim", "ffn", "heads", "kv_heads", "vocab", "max_seq")}
+LIMITS |= {k: _at_least(1) for k in ("train.steps", "train.global_batch", "train.log_every", "checkpoint.keep")}
+LIMITS |= {f"parallel.{k}": _at_least(1) for k in ("microbatches", "virtual_stages", "hsdp_replicas")}
+LIMITS |= {k: _at_least(0) for k in ("train.min_lr", "train.warmup_steps", "train.weight_decay", "run.max_restarts")}
+LIMITS |= {f"fault.{k}": _at_least(-1) for k in ("kill_rank", "at_step", "hang_rank")}
+LIMITS |= dict.fromkeys(("model.norm_eps", "model.rope_theta", "train.lr", "train.grad_clip"), _POSITIVE)
+LIMITS |= {"checkpoint.interval": _at_least(0), "eval.every": _at_least(0), "eval.batches": _at_least(1)}
+LIMITS |= {"model.head_dim": _at_least(2), "data.seq_len": _at_least(2), "train.beta1": _BETA, "train.beta2": _BETA}
+LIMITS |= {
     "data.holdout_fraction": (lambda v: 0 <= v < 0.5, "in [0, 0.5)"),
-    "train.lr": _POSITIVE,
-    "train.beta1": _BETA,
-    "train.beta2": _BETA,
-    "train.grad_clip": _POSITIVE,
     "train.seed": (lambda v: 0 <= v < 2**63, "in 0 .. 2^63 - 1"),
     "train.timeout_s": (lambda v: 0 < v <= 1e6, "in (0, 1e6] seconds"),
-    "eval.batches": _at_least(1),
 }
-
-
-def _sections(cfg: Config) -> dict[str, object]:
-    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
 
 
 def _coerce(key: str, value, hint) -> object:
@@ -203,7 +184,7 @@ def _coerce(key: str, value, hint) -> object:
 
 def set_value(cfg: Config, key: str, value) -> None:
     section_name, dot, name = key.partition(".")
-    sections = _sections(cfg)
+    sections = vars(cfg)  # the dataclass's fields: {section name: section}
     if not dot or section_name not in sections:
         raise FourdError(
             f"unknown config key {key!r}{did_you_mean(section_name, sections)}: sections are "
@@ -213,7 +194,7 @@ def set_value(cfg: Config, key: str, value) -> None:
     if name not in hints:
         keys = [f"{section_name}.{k}" for k in hints]
         raise FourdError(
-            f"unknown config key {key!r}{did_you_mean(key, keys)}: [{section_name}] has {', '.join(hints)}"
+            f"unknown config key {key!r}{did_you_mean(key, keys)}: allowed keys in [{section_name}] are {', '.join(hints)}"
         )
     value = _coerce(key, value, hints[name])
     allowed = CHOICES.get(key)
@@ -251,20 +232,17 @@ def load_toml(path: str | Path) -> dict:
 
 def parse_overrides(items: list[str], flags=()) -> list[tuple[str, str]]:
     """`--section.key=value` or `--section.key value` words → (key, value) pairs; `flags` for suggestions."""
-    out, i = [], 0
-    while i < len(items):
-        word = items[i]
+    out, words = [], iter(items)
+    for word in words:
         if not word.startswith("--") or "." not in word.split("=")[0]:
             hint = did_you_mean(word.split("=")[0], flags)
             raise FourdError(f"unrecognised argument {word!r}{hint}: overrides look like --section.key=value")
         key, eq, value = word[2:].partition("=")
         key = key.replace("-", "_")  # --fault.kill-rank is --fault.kill_rank
-        if not eq:
-            if i + 1 >= len(items):
-                raise FourdError(f"--{key} needs a value: --{key}=VALUE")
-            value, i = items[i + 1], i + 1
-        out.append((key, value))
-        i += 1
+        given = value if eq else next(words, None)
+        if given is None:
+            raise FourdError(f"--{key} needs a value: --{key}=VALUE")
+        out.append((key, given))
     return out
 
 
@@ -274,8 +252,7 @@ def build_config(
     """The configuration from its layers (module docstring); `options`: the command's flags, for suggestions."""
     cfg = Config()
     apply(cfg, base or {}, "base configuration")
-    if toml_path:
-        apply(cfg, load_toml(toml_path), f"config file {toml_path!r}")
+    apply(cfg, load_toml(toml_path or ""), f"config file {toml_path!r}")
     for key, value in flags.items():
         if value is not None:
             set_value(cfg, key, value)
@@ -316,14 +293,6 @@ def model_config(cfg: Config):
 
 def parallelism(cfg: Config) -> Parallelism:
     """The run's Parallelism, in the words the planner uses too."""
-    p = cfg.parallel
-    return Parallelism(
-        parse_layout(p.layout),
-        p.schedule,
-        p.microbatches,
-        p.virtual_stages,
-        p.zero,
-        p.recompute,
-        p.sequence_parallel,
-        p.hsdp_replicas,
-    )
+    p, lay = cfg.parallel, parse_layout(cfg.parallel.layout)
+    cuts = (p.schedule, p.microbatches, p.virtual_stages, p.zero, p.recompute, p.sequence_parallel, p.hsdp_replicas)
+    return Parallelism(lay, *cuts)

@@ -15,9 +15,7 @@ class FourdError(Exception):
 
 
 class RunFailed(FourdError):
-    """A run that started and failed (a worker died or raised): one line, exit status 1."""
-
-    exit_code = 1
+    exit_code = 1  # a run that started and failed (a worker died or raised), not bad input
 
 
 def did_you_mean(word: str, choices) -> str:
