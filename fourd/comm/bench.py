@@ -123,11 +123,11 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    lo = parse_bytes(args.min_bytes)
-    if args.iters < 1 or args.warmup < 0:
-        raise FourdError(
-            f"--iters {args.iters} --warmup {args.warmup}: need at least 1 timed iteration and no negative warm-up"
-        )
+    lo, (iters, warmup) = parse_bytes(args.min_bytes), (args.iters, args.warmup)
+    if iters < 1 or warmup < 0:
+        raise FourdError(f"--iters {iters} --warmup {warmup}: need at least 1 timed iteration and no negative warm-up")
+    import os
+
     import torch
 
     from fourd.comm.launch import backend, run_workers
@@ -137,20 +137,16 @@ def run(args) -> int:
     if hi < lo:
         raise FourdError(f"--max-bytes {args.max_bytes} is below --min-bytes {args.min_bytes}: raise --max-bytes")
     nproc = args.nproc if args.nproc is not None else (gpus or 2)
-    if nproc < 2:
-        raise FourdError(f"--nproc {nproc}: a collective needs at least 2 ranks")
-    if gpus and nproc > gpus:
-        raise FourdError(f"--nproc {nproc}: only {gpus} GPUs here; pass --nproc {gpus} or fewer")
+    most = gpus or 8 * (os.cpu_count() or 1)  # CPU ranks share the cores: beyond a few per core, only waiting
+    if not 2 <= nproc <= most:
+        raise FourdError(f"--nproc {nproc}: a collective needs 2 ranks or more, and this machine runs at most {most}")
     ops = list(COLLECTIVES) if args.op == "all" else [args.op]
-    rows = run_workers(_sweep, nproc, (ops, sweep_sizes(lo, hi), args.iters, args.warmup))[0]
+    rows = run_workers(_sweep, nproc, (ops, sweep_sizes(lo, hi), iters, warmup))[0]
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
-    print(f"# {backend()}, {nproc} ranks, float32, median of {args.iters} timed iterations after {args.warmup} warm-up")
+    print(f"# {backend()}, {nproc} ranks, float32, median of {iters} timed iterations after {warmup} warm-up")
     print(f"{'op':>14} {'size':>8} {'bytes':>11} {'time (us)':>11} {'algbw GB/s':>11} {'busbw GB/s':>11}")
-    for r in rows:
-        print(
-            f"{r['op']:>14} {fmt_bytes(r['bytes']):>8} {r['bytes']:>11} {r['time_s'] * 1e6:>11.1f} "
-            f"{r['algbw_gbps']:>11.3f} {r['busbw_gbps']:>11.3f}"
-        )
+    line = "{op:>14} {size:>8} {bytes:>11} {us:>11.1f} {algbw_gbps:>11.3f} {busbw_gbps:>11.3f}"
+    print("\n".join(line.format(**r, size=fmt_bytes(r["bytes"]), us=r["time_s"] * 1e6) for r in rows))
     return 0
