@@ -34,6 +34,17 @@ class RingStats:
     messages: int = 0  # point-to-point sends (steps × segments)
 
 
+def _schedule(rank: int, n: int) -> tuple[list[bool], list[int], list[int]]:
+    """Per ring step: whether it reduces, the chunk received, the chunk sent. Step t sends chunk (rank − t) and
+    receives chunk (rank − t − 1) for t < N−1 (reduce-scatter, combining what arrives), then chunk
+    (rank + 1 − s) / (rank − s) for s = t − (N−1) (all-gather, received in place). What a rank receives at
+    step t is what it sends at step t + 1."""
+    reducing = [t < n - 1 for t in range(2 * (n - 1))]
+    recv_of = [(rank - t - 1) % n if r else (rank - (t - n + 1)) % n for t, r in enumerate(reducing)]
+    send_of = [(rank - t) % n if r else (rank + 1 - (t - n + 1)) % n for t, r in enumerate(reducing)]
+    return reducing, recv_of, send_of
+
+
 def ring_all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM, segment_bytes=SEGMENT_BYTES) -> RingStats:
     """Reduce `tensor` in place across `group` (default: the world), like `dist.all_reduce`."""
     if op not in _COMBINE:
@@ -55,13 +66,7 @@ def ring_all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM, segm
     incoming = torch.empty(chunk, dtype=buf.dtype, device=buf.device)
     combine = _COMBINE[op]
 
-    # Step t sends chunk (rank − t) and receives chunk (rank − t − 1) for t < N−1 (reduce-scatter,
-    # adding what arrives), then chunk (rank + 1 − s) / (rank − s) for s = t − (N−1) (all-gather,
-    # receiving in place). What a rank receives at step t is what it sends at step t + 1.
-    steps = 2 * (n - 1)
-    reducing = [t < n - 1 for t in range(steps)]
-    recv_of = [(rank - t - 1) % n if reducing[t] else (rank - (t - n + 1)) % n for t in range(steps)]
-    send_of = [(rank - t) % n if reducing[t] else (rank + 1 - (t - n + 1)) % n for t in range(steps)]
+    steps, (reducing, recv_of, send_of) = 2 * (n - 1), _schedule(rank, n)
 
     def post(t: int, j: int):
         lo, hi = bounds[j], bounds[j + 1]
