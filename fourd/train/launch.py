@@ -39,10 +39,13 @@ def outcome(results) -> int:
 
 @contextlib.contextmanager
 def _signals_to_file(folder: Path):
-    """While workers run, SIGINT and SIGTERM write `stop` for them instead of ending this process."""
+    """While workers run, SIGINT and SIGTERM write `stop` for them instead of ending this process; a second one
+    (workers hung in a collective never reach a step boundary) ends it, and the agent then ends the workers."""
     got: list[int] = []
 
     def stop(signum, frame):
+        if got:
+            raise KeyboardInterrupt
         got.append(signum)
         (folder / "stop").write_text(str(signum))
 
