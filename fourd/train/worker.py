@@ -70,7 +70,7 @@ def _report(e: Exception, cfg: Config) -> None:
 
 
 def run_worker(cfg: Config, cache: TokenCache, data: dict, peak: tuple[float, str]) -> int | str:
-    rank, world, local = (int(os.environ.get(k, 0)) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    rank, world, local = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     device = torch.device("cuda", local) if use_cuda(cfg) else torch.device("cpu")
     cuda = {"device_id": device} if device.type == "cuda" else {}
@@ -83,7 +83,7 @@ def run_worker(cfg: Config, cache: TokenCache, data: dict, peak: tuple[float, st
     # attempt, a restarted worker would read its peers' addresses from the failed attempt and hang.
     store = dist.PrefixStore(f"fourd/attempt{attempt}", next(dist.rendezvous("env://", timeout=timeout))[0])
     backend = "nccl" if cuda else "gloo"
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world or 1, timeout=timeout, **cuda)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **cuda)
     # The digest gathers 2-D-sharded parameters once per checkpoint; DTensor's advice on merging those
     # all-gathers is about throughput, not correctness, and would flood every rank's log.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
