@@ -21,9 +21,9 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# A fresh run directory each time (a run directory with a checkpoint would resume instead).
+# A fresh run directory each time: runs/small-tp2-pp2-dp2-<time>.
 run: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/fourd train --config configs/run.toml --run-dir runs/make-run-$$(date +%Y%m%d-%H%M%S)
+	OMP_NUM_THREADS=1 $(BIN)/fourd train --config configs/run.toml
 
 # Lint, format and type checks first (seconds), then the suite.
 lint: $(STAMP)

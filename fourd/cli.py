@@ -1,24 +1,23 @@
 """The `fourd` command line: one table of commands, each implemented in the module that owns the concept.
 
-Each command module exposes `add_arguments(parser)` and `run(args) -> int`. Modules are imported
-only when their command runs, so `fourd plan` never pays for importing torch.
+Each command module exposes `add_arguments(parser)` and `run(args) -> int`. `fourd --help` is built from the
+table alone, and a command's module is imported only when that command is used, so that start-up and help
+import no torch.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
-from fourd.errors import FourdError
+from fourd import __version__
+from fourd.errors import FourdError, did_you_mean
 
-# name -> (module, one-line help). Groups ("model info", "sim step") are "group:sub".
-GROUPS = {
-    "model": "model presets: dimensions and parameter counts",
-    "sim": "simulate one training step, or months of failures",
-    "bench": "benchmarks: collectives",
-    "ckpt": "verify and inspect checkpoints",
-}
+GROUPS = {"model": "model presets: dimensions and parameter counts", "bench": "benchmarks: collectives"}
+GROUPS |= {"sim": "simulate one training step, or months of failures", "ckpt": "verify and inspect checkpoints"}
+# name -> (module, one-line help); "group:sub" for the commands of a group ("fourd sim step").
 COMMANDS = {
     "train": ("fourd.train.cli", "train a model with 4D parallelism (launches its own workers)"),
     "model:info": ("fourd.model.cli", "a model preset's dimensions and parameter count"),
@@ -40,74 +39,72 @@ class _Parser(argparse.ArgumentParser):
         raise FourdError(f"{self.prog}: {message} (see `{self.prog} --help`)")
 
 
-def _module(name: str):
-    try:
-        return importlib.import_module(COMMANDS[name][0])
-    except ModuleNotFoundError as e:
-        if e.name and e.name.startswith("fourd"):
-            return None
-        raise
-
-
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    """The full parser; `only` builds just one command's subparser (fast start-up)."""
+    """The command table as a parser; only the command `only` gets its arguments (its module is imported)."""
     top = _Parser(
-        prog="fourd",
-        description="fourd: train Llama-style models with 4D parallelism; plan and simulate such runs.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="fourd", description="fourd: train Llama-style models with 4D parallelism; plan and simulate them."
     )
+    top.add_argument("--version", action="version", version=f"fourd {__version__}")
     top.add_argument("--debug", action="store_true", help="show tracebacks")
     subs = top.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     groups: dict[str, argparse._SubParsersAction] = {}
-    for name, (_, help_) in COMMANDS.items():
-        if only is not None and name != only:
-            continue
-        mod = _module(name)
-        if mod is None:
-            continue
-        doc = (mod.__doc__ or help_).strip()
-        fmt = argparse.RawDescriptionHelpFormatter
-        if ":" in name:
-            group, sub = name.split(":")
+    for name, (module, help_) in COMMANDS.items():
+        group, _, sub = name.rpartition(":")
+        where = subs
+        if group:
             if group not in groups:
                 gp = subs.add_parser(group, help=GROUPS[group], description=GROUPS[group])
                 groups[group] = gp.add_subparsers(dest="subcommand", metavar="SUBCOMMAND", parser_class=_Parser)
-            p = groups[group].add_parser(sub, help=help_, description=doc, formatter_class=fmt)
-        else:
-            p = subs.add_parser(name, help=help_, description=doc, formatter_class=fmt)
+            where = groups[group]
+        if name != only:
+            where.add_parser(sub, help=help_)
+            continue
+        mod = importlib.import_module(module)
+        fmt = argparse.RawDescriptionHelpFormatter
+        p = where.add_parser(sub, help=help_, description=(mod.__doc__ or help_).strip(), formatter_class=fmt)
         p.add_argument("--debug", action="store_true", help="show tracebacks")
         mod.add_arguments(p)
-        p.set_defaults(_run=mod.run, _overrides=getattr(mod, "ACCEPTS_OVERRIDES", False))
+        p.set_defaults(_run=mod.run, _overrides=getattr(mod, "ACCEPTS_OVERRIDES", False), _parser=p)
     return top
 
 
 def _which(argv: list[str]) -> str | None:
-    words = [a for a in argv if not a.startswith("-")]
+    """The command `argv` names ("sim:step"), None for none or a bare group; FourdError for an unknown one."""
+    words = [a for a in argv if not a.startswith("-")][:2]
     if not words:
         return None
     if words[0] in COMMANDS:
         return words[0]
-    if len(words) > 1 and f"{words[0]}:{words[1]}" in COMMANDS:
-        return f"{words[0]}:{words[1]}"
-    return None
+    if words[0] not in GROUPS:
+        tops = sorted({n.split(":")[0] for n in COMMANDS})
+        raise FourdError(f"unknown command {words[0]!r}{did_you_mean(words[0], tops)}: `fourd --help` lists them")
+    if len(words) == 1 or f"{words[0]}:{words[1]}" in COMMANDS:
+        return f"{words[0]}:{words[1]}" if len(words) > 1 else None
+    subs = [n.split(":")[1] for n in COMMANDS if n.startswith(words[0] + ":")]
+    raise FourdError(
+        f"unknown command `fourd {words[0]} {words[1]}`{did_you_mean(words[1], subs)}: choose {', '.join(subs)}"
+    )
+
+
+def _unknown(args, unknown: list[str]) -> FourdError:
+    options = [s for a in args._parser._actions for s in a.option_strings]
+    hint = did_you_mean(unknown[0].split("=")[0], options)
+    return FourdError(f"unrecognised argument {unknown[0]!r}{hint} (see `{args._parser.prog} --help`)")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv
+    if debug:
+        os.environ["FOURD_DEBUG"] = "1"  # for training workers and the launcher
     try:
         parser = build_parser(_which(argv))
         args, unknown = parser.parse_known_args(argv)
-        if unknown:
-            if not getattr(args, "_overrides", False):
-                raise FourdError(f"unrecognised argument(s): {' '.join(unknown)} (see `fourd --help`)")
-            args._unknown = unknown
         if not getattr(args, "_run", None):
-            full = build_parser()
-            if getattr(args, "command", None):
-                full.parse_args([args.command, "--help"])
-            full.print_help()
-            return 0
+            parser.parse_args([args.command, "--help"] if getattr(args, "command", None) else ["--help"])
+        if unknown and not args._overrides:
+            raise _unknown(args, unknown)
+        args._unknown = unknown
         return int(args._run(args) or 0)
     except FourdError as e:
         if debug:

@@ -1,4 +1,8 @@
-"""The one exception a user can meet. The CLI prints its message on one line and exits 2."""
+"""What fourd says to a user: the one exception they can meet, close-match suggestions, counts in words."""
+
+from __future__ import annotations
+
+import difflib
 
 
 class FourdError(Exception):
@@ -8,3 +12,27 @@ class FourdError(Exception):
 
     def __init__(self, message: str):
         super().__init__(" ".join(str(message).split()))
+
+
+class RunFailed(FourdError):
+    exit_code = 1  # a run that started and failed (a worker died or raised), not bad input
+
+
+def did_you_mean(word: str, choices) -> str:
+    """' (did you mean `x`?)' for the closest of `choices`, or '' when none is close."""
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" (did you mean `{close[0]}`?)" if close else ""
+
+
+def plural(n: int, noun: str, many: str | None = None) -> str:
+    """'1 microbatch', '4 microbatches', '1,024 ranks'."""
+    word = noun if n == 1 else many or (noun + ("es" if noun.endswith(("s", "sh", "ch", "x")) else "s"))
+    return f"{n:,} {word}"
+
+
+def si(n: float) -> str:
+    """A count with three significant digits and a K/M/B/T suffix: 6.31M, 8.03B, 406B, 950."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return f"{n:.3g}"

@@ -10,7 +10,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def run_fourd(*args, env=None, timeout=300, cwd=None):
     """`fourd ARGS` in a fresh process: (exit code, stdout, stderr)."""
-    e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # PYTHONPATH: this checkout's fourd, whatever the working directory
+    e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
     if env:
         e.update(env)
     p = subprocess.run(

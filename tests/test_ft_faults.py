@@ -7,9 +7,11 @@ import resource
 import shutil
 
 import pytest
+import tomllib
 from conftest import run_fourd
 
 from fourd.ckpt import store
+from fourd.config import Config
 
 pytestmark = pytest.mark.slow
 BASE = ("train", "--model", "debug", "--layout", "dp=2", "--seed", 0, "--steps", 6, "--checkpoint.interval", 2)
@@ -41,7 +43,12 @@ def test_retention_keeps_the_newest_two(clean):
     assert [r["step"] for r in rows(clean)] == [1, 2, 3, 4, 5, 6]
     m = store.verify(clean / "checkpoints" / "step-6")
     assert m["step"] == 6 and m["layout"] == "tp=1,cp=1,pp=1,dp=2"
-    assert m["train"] == {"step": 6, "samples": 96, "seed": 0, "global_batch": 16, "steps": 6}
+    assert (m["train"]["step"], m["train"]["samples"]) == (6, 96)
+    assert m["train"]["config"] == Config.from_dict(tomllib.loads((clean / "config.toml").read_text())).to_dict()
+    assert m["train"]["config"]["train"]["steps"] == 6 and m["train"]["config"]["parallel"]["layout"] == "dp=2"
+    data = m["train"]["data"]
+    assert (data["path"], data["tokenizer"], data["identity"]) == ("", "byte", "byte")
+    assert data["source"].startswith("Python standard library (") and data["tokens"] > 10**6
     assert sorted(m["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
 
 
@@ -69,7 +76,7 @@ def test_bit_flip_is_named_and_training_falls_back(clean, tmp_path, fourd):
         f.write(bytes([byte[0] ^ 0x10]))
     code, out, err = fourd("ckpt", "verify", run / "checkpoints" / "step-6")
     assert code == 2 and f"{shard}: SHA-256 differs from manifest.json" in err
-    code, out, err = fourd(*BASE, "--checkpoint.keep", 2, "--run-dir", run)
+    code, out, err = fourd(*BASE, "--checkpoint.keep", 2, "--run-dir", run, "--resume")
     assert code == 0, err
     assert "checkpoint step-6 is damaged" in err and "moved it to step-6.damaged" in err
     assert "falling back to the previous complete checkpoint step-4 (skipped damaged step-6)" in err
@@ -106,7 +113,7 @@ def test_disk_full_during_save_keeps_the_previous_checkpoint(clean, tmp_path):
     shutil.copytree(clean / "checkpoints" / "step-4", run / "checkpoints" / "step-4")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     p = subprocess.run(
-        [sys.executable, "-m", "fourd", *map(str, BASE), "--run-dir", str(run)],
+        [sys.executable, "-m", "fourd", *map(str, BASE), "--run-dir", str(run), "--resume"],
         capture_output=True,
         text=True,
         timeout=300,

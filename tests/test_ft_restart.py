@@ -75,7 +75,7 @@ def killed(tmp_path_factory):
 def resharded(uninterrupted, tmp_path_factory):
     d = tmp_path_factory.mktemp("c")
     shutil.copytree(uninterrupted / "checkpoints" / "step-4", d / "checkpoints" / "step-4")
-    code, out, err = run_fourd(*BASE, "--layout", "dp=4", "--run-dir", d, timeout=900)
+    code, out, err = run_fourd(*BASE, "--layout", "dp=4", "--run-dir", d, "--resume", timeout=900)
     assert code == 0, err
     return d, out
 

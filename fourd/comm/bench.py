@@ -1,18 +1,9 @@
-"""Benchmark collectives the way nccl-tests does: a sweep of message sizes, each warmed up and then
-timed repeatedly; the reported time is the median over iterations of the slowest rank's time.
-
-  algbw = size / time        busbw = algbw × factor (the bandwidth each rank's link must carry)
-  factor: all_reduce and ring 2(n−1)/n; all_gather, reduce_scatter, all_to_all (n−1)/n;
-          broadcast and sendrecv 1
-  size: the all_reduce / broadcast buffer, the all_gather output, the reduce_scatter input, one
-        rank's all_to_all buffer, one sendrecv message (float32; rounded down to a multiple of n)
-
-`ring` is fourd's own ring all-reduce on point-to-point send/recv (fourd.comm.ring), to compare
-with the backend's all_reduce. `sendrecv`: every rank sends to the next and receives from the
-previous at once. Workers are launched here: gloo on CPU, NCCL when CUDA is available.
-
-The sweep doubles from --min-bytes to --max-bytes: 1K to 256M on GPUs, 1K to 64M on CPU, where
-128M and 256M alone add 10 to 40 s per op on a shared 2-core machine; pass --max-bytes 256M for them.
+"""Benchmark collectives the way nccl-tests does: a sweep of message sizes, each warmed up and then timed
+repeatedly; a row reports the median over iterations of the slowest rank's time, algbw = size / time and
+busbw = algbw × the bus factor (docs/comm.md gives the conventions). `ring` is fourd's own ring all-reduce
+(fourd.comm.ring); `sendrecv`: every rank sends to the next and receives from the previous at once. The
+sweep doubles from --min-bytes to --max-bytes: 1K to 256M on GPUs, 1K to 64M on CPU, where 128M and 256M
+alone add 10 to 40 s per op on a shared 2-core machine.
 
 examples:
   fourd bench comm --op all_reduce --nproc 4
@@ -35,12 +26,9 @@ _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
 def bus_factor(op: str, n: int) -> float:
-    """nccl-tests' busbw / algbw ratio (brief §5); `ring` is an all-reduce."""
-    if op in ("all_reduce", "ring"):
-        return 2 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter", "all_to_all"):
-        return (n - 1) / n
-    return 1.0
+    """nccl-tests' busbw / algbw ratio (its doc/PERFORMANCE.md); `ring` is an all-reduce."""
+    hops = {"all_reduce": 2, "ring": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1}
+    return hops[op] * (n - 1) / n if op in hops else 1.0
 
 
 def parse_bytes(text: str) -> int:
@@ -58,14 +46,7 @@ def fmt_bytes(n: int) -> str:
 
 
 def sweep_sizes(lo: int, hi: int) -> list[int]:
-    sizes, s = [], lo
-    while s <= hi:
-        sizes.append(s)
-        s *= 2
-    return sizes
-
-
-# ---- inside a worker ------------------------------------------------------------------------
+    return [lo << k for k in range((hi // lo).bit_length())]
 
 
 def _prepare(op: str, nbytes: int, group, device):
@@ -75,40 +56,24 @@ def _prepare(op: str, nbytes: int, group, device):
 
     from fourd.comm.ring import ring_all_reduce
 
-    n = dist.get_world_size(group)
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
     count = max(n, nbytes // 4 // n * n)
     # zeros: repeated sums stay finite and the arithmetic costs the same as for any normal values
-    buf = torch.zeros(count, device=device)
-    if op == "all_reduce":
-        return (lambda: dist.all_reduce(buf, group=group)), count
-    if op == "ring":
-        return (lambda: ring_all_reduce(buf, group=group)), count
-    if op == "broadcast":
-        return (lambda: dist.broadcast(buf, group=group, group_src=0)), count
-    if op == "all_gather":
-        part = torch.zeros(count // n, device=device)
-        return (lambda: dist.all_gather_single(buf, part, group=group)), count
-    if op == "reduce_scatter":
-        part = torch.zeros(count // n, device=device)
-        return (lambda: dist.reduce_scatter_single(part, buf, group=group)), count
-    if op == "all_to_all":
-        out = torch.zeros_like(buf)
-        return (lambda: dist.all_to_all_single(out, buf, group=group)), count
-    if op == "sendrecv":
-        rank, inbox = dist.get_rank(group), torch.zeros_like(buf)
-
-        def shift():
-            reqs = dist.batch_isend_irecv(
-                [
-                    dist.P2POp(dist.isend, buf, group=group, group_peer=(rank + 1) % n),
-                    dist.P2POp(dist.irecv, inbox, group=group, group_peer=(rank - 1) % n),
-                ]
-            )
-            for r in reqs:
-                r.wait()
-
-        return shift, count
-    raise ValueError(f"unknown collective {op}")
+    buf, part, out = (torch.zeros(k, device=device) for k in (count, count // n, count))
+    shift = [
+        dist.P2POp(dist.isend, buf, group=group, group_peer=(rank + 1) % n),
+        dist.P2POp(dist.irecv, out, group=group, group_peer=(rank - 1) % n),
+    ]
+    ops = {
+        "all_reduce": lambda: dist.all_reduce(buf, group=group),
+        "ring": lambda: ring_all_reduce(buf, group=group),
+        "broadcast": lambda: dist.broadcast(buf, group=group, group_src=0),
+        "all_gather": lambda: dist.all_gather_single(buf, part, group=group),
+        "reduce_scatter": lambda: dist.reduce_scatter_single(part, buf, group=group),
+        "all_to_all": lambda: dist.all_to_all_single(out, buf, group=group),
+        "sendrecv": lambda: [r.wait() for r in dist.batch_isend_irecv(shift)],
+    }
+    return ops[op], count
 
 
 def time_op(op: str, nbytes: int, iters: int, warmup: int, group=None) -> dict:
@@ -116,7 +81,7 @@ def time_op(op: str, nbytes: int, iters: int, warmup: int, group=None) -> dict:
     import torch
     import torch.distributed as dist
 
-    device = _device()
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     fn, count = _prepare(op, nbytes, group, device)
     for _ in range(warmup):
@@ -135,16 +100,8 @@ def time_op(op: str, nbytes: int, iters: int, warmup: int, group=None) -> dict:
     size = count * 4
     t = statistics.median(times.tolist())
     algbw = size / t / 1e9
-    row = {
-        "op": op,
-        "nproc": n,
-        "bytes": size,
-        "time_s": t,
-        "algbw_gbps": algbw,
-        "busbw_gbps": algbw * bus_factor(op, n),
-        "iters": iters,
-        "backend": dist.get_backend(group),
-    }
+    row = dict(op=op, nproc=n, bytes=size, time_s=t, algbw_gbps=algbw, busbw_gbps=algbw * bus_factor(op, n))
+    row.update(iters=iters, backend=dist.get_backend(group))
     if op == "ring":
         row.update(steps=result.steps, bytes_sent_per_rank=result.bytes_sent)
     return row
@@ -154,22 +111,9 @@ def _sweep(rank: int, nproc: int, ops, sizes, iters, warmup) -> list[dict]:
     return [time_op(op, s, iters, warmup) for op in ops for s in sizes]
 
 
-def _device():
-    import torch
-
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-# ---- command line ---------------------------------------------------------------------------
-
-
 def add_arguments(p):
-    p.add_argument(
-        "--op",
-        default="all_reduce",
-        choices=COLLECTIVES + ("all",),
-        help="collective to time (default all_reduce; `all` runs every one)",
-    )
+    ops = COLLECTIVES + ("all",)
+    p.add_argument("--op", default="all_reduce", choices=ops, help="collective to time (default all_reduce; all: each)")
     p.add_argument("--nproc", type=int, default=None, help="ranks to launch (default: the GPUs, or 2 on CPU)")
     p.add_argument("--min-bytes", default="1K", help="smallest message (default 1K)")
     p.add_argument("--max-bytes", default=None, help="largest message (default 256M on GPUs, 64M on CPU)")
@@ -179,11 +123,11 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    lo = parse_bytes(args.min_bytes)
-    if args.iters < 1 or args.warmup < 0:
-        raise FourdError(
-            f"--iters {args.iters} --warmup {args.warmup}: need at least 1 timed iteration and no negative warm-up"
-        )
+    lo, (iters, warmup) = parse_bytes(args.min_bytes), (args.iters, args.warmup)
+    if iters < 1 or warmup < 0:
+        raise FourdError(f"--iters {iters} --warmup {warmup}: need at least 1 timed iteration and no negative warm-up")
+    import os
+
     import torch
 
     from fourd.comm.launch import backend, run_workers
@@ -193,20 +137,16 @@ def run(args) -> int:
     if hi < lo:
         raise FourdError(f"--max-bytes {args.max_bytes} is below --min-bytes {args.min_bytes}: raise --max-bytes")
     nproc = args.nproc if args.nproc is not None else (gpus or 2)
-    if nproc < 2:
-        raise FourdError(f"--nproc {nproc}: a collective needs at least 2 ranks")
-    if gpus and nproc > gpus:
-        raise FourdError(f"--nproc {nproc}: only {gpus} GPUs here; pass --nproc {gpus} or fewer")
+    most = gpus or 8 * (os.cpu_count() or 1)  # CPU ranks share the cores: beyond a few per core, only waiting
+    if not 2 <= nproc <= most:
+        raise FourdError(f"--nproc {nproc}: a collective needs 2 ranks or more, and this machine runs at most {most}")
     ops = list(COLLECTIVES) if args.op == "all" else [args.op]
-    rows = run_workers(_sweep, nproc, (ops, sweep_sizes(lo, hi), args.iters, args.warmup))[0]
+    rows = run_workers(_sweep, nproc, (ops, sweep_sizes(lo, hi), iters, warmup))[0]
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
-    print(f"# {backend()}, {nproc} ranks, float32, median of {args.iters} timed iterations after {args.warmup} warm-up")
+    print(f"# {backend()}, {nproc} ranks, float32, median of {iters} timed iterations after {warmup} warm-up")
     print(f"{'op':>14} {'size':>8} {'bytes':>11} {'time (us)':>11} {'algbw GB/s':>11} {'busbw GB/s':>11}")
-    for r in rows:
-        print(
-            f"{r['op']:>14} {fmt_bytes(r['bytes']):>8} {r['bytes']:>11} {r['time_s'] * 1e6:>11.1f} "
-            f"{r['algbw_gbps']:>11.3f} {r['busbw_gbps']:>11.3f}"
-        )
+    line = "{op:>14} {size:>8} {bytes:>11} {us:>11.1f} {algbw_gbps:>11.3f} {busbw_gbps:>11.3f}"
+    print("\n".join(line.format(**r, size=fmt_bytes(r["bytes"]), us=r["time_s"] * 1e6) for r in rows))
     return 0

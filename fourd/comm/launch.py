@@ -1,19 +1,24 @@
-"""Start N local worker processes joined in one process group, run a function on each, collect what
-each returns. Used by the comm benchmark, calibration and the comm tests.
+"""Run fn(rank, nproc, *args) on nproc fresh local processes joined in one process group, and collect what each
+returns: the launcher of the comm benchmark, calibration and the multi-rank tests (training has its own).
 
-gloo on CPU, NCCL when CUDA is available (one GPU per rank). Workers run with one OpenMP thread
-each, since several share a few cores; every wait is bounded.
+`fn` must be a module-level function. gloo ranks fork from a forkserver that has already imported torch; NCCL
+ranks are spawned, one GPU each. When a rank raises, dies or outlasts the timeout, every rank is killed and
+RuntimeError carries that rank's traceback.
 """
 
 from __future__ import annotations
 
+import datetime
+import multiprocessing as mp
 import os
 import pickle
+import queue
 import socket
-import tempfile
 import time
-from datetime import timedelta
-from pathlib import Path
+import traceback
+from typing import Any
+
+_PRELOAD = [f"torch{m}" for m in ("", ".distributed.tensor.parallel", ".distributed.fsdp", ".distributed.pipelining")]
 
 
 def free_port() -> int:
@@ -28,49 +33,79 @@ def backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def _worker(rank: int, nproc: int, port: int, out_dir: str, fn, args, timeout_s: float):
+def _worker(fn, rank, world, port, timeout, args, results, be):
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    be = backend()
-    if be == "nccl":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(
-        be, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=nproc, timeout=timedelta(seconds=timeout_s)
-    )
+    os.environ["OMP_NUM_THREADS"] = "1"
     try:
-        result = fn(rank, nproc, *args)
-        with open(Path(out_dir) / f"{rank}.pkl", "wb") as f:
-            pickle.dump(result, f)
-    finally:
+        torch.set_num_threads(1)
+        if be == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        wait = datetime.timedelta(seconds=timeout)
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=wait)
+        dist.init_process_group(be, store=store, rank=rank, world_size=world, timeout=wait)
+        report = (rank, True, pickle.dumps(fn(rank, world, *args)))
+    except BaseException:
+        # Stamped before the process group goes down, which is what makes the other ranks fail.
+        report = (rank, time.time(), traceback.format_exc())
+    if dist.is_initialized():
         dist.destroy_process_group()
+    results.put(report)
+
+
+def _collect(results, procs, timeout: float) -> dict[int, object]:
+    world, got, failed = len(procs), dict[int, object](), dict[int, tuple]()
+    deadline = time.monotonic() + timeout
+    while len(got) + len(failed) < world:
+        try:
+            rank, ok, payload = results.get(timeout=0.2)
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if r not in got and r not in failed and p.exitcode]
+            if dead and not failed:
+                raise RuntimeError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
+            if time.monotonic() > deadline:
+                if failed:
+                    break
+                missing = sorted(set(range(world)) - got.keys())
+                raise RuntimeError(f"ranks {missing} did not finish within {timeout:g} s") from None
+            continue
+        if ok is True:
+            got[rank] = pickle.loads(payload)
+            continue
+        if not failed:  # the others soon fail in their collectives: a moment, then blame the first
+            deadline = min(deadline, time.monotonic() + 1.0)
+        failed[rank] = (ok, payload)
+    if failed:
+        first = min(failed, key=lambda r: failed[r][0])
+        also = f" (then ranks {sorted(set(failed) - {first})} failed too)" if len(failed) > 1 else ""
+        raise RuntimeError(f"rank {first} failed{also}:\n{failed[first][1]}")
+    return got
 
 
 def run_workers(fn, nproc: int, args: tuple = (), timeout_s: float = 300.0) -> list:
-    """Run `fn(rank, nproc, *args)` on `nproc` fresh processes; return the results in rank order.
+    """fn(rank, nproc, *args) on nproc fresh processes; their return values in rank order."""
+    import torch.distributed as dist
 
-    `fn` must be importable by name (a module-level function), since GPU workers are spawned.
-    """
-    import torch.multiprocessing as mp
-
-    os.environ["OMP_NUM_THREADS"] = "1"
-    # Forked workers start in milliseconds where spawned ones each import torch again (seconds of a
-    # shared core); CUDA cannot be forked into, so GPU workers are spawned.
-    method = "spawn" if backend() == "nccl" else "fork"
-    with tempfile.TemporaryDirectory(prefix="fourd-comm-") as out:
-        ctx = mp.start_processes(
-            _worker, args=(nproc, free_port(), out, fn, args, timeout_s), nprocs=nproc, join=False, start_method=method
-        )
-        deadline = time.monotonic() + timeout_s
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    if p.is_alive():
-                        p.kill()
-                raise TimeoutError(f"{nproc} comm workers did not finish within {timeout_s:.0f} s")
-        results = []
-        for rank in range(nproc):
-            with open(Path(out) / f"{rank}.pkl", "rb") as f:
-                results.append(pickle.load(f))
-        return results
+    be = backend()
+    ctx: Any = mp.get_context("spawn" if be == "nccl" else "forkserver")  # CUDA cannot be forked into
+    if be == "gloo":
+        ctx.set_forkserver_preload(_PRELOAD)
+    store = dist.TCPStore("127.0.0.1", 0, nproc + 1, is_master=True, wait_for_workers=False)
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_worker, args=(fn, r, nproc, store.port, timeout_s, args, results, be), daemon=True)
+        for r in range(nproc)
+    ]
+    for p in procs:
+        p.start()
+    got: dict = {}
+    try:
+        got = _collect(results, procs, timeout_s)
+    finally:
+        for p in procs:
+            p.join(timeout=5 if len(got) == nproc else 0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [got[r] for r in range(nproc)]

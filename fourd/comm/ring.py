@@ -1,14 +1,9 @@
-"""Ring all-reduce written on point-to-point send/recv, with its own accounting.
+"""Ring all-reduce written on point-to-point send/recv, with its own accounting (docs/comm.md).
 
-N ranks stand in a ring; the tensor is cut into N equal chunks (zero-padded at the end when N
-does not divide its length). N−1 reduce-scatter steps pass a chunk to the next rank, which adds it
-to its own copy, so that each rank ends holding one fully reduced chunk; N−1 all-gather steps
-then pass the reduced chunks round the ring. Each rank sends 2(N−1) chunks, 2(N−1)/N of the
-(padded) tensor: the lower bound for all-reduce (Patarasuk & Yuan 2009, Theorem 1).
-
-Each chunk travels in segments, so that a rank forwards the first segment of a chunk as soon as
-it has reduced it instead of waiting for the whole chunk: receiving, adding and sending overlap,
-which is what keeps large messages near the link's bandwidth.
+The tensor is cut into N chunks (zero-padded when N does not divide it); N−1 reduce-scatter steps pass a chunk
+to the next rank, which combines it with its own, then N−1 all-gather steps pass the reduced chunks round the
+ring: each rank sends 2(N−1)/N of the tensor, the lower bound for all-reduce (Patarasuk & Yuan 2009, Theorem
+1). Chunks travel in segments, so that receiving, combining and forwarding overlap.
 """
 
 from __future__ import annotations
@@ -39,12 +34,18 @@ class RingStats:
     messages: int = 0  # point-to-point sends (steps × segments)
 
 
-def ring_all_reduce(
-    tensor: torch.Tensor,
-    group: dist.ProcessGroup | None = None,
-    op=dist.ReduceOp.SUM,
-    segment_bytes: int = SEGMENT_BYTES,
-) -> RingStats:
+def _schedule(rank: int, n: int) -> tuple[list[bool], list[int], list[int]]:
+    """Per ring step: whether it reduces, the chunk received, the chunk sent. Step t sends chunk (rank − t) and
+    receives chunk (rank − t − 1) for t < N−1 (reduce-scatter, combining what arrives), then chunk
+    (rank + 1 − s) / (rank − s) for s = t − (N−1) (all-gather, received in place). What a rank receives at
+    step t is what it sends at step t + 1."""
+    reducing = [t < n - 1 for t in range(2 * (n - 1))]
+    recv_of = [(rank - t - 1) % n if r else (rank - (t - n + 1)) % n for t, r in enumerate(reducing)]
+    send_of = [(rank - t) % n if r else (rank + 1 - (t - n + 1)) % n for t, r in enumerate(reducing)]
+    return reducing, recv_of, send_of
+
+
+def ring_all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM, segment_bytes=SEGMENT_BYTES) -> RingStats:
     """Reduce `tensor` in place across `group` (default: the world), like `dist.all_reduce`."""
     if op not in _COMBINE:
         raise ValueError(f"ring_all_reduce supports SUM, PRODUCT, MAX and MIN, not {op}")
@@ -65,13 +66,7 @@ def ring_all_reduce(
     incoming = torch.empty(chunk, dtype=buf.dtype, device=buf.device)
     combine = _COMBINE[op]
 
-    # Step t sends chunk (rank − t) and receives chunk (rank − t − 1) for t < N−1 (reduce-scatter,
-    # adding what arrives), then chunk (rank + 1 − s) / (rank − s) for s = t − (N−1) (all-gather,
-    # receiving in place). What a rank receives at step t is what it sends at step t + 1.
-    steps = 2 * (n - 1)
-    reducing = [t < n - 1 for t in range(steps)]
-    recv_of = [(rank - t - 1) % n if reducing[t] else (rank - (t - n + 1)) % n for t in range(steps)]
-    send_of = [(rank - t) % n if reducing[t] else (rank + 1 - (t - n + 1)) % n for t in range(steps)]
+    steps, (reducing, recv_of, send_of) = 2 * (n - 1), _schedule(rank, n)
 
     def post(t: int, j: int):
         lo, hi = bounds[j], bounds[j + 1]

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 
+from fourd.errors import si
+
 
 def add_arguments(p):
     p.add_argument("preset", help="model preset: debug, small, llama3-8b, llama3-70b, llama3-405b")
@@ -35,8 +37,9 @@ def run(args) -> int:
     }
     if args.json:
         print(json.dumps(info))
-    else:
-        width = max(map(len, info))
-        for k, v in info.items():
-            print(f"{k:<{width}}  {v:,}" if isinstance(v, int) and not isinstance(v, bool) else f"{k:<{width}}  {v}")
+        return 0
+    width = max(map(len, info))
+    for k, v in info.items():
+        text = f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v)
+        print(f"{k:<{width}}  {text}" + (f" ({si(v)})" if k.endswith("params") else ""))
     return 0

@@ -1,15 +1,27 @@
-"""Start training workers through PyTorch's elastic launcher, even for one process, so that the path a
-laptop takes is the path `torchrun` takes across nodes (c10d rendezvous, restarts, worker env vars)."""
+"""Start training workers through PyTorch's elastic launcher, even for one process, so that the path a laptop
+takes is the path `torchrun` takes across nodes (c10d rendezvous, restarts, worker env vars).
+
+The launcher and its workers share a temporary folder ($FOURD_LAUNCH_DIR): a worker that fails leaves its
+one-line error there (rank-R.json) for the launcher to print once, and a SIGINT or SIGTERM that reaches the
+launcher alone is passed on as the file `stop`, read by every worker at each step boundary.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
-import socket
+import signal
+import sys
 import tempfile
 import uuid
+from pathlib import Path
 
-from fourd.errors import FourdError
+from fourd.comm.launch import free_port
+from fourd.errors import FourdError, RunFailed, plural
+
+LAUNCH_DIR_ENV = "FOURD_LAUNCH_DIR"
 
 
 def under_torchrun() -> bool:
@@ -17,10 +29,50 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def outcome(results) -> int:
+    """The exit status of workers that returned: 0, 128 + the signal that stopped them, or RunFailed (a message)."""
+    for r in results:
+        if isinstance(r, str):
+            raise RunFailed(r)
+    return 128 + max(results) if max(results) else 0
+
+
+@contextlib.contextmanager
+def _signals_to_file(folder: Path):
+    """While workers run, SIGINT and SIGTERM write `stop` for them instead of ending this process; a second one
+    (workers hung in a collective never reach a step boundary) ends it, and the agent then ends the workers."""
+    got: list[int] = []
+
+    def stop(signum, frame):
+        if got:
+            raise KeyboardInterrupt
+        got.append(signum)
+        (folder / "stop").write_text(str(signum))
+
+    before = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield got
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
+def _failure(e, folder: Path, max_restarts: int) -> FourdError:
+    """One line for a failed launch: the earliest error a worker of the last attempt left, else how it died."""
+    reports = [json.loads(p.read_text()) for p in folder.glob("rank-*.json")]
+    if reports:
+        last = [r for r in reports if r["attempt"] == max(r["attempt"] for r in reports)]
+        refused = [r for r in last if r["code"] == 2]  # bad input: every rank says it, rank 0 with the most context
+        if refused:
+            return FourdError(min(refused, key=lambda r: r["rank"])["message"])
+        first = min(last, key=lambda r: r["time"])  # a failure: the rank that met it first
+        return RunFailed(f"{first['message']} (after {plural(max_restarts, 'restart')}; --debug shows the traceback)")
+    rank, failure = min(e.failures.items())
+    why = f"signal {-failure.exitcode}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+    return RunFailed(
+        f"worker rank {rank} died ({why}) after {plural(max_restarts, 'restart')}: "
+        "--max-restarts R restarts the job from the newest checkpoint"
+    )
 
 
 def launch_local(nproc: int, max_restarts: int, entrypoint, *args) -> int:
@@ -29,32 +81,33 @@ def launch_local(nproc: int, max_restarts: int, entrypoint, *args) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+    if not os.environ.get("FOURD_DEBUG"):
+        for name in list(logging.root.manager.loggerDict):
+            if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")):
+                logging.getLogger(name).setLevel(logging.CRITICAL)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        run_id=f"fourd-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{free_port()}",
-        rdzv_configs={"timeout": 120},
-        max_restarts=max_restarts,
-        monitor_interval=0.1,
-        start_method="spawn",
-        logs_specs=DefaultLogsSpecs(log_dir=tempfile.mkdtemp(prefix="fourd-elastic-")),
-    )
-    try:
-        elastic_launch(config, entrypoint)(*args)
-    except ChildFailedError as e:
-        codes = {f.exitcode for f in e.failures.values()}
-        if codes == {2}:
-            return 2  # a worker refused bad input and already said why on stderr
-        rank, failure = min(e.failures.items())
-        why = f"signal {-failure.exitcode}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
-        raise FourdError(
-            f"worker rank {rank} failed ({why}) after {max_restarts} restart(s); "
-            "its error is above; --max-restarts R restarts the job from the newest checkpoint"
-        ) from None
-    return 0
+    with tempfile.TemporaryDirectory(prefix="fourd-elastic-") as tmp, _signals_to_file(Path(tmp)) as got:
+        os.environ[LAUNCH_DIR_ENV] = tmp
+        config = LaunchConfig(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=nproc,
+            run_id=f"fourd-{uuid.uuid4().hex[:8]}",
+            rdzv_backend="c10d",
+            rdzv_endpoint=f"127.0.0.1:{free_port()}",
+            rdzv_configs={"timeout": 120},
+            max_restarts=max_restarts,
+            monitor_interval=0.1,
+            start_method="spawn",
+            logs_specs=DefaultLogsSpecs(log_dir=os.path.join(tmp, "logs")),
+            # not SIGINT and SIGTERM: the agent would turn them into an exception that kills unsaved workers
+            signals_to_handle="SIGHUP,SIGQUIT",
+        )
+        try:
+            results = elastic_launch(config, entrypoint)(*args)
+        except ChildFailedError as e:
+            if got:
+                print(f"fourd: stopped by {signal.Signals(got[0]).name} before a checkpoint", file=sys.stderr)
+                return 128 + got[0]
+            raise _failure(e, Path(tmp), max_restarts) from None
+    return outcome(list(results.values()))

@@ -1,71 +1,44 @@
-"""Per-step metrics: MFU against the device's peak, memory, and where they are written
-(metrics.jsonl, TensorBoard, a progress bar or plain lines, and a closing summary)."""
+"""Per-step metrics: MFU against the device's peak, memory, and where they go (metrics.jsonl, TensorBoard, a
+progress bar or plain lines, and a closing summary)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
 import resource
 import sys
-import time
 from pathlib import Path
 
+from fourd.errors import FourdError
+
 # Dense BF16 peaks from the vendors' datasheets (TFLOP/s, without sparsity).
-GPU_PEAK_TFLOPS = {
-    "H100": 989.0,
-    "H200": 989.0,
-    "H800": 989.0,
-    "A100": 312.0,
-    "A800": 312.0,
-    "L40S": 362.0,
-    "A10G": 125.0,
-    "L4": 121.0,
-    "B200": 2250.0,
-    "GB200": 2500.0,
-}
+GPU_PEAK_TFLOPS = {"H100": 989, "H200": 989, "H800": 989, "A100": 312, "A800": 312, "L40S": 362, "A10G": 125,
+                   "L4": 121, "GB200": 2500, "B200": 2250}  # fmt: skip
 
 
-def measure_cpu_peak_flops(seconds: float = 1.0) -> float:
-    """Best FP32 matmul throughput of this machine with all cores (FLOP/s)."""
-    import torch
+def cpu_peak_flops(cache_dir: Path) -> tuple[float, str]:
+    """The best all-core FP32 matmul rate of this machine and where it comes from. Measured once and kept
+    (per CPU model and core count) only when the machine was quiet: on a busy one it reads low, and MFU high."""
+    from fourd.plan.calibrate import gemm_tflops
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or 1)
-    try:
-        best = 0.0
-        for n in (512, 1024, 2048, 1024, 2048):  # repeats: the best of several is the least disturbed
-            a, b = torch.randn(n, n), torch.randn(n, n)
-            a @ b
-            reps, t0 = 0, time.perf_counter()
-            while time.perf_counter() - t0 < seconds / 5 or reps < 2:
-                a @ b
-                reps += 1
-            best = max(best, 2 * n**3 * reps / (time.perf_counter() - t0))
-        return best
-    finally:
-        torch.set_num_threads(threads)
-
-
-def cpu_peak_flops(cache_dir: Path) -> float:
-    """The machine's measured peak, measured once (on a machine not busy with other work) and cached per
-    CPU model and core count."""
     key = f"{platform.processor() or platform.machine()}-{os.cpu_count()}"
     path = cache_dir / "cpu_peak.json"
-    try:
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
         cached = json.loads(path.read_text())
-        if cached.get("key") == key:
-            return float(cached["flops"])
-    except (OSError, ValueError, KeyError):
-        pass
-    flops = measure_cpu_peak_flops()
-    if os.getloadavg()[0] > (os.cpu_count() or 1):
-        return flops  # other work shares the cores: good for this run, too low to keep
+        if cached["key"] == key and cached["quiet"]:
+            return float(cached["flops"]), f"FP32 matmul measured on this machine when quiet, kept in {path}"
+    cores = os.cpu_count() or 1
+    flops = max(gemm_tflops(n, threads=cores, seconds=0.2) for n in (512, 1024, 2048)) * 1e12
+    load = os.getloadavg()[0]
+    if load > cores / 2:
+        return flops, f"FP32 matmul measured now on a busy machine, load {load:.1f}: MFU reads high"
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"key": key, "flops": flops}))
+    tmp.write_text(json.dumps({"key": key, "flops": flops, "quiet": True}))
     os.replace(tmp, path)
-    return flops
+    return flops, "FP32 matmul measured now on this quiet machine"
 
 
 def device_peak_flops(device_type: str, cache_dir: Path) -> tuple[float, str]:
@@ -74,17 +47,16 @@ def device_peak_flops(device_type: str, cache_dir: Path) -> tuple[float, str]:
         import torch
 
         name = torch.cuda.get_device_name()
-        for key, tflops in GPU_PEAK_TFLOPS.items():
-            if key in name:
-                return tflops * 1e12, f"{name} datasheet dense BF16"
-        return 989e12, f"{name} (unknown: assuming H100's 989 TFLOP/s)"
-    from fourd.errors import FourdError
+        tflops = next((v for k, v in GPU_PEAK_TFLOPS.items() if k in name), None)
+        if tflops is None:
+            return 989e12, f"{name} unknown: H100's 989 TFLOP/s assumed"
+        return tflops * 1e12, f"{name} datasheet, dense BF16"
     from fourd.plan.cluster import load_cluster
 
-    try:  # `fourd calibrate` measures the all-core rate more carefully than the quick benchmark below
-        return load_cluster("local").gpu.peak_tflops * 1e12, "`fourd calibrate` profile (local)"
+    try:  # `fourd calibrate` measures the all-core rate more carefully than the quick benchmark
+        return load_cluster("local").gpu.peak_tflops * 1e12, "the `fourd calibrate` profile of this machine"
     except FourdError:
-        return cpu_peak_flops(cache_dir), "measured FP32 matmul, all cores (run `fourd calibrate` to refine)"
+        return cpu_peak_flops(cache_dir)
 
 
 def peak_memory_gb(device_type: str) -> float:
@@ -98,63 +70,49 @@ def peak_memory_gb(device_type: str) -> float:
 class MetricsWriter:
     """Rank 0's outputs. metrics.jsonl is flushed every step so a crash loses nothing already logged."""
 
-    def __init__(self, run_dir: Path, total_steps: int, start_step: int, tensorboard: bool = True):
-        run_dir.mkdir(parents=True, exist_ok=True)
-        self.path = run_dir / "metrics.jsonl"
-        self._trim(start_step)
-        self.file = open(self.path, "a")
-        self.rows: list[dict] = []
-        self.tb = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
+    def __init__(self, run_dir: Path, total_steps: int, start_step: int):
+        from torch.utils.tensorboard import SummaryWriter
 
-                self.tb = SummaryWriter(str(run_dir / "tensorboard"))
-            except ImportError:
-                self.tb = None
+        self.path, self.rows = run_dir / "metrics.jsonl", list[dict]()
+        if self.path.exists():  # a resumed run rewrites the steps after its checkpoint
+            kept = []
+            for line in self.path.read_text().splitlines():
+                with contextlib.suppress(ValueError):  # a line a crash cut short is dropped
+                    kept += [line] if json.loads(line)["step"] <= start_step else []
+            self.path.with_suffix(".tmp").write_text("".join(line + "\n" for line in kept))
+            os.replace(self.path.with_suffix(".tmp"), self.path)
+        self.file, self.tb = open(self.path, "a"), SummaryWriter(str(run_dir / "tensorboard"))
         self.bar = None
         if sys.stdout.isatty():
             from tqdm import tqdm
 
             self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
 
-    def _trim(self, start_step: int) -> None:
-        """A resumed run rewrites the steps after its checkpoint: keep the rows before it only."""
-        if not self.path.exists():
-            return
-        keep = [
-            line
-            for line in self.path.read_text().splitlines()
-            if line.strip() and json.loads(line)["step"] <= start_step
-        ]
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(line + "\n" for line in keep))
-        os.replace(tmp, self.path)
-
     def log(self, row: dict, show: bool) -> None:
         self.rows.append(row)
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
-        if self.tb is not None:
-            for k, v in row.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self.tb.add_scalar(f"train/{k}", v, row["step"])
+        for k, v in row.items():
+            if k != "step":
+                self.tb.add_scalar(f"val/{k[4:]}" if k.startswith("val_") else f"train/{k}", v, row["step"])
         text = (
             f"loss {row['loss']:.4f}  lr {row['lr']:.2e}  grad {row['grad_norm']:.3f}  "
             f"{row['tokens_per_s']:,.0f} tok/s  mfu {100 * row['mfu']:.1f}%"
-        )
+        ) + (f"  held-out {row['val_loss']:.4f}" if "val_loss" in row else "")
         if self.bar is not None:
             self.bar.set_postfix_str(text, refresh=False)
             self.bar.update(1)
         elif show:
-            print(f"step {row['step']:>5}  {text}  {row['step_time_s']:.3f} s", flush=True)
+            print(f"step {row['step']:>5}  {text}  {seconds(row['step_time_s'])}", flush=True)
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        if self.tb is not None:
-            self.tb.close()
-        self.file.close()
+        for closing in (self.bar, self.tb, self.file):
+            if closing is not None:
+                closing.close()
+
+
+def seconds(s: float) -> str:
+    return f"{s:.2f} s" if s >= 1 else f"{s * 1e3:.1f} ms"
 
 
 def summary_table(rows: list[dict], extra: dict[str, str], predicted: dict | None = None) -> str:
@@ -176,10 +134,12 @@ def summary_table(rows: list[dict], extra: dict[str, str], predicted: dict | Non
         ("steps", f"{rows[0]['step']} .. {rows[-1]['step']}"),
         ("loss", f"{rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f} (min {min(r['loss'] for r in rows):.4f})"),
         ("tokens/s", f"{got['tokens_per_s']:,.0f} (mean after the first step)" + beside("tokens_per_s", "{:,.0f}")),
-        ("step time", f"{got['step_time_s']:.3f} s" + beside("step_time_s", "{:.3f} s")),
+        ("step time", seconds(got["step_time_s"]) + beside("step_time_s", "{:.3f} s")),
         ("MFU", f"{100 * got['mfu']:.2f} %" + beside("mfu", "{:.2%}")),
         ("peak memory", f"{got['peak_mem_gb']:.2f} GB per rank" + beside("peak_mem_gb", "{:.2f} GB")),
     ]
+    for r in [r for r in rows if "val_loss" in r][-1:]:
+        items.append(("held-out loss", f"{r['val_loss']:.4f}, perplexity {r['val_ppl']:.2f}, at step {r['step']}"))
     if "bubble_fraction" in rows[-1]:
         items.append(("pipeline bubble", f"{100 * mean('bubble_fraction'):.1f} % (measured)"))
     items += list(extra.items())

@@ -1,214 +1,296 @@
-"""One training worker: build the model, apply the layout's parallelism from outside, run the loop.
-
-Parallelism is applied in the order of the mesh: pipeline split → TP → CP → DP (FSDP over dp×cp).
-Every rank sees the same global batch of the same step (the data order depends on the seed only), so
-any layout reproduces the single-process run up to floating-point rounding.
-"""
+"""One training worker: the parallel model, then the loop around fourd.train.step (fault injection, heartbeat,
+held-out evaluation, metrics, checkpoints). Every rank sees the same global batch of the same step, so any layout
+reproduces the single-process run up to rounding. A SIGINT or SIGTERM sets a flag; the ranks agree on it at each
+step boundary (an all-reduce MAX), save a checkpoint and return the signal."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import math
 import os
 import signal
 import sys
 import time
+import traceback
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from fourd.ckpt.dcp_io import Checkpointer
 from fourd.config import Config, model_config
 from fourd.data.dataset import SampleStream, TokenCache
-from fourd.errors import FourdError
-from fourd.parallel.apply import Parallel, build_parallel
+from fourd.errors import FourdError, RunFailed, plural
+from fourd.parallel.apply import build_parallel
 from fourd.train.auto import predict
 from fourd.train.heartbeat import Heartbeat
+from fourd.train.launch import LAUNCH_DIR_ENV
 from fourd.train.metrics import MetricsWriter, peak_memory_gb, summary_table
 from fourd.train.step import build_optimizer, lr_at, train_step
 
+_STOP = [0]  # the signal that asked this worker to stop; 0: none
 
-def run_worker(cfg: Config, cache: TokenCache, peak_flops: float, peak_source: str) -> None:
-    rank = int(os.environ.get("RANK", 0))
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+
+def use_cuda(cfg: Config) -> bool:
+    return torch.cuda.is_available() and cfg.train.dtype != "fp32"
+
+
+def worker_entry(cfg_dict: dict, cache: TokenCache, data: dict, peak: tuple[float, str]) -> int | str:
+    """What each launched process runs: 0 when the run ended, the signal that stopped it, or the message of
+    a failure every rank met at once (a diverged loss: no restart can help). Other failures exit non-zero."""
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, lambda signum, frame: _STOP.__setitem__(0, signum))
+    cfg = Config.from_dict(cfg_dict)
+    try:
+        return run_worker(cfg, cache, data, peak)
+    except Exception as e:
+        _report(e, cfg)
+        sys.exit(2 if type(e) is FourdError else 1)
+
+
+def _report(e: Exception, cfg: Config) -> None:
+    """Leave a failure's one line for the launcher (printed once), or print it when the job will restart."""
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    use_cuda = torch.cuda.is_available() and cfg.train.dtype != "fp32"
-    if use_cuda:
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+    message = str(e) if isinstance(e, FourdError) else f"{type(e).__name__}: {e}".splitlines()[0]
+    if os.environ.get("FOURD_DEBUG"):
+        traceback.print_exc()
+    folder = os.environ.get(LAUNCH_DIR_ENV)
+    if attempt < cfg.run.max_restarts and type(e) is not FourdError:
+        print(f"fourd: warning: {message}; the job restarts from the newest checkpoint", file=sys.stderr, flush=True)
+    elif folder is None:
+        print(f"fourd: error: {message}", file=sys.stderr, flush=True)
+    if folder is not None:
+        rank, code = int(os.environ.get("RANK", 0)), 2 if type(e) is FourdError else 1
+        report = dict(rank=rank, attempt=attempt, time=time.time(), message=message, code=code)
+        Path(folder, f"rank-{rank}.json").write_text(json.dumps(report))
+
+
+def run_worker(cfg: Config, cache: TokenCache, data: dict, peak: tuple[float, str]) -> int | str:
+    rank, world, local = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    device = torch.device("cuda", local) if use_cuda(cfg) else torch.device("cpu")
+    cuda = {"device_id": device} if device.type == "cuda" else {}
+    if cuda:
+        torch.cuda.set_device(local)
     else:
-        device = torch.device("cpu")
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     timeout = timedelta(seconds=cfg.train.timeout_s)
     # The elastic agent keeps one TCP store for all restarts of the job: without a key prefix per
     # attempt, a restarted worker would read its peers' addresses from the failed attempt and hang.
-    store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
-    store = dist.PrefixStore(f"fourd/attempt{attempt}", store)
-    dist.init_process_group(
-        "nccl" if use_cuda else "gloo",
-        store=store,
-        rank=rank,
-        world_size=world,
-        timeout=timeout,
-        **({"device_id": device} if use_cuda else {}),
-    )
+    store = dist.PrefixStore(f"fourd/attempt{attempt}", next(dist.rendezvous("env://", timeout=timeout))[0])
+    backend = "nccl" if cuda else "gloo"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **cuda)
     # The digest gathers 2-D-sharded parameters once per checkpoint; DTensor's advice on merging those
     # all-gathers is about throughput, not correctness, and would flood every rank's log.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     beats = Heartbeat(rank, world, store)
     try:
-        _train(cfg, cache, peak_flops, peak_source, rank, world, attempt, device, beats)
+        return _Run(cfg, cache, data, peak, device, beats).loop()
     except FourdError:
         raise
     except Exception as e:
         # A collective that timed out or lost a peer: say which rank did not keep up, and at which step.
-        print(f"fourd: error: rank {rank}: {beats.report(e)}", file=sys.stderr, flush=True)
-        raise
+        raise RunFailed(f"rank {rank}: {beats.report(e)}") from e
     finally:
         dist.destroy_process_group()
 
 
-def _train(cfg, cache, peak_flops, peak_source, rank, world, attempt, device, beats) -> None:
-    torch.manual_seed(cfg.train.seed)
-    par = build_parallel(cfg, device, rank, world)
-    t, lay = cfg.train, par.layout
-    seq = cfg.data.seq_len
-    B = t.global_batch
-    per_dp = B // lay.dp
-    stream = SampleStream(cache, seq, t.seed, cfg.data.holdout_fraction)
-    opt = build_optimizer(par, cfg)
-    amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else _no_amp
-    run_dir = Path(cfg.run.dir)
-    ckpt = Checkpointer(
-        run_dir,
-        par.stages,
-        opt,
-        model_cfg=model_config(cfg),
-        layout=str(lay),
-        contributes=all(par.coords[d] == 0 for d in ("tp", "cp", "dp")),
-        keep=cfg.checkpoint.keep,
-        async_save=cfg.checkpoint.async_save,
-        attempt=attempt,
-        info={"seed": t.seed, "global_batch": B, "steps": t.steps},
-    )
-    start_step, start_sample = ckpt.resume() or (0, 0)
-    if start_step > t.steps:
-        raise FourdError(
-            f"{run_dir} has a checkpoint at step {start_step}, beyond --steps {t.steps}: "
-            "ask for more steps or use another --run-dir"
+class _Run:
+    """A worker's run: its part of the model, the optimizer, data, checkpointer and outputs; `loop` trains."""
+
+    def __init__(self, cfg: Config, cache: TokenCache, data: dict, peak: tuple[float, str], device, beats):
+        self.cfg, self.device, self.beats, self.peak = cfg, device, beats, peak
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        torch.manual_seed(cfg.train.seed)
+        self.par = build_parallel(cfg, device, self.rank, self.world)
+        self.opt = build_optimizer(self.par, cfg)
+        cuda = device.type == "cuda"
+        self.amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
+        self.stream = SampleStream(cache, cfg.data.seq_len, cfg.train.seed, cfg.data.holdout_fraction)
+        self.dir, c = Path(cfg.run.dir), cfg.checkpoint
+        first = all(self.par.coords[d] == 0 for d in ("tp", "cp", "dp"))  # one rank per stage sends its weights
+        kw: dict[str, Any] = dict(
+            keep=c.keep, async_save=c.async_save, attempt=self.attempt, layout=str(self.par.layout)
         )
-    writer = MetricsWriter(run_dir, t.steps, start_step) if rank == 0 else None
-    flops_per_step = model_config(cfg).flops_per_token(seq) * B * seq
-    hw_flops_per_step = model_config(cfg).flops_per_token(seq, par.setting.recompute) * B * seq  # with recomputation
-    if rank == 0:
-        print(
-            f"fourd train: {cfg.model.preset} model, layout {lay} ({world} rank{'s' if world > 1 else ''}, "
-            f"{device.type}), {B} x {seq} tokens per step, data: {cache.source}",
-            flush=True,
+        kw |= dict(model_cfg=model_config(cfg), contributes=first, info={"config": cfg.to_dict(), "data": data})
+        self.ckpt = Checkpointer(self.dir, self.par.stages, self.opt, **kw)
+        self.writer: MetricsWriter | None = None
+        self.per_dp = cfg.train.global_batch // self.par.layout.dp
+        self.tokens = cfg.train.global_batch * cfg.data.seq_len
+        self.flops_per_step = model_config(cfg).flops_per_token(cfg.data.seq_len) * self.tokens
+        # hardware FLOPs: the model's and what recomputation repeats
+        recompute = self.par.setting.recompute
+        self.hw_flops_per_step = model_config(cfg).flops_per_token(cfg.data.seq_len, recompute) * self.tokens
+        # MFU's denominator: every GPU's peak; on a CPU the ranks share the cores the peak was measured on.
+        self.peak_total = peak[0] * (self.world if cuda else 1)
+
+    def loop(self) -> int | str:
+        t, interval = self.cfg.train, self.cfg.checkpoint.interval
+        step, sample = self.ckpt.resume() or (0, 0)
+        if step == 0 and t.init_from:
+            self._init_weights()
+        if step > t.steps:
+            raise FourdError(
+                f"{self.dir} has a checkpoint at step {step}, beyond train.steps = {t.steps}: ask for more --steps"
+            )
+        self.writer = MetricsWriter(self.dir, t.steps, step) if self.rank == 0 else None
+        saved = step
+        while step < t.steps:
+            step += 1
+            row = self._step(step, sample)
+            sample += t.global_batch
+            if not (math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])):
+                return self._end(self._diverged(row))
+            if self.writer is not None:
+                self.writer.log(row, show=step % t.log_every == 0 or step == t.steps)
+            if step == t.steps or (interval and step % interval == 0):
+                self.ckpt.save(step, sample)
+                saved = step
+            stop = self._stop_agreed()
+            if stop and step < t.steps:
+                if saved != step:
+                    self.ckpt.save(step, sample)
+                name = signal.Signals(stop).name
+                return self._end(
+                    stop,
+                    f"stopped by {name} after step {step}; checkpoint {self.dir}/checkpoints/"
+                    f"step-{step} saved; continue with `fourd train --resume {self.dir}`",
+                )
+        lay, flops, source = self.par.layout, *self.peak
+        facts = {"layout": f"{lay} on {plural(self.world, self.device.type + ' rank')}", "run dir": str(self.dir)}
+        facts["MFU peak"] = f"{flops / 1e12:.3f} TFLOP/s, {source}"
+        if self.writer is None:
+            return self._end(0)
+        predicted = predict(self.cfg, flops, self.world, self.device.type)
+        return self._end(0, summary_table(self.writer.rows, facts, predicted))
+
+    def _end(self, result: int | str, text: str = ""):
+        self.ckpt.wait()
+        if self.writer is not None:
+            self.writer.close()
+            if text:
+                print(text if result == 0 else f"fourd: {text}", flush=True)
+        return result
+
+    def _diverged(self, row: dict) -> str:
+        from fourd.ckpt.store import latest
+
+        newest = latest(self.dir)
+        kept = f"the newest checkpoint, {newest}, is kept" if newest else "no checkpoint was saved before it"
+        return (
+            f"step {row['step']}: the loss is {row['loss']} and the gradient norm {row['grad_norm']}: training "
+            f"diverged; {kept}, and nothing of this step was saved: lower train.lr (it is {self.cfg.train.lr:g})"
         )
-    for step in range(start_step + 1, t.steps + 1):
-        if attempt == 0 and step == cfg.fault.at_step and rank == cfg.fault.kill_rank:
-            os.kill(os.getpid(), signal.SIGKILL)
-        if attempt == 0 and step == cfg.fault.at_step and rank == cfg.fault.hang_rank:
-            time.sleep(10 * t.timeout_s)
-        beats.beat(step)
-        ckpt.poll()
+
+    def _step(self, step: int, sample: int) -> dict:
+        cfg = self.cfg
+        if self.attempt == 0 and step == cfg.fault.at_step:
+            if self.rank == cfg.fault.kill_rank:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if self.rank == cfg.fault.hang_rank:
+                time.sleep(10 * cfg.train.timeout_s)
+        self.beats.beat(step)
+        self.ckpt.poll()
         t0 = time.perf_counter()
-        first = start_sample + (step - start_step - 1) * B  # the global sample index: same stream at any dp
-        x, y = _batch(par, stream, first, per_dp, device)
+        # the global sample index: the same stream at any dp
+        x, y = self._inputs(self.stream.samples(sample + self.par.data_rank * self.per_dp, self.per_dp))
         lr = lr_at(step, cfg)
-        loss, grad_norm = train_step(par, opt, x, y, lr, cfg, amp)
-        if device.type == "cuda":
+        loss, grad_norm = train_step(self.par, self.opt, x, y, lr, cfg, self.amp)
+        if self.device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
-        if writer is not None:
-            row = {
-                "step": step,
-                "loss": loss,
-                "lr": lr,
-                "grad_norm": float(grad_norm),
-                "tokens_per_s": B * seq / dt,
-                "step_time_s": dt,
-                "mfu": flops_per_step / dt / (peak_flops * (world if device.type == "cuda" else 1)),
-                "hfu": hw_flops_per_step / dt / (peak_flops * (world if device.type == "cuda" else 1)),
-                "peak_mem_gb": peak_memory_gb(device.type),
-                "tokens": step * B * seq,
-            }
-            if par.runner is not None:
-                row["bubble_fraction"] = par.runner.bubble_fraction
-            writer.log(row, show=step % t.log_every == 0 or step == t.steps)
-        if step == t.steps and par.runner is not None and cfg.run.trace:
-            _write_trace(par, run_dir / "trace.json")
-        interval = cfg.checkpoint.interval
-        if step == t.steps or (interval and step % interval == 0):
-            ckpt.save(step, first + B)
-    ckpt.wait()
-    if writer is not None:
-        writer.close()
-        print(
-            summary_table(
-                writer.rows,
-                {
-                    "layout": f"{lay} on {world} {device.type} rank(s)",
-                    "MFU peak": f"{peak_flops / 1e12:.3f} TFLOP/s ({peak_source})",
-                    "run dir": str(run_dir),
-                },
-                predict(cfg, peak_flops, world, device.type),
-            ),
-            flush=True,
-        )
+        row = dict(step=step, loss=loss, lr=lr, grad_norm=float(grad_norm), tokens_per_s=self.tokens / dt)
+        row |= dict(step_time_s=dt, mfu=self.flops_per_step / dt / self.peak_total, tokens=step * self.tokens)
+        row["hfu"] = self.hw_flops_per_step / dt / self.peak_total
+        row["peak_mem_gb"] = peak_memory_gb(self.device.type)
+        if self.par.runner is not None:
+            row["bubble_fraction"] = self.par.runner.bubble_fraction
+            if step == cfg.train.steps and cfg.run.trace:
+                self._write_trace(self.dir / "trace.json")
+        every = cfg.eval.every
+        if every and (step % every == 0 or step == cfg.train.steps) and math.isfinite(loss):
+            row.update(self._evaluate())
+        return row
 
+    def _inputs(self, rows: np.ndarray):
+        """This rank's inputs and targets from its [sequences, seq_len + 1] token windows."""
+        batch = torch.from_numpy(rows).to(self.device)
+        x, y = batch[:, :-1], batch[:, 1:]
+        if self.par.layout.cp > 1:
+            from fourd.parallel.cp import cp_shard
 
-def _batch(par: Parallel, stream: SampleStream, first: int, per_dp: int, device):
-    """This rank's inputs and targets of the step whose global batch starts at sample `first`."""
-    batch = torch.from_numpy(stream.samples(first + par.data_rank * per_dp, per_dp)).to(device)
-    x, y = batch[:, :-1], batch[:, 1:]
-    if par.layout.cp > 1:
-        from fourd.parallel.cp import cp_shard
+            x, y = (cp_shard(v, self.par.coords["cp"], self.par.layout.cp, dim=1) for v in (x, y))
+        return x, y
 
-        x, y = (cp_shard(v, par.coords["cp"], par.layout.cp, dim=1) for v in (x, y))
-    return x, y
+    def _evaluate(self) -> dict:
+        """Held-out loss and perplexity over the first eval.batches global batches of windows of the corpus
+        tail that training never reads; the same windows, so the same figure, at every layout."""
+        seq, big = self.cfg.data.seq_len, self.cfg.train.global_batch
+        tail = self.stream.holdout()
+        n = min(self.cfg.eval.batches, (len(tail) - 1) // seq // big)
+        total = 0.0
+        for b in range(n):
+            first = b * big + self.par.data_rank * self.per_dp
+            rows = np.stack([tail[(first + k) * seq : (first + k + 1) * seq + 1] for k in range(self.per_dp)])
+            total += self._held_out_loss(*self._inputs(rows))
+        return {"val_loss": total / n, "val_ppl": math.exp(min(total / n, 700.0))}
 
+    def _held_out_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """The global batch's mean loss without an update. A pipeline runs its whole schedule, backward
+        included; those gradients are dropped."""
+        par, m = self.par, self.cfg.parallel.microbatches
+        if par.runner is not None:
+            with self.amp():
+                loss = par.runner.step(x, y)
+            self.opt.zero_grad(set_to_none=True)
+        else:
+            from fourd.parallel.apply import loss_fn
 
-def _write_trace(par: Parallel, path: Path) -> None:
-    """The pipeline actions of this step on every rank, as one Chrome trace (opens in Perfetto and the lab)."""
-    c = par.coords
-    events = [
-        {
-            "ph": "M",
-            "name": "process_name",
-            "pid": par.rank,
-            "args": {"name": f"rank {par.rank} (pp={c['pp']} tp={c['tp']} cp={c['cp']} dp={c['dp']})"},
-        }
-    ]
-    events += par.runner.trace_events(pid=par.rank)
-    gathered: Any = [None] * dist.get_world_size() if par.rank == 0 else None
-    dist.gather_object(events, gathered, dst=0)
-    if par.rank == 0:
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(
-            json.dumps({"traceEvents": [e for rank_events in gathered for e in rank_events], "displayTimeUnit": "ms"})
-        )
-        os.replace(tmp, path)
+            with torch.no_grad(), self.amp():
+                loss = sum(loss_fn(par.layout)(par.stages[0](a), b) for a, b in zip(x.chunk(m), y.chunk(m))) / m
+        loss = loss.detach().float().reshape(())
+        if self.world > 1:
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG)  # over the dp×cp ranks, i.e. the global batch
+        return loss.item()
 
+    def _stop_agreed(self) -> int:
+        """The signal that stops the run at this step boundary, agreed by every rank; 0: go on."""
+        stop, folder = _STOP[0], os.environ.get(LAUNCH_DIR_ENV)
+        if not stop and folder and os.path.exists(os.path.join(folder, "stop")):
+            stop = int(Path(folder, "stop").read_text() or signal.SIGTERM)
+        flag = torch.tensor(stop, device=self.device)
+        if self.world > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag)
 
-class _no_amp:
-    def __enter__(self):
-        return None
+    def _init_weights(self) -> None:
+        """Start from --init-from's weights: the full state dict on every rank, each keeping its part."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    def __exit__(self, *exc):
-        return False
+        from fourd.train.cli import init_source
 
+        _, sd = init_source(self.cfg.train.init_from, weights=True)
+        for stage in self.par.stages:
+            part = {k: sd[k] for k in stage.state_dict()}
+            set_model_state_dict(stage, part, options=StateDictOptions(full_state_dict=True))
+        if self.rank == 0:
+            print(f"fourd: starting from the weights of {self.cfg.train.init_from}", flush=True)
 
-def worker_entry(cfg_dict: dict, cache: TokenCache, peak_flops: float, peak_source: str) -> None:
-    """The function each launched process runs (picklable for the elastic launcher)."""
-    cfg = Config.from_dict(cfg_dict)
-    try:
-        run_worker(cfg, cache, peak_flops, peak_source)
-    except FourdError as e:
-        print(f"fourd: error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+    def _write_trace(self, path: Path) -> None:
+        """This step's pipeline actions on every rank, as one Chrome trace (opens in Perfetto and the lab)."""
+        c = self.par.coords
+        name = f"rank {self.rank} (pp={c['pp']} tp={c['tp']} cp={c['cp']} dp={c['dp']})"
+        events = [{"ph": "M", "name": "process_name", "pid": self.rank, "args": {"name": name}}]
+        events += self.par.runner.trace_events(pid=self.rank)
+        gathered: list | None = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(events, gathered, dst=0)
+        if gathered is not None:
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"traceEvents": [e for part in gathered for e in part], "displayTimeUnit": "ms"}))
+            os.replace(tmp, path)
