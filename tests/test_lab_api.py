@@ -150,7 +150,7 @@ def test_plan_panel_is_fourd_plan_with_one_memory_bar_per_pipeline_rank():
     plan = d["plan"]
     assert plan["layout"] == {"tp": 8, "cp": 1, "pp": 16, "dp": 128}
     assert (plan["schedule"], plan["microbatches"], plan["micro_batch_seqs"]) == ("interleaved", 16, 1)
-    assert plan["chosen_by_planner"] == ["virtual stages", "zero", "recompute"]
+    assert plan["chosen_by_planner"] == ["virtual stages", "zero", "recompute", "compile"]
     assert d["gpu_memory_gb"] == 80.0
     assert [b["label"] for b in d["memory"]] == [f"pipeline rank {r}" for r in range(16)]
     # the plan's memory is its fullest GPU's

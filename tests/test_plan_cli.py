@@ -59,7 +59,7 @@ def test_json_plan_has_the_contract_keys_and_never_imports_torch():
     assert d["tokens_per_s"] == pytest.approx(16777216 / d["step_time_s"])
     assert d["mfu"] == pytest.approx(d["tflops_per_gpu"] / 989.0)
     assert d["placement"] == {"tp": "nvlink", "cp": "single", "pp": "pod", "dp": "cross-pod"}
-    assert d["chosen_by_planner"] == ["virtual stages", "microbatches", "zero", "recompute"]
+    assert d["chosen_by_planner"] == ["virtual stages", "microbatches", "zero", "recompute", "compile"]
 
 
 def test_training_days_from_a_token_budget():
@@ -190,7 +190,7 @@ def test_user_profile_wins_over_the_preset_and_paths_work(tmp_path):
     path.write_text(faster)
     par = Parallelism(Layout(8, 1, 16, 64), "interleaved", base["microbatches"], base["virtual_stages"], base["zero"],
                       base["recompute"], sequence_parallel=True)  # fmt: skip
-    want = evaluate(Job(get_preset("llama3-405b"), load_cluster(str(path)), par, 8192, 2048)).step.step_s
+    want = evaluate(Job(get_preset("llama3-405b"), load_cluster(str(path)), par, 8192, 2048, compiled=True)).step.step_s
     assert (mine["microbatches"], mine["virtual_stages"], mine["zero"], mine["recompute"]) == (32, 8, 1, "selective")
     assert mine["step_time_s"] == want and base["step_time_s"] != want
     args = [a if a != "llama3-h100" else str(path) for a in ROW1]

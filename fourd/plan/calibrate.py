@@ -159,41 +159,40 @@ def attention_rates(seqs, head_dims, seconds: float = SAMPLE_S) -> list[tuple[in
 
 
 def elementwise_rate(tokens: int = 4096, seconds: float = 0.1) -> float:
-    """GB/s, in the bytes the planner counts (fused kernels, one read and one write each; backward twice
-    the forward's), that one thread reaches running a `small` layer's elementwise ops eagerly: two
-    RMSNorms, RoPE on q and k, SiLU·mul and two residual adds, forward and backward."""
+    """GB/s, in the bytes fourd.plan.block counts for fourd's eager block, that one thread reaches running a
+    `small` layer's memory-bound ops as the model does: two RMSNorms, RoPE on q and k, the GQA repeat of k
+    and v, SiLU·mul and two residual adds, forward and backward."""
     import torch
     import torch.nn.functional as F
 
+    from fourd.layout import Layout, Parallelism
     from fourd.model.config import get_preset
     from fourd.model.llama import RMSNorm, apply_rope, rope_table
-    from fourd.plan.perf import elementwise_bytes
+    from fourd.plan.block import traffic
+    from fourd.plan.cluster import load_cluster
+    from fourd.plan.job import Job
 
-    cfg = get_preset("small")
-    seq = 256
-    b = tokens // seq
+    cfg, seq = get_preset("small"), 256
     cos, sin = rope_table(cfg.head_dim, torch.arange(seq), cfg.rope_theta)
     norms = RMSNorm(cfg.dim, cfg.norm_eps), RMSNorm(cfg.dim, cfg.norm_eps)
 
     def leaf(*shape):
-        return torch.randn(b, seq, *shape).requires_grad_()
+        return torch.randn(tokens // seq, seq, *shape).requires_grad_()
 
-    x, attn, ff = leaf(cfg.dim), leaf(cfg.dim), leaf(cfg.dim)
-    q, k = leaf(cfg.heads, cfg.head_dim), leaf(cfg.kv_heads, cfg.head_dim)
-    gate, up = leaf(cfg.ffn), leaf(cfg.ffn)
+    x, attn, ff, gate, up = leaf(cfg.dim), leaf(cfg.dim), leaf(cfg.dim), leaf(cfg.ffn), leaf(cfg.ffn)
+    q, k, v = leaf(cfg.heads, cfg.head_dim), leaf(cfg.kv_heads, cfg.head_dim), leaf(cfg.kv_heads, cfg.head_dim)
+    rep = cfg.heads // cfg.kv_heads
 
     def forward():
         h = x + attn
-        return [norms[0](x), apply_rope(q, cos, sin), apply_rope(k, cos, sin), norms[1](h), F.silu(gate) * up, h + ff]
+        kv = [t.transpose(1, 2).repeat_interleave(rep, dim=1) for t in (apply_rope(k, cos, sin), v)]
+        return [norms[0](x), apply_rope(q, cos, sin), *kv, norms[1](h), F.silu(gate) * up, h + ff]
 
     grads = [torch.randn_like(t) for t in forward()]
-
-    def both():
-        torch.autograd.backward(forward(), grads)
-
-    total = best_seconds(both, seconds)
-    fwd_bytes = elementwise_bytes(cfg, tokens, 1, 4)[0]
-    return 3 * fwd_bytes / total / 1e9
+    total = best_seconds(lambda: torch.autograd.backward(forward(), grads), seconds)
+    work = Job(cfg, load_cluster("dgx-h100"), Parallelism(Layout()), seq, tokens // seq, "fp32").work
+    t = traffic(work)
+    return tokens * (t.forward + t.backward) / total / 1e9
 
 
 def optimizer_rate(seconds: float = 0.1) -> float:

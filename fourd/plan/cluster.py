@@ -270,10 +270,15 @@ def placement(layout) -> dict[str, Group]:
     }
 
 
-def shard_group(layout) -> Group:
+def shard_group(layout, replicas: int = 1) -> Group:
     """The cp·dp ranks that hold the same weights (one TP and PP position): they reduce gradients together
-    and ZeRO shards over them (FSDP over dp×cp, as the trainer and Llama 3 do). Modelled as one ring spread
-    evenly over the span of the DP group (exact when cp or dp is 1)."""
+    and ZeRO shards over them (FSDP over dp×cp, as the trainer and Llama 3 do), or over 1/`replicas` of them
+    with HSDP. Modelled as one ring spread evenly over the span of the DP group (exact when cp or dp is 1)."""
     if layout.dp == 1:
         return Group(layout.cp, layout.tp, layout.world)
-    return Group(layout.cp * layout.dp, layout.tp * layout.pp, layout.world)
+    return Group(layout.cp * layout.dp // replicas, layout.tp * layout.pp, layout.world)
+
+
+def replica_group(layout, replicas: int) -> Group:
+    """HSDP: the ranks holding the same shard in each of the `replicas` groups (outermost)."""
+    return Group(replicas, layout.world // replicas, layout.world)

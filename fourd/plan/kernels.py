@@ -14,9 +14,11 @@ from fourd.plan.cluster import Cluster, Group, group_bandwidth
 
 KERNEL_LAUNCH_S = 4e-6  # CUDA kernel launch and tail, per GEMM on a GPU
 GPU_TILES = ((128, 128), (128, 256), (256, 128))  # output tiles cuBLAS picks among for large BF16 GEMMs
+GEMM_K_OVERHEAD = 380  # a tile's prologue and epilogue, in units of the inner dimension k: rate · k / (k + this)
 FA_BACKWARD_FLOPS = 2.5  # FlashAttention's backward redoes QK^T: 5 matmuls to the forward's 2 (Dao 2023 §3.1)
 FA_HALF_LENGTH = 384  # attention kernels lose efficiency on short sequences: eff · L/(L+384)
 ADAM_BYTES = {2: 30, 4: 32}  # HBM bytes per owned parameter in an Adam update (read+write states, grad, weight)
+HBM_EFFICIENCY = 0.9  # memory-bound kernels stream at this share of the datasheet bandwidth (assumed)
 
 
 def _wave_utilization(m: int, n: int, sms: int) -> float:
@@ -70,23 +72,22 @@ def gemm_time(m: int, n: int, k: int, cluster: Cluster, dtype_bytes: int = 2) ->
         return flops / (_interpolate([((s.m, s.n, s.k), s.tflops) for s in gpu.gemm_shapes], (m, n, k)) * 1e12)
     if gpu.gemm:
         return flops / (_interpolate([((2 * s.m * s.n * s.k,), s.tflops) for s in gpu.gemm], (flops,)) * 1e12)
-    util = _wave_utilization(m, n, gpu.sms) if gpu.sms else 1.0
+    util = _wave_utilization(m, n, gpu.sms) * k / (k + GEMM_K_OVERHEAD) if gpu.sms else 1.0
     compute = flops / (gpu.peak_tflops * 1e12 * gpu.gemm_efficiency * util)
-    memory = dtype_bytes * (m * k + k * n + m * n) / (gpu.hbm_bw_gbps * 1e9)
+    memory = dtype_bytes * (m * k + k * n + m * n) / (gpu.hbm_bw_gbps * HBM_EFFICIENCY * 1e9)
     return max(compute, memory) + (KERNEL_LAUNCH_S if gpu.sms else 0.0)
 
 
 def elementwise_time(nbytes: float, cluster: Cluster) -> float:
-    """Seconds of a model's memory-bound kernels that move `nbytes` as fused kernels would. On GPUs they
-    stream at HBM bandwidth; a CPU profile measures eager torch, one op and one pass at a time, and the
-    rate it gives these same counted bytes (`elementwise_gbps`) wins."""
-    return nbytes / ((cluster.gpu.elementwise_gbps or cluster.gpu.hbm_bw_gbps) * 1e9)
+    """Seconds of memory-bound kernels that move `nbytes` (fourd.plan.block counts them): at a share of HBM
+    bandwidth on GPUs, at the rate a CPU profile measured for eager torch on those counted bytes."""
+    return nbytes / (cluster.gpu.elementwise_gbps or cluster.gpu.hbm_bw_gbps * HBM_EFFICIENCY) / 1e9
 
 
 def optimizer_time(params: float, cluster: Cluster, dtype_bytes: int = 2) -> float:
     """Seconds of an Adam update of `params` parameters: ADAM_BYTES each at HBM bandwidth, or at the rate
     a CPU profile measured for torch's AdamW going parameter by parameter (`optimizer_gbps`)."""
-    rate = cluster.gpu.optimizer_gbps or cluster.gpu.hbm_bw_gbps
+    rate = cluster.gpu.optimizer_gbps or cluster.gpu.hbm_bw_gbps * HBM_EFFICIENCY
     return params * ADAM_BYTES[dtype_bytes] / (rate * 1e9)
 
 
@@ -139,7 +140,8 @@ BUS_FACTOR = {
     "broadcast": lambda n: 1.0,
     "send": lambda n: 1.0,
 }
-_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "send": lambda n: 1}
+# latency steps: a ring's n−1 (all-reduce 2(n−1)); NCCL's double binary tree all-reduces in 2·log2(n)
+_STEPS = {"all_reduce": lambda n: min(2 * (n - 1), 2 * math.ceil(math.log2(n))), "send": lambda n: 1}
 
 
 def bus_factor(op: str, n: int) -> float:

@@ -6,12 +6,15 @@ All sizes in bytes unless a name says otherwise. Pure functions; docs/planner.md
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from fourd.plan.job import Job, Work, stage_layers
+from fourd.plan.block import loss_bytes, traffic
+from fourd.plan.job import Job, stage_layers
 
 GB = 1e9
+# PyTorch's caching allocator keeps freed blocks for reuse: reserved memory over allocated, less one. Fitted.
+ALLOCATOR_FRAGMENTATION = 0.252
 
 
 # ---- whole-model arithmetic ----------------------------------------------------------------------------
@@ -80,34 +83,6 @@ def max_rank_params(model, pp: int, virtual_stages: int, tp: int) -> float:
 # ---- activations ---------------------------------------------------------------------------------------
 
 
-@lru_cache(maxsize=4096)
-def activation_bytes_per_token(work: Work, recompute: str | None = None) -> float:
-    """Bytes one layer keeps for backward per token on one TP rank, with a fused (flash) attention kernel.
-
-    Derived for these blocks the way Korthikanti et al. 2022 (§4.1) derive 34·sbh for GPT: a pre-norm
-    block saves the inputs of both norms (h each) and their outputs (h each, the inputs of the QKV and
-    MLP GEMMs); attention saves Q, K, V and its output (GQA: K and V have kv_heads) and a logsumexp per
-    head (4 B); the MLP saves the inputs of its nonlinearity and of its last GEMM (SwiGLU: w1 and w3
-    outputs and their product, 3·ffn; GeLU: 2·ffn). No dropout. Sequence parallelism cuts the norm
-    parts by tp; TP cuts the rest. `selective` recomputes the norm outputs and the MLP product; `full`
-    keeps only the layer input. `recompute` overrides the work's own.
-    """
-    model, tp, b = work.model, work.layout.tp, work.dtype_bytes
-    recompute = recompute or work.recompute
-    h, hd = model.dim, model.head_dim
-    norm_cut = tp if work.sequence_parallel else 1
-    if recompute == "full":
-        return h * b / norm_cut
-    q = model.heads * hd
-    kv = 2 * model.kv_heads * hd
-    mlp = (3 if model.mlp == "swiglu" else 2) * model.ffn
-    norms = 4 * h
-    if recompute == "selective":
-        norms, mlp = 2 * h, mlp - model.ffn
-    attention = q + kv + q  # Q, K, V, output
-    return norms * b / norm_cut + (attention + mlp) * b / tp + 4 * model.heads / tp
-
-
 def gpt_activation_bytes_per_layer(
     s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False, flash: bool = False
 ) -> float:
@@ -149,41 +124,62 @@ class Memory:
     optimizer: float
     activations: float
     other: float  # logits of the loss, gathered ZeRO-3 buffers
-    reserve: float
+    fragmentation: float  # what the caching allocator keeps reserved beyond the tensors
+    reserve: float  # the runtime's: CUDA context, NCCL's buffers
 
     @property
     def total(self) -> float:
+        """Bytes of tensors at the peak (torch's max_memory_allocated)."""
         return self.params + self.grads + self.optimizer + self.activations + self.other
 
+    @property
+    def held(self) -> float:
+        """All a GPU holds at the peak: the tensors, the allocator's cache and the runtime."""
+        return self.total + self.fragmentation + self.reserve
+
+    def fits(self, capacity: float) -> bool:
+        """The tensors and the runtime fit: before it gives up, the allocator frees what it keeps cached."""
+        return self.total + self.reserve <= capacity
+
     def gb(self) -> dict:
-        names = ("params", "grads", "optimizer", "activations", "other", "reserve", "total")
+        names = ("params", "grads", "optimizer", "activations", "other", "fragmentation", "reserve", "total")
         return {k: getattr(self, k) / GB for k in names}
 
 
 @lru_cache(maxsize=16384)
 def rank_memory(job: Job, rank: int) -> Memory:
-    """Peak memory of one GPU of pipeline rank `rank`."""
+    """Peak memory of one GPU of pipeline rank `rank`: what the allocator holds, the runtime's reserve apart."""
     par, lay, work, b = job.par, job.layout, job.work, job.dtype_bytes
     layers, params, _, biggest = rank_shapes(job.model, lay.pp, par.virtual_stages)
     mine = params[rank] / lay.tp
-    w, g, o = state_bytes_per_param(par.zero, lay.cp * lay.dp, b)  # FSDP shards over dp×cp
+    w, g, o = state_bytes_per_param(par.zero, par.shard_ranks, b)  # FSDP shards over dp×cp (or an HSDP group)
     tokens = work.tokens
-    per_layer = tokens * activation_bytes_per_token(work)
+    per_layer = tokens * traffic(work).saved
     acts = in_flight(par.schedule, lay.pp, par.microbatches, par.virtual_stages, rank) * layers[rank] * per_layer
     other = 0.0
     if par.recompute == "full":
         # the layer being recomputed holds its whole activations for one microbatch
-        other += tokens * activation_bytes_per_token(work, "none")
+        other += tokens * traffic(replace(work, recompute="none")).saved
     if rank == lay.pp - 1:
-        # FP32 logits and their gradient for one microbatch, vocabulary split over TP
-        other += 2 * 4 * tokens * job.model.vocab / lay.tp
+        # the loss's log-probabilities and gradients for one microbatch, vocabulary split over TP
+        other += loss_bytes(b)[2] * tokens * job.model.vocab / lay.tp
     if par.zero == 3:
-        # one gathered stage and the next, prefetched
-        other += 2 * biggest / lay.tp * b
-    return Memory(mine * w, mine * g, mine * o, acts, other, job.cluster.gpu.memory_reserve_gb * GB)
+        # FSDP gathers one layer (or the embedding, or the output) and prefetches the next
+        unit = max(job.model.layer_params(), job.model.embedding_params() if rank in (0, lay.pp - 1) else 0)
+        other += 2 * unit / lay.tp * b
+    allocated = mine * (w + g + o) + acts + other
+    return Memory(
+        mine * w,
+        mine * g,
+        mine * o,
+        acts,
+        other,
+        ALLOCATOR_FRAGMENTATION * allocated,
+        job.cluster.gpu.memory_reserve_gb * GB,
+    )
 
 
 def peak_memory(job: Job) -> tuple[int, Memory]:
     """The pipeline rank with the most memory, the reserve included, and its memory."""
     ranks = rank_shapes(job.model, job.layout.pp, job.par.virtual_stages)[2]
-    return max(((r, rank_memory(job, r)) for r in ranks), key=lambda rm: rm[1].total + rm[1].reserve)
+    return max(((r, rank_memory(job, r)) for r in ranks), key=lambda rm: rm[1].total)

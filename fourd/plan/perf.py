@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from fourd.plan.cluster import Cluster, Group, placement, shard_group
+from fourd.plan.block import loss_bytes, matmuls, traffic
+from fourd.plan.cluster import Cluster, Group, placement, replica_group, shard_group
 from fourd.plan.job import Job, Work, stage_layers
 from fourd.plan.kernels import attention_time, collective_time, elementwise_time, gemm_time, optimizer_time
 from fourd.plan.memory import max_rank_params, rank_shapes
@@ -50,33 +51,6 @@ class StageTime:
 # ---- the model's work per microbatch -------------------------------------------------------------------
 
 
-def _gemms(model, tokens: int, tp: int) -> list[tuple[int, int, int]]:
-    """(m, n, k) of the forward GEMMs of one layer on one TP rank (Megatron column/row split)."""
-    hd = model.head_dim
-    q_heads = model.heads // tp
-    kv_heads = max(1, model.kv_heads // tp)
-    up = 2 * model.ffn // tp if model.mlp == "swiglu" else model.ffn // tp
-    return [
-        (tokens, (q_heads + 2 * kv_heads) * hd, model.dim),  # fused QKV
-        (tokens, model.dim, q_heads * hd),  # attention output
-        (tokens, up, model.dim),  # w1 and w3 fused (fc1 for GeLU)
-        (tokens, model.dim, model.ffn // tp),  # w2
-    ]
-
-
-def elementwise_bytes(model, tokens: int, tp: int, b: int, sequence_parallel: bool = True) -> tuple[float, float]:
-    """HBM bytes of a layer's memory-bound kernels in forward: (norms and residuals, on the sequence-parallel
-    shard or, without SP, on every token on every TP rank; RoPE and the MLP activation on the TP shard), and
-    the part a selective recomputation redoes."""
-    h, hd = model.dim, model.head_dim
-    sp = tp if sequence_parallel else 1
-    norms = 2 * 2 * h * b * tokens / sp  # two norms: read and write h
-    residual = 2 * 3 * h * b * tokens / sp  # two adds: read 2h, write h
-    rope = 2 * 2 * (model.heads + model.kv_heads) * hd * b * tokens / tp
-    act = (3 if model.mlp == "swiglu" else 2) * model.ffn * b * tokens / tp
-    return norms + residual + rope + act, norms + act
-
-
 @lru_cache(maxsize=8192)
 def layer_comm(work: Work) -> tuple[float, float, float, float]:
     """(TP forward, TP backward, CP forward, CP backward) seconds of one layer's collectives, none overlapped.
@@ -102,43 +76,62 @@ def layer_comm(work: Work) -> tuple[float, float, float, float]:
     return (2 * (gather + scatter), 4 * gather + 2 * scatter, *cp_times)
 
 
+def materialized_attention(work: Work) -> tuple[float, float]:
+    """(forward, backward) seconds of attention that writes the s × s scores (Megatron's scale-mask-softmax):
+    per sequence and local head, Q·Kᵀ and P·V over the whole square as batched GEMMs, the softmax and the
+    dropout between them (2 B read and written each, a 1 B mask), and in backward four GEMMs (dP, dV, dQ, dK)
+    with the softmax's and the dropout's backward (Korthikanti et al. 2022 §4 count the same tensors)."""
+    m, c, b = work.model, work.cluster, work.dtype_bytes
+    n = work.micro_seqs * (m.heads // work.layout.tp)  # the GEMMs' batch, stacked into rows
+    rows, keys, hd = n * work.tokens // work.micro_seqs, work.seq, m.head_dim
+    scores_t, values_t = gemm_time(rows, keys, hd, c, b), gemm_time(rows, hd, keys, c, b)
+    scores = rows * keys
+    fwd = scores_t + values_t + elementwise_time(9 * scores, c)
+    return fwd, scores_t + 3 * values_t + elementwise_time(11 * scores, c)
+
+
 @lru_cache(maxsize=8192)
 def layer_time(work: Work) -> StageTime:
     """One transformer layer, one microbatch, on one rank of a (tp, cp) group."""
     model, cluster, tp, b = work.model, work.cluster, work.layout.tp, work.dtype_bytes
     tokens = work.tokens
     fwd = wgrad = dgrad = 0.0
-    for m, n, k in _gemms(model, tokens, tp):
-        fwd += gemm_time(m, n, k, cluster, b)
-        dgrad += gemm_time(m, k, n, cluster, b)
-        wgrad += gemm_time(k, n, m, cluster, b)
-    # Each CP rank holds chunks i and 2·CP−1−i of every sequence, so its queries see on average half the
-    # sequence and the causal work is even across ranks (Llama 3 §3.3.2): tokens·seq/2 score pairs.
-    # A CPU profile's measured attention is torch's: there the chunks take an explicit mask, whose kernel
-    # computes all tokens·seq pairs.
-    all_pairs = work.layout.cp > 1 and bool(cluster.gpu.attention)
-    a_fwd, a_bwd = attention_time(tokens, work.seq, model.heads // tp, model.head_dim, cluster, not all_pairs)
-    ew, ew_selective = elementwise_bytes(model, tokens, tp, b, work.sequence_parallel)
-    fwd += a_fwd + elementwise_time(ew, cluster)
-    dgrad += a_bwd + elementwise_time(2 * ew, cluster)
+    for i, (n, k) in enumerate(matmuls(work)):
+        fwd += gemm_time(tokens, n, k, cluster, b)
+        dgrad += gemm_time(tokens, k, n, cluster, b)
+        wgrad += gemm_time(k, n, tokens, cluster, b)
+        if i % 2 and work.recompute == "per-op":
+            dgrad += gemm_time(tokens, n, k, cluster, b)  # recomputed: every other matmul
+    if work.attention == "materialized":
+        a_fwd, a_bwd = materialized_attention(work)
+    else:
+        # Each CP rank holds chunks i and 2·CP−1−i of every sequence, so its queries see on average half the
+        # sequence and the causal work is even across ranks (Llama 3 §3.3.2): tokens·seq/2 score pairs.
+        # A CPU profile's measured attention is torch's: there the chunks take an explicit mask, whose
+        # kernel computes all tokens·seq pairs.
+        all_pairs = work.layout.cp > 1 and bool(cluster.gpu.attention)
+        a_fwd, a_bwd = attention_time(tokens, work.seq, model.heads // tp, model.head_dim, cluster, not all_pairs)
+    t = traffic(work)
+    fwd += a_fwd + elementwise_time(tokens * t.forward, cluster)
+    dgrad += a_bwd + elementwise_time(tokens * (t.backward + t.redo), cluster)
     tp_f, tp_b, cp_f, cp_b = layer_comm(work)
     fwd_comm, bwd_comm = tp_f + cp_f, tp_b + cp_b
-    if work.recompute == "selective":
-        dgrad += elementwise_time(ew_selective, cluster)
-    elif work.recompute == "full":
+    if work.recompute == "full":
         dgrad += fwd
         bwd_comm += fwd_comm
+    elif work.recompute == "selective" and work.attention == "materialized":
+        dgrad += a_fwd  # the attention core, recomputed from Q, K and V (Korthikanti et al. 2022 §5)
     return StageTime(fwd, dgrad, wgrad, fwd_comm, bwd_comm)
 
 
 def _head_time(work: Work, tp_group: Group) -> StageTime:
-    """Final norm, output projection (vocabulary split over TP) and cross-entropy in FP32."""
+    """Final norm, output projection (vocabulary split over TP) and torch's cross-entropy on the logits."""
     cluster, tokens, tp, b = work.cluster, work.tokens, work.layout.tp, work.dtype_bytes
     dim, v, sp = work.model.dim, work.model.vocab // tp, work.sequence_parallel
     norm = 4 * dim * b * tokens / (tp if sp else 1)
-    logits = 4 * tokens * v  # FP32: written, read by the softmax, its gradient written
-    fwd = gemm_time(tokens, v, dim, cluster, b) + elementwise_time(norm + 2 * logits, cluster)
-    dgrad = gemm_time(tokens, dim, v, cluster, b) + elementwise_time(2 * logits, cluster)
+    loss_f, loss_b, _ = loss_bytes(b)
+    fwd = gemm_time(tokens, v, dim, cluster, b) + elementwise_time(norm + loss_f * tokens * v, cluster)
+    dgrad = gemm_time(tokens, dim, v, cluster, b) + elementwise_time(2 * norm + loss_b * tokens * v, cluster)
     wgrad = gemm_time(dim, v, tokens, cluster, b)
     act = tokens * dim * b
     # the vocabulary-parallel loss all-reduces max, sum and target logit; SP gathers the input first and
@@ -225,11 +218,10 @@ def p2p_time(work: Work) -> float:
 def bubble_time(schedule: str, pp: int, microbatches: int, virtual_stages: int, stage: StageTime) -> float:
     """Idle time of a pipeline rank per step, for per-microbatch times `stage` (all its layers).
 
-    GPipe and 1F1B: (p−1)·(t_f + t_b), an idle fraction (p−1)/(m+p−1) of the step (Huang et al. 2019;
-    Narayanan et al. 2021 §2.2). Interleaved with V stages per rank: (p−1)/V·(t_f + t_b), i.e. (p−1)/(V·m)
-    of compute (Narayanan et al. 2021 §2.2.1), for m ≥ p; with fewer microbatches each of the V rounds
-    waits for microbatch 0 to come round: (p − 1 − (V−1)(m−1)/V)·(t_f + t_b) (fourd.schedules' lists). Zero-bubble ZB-H1: (p−1)·(t_f + t_i − t_w), weight-gradient
-    work filling the cool-down (Qi et al. 2023 §3.1).
+    GPipe and 1F1B: (p−1)·(t_f + t_b) (Huang et al. 2019; Narayanan et al. 2021 §2.2). Interleaved with V
+    stages per rank: (p−1)/V·(t_f + t_b) for m ≥ p (§2.2.1), and with m < p, where every round waits for
+    microbatch 0 to come round, (p − 1 − (V−1)(m−1)/V)·(t_f + t_b), as fourd.schedules' lists run. ZB-H1:
+    (p−1)·(t_f + t_i − t_w), weight gradients filling the cool-down (Qi et al. 2023 §3.1).
     """
     p, v = pp, virtual_stages
     whole = stage.forward + stage.backward
@@ -238,14 +230,6 @@ def bubble_time(schedule: str, pp: int, microbatches: int, virtual_stages: int, 
     if schedule == "interleaved":
         return ((p - 1) * v - (v - 1) * (min(microbatches, p) - 1)) * whole / v
     return (p - 1) * max(0.0, stage.forward + stage.input_grad_s + stage.backward_comm_s - stage.weight_grad_s)
-
-
-def bubble_fraction(pp: int, microbatches: int, virtual_stages: int = 1) -> float:
-    """Idle fraction of the step with equal stages and free communication: (p−1)/(m+p−1) for GPipe and 1F1B
-    (p = 16: 48.4 % at m = 16, 19.0 % at 64, 10.5 % at 128); interleaved (p−1)/(V·m+p−1), the bubble
-    (p−1)/(V·m) of compute as a share of the step."""
-    p, m, v = pp, microbatches, virtual_stages
-    return (p - 1) / (v * m + p - 1)
 
 
 @dataclass(frozen=True)
@@ -265,31 +249,32 @@ class StepTime:
 
 
 def _dp_exposure(job: Job, t: StageTime, bubble: float, layers: int) -> tuple[float, float]:
-    """(exposed, total) seconds of ZeRO/DDP traffic on the slowest rank's weights (and as many gradients).
+    """(exposed, total) seconds of ZeRO/DDP traffic of the slowest rank, in one bucket per layer (as DDP and
+    FSDP do, each paying the collective's latency). A layer's gradients are reduced when its last backward
+    ends, its weights gathered before their first use: what does not fit in the compute around it, and the
+    last bucket, stay on the critical path. ZeRO 0 all-reduces; 1 reduce-scatters gradients once per step
+    and all-gathers the updated weights; 2 reduce-scatters every microbatch; 3 also gathers the weights for
+    every forward and backward (Rajbhandari et al. 2020), and with HSDP all-reduces each shard's gradients
+    across the replicas. Weights move in the compute precision, gradients in FP32 (fourd's FSDP reduce_dtype,
+    Megatron's and DeepSpeed's FP32 gradient buffers)."""
+    lay, par, c = job.layout, job.par, job.cluster
+    m, shard, n = par.microbatches, shard_group(lay, par.hsdp_replicas), max(1, layers)
+    params = max_rank_params(job.model, lay.pp, par.virtual_stages, lay.tp)
 
-    Gradients of a layer are reduced as soon as its last backward ends, weights gathered just before their
-    first use (bucketed by layer, as DDP and FSDP do): what does not fit in the compute around it, and the
-    last bucket, stay on the critical path. Stage 0 all-reduces; 1 reduce-scatters gradients once per step
-    and all-gathers the updated weights; 2 reduce-scatters every microbatch (gradients stay sharded);
-    3 also gathers weights for every microbatch's forward and backward (Rajbhandari et al. 2020).
-    """
-    lay, m, zero = job.layout, job.par.microbatches, job.par.zero
-    nbytes = max_rank_params(job.model, lay.pp, job.par.virtual_stages, lay.tp) * job.dtype_bytes
-    group = shard_group(lay)
+    def ct(op: str, nbytes: float, group=shard) -> float:
+        return n * collective_time(op, nbytes / n, group, c)
 
-    def ct(op):
-        return collective_time(op, nbytes, group, job.cluster)
-
-    tail = t.backward + bubble / 2  # the last microbatch's backward and the cool-down
-    head = t.forward + bubble / 2  # the first microbatch's forward and the warm-up
+    ag, rs = ct("all_gather", params * job.dtype_bytes), ct("reduce_scatter", 4 * params)
+    across = ct("all_reduce", 4 * params / shard.size, replica_group(lay, par.hsdp_replicas))
+    tail, head = t.backward + bubble / 2, t.forward + bubble / 2  # last backward and cool-down; warm-up
     phases = {
-        0: [(ct("all_reduce"), tail, 1)],
-        1: [(ct("reduce_scatter"), tail, 1), (ct("all_gather"), head, 1)],
-        2: [(m * ct("reduce_scatter"), m * t.backward, m), (ct("all_gather"), head, 1)],
-        3: [(m * ct("all_gather"), m * t.forward, m), (m * (ct("all_gather") + ct("reduce_scatter")), m * t.backward, m)],
-    }[zero]  # fmt: skip
-    total = sum(c for c, _, _ in phases)
-    exposed = sum(max(0.0, c - window) + c / (max(1, layers) * n) for c, window, n in phases)
+        0: [(ct("all_reduce", 4 * params), tail, 1)],
+        1: [(rs, tail, 1), (ag, head, 1)],
+        2: [(m * rs, m * t.backward, m), (ag, head, 1)],
+        3: [(m * ag, m * t.forward, m), (m * (ag + rs + across), m * t.backward, m)],
+    }[par.zero]  # fmt: skip
+    total = sum(x for x, _, _ in phases)
+    exposed = sum(max(0.0, x - window) + x / (n * k) for x, window, k in phases)
     return min(exposed, total), total
 
 
@@ -312,27 +297,8 @@ def step_time(job: Job) -> StepTime:
         exposed = total
     overlap = OVERLAP_SLOWDOWN * (total - exposed)
     params = max_rank_params(job.model, p, par.virtual_stages, lay.tp)
-    optimizer = optimizer_time(params / (shard_group(lay).size if par.zero >= 1 else 1), job.cluster, job.dtype_bytes)
+    owned = params / (shard_group(lay, par.hsdp_replicas).size if par.zero >= 1 else 1)
+    optimizer = optimizer_time(owned, job.cluster, job.dtype_bytes)
     step = compute + bubble + p2p + exposed + overlap + optimizer
     tp_comm, cp_comm = m * layers * (tp_f * redo + tp_b), m * layers * (cp_f * redo + cp_b)
     return StepTime(step, compute, bubble, p2p, exposed, total, overlap, optimizer, tp_comm, cp_comm, slow, t)
-
-
-# ---- whole-run arithmetic ----------------------------------------------------------------------------------
-
-SECONDS_PER_YEAR = 365.25 * 86400
-
-
-def training_flops(params: float, tokens: float) -> float:
-    """6·N·D (Kaplan et al. 2020): 405e9 parameters × 15.6e12 tokens ≈ 3.8e25 FLOPs."""
-    return 6.0 * params * tokens
-
-
-def gpu_years(flops: float, flops_per_gpu: float) -> float:
-    """One GPU at a sustained rate: 3.8e25 FLOPs at 400 TFLOP/s ≈ 3,000 years."""
-    return flops / flops_per_gpu / SECONDS_PER_YEAR
-
-
-def run_days(flops: float, gpus: int, flops_per_gpu: float) -> float:
-    """Days on `gpus` GPUs at a sustained rate: 3.8e25 FLOPs on 16,384 GPUs at 400 TFLOP/s ≈ 67 days."""
-    return flops / (gpus * flops_per_gpu) / 86400

@@ -101,13 +101,12 @@ def plan_report(plan: Plan, train_tokens: float | None = None) -> str:
         ("optimizer", "optimizer state"),
         ("activations", "activations"),
         ("other", "logits, buffers"),
-        ("reserve", "runtime reserve"),
+        ("fragmentation", "allocator cache (fragmentation)"),
+        ("reserve", "runtime: CUDA context, NCCL"),
     ):
         out.append(f"  {label:<44} {g[key]:>7.1f}")
     verdict = "fits" if plan.fits else "DOES NOT FIT"
-    out.append(
-        f"  {'total of ' + format(cl.gpu.memory_gb, '.0f') + ' GB':<44} {g['total'] + g['reserve']:>7.1f}  {verdict}"
-    )
+    out.append(f"  {'total of ' + format(cl.gpu.memory_gb, '.0f') + ' GB':<44} {mem.held / 1e9:>7.1f}  {verdict}")
     out += ["", "Step time                                          s      share"]
     rows = [
         ("compute (TP and CP collectives included)", s.compute_s),
@@ -154,7 +153,7 @@ def search_report(plans: list[Plan], top: int, train_tokens: float | None = None
     for p in plans[:top]:
         c = p.config
         sched = c.schedule + (f" V={c.virtual_stages}" if c.schedule == "interleaved" else "")
-        gb = (p.memory.total + p.memory.reserve) / 1e9
+        gb = p.memory.held / 1e9
         out.append(
             f"  {str(c.layout):<26} {sched:<14} {c.microbatches:>4} {p.micro_seqs:>4} {c.zero:>4} "
             f"{c.recompute:<9} {gb:>6.1f}{'' if p.fits else '!'} {p.step.step_s:>8.3f} "

@@ -30,6 +30,7 @@ class Fixed:
     zero: int | None = None
     recompute: str | None = None
     sequence_parallel: bool = True
+    hsdp_replicas: int = 1
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,7 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        return self.memory.total + self.memory.reserve <= self.cluster.gpu.memory_gb * GB
+        return self.memory.fits(self.cluster.gpu.memory_gb * GB)
 
     @property
     def tokens_per_s(self) -> float:
@@ -109,6 +110,7 @@ class Plan:
             "gpus": self.gpus,
             "dtype": self.job.precision or self.cluster.dtype,
             "compiled": self.job.compiled,
+            "attention": self.job.attention,
             "layout": {"tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp},
             "schedule": c.schedule,
             "microbatches": c.microbatches,
@@ -207,7 +209,7 @@ def configs(model, gpus: int, seq: int, global_seqs: int, fixed: Fixed):
             for v in vs:
                 for m in counts:
                     for z in [fixed.zero] if fixed.zero is not None else ZERO_STAGES:
-                        yield Parallelism(lay, sched, m, v, z, "none", sp)
+                        yield Parallelism(lay, sched, m, v, z, "none", sp, fixed.hsdp_replicas)
 
 
 def valid(job: Job) -> bool:
@@ -232,7 +234,7 @@ def search(base: Job, gpus: int, fixed: Fixed, chosen=()) -> list[Plan]:
         for rc in [fixed.recompute] if fixed.recompute else RECOMPUTE:
             job = job.with_par(recompute=rc)
             memory = peak_memory(job)[1]
-            if memory.total + memory.reserve <= capacity:
+            if memory.fits(capacity):
                 break
         plans.append(Plan(job, step_time(job), memory, tuple(chosen)))
     plans.sort(key=lambda p: (not p.fits, -p.tokens_per_s if p.fits else p.memory.total))
