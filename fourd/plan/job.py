@@ -28,6 +28,7 @@ class Work:
     compiled: bool
     attention: str = "flash"
     autocast: bool = False  # BF16 autocast over FP32 weights: the residual stream stays FP32
+    fsdp: bool = False  # each layer an FSDP unit (ZeRO 1-3 over more than one rank)
 
     @property
     def tokens(self) -> int:
@@ -71,7 +72,7 @@ class Job:
         autocast = self.dtype_bytes == 2 and p.layout.cp * p.layout.dp == 1
         return Work(
             self.model, self.cluster, p.layout, self.seq, self.micro_seqs, p.recompute, p.sequence_parallel,
-            self.dtype_bytes, self.compiled, self.attention, autocast,
+            self.dtype_bytes, self.compiled, self.attention, autocast, p.zero >= 1 and p.shard_ranks > 1,
         )  # fmt: skip
 
     def with_par(self, **changes) -> Job:

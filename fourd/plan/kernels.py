@@ -1,8 +1,5 @@
-"""One kernel's time: GEMMs, attention, memory-bound elementwise work, the optimizer update, collectives.
-
-Times in seconds, sizes in bytes, rates in FLOP/s or bytes/s. Measured samples in a profile (`fourd
-calibrate`) win over the models; docs/planner.md names the source of every figure.
-"""
+"""One kernel's time: GEMMs, attention, memory-bound work, the optimizer update, collectives. Seconds, bytes,
+FLOP/s; a profile's measured samples (`fourd calibrate`) win over the models; docs/planner.md sources each figure."""
 
 from __future__ import annotations
 
@@ -35,17 +32,9 @@ def _wave_utilization(m: int, n: int, sms: int) -> float:
 def _interpolate(samples: Sequence[tuple[Sequence[float], float]], point: Sequence[float]) -> float:
     """A measured value at `point` from samples at other points: inverse-distance weighting (power 4, so the
     nearest samples dominate) in log2 coordinates, each clamped to the samples' range (flat beyond them).
-    Samples measured at the point itself are averaged. One coordinate: linear between the two neighbours."""
+    Samples measured at the point itself are averaged."""
     logs = [tuple(math.log2(c) for c in where) for where, _ in samples]
-    lo = [min(c) for c in zip(*logs)]
-    hi = [max(c) for c in zip(*logs)]
-    q = [min(max(math.log2(c), a), b) for c, a, b in zip(point, lo, hi)]
-    if len(q) == 1:
-        pts = sorted((x[0], v) for x, (_, v) in zip(logs, samples))
-        for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
-            if x0 <= q[0] <= x1:
-                return y0 + (y1 - y0) * (q[0] - x0) / (x1 - x0) if x1 > x0 else y1
-        return pts[0][1] if q[0] <= pts[0][0] else pts[-1][1]
+    q = [min(max(math.log2(c), min(cs)), max(cs)) for c, cs in zip(point, zip(*logs))]
     hits, weights, total = [], 0.0, 0.0
     for where, (_, value) in zip(logs, samples):
         d2 = sum((a - b) ** 2 for a, b in zip(where, q))
@@ -93,16 +82,9 @@ def optimizer_time(params: float, cluster: Cluster, dtype_bytes: int = 2) -> flo
 
 def _measured_attention(cluster: Cluster, kv_len: int, head_dim: int, masked: bool) -> tuple[float, float]:
     """(forward, backward) FLOP/s a profile measured for attention at this length and head size."""
-    samples = cluster.gpu.attention
-    rates = []
-    for fwd in (True, False):
-        pick = [
-            ((s.seq, s.head_dim), float((s.masked_fwd_tflops if fwd else s.masked_bwd_tflops) or 0) if masked else
-             (s.fwd_tflops if fwd else s.bwd_tflops))
-            for s in samples
-        ]  # fmt: skip
-        rates.append(_interpolate(pick, (kv_len, head_dim)) * 1e12)
-    return rates[0], rates[1]
+    names = ("masked_fwd_tflops", "masked_bwd_tflops") if masked else ("fwd_tflops", "bwd_tflops")
+    pick = [[((s.seq, s.head_dim), float(getattr(s, name) or 0)) for s in cluster.gpu.attention] for name in names]
+    return _interpolate(pick[0], (kv_len, head_dim)) * 1e12, _interpolate(pick[1], (kv_len, head_dim)) * 1e12
 
 
 def attention_time(

@@ -1,8 +1,6 @@
-"""Memory per GPU: weights, gradients and optimizer state by ZeRO stage, activations per layer for the block
-type and recomputation, microbatches in flight per pipeline schedule, embedding and logits.
-
-All sizes in bytes unless a name says otherwise. Pure functions; docs/planner.md derives each term.
-"""
+"""Memory per GPU: weights, gradients and optimizer state by ZeRO stage, the activations a layer keeps
+(fourd.plan.block) times the microbatches in flight of the schedule, the loss's logits, FSDP's gathered
+layers, the allocator's cache and the runtime. Bytes; docs/planner.md derives each term."""
 
 from __future__ import annotations
 
@@ -15,24 +13,6 @@ from fourd.plan.job import Job, stage_layers
 GB = 1e9
 # PyTorch's caching allocator keeps freed blocks for reuse: reserved memory over allocated, less one. Fitted.
 ALLOCATOR_FRAGMENTATION = 0.252
-
-
-# ---- whole-model arithmetic ----------------------------------------------------------------------------
-
-
-def weights_bytes(params: float, bytes_per_param: int = 2) -> float:
-    """405e9 BF16 parameters are 810 GB."""
-    return params * bytes_per_param
-
-
-def training_state_bytes(params: float, zero: int = 0, dp: int = 1, dtype_bytes: int = 2) -> float:
-    """Weights + gradients + optimizer state of mixed-precision Adam: 16 B/param unsharded (405B: 6.48 TB)."""
-    return params * sum(state_bytes_per_param(zero, dp, dtype_bytes))
-
-
-def min_gpus(nbytes: float, gpu_memory_gb: float) -> int:
-    """Fewest GPUs whose memory holds nbytes, before activations (6.48 TB on 80 GB: 81)."""
-    return -int(-nbytes // (gpu_memory_gb * GB))
 
 
 def state_bytes_per_param(zero: int, dp: int, dtype_bytes: int = 2) -> tuple[float, float, float]:
@@ -59,20 +39,16 @@ def stage_params(model, counts: list[int], stage: int) -> int:
 
 
 @lru_cache(maxsize=4096)
-def rank_shapes(model, pp: int, virtual_stages: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int]:
-    """(layers per pipeline rank, parameters per pipeline rank before TP, the ranks that can peak in memory,
-    parameters of the largest stage).
-
-    In-flight microbatches fall with the rank, so besides the last (logits) only the first rank with each
-    layer count can hold the most."""
+def rank_shapes(model, pp: int, virtual_stages: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """(layers per pipeline rank, parameters per pipeline rank before TP, the ranks that can peak in memory:
+    in-flight microbatches fall with the rank, so besides the last (logits) the first with each layer count)."""
     counts = stage_layers(model.layers, pp, virtual_stages)
     layers = tuple(sum(counts[s] for s in range(r, len(counts), pp)) for r in range(pp))
     params = tuple(sum(stage_params(model, counts, s) for s in range(r, len(counts), pp)) for r in range(pp))
     first_with: dict[int, int] = {}
     for r, n in enumerate(layers):
         first_with.setdefault(n, r)
-    biggest = max(stage_params(model, counts, s) for s in range(len(counts)))
-    return layers, params, tuple(sorted({0, pp - 1, *first_with.values()})), biggest
+    return layers, params, tuple(sorted({0, pp - 1, *first_with.values()}))
 
 
 def max_rank_params(model, pp: int, virtual_stages: int, tp: int) -> float:
@@ -81,17 +57,6 @@ def max_rank_params(model, pp: int, virtual_stages: int, tp: int) -> float:
 
 
 # ---- activations ---------------------------------------------------------------------------------------
-
-
-def gpt_activation_bytes_per_layer(
-    s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False, flash: bool = False
-) -> float:
-    """Korthikanti et al. 2022 eq. 1-4 (16-bit GPT layer with dropout): sbh(34 + 5as/h) with no parallelism,
-    sbh(10 + 24/t + 5as/(ht)) with TP, (sbh/t)(34 + 5as/h) with TP and SP; flash attention drops the 5as/h."""
-    scores = 0 if flash else 5 * a * s / h
-    if sequence_parallel:
-        return s * b * h / t * (34 + scores)
-    return s * b * h * (10 + 24 / t + scores / t)
 
 
 def in_flight(schedule: str, pp: int, microbatches: int, virtual_stages: int, rank: int) -> float:
@@ -150,7 +115,7 @@ class Memory:
 def rank_memory(job: Job, rank: int) -> Memory:
     """Peak memory of one GPU of pipeline rank `rank`: what the allocator holds, the runtime's reserve apart."""
     par, lay, work, b = job.par, job.layout, job.work, job.dtype_bytes
-    layers, params, _, biggest = rank_shapes(job.model, lay.pp, par.virtual_stages)
+    layers, params, _ = rank_shapes(job.model, lay.pp, par.virtual_stages)
     mine = params[rank] / lay.tp
     w, g, o = state_bytes_per_param(par.zero, par.shard_ranks, b)  # FSDP shards over dp×cp (or an HSDP group)
     tokens = work.tokens
@@ -167,19 +132,11 @@ def rank_memory(job: Job, rank: int) -> Memory:
         # FSDP gathers one layer (or the embedding, or the output) and prefetches the next
         unit = max(job.model.layer_params(), job.model.embedding_params() if rank in (0, lay.pp - 1) else 0)
         other += 2 * unit / lay.tp * b
-    allocated = mine * (w + g + o) + acts + other
-    return Memory(
-        mine * w,
-        mine * g,
-        mine * o,
-        acts,
-        other,
-        ALLOCATOR_FRAGMENTATION * allocated,
-        job.cluster.gpu.memory_reserve_gb * GB,
-    )
+    cache = ALLOCATOR_FRAGMENTATION * (mine * (w + g + o) + acts + other)
+    return Memory(mine * w, mine * g, mine * o, acts, other, cache, job.cluster.gpu.memory_reserve_gb * GB)
 
 
 def peak_memory(job: Job) -> tuple[int, Memory]:
-    """The pipeline rank with the most memory, the reserve included, and its memory."""
+    """The pipeline rank whose tensors take the most memory, and its memory."""
     ranks = rank_shapes(job.model, job.layout.pp, job.par.virtual_stages)[2]
     return max(((r, rank_memory(job, r)) for r in ranks), key=lambda rm: rm[1].total)

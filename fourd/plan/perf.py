@@ -1,7 +1,5 @@
-"""The time model of a step: one layer's work and collectives, a pipeline stage, the bubble of the
-schedule, data-parallel traffic and the optimizer. Shared with the simulator (`fourd sim step` schedules
-these same per-microbatch times), so that the two agree. Seconds, bytes, FLOP/s.
-"""
+"""The time of a step: a layer's work and collectives, a pipeline stage, the schedule's bubble, data-parallel
+traffic, the optimizer. `fourd sim step` schedules these same per-microbatch times. Seconds, bytes, FLOP/s."""
 
 from __future__ import annotations
 
@@ -27,13 +25,8 @@ class StageTime:
     forward_comm_s: float  # TP and CP collectives on the critical path
     backward_comm_s: float
 
-    @property
-    def forward(self) -> float:
-        return self.forward_s + self.forward_comm_s
-
-    @property
-    def backward(self) -> float:
-        return self.input_grad_s + self.weight_grad_s + self.backward_comm_s
+    forward = property(lambda self: self.forward_s + self.forward_comm_s)
+    backward = property(lambda self: self.input_grad_s + self.weight_grad_s + self.backward_comm_s)
 
     def __add__(self, other: StageTime) -> StageTime:
         return StageTime(*(a + b for a, b in zip(self._t(), other._t())))
@@ -114,6 +107,9 @@ def layer_time(work: Work) -> StageTime:
     t = traffic(work)
     fwd += a_fwd + elementwise_time(tokens * t.forward, cluster)
     dgrad += a_bwd + elementwise_time(tokens * (t.backward + t.redo), cluster)
+    # the CPU time a CPU profile measured fourd's TP (DTensor) and FSDP to add per layer, a third forward
+    cpu = cluster.gpu.tp_layer_us * (tp > 1) + cluster.gpu.fsdp_layer_us * work.fsdp
+    fwd, dgrad = fwd + cpu * 1e-6 / 3, dgrad + cpu * 2e-6 / 3
     tp_f, tp_b, cp_f, cp_b = layer_comm(work)
     fwd_comm, bwd_comm = tp_f + cp_f, tp_b + cp_b
     if work.recompute == "full":
@@ -143,24 +139,10 @@ def _head_time(work: Work, tp_group: Group) -> StageTime:
     return StageTime(fwd, dgrad, wgrad, comm_f, collective_time("reduce_scatter", act, tp_group, cluster))
 
 
-def _embedding_time(work: Work, tp_group: Group) -> StageTime:
-    """Vocabulary-parallel lookup: partial rows, reduce-scattered into the sequence-parallel shard (or
-    all-reduced without SP)."""
-    act = work.tokens * work.model.dim * work.dtype_bytes
-    cluster = work.cluster
-    ops = ("reduce_scatter", "all_gather") if work.sequence_parallel else ("all_reduce", None)
-    return StageTime(
-        elementwise_time(act, cluster), elementwise_time(2 * act, cluster), 0.0,
-        collective_time(ops[0], act, tp_group, cluster), collective_time(ops[1], act, tp_group, cluster) if ops[1] else 0.0,
-    )  # fmt: skip
-
-
 def compute_share(layout, cluster: Cluster) -> float:
-    """How much slower each rank computes because ranks of one server share its compute (CPU profiles).
-
-    Ranks beyond `concurrent_ranks` (the cores) take turns; and the cores in use share memory bandwidth
-    and clocks, so together they reach the profile's all-core peak, not each its one-worker best.
-    """
+    """How much slower each rank computes because ranks of one server share its cores (CPU profiles): ranks
+    beyond `concurrent_ranks` take turns, and the busy cores together reach the all-core peak, not each its
+    one-worker best."""
     slots = cluster.node.concurrent_ranks
     if not slots:
         return 1.0
@@ -175,13 +157,16 @@ def compute_share(layout, cluster: Cluster) -> float:
 def stage_time(work: Work, layers: int, first: bool = False, last: bool = False) -> StageTime:
     """One microbatch through a pipeline stage of `layers` layers (plus the embedding if `first`, the output
     and loss if `last`) on one GPU; TP and CP collectives included as exposed communication."""
-    tp_group = placement(work.layout)["tp"]
+    tp_group, c = placement(work.layout)["tp"], work.cluster
     t = layer_time(work).scaled(layers)
-    if first:
-        t = t + _embedding_time(work, tp_group)
+    if first:  # the vocabulary-parallel lookup: partial rows reduce-scattered into the SP shard (or all-reduced)
+        act = work.tokens * work.model.dim * work.dtype_bytes
+        ops = ("reduce_scatter", "all_gather") if work.sequence_parallel else ("all_reduce", "none")
+        comm = [collective_time(op, act, tp_group, c) if op != "none" else 0.0 for op in ops]
+        t = t + StageTime(elementwise_time(act, c), elementwise_time(2 * act, c), 0.0, *comm)
     if last:
         t = t + _head_time(work, tp_group)
-    return t.scaled(compute_share(work.layout, work.cluster), comm=1.0)
+    return t.scaled(compute_share(work.layout, c), comm=1.0)
 
 
 def chunk_times(job: Job) -> list[StageTime]:
