@@ -17,33 +17,22 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from fourd.errors import FourdError
 
-# Llama 3 Table 5 (Dubey et al. 2024 §3.3.4): unexpected interruptions in 54 days on 16,384 GPUs, and whether the
-# component is hardware (the paper's "~78 % hardware").
+# Llama 3 Table 5 (Dubey et al. 2024 §3.3.4): unexpected interruptions in 54 days on 16,384 GPUs per component,
+# and whether it is hardware (the paper's "~78 % hardware").
 TABLE5 = {
-    "faulty GPU": (148, True),
-    "GPU HBM3 memory": (72, True),
-    "software bug": (54, False),
-    "network switch/cable": (35, True),
-    "host maintenance": (32, False),
-    "GPU SRAM memory": (19, True),
-    "GPU system processor": (17, True),
-    "NIC": (7, True),
-    "NCCL watchdog timeouts": (7, False),
-    "silent data corruption": (6, True),
-    "GPU thermal interface + sensor": (6, True),
-    "SSD": (3, True),
-    "power supply": (3, True),
-    "server chassis": (2, True),
-    "IO expansion board": (2, True),
-    "dependency": (2, False),
-    "CPU": (2, True),
-    "system memory": (2, True),
-}
+    "faulty GPU": (148, True), "GPU HBM3 memory": (72, True), "software bug": (54, False),
+    "network switch/cable": (35, True), "host maintenance": (32, False), "GPU SRAM memory": (19, True),
+    "GPU system processor": (17, True), "NIC": (7, True), "NCCL watchdog timeouts": (7, False),
+    "silent data corruption": (6, True), "GPU thermal interface + sensor": (6, True), "SSD": (3, True),
+    "power supply": (3, True), "server chassis": (2, True), "IO expansion board": (2, True),
+    "dependency": (2, False), "CPU": (2, True), "system memory": (2, True),
+}  # fmt: skip
 TABLE5_GPUS, TABLE5_DAYS, TABLE5_PLANNED = 16_384, 54, 47
 
 # Checkpoint save: the full training state of 405B (16 B/param, 6.48 TB) written by all GPUs in
@@ -109,13 +98,10 @@ class FaultResult:
 def machine_memory_bytes() -> int:
     """Memory this machine can give a computation now (MemAvailable), or all of it where that is not known."""
     try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        lines = Path("/proc/meminfo").read_text().splitlines()
+        return next(int(ln.split()[1]) * 1024 for ln in lines if ln.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _check_size(runs: int, slots: int) -> None:
@@ -147,11 +133,9 @@ def simulate(
     if not 0 < tau < math.inf:
         raise FourdError(f"checkpoint interval {tau / 60:g} min must be positive and finite")
     rates = unexpected_per_day(gpus)
-    lam_u, lam_p = sum(rates.values()) / DAY_S, planned_per_day() / DAY_S
+    lam_u, lam_p, horizon = sum(rates.values()) / DAY_S, planned_per_day() / DAY_S, days * DAY_S
     lam = lam_u + lam_p
-    horizon = days * DAY_S
-    # Enough arrival slots that running out has probability ~1e-15 (mean + 8 sigma).
-    mean = lam * horizon
+    mean = lam * horizon  # enough arrival slots that running out has probability ~1e-15 (mean + 8 sigma)
     slots = int(mean + 8 * math.sqrt(mean) + 16)
     _check_size(runs, slots)
     rng = np.random.default_rng(seed)
@@ -160,10 +144,8 @@ def simulate(
     planned = (rng.random((runs, slots)) < lam_p / lam) & happened
     unexpected = happened & ~planned
     useful, lost, downtime, ckpt, live = _spans(arrivals, happened, planned, horizon, (tau, checkpoint_s, restart_s))
-    n_unexpected = unexpected.sum(axis=1)
-    total_u = int(n_unexpected.sum())
-    names = list(rates)
-    probs = np.array([rates[c] for c in names]) / sum(rates.values())
+    n_unexpected, names = unexpected.sum(axis=1), list(rates)
+    probs, total_u = np.array([rates[c] for c in names]) / sum(rates.values()), int(n_unexpected.sum())
     counts = rng.multinomial(total_u, probs) if total_u else np.zeros(len(names), dtype=int)
 
     def per_run(x):
@@ -202,28 +184,20 @@ def _spans(arrivals, happened, planned, horizon: float, times: tuple[float, floa
 
 def summary(r: FaultResult) -> dict:
     """The `fourd sim faults --json` object: means over runs (the headline keys first)."""
-    m = mtbf_s(r.gpus)
-    eff = r.effective
-    hardware = sum(v for c, v in r.by_component.items() if TABLE5[c][1])
-    total = sum(r.by_component.values())
-    return {
-        "unexpected_interruptions": float(r.unexpected.mean()),
-        "planned_interruptions": float(r.planned.mean()),
-        "effective_training_fraction": float(eff.mean()),
-        "optimal_checkpoint_interval_min": daly_interval(r.checkpoint_s, m) / 60,
-        "young_interval_min": young_interval(r.checkpoint_s, m) / 60,
-        "checkpoint_interval_min": r.interval_s / 60,
-        "effective_training_fraction_p5": float(np.percentile(eff, 5)),
-        "effective_training_fraction_p95": float(np.percentile(eff, 95)),
-        "mtbf_h": m / 3600,
+    m, eff, comp = mtbf_s(r.gpus), r.effective, r.by_component
+    out = {"unexpected_interruptions": float(r.unexpected.mean()), "planned_interruptions": float(r.planned.mean())}
+    out |= {"effective_training_fraction": float(eff.mean()), "checkpoint_interval_min": r.interval_s / 60}
+    out |= {"optimal_checkpoint_interval_min": daly_interval(r.checkpoint_s, m) / 60}
+    out |= {"young_interval_min": young_interval(r.checkpoint_s, m) / 60, "mtbf_h": m / 3600}
+    out |= {f"effective_training_fraction_p{q}": float(np.percentile(eff, q)) for q in (5, 95)}
+    out |= {
         "gpus": r.gpus,
         "days": r.days,
         "runs": r.runs,
         "checkpoint_save_s": r.checkpoint_s,
         "restart_s": r.restart_s,
-        "lost_work_h": float(r.lost_s.mean()) / 3600,
-        "restart_h": float(r.restart_total_s.mean()) / 3600,
-        "checkpointing_h": float(r.checkpoint_total_s.mean()) / 3600,
-        "hardware_share": hardware / total if total else 0.0,
-        "components": r.by_component,
     }
+    out |= {"lost_work_h": float(r.lost_s.mean()) / 3600, "restart_h": float(r.restart_total_s.mean()) / 3600}
+    out |= {"checkpointing_h": float(r.checkpoint_total_s.mean()) / 3600}
+    hardware, total = sum(v for c, v in comp.items() if TABLE5[c][1]), sum(comp.values())
+    return out | {"hardware_share": hardware / total if total else 0.0, "components": comp}

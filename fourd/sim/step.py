@@ -96,7 +96,8 @@ class Comm:
     dp_group: Any = None  # Group
     dp_bw: float = 0.0  # what a DP ring reaches alone (group_bandwidth)
     dp_links: tuple = ()  # (port, share of the ring's bytes) per GPU
-    dp_bytes: list = field(default_factory=list)  # weight bytes of each stage on one GPU (one bucket per layer)
+    dp_params: list = field(default_factory=list)  # each stage's parameters on one GPU (one bucket per layer)
+    weight_bytes: int = 2  # per parameter: weights move in the compute precision, gradients in FP32
 
 
 def build_comm(job: Job, replicas: int) -> Comm:
@@ -104,7 +105,7 @@ def build_comm(job: Job, replicas: int) -> Comm:
     cluster, lay = job.cluster, job.layout
     node, net = cluster.node, cluster.network
     nic, nvl = net.nic_bw_gbps * 1e9 * net.nic_efficiency, node.intra_bw_gbps * 1e9 * node.intra_efficiency
-    comm = Comm(cluster, job.par.zero)
+    comm = Comm(cluster, job.par.zero, weight_bytes=job.dtype_bytes, dp_params=stage_params_on_gpu(job))
     for c in range(replicas):
         for r in range(lay.pp):
             comm.capacity.update(
@@ -128,14 +129,13 @@ def build_comm(job: Job, replicas: int) -> Comm:
         # NIC, all of them over its NVLink port to the server's other members.
         k = members_per_node(comm.dp_group, cluster)
         comm.dp_links = (("nic_out", 1 / k), ("nic_in", 1 / k)) + ((("nvl_out", 1.0), ("nvl_in", 1.0)) if k > 1 else ())
-    comm.dp_bytes = stage_bytes(job)
     return comm
 
 
-def stage_bytes(job: Job) -> list[float]:
-    """Weight bytes of each pipeline stage on one GPU (what its data-parallel buckets move)."""
+def stage_params_on_gpu(job: Job) -> list[float]:
+    """Parameters of each pipeline stage on one GPU (what its data-parallel buckets move)."""
     counts = stage_layers(job.model.layers, job.layout.pp, job.par.virtual_stages)
-    return [stage_params(job.model, counts, s) / job.layout.tp * job.dtype_bytes for s in range(len(counts))]
+    return [stage_params(job.model, counts, s) / job.layout.tp for s in range(len(counts))]
 
 
 @dataclass
@@ -197,7 +197,9 @@ def _needs(a: Action, c: int, stages: int) -> list:
 def _rank_pieces(sim: _Engine, who: tuple[int, int], costs, layers, factor, zero):
     """A rank's compute pieces for one replica class, with the DP buckets they gate and emit."""
     c, r = who
-    schedule, dp_bytes = sim.schedule, sim.comm.dp_bytes if sim.comm else []
+    schedule, comm = sim.schedule, sim.comm
+    weights = [n * comm.weight_bytes for n in comm.dp_params] if comm else []
+    grads = [n * 4 for n in comm.dp_params] if comm else []
     actions = schedule.ranks[r]
     last_grad = {a.stage: i for i, a in enumerate(actions) if a.kind in ("B", "W")}
     first_f: dict[int, int] = {}
@@ -208,7 +210,7 @@ def _rank_pieces(sim: _Engine, who: tuple[int, int], costs, layers, factor, zero
     if zero in (1, 2):
         for s in sorted(first_f, key=lambda s: first_f[s]):
             for i in range(layers[s]):
-                sim.enqueue((c, r, "ag"), ("ag", s, 0, i), dp_bytes[s] / layers[s])
+                sim.enqueue((c, r, "ag"), ("ag", s, 0, i), weights[s] / layers[s])
     for idx, a in enumerate(actions):
         s, j = a.stage, a.microbatch
         gather = zero is not None and ((zero in (1, 2) and idx == first_f.get(s)) or (zero == 3 and a.kind != "W"))
@@ -217,7 +219,7 @@ def _rank_pieces(sim: _Engine, who: tuple[int, int], costs, layers, factor, zero
         dur = costs[s][a.kind] * factor / parts if parts > 1 else costs[s][a.kind] * factor
         if zero == 3 and gather:
             for i in range(parts):
-                sim.enqueue((c, r, "ag"), ("ag", s, j, a.kind, i), dp_bytes[s] / parts)
+                sim.enqueue((c, r, "ag"), ("ag", s, j, a.kind, i), weights[s] / parts)
         for i in range(parts):
             need = tuple(_needs(a, c, schedule.stages)) if i == 0 else ()
             if gather:
@@ -225,7 +227,7 @@ def _rank_pieces(sim: _Engine, who: tuple[int, int], costs, layers, factor, zero
             after: list = []
             if reduce:
                 key = ("rs" if zero else "ar", s, j if zero >= 2 else 0, i)
-                after.append(("enqueue", (c, r, "rs"), key, dp_bytes[s] / parts))
+                after.append(("enqueue", (c, r, "rs"), key, grads[s] / parts))
                 rs_keys.append(key)
             if i == parts - 1:
                 after.append(("token", (c, a.kind, s, j)))
@@ -397,12 +399,9 @@ def simulate_step(
         slow = (lay.coords(g)["pp"], factor)
     if comm:
         net = build_comm(job, 1 if slow is None or lay.dp == 1 else 2)
-    dp_bytes = stage_bytes(job)
-    owned = shard_group(lay).size if par.zero >= 1 else 1
-    optimizer = [
-        optimizer_time(sum(dp_bytes[s] for s in schedule.stages_of_rank(r)) / job.dtype_bytes / owned, job.cluster, job.dtype_bytes) * throttle
-        for r in range(lay.pp)
-    ]  # fmt: skip
+    params, owned = stage_params_on_gpu(job), shard_group(lay).size if par.zero >= 1 else 1
+    optimizer = [optimizer_time(sum(params[s] for s in schedule.stages_of_rank(r)) / owned, job.cluster,
+                                job.dtype_bytes) * throttle for r in range(lay.pp)]  # fmt: skip
     counts = stage_layers(job.model.layers, lay.pp, par.virtual_stages)
     return simulate(
         schedule, costs, layers=[max(1, n) for n in counts], comm=net, optimizer_s=optimizer, slow=slow, dp=lay.dp

@@ -74,39 +74,31 @@ def diurnal_factor(pct: float, hour: float) -> float:
 
 
 def report(plan, result, comm: bool, wall: float, train_tokens: float | None = None) -> dict:
-    c, step = plan.config, result.step_time_s
-    tokens = plan.global_seqs * plan.seq
+    c, step, tokens = plan.config, result.step_time_s, plan.global_seqs * plan.seq
     tflops = plan.model_flops / step / plan.gpus / 1e12
     out = {
         "step_time_s": step,
         "bubble_fraction": result.bubble_fraction,
         "per_rank_idle_fraction": result.per_rank_idle_fraction,
-        "bubble_over_compute": [(result.pipeline_span_s - b) / b if b else 0.0 for b in result.busy_s],
-        "tokens_per_s": tokens / step,
-        "tflops_per_gpu": tflops,
-        "mfu": tflops / plan.cluster.gpu.peak_tflops,
-        "pipeline_span_s": result.pipeline_span_s,
-        "optimizer_s": max(result.optimizer_s),
-        "planner_step_time_s": plan.step.step_s,
-        "planner_vs_sim": plan.step.step_s / step - 1,
-        "comm": comm,
-        "layout": {d: getattr(c.layout, d) for d in ("tp", "cp", "pp", "dp")},
-        "gpus": plan.gpus,
-        "schedule": c.schedule,
-        "microbatches": c.microbatches,
-        "virtual_stages": c.virtual_stages,
+    }
+    out |= {"bubble_over_compute": [(result.pipeline_span_s - b) / b if b else 0.0 for b in result.busy_s]}
+    out |= {"tokens_per_s": tokens / step, "tflops_per_gpu": tflops, "mfu": tflops / plan.cluster.gpu.peak_tflops}
+    out |= {"pipeline_span_s": result.pipeline_span_s, "optimizer_s": max(result.optimizer_s), "comm": comm}
+    out |= {"planner_step_time_s": plan.step.step_s, "planner_vs_sim": plan.step.step_s / step - 1}
+    out |= {"layout": {d: getattr(c.layout, d) for d in ("tp", "cp", "pp", "dp")}, "gpus": plan.gpus}
+    out |= {
+        k: getattr(c, k)
+        for k in ("schedule", "microbatches", "virtual_stages", "zero", "recompute", "sequence_parallel")
+    }
+    out |= {
         "micro_batch_seqs": plan.micro_seqs,
-        "zero": c.zero,
-        "recompute": c.recompute,
-        "sequence_parallel": c.sequence_parallel,
         "seq": plan.seq,
         "global_batch_tokens": tokens,
         "cluster": plan.cluster.name,
-        "transfers": len(result.transfers),
-        "sim_wall_s": wall,
     }
+    out |= {"transfers": len(result.transfers), "sim_wall_s": wall}
     if train_tokens:
-        out.update(train_tokens=train_tokens, training_days=train_tokens * step / tokens / 86400)
+        out |= {"train_tokens": train_tokens, "training_days": train_tokens * step / tokens / 86400}
     return out
 
 
@@ -152,22 +144,13 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(out))
         return 0
-    c = plan.config
-    print(
-        f"{plan.gpus:,} GPUs, layout {c.layout}, {c.schedule}" + (f" V={c.virtual_stages}" if c.virtual_stages > 1 else "")
-        + f", {c.microbatches} microbatches of {plan.micro_seqs} x {plan.seq} tokens, ZeRO {c.zero}, recompute {c.recompute}"
-        + ("" if out["comm"] else ", transfers free")
-    )  # fmt: skip
-    print(f"  step time        {out['step_time_s']:.4g} s   (planner {out['planner_step_time_s']:.4g} s)")
-    print(
-        f"  throughput       {out['tokens_per_s']:,.0f} tokens/s, {out['tflops_per_gpu']:.0f} TFLOP/s per GPU, MFU {100 * out['mfu']:.1f} %"
-    )
-    print(
-        f"  bubble           {100 * out['bubble_fraction']:.1f} % of the pipeline span ({out['pipeline_span_s']:.4g} s) on the busiest rank"
-    )
-    print(
-        "  idle per rank    " + " ".join(f"{100 * x:.1f}" for x in out["per_rank_idle_fraction"]) + "  (% of the step)"
-    )
+    c, v = plan.config, f" V={plan.config.virtual_stages}" if plan.config.virtual_stages > 1 else ""
+    idle = " ".join(f"{100 * x:.1f}" for x in out["per_rank_idle_fraction"])
+    print(f"""{plan.gpus:,} GPUs, layout {c.layout}, {c.schedule}{v}, {c.microbatches} microbatches of {plan.micro_seqs} x {plan.seq} tokens, ZeRO {c.zero}, recompute {c.recompute}{"" if out["comm"] else ", transfers free"}
+  step time        {out["step_time_s"]:.4g} s   (planner {out["planner_step_time_s"]:.4g} s)
+  throughput       {out["tokens_per_s"]:,.0f} tokens/s, {out["tflops_per_gpu"]:.0f} TFLOP/s per GPU, MFU {100 * out["mfu"]:.1f} %
+  bubble           {100 * out["bubble_fraction"]:.1f} % of the pipeline span ({out["pipeline_span_s"]:.4g} s) on the busiest rank
+  idle per rank    {idle}  (% of the step)""")
     if args.slow_gpu:
         print(f"  straggler        GPU {args.slow_gpu[0]} at {args.slow_gpu[1]:g}x")
     if req.train_tokens:
