@@ -100,9 +100,18 @@ def test_search_json_best_and_candidates():
     assert d["best"] == d["candidates"][0] and len(d["candidates"]) == 5
     rates = [c["tokens_per_s"] for c in d["candidates"]]
     assert rates == sorted(rates, reverse=True)
-    assert all(
-        c["layout"]["tp"] * c["layout"]["cp"] * c["layout"]["pp"] * c["layout"]["dp"] == 16384 for c in d["candidates"]
-    )
+    # each candidate's figures are those of its own configuration, evaluated alone
+    from fourd.layout import Layout, Parallelism
+    from fourd.plan.cluster import load_cluster
+    from fourd.plan.job import Job
+    from fourd.plan.search import evaluate
+
+    h100 = load_cluster("llama3-h100")
+    for c in d["candidates"]:
+        keys = ("schedule", "microbatches", "virtual_stages", "zero", "recompute", "sequence_parallel")
+        par = Parallelism(Layout(**c["layout"]), **{k: c[k] for k in keys})
+        job = Job(get_preset("llama3-405b"), h100, par, 8192, 2048, compiled=c["compiled"])
+        assert c["step_time_s"] == evaluate(job).step.step_s and par.layout.world == 16384
 
 
 @pytest.mark.parametrize(

@@ -267,3 +267,37 @@ def test_lab_view_with_cost_model_durations_matches_the_simulator_without_comm()
     s = build_schedule(c.schedule, 4, c.microbatches, c.virtual_stages)
     dur = cost_duration(plan.job, comm=False)
     assert timeline(s, dur) == _sim(plan, comm=False).events
+
+
+@pytest.mark.parametrize("where,message", [("missing/step.json", "which is not a folder"), (".", "is a folder")])
+def test_trace_path_is_checked_before_simulating(tmp_path, where, message):
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fourd",
+            "sim",
+            "step",
+            "--model",
+            "debug",
+            "--gpus",
+            "2",
+            "--trace",
+            str(tmp_path / where),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    lines = bad.stderr.strip().splitlines()
+    assert bad.returncode == 2 and len(lines) == 1 and "argument --trace" in lines[0] and message in lines[0]
+
+
+def test_one_sequence_per_replica_on_16384_gpus_simulates():
+    # 2048 sequences of 8192 tokens cannot cover 16,384 replicas: the batch is rounded up to one sequence each
+    from fourd.lab import api
+
+    trace = api.simtrace({"gpus": "16384", "layout": "tp=1,pp=1,dp=16384", "seq": "8192"})
+    assert [e["name"] for e in trace["traceEvents"] if e["ph"] == "X" and e["tid"] == 0] == ["F0.0", "B0.0"]
+    plan = api.plan({"gpus": "16384", "layout": "tp=1,pp=1,dp=16384", "seq": "8192"})["plan"]
+    assert plan["global_batch_tokens"] == 16384 * 8192 and plan["microbatches"] == 1

@@ -31,7 +31,7 @@ from fourd.schedules import Action, Schedule, build_schedule, depends_on
 from fourd.sim.network import Flow, Network
 from fourd.sim.pipeline import Event
 
-MAX_PIECES = 2_000_000  # compute pieces one simulation may hold (about 1 GB of Python objects)
+MAX_PIECES = 200_000  # compute pieces one simulation may run: about 20 s of simulation
 
 
 def stage_costs(job: Job, comm: bool = True) -> list[dict[str, float]]:
@@ -169,12 +169,7 @@ def simulate(
     layers = layers or [1] * schedule.stages
     optimizer_s = optimizer_s or [0] * p
     classes = [None] if slow is None else ([None, slow] if dp > 1 else [slow])
-    pieces = len(classes) * sum(layers[a.stage] for r in schedule.ranks for a in r)
-    if pieces > MAX_PIECES:
-        raise FourdError(
-            f"this step has {pieces:,} compute pieces to simulate, more than {MAX_PIECES:,}: use fewer "
-            "microbatches, virtual stages or pipeline ranks"
-        )
+    _check_size(len(classes) * sum(layers[a.stage] for r in schedule.ranks for a in r))
     zero = comm.zero if comm is not None and comm.dp_group.size > 1 else None
     sim = _Engine(schedule, comm, len(classes))
     for c, straggler in enumerate(classes):
@@ -184,6 +179,14 @@ def simulate(
             needs = tuple((c, "coll", key) for key in sim.rs_keys[(c, r)])
             sim.pieces[(c, r)].append(_Piece(Action("O", r, 0), 0, 1, optimizer_s[r] * factor, needs, []))
     return sim.run()
+
+
+def _check_size(pieces: int) -> None:
+    if pieces > MAX_PIECES:
+        raise FourdError(
+            f"this step has {pieces:,} compute pieces to simulate, more than {MAX_PIECES:,}: use fewer "
+            "microbatches, virtual stages or pipeline ranks"
+        )
 
 
 def _needs(a: Action, c: int, stages: int) -> list:
@@ -386,6 +389,8 @@ def simulate_step(
     GPU computes factor× slower, and with it its TP/CP group (they meet in every layer's collectives).
     `throttle` ≥ 1 slows every GPU's compute alike."""
     lay, par = job.layout, job.par
+    layers = [max(1, n) for n in stage_layers(job.model.layers, lay.pp, par.virtual_stages)]
+    _check_size(2 * par.microbatches * sum(layers) * (1.5 if par.schedule == "zero-bubble" else 1))  # before building
     schedule = build_schedule(par.schedule, lay.pp, par.microbatches, par.virtual_stages)
     costs = [{k: t * throttle for k, t in c.items()} for c in stage_costs(job, comm)]
     net = None
@@ -402,7 +407,4 @@ def simulate_step(
     params, owned = stage_params_on_gpu(job), shard_group(lay).size if par.zero >= 1 else 1
     optimizer = [optimizer_time(sum(params[s] for s in schedule.stages_of_rank(r)) / owned, job.cluster,
                                 job.dtype_bytes) * throttle for r in range(lay.pp)]  # fmt: skip
-    counts = stage_layers(job.model.layers, lay.pp, par.virtual_stages)
-    return simulate(
-        schedule, costs, layers=[max(1, n) for n in counts], comm=net, optimizer_s=optimizer, slow=slow, dp=lay.dp
-    )
+    return simulate(schedule, costs, layers=layers, comm=net, optimizer_s=optimizer, slow=slow, dp=lay.dp)
