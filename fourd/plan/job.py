@@ -35,6 +35,9 @@ class Work:
         """Tokens of one microbatch on one rank (context parallelism cuts each sequence)."""
         return self.micro_seqs * self.seq // self.layout.cp
 
+    def __hash__(self) -> int:  # the time model's caches key on this: hash the fields once
+        return _hash(self)
+
 
 @dataclass(frozen=True)
 class Job:
@@ -75,8 +78,17 @@ class Job:
             self.dtype_bytes, self.compiled, self.attention, autocast, p.zero >= 1 and p.shard_ranks > 1,
         )  # fmt: skip
 
+    def __hash__(self) -> int:
+        return _hash(self)
+
     def with_par(self, **changes) -> Job:
         return replace(self, par=replace(self.par, **changes))
+
+
+def _hash(obj) -> int:
+    if "_hash" not in obj.__dict__:
+        obj.__dict__["_hash"] = hash(tuple(getattr(obj, f) for f in obj.__dataclass_fields__))
+    return obj.__dict__["_hash"]
 
 
 def stage_layers(layers: int, pp: int, virtual_stages: int = 1) -> list[int]:

@@ -111,32 +111,30 @@ class Memory:
         return {k: getattr(self, k) / GB for k in names}
 
 
-@lru_cache(maxsize=16384)
-def rank_memory(job: Job, rank: int) -> Memory:
-    """Peak memory of one GPU of pipeline rank `rank`: what the allocator holds, the runtime's reserve apart."""
-    par, lay, work, b = job.par, job.layout, job.work, job.dtype_bytes
-    layers, params, _ = rank_shapes(job.model, lay.pp, par.virtual_stages)
-    mine = params[rank] / lay.tp
+def rank_memories(job: Job, ranks) -> list[Memory]:
+    """Peak memory of one GPU of each pipeline rank in `ranks`."""
+    par, lay, work, b, model = job.par, job.layout, job.work, job.dtype_bytes, job.model
+    layers, params, _ = rank_shapes(model, lay.pp, par.virtual_stages)
     w, g, o = state_bytes_per_param(par.zero, par.shard_ranks, b)  # FSDP shards over dp×cp (or an HSDP group)
-    tokens = work.tokens
-    per_layer = tokens * traffic(work).saved
-    acts = in_flight(par.schedule, lay.pp, par.microbatches, par.virtual_stages, rank) * layers[rank] * per_layer
-    other = 0.0
-    if par.recompute == "full":
-        # the layer being recomputed holds its whole activations for one microbatch
-        other += tokens * traffic(replace(work, recompute="none")).saved
-    if rank == lay.pp - 1:
-        # the loss's log-probabilities and gradients for one microbatch, vocabulary split over TP
-        other += loss_bytes(b)[2] * tokens * job.model.vocab / lay.tp
-    if par.zero == 3:
-        # FSDP gathers one layer (or the embedding, or the output) and prefetches the next
-        unit = max(job.model.layer_params(), job.model.embedding_params() if rank in (0, lay.pp - 1) else 0)
-        other += 2 * unit / lay.tp * b
-    cache = ALLOCATOR_FRAGMENTATION * (mine * (w + g + o) + acts + other)
-    return Memory(mine * w, mine * g, mine * o, acts, other, cache, job.cluster.gpu.memory_reserve_gb * GB)
+    per_layer = work.tokens * traffic(work).saved
+    # while a layer is recomputed it holds all its activations for one microbatch
+    common = work.tokens * traffic(replace(work, recompute="none")).saved if par.recompute == "full" else 0.0
+    logits = loss_bytes(b)[2] * work.tokens * model.vocab / lay.tp  # the loss's, for one microbatch: the last rank
+    gathered = 2 * model.layer_params() / lay.tp * b * (par.zero == 3)  # FSDP's gathered layer and the next
+    out = []
+    for r in ranks:
+        mine = params[r] / lay.tp
+        acts = in_flight(par.schedule, lay.pp, par.microbatches, par.virtual_stages, r) * layers[r] * per_layer
+        other = common + logits * (r == lay.pp - 1) + gathered
+        if par.zero == 3 and r in (0, lay.pp - 1):  # the embedding or the output, gathered whole
+            other += 2 * max(0, model.embedding_params() - model.layer_params()) / lay.tp * b
+        cache = ALLOCATOR_FRAGMENTATION * (mine * (w + g + o) + acts + other)
+        out.append(Memory(mine * w, mine * g, mine * o, acts, other, cache, job.cluster.gpu.memory_reserve_gb * GB))
+    return out
 
 
+@lru_cache(maxsize=16384)
 def peak_memory(job: Job) -> tuple[int, Memory]:
     """The pipeline rank whose tensors take the most memory, and its memory."""
     ranks = rank_shapes(job.model, job.layout.pp, job.par.virtual_stages)[2]
-    return max(((r, rank_memory(job, r)) for r in ranks), key=lambda rm: rm[1].total)
+    return max(zip(ranks, rank_memories(job, ranks)), key=lambda rm: rm[1].total)

@@ -178,13 +178,17 @@ def chunk_times(job: Job) -> list[StageTime]:
 def slowest_rank(job: Job) -> tuple[int, StageTime]:
     """The pipeline rank with the most work per microbatch, and that work (all its stages). Rank 0 also
     embeds and rank pp−1 also runs the output and the loss."""
-    p = job.layout.pp
-    per_rank = rank_shapes(job.model, p, job.par.virtual_stages)[0]
+    return _slowest(job.work, job.layout.pp, job.par.virtual_stages)
+
+
+@lru_cache(maxsize=16384)
+def _slowest(work: Work, p: int, virtual_stages: int) -> tuple[int, StageTime]:
+    per_rank = rank_shapes(work.model, p, virtual_stages)[0]
     # ranks with equal layers and no embedding or head take equal time: look at one of each kind
     seen: dict[int, int] = {}
     for r in range(1, p - 1):
         seen.setdefault(per_rank[r], r)
-    times = {r: stage_time(job.work, per_rank[r], r == 0, r == p - 1) for r in {0, p - 1, *seen.values()}}
+    times = {r: stage_time(work, per_rank[r], r == 0, r == p - 1) for r in {0, p - 1, *seen.values()}}
     r = max(times, key=lambda r: times[r].forward + times[r].backward)
     return r, times[r]
 

@@ -4,7 +4,7 @@ N GPUs ranked by tokens/s among those that fit."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from fourd.errors import FourdError
 from fourd.layout import RECOMPUTE, ZERO_STAGES, Layout, Parallelism, split_ok, tp_ok
@@ -132,14 +132,25 @@ def configs(model, gpus: int, seq: int, global_seqs: int, fixed: Fixed):
         counts = [per_replica // s for s in MICRO_SEQS if per_replica % s == 0]
         if fixed.microbatches:
             counts = [fixed.microbatches] if per_replica % fixed.microbatches == 0 else []
+        # left open, GPipe is never chosen (1F1B's bubble, more memory), nor ZeRO 0 where data parallelism
+        # shards (ZeRO 1 moves fewer bytes and shards the optimizer); unsharded every ZeRO stage is the same
+        zeros = [fixed.zero] if fixed.zero is not None else [0] if lay.cp * lay.dp == 1 else ZERO_STAGES[1:]
         for sched in [fixed.schedule] if fixed.schedule else SCHEDULES:
-            if (sp and (seq // lay.cp) % lay.tp) or (lay.pp == 1 and fixed.schedule is None and sched != "1f1b"):
+            if (sp and (seq // lay.cp) % lay.tp) or (
+                fixed.schedule is None and sched != "1f1b" and (lay.pp == 1 or sched == "gpipe")
+            ):
                 continue  # without a pipeline every schedule is the same
             vs = [fixed.virtual_stages or 1] if lay.pp == 1 else [1]
             if sched == "interleaved" and lay.pp > 1:
                 vs = [fixed.virtual_stages] if fixed.virtual_stages else _virtual_stages(model.layers, lay.pp)
-            for v, m in ((v, m) for v in vs for m in counts):
-                for z in [fixed.zero] if fixed.zero is not None else ZERO_STAGES:
+            # interleaving fewer microbatches than ranks idles most of the time: only when nothing else is left
+            ms = (
+                [m for m in counts if m >= lay.pp]
+                if sched == "interleaved" and max(counts, default=0) >= lay.pp
+                else counts
+            )
+            for v, m in ((v, m) for v in vs for m in ms):
+                for z in zeros:
                     yield Parallelism(lay, sched, m, v, z, "none", sp, fixed.hsdp_replicas)
 
 
@@ -157,11 +168,16 @@ def search(base: Job, gpus: int, fixed: Fixed, chosen=()) -> list[Plan]:
     Parallelism is ignored), fitting ones first, fastest first. Recomputation, when left open, is the
     lightest that fits (RECOMPUTE's order): each costs time and saves memory."""
     plans, capacity = [], base.cluster.gpu.memory_gb * GB
-    for job in (replace(base, par=par) for par in configs(base.model, gpus, base.seq, base.global_seqs, fixed)):
-        if not valid(job):
+    b, pinned = base, fixed != Fixed(sequence_parallel=fixed.sequence_parallel)  # unpinned, every config is valid
+    for par in configs(b.model, gpus, b.seq, b.global_seqs, fixed):
+        job = Job(b.model, b.cluster, par, b.seq, b.global_seqs, b.precision, b.compiled, b.attention)
+        if pinned and not valid(job):
             continue
         for rc in [fixed.recompute] if fixed.recompute else RECOMPUTE:
-            job = job.with_par(recompute=rc)
+            if rc != "none":
+                lay, sched, m, v, zero, _, sp, hsdp = (getattr(par, f) for f in Parallelism.__dataclass_fields__)
+                job = Job(b.model, b.cluster, Parallelism(lay, sched, m, v, zero, rc, sp, hsdp), b.seq, b.global_seqs,
+                          b.precision, b.compiled, b.attention)  # fmt: skip
             memory = peak_memory(job)[1]
             if memory.fits(capacity):
                 break

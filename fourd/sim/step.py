@@ -390,7 +390,7 @@ def simulate_step(
     `throttle` ≥ 1 slows every GPU's compute alike."""
     lay, par = job.layout, job.par
     layers = [max(1, n) for n in stage_layers(job.model.layers, lay.pp, par.virtual_stages)]
-    _check_size(2 * par.microbatches * sum(layers) * (1.5 if par.schedule == "zero-bubble" else 1))  # before building
+    _check_size(par.microbatches * sum(layers) * (3 if par.schedule == "zero-bubble" else 2))  # before building
     schedule = build_schedule(par.schedule, lay.pp, par.microbatches, par.virtual_stages)
     costs = [{k: t * throttle for k, t in c.items()} for c in stage_costs(job, comm)]
     net = None
