@@ -144,6 +144,11 @@ def test_search_json_best_and_candidates():
         (["--gpus", "8", "--global-batch-tokens", "nan"], "argument --global-batch-tokens: 'nan' must be a positive"),
         (["--gpus", "nan"], "argument --gpus: 'nan' is not a whole number"),
         (["--gpus", "8", "--sequence-parallel", "yes"], "argument --sequence-parallel: 'yes': choose on or off"),
+        (
+            ["--gpus", "8", "--schedule", "1f1b", "--virtual-stages", "2"],
+            "2 virtual stages need the interleaved schedule (1f1b runs one stage per rank): choose the interleaved "
+            "schedule or one virtual stage",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, needle):

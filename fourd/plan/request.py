@@ -22,7 +22,7 @@ from fourd.model.config import ModelConfig, get_preset, parse_model_spec
 from fourd.plan.cluster import Cluster, load_cluster
 from fourd.plan.job import ATTENTION, Job
 from fourd.plan.search import Fixed, Plan, search
-from fourd.schedules import SCHEDULES
+from fourd.schedules import SCHEDULES, check_stages
 
 DEFAULT_MODEL = "llama3-405b"
 DEFAULT_CLUSTER = "llama3-h100"
@@ -196,6 +196,7 @@ def resolve(model: ModelConfig, cluster: Cluster, values: Mapping[str, Any]) -> 
             f"layout {layout} uses {layout.world} GPUs but {gpus} are asked: make the product of the degrees equal {gpus}"
         )
     schedule = v["schedule"] or ("interleaved" if (v["virtual_stages"] or 1) > 1 else None)
+    check_stages(schedule or "interleaved", 2, 1, v["virtual_stages"] or 1)  # with or without a layout
     fixed = Fixed(
         layout, schedule, v["microbatches"], v["virtual_stages"], v["zero"], v["recompute"], sp, v["hsdp_replicas"] or 1
     )
