@@ -12,6 +12,9 @@ $(STAMP): pyproject.toml
 	# project's own pin keeps pip from resolving a multi-GB CUDA build.
 	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[test]'
+	# llm-analysis runs beside the planner in benchmarks/validate_planner.py; its metadata pins old
+	# transformers and huggingface-hub it does not need, so it comes without its dependencies
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps llm-analysis==0.2.2 fire==0.5.0 termcolor six
 	# the lab's browser tests run in Debian's chromium
 	command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 	touch $(STAMP)
