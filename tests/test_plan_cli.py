@@ -130,7 +130,10 @@ def test_search_json_best_and_candidates():
         ),
         (["--cluster", "nowhere"], "unknown cluster 'nowhere'"),
         (["--cluster", "local"], "run `fourd calibrate` to write it"),
-        (["--gpus", "8", "--seq", "0"], "argument --seq: 0 is out of range: give a sequence length from 2 to 16777216"),
+        (
+            ["--gpus", "8", "--seq", "0"],
+            "argument --seq: 0 is out of range: give a sequence length from 2 to 16,777,216",
+        ),
         (
             ["--gpus", "8", "--microbatches", "0"],
             "argument --microbatches: 0 is out of range: give a whole number from 1",
@@ -139,7 +142,7 @@ def test_search_json_best_and_candidates():
             ["--gpus", "8", "--virtual-stages", "0"],
             "argument --virtual-stages: 0 is out of range: give a whole number from 1",
         ),
-        (["--gpus", "8", "--top", "-1"], "argument --top: -1 is out of range: give a whole number from 1 to 10000"),
+        (["--gpus", "8", "--top", "-1"], "argument --top: -1 is out of range: give a whole number from 1 to 10,000"),
         (["--gpus", "8", "--train-tokens=-5T"], "argument --train-tokens: '-5T' must be a positive finite count"),
         (["--gpus", "8", "--global-batch-tokens", "nan"], "argument --global-batch-tokens: 'nan' must be a positive"),
         (["--gpus", "nan"], "argument --gpus: 'nan' is not a whole number"),
@@ -177,7 +180,7 @@ def test_bad_model_spec_is_one_line(spec, needle):
 def test_any_gpu_count_on_a_preset_and_interleaving_with_fewer_microbatches_than_stages():
     # a profile describes a server, a pod and the network, not a size: 6,144 GPUs are six pods of dgx-h100
     r = plan("--model", "llama3-405b", "--cluster", "dgx-h100", "--gpus", "6144", "--layout", "tp=8,pp=8,dp=96",
-             "--seq", "8192", "--json")  # fmt: skip
+             "--seq", "8192", "--global-batch-tokens", str(2016 * 8192), "--json")  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["placement"]["dp"] == "cross-pod"
     # 8 microbatches on 16 pipeline ranks: each of the V rounds waits for microbatch 0 to come round

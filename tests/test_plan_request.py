@@ -55,7 +55,7 @@ def test_a_cpu_profile_defaults_to_what_fourd_train_runs_in_every_caller(tmp_pat
     "values,message",
     [
         ({"gpus": 8, "typo": 1}, "unknown planner setting(s) typo"),
-        ({"gpus": 0}, "gpus 0 is out of range: give a whole number from 1 to 1048576"),
+        ({"gpus": 0}, "gpus 0 is out of range: give a whole number from 1 to 1,048,576"),
         ({"gpus": 8, "zero": 4}, "zero '4': choose one of 0, 1, 2, 3"),
         ({"gpus": 8, "schedule": "2f2b"}, "schedule '2f2b': choose one of gpipe, 1f1b, interleaved, zero-bubble"),
         ({}, "give the number of GPUs or a layout (its product is the number of GPUs)"),
@@ -68,14 +68,14 @@ def test_bad_requests_name_the_setting(values, message):
     assert str(e.value).startswith(message)
 
 
-def test_a_batch_in_tokens_is_rounded_to_equal_replicas_and_said():
-    req = request.resolve(
-        get_preset("llama3-405b"), load_cluster("dgx-h100"), {"layout": "tp=8,pp=8,dp=96", "seq": 8192}
-    )
-    assert req.base.global_seqs == 2016  # 2048 sequences over 96 replicas: 21 each
-    assert "global batch (rounded to 2,016 sequences, 21 per replica)" in req.open
+def test_a_batch_the_pinned_replicas_cannot_share_is_refused():
+    model, values = get_preset("llama3-405b"), {"layout": "tp=8,pp=8,dp=96", "seq": 8192}
+    with pytest.raises(FourdError, match="2048 sequences does not split into dp × microbatches = 96 × 1"):
+        request.resolve(model, load_cluster("dgx-h100"), values)
+    req = request.resolve(model, load_cluster("dgx-h100"), {**values, "global_batch_tokens": 2016 * 8192})
+    assert req.base.global_seqs == 2016 and "global batch" not in " ".join(req.open)
     with pytest.raises(FourdError, match="does not split into dp × microbatches = 96 × 1"):
-        request.best_plan(get_preset("llama3-405b"), "dgx-h100", 6144, 8192, 2048, {"layout": "tp=8,pp=8,dp=96"})
+        request.best_plan(model, "dgx-h100", 6144, 8192, 2048, {"layout": "tp=8,pp=8,dp=96"})
 
 
 def test_rank_peak_memory_is_the_fullest_gpu_with_the_reserve():

@@ -8,6 +8,7 @@ from fractions import Fraction
 
 import pytest
 
+from fourd.errors import FourdError
 from fourd.model.config import get_preset
 from fourd.plan import request
 from fourd.plan.cluster import load_cluster
@@ -294,10 +295,14 @@ def test_trace_path_is_checked_before_simulating(tmp_path, where, message):
 
 
 def test_one_sequence_per_replica_on_16384_gpus_simulates():
-    # 2048 sequences of 8192 tokens cannot cover 16,384 replicas: the batch is rounded up to one sequence each
+    # 2048 sequences of 8192 tokens (the default batch) cannot cover 16,384 replicas: refused, no division by zero
     from fourd.lab import api
 
-    trace = api.simtrace({"gpus": "16384", "layout": "tp=1,pp=1,dp=16384", "seq": "8192"})
+    query = {"gpus": "16384", "layout": "tp=1,pp=1,dp=16384", "seq": "8192"}
+    with pytest.raises(FourdError, match="2048 sequences does not split into dp × microbatches = 16384 × 1"):
+        api.simtrace(query)
+    query["global_batch_tokens"] = str(16384 * 8192)
+    trace = api.simtrace(query)
     assert [e["name"] for e in trace["traceEvents"] if e["ph"] == "X" and e["tid"] == 0] == ["F0.0", "B0.0"]
-    plan = api.plan({"gpus": "16384", "layout": "tp=1,pp=1,dp=16384", "seq": "8192"})["plan"]
+    plan = api.plan(query)["plan"]
     assert plan["global_batch_tokens"] == 16384 * 8192 and plan["microbatches"] == 1

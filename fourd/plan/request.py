@@ -45,9 +45,8 @@ def bounded(kind: type, lo: float, hi: float = math.inf, what: str = ""):
         except (TypeError, ValueError):
             raise BadValue(f"{str(text)[:40]!r} is not {'a number' if kind is float else 'a whole number'}") from None
         if not (math.isfinite(value) and lo <= value <= hi):
-            raise BadValue(
-                f"{value} is out of range: give {what} from {lo:.10g}{'' if hi == math.inf else f' to {hi:.10g}'}"
-            )
+            top = "" if hi == math.inf else f" to {hi:,}" if kind is int else f" to {hi:.10g}"
+            raise BadValue(f"{value} is out of range: give {what} from {lo:.10g}{top}")
         return value
 
     return parse
@@ -205,11 +204,6 @@ def resolve(model: ModelConfig, cluster: Cluster, values: Mapping[str, Any]) -> 
         for name in ("layout", "schedule", "virtual_stages", "microbatches", "zero", "recompute")
         if getattr(fixed, name) is None and (schedule in (None, "interleaved") or name != "virtual_stages")
     )
-    share = layout.dp * (fixed.microbatches or 1) if layout else 1
-    if not v["global_seqs"] and global_seqs % share:
-        # a batch in tokens is a target: the nearest one the pinned replicas share equally
-        global_seqs = max(1, round(global_seqs / share)) * share
-        open_ += (f"global batch (rounded to {global_seqs:,} sequences, {global_seqs // layout.dp} per replica)",)
     if layout is not None:  # name what is wrong with the user's own settings before searching the rest
         zero = 3 * (fixed.hsdp_replicas > 1) if fixed.zero is None else fixed.zero
         mine = Parallelism(layout, schedule or "1f1b", fixed.microbatches or 1, fixed.virtual_stages or 1, zero,
