@@ -169,7 +169,7 @@ def test_plan_panel_is_fourd_plan_with_one_memory_bar_per_pipeline_rank():
             {"model": "llama3-1t", "gpus": "8"},
             "model='llama3-1t': choose one of debug, small, llama3-8b, llama3-70b, llama3-405b",
         ),
-        ({"gpus": "0"}, "gpus 0 is out of range: give a whole number from 1 to 1048576"),
+        ({"gpus": "0"}, "gpus 0 is out of range: give a whole number from 1 to 1,048,576"),
         (
             {"gpus": "8", "seq": "8192", "global_batch_tokens": "1000"},
             "a global batch of 1000 tokens is not a whole number of 8192-token sequences: use a multiple of 8192",

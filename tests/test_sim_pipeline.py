@@ -61,7 +61,12 @@ def test_events_are_the_lab_view():
         (0, 0, "B", 0, 4.0, 6.0),
         (0, 0, "B", 1, 7.0, 9.0),
     ]
-    # a transfer delay of 0.5 on every cross-rank edge stretches the first forward chain
-    delayed = timeline(build_schedule("gpipe", 2, 1), delay=lambda dep, a: 0.5 if dep.stage != a.stage else 0.0)
-    assert [(e.kind, e.start, e.end) for e in delayed[1]] == [("F", 1.5, 2.5), ("B", 2.5, 4.5)]
-    assert [(e.kind, e.start, e.end) for e in delayed[0]] == [("F", 0.0, 1.0), ("B", 5.0, 7.0)]
+
+
+def test_gpipe_with_unequal_stages_is_a_flow_shop():
+    # identical microbatches through stages of unequal cost: makespan Σ t_s + (m − 1)·max t_s, forward then backward
+    for p, m in ((3, 5), (4, 7), (5, 2)):
+        costs = [{"F": 3 + s % 3, "B": 5 + (s * 7) % 4} for s in range(p)]
+        ev = timeline(build_schedule("gpipe", p, m), costs)
+        f, b = [c["F"] for c in costs], [c["B"] for c in costs]
+        assert max(e[-1].end for e in ev) == sum(f) + (m - 1) * max(f) + sum(b) + (m - 1) * max(b)

@@ -1,16 +1,5 @@
-"""Monte-Carlo of a long training run on N GPUs: interruptions, checkpoints, restarts and lost work.
-
-Interruptions arrive as Poisson processes. Unexpected ones follow the per-component counts of
-Llama 3 Table 5 (419 in 54 days on 16,384 GPUs; Dubey et al. 2024 §3.3.4), scaled linearly with
-the number of GPUs (each GPU and its share of hosts, links and software fails independently).
-Planned ones (47 in the same 54 days: upgrades, configuration changes) are decisions about the job,
-so their rate does not depend on its size.
-
-The job checkpoints every `interval` of training, paying `checkpoint_s` each time. An unexpected
-interruption loses the work since the last complete checkpoint (a checkpoint being written when
-it strikes is lost too) and costs `restart_s` before training resumes. A planned one saves first
-(`checkpoint_s`, nothing lost) and then costs `restart_s`. Runs are vectorised over numpy arrays.
-"""
+"""Monte-Carlo of a long training run on N GPUs: interruptions (Llama 3 Table 5's rates, unexpected ones
+scaled with the GPUs), checkpoints, restarts and lost work, vectorised over runs (docs/simulators.md)."""
 
 from __future__ import annotations
 
@@ -35,11 +24,7 @@ TABLE5 = {
 }  # fmt: skip
 TABLE5_GPUS, TABLE5_DAYS, TABLE5_PLANNED = 16_384, 54, 47
 
-# Checkpoint save: the full training state of 405B (16 B/param, 6.48 TB) written by all GPUs in
-# parallel to Tectonic at its sustained 2 TB/s (Llama 3 §3.3.1) is 3.2 s; 10 s leaves room for
-# coordination and stragglers. Restart: detect (NCCL watchdog), swap the host, relaunch, rebuild
-# communicators and read the checkpoint back; 5 minutes is our assumption for an automated restart
-# (the paper says all but 3 interruptions were handled automatically and > 90 % of time trained).
+# Assumed checkpoint save and restart times (docs/simulators.md derives them from Llama 3 §3.3.1).
 CHECKPOINT_S = 10.0
 BYTES_PER_SLOT = 160  # peak NumPy memory of `simulate` per run and slot: 111 B measured (tracemalloc), and a margin
 RESTART_S = 300.0
@@ -124,14 +109,14 @@ def simulate(
     restart_s: float = RESTART_S,
 ) -> FaultResult:
     """`runs` independent runs of `days` days; the checkpoint interval defaults to Daly's optimum."""
-    if gpus < 1 or not 0 < days < math.inf or runs < 1:
-        raise FourdError(f"{gpus} GPUs, {days} days, {runs} runs: each must be positive and finite")
-    if not (0 <= checkpoint_s < math.inf and 0 <= restart_s < math.inf):
-        raise FourdError(f"checkpoint time {checkpoint_s} s and restart time {restart_s} s must be finite and >= 0")
-    m = mtbf_s(gpus)
-    tau = daly_interval(checkpoint_s, m) if interval_s is None else interval_s
-    if not 0 < tau < math.inf:
-        raise FourdError(f"checkpoint interval {tau / 60:g} min must be positive and finite")
+    positive = (gpus, runs, days, 1.0 if interval_s is None else interval_s)
+    finite = math.isfinite(sum(positive) + checkpoint_s + restart_s)
+    if not (finite and min(positive) > 0 and min(checkpoint_s, restart_s) >= 0):
+        raise FourdError(
+            f"{gpus} GPUs, {days} days, {runs} runs, checkpoint interval {interval_s} s, checkpoint {checkpoint_s} s,"
+            f" restart {restart_s} s: each must be finite, and positive (the last two may be 0)"
+        )
+    tau = daly_interval(checkpoint_s, mtbf_s(gpus)) if interval_s is None else interval_s
     rates = unexpected_per_day(gpus)
     lam_u, lam_p, horizon = sum(rates.values()) / DAY_S, planned_per_day() / DAY_S, days * DAY_S
     lam = lam_u + lam_p
@@ -185,19 +170,15 @@ def _spans(arrivals, happened, planned, horizon: float, times: tuple[float, floa
 def summary(r: FaultResult) -> dict:
     """The `fourd sim faults --json` object: means over runs (the headline keys first)."""
     m, eff, comp = mtbf_s(r.gpus), r.effective, r.by_component
-    out = {"unexpected_interruptions": float(r.unexpected.mean()), "planned_interruptions": float(r.planned.mean())}
-    out |= {"effective_training_fraction": float(eff.mean()), "checkpoint_interval_min": r.interval_s / 60}
-    out |= {"optimal_checkpoint_interval_min": daly_interval(r.checkpoint_s, m) / 60}
-    out |= {"young_interval_min": young_interval(r.checkpoint_s, m) / 60, "mtbf_h": m / 3600}
-    out |= {f"effective_training_fraction_p{q}": float(np.percentile(eff, q)) for q in (5, 95)}
-    out |= {
-        "gpus": r.gpus,
-        "days": r.days,
-        "runs": r.runs,
-        "checkpoint_save_s": r.checkpoint_s,
-        "restart_s": r.restart_s,
-    }
-    out |= {"lost_work_h": float(r.lost_s.mean()) / 3600, "restart_h": float(r.restart_total_s.mean()) / 3600}
-    out |= {"checkpointing_h": float(r.checkpoint_total_s.mean()) / 3600}
     hardware, total = sum(v for c, v in comp.items() if TABLE5[c][1]), sum(comp.values())
-    return out | {"hardware_share": hardware / total if total else 0.0, "components": comp}
+    return {
+        "unexpected_interruptions": float(r.unexpected.mean()), "planned_interruptions": float(r.planned.mean()),
+        "effective_training_fraction": float(eff.mean()), "checkpoint_interval_min": r.interval_s / 60,
+        "optimal_checkpoint_interval_min": daly_interval(r.checkpoint_s, m) / 60,
+        "young_interval_min": young_interval(r.checkpoint_s, m) / 60, "mtbf_h": m / 3600,
+        **{f"effective_training_fraction_p{q}": float(np.percentile(eff, q)) for q in (5, 95)},
+        "gpus": r.gpus, "days": r.days, "runs": r.runs, "checkpoint_save_s": r.checkpoint_s, "restart_s": r.restart_s,
+        "lost_work_h": float(r.lost_s.mean()) / 3600, "restart_h": float(r.restart_total_s.mean()) / 3600,
+        "checkpointing_h": float(r.checkpoint_total_s.mean()) / 3600,
+        "hardware_share": hardware / total if total else 0.0, "components": comp,
+    }  # fmt: skip

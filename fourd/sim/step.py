@@ -1,16 +1,7 @@
-"""Discrete-event simulation of one training step, driven by the `fourd.schedules` action lists.
-
-Each pipeline rank runs its compute actions in the schedule's order, each action's duration from the
-planner's cost model (`fourd.plan.perf.chunk_times`, TP and CP collectives included). Between actions
-the simulator moves bytes: activations and their gradients between pipeline stages, and data-parallel
-collectives in per-layer buckets (gradients reduced as soon as a layer's last backward produces them,
-weights gathered before their first use, on one stream per kind as NCCL runs them). Transfers are fluid
-flows that share links (`fourd.sim.network`): a GPU's NIC in each direction and its NVLink port.
-
-Symmetry: all data-parallel replicas run alike and all TP/CP ranks of a stage do the same work, so one
-GPU per pipeline rank stands for all (docs/simulators.md says what that assumes). A straggler breaks it
-for one replica: then two replica classes run, the slow one and the rest, and meet in every DP collective.
-"""
+"""Discrete-event simulation of one training step: each pipeline rank runs its `fourd.schedules` action
+list with the planner's compute times; activations, gradients and per-layer data-parallel buckets move as
+fluid flows sharing the links (`fourd.sim.network`). One GPU per pipeline rank stands for its replicas and
+TP/CP group; a straggler adds a second replica class (docs/simulators.md says what that assumes)."""
 
 from __future__ import annotations
 
@@ -45,12 +36,6 @@ def stage_costs(job: Job, comm: bool = True) -> list[dict[str, float]]:
     return out
 
 
-def cost_duration(job: Job, comm: bool = True):
-    """A duration function for `fourd.sim.pipeline.timeline`: the cost model's time of each Action."""
-    costs = stage_costs(job, comm)
-    return lambda a: costs[a.stage][a.kind]
-
-
 @dataclass(frozen=True)
 class Transfer:
     replica: int  # 0: the replicas that stand for all (or the only one); 1: the straggler's replica
@@ -78,8 +63,7 @@ class StepResult:
 
     @property
     def bubble_fraction(self) -> float:
-        """Idle share of the pipeline span on the busiest rank: the schedule's bubble on the rank that sets
-        the pace (ranks with less work idle more: load imbalance, per_rank_idle_fraction)."""
+        """Idle share of the pipeline span on the busiest rank (the pace setter's bubble)."""
         span = self.pipeline_span_s
         return 1 - max(self.busy_s) / span if span > 0 else 0.0
 
@@ -100,17 +84,13 @@ class Comm:
     weight_bytes: int = 2  # per parameter: weights move in the compute precision, gradients in FP32
 
 
-def build_comm(job: Job, replicas: int) -> Comm:
-    """Links and transfer costs of the job's layout on its cluster, for `replicas` classes of replica."""
+def build_comm(job: Job) -> Comm:
+    """Links and transfer costs of the job's layout on its cluster."""
     cluster, lay = job.cluster, job.layout
     node, net = cluster.node, cluster.network
     nic, nvl = net.nic_bw_gbps * 1e9 * net.nic_efficiency, node.intra_bw_gbps * 1e9 * node.intra_efficiency
     comm = Comm(cluster, job.par.zero, weight_bytes=job.dtype_bytes, dp_params=stage_params_on_gpu(job))
-    for c in range(replicas):
-        for r in range(lay.pp):
-            comm.capacity.update(
-                {("nic_out", c, r): nic, ("nic_in", c, r): nic, ("nvl_out", c, r): nvl, ("nvl_in", c, r): nvl}
-            )
+    comm.capacity = {"nic_out": nic, "nic_in": nic, "nvl_out": nvl, "nvl_in": nvl}  # links (port, class, rank)
     # each TP rank sends its sequence-parallel shard; without SP every TP rank holds (and sends) it all
     comm.p2p_bytes = job.work.tokens * job.model.dim * job.dtype_bytes / (lay.tp if job.par.sequence_parallel else 1)
     gpu = [lay.rank(pp=r) for r in range(lay.pp)]
@@ -158,13 +138,8 @@ def simulate(
     slow: tuple[int, float] | None = None,
     dp: int = 1,
 ) -> StepResult:
-    """Run one step. `costs[stage][kind]` are compute seconds; `comm` None makes transfers free and runs
-    no data-parallel collectives.
-
-    `layers[stage]` cuts actions into per-layer pieces where data-parallel buckets gate or follow them;
-    `optimizer_s[rank]` runs after the rank's last gradient bucket. `slow = (pipeline rank, factor)` slows
-    that rank in one of `dp` data-parallel replicas (the others stay the representative class).
-    """
+    """Run one step: `costs[stage][kind]` compute seconds, `layers[stage]` DP buckets per stage, `comm` None:
+    transfers free, no DP collectives; `slow = (pipeline rank, factor)` slows it in one of `dp` replicas."""
     p = schedule.pp
     layers = layers or [1] * schedule.stages
     optimizer_s = optimizer_s or [0] * p
@@ -393,17 +368,11 @@ def simulate_step(
     _check_size(par.microbatches * sum(layers) * (3 if par.schedule == "zero-bubble" else 2))  # before building
     schedule = build_schedule(par.schedule, lay.pp, par.microbatches, par.virtual_stages)
     costs = [{k: t * throttle for k, t in c.items()} for c in stage_costs(job, comm)]
-    net = None
-    slow = None
-    if slow_gpu is not None:
-        g, factor = slow_gpu
-        if not 0 <= g < lay.world:
-            raise FourdError(f"slow GPU {g}:{factor}: rank {g} is outside 0..{lay.world - 1} of layout {lay}")
-        if not (math.isfinite(factor) and factor > 0):
-            raise FourdError(f"slow GPU {g}:{factor}: the factor must be positive, e.g. 1.2 for 20 % slower")
-        slow = (lay.coords(g)["pp"], factor)
-    if comm:
-        net = build_comm(job, 1 if slow is None or lay.dp == 1 else 2)
+    g, factor = slow_gpu or (0, 1.0)
+    if not (0 <= g < lay.world and 0 < factor < math.inf):
+        raise FourdError(f"slow GPU {g}:{factor}: give a rank in 0..{lay.world - 1} of layout {lay} and a factor > 0")
+    slow = None if slow_gpu is None else (lay.coords(g)["pp"], factor)
+    net = build_comm(job) if comm else None
     params, owned = stage_params_on_gpu(job), shard_group(lay).size if par.zero >= 1 else 1
     optimizer = [optimizer_time(sum(params[s] for s in schedule.stages_of_rank(r)) / owned, job.cluster,
                                 job.dtype_bytes) * throttle for r in range(lay.pp)]  # fmt: skip

@@ -1,10 +1,7 @@
-"""Simulate one training step event by event: each pipeline rank runs the schedule's action lists
-(fourd.schedules) with compute times from the planner's cost model, activations and gradients move
-between stages, and data-parallel buckets are reduced and gathered, all sharing the links of the
-cluster's topology. Takes the same model, cluster and layout flags as `fourd plan`; settings left
-out are the planner's choice. Identical data-parallel replicas are simulated once, so a 16,384-GPU
-step takes well under a second (docs/simulators.md says what that assumes). With --search it
-simulates the planner's best candidates and ranks them by simulated step time.
+"""Simulate one training step event by event: the schedule's action lists with the planner's compute
+times, pipeline sends and data-parallel buckets sharing the cluster's links; identical replicas simulated
+once (docs/simulators.md). Flags as `fourd plan`, settings left out the planner's choice; --search
+ranks the planner's best candidates by simulated time.
 
 examples:
   fourd sim step --model llama3-405b --cluster llama3-h100 --gpus 16384 --layout tp=8,pp=16,dp=128 \\
@@ -77,26 +74,18 @@ def report(plan, result, comm: bool, wall: float, train_tokens: float | None = N
     c, step, tokens = plan.config, result.step_time_s, plan.global_seqs * plan.seq
     tflops = plan.model_flops / step / plan.gpus / 1e12
     out = {
-        "step_time_s": step,
-        "bubble_fraction": result.bubble_fraction,
+        "step_time_s": step, "bubble_fraction": result.bubble_fraction,
         "per_rank_idle_fraction": result.per_rank_idle_fraction,
-    }
-    out |= {"bubble_over_compute": [(result.pipeline_span_s - b) / b if b else 0.0 for b in result.busy_s]}
-    out |= {"tokens_per_s": tokens / step, "tflops_per_gpu": tflops, "mfu": tflops / plan.cluster.gpu.peak_tflops}
-    out |= {"pipeline_span_s": result.pipeline_span_s, "optimizer_s": max(result.optimizer_s), "comm": comm}
-    out |= {"planner_step_time_s": plan.step.step_s, "planner_vs_sim": plan.step.step_s / step - 1}
-    out |= {"layout": {d: getattr(c.layout, d) for d in ("tp", "cp", "pp", "dp")}, "gpus": plan.gpus}
-    out |= {
-        k: getattr(c, k)
-        for k in ("schedule", "microbatches", "virtual_stages", "zero", "recompute", "sequence_parallel")
-    }
-    out |= {
-        "micro_batch_seqs": plan.micro_seqs,
-        "seq": plan.seq,
-        "global_batch_tokens": tokens,
-        "cluster": plan.cluster.name,
-    }
-    out |= {"transfers": len(result.transfers), "sim_wall_s": wall}
+        "bubble_over_compute": [(result.pipeline_span_s - b) / b if b else 0.0 for b in result.busy_s],
+        "tokens_per_s": tokens / step, "tflops_per_gpu": tflops, "mfu": tflops / plan.cluster.gpu.peak_tflops,
+        "pipeline_span_s": result.pipeline_span_s, "optimizer_s": max(result.optimizer_s), "comm": comm,
+        "planner_step_time_s": plan.step.step_s, "planner_vs_sim": plan.step.step_s / step - 1,
+        "layout": {d: getattr(c.layout, d) for d in ("tp", "cp", "pp", "dp")}, "gpus": plan.gpus,
+        **{k: getattr(c, k) for k in ("schedule", "microbatches", "virtual_stages", "zero", "recompute",
+                                      "sequence_parallel")},
+        "micro_batch_seqs": plan.micro_seqs, "seq": plan.seq, "global_batch_tokens": tokens,
+        "cluster": plan.cluster.name, "transfers": len(result.transfers), "sim_wall_s": wall,
+    }  # fmt: skip
     if train_tokens:
         out |= {"train_tokens": train_tokens, "training_days": train_tokens * step / tokens / 86400}
     return out
