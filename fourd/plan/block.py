@@ -1,11 +1,6 @@
-"""What one transformer block moves through memory and keeps for backward, per token on one rank.
-
-Two ways to run a block's memory-bound ops: `eager` (PyTorch launching each op of the model's code as
-written: fourd's Llama block in fourd/model/llama.py, a GPT block of native LayerNorm and GeLU) and fused
-(`compiled`, one kernel per run of elementwise ops, as torch.compile or hand-written kernels do). The
-counts are read off the code, op by op; docs/planner.md lists them. The loss always runs eager (fourd,
-torchtitan and the IBM runs compile the blocks only).
-"""
+"""What one transformer block moves through memory and keeps for backward, per token on one rank, eager
+(each op of fourd/model/llama.py, or a GPT block's) or fused (compiled); counted op by op (docs/planner.md).
+The loss always runs eager (fourd, torchtitan and the IBM runs compile the blocks only)."""
 
 from __future__ import annotations
 
@@ -22,8 +17,7 @@ BACKWARD = {True: 1.7, False: 1.5}
 
 @dataclass(frozen=True)
 class Sizes:
-    """Elements per token on one rank: the residual stream as norms see it (cut by TP with sequence
-    parallelism), the linear layers' input, query, key/value and FFN widths."""
+    """Elements per token on one rank (the norms' stream cut by TP with SP) and bytes per element."""
 
     norm: float
     h: int
@@ -48,9 +42,8 @@ def sizes(work: Work) -> Sizes:
 
 
 def matmuls(work: Work) -> list[tuple[int, int]]:
-    """(n, k) of the block's forward matmuls on one rank in program order, m being the tokens: fourd's and
-    torchtitan's Llama run wq, wk, wv, wo, w1, w3, w2 apart; GPT blocks fuse Q, K and V (Megatron's split:
-    column-parallel in, row-parallel out)."""
+    """(n, k) of the block's forward matmuls on one rank in program order (m: the tokens): Llama's wq, wk,
+    wv, wo, w1, w3, w2; GPT blocks fuse Q, K and V (Megatron)."""
     s = sizes(work)
     if work.model.mlp == "swiglu":
         return [(s.q, s.h), (s.kv, s.h), (s.kv, s.h), (s.h, s.q), (s.f, s.h), (s.f, s.h), (s.h, s.f)]
@@ -78,14 +71,8 @@ def _rope_eager(n: int, b: int) -> float:
 
 @lru_cache(maxsize=4096)
 def traffic(work: Work) -> Traffic:
-    """Memory-bound bytes and kept activations of one layer, per token, on one rank.
-
-    Recomputation: `selective` with a flash kernel keeps the norms' inputs and recomputes their outputs and
-    the SwiGLU product; with materialized scores it drops the s × s scores and recomputes the attention core
-    (Korthikanti et al. 2022 §5). `per-op` is torchtitan's policy: keep the layer's input, every other
-    matmul's output (the 1st, 3rd, ...) and the attention kernel's, recompute the rest. `full` keeps the
-    layer's input and redoes its forward.
-    """
+    """Memory-bound bytes and kept activations of one layer, per token, on one rank, under the job's
+    recomputation (docs/planner.md's recomputation row says what each keeps)."""
     s, swiglu = sizes(work), work.model.mlp == "swiglu"
     b, r, eager = s.b, s.r, not work.compiled
     repeat = 2 * b * (s.kv + s.kv_used) * (s.kv_used != s.kv)  # GQA: K and V copied to every query head
@@ -122,8 +109,7 @@ def traffic(work: Work) -> Traffic:
 
 
 def loss_bytes(b: int) -> tuple[float, float, float]:
-    """(forward, backward, peak held) bytes per logit of torch's cross-entropy on `b`-byte logits: cast to
-    FP32, log-softmax (max, sum, write), its backward and the cast back; the log-probabilities, their
-    gradient and the gradient cast back are held together when backward starts."""
+    """(forward, backward, peak held) bytes per logit of torch's cross-entropy on `b`-byte logits (cast to
+    FP32, log-softmax, its backward, the cast back; held: the log-probabilities, their gradient, its cast)."""
     cast = b + F32 if b < F32 else 0
     return 12 + cast, 4 + 12 + cast, F32 + F32 + b

@@ -1,20 +1,8 @@
-"""Measure this machine and write its cluster profile, `local`, for `fourd plan --cluster local`.
-
-On a CUDA device it measures one GPU in BF16 (the node: every GPU it sees); on CPUs one worker process of
-`fourd train` in FP32 (one OpenMP thread; the node: 8 such workers). It measures:
-  - square matmuls (the efficiency curve) and the GEMMs of training, as autograd runs a linear layer:
-    forward x·Wᵀ, input gradient dY·W, weight gradient dYᵀ·X, at token counts and widths around the presets'
-  - attention (torch's scaled_dot_product_attention, forward and backward; causal, and on CPUs also with
-    the explicit mask context parallelism uses) across sequence lengths and head sizes
-  - memory bandwidth (a large copy), fourd's eager block ops (RMSNorm, RoPE, the GQA repeat, SiLU·mul,
-    residual adds) and AdamW, as rates of the bytes the planner counts for them
-  - collectives where there are at least 2 devices: time = alpha + beta · bytes for all_reduce, all_gather
-    and reduce_scatter over 2, 4 and 8 ranks and send/recv between 2 (nccl-tests bytes; `fourd bench comm`)
-  - on CPUs: the all-core matmul peak (one worker per core at once), and the CPU time fourd's tensor
-    parallelism (DTensor) and FSDP add to a layer beyond its compute and its collectives' latency
-The figures of the GPUs themselves are measured here, not taken from a datasheet (the peak excepted).
-
-Default run: under a minute on CPUs; --quick: a coarser, smaller sweep in seconds (tests use it).
+"""Measure this machine and write its cluster profile, `local`, for `fourd plan --cluster local`: on a CUDA
+device one GPU in BF16, on CPUs one worker process of `fourd train` in FP32. Matmuls (square and training
+shapes), attention, memory bandwidth, the eager block ops and AdamW, collectives where there are 2 devices
+or more, and on CPUs the all-core peak and the CPU time tensor parallelism and FSDP add to a layer
+(docs/planner.md). Under a minute on CPUs; --quick: a coarser sweep in seconds.
 
 examples:
   fourd calibrate
@@ -325,22 +313,15 @@ def measure(plan: str, device: str = "cpu") -> dict:
 
 
 def _samples(m: dict) -> list[str]:
-    out = []
+    out, att = [], ("seq", "head_dim", "fwd_tflops", "bwd_tflops", "masked_fwd_tflops", "masked_bwd_tflops")
     for table, keys, rows in (("gpu.gemm", ("m", "n", "k", "tflops"), [(n, n, n, t) for n, t in m["gemm"]]),
                               ("gpu.gemm_shapes", ("m", "n", "k", "tflops"), m["gemm_shapes"]),
-                              ("gpu.attention", ("seq", "head_dim", "fwd_tflops", "bwd_tflops", "masked_fwd_tflops",
-                                                 "masked_bwd_tflops"), m["attention"])):  # fmt: skip
+                              ("gpu.attention", att, m["attention"]),
+                              ("collectives", ("op", "nproc", "alpha_s", "beta_s_per_byte"),
+                               [(op, g, a, b) for (op, g), (a, b) in m["fits"].items()])):  # fmt: skip
         for row in rows:
-            out += [f"[[{table}]]", *(f"{k} = {v:.6g}" for k, v in zip(keys, row)), ""]
-    for (op, g), (a, b) in m["fits"].items():
-        out += [
-            "[[collectives]]",
-            f'op = "{op}"',
-            f"nproc = {g}",
-            f"alpha_s = {a:.6g}",
-            f"beta_s_per_byte = {b:.6g}",
-            "",
-        ]
+            out += [f"[[{table}]]", *(f"{k} = {v!r}" if isinstance(v, str) else f"{k} = {v:.6g}"
+                                      for k, v in zip(keys, row)), ""]  # fmt: skip
     return out
 
 

@@ -30,9 +30,8 @@ def _wave_utilization(m: int, n: int, sms: int) -> float:
 
 
 def _interpolate(samples: Sequence[tuple[Sequence[float], float]], point: Sequence[float]) -> float:
-    """A measured value at `point` from samples at other points: inverse-distance weighting (power 4, so the
-    nearest samples dominate) in log2 coordinates, each clamped to the samples' range (flat beyond them).
-    Samples measured at the point itself are averaged."""
+    """A measured value at `point`: inverse-distance weighting (power 4) in log2 coordinates clamped to the
+    samples' range; samples at the point itself are averaged."""
     logs = [tuple(math.log2(c) for c in where) for where, _ in samples]
     q = [min(max(math.log2(c), min(cs)), max(cs)) for c, cs in zip(point, zip(*logs))]
     hits, weights, total = [], 0.0, 0.0
@@ -48,13 +47,9 @@ def _interpolate(samples: Sequence[tuple[Sequence[float], float]], point: Sequen
 
 @lru_cache(maxsize=65536)
 def gemm_time(m: int, n: int, k: int, cluster: Cluster, dtype_bytes: int = 2) -> float:
-    """Seconds for one (m×k)·(k×n) GEMM.
-
-    Measured samples (calibrate) win when the profile has them: those at training shapes, interpolated
-    over (m, n, k), else the square ones, over FLOPs. Otherwise a roofline: FLOPs at the sustained GEMM
-    rate, reduced by wave quantization of the output tiles over the SMs, or the bytes of the three
-    matrices over HBM bandwidth, whichever is slower.
-    """
+    """Seconds for one (m×k)·(k×n) GEMM: measured samples if the profile has them (training shapes over
+    (m, n, k), else squares over FLOPs), else the slower of the sustained rate cut by wave quantization and
+    the k-loop's prologue, and the three matrices' bytes over HBM."""
     gpu = cluster.gpu
     flops = 2.0 * m * n * k
     if gpu.gemm_shapes:
@@ -90,11 +85,8 @@ def _measured_attention(cluster: Cluster, kv_len: int, head_dim: int, masked: bo
 def attention_time(
     q_tokens: int, kv_len: int, heads: int, head_dim: int, cluster: Cluster, causal: bool = True
 ) -> tuple[float, float]:
-    """(forward, backward) seconds of fused attention for q_tokens queries per head against kv_len keys.
-
-    Causal attention does half the score work; the backward does 2.5× the forward's FLOPs. CPU profiles
-    use their measured rates; non-causal calls there take the explicit-mask kernel, which computes every pair.
-    """
+    """(forward, backward) seconds of fused attention, q_tokens queries per head against kv_len keys (causal:
+    half the pairs; measured rates win, non-causal ones there from the explicit-mask kernel)."""
     gpu = cluster.gpu
     pairs = q_tokens * kv_len * (0.5 if causal else 1.0)
     fwd_flops = 4.0 * pairs * head_dim * heads
@@ -115,13 +107,10 @@ def attention_time(
 
 # bytes each rank sends = factor · nbytes (nbytes: all-gather's output, reduce-scatter's input), and ring steps
 BUS_FACTOR = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "all_to_all": lambda n: (n - 1) / n,
-    "broadcast": lambda n: 1.0,
-    "send": lambda n: 1.0,
-}
+    "all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0, "send": lambda n: 1.0,
+}  # fmt: skip
 # latency steps: a ring's n−1 (all-reduce 2(n−1)); NCCL's double binary tree all-reduces in 2·log2(n)
 _STEPS = {"all_reduce": lambda n: min(2 * (n - 1), 2 * math.ceil(math.log2(n))), "send": lambda n: 1}
 

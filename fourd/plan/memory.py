@@ -16,10 +16,8 @@ ALLOCATOR_FRAGMENTATION = 0.252
 
 
 def state_bytes_per_param(zero: int, dp: int, dtype_bytes: int = 2) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer) bytes per parameter for ZeRO stage 0-3 over dp ranks (Rajbhandari et al.
-    2020, §5): mixed precision keeps 16-bit weights and gradients and an FP32 master copy, momentum and
-    variance (2 + 2 + 12 = 16: stage 1 4 + 12/N_d, stage 2 2 + 14/N_d, stage 3 16/N_d). FP32 training keeps
-    4 + 4 + 8 (no master copy)."""
+    """(weights, gradients, optimizer) bytes per parameter for ZeRO stage 0-3 over dp ranks: 2 + 2 + 12 in
+    mixed precision, 4 + 4 + 8 in FP32 (Rajbhandari et al. 2020 §5)."""
     w = g = dtype_bytes
     opt = 12 if dtype_bytes == 2 else 8
     return (w / dp if zero >= 3 else w, g / dp if zero >= 2 else g, opt / dp if zero >= 1 else opt)
@@ -60,13 +58,8 @@ def max_rank_params(model, pp: int, virtual_stages: int, tp: int) -> float:
 
 
 def in_flight(schedule: str, pp: int, microbatches: int, virtual_stages: int, rank: int) -> float:
-    """Microbatches whose activations pipeline rank `rank` holds at its peak, in units of all its layers
-    (the closed forms of fourd.schedules' action lists, which the tests check against).
-
-    GPipe: all m (every forward before any backward). 1F1B: p − rank (Narayanan et al. 2021 §2.2). ZB-H1:
-    p on every rank, its deferred weight gradients keeping inputs alive (Qi et al. 2023 §3.1). Interleaved:
-    (V − 1)·R + 2(p − rank − 1) warm-up forwards of one stage (1/V of the layers) each and one more, R the
-    first round of microbatches (at least p; fourd.schedules)."""
+    """Microbatches whose activations pipeline rank `rank` holds at its peak, in units of all its layers: the
+    closed forms of fourd.schedules' lists (docs/simulators.md's "peak in flight"; the tests check them)."""
     m, p, v = microbatches, pp, virtual_stages
     if schedule == "gpipe":
         return m

@@ -46,14 +46,8 @@ class StageTime:
 
 @lru_cache(maxsize=8192)
 def layer_comm(work: Work) -> tuple[float, float, float, float]:
-    """(TP forward, TP backward, CP forward, CP backward) seconds of one layer's collectives, none overlapped.
-
-    TP alone: an all-reduce after each of attention and MLP, forward and backward (Shoeybi et al. 2019
-    §3). With sequence parallelism each all-reduce becomes an all-gather before the block and a
-    reduce-scatter after it (Korthikanti et al. 2022 §4.2.2), and backward gathers the two saved input
-    shards once more for the weight gradients. CP: all-gather K and V forward, again backward, and
-    reduce-scatter their gradients (Llama 3 §3.3.2; with GQA these are small).
-    """
+    """(TP forward, TP backward, CP forward, CP backward) seconds of one layer's collectives, none overlapped
+    (docs/planner.md: Shoeybi et al. 2019, Korthikanti et al. 2022 §4.2.2 with SP, Llama 3 §3.3.2 for CP)."""
     model, cluster, lay, b = work.model, work.cluster, work.layout, work.dtype_bytes
     groups = placement(lay)
     act = work.tokens * model.dim * b
@@ -71,9 +65,7 @@ def layer_comm(work: Work) -> tuple[float, float, float, float]:
 
 def materialized_attention(work: Work) -> tuple[float, float]:
     """(forward, backward) seconds of attention that writes the s × s scores (Megatron's scale-mask-softmax):
-    per sequence and local head, Q·Kᵀ and P·V over the whole square as batched GEMMs, the softmax and the
-    dropout between them (2 B read and written each, a 1 B mask), and in backward four GEMMs (dP, dV, dQ, dK)
-    with the softmax's and the dropout's backward (Korthikanti et al. 2022 §4 count the same tensors)."""
+    two batched GEMMs, softmax and dropout forward, four GEMMs and their backward (Korthikanti et al. 2022 §4)."""
     m, c, b = work.model, work.cluster, work.dtype_bytes
     n = work.micro_seqs * (m.heads // work.layout.tp)  # the GEMMs' batch, stacked into rows
     rows, keys, hd = n * work.tokens // work.micro_seqs, work.seq, m.head_dim
@@ -98,10 +90,8 @@ def layer_time(work: Work) -> StageTime:
     if work.attention == "materialized":
         a_fwd, a_bwd = materialized_attention(work)
     else:
-        # Each CP rank holds chunks i and 2·CP−1−i of every sequence, so its queries see on average half the
-        # sequence and the causal work is even across ranks (Llama 3 §3.3.2): tokens·seq/2 score pairs.
-        # A CPU profile's measured attention is torch's: there the chunks take an explicit mask, whose
-        # kernel computes all tokens·seq pairs.
+        # CP ranks hold chunks i and 2·CP−1−i: causal, tokens·seq/2 pairs (Llama 3 §3.3.2); on a CPU profile
+        # the chunks take torch's explicit-mask kernel, which computes all pairs
         all_pairs = work.layout.cp > 1 and bool(cluster.gpu.attention)
         a_fwd, a_bwd = attention_time(tokens, work.seq, model.heads // tp, model.head_dim, cluster, not all_pairs)
     t = traffic(work)
@@ -140,9 +130,8 @@ def _head_time(work: Work, tp_group: Group) -> StageTime:
 
 
 def compute_share(layout, cluster: Cluster) -> float:
-    """How much slower each rank computes because ranks of one server share its cores (CPU profiles): ranks
-    beyond `concurrent_ranks` take turns, and the busy cores together reach the all-core peak, not each its
-    one-worker best."""
+    """How much slower each rank computes where ranks share a server's cores (CPU profiles): ranks beyond
+    `concurrent_ranks` take turns, and the busy cores together reach the all-core peak."""
     slots = cluster.node.concurrent_ranks
     if not slots:
         return 1.0
@@ -176,8 +165,7 @@ def chunk_times(job: Job) -> list[StageTime]:
 
 
 def slowest_rank(job: Job) -> tuple[int, StageTime]:
-    """The pipeline rank with the most work per microbatch, and that work (all its stages). Rank 0 also
-    embeds and rank pp−1 also runs the output and the loss."""
+    """The pipeline rank with the most work per microbatch (embedding and head included), and that work."""
     return _slowest(job.work, job.layout.pp, job.par.virtual_stages)
 
 
@@ -194,8 +182,7 @@ def _slowest(work: Work, p: int, virtual_stages: int) -> tuple[int, StageTime]:
 
 
 def p2p_time(work: Work) -> float:
-    """One activation (or its gradient) sent between adjacent pipeline ranks; with SP each TP rank sends
-    its shard, without it the whole activation."""
+    """One activation (or its gradient) sent between adjacent pipeline ranks (with SP each TP rank's shard)."""
     lay = work.layout
     nbytes = work.tokens * work.model.dim * work.dtype_bytes / (lay.tp if work.sequence_parallel else 1)
     return collective_time("send", nbytes, Group(2, lay.tp * lay.cp, lay.world), work.cluster)
@@ -205,13 +192,9 @@ def p2p_time(work: Work) -> float:
 
 
 def bubble_time(schedule: str, pp: int, microbatches: int, virtual_stages: int, stage: StageTime) -> float:
-    """Idle time of a pipeline rank per step, for per-microbatch times `stage` (all its layers).
-
-    GPipe and 1F1B: (p−1)·(t_f + t_b) (Huang et al. 2019; Narayanan et al. 2021 §2.2). Interleaved with V
-    stages per rank: (p−1)/V·(t_f + t_b) for m ≥ p (§2.2.1), and with m < p, where every round waits for
-    microbatch 0 to come round, (p − 1 − (V−1)(m−1)/V)·(t_f + t_b), as fourd.schedules' lists run. ZB-H1:
-    (p−1)·(t_f + t_i − t_w), weight gradients filling the cool-down (Qi et al. 2023 §3.1).
-    """
+    """Idle time of a pipeline rank per step, for per-microbatch times `stage` (all its layers): (p−1)·(t_f +
+    t_b) for GPipe and 1F1B; interleaved (p − 1 − (V−1)(min(m, p)−1)/V)·(t_f + t_b), exact for fourd.schedules'
+    lists; ZB-H1 (p−1)·(t_f + t_i − t_w) (docs/simulators.md gives the sources)."""
     p, v = pp, virtual_stages
     whole = stage.forward + stage.backward
     if schedule in ("gpipe", "1f1b"):
@@ -238,14 +221,9 @@ class StepTime:
 
 
 def _dp_exposure(job: Job, t: StageTime, bubble: float, layers: int) -> tuple[float, float]:
-    """(exposed, total) seconds of ZeRO/DDP traffic of the slowest rank, in one bucket per layer (as DDP and
-    FSDP do, each paying the collective's latency). A layer's gradients are reduced when its last backward
-    ends, its weights gathered before their first use: what does not fit in the compute around it, and the
-    last bucket, stay on the critical path. ZeRO 0 all-reduces; 1 reduce-scatters gradients once per step
-    and all-gathers the updated weights; 2 reduce-scatters every microbatch; 3 also gathers the weights for
-    every forward and backward (Rajbhandari et al. 2020), and with HSDP all-reduces each shard's gradients
-    across the replicas. Weights move in the compute precision, gradients in FP32 (fourd's FSDP reduce_dtype,
-    Megatron's and DeepSpeed's FP32 gradient buffers)."""
+    """(exposed, total) seconds of ZeRO/DDP traffic of the slowest rank in one bucket per layer: what the
+    compute around it cannot hide, and the last bucket, are exposed; weights move in the compute precision,
+    gradients in FP32 (docs/planner.md, the data-parallel row, says what each ZeRO stage moves)."""
     lay, par, c = job.layout, job.par, job.cluster
     m, shard, n = par.microbatches, shard_group(lay, par.hsdp_replicas), max(1, layers)
     params = max_rank_params(job.model, lay.pp, par.virtual_stages, lay.tp)
