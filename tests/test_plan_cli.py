@@ -44,7 +44,7 @@ def plan(*args, home=None):
     )
 
 
-def test_json_plan_has_the_contract_keys_and_never_imports_torch():
+def test_json_plan_has_the_documented_keys_and_never_imports_torch():
     r = plan(*ROW1, "--json")
     assert r.returncode == 0, r.stderr
     assert r.stderr.strip().endswith("NO_TORCH")

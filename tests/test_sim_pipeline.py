@@ -1,4 +1,4 @@
-"""Schedule-only timelines: the bubble formulas of brief.md §5 hold exactly."""
+"""Schedule-only timelines: the bubble formulas of docs/simulators.md hold exactly."""
 
 from fractions import Fraction
 
@@ -24,7 +24,7 @@ def test_gpipe_and_1f1b_idle_fraction_is_p_minus_1_over_m_plus_p_minus_1_on_ever
                 assert [Fraction(i, step) for i in idle] == [Fraction(p - 1, m + p - 1)] * p, (name, p, m)
 
 
-def test_seed_figures_p16():
+def test_gpipe_bubble_on_16_ranks():
     for m, want in ((16, 0.484), (64, 0.190), (128, 0.105)):
         _, idle = idle_fractions(timeline(build_schedule("gpipe", 16, m)))
         assert round(idle[0], 3) == want
