@@ -106,6 +106,10 @@ class Memory:
 
 def rank_memories(job: Job, ranks) -> list[Memory]:
     """Peak memory of one GPU of each pipeline rank in `ranks`."""
+    return [Memory(*terms) for terms in _rank_terms(job, ranks)]
+
+
+def _rank_terms(job: Job, ranks) -> list[tuple[float, ...]]:
     par, lay, work, b, model = job.par, job.layout, job.work, job.dtype_bytes, job.model
     layers, params, _ = rank_shapes(model, lay.pp, par.virtual_stages)
     w, g, o = state_bytes_per_param(par.zero, par.shard_ranks, b)  # FSDP shards over dp×cp (or an HSDP group)
@@ -113,21 +117,21 @@ def rank_memories(job: Job, ranks) -> list[Memory]:
     # while a layer is recomputed it holds all its activations for one microbatch
     common = work.tokens * traffic(replace(work, recompute="none")).saved if par.recompute == "full" else 0.0
     logits = loss_bytes(b)[2] * work.tokens * model.vocab / lay.tp  # the loss's, for one microbatch: the last rank
-    gathered = 2 * model.layer_params() / lay.tp * b * (par.zero == 3)  # FSDP's gathered layer and the next
-    out = []
+    layer = model.layer_params()
+    gathered = 2 * layer / lay.tp * b * (par.zero == 3)  # FSDP's gathered layer and the next
+    edge = 2 * max(0, model.embedding_params() - layer) / lay.tp * b * (par.zero == 3)  # embedding, output
+    out, reserve = [], job.cluster.gpu.memory_reserve_gb * GB
     for r in ranks:
         mine = params[r] / lay.tp
         acts = in_flight(par.schedule, lay.pp, par.microbatches, par.virtual_stages, r) * layers[r] * per_layer
-        other = common + logits * (r == lay.pp - 1) + gathered
-        if par.zero == 3 and r in (0, lay.pp - 1):  # the embedding or the output, gathered whole
-            other += 2 * max(0, model.embedding_params() - model.layer_params()) / lay.tp * b
+        other = common + logits * (r == lay.pp - 1) + gathered + edge * (r in (0, lay.pp - 1))
         cache = ALLOCATOR_FRAGMENTATION * (mine * (w + g + o) + acts + other)
-        out.append(Memory(mine * w, mine * g, mine * o, acts, other, cache, job.cluster.gpu.memory_reserve_gb * GB))
+        out.append((mine * w, mine * g, mine * o, acts, other, cache, reserve))
     return out
 
 
-@lru_cache(maxsize=16384)
 def peak_memory(job: Job) -> tuple[int, Memory]:
     """The pipeline rank whose tensors take the most memory, and its memory."""
     ranks = rank_shapes(job.model, job.layout.pp, job.par.virtual_stages)[2]
-    return max(zip(ranks, rank_memories(job, ranks)), key=lambda rm: rm[1].total)
+    rank, terms = max(zip(ranks, _rank_terms(job, ranks)), key=lambda rt: sum(rt[1][:5]))
+    return rank, Memory(*terms)

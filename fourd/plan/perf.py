@@ -245,7 +245,6 @@ def _dp_exposure(job: Job, t: StageTime, bubble: float, layers: int) -> tuple[fl
     return min(exposed, total), total
 
 
-@lru_cache(maxsize=16384)
 def step_time(job: Job) -> StepTime:
     """Seconds per optimizer step, and where they go."""
     lay, par = job.layout, job.par
