@@ -120,7 +120,8 @@ def _rank_terms(job: Job, ranks) -> list[tuple[float, ...]]:
     layer = model.layer_params()
     gathered = 2 * layer / lay.tp * b * (par.zero == 3)  # FSDP's gathered layer and the next
     edge = 2 * max(0, model.embedding_params() - layer) / lay.tp * b * (par.zero == 3)  # embedding, output
-    out, reserve = [], job.cluster.gpu.memory_reserve_gb * GB
+    out: list[tuple[float, ...]] = []
+    reserve = job.cluster.gpu.memory_reserve_gb * GB
     for r in ranks:
         mine = params[r] / lay.tp
         acts = in_flight(par.schedule, lay.pp, par.microbatches, par.virtual_stages, r) * layers[r] * per_layer
