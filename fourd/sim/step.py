@@ -180,10 +180,7 @@ def _rank_pieces(sim: _Engine, who: tuple[int, int], costs, layers, factor, zero
     grads = [n * 4 for n in comm.dp_params] if comm else []
     actions = schedule.ranks[r]
     last_grad = {a.stage: i for i, a in enumerate(actions) if a.kind in ("B", "W")}
-    first_f: dict[int, int] = {}
-    for i, a in enumerate(actions):
-        if a.kind == "F":
-            first_f.setdefault(a.stage, i)
+    first_f = {a.stage: i for i, a in reversed(list(enumerate(actions))) if a.kind == "F"}  # the first wins
     pieces, rs_keys = [], sim.rs_keys.setdefault(who, [])
     if zero in (1, 2):
         for s in sorted(first_f, key=lambda s: first_f[s]):
@@ -194,7 +191,7 @@ def _rank_pieces(sim: _Engine, who: tuple[int, int], costs, layers, factor, zero
         gather = zero is not None and ((zero in (1, 2) and idx == first_f.get(s)) or (zero == 3 and a.kind != "W"))
         reduce = zero is not None and a.kind in ("B", "W") and (zero >= 2 or idx == last_grad[s])
         parts = layers[s] if (gather or reduce) else 1
-        dur = costs[s][a.kind] * factor / parts if parts > 1 else costs[s][a.kind] * factor
+        dur = costs[s][a.kind] * factor / parts if parts > 1 else costs[s][a.kind] * factor  # ints stay exact
         if zero == 3 and gather:
             for i in range(parts):
                 sim.enqueue((c, r, "ag"), ("ag", s, j, a.kind, i), weights[s] / parts)
