@@ -118,7 +118,7 @@ def stage_params_on_gpu(job: Job) -> list[float]:
     return [stage_params(job.model, counts, s) / job.layout.tp for s in range(len(counts))]
 
 
-@dataclass
+@dataclass(slots=True)
 class _Piece:
     action: Action
     part: int  # layer piece index when an action is split into its layers
@@ -221,7 +221,7 @@ class _Engine:
         self.ranks = [(c, r) for c in range(n_classes) for r in range(schedule.pp)]
         self.pieces: dict[tuple, list[_Piece]] = {}
         self.rs_keys: dict[tuple, list] = {}
-        self.streams: dict[tuple, deque] = {(c, r, s): deque() for c, r in self.ranks for s in ("ag", "rs")}
+        self.streams: dict[tuple, deque] = {(c, r, s): deque() for c, r in self.ranks for s in ("ag", "rs") if comm}
         self.sizes: dict = {}
         self.tokens: set = set()
         self.deliveries: list = []  # (time, order, callback): flows delivered after their latency, FIFO at a tie
