@@ -58,7 +58,7 @@ def plain_round(model: str, steps: int, threads: int) -> float:
     cfg.model.preset = model
     mcfg, t = model_config(cfg), cfg.train
     net = build_model(mcfg, seed=t.seed)
-    opt = torch.optim.AdamW(param_groups([net], t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), foreach=False)
+    opt = torch.optim.AdamW(param_groups([net], t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), foreach=True)
     stream = SampleStream(prepare("", "byte"), cfg.data.seq_len, t.seed)
     rates = []
     for step in range(steps):
@@ -66,7 +66,7 @@ def plain_round(model: str, steps: int, threads: int) -> float:
         batch = torch.from_numpy(stream.samples(step * t.global_batch, t.global_batch))
         loss = cross_entropy(net(batch[:, :-1]), batch[:, 1:])
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(net.parameters(), t.grad_clip, foreach=False)
+        torch.nn.utils.clip_grad_norm_(net.parameters(), t.grad_clip, foreach=True)
         opt.step()
         opt.zero_grad(set_to_none=True)
         loss.item()

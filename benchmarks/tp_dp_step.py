@@ -22,30 +22,35 @@ from dist_util import run_ranks  # noqa: E402
 from fourd.layout import Layout  # noqa: E402
 from fourd.model.config import get_preset  # noqa: E402
 from fourd.model.llama import build_model  # noqa: E402
-from fourd.parallel.dp import apply_dp, held_bytes  # noqa: E402
+from fourd.parallel.dp import ShardedAdamW, apply_dp, held_bytes  # noqa: E402
 from fourd.parallel.grad import clip_grad_norm  # noqa: E402
 from fourd.parallel.mesh import build_mesh, dp_cp_mesh  # noqa: E402
 from fourd.parallel.tp import apply_tp, loss_fn  # noqa: E402
+from fourd.train.step import param_groups  # noqa: E402
 
 CFG = get_preset("small")
 BATCH, SEQ, STEPS = 8, 256, 5
 CONFIGS = [("tp=2", dict(tp=2)), ("tp=2 + SP", dict(tp=2, sp=True))] + [
-    (f"dp=2 {m}", dict(dp=2, mode=m)) for m in ("ddp", "zero2", "zero3")
+    (f"dp=2 ZeRO {z}", dict(dp=2, zero=z)) for z in (0, 1, 2, 3)
 ]
 
 
-def _run(tp=1, dp=1, sp=False, mode=None):
+def _run(tp=1, dp=1, sp=False, zero=None):
     model = build_model(CFG, seed=0)
     rank = 0
     if tp * dp > 1:
         mesh = build_mesh(Layout(tp=tp, dp=dp))
         apply_tp(model, mesh["tp"], sequence_parallel=sp)
         if dp > 1:
-            apply_dp(model, dp_cp_mesh(mesh), mode)
+            apply_dp(model, dp_cp_mesh(mesh), zero)
             rank = mesh.get_local_rank("dp")
     else:
         mesh = None
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    groups = param_groups([model], 0.1)  # as the trainer: norm weights apart (plain tensors under TP without SP)
+    if zero == 1:
+        opt = ShardedAdamW(groups, dp_cp_mesh(mesh), lr=1e-3, foreach=True)
+    else:
+        opt = torch.optim.AdamW(groups, lr=1e-3, foreach=True)
     tokens = torch.randint(0, CFG.vocab, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
     per = BATCH // dp
     x, y = tokens[rank * per : (rank + 1) * per, :-1], tokens[rank * per : (rank + 1) * per, 1:]

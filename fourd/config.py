@@ -60,6 +60,8 @@ class TrainSection:
     grad_clip: float = 1.0
     seed: int = 0
     dtype: str = "auto"  # auto: fp32 on CPU, bf16 (autocast over FP32 weights) on CUDA
+    compile: bool | None = None  # torch.compile each transformer block; unset: on CUDA, off on CPU
+    fp8: bool = False  # FP8 linears through torchao (the gpu extra), on H100/H200 only
     log_every: int = 1
     timeout_s: float = 300.0  # collective timeout: a hung rank fails the step instead of the job hanging
 

@@ -102,9 +102,18 @@ class Parallelism:
         return self.layout.pp * self.virtual_stages
 
     @property
+    def grad_ranks(self) -> int:
+        """Ranks that average gradients: the DP replicas and the CP ranks (different tokens, same weights)."""
+        return self.layout.dp * self.layout.cp
+
+    @property
+    def hsdp(self) -> bool:
+        return self.hsdp_replicas > 1
+
+    @property
     def shard_ranks(self) -> int:
         """Ranks one ZeRO shard group spans: FSDP over dp×cp, divided among the HSDP replicas."""
-        return self.layout.cp * self.layout.dp // self.hsdp_replicas
+        return self.grad_ranks // self.hsdp_replicas
 
 
 def tp_ok(model, tp: int) -> bool:

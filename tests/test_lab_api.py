@@ -21,14 +21,14 @@ def bench(p, m, schedule="gpipe", v=None):
 
 @pytest.mark.parametrize("p,m,percent", [(16, 16, "48.4"), (16, 64, "19.0"), (1, 64, "0.0")])
 def test_seed_figures(p, m, percent):
-    """brief.md §1 row 9: p=16 idles 48.4 % at m=16 and 19.0 % at m=64; one stage never idles."""
+    """GPipe's bubble (p−1)/(m+p−1) (Huang et al. 2019): p=16 idles 48.4 % at m=16 and 19.0 % at m=64."""
     assert f"{100 * bench(p, m)['idle_fraction']:.1f}" == percent
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("p,m", [(1, 1), (2, 7), (5, 16), (16, 1), (16, 16), (16, 64), (7, 64)])
 def test_gpipe_and_1f1b_match_the_seed_formulas(schedule, p, m):
-    """Idle (p−1)/(m+p−1) and speed-up over one stage p·m/(m+p−1) (brief.md §1 row 14)."""
+    """Idle (p−1)/(m+p−1) and speed-up over one GPU running every stage p·m/(m+p−1) (Huang et al. 2019)."""
     d = bench(p, m, schedule)
     assert d["idle_fraction"] == pytest.approx(float(Fraction(p - 1, m + p - 1)), abs=1e-12)
     assert d["speedup"] == pytest.approx(float(Fraction(p * m, m + p - 1)), rel=1e-12)
@@ -37,7 +37,7 @@ def test_gpipe_and_1f1b_match_the_seed_formulas(schedule, p, m):
 
 @pytest.mark.parametrize("p,m,v", [(4, 8, 2), (8, 32, 4), (16, 64, 2)])
 def test_interleaved_keeps_the_work_and_shrinks_the_bubble_by_v(p, m, v):
-    """Each of V stages per GPU holds 1/V of its layers; bubble/compute = (p−1)/(V·m) (brief.md §5)."""
+    """Each of V stages per GPU holds 1/V of its layers; bubble/compute = (p−1)/(V·m) (Narayanan et al. 2021)."""
     d = bench(p, m, "interleaved", v)
     compute = 3 * m
     assert d["makespan"] == pytest.approx(compute + 3 * (p - 1) / v, rel=1e-12)
@@ -72,7 +72,7 @@ def test_events_are_the_simulators_timeline(schedule, v, per_rank):
 
 
 def test_peak_in_flight_gpipe_holds_all_1f1b_holds_p_minus_rank():
-    """brief.md §5: 1F1B keeps at most p microbatches of activations in flight, GPipe m."""
+    """1F1B keeps at most p microbatches of activations in flight, GPipe m (Narayanan et al. 2021)."""
     assert [r["peak_in_flight"] for r in bench(4, 16, "gpipe")["ranks"]] == [16, 16, 16, 16]
     assert [r["peak_in_flight"] for r in bench(4, 16, "1f1b")["ranks"]] == [4, 3, 2, 1]
 
@@ -90,17 +90,25 @@ def test_cluster_row_of_one_llama3_replica():
         "groups": {"tp": 72, "cp": 77, "pp": 5, "dp": 77},
     }
     assert d["spans"] == {
-        "tp": {"size": 8, "groups": 16, "level": "nvlink"},
-        "cp": {"size": 1, "groups": 128, "level": "single"},
-        "pp": {"size": 16, "groups": 8, "level": "pod"},
-        "dp": {"size": 1, "groups": 128, "level": "single"},
+        "tp": {"size": 8, "groups": 16, "levels": {"nvlink": 16}},
+        "cp": {"size": 1, "groups": 128, "levels": {}},
+        "pp": {"size": 16, "groups": 8, "levels": {"pod": 8}},
+        "dp": {"size": 1, "groups": 128, "levels": {}},
     }
+
+
+def test_groups_that_straddle_servers_are_counted_where_they_lie():
+    """tp=3 on 8-GPU servers: TP groups [3k, 3k+2]; k = 2 and 13 cross a server inside a rack (6-8, 39-41),
+    k = 5 and 10 cross a rack (15-17, 30-32); the other 12 stay inside one server."""
+    d = api.cluster({"layout": "tp=3,pp=16"})
+    assert d["spans"]["tp"] == {"size": 3, "groups": 16, "levels": {"nvlink": 12, "rack": 2, "pod": 2}}
+    assert [g["server"] for g in d["gpus"][6:9]] == [0, 0, 1]
 
 
 def test_cluster_row_shows_the_first_replica_of_a_large_layout():
     d = api.cluster({"layout": "tp=8,pp=16,dp=128"})
     assert (d["world"], len(d["gpus"])) == (16384, 128)
-    assert d["spans"]["dp"] == {"size": 128, "groups": 128, "level": "cross-pod"}
+    assert d["spans"]["dp"] == {"size": 128, "groups": 128, "levels": {"cross-pod": 128}}
     d = api.cluster({"layout": "tp=2,cp=2"})
     assert [g["groups"]["cp"] for g in d["gpus"]] == [0, 1, 0, 1]
     assert [g["groups"]["tp"] for g in d["gpus"]] == [0, 0, 2, 2]
@@ -108,8 +116,13 @@ def test_cluster_row_shows_the_first_replica_of_a_large_layout():
 
 def test_cluster_row_takes_any_number_of_gpus():
     # a profile describes a server, a pod and the network, not a size
-    d = api.cluster({"layout": "tp=8,pp=16,dp=131072"})
-    assert (d["world"], len(d["gpus"]), d["spans"]["dp"]["level"]) == (16777216, 128, "cross-pod")
+    d = api.cluster({"layout": "tp=8,pp=16,dp=256"})  # 32,768 GPUs, more than llama3-h100's 8 pods of 3,072
+    assert (d["world"], len(d["gpus"]), d["spans"]["dp"]["levels"]) == (32768, 128, {"cross-pod": 128})
+    with pytest.raises(FourdError) as e:
+        api.cluster({"layout": "tp=8,pp=16,dp=131072"})
+    assert (
+        str(e.value) == "layout=tp=8,cp=1,pp=16,dp=131072 has 16,777,216 GPUs: the cluster row counts at most 1,048,576"
+    )
 
 
 def test_trace_opens_only_chrome_json_under_the_trace_dir(tmp_path):
@@ -132,6 +145,18 @@ def test_trace_opens_only_chrome_json_under_the_trace_dir(tmp_path):
     (tmp_path / "outside.json").write_text("[]")
     with pytest.raises(FourdError, match="outside the lab's --trace-dir"):
         api.trace({"path": "link.json"}, trace_dir=root)
+
+
+def test_a_trace_over_the_size_limit_is_refused_unread(tmp_path):
+    """64 MiB is read (and here found not to be JSON); one byte more is refused before reading."""
+    for name, size in (("at.json", api.TRACE_MAX_BYTES), ("over.json", api.TRACE_MAX_BYTES + 1)):
+        with open(tmp_path / name, "wb") as f:
+            f.truncate(size)  # sparse: no 64 MiB written
+    with pytest.raises(FourdError) as e:
+        api.trace({"path": "over.json"}, trace_dir=tmp_path)
+    assert str(e.value) == "path='over.json' is larger than 64 MiB; open a shorter trace"
+    with pytest.raises(FourdError, match=r"^path='at.json' is not JSON \("):
+        api.trace({"path": "at.json"}, trace_dir=tmp_path)
 
 
 PLAN_405B = {

@@ -1,5 +1,6 @@
-"""The lab's HTTP server over real sockets: static files from an allow-list only, GET/HEAD only,
-400 with a message for bad parameters, 127.0.0.1 unless told otherwise."""
+"""The lab's HTTP server over real sockets: static files from an allow-list only, GET/HEAD only, one
+Host naming this lab, origin-form targets, 400 with one line for bad parameters, 127.0.0.1 unless told
+otherwise, and slow or hostile clients that cannot hold threads or stop it answering others."""
 
 from __future__ import annotations
 
@@ -7,22 +8,25 @@ import http.client
 import json
 import os
 import re
+import resource
+import select
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from fourd.lab.server import STATIC_DIR, make_server, serve_in_thread
+from fourd.lab.server import MAX_WAITING, STATIC_DIR, WORKERS, LabServer
 
 
 @pytest.fixture(scope="module")
 def lab():
-    server = make_server("127.0.0.1", 0)
-    serve_in_thread(server)
+    server = LabServer("127.0.0.1", 0)
+    server.serve_in_thread()
     yield server
     server.shutdown()
     server.server_close()
@@ -75,7 +79,6 @@ TRAVERSALS = [
     "//etc/passwd",
     "/etc/passwd",
     "/%2fetc%2fpasswd",
-    "http://127.0.0.1/../../../../etc/passwd",
     "/index.html/../../../../etc/passwd",
     "/./../../../../etc/passwd",
     "/.%2e/.%2e/.%2e/.%2e/etc/passwd",
@@ -104,8 +107,8 @@ def test_symlinks_and_subfolders_in_the_static_folder_are_not_served(tmp_path):
     os.symlink("/etc/passwd", static / "passwd.css")
     os.symlink(tmp_path / "secret.txt", static / "secret.js")
     os.symlink(tmp_path, static / "up")
-    server = make_server("127.0.0.1", 0, static_dir=static)
-    serve_in_thread(server)
+    server = LabServer("127.0.0.1", 0, static_dir=static)
+    server.serve_in_thread()
     try:
         assert request(server, "GET", "/")[::2] == (200, b"<p>hi</p>")
         for target in ("/passwd.css", "/secret.js", "/up/secret.txt", "/sub/x.js", "/sub", "/up"):
@@ -132,13 +135,81 @@ def test_head_sends_the_length_of_get_without_a_body(lab):
     assert (status, int(headers["Content-Length"]), head_body) == (200, len(body), b"")
 
 
+def error_of(status_headers_body):
+    """The one-line error of an answer: a JSON object {"error": ...} on one line, nothing else."""
+    status, headers, body = status_headers_body
+    assert headers["Content-Type"] == "application/json" and b"\n" not in body
+    doc = json.loads(body)
+    assert list(doc) == ["error"] and "\n" not in doc["error"]
+    return status, doc["error"]
+
+
 def test_requests_for_another_host_name_are_refused(lab):
-    """A page elsewhere that points its own name at 127.0.0.1 (DNS rebinding) gets nothing."""
-    status, _, body = request(lab, "GET", "/api/options", {"Host": "attacker.example:80"})
-    assert status == 403
-    assert json.loads(body) == {"error": "this lab answers requests for localhost only"}
-    for host in ("localhost", f"localhost:{lab.server_address[1]}", "127.0.0.1"):
+    """A page elsewhere that points its own name at 127.0.0.1 (DNS rebinding) sends that name: 400."""
+    port = lab.server_address[1]
+    suggestion = f"127.0.0.1:{port} or localhost:{port}"
+    for host in ("attacker.example:80", f"attacker.example:{port}", "localhost", "127.0.0.1", "127.0.0.1:1", ""):
+        assert error_of(request(lab, "GET", "/api/options", {"Host": host})) == (
+            400,
+            f"Host {host!r} is not this lab: address it as {suggestion}",
+        ), host
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", f"LocalHost:{port}"):
         assert request(lab, "GET", "/", {"Host": host})[0] == 200
+
+
+def raw(server, data: bytes, timeout: float = 10) -> bytes:
+    """Send bytes as they are and read the answer until the server closes the connection."""
+    with socket.create_connection(server.server_address[:2], timeout=timeout) as s:
+        s.sendall(data)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    return answer
+
+
+def status_and_error(answer: bytes) -> tuple[int, str]:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:])
+    assert int(headers["Content-Length"]) == len(body)
+    return error_of((int(lines[0].split()[1]), headers, body))
+
+
+def test_exactly_one_host_header(lab):
+    port = lab.server_address[1]
+    two = f"GET / HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nHost: evil.example:{port}\r\n\r\n".encode()
+    assert status_and_error(raw(lab, two)) == (
+        400,
+        f"the request has 2 Host headers: send exactly one, such as 127.0.0.1:{port}",
+    )
+    assert status_and_error(raw(lab, b"GET / HTTP/1.0\r\n\r\n")) == (
+        400,
+        f"the request has 0 Host headers: send exactly one, such as 127.0.0.1:{port}",
+    )
+
+
+@pytest.mark.parametrize("target", ["http://127.0.0.1/../../../../etc/passwd", "http://other.example/", "*"])
+def test_only_origin_form_targets(lab, target):
+    """An absolute-form target would let a proxy-style request name another host: refused."""
+    assert error_of(request(lab, "GET", target)) == (
+        400,
+        f"request target {target!r} is not a path: send origin-form, such as GET / HTTP/1.1",
+    )
+
+
+def test_a_server_on_every_interface_answers_any_name_with_its_port():
+    server = LabServer("0.0.0.0", 0)
+    server.serve_in_thread()
+    try:
+        port = server.server_address[1]
+        assert request(server, "GET", "/api/options", {"Host": f"lab.example:{port}"})[0] == 200
+        assert error_of(request(server, "GET", "/", {"Host": "lab.example"})) == (
+            400,
+            f"Host 'lab.example' is not this lab: address it as 127.0.0.1:{port} or localhost:{port}",
+        )
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 BAD = [
@@ -162,7 +233,8 @@ BAD = [
     ("/api/schedule?p=4&m=4&v=9&schedule=interleaved", "v=9 is out of range: give an integer from 1 to 8"),
     (
         "/api/schedule?p=4&m=4&v=2&schedule=gpipe",
-        "v=2 needs schedule=interleaved (gpipe runs one stage per GPU; drop v or set v=1)",
+        "2 virtual stages need the interleaved schedule (gpipe runs one stage per rank): choose the interleaved "
+        "schedule or one virtual stage",
     ),
     ("/api/schedule?p=4&m=4&q=1", "unknown parameter 'q'; this endpoint takes p, m, schedule, v"),
     ("/api/schedule?p=4&p=5&m=4", "parameter 'p' is given twice; give it once"),
@@ -179,16 +251,18 @@ BAD = [
     ("/api/trace?path=..%2F..%2F..%2Fetc%2Fpasswd", None),
     ("/api/trace?path=%2Fetc%2Fpasswd", None),
     ("/api/trace?path=missing.json", "path='missing.json': no such file under the lab's --trace-dir"),
-    ("/api/trace", "missing parameter path: the trace file, relative to the lab's --trace-dir"),
+    ("/api/trace", "missing parameter path: name a trace file under the lab's --trace-dir"),
+    (
+        "/api/trace?path=" + "a" * 300 + ".json",
+        f"path={'a' * 80!r} cannot be read (File name too long): name a trace file under --trace-dir",
+    ),
 ]
 
 
 @pytest.mark.parametrize("target,message", BAD)
 def test_bad_parameters_answer_400_with_the_reason(lab, target, message):
-    status, headers, body = request(lab, "GET", target)
-    assert status == 400, body
-    assert headers["Content-Type"] == "application/json"
-    error = json.loads(body)["error"]
+    status, error = error_of(request(lab, "GET", target))
+    assert status == 400, error
     if message is None:
         assert "outside the lab's --trace-dir" in error and "root:" not in error
     else:
@@ -198,7 +272,9 @@ def test_bad_parameters_answer_400_with_the_reason(lab, target, message):
 def test_unknown_endpoint_is_404_naming_the_known_ones(lab):
     status, _, body = request(lab, "GET", "/api/nope")
     assert status == 404
-    assert json.loads(body)["error"].startswith("no API endpoint 'nope'; known: cluster, options,")
+    assert (
+        json.loads(body)["error"] == "no API endpoint 'nope'; known: cluster, options, plan, schedule, simtrace, trace"
+    )
 
 
 def _listening_address(port: int) -> str:
@@ -278,3 +354,175 @@ def test_a_refused_upload_closes_the_connection(lab):
             data += chunk
     assert data.startswith(b"HTTP/1.1 405 ")
     assert data.count(b"HTTP/1.1") == 1
+
+
+@pytest.fixture
+def quick():
+    """A lab that gives each client one second to send its request."""
+    server = LabServer("127.0.0.1", 0, timeout=1.0)
+    server.serve_in_thread()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_bare_request_line_is_answered_within_the_timeout(quick):
+    """`GET / HTTP/1.1` and no blank line: 408 in one line once the second has passed; silence: a clean close."""
+    t = time.monotonic()
+    assert status_and_error(raw(quick, b"GET / HTTP/1.1\r\n")) == (
+        408,
+        "the request did not arrive within 1 s: send it at once",
+    )
+    assert 0.9 < time.monotonic() - t < 3
+    t = time.monotonic()
+    assert raw(quick, b"") == b""
+    assert 0.9 < time.monotonic() - t < 3
+
+
+def test_a_client_that_drips_its_request_is_cut_off_at_the_deadline(quick):
+    """The timeout bounds the whole request, not the gap between two bytes (slowloris)."""
+    with socket.create_connection(quick.server_address[:2], timeout=10) as s:
+        t = time.monotonic()
+        for byte in b"GET / HTTP/1.1\r\nHost: x\r\n" * 10:
+            if select.select([s], [], [], 0.1)[0]:  # the server has answered
+                break
+            s.sendall(bytes([byte]))
+        answer = s.recv(65536)
+    assert 0.9 < time.monotonic() - t < 2
+    assert status_and_error(answer) == (408, "the request did not arrive within 1 s: send it at once")
+
+
+def open_slow_clients(server, n: int) -> list[socket.socket]:
+    """n connections that each send half a request and wait."""
+    port = server.server_address[1]
+    clients = []
+    for _ in range(n):
+        s = socket.create_connection(server.server_address[:2], timeout=10)
+        s.sendall(f"GET /api/options HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n".encode())
+        clients.append(s)
+    return clients
+
+
+def test_300_slow_clients_hold_no_threads_and_others_are_answered(quick):
+    before = threading.active_count()
+    clients = open_slow_clients(quick, 300)
+    try:
+        t = time.monotonic()
+        assert request(quick, "GET", "/api/options")[0] == 200
+        assert time.monotonic() - t < 1
+        assert threading.active_count() <= before + WORKERS
+        for s in clients:  # each is told it was too slow, then closed
+            s.settimeout(5)
+            assert s.recv(65536).startswith(b"HTTP/1.1 408 Request Timeout\r\n")
+    finally:
+        for s in clients:
+            s.close()
+
+
+def test_beyond_the_waiting_limit_the_oldest_connection_is_closed():
+    server = LabServer("127.0.0.1", 0, timeout=60.0)  # long enough to open them all on a busy machine
+    server.serve_in_thread()
+    clients = open_slow_clients(server, MAX_WAITING + 1)
+    try:
+        clients[0].settimeout(5)
+        assert clients[0].recv(100) == b""  # closed without an answer, to make room
+        clients[1].settimeout(0.2)
+        with pytest.raises(TimeoutError):  # the next oldest still waits
+            clients[1].recv(100)
+        assert request(server, "GET", "/style.css")[0] == 200
+    finally:
+        for s in clients:
+            s.close()
+        server.shutdown()
+        server.server_close()
+
+
+HOSTILE = [
+    (b"GET /\r\n\r\n", 400, "request line b'GET /' is not METHOD TARGET HTTP/1.1"),
+    (b"\r\n\r\n", 400, "request line b'' is not METHOD TARGET HTTP/1.1"),
+    (b"GET / HTTP/2.0\r\n\r\n", 400, "request line b'GET / HTTP/2.0' is not METHOD TARGET HTTP/1.1"),
+    (b"GET / HTTP/1.1 extra\r\n\r\n", 400, "request line b'GET / HTTP/1.1 extra' is not METHOD TARGET HTTP/1.1"),
+    (b"\xff\xfe / HTTP/1.1\r\n\r\n", 405, "method \xff\xfe not allowed: the lab answers GET and HEAD only"),
+    (b"GET / HTTP/1.1\r\n" + b"X: y\r\n" * 101 + b"\r\n", 400, "more than 100 header lines: send fewer"),
+    (b"GET /" + b"a" * 20000 + b" HTTP/1.1\r\n\r\n", 431, "the request head is over 16 KiB"),
+    (b"GET http://evil.example/ HTTP/1.1\r\nHost: HOST\r\n\r\n", 400, None),
+    (b"GET /api/schedule?p=4&m=4&%ff=%00 HTTP/1.1\r\nHost: HOST\r\n\r\n", 400, None),
+    (b"GET /api/schedule?" + b"a=1&" * 40 + b" HTTP/1.1\r\nHost: HOST\r\n\r\n", 400, None),
+    (b"GET /api/trace?path=%00 HTTP/1.1\r\nHost: HOST\r\n\r\n", 400, "path contains a NUL byte"),
+    (b"GET /api/cluster?layout=tp%3D3 HTTP/1.1\r\nHost: HOST\r\n\r\n", 200, None),
+    (b"GET /api/cluster?layout=dp%3D99999999999 HTTP/1.1\r\nHost: HOST\r\n\r\n", 400, None),
+    (b"GET /api/plan?seq=99999999999 HTTP/1.1\r\nHost: HOST\r\n\r\n", 400, None),
+    (b"GET /api/plan?gpus=8&global_batch_tokens=nan HTTP/1.1\r\nHost: HOST\r\n\r\n", 400, None),
+    (b"GET /api/plan?gpus=8&global_batch_tokens=-5T HTTP/1.1\r\nHost: HOST\r\n\r\n", 400, None),
+    (b"HEAD /nope HTTP/1.1\r\nHost: HOST\r\n\r\n", 404, None),
+]
+
+
+def test_no_hostile_request_gets_a_500_or_stops_the_lab(quick):
+    """Each hostile request gets a 4xx (or a plain 200) with one line while 100 slow clients wait; then a
+    normal request is answered at once."""
+    host = f"127.0.0.1:{quick.server_address[1]}".encode()
+    clients = open_slow_clients(quick, 100)
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda case: raw(quick, case[0].replace(b"HOST", host)), HOSTILE))
+        for (data, status, message), answer in zip(HOSTILE, answers):
+            if data.startswith(b"HEAD"):
+                assert answer.startswith(b"HTTP/1.1 404 Not Found\r\n") and answer.endswith(b"\r\n\r\n")
+                continue
+            if status == 200:
+                assert answer.startswith(b"HTTP/1.1 200 OK\r\n"), data
+                continue
+            got = status_and_error(answer)
+            assert got[0] == status and (message is None or got[1] == message), (data[:80], got)
+        t = time.monotonic()
+        assert request(quick, "GET", "/api/schedule?p=4&m=4")[0] == 200
+        assert time.monotonic() - t < 1
+    finally:
+        for s in clients:
+            s.close()
+
+
+PLANNER_CASES = [
+    # Each of these once ended in an exception inside the planner (a ZeroDivisionError: dp above the global
+    # batch, tp that does not divide the model) or in a simulation that grew without bound (the planner chose
+    # 244 million microbatches), and the lab answered 500 or ran out of memory.
+    "/api/plan?gpus=16384&layout=tp%3D1%2Cpp%3D1%2Cdp%3D16384&seq=8192",
+    "/api/simtrace?gpus=16384&layout=tp%3D1%2Cpp%3D1%2Cdp%3D16384&seq=8192",
+    "/api/plan?model=debug&layout=tp%3D8&gpus=8&global_batch_tokens=65536",
+    "/api/plan?model=llama3-8b&layout=dp%3D16&gpus=16&global_batch_tokens=65536",
+    "/api/simtrace?model=debug&gpus=1&seq=256&global_batch_tokens=1T",
+]
+
+
+@pytest.fixture(scope="module")
+def confined_lab():
+    """`fourd lab` in its own process, limited to 4 GiB of address space: a request that would allocate
+    without bound fails there rather than on this machine."""
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fourd", "lab", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        preexec_fn=limit,
+    )
+    port = int(re.search(r":(\d+)/", proc.stdout.readline()).group(1))
+    yield port
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+@pytest.mark.parametrize("target", PLANNER_CASES)
+def test_planner_requests_that_once_failed_answer_400_at_once(confined_lab, target):
+    conn = http.client.HTTPConnection("127.0.0.1", confined_lab, timeout=20)
+    t = time.monotonic()
+    conn.request("GET", target)
+    resp = conn.getresponse()
+    status, error = error_of((resp.status, dict(resp.getheaders()), resp.read()))
+    conn.close()
+    assert status == 400, error
+    assert time.monotonic() - t < 10

@@ -22,14 +22,14 @@ from fourd.schedules import build_schedule
 CFG = with_overrides(get_preset("debug"), layers=8)
 SEQ, STEPS, LR, MAX_NORM = 32, 3, 1e-3, 0.3
 
-# (layout, schedule, virtual stages, microbatches per dp rank, dp mode, sequence parallel)
+# (layout, schedule, virtual stages, microbatches per dp rank, ZeRO stage, sequence parallel)
 CASES = {
-    "pp=2,dp=2 zero3 1f1b": (Layout(pp=2, dp=2), "1f1b", 1, 2, "zero3", False),
-    "pp=2,dp=2 zero2 zero-bubble": (Layout(pp=2, dp=2), "zero-bubble", 1, 3, "zero2", False),
-    "pp=2,dp=2 ddp interleaved": (Layout(pp=2, dp=2), "interleaved", 2, 2, "ddp", False),
+    "pp=2,dp=2 zero3 1f1b": (Layout(pp=2, dp=2), "1f1b", 1, 2, 3, False),
+    "pp=2,dp=2 zero2 zero-bubble": (Layout(pp=2, dp=2), "zero-bubble", 1, 3, 2, False),
+    "pp=2,dp=2 ddp interleaved": (Layout(pp=2, dp=2), "interleaved", 2, 2, 0, False),
     "tp=2,pp=2 sp gpipe": (Layout(tp=2, pp=2), "gpipe", 1, 2, None, True),
-    "tp=2,cp=2 sp zero2": (Layout(tp=2, cp=2), None, 1, 1, "zero2", True),
-    "cp=2,pp=2 zero3 1f1b": (Layout(cp=2, pp=2), "1f1b", 1, 3, "zero3", False),
+    "tp=2,cp=2 sp zero2": (Layout(tp=2, cp=2), None, 1, 1, 2, True),
+    "cp=2,pp=2 zero3 1f1b": (Layout(cp=2, pp=2), "1f1b", 1, 3, 3, False),
 }
 
 
@@ -52,7 +52,7 @@ def _reference(size):
     return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _run(layout, schedule_name, v, m, mode, sp):
+def _run(layout, schedule_name, v, m, zero, sp):
     mesh = build_mesh(layout)
     c = layout.coords(dist.get_rank())
     runner = None
@@ -68,7 +68,7 @@ def _run(layout, schedule_name, v, m, mode, sp):
         if layout.cp > 1:
             apply_cp(s, mesh["cp"], SEQ)
         if group_mesh is not None:
-            apply_dp(s, group_mesh, mode)
+            apply_dp(s, group_mesh, zero)
     if layout.pp > 1:
         runner = PipelineRunner(stages, schedule, mesh["pp"], loss_fn)
     params = [p for s in stages for p in s.parameters()]
@@ -125,7 +125,7 @@ def test_pp_and_cp_compose_with_tp_and_fsdp():
         assert merged.keys() == r_params.keys(), name
 
 
-FOUR_D = (Layout(tp=2, cp=2, pp=2, dp=2), "1f1b", 1, 2, "zero2", True)
+FOUR_D = (Layout(tp=2, cp=2, pp=2, dp=2), "1f1b", 1, 2, 2, True)
 
 
 def _sixteen_ranks(rank, world):

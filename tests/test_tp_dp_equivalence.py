@@ -27,7 +27,7 @@ def _batch(cfg):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _train(cfg, tp_mesh=None, dp_mesh=None, mode=None, sp=False, clip_mesh=None, microbatches=1):
+def _train(cfg, tp_mesh=None, dp_mesh=None, zero=None, sp=False, clip_mesh=None, microbatches=1):
     """The trainer's step (no PP), on whichever of TP and DP are given; returns losses, norms, full params.
     With microbatches, gradients accumulate unsynchronised until the last one, as in the trainer."""
     model = build_model(cfg, seed=0)
@@ -35,7 +35,7 @@ def _train(cfg, tp_mesh=None, dp_mesh=None, mode=None, sp=False, clip_mesh=None,
         apply_tp(model, tp_mesh, sequence_parallel=sp)
     dp_rank, dp, dp_group = 0, 1, None
     if dp_mesh is not None:
-        apply_dp(model, dp_mesh, mode)
+        apply_dp(model, dp_mesh, zero)
         dp, dp_rank = dp_mesh.size(), _flat_coordinate(dp_mesh)
         dp_group = dp_mesh.get_group() if dp_mesh.ndim == 1 else dp_mesh._flatten("dp_all").get_group()
     opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
@@ -78,20 +78,20 @@ def _four_ranks(rank, world):
     c = Layout(tp=2, dp=2).coords(rank)
     if c["dp"] == 0:
         results["tp=2"] = _train(DEBUG, tp_mesh=pairs)
-        results["dp=2 zero3"] = _train(DEBUG, dp_mesh=pairs, mode="zero3")
+        results["dp=2 zero3"] = _train(DEBUG, dp_mesh=pairs, zero=3)
     else:
         results["tp=2 sp"] = _train(DEBUG, tp_mesh=pairs, sp=True)
     if c["tp"] == 0:
-        results["dp=2 ddp M=2"] = _train(DEBUG, dp_mesh=dp_pairs, mode="ddp", microbatches=2)
+        results["dp=2 ddp M=2"] = _train(DEBUG, dp_mesh=dp_pairs, zero=0, microbatches=2)
     else:
-        results["dp=2 zero2"] = _train(DEBUG, dp_mesh=dp_pairs, mode="zero2")
-    results["tp=2,dp=2 zero3"] = _train(DEBUG, tp_mesh=pairs, dp_mesh=dp_pairs, mode="zero3", clip_mesh=mesh)
+        results["dp=2 zero2"] = _train(DEBUG, dp_mesh=dp_pairs, zero=2)
+    results["tp=2,dp=2 zero3"] = _train(DEBUG, tp_mesh=pairs, dp_mesh=dp_pairs, zero=3, clip_mesh=mesh)
     results["tp=2,dp=2 sp zero2 M=2"] = _train(
-        DEBUG, tp_mesh=pairs, dp_mesh=dp_pairs, mode="zero2", sp=True, clip_mesh=mesh, microbatches=2
+        DEBUG, tp_mesh=pairs, dp_mesh=dp_pairs, zero=2, sp=True, clip_mesh=mesh, microbatches=2
     )
     results["tp=4"] = _train(DEBUG_KV4, tp_mesh=build_mesh(Layout(tp=4))["tp"])
     hsdp = build_mesh(Layout(dp=4), hsdp_replicate=2)
-    results["dp=4 hsdp 2x2"] = _train(DEBUG, dp_mesh=dp_cp_mesh(hsdp), mode="hsdp", clip_mesh=hsdp)
+    results["dp=4 hsdp 2x2"] = _train(DEBUG, dp_mesh=dp_cp_mesh(hsdp), zero=3, clip_mesh=hsdp)
     return results
 
 

@@ -71,15 +71,16 @@ def _eight_ranks(rank, world):
     c = lay.coords(rank)
     model = _stage(c["pp"])
     apply_tp(model, mesh["tp"], sequence_parallel=True)
-    apply_dp(model, dp_cp_mesh(mesh), "zero3")
+    apply_dp(model, dp_cp_mesh(mesh), 3)
     rows = slice(c["dp"] * BATCH // 2, (c["dp"] + 1) * BATCH // 2)
     _stage_loss(model, c["pp"], rows, tp=2, tp_rank=c["tp"]).backward()
     norm = clip_grad_norm(model.parameters(), MAX_NORM, mesh)
     grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) for n, p in model.named_parameters()}
     refusals = []
-    for mode in ("hsdp", "zero1"):
+    hsdp = build_mesh(Layout(tp=2, dp=4), hsdp_replicate=2)
+    for dp_mesh, zero in ((dp_cp_mesh(hsdp), 2), (dp_cp_mesh(mesh), 4)):
         try:
-            apply_dp(build_model(CFG, seed=0), dp_cp_mesh(mesh), mode)
+            apply_dp(build_model(CFG, seed=0), dp_mesh, zero)
         except FourdError as e:
             refusals.append(str(e))
     return meshes, norm, grads, refusals
@@ -101,9 +102,8 @@ def test_mesh_ranks_and_global_grad_norm():
 
     for rank, (meshes, norm, grads, refusals) in enumerate(results):
         assert refusals == [
-            "data-parallel mode hsdp needs a 2-D (dp_replicate, dp_shard) mesh, got 1-D: build the mesh with "
-            "hsdp_replicate set exactly when the mode is hsdp",
-            "data-parallel mode 'zero1': choose one of ddp, zero2, zero3, hsdp",
+            "a 2-D (HSDP) data-parallel mesh takes ZeRO stage 3, not 2: build a 1-D mesh",
+            "ZeRO stage 4: choose one of 0, 1, 2, 3",
         ]
         for lay, got in zip(LAYOUTS, meshes):
             c = lay.coords(rank)

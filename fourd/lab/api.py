@@ -1,16 +1,12 @@
-"""The lab's JSON API: each endpoint turns query parameters into a call to fourd's own code.
-
-Nothing here knows how a schedule orders its work or what a layout costs: the bench asks
-`fourd.schedules` and `fourd.sim`, the cluster row `fourd.layout`, the planner panel
-`fourd.plan`. This module only checks the parameters (bad ones raise FourdError, answered with
-HTTP 400) and shapes the answers for the page.
-"""
+"""The lab's JSON API: each endpoint checks its query parameters (FourdError, answered with HTTP 400) and
+shapes for the page what fourd's schedules, simulator, layouts and planner compute; no rule lives here."""
 
 from __future__ import annotations
 
 import functools
 import json
 import re
+from collections import Counter
 from pathlib import Path
 
 from fourd.errors import FourdError
@@ -25,13 +21,11 @@ from fourd.sim import pipeline
 from fourd.sim.step import simulate_step
 from fourd.sim.trace import chrome_trace
 
-# The seed's bench (brief.md §1 row 14): p from 1 to 16 stages, m from 1 to 64 microbatches.
-P_RANGE = (1, 16)
-M_RANGE = (1, 64)
-V_RANGE = (1, 8)
-# One Llama 3 replica (brief.md §1 rows 1, 4): 128 GPUs, 8 racks of 2 servers of 8 GPUs.
+P_RANGE, M_RANGE, V_RANGE = (1, 16), (1, 64), (1, 8)  # the bench's sliders
+# One Llama 3 405B replica, tp=8 × pp=16 (Llama 3 paper, Table 4), drawn as 8 racks of 2 servers of 8 GPUs.
 REPLICA_GPUS = 128
 TRACE_MAX_BYTES = 64 << 20
+MAX_ROW_GPUS = 1 << 20  # the row counts every group of every dimension; bounded so a request stays quick
 
 
 def single_values(pairs: list[tuple[str, str]]) -> dict[str, str]:
@@ -72,18 +66,12 @@ def _choice(q: dict[str, str], name: str, choices, default: str | None = None) -
 
 
 def schedule(q: dict[str, str], **_) -> dict:
-    """The bench: per-rank timelines of a schedule with no communication, from fourd.sim.pipeline.
-
-    Forward takes one unit and backward two, as in the seed. With V stages per GPU each stage holds
-    1/V of a GPU's layers, so its actions take 1/V as long and the total work stays that of V = 1.
-    """
+    """The bench: per-GPU timelines of a schedule with no communication, forward 1 and backward 2 units.
+    With V stages per GPU each stage holds 1/V of its layers, so its actions take 1/V as long."""
     _known(q, "p", "m", "schedule", "v")
     name = _choice(q, "schedule", SCHEDULES, default="gpipe")
     p, m = _int(q, "p", *P_RANGE), _int(q, "m", *M_RANGE)
-    v = _int(q, "v", *V_RANGE, default=1)
-    if v > 1 and name != "interleaved":
-        raise FourdError(f"v={v} needs schedule=interleaved ({name} runs one stage per GPU; drop v or set v=1)")
-    return _bench(name, p, m, v)
+    return _bench(name, p, m, _int(q, "v", *V_RANGE, default=1))  # build_schedule checks V against the schedule
 
 
 @functools.lru_cache(maxsize=256)  # a slider dragged back and forth asks for the same settings again
@@ -92,66 +80,56 @@ def _bench(name: str, p: int, m: int, v: int) -> dict:
     events = pipeline.timeline(sched, {k: t / v for k, t in pipeline.UNIT.items()})
     step, idle = pipeline.idle_fractions(events)
     busy = sum(e.end - e.start for rank in events for e in rank)
-    return {
-        "p": p,
-        "m": m,
-        "schedule": name,
-        "v": v,
-        "makespan": step,
-        "idle_fraction": sum(idle) / p,
-        # One GPU running every stage would take the whole busy time.
+    ranks = [
+        dict(rank=r, stages=sched.stages_of_rank(r), idle_fraction=idle[r], peak_in_flight=sched.peak_in_flight(r))
+        | {"events": [[e.kind, e.stage, e.microbatch, e.start, e.end - e.start] for e in events[r]]}
+        for r in range(p)
+    ]
+    # One GPU running every stage would take the whole busy time.
+    return {"p": p, "m": m, "schedule": name, "v": v, "makespan": step, "idle_fraction": sum(idle) / p} | {
         "speedup": busy / step,
-        "ranks": [
-            {
-                "rank": r,
-                "stages": sched.stages_of_rank(r),
-                "idle_fraction": idle[r],
-                "peak_in_flight": sched.peak_in_flight(r),
-                "events": [[e.kind, e.stage, e.microbatch, e.start, e.end - e.start] for e in events[r]],
-            }
-            for r in range(p)
-        ],
+        "ranks": ranks,
     }
 
 
 def cluster(q: dict[str, str], **_) -> dict:
-    """The cluster row: which GPU each rank of a layout runs on, and the TP, CP, PP and DP group it joins.
-
-    Placement and topology come from the planner's cluster model (ranks fill servers in order, so TP,
-    the innermost dimension, stays inside a server). The row draws the first 128 ranks: one Llama 3
-    replica of 8 racks, 16 servers, 128 GPUs on the llama3-h100 profile.
-    """
+    """The cluster row: for each of a layout's first 128 ranks its GPU and the group it joins in each
+    dimension (named by its first rank), and per dimension how many groups lie inside one server, rack
+    or pod. Rank r runs on GPU r, as the planner places ranks."""
     _known(q, "layout", "cluster")
     layout = parse_layout(q.get("layout") or "tp=8,pp=16")
     profile = clusters.load_cluster(_profile_name(q.get("cluster") or "llama3-h100"))
-    groups = clusters.placement(layout)
+    if layout.world > MAX_ROW_GPUS:
+        raise FourdError(f"layout={layout} has {layout.world:,} GPUs: the cluster row counts at most {MAX_ROW_GPUS:,}")
     per_server, per_rack = profile.node.gpus, profile.network.gpus_per_rack
-    gpus = []
-    for rank in range(min(layout.world, REPLICA_GPUS)):
-        coords = layout.coords(rank)
-        # A group is named by its first member: the rank with this dimension's index at 0.
-        gpus.append(
-            {
-                "rank": rank,
-                "server": rank // per_server,
-                "rack": rank // per_rack,
-                "coords": coords,
-                "groups": {d: layout.rank(**{**coords, d: 0}) for d in DIMS},
-            }
-        )
-    return {
-        "layout": str(layout),
-        "world": layout.world,
-        "cluster": profile.name,
+    gpus = [
+        {"rank": r, "server": r // per_server, "rack": r // per_rack, "coords": c}
+        | {"groups": {d: layout.rank(**{**c, d: 0}) for d in DIMS}}
+        for r, c in ((r, layout.coords(r)) for r in range(min(layout.world, REPLICA_GPUS)))
+    ]
+    spans = {
+        d: {"size": g.size, "groups": g.world // g.size, "levels": _levels(g, profile)}
+        for d, g in clusters.placement(layout).items()
+    }
+    shape = {
         "racks": REPLICA_GPUS // per_rack,
         "servers_per_rack": per_rack // per_server,
         "gpus_per_server": per_server,
-        "gpus": gpus,
-        "spans": {
-            d: {"size": g.size, "groups": layout.world // g.size, "level": clusters.group_level(g, profile)}
-            for d, g in groups.items()
-        },
     }
+    return {"layout": str(layout), "world": layout.world, "cluster": profile.name, "gpus": gpus, "spans": spans} | shape
+
+
+def _levels(group, profile) -> dict[str, int]:
+    """How many of a dimension's groups lie inside one server ("nvlink"), one rack, one pod, or across pods,
+    each where its ranks are (with tp=3 on 8-GPU servers some TP groups straddle two servers)."""
+    if group.size == 1:
+        return {}
+    blocks = {"nvlink": profile.node.gpus, "rack": profile.network.gpus_per_rack, "pod": profile.network.gpus_per_pod}
+    reach = (group.size - 1) * group.stride  # from a group's first rank to its last
+    span = group.stride * group.size
+    firsts = (b + o for b in range(0, group.world, span) for o in range(group.stride))
+    levels = (next((k for k, n in blocks.items() if r // n == (r + reach) // n), "cross-pod") for r in firsts)
+    return dict(Counter(levels))
 
 
 PLAN_PARAMS = (
@@ -203,46 +181,39 @@ def trace(q: dict[str, str], *, trace_dir: Path, **_) -> dict:
     """A Chrome trace file under the server's --trace-dir, checked and returned for the page to draw."""
     _known(q, "path")
     text = q.get("path", "")
-    if not text:
-        raise FourdError("missing parameter path: the trace file, relative to the lab's --trace-dir")
-    if "\0" in text:
-        raise FourdError("path contains a NUL byte")
-    root = trace_dir.resolve()
-    path = (root / text).resolve()
-    if not path.is_relative_to(root):
-        raise FourdError(f"path={text!r} is outside the lab's --trace-dir; start `fourd lab --trace-dir` above it")
-    if path.suffix != ".json":
-        raise FourdError(f"path={text!r}: a trace is a Chrome trace .json file")
-    if not path.is_file():
-        raise FourdError(f"path={text!r}: no such file under the lab's --trace-dir")
-    if path.stat().st_size > TRACE_MAX_BYTES:
-        raise FourdError(f"path={text!r} is larger than {TRACE_MAX_BYTES >> 20} MB; open a shorter trace")
+    if not text or "\0" in text:
+        raise FourdError(
+            "path contains a NUL byte"
+            if text
+            else "missing parameter path: name a trace file under the lab's --trace-dir"
+        )
+    root, shown = trace_dir.resolve(), repr(text[:80])
     try:
-        doc = json.loads(path.read_text())
+        path = (root / text).resolve()
+        if not path.is_relative_to(root):
+            raise FourdError(f"path={shown} is outside the lab's --trace-dir; start `fourd lab --trace-dir` above it")
+        if path.suffix != ".json":
+            raise FourdError(f"path={shown}: a trace is a Chrome trace .json file")
+        if not path.is_file():
+            raise FourdError(f"path={shown}: no such file under the lab's --trace-dir")
+        if path.stat().st_size > TRACE_MAX_BYTES:
+            raise FourdError(f"path={shown} is larger than {TRACE_MAX_BYTES >> 20} MiB; open a shorter trace")
+        doc = json.loads(path.read_bytes())
+    except OSError as e:
+        raise FourdError(f"path={shown} cannot be read ({e.strerror}): name a trace file under --trace-dir") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise FourdError(f"path={text!r} is not JSON ({e}); a trace is Chrome trace JSON") from e
+        raise FourdError(f"path={shown} is not JSON ({e}); a trace is Chrome trace JSON") from None
     events = doc.get("traceEvents") if isinstance(doc, dict) else doc
     if not isinstance(events, list):
-        raise FourdError(f"path={text!r} has no traceEvents list; a trace is Chrome trace JSON")
+        raise FourdError(f"path={shown} has no traceEvents list; a trace is Chrome trace JSON")
     return {"path": str(path.relative_to(root)), "traceEvents": events}
 
 
 def options(q: dict[str, str], **_) -> dict:
     """What the page's selectors offer: model presets, cluster profiles, schedules and the bench's ranges."""
     _known(q)
-    return {
-        "models": list(PRESETS),
-        "clusters": clusters.preset_names(),
-        "schedules": list(SCHEDULES),
-        "ranges": {"p": P_RANGE, "m": M_RANGE, "v": V_RANGE},
-    }
+    names = {"models": list(PRESETS), "clusters": clusters.preset_names(), "schedules": list(SCHEDULES)}
+    return names | {"ranges": {"p": P_RANGE, "m": M_RANGE, "v": V_RANGE}}
 
 
-ENDPOINTS = {
-    "options": options,
-    "schedule": schedule,
-    "cluster": cluster,
-    "plan": plan,
-    "simtrace": simtrace,
-    "trace": trace,
-}
+ENDPOINTS = {f.__name__: f for f in (options, schedule, cluster, plan, simtrace, trace)}

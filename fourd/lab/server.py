@@ -1,29 +1,29 @@
-"""Serve the lab on a local web page: the seed's pipeline bench driven by fourd's own schedules and
-simulator, the cluster row of one Llama 3 replica coloured by a layout's groups, a planner panel,
-and a measured trace beside the simulated one.
-
-Everything the page needs ships inside the package: it works offline. The server answers GET and
-HEAD only, binds to 127.0.0.1 unless told otherwise, and serves no file outside its static folder.
+"""Serve the lab, a local web page: a pipeline bench drawn from fourd's schedules and simulator, the
+cluster row of one Llama 3 replica coloured by a layout's groups, a planner panel, and a measured trace
+beside the simulated one. It works offline, listens on 127.0.0.1 unless told otherwise, and answers
+GET and HEAD addressed to itself only.
 
 examples:
   fourd lab                      # then open http://127.0.0.1:8000/
   fourd lab --port 0             # any free port; the URL is printed
   fourd lab --trace-dir runs     # traces under runs/ can be opened by path
-  # shareable links to a setting of the bench:
-  #   http://127.0.0.1:8000/?p=16&m=16&schedule=gpipe
-  #   http://127.0.0.1:8000/?p=8&m=32&schedule=interleaved&v=2
+  # a link to a setting of the bench: http://127.0.0.1:8000/?p=8&m=32&schedule=interleaved&v=2
 """
 
 from __future__ import annotations
 
-import ipaddress
+import contextlib
+import http.client
+import io
 import json
 import os
+import selectors
 import socket
 import sys
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qsl, urlsplit
 
@@ -32,26 +32,28 @@ from fourd.lab import api
 
 STATIC_DIR = Path(__file__).with_name("static")
 # Fixed here rather than guessed from the system's MIME table, which differs between machines.
-CONTENT_TYPES = {
-    ".html": "text/html; charset=utf-8",
-    ".js": "text/javascript; charset=utf-8",
-    ".css": "text/css; charset=utf-8",
-    ".svg": "image/svg+xml",
-    ".png": "image/png",
+CONTENT_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css"}  # all sent as UTF-8
+JSON = "application/json"
+TIMEOUT_S = 5.0  # to send the request line and headers, and again to take the answer
+WORKERS = 8  # threads that answer complete requests; clients still sending hold no thread
+MAX_WAITING = 512  # connections still sending their request; beyond it the oldest is closed
+MAX_QUEUED = 64  # complete requests waiting for a worker; beyond it the answer is 503
+MAX_HEAD = 16 << 10
+# Content-Security-Policy keeps the page from loading anything that is not served here (no CDN).
+_HEADERS = {
+    "Cache-Control": "no-store",
+    "Connection": "close",
+    "X-Content-Type-Options": "nosniff",
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; style-src 'self'; "
+    "script-src 'self'; connect-src 'self'; frame-ancestors 'none'",
+    "Referrer-Policy": "no-referrer",
 }
-_LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1", "[::1]"}
 
 
 def add_arguments(p):
-    p.add_argument(
-        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: only this machine can connect)"
-    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
-    p.add_argument(
-        "--trace-dir",
-        default=".",
-        help="folder whose Chrome trace files the page may open by path (default: the current folder)",
-    )
+    p.add_argument("--trace-dir", default=".", help="folder whose trace files the page may open (default: here)")
 
 
 def run(args) -> int:
@@ -60,7 +62,7 @@ def run(args) -> int:
     trace_dir = Path(args.trace_dir)
     if not trace_dir.is_dir():
         raise FourdError(f"--trace-dir {args.trace_dir}: no such folder; name an existing one")
-    server = make_server(args.host, args.port, trace_dir=trace_dir)
+    server = LabServer(args.host, args.port, trace_dir=trace_dir)
     print(f"fourd lab: serving {server.url} (Ctrl-C to stop)", flush=True)
     try:
         server.serve_forever()
@@ -69,161 +71,198 @@ def run(args) -> int:
     return 0
 
 
-class LabServer(ThreadingHTTPServer):
-    daemon_threads = True
+class LabServer:
+    """One thread reads requests from every connection at once, WORKERS threads answer complete ones: a client
+    that sends slowly or not at all costs a socket for `timeout` seconds, never a thread. One request per
+    connection."""
 
-    def __init__(self, host: str, port: int, static_dir: Path, trace_dir: Path):
-        if ":" in host:
-            self.address_family = socket.AF_INET6
-        self.static = load_static(static_dir)
-        self.trace_dir = trace_dir.resolve()
-        self.loopback_only = _is_loopback(host)
+    def __init__(self, host="127.0.0.1", port=0, *, static_dir=STATIC_DIR, trace_dir=Path("."), timeout=TIMEOUT_S):
+        self.socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            super().__init__((host, port), _Handler)
+            self.socket.bind((host, port))
+            self.socket.listen(128)
         except OSError as e:
+            self.socket.close()
             raise FourdError(
                 f"cannot listen on {host}:{port} ({e.strerror}); choose another --port, or --port 0"
             ) from e
+        self.socket.setblocking(False)
+        self.server_address = self.socket.getsockname()
+        name, port = str(self.server_address[0]), self.server_address[1]
+        self.url = f"http://[{name}]:{port}/" if ":" in name else f"http://{name}:{port}/"
+        self.static = load_static(static_dir)
+        self.trace_dir, self.timeout = trace_dir.resolve(), timeout
+        self.any_name = host in ("0.0.0.0", "::", "")  # other machines may connect, under whatever name they use
+        names = ["127.0.0.1", "localhost"] + ([] if self.any_name else [f"[{host}]" if ":" in host else host.lower()])
+        self.hosts = [f"{n}:{port}" for n in dict.fromkeys(names)] + (names if port == 80 else [])  # first: suggested
+        self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="fourd-lab")
+        self._slots = threading.BoundedSemaphore(WORKERS + MAX_QUEUED)
+        self._stop, self._stopped = threading.Event(), threading.Event()
+        self._stopped.set()
 
-    def handle_error(self, request, client_address):
-        if isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError)):
-            return  # the browser closed a connection it no longer needed; nothing went wrong here
-        super().handle_error(request, client_address)
+    def serve_forever(self) -> None:
+        """Accept and read until shutdown(); each connection still sending its request is registered with
+        (deadline, bytes so far) as its data, oldest first."""
+        self._stopped.clear()
+        sel = self._sel = selectors.DefaultSelector()
+        sel.register(self.socket, selectors.EVENT_READ)
+        try:
+            while not self._stop.is_set():
+                for key, _ in sel.select(0.2):
+                    if key.data is None:
+                        self._accept()
+                    else:
+                        self._read(key.fileobj, key.data[1])  # type: ignore[arg-type]
+                now = time.monotonic()
+                for key in [k for k in sel.get_map().values() if k.data and k.data[0] < now]:
+                    late = _error(408, f"the request did not arrive within {self.timeout:g} s: send it at once")
+                    self._drop(key.fileobj, late if key.data[1] else b"")  # type: ignore[arg-type]
+        finally:
+            for key in [k for k in sel.get_map().values() if k.data]:
+                key.fileobj.close()  # type: ignore[union-attr]
+            sel.close()
+            self._stop.clear()
+            self._stopped.set()
 
-    @property
-    def url(self) -> str:
-        host, port = str(self.server_address[0]), self.server_address[1]
-        return f"http://[{host}]:{port}/" if ":" in host else f"http://{host}:{port}/"
+    def serve_in_thread(self) -> None:  # for tests and benchmarks; shutdown() stops it
+        threading.Thread(target=self.serve_forever, daemon=True).start()
 
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._stopped.wait()
 
-def make_server(
-    host: str = "127.0.0.1", port: int = 0, *, static_dir: Path = STATIC_DIR, trace_dir: Path = Path(".")
-) -> LabServer:
-    return LabServer(host, port, static_dir, trace_dir)
+    def server_close(self) -> None:
+        self.socket.close()
+        self._pool.shutdown(wait=False)
 
+    def _accept(self) -> None:
+        try:
+            conn, _ = self.socket.accept()
+        except OSError:  # gone before we took it, or out of descriptors: the next round tries again
+            return
+        waiting = [k.fileobj for k in self._sel.get_map().values() if k.data]
+        if len(waiting) >= MAX_WAITING:
+            self._drop(waiting[0])  # type: ignore[arg-type]
+        conn.setblocking(False)
+        self._sel.register(conn, selectors.EVENT_READ, (time.monotonic() + self.timeout, bytearray()))
 
-def serve_in_thread(server: LabServer) -> threading.Thread:
-    """Start serving in a daemon thread (tests and benchmarks); `server.shutdown()` stops it."""
-    t = threading.Thread(target=server.serve_forever, daemon=True)
-    t.start()
-    return t
+    def _read(self, conn: socket.socket, head: bytearray) -> None:
+        try:
+            chunk = conn.recv(MAX_HEAD)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        head += chunk
+        if chunk and len(head) <= MAX_HEAD and b"\r\n\r\n" not in head and b"\n\n" not in head:
+            return  # more to come
+        if not chunk or len(head) > MAX_HEAD:
+            return self._drop(conn, _error(431, f"the request head is over {MAX_HEAD >> 10} KiB") if chunk else b"")
+        self._sel.unregister(conn)
+        if self._slots.acquire(blocking=False):
+            self._pool.submit(self._answer, conn, bytes(head))
+        else:
+            _close(conn, _error(503, "the lab is busy answering other requests: try again in a moment"))
+
+    def _drop(self, conn: socket.socket, answer: bytes = b"") -> None:
+        self._sel.unregister(conn)
+        _close(conn, answer)
+
+    def _answer(self, conn: socket.socket, head: bytes) -> None:
+        try:
+            conn.settimeout(self.timeout)
+            _close(conn, self.respond(head))
+        finally:
+            self._slots.release()
+
+    def respond(self, head: bytes) -> bytes:
+        """The whole answer to one request head: the file or the API's JSON, else an error in one line."""
+        method = ""
+        try:
+            method, target, headers = _parse_head(head)
+            return self._route(method, target, headers)
+        except FourdError as e:
+            return _error(400, str(e), method == "HEAD")
+        except Exception as e:  # a bug, not bad input: say so, and keep serving everyone else
+            line = " ".join(f"internal error ({type(e).__name__}: {e}); please report it".split())
+            print(f"fourd lab: {line}", file=sys.stderr)
+            return _error(500, line, method == "HEAD")
+
+    def _route(self, method: str, target: str, headers) -> bytes:
+        head_only = method == "HEAD"
+        if method not in ("GET", "HEAD"):
+            allow = {"Allow": "GET, HEAD"}
+            return _error(405, f"method {method} not allowed: the lab answers GET and HEAD only", extra=allow)
+        self._check_host(headers.get_all("Host") or [])
+        if not target.startswith("/"):
+            raise FourdError(f"request target {target[:60]!r} is not a path: send origin-form, such as GET / HTTP/1.1")
+        parts = urlsplit(target)
+        if parts.path.startswith("/api/"):
+            endpoint = api.ENDPOINTS.get(parts.path[len("/api/") :])
+            if endpoint is None:
+                known = ", ".join(sorted(api.ENDPOINTS))
+                return _error(404, f"no API endpoint {parts.path[5:60]!r}; known: {known}", head_only)
+            return _response(200, _json(endpoint(self._query(parts.query), trace_dir=self.trace_dir)), JSON, head_only)
+        entry = self.static.get("index.html" if parts.path == "/" else parts.path[1:])
+        return _response(200, entry[0], entry[1], head_only) if entry else _error(404, "not found", head_only)
+
+    def _check_host(self, values: list[str]) -> None:
+        if len(values) != 1:
+            raise FourdError(f"the request has {len(values)} Host headers: send exactly one, such as {self.hosts[0]}")
+        value = values[0].strip().lower()
+        # A page elsewhere could point its own name at 127.0.0.1 (DNS rebinding); it would send that name.
+        if value not in self.hosts and not (self.any_name and value.endswith(f":{self.server_address[1]}")):
+            raise FourdError(f"Host {values[0][:60]!r} is not this lab: address it as {' or '.join(self.hosts)}")
+
+    @staticmethod
+    def _query(text: str) -> dict[str, str]:
+        try:
+            return api.single_values(parse_qsl(text, keep_blank_values=True, max_num_fields=32))
+        except ValueError:
+            raise FourdError("more than 32 query parameters: give each of the endpoint's parameters once") from None
 
 
 def load_static(folder: Path) -> dict[str, tuple[bytes, str]]:
-    """The files the server may send, read once: regular files of known types directly inside `folder`.
-
-    Requests are answered from this table by exact name, so no request path ever reaches the file
-    system: `..`, encoded slashes and absolute paths cannot name anything outside it, and a
-    symbolic link placed in the folder is never followed.
-    """
+    """Regular files of known types directly in `folder`, read once: requests name them exactly, so no
+    request path reaches the file system and no symbolic link is followed."""
     files = {}
     with os.scandir(folder) as it:
         for entry in it:
             ctype = CONTENT_TYPES.get(Path(entry.name).suffix)
             if ctype and entry.is_file(follow_symlinks=False):
-                files[entry.name] = (Path(entry.path).read_bytes(), ctype)
+                files[entry.name] = (Path(entry.path).read_bytes(), f"{ctype}; charset=utf-8")
     return files
 
 
-def _is_loopback(host: str) -> bool:
-    if host in _LOOPBACK_NAMES:
-        return True
+def _parse_head(head: bytes):
+    line, _, rest = head.partition(b"\n")
+    words = line.decode("latin-1").split()
+    if len(words) != 3 or words[2] not in ("HTTP/1.0", "HTTP/1.1"):
+        raise FourdError(f"request line {line.strip()[:60]!r} is not METHOD TARGET HTTP/1.1")
     try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+        headers = http.client.parse_headers(io.BytesIO(rest))
+    except http.client.HTTPException:
+        raise FourdError("more than 100 header lines: send fewer") from None
+    return words[0], words[1], headers
 
 
-# Content-Security-Policy keeps the page from loading anything that is not served here (no CDN).
-_HEADERS = {
-    "X-Content-Type-Options": "nosniff",
-    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; style-src 'self'; "
-    "script-src 'self'; connect-src 'self'; frame-ancestors 'none'",
-    "Referrer-Policy": "no-referrer",
-}
+def _response(status: int, body: bytes, ctype: str, head_only: bool = False, extra: dict | None = None) -> bytes:
+    fields = {"Content-Type": ctype, "Content-Length": str(len(body)), **_HEADERS, **(extra or {})}
+    lines = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}", *(f"{k}: {v}" for k, v in fields.items())]
+    return "\r\n".join(lines).encode("latin-1") + b"\r\n\r\n" + (b"" if head_only else body)
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server: LabServer
-    server_version = "fourd-lab"
-    sys_version = ""
-    protocol_version = "HTTP/1.1"
+def _error(status: int, message: str, head_only: bool = False, extra: dict | None = None) -> bytes:
+    return _response(status, _json({"error": message}), JSON, head_only, extra)
 
-    def do_GET(self):
-        self._answer(body=True)
 
-    def do_HEAD(self):
-        self._answer(body=False)
-
-    def __getattr__(self, name):
-        # The base class looks up do_<METHOD> for each request: every method but GET and HEAD lands here.
-        if name.startswith("do_"):
-            return self._not_allowed
-        raise AttributeError(name)
-
-    def _not_allowed(self):
-        self.close_connection = True  # the request may carry a body we do not read
-        self._send(
-            HTTPStatus.METHOD_NOT_ALLOWED,
-            _json({"error": f"method {self.command} not allowed: the lab answers GET and HEAD only"}),
-            "application/json",
-            extra={"Allow": "GET, HEAD", "Connection": "close"},
-        )
-
-    def _answer(self, body: bool):
-        if self.server.loopback_only and not self._host_is_loopback():
-            # A page elsewhere could point a name at 127.0.0.1 (DNS rebinding); it would send its own Host.
-            return self._error(HTTPStatus.FORBIDDEN, "this lab answers requests for localhost only", body)
-        target = urlsplit(self.path)
-        path = target.path
-        if path.startswith("/api/"):
-            return self._api(path[len("/api/") :], target.query, body)
-        name = "index.html" if path == "/" else path[1:]
-        entry = self.server.static.get(name)
-        if entry is None:
-            return self._error(HTTPStatus.NOT_FOUND, "not found", body)
-        data, ctype = entry
-        self._send(HTTPStatus.OK, data, ctype, body=body)
-
-    def _api(self, endpoint: str, query: str, body: bool):
-        handler = api.ENDPOINTS.get(endpoint)
-        if handler is None:
-            return self._error(
-                HTTPStatus.NOT_FOUND, f"no API endpoint {endpoint!r}; known: {', '.join(sorted(api.ENDPOINTS))}", body
-            )
-        try:
-            params = api.single_values(
-                parse_qsl(query, keep_blank_values=True, strict_parsing=False, max_num_fields=64)
-            )
-            result = handler(params, trace_dir=self.server.trace_dir)
-        except (FourdError, ValueError) as e:
-            return self._error(HTTPStatus.BAD_REQUEST, str(e), body)
-        except Exception as e:  # a bug, not bad input: say so instead of dropping the connection
-            print(f"fourd lab: internal error on {self.path}: {type(e).__name__}: {e}", file=sys.stderr)
-            return self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error: {type(e).__name__}: {e}", body)
-        self._send(HTTPStatus.OK, _json(result), "application/json", body=body)
-
-    def _host_is_loopback(self) -> bool:
-        host = self.headers.get("Host", "")
-        name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
-        return name.lower() in _LOOPBACK_NAMES or _is_loopback(name.strip("[]"))
-
-    def _error(self, status: HTTPStatus, message: str, body: bool = True):
-        self._send(status, _json({"error": message}), "application/json", body=body)
-
-    def _send(self, status, data: bytes, ctype: str, body: bool = True, extra: dict | None = None):
-        self.send_response(status)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(data)))
-        self.send_header("Cache-Control", "no-store")
-        for k, v in {**_HEADERS, **(extra or {})}.items():
-            self.send_header(k, v)
-        self.end_headers()
-        if body:
-            self.wfile.write(data)
-
-    def log_message(self, format, *args):
-        pass  # one line per request would drown the URL the user needs to read
+def _close(conn: socket.socket, answer: bytes) -> None:
+    """Send the answer (if any) and close; a client that left or stopped reading is not told more."""
+    with contextlib.suppress(OSError):
+        conn.sendall(answer)
+        conn.shutdown(socket.SHUT_WR)
+    conn.close()
 
 
 def _json(obj) -> bytes:

@@ -55,10 +55,14 @@ class ModelConfig:
     def non_embedding_params(self) -> int:
         return self.params() - 2 * self.embedding_params()
 
-    def flops_per_token(self, seq: int) -> float:
-        """Model FLOPs per trained token, 6·(N − input embedding) + 12·L·H·Q·T: PaLM's count (Chowdhery et al.
-        2022, appendix B) with the output projection in N, as Megatron-LM and torchtitan count it."""
-        return 6 * (self.params() - self.embedding_params()) + 12 * self.layers * self.heads * self.head_dim * seq
+    def flops_per_token(self, seq: int, recompute: str = "none") -> float:
+        """FLOPs per trained token (docs/parallelism.md): the model's, 6·(N − input embedding) + 12·L·H·Q·T, PaLM's
+        count (Chowdhery et al. 2022, app. B) with the output projection in N, for MFU; with recompute (one of
+        fourd.layout.RECOMPUTE) the hardware's, for HFU (Korthikanti et al. 2022): full recomputation runs every
+        layer's forward, 2·L·P_layer + 4·L·H·Q·T, once more; selective recomputes no matmul."""
+        attention = 4 * self.layers * self.heads * self.head_dim * seq
+        model = 6 * (self.params() - self.embedding_params()) + 3 * attention
+        return model + (2 * self.layers * self.layer_params() + attention if recompute == "full" else 0)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -69,7 +73,7 @@ PRESETS: dict[str, ModelConfig] = {
     "debug": ModelConfig(layers=4, dim=64, ffn=176, heads=4, kv_heads=2, vocab=256, max_seq=256),
     # `make run`: trains visibly in a few minutes on 2 CPU cores (byte-level vocabulary).
     "small": ModelConfig(layers=8, dim=256, ffn=704, heads=8, kv_heads=4, vocab=256, max_seq=1024),
-    # Llama 3 paper, Table 3, and the released configs (brief.md §2).
+    # Llama 3 paper, Table 3, and the released configs.
     "llama3-8b": ModelConfig(layers=32, dim=4096, ffn=14336, heads=32, kv_heads=8, vocab=128256),
     "llama3-70b": ModelConfig(layers=80, dim=8192, ffn=28672, heads=64, kv_heads=8, vocab=128256),
     "llama3-405b": ModelConfig(layers=126, dim=16384, ffn=53248, heads=128, kv_heads=8, vocab=128256),

@@ -1,11 +1,7 @@
-"""Llama 3 in one file: RMSNorm, RoPE (θ = 500,000), grouped-query attention, SwiGLU, untied embeddings.
-
-No parallelism lives here. The seams that parallelism uses from outside are plain:
-- `layers` is a ModuleDict keyed by the layer's global index, and `tok_embeddings`, `norm` and
-  `output` may be None, so a pipeline stage is this same class with some parts removed;
-- `rope` holds the cos/sin rows of the tokens this module sees, in order; context parallelism
-  replaces them with the rows of the tokens a rank holds;
-- `Attention.core` is the attention kernel, a module of its own that context parallelism swaps.
+"""Llama 3 in one file: RMSNorm, RoPE (θ = 500,000), grouped-query attention, SwiGLU, untied embeddings. No
+parallelism lives here; its seams (docs/parallelism.md): `layers` a ModuleDict keyed by the global layer index, and
+`tok_embeddings`, `norm`, `output` may be None (a pipeline stage); `rope` holds the rows of the tokens the module
+sees; `Attention.core` is the attention kernel, a module that context parallelism swaps.
 """
 
 from __future__ import annotations
@@ -32,11 +28,8 @@ class RMSNorm(nn.Module):
 
 
 class Rope(nn.Module):
-    """cos and sin of each position's rotation angles, shape [positions, head_dim // 2].
-
-    Pairs are (x[2i], x[2i+1]): the layout of Meta's released weights (Hugging Face permutes q and k
-    to rotate halves instead; fourd.hf converts between the two).
-    """
+    """cos and sin of each position's angles, [positions, head_dim // 2]; pairs (x[2i], x[2i+1]) as in Meta's
+    released weights (Hugging Face rotates halves; fourd.hf converts)."""
 
     def __init__(self, head_dim: int, max_seq: int, theta: float):
         super().__init__()
@@ -66,12 +59,9 @@ class CausalAttention(nn.Module):
     """softmax(q kᵀ / √d + causal mask) v on local heads; k and v carry the KV heads (GQA)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q: [b, s, hq, d], k, v: [b, s, hkv, d]
-        rep = q.shape[2] // k.shape[2]
+        # q: [b, s, hq, d], k, v: [b, s, hkv, d]; SDPA's grouped-query path shares each KV head without copies.
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        if rep > 1:
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
 
 
 class Attention(nn.Module):
@@ -139,11 +129,8 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Deterministic from the seed and each parameter's name alone, so that every layout, and every
-        pipeline stage holding a subset of the layers, starts from the same weights.
-
-        Output projections of each residual branch are scaled by 1/√(2·layers) (GPT-2's depth scaling).
-        """
+        """From the seed and each parameter's name alone, so every layout and pipeline stage starts from the same
+        weights; each residual branch's output projection scaled by 1/√(2·layers) (GPT-2's depth scaling)."""
         std, depth_std = 0.02, 0.02 / math.sqrt(2 * self.cfg.layers)
         for name, p in self.named_parameters():
             leaf = name.rsplit(".", 2)[-2] if name.count(".") else name

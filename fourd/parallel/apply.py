@@ -1,5 +1,5 @@
-"""The layout's parallelism applied from outside to the unmodified model, in one order: pipeline split → TP →
-CP → DP (FSDP over dp×cp). This is the one place that order is written."""
+"""The run's parallelism applied from outside to the unmodified model, in the one order this module writes:
+pipeline split → (FP8) → TP → CP → recomputation → compilation → DP (FSDP over dp×cp)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from fourd.config import Config, model_config, parallelism
 from fourd.errors import FourdError
-from fourd.layout import Layout
+from fourd.layout import Layout, Parallelism
 from fourd.model.llama import build_model
 
 
@@ -18,12 +18,17 @@ from fourd.model.llama import build_model
 class Parallel:
     """This rank's place in the layout and the pieces that run its part of the model."""
 
-    layout: Layout
+    setting: Parallelism
     rank: int
     coords: dict
-    mesh: object | None
+    mesh: Any  # the job's DeviceMesh; None on one rank
     stages: list[torch.nn.Module]
     runner: Any  # the pipeline executor (PipelineRunner) when pp > 1, else None
+    dp_mesh: Any = None  # the dp×cp mesh that averages gradients, when there is one
+
+    @property
+    def layout(self) -> Layout:
+        return self.setting.layout
 
     @property
     def data_rank(self) -> int:
@@ -31,64 +36,88 @@ class Parallel:
 
 
 def build_parallel(cfg: Config, device: torch.device, rank: int, world: int) -> Parallel:
-    layout = parallelism(cfg).layout
+    par = parallelism(cfg)
+    layout, mcfg, seed = par.layout, model_config(cfg), cfg.train.seed
     if layout.world != world:
         raise FourdError(
             f"layout {layout} needs {layout.world} ranks but {world} were started: "
-            f"start {layout.world} workers or change --layout"
+            f"start {layout.world} workers or change the layout"
         )
-    mcfg = model_config(cfg)
-    coords = layout.coords(rank)
-    seed = cfg.train.seed
-    if world == 1:
-        model = build_model(mcfg, seed=seed, device=device)
-        return Parallel(layout, rank, coords, None, [model], None)
+    coords, schedule = layout.coords(rank), None
+    mesh: Any = None  # one rank needs no mesh: every degree is 1
+    if world > 1:
+        from fourd.parallel.mesh import build_mesh, dp_cp_mesh
 
-    from fourd.parallel.mesh import build_mesh, dp_cp_mesh
-
-    hsdp = cfg.parallel.hsdp_replicas if cfg.parallel.hsdp_replicas > 1 else None
-    mesh = build_mesh(layout, device.type, hsdp_replicate=hsdp)
-    runner = None
+        mesh = build_mesh(layout, device.type, hsdp_replicate=par.hsdp_replicas if par.hsdp else None)
     if layout.pp > 1:
         from fourd.parallel.pp import pipeline_split
         from fourd.schedules import build_schedule
 
-        schedule = build_schedule(
-            cfg.parallel.schedule, layout.pp, cfg.parallel.microbatches, cfg.parallel.virtual_stages
-        )
+        schedule = build_schedule(par.schedule, layout.pp, par.microbatches, par.virtual_stages)
         stages = pipeline_split(mcfg, coords["pp"], schedule, seed=seed, device=device)
     else:
-        schedule = None
         stages = [build_model(mcfg, seed=seed, device=device)]
-    if layout.tp > 1:
-        from fourd.parallel.tp import apply_tp
+    dp_mesh = dp_cp_mesh(mesh) if par.grad_ranks > 1 else None
+    for s in stages:
+        if cfg.train.fp8:
+            _fp8(s)
+        if layout.tp > 1:
+            from fourd.parallel.tp import apply_tp
 
-        for s in stages:
-            apply_tp(s, mesh["tp"], sequence_parallel=cfg.parallel.sequence_parallel)
-    if layout.cp > 1:
-        from fourd.parallel.cp import apply_cp
+            apply_tp(s, mesh["tp"], sequence_parallel=par.sequence_parallel)
+        if layout.cp > 1:
+            from fourd.parallel.cp import apply_cp
 
-        for s in stages:
             apply_cp(s, mesh["cp"], cfg.data.seq_len)
-    group_mesh = None
-    if layout.dp * layout.cp > 1:
-        from fourd.parallel.dp import apply_dp
+        _per_block(cfg, s, par, device)
+        if dp_mesh is not None:
+            from fourd.parallel.dp import apply_dp
 
-        group_mesh = dp_cp_mesh(mesh)
-        for s in stages:
-            apply_dp(s, group_mesh, _dp_mode(cfg))
+            apply_dp(s, dp_mesh, par.zero)
+    runner = None
     if schedule is not None:
         from fourd.parallel.pp import PipelineRunner
 
         runner = PipelineRunner(stages, schedule, mesh["pp"], loss_fn(layout), device=device)
-    return Parallel(layout, rank, coords, mesh, stages, runner)
+    return Parallel(par, rank, coords, mesh, stages, runner, dp_mesh)
 
 
-def _dp_mode(cfg: Config) -> str:
-    zero = cfg.parallel.zero
-    if zero == 1:
-        raise FourdError("ZeRO stage 1 is not implemented yet: use parallel.zero = 0, 2 or 3")
-    return {0: "ddp", 2: "zero2", 3: "hsdp" if cfg.parallel.hsdp_replicas > 1 else "zero3"}[zero]
+def _per_block(cfg: Config, stage: torch.nn.Module, par: Parallelism, device: torch.device) -> torch.nn.Module:
+    """Recomputation, then compilation of each block in place, as torchtitan does (parameter names unchanged)."""
+    from fourd.parallel.recompute import apply_recompute
+
+    apply_recompute(stage, par.recompute)
+    if compiles(cfg, device.type):
+        for block in stage.layers.values():
+            block.compile()
+    return stage
+
+
+def compiles(cfg: Config, device_type: str) -> bool:
+    """train.compile, by default on CUDA only (compiling takes tens of seconds on a CPU)."""
+    return cfg.train.compile if cfg.train.compile is not None else device_type == "cuda"
+
+
+def check_fp8(cfg: Config) -> None:
+    """FourdError unless FP8 training (torchao's float8 linears) can run here: a CUDA H100 or H200, no TP."""
+    if not cfg.train.fp8:
+        return
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
+    if not any(g in name for g in ("H100", "H200")) or cfg.train.dtype == "fp32":
+        raise FourdError(f"train.fp8 needs a CUDA H100 or H200 training in bf16, found {name}: drop train.fp8")
+    if parallelism(cfg).layout.tp > 1:
+        raise FourdError("train.fp8 with tensor parallelism is not implemented: use tp=1 or drop train.fp8")
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        raise FourdError("train.fp8 needs torchao: install fourd's gpu extra (pip install 'fourd[gpu]')") from None
+
+
+def _fp8(stage: torch.nn.Module) -> None:
+    from torchao.float8 import convert_to_float8_training
+
+    # The output projection stays in BF16: its FP8 error reaches the loss directly (torchtitan does the same).
+    convert_to_float8_training(stage, module_filter_fn=lambda module, fqn: fqn != "output")
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

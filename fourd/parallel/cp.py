@@ -1,10 +1,5 @@
-"""Context parallelism, Llama 3 style: every rank holds a slice of each sequence and the whole of K and V.
-
-The sequence is cut into 2·CP chunks and rank i holds chunks i and 2·CP−1−i, so under the causal mask
-every rank does the same amount of attention work (an early chunk sees few keys, its partner many).
-Attention all-gathers K and V over the cp group in the forward pass and reduce-scatters their gradients
-in the backward pass (Llama 3 paper, §3.3.2); the gather carries KV heads, not heads repeated for GQA.
-Queries stay local, so the causal mask and RoPE follow each token's true position in the sequence.
+"""Context parallelism, Llama 3 style: rank i of CP holds chunks i and 2·CP−1−i of each sequence cut in 2·CP, and
+attention all-gathers K and V (the KV heads, not heads repeated for GQA) over the cp group (docs/pipeline-context.md).
 
     apply_cp(stage, cp_mesh, seq_len)         # once per model or pipeline stage, after TP
     x_local = cp_shard(x, cp_rank, cp)        # [b, seq_len] -> [b, seq_len / cp]; the same for targets
@@ -61,11 +56,8 @@ def _group_of(cp_mesh) -> tuple[dist.ProcessGroup, int, int]:
 
 
 class _GatherKV(torch.autograd.Function):
-    """All-gather along a new leading dimension; the backward pass reduce-scatters the gradient.
-
-    Each rank's keys serve every rank's queries, so the gradient of a rank's K and V is the sum of what
-    all ranks' attention sends back to it: exactly a reduce-scatter of the gathered gradient.
-    """
+    """All-gather along a new leading dimension; backward reduce-scatters the gradient (each rank's K and V serve
+    every rank's queries, so their gradient is the sum of what every rank sends back)."""
 
     @staticmethod
     def forward(ctx, local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -83,11 +75,8 @@ class _GatherKV(torch.autograd.Function):
 
 
 class ContextParallelAttention(nn.Module):
-    """Drop-in for `CausalAttention`: local queries against the cp group's gathered keys and values.
-
-    `gathered_elements` counts the K and V elements this rank received from the other cp ranks, for
-    the traffic figure (CP−1)/CP · 2·s·b·h_kv per layer per forward.
-    """
+    """Drop-in for `CausalAttention`: local queries against the cp group's gathered keys and values;
+    `gathered_elements` counts the K and V elements received from the other cp ranks."""
 
     def __init__(self, group: dist.ProcessGroup, seq_len: int):
         super().__init__()
@@ -104,20 +93,16 @@ class ContextParallelAttention(nn.Module):
         kv = _GatherKV.apply(torch.stack((k, v)), self.group)  # [cp, 2, b, s/cp, hkv, d]
         self.gathered_elements += kv.numel() // self.cp * (self.cp - 1)
         k_all, v_all = (kv[:, i].transpose(0, 1).flatten(1, 2) for i in (0, 1))  # [b, s, hkv, d]
-        rep = q.shape[2] // k_all.shape[2]
         q, k_all, v_all = (t.transpose(1, 2) for t in (q, k_all, v_all))
-        if rep > 1:
-            k_all, v_all = k_all.repeat_interleave(rep, dim=1), v_all.repeat_interleave(rep, dim=1)
+        if q.is_cuda:  # CUDA's kernels that take a mask do not take shared KV heads: they would fall back to math
+            k_all, v_all = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k_all, v_all))
         mask = self.q_pos[:, None] >= self.k_pos[None, :]
-        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=True).transpose(1, 2)
 
 
 def apply_cp(stage: nn.Module, cp_mesh, seq_len: int) -> nn.Module:
-    """Make `stage` (a Llama or a pipeline stage of one) run on this rank's 2 chunks of each sequence.
-
-    Swaps every attention core for `ContextParallelAttention` and gives `stage.rope` the cos/sin rows
-    of the rank's tokens; inputs must then be cut with `cp_shard` at exactly `seq_len` tokens.
-    """
+    """Make `stage` run on this rank's 2 chunks of each sequence (cut inputs with `cp_shard` at exactly `seq_len`
+    tokens): ContextParallelAttention cores, and the rope rows of the rank's tokens."""
     group, rank, cp = _group_of(cp_mesh)
     if cp == 1:
         return stage

@@ -1,63 +1,111 @@
-"""Data parallelism over the dp×cp ranks (ZeRO, Rajbhandari et al. 2020; FSDP2 in PyTorch).
-
-Every mode is applied per transformer block, then to the whole stage, so that each block's parameters
-are gathered (and its gradients reduced) as one bucket that overlaps with the neighbouring blocks'
-compute. Gradients are averaged over the mesh: with each rank's loss a mean over its own tokens (equal
-counts everywhere) the average is the gradient of the global-batch mean.
-
-- ddp: every rank keeps full parameters, gradients and optimizer state; gradients are all-reduced.
-  Built on FSDP2's replicate (torch.distributed._composable.replicate_with_fsdp), because the classic
-  DistributedDataParallel cannot hold the DTensor parameters that tensor parallelism makes.
-- zero3: parameters, gradients and optimizer state sharded; parameters re-gathered in backward
-  (reshard after forward).
-- zero2: the same shards, but parameters stay gathered from forward to backward: one all-gather per
-  step instead of two, for more memory. Llama 3's choice (brief.md §3).
-- hsdp: a 2-D mesh (dp_replicate, dp_shard·cp): ZeRO-3 shards inside each dp_shard group, replicas
-  across groups, so only the gradient all-reduce crosses the slower links.
-"""
+"""Data parallelism over the dp×cp ranks by ZeRO stage (Rajbhandari et al. 2020), on FSDP2; the stages, their
+memory and the ZeRO 1 optimizer are described in docs/parallelism.md."""
 
 from __future__ import annotations
 
 from functools import partial
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from fourd.compat import replicate
 from fourd.errors import FourdError
+from fourd.layout import ZERO_STAGES
 
-DP_MODES = ("ddp", "zero2", "zero3", "hsdp")
 
-
-def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, mode: str = "zero3") -> nn.Module:
-    """Wrap a Llama or a pipeline stage of it in place; dp_mesh comes from fourd.parallel.mesh.dp_cp_mesh.
-
-    On CUDA parameters are computed in BF16 and gradients reduced in FP32; on CPU everything is FP32.
-    """
-    if mode not in DP_MODES:
-        raise FourdError(f"data-parallel mode {mode!r}: choose one of {', '.join(DP_MODES)}")
-    if (mode == "hsdp") != (dp_mesh.ndim == 2):
-        raise FourdError(
-            f"data-parallel mode {mode} needs a {'2-D (dp_replicate, dp_shard)' if mode == 'hsdp' else '1-D'} mesh, "
-            f"got {dp_mesh.ndim}-D: build the mesh with hsdp_replicate set exactly when the mode is hsdp"
-        )
+def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, zero: int = 3) -> nn.Module:
+    """Wrap a Llama or a pipeline stage of it in place, per transformer block and then whole: ZeRO 0 and 1
+    replicate (gradients all-reduced; ZeRO 1 shards the optimizer with ShardedAdamW), 2 and 3 shard with
+    fully_shard (3 re-gathers parameters in backward). dp_mesh comes from fourd.parallel.mesh.dp_cp_mesh; a 2-D
+    one (HSDP) takes ZeRO 3. On CUDA parameters are computed in BF16 and gradients reduced in FP32."""
+    if zero not in ZERO_STAGES or isinstance(zero, bool):
+        raise FourdError(f"ZeRO stage {zero!r}: choose one of {', '.join(map(str, ZERO_STAGES))}")
+    if dp_mesh.ndim == 2 and zero != 3:
+        raise FourdError(f"a 2-D (HSDP) data-parallel mesh takes ZeRO stage 3, not {zero}: build a 1-D mesh")
     if dp_mesh.size() == 1:
         return model
     if dp_mesh.device_type == "cuda":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     else:
         mp = MixedPrecisionPolicy()
-    if mode == "ddp":
+    if zero < 2:
         wrap = partial(replicate, mesh=dp_mesh, mp_policy=mp)
     else:
-        wrap = partial(fully_shard, mesh=dp_mesh, reshard_after_forward=mode != "zero2", mp_policy=mp)
+        wrap = partial(fully_shard, mesh=dp_mesh, reshard_after_forward=zero == 3, mp_policy=mp)
     for block in model.layers.values():
         wrap(block)
     wrap(model)
     return model
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class ShardedAdamW(torch.optim.AdamW):
+    """ZeRO 1 over replicated parameters: each parameter's AdamW state lives on one owner among the mesh's ranks
+    (largest parameters first, each to the least loaded rank), which updates it and broadcasts it. state_dict()
+    gathers every state (a collective), so checkpoints equal those of ZeRO 0; load_state_dict() keeps the owned."""
+
+    def __init__(self, params, mesh: DeviceMesh, **kwargs):
+        super().__init__(params, **kwargs)
+        self.group, rank, loads = mesh.get_group(), mesh.get_local_rank(), [0] * mesh.size()
+        self.owner: dict[torch.Tensor, int] = {}
+        for p in sorted(self._params(), key=lambda p: -p.numel()):
+            self.owner[p] = loads.index(min(loads))
+            loads[self.owner[p]] += p.numel()
+        self.mine = {p for p, r in self.owner.items() if r == rank}
+        self.steps = 0
+        # The state exists from the start, as torch.distributed.checkpoint wants to load into it; never empty, even on
+        # a rank that owns nothing, or it would call step() (here a collective) on that rank alone to create it.
+        for group in self.param_groups:
+            self.state.update({p: self._zeros(p, group) if p in self.mine else {} for p in group["params"]})
+
+    def _zeros(self, p: torch.Tensor, group: dict) -> dict:
+        """AdamW's state of p before its first step, as torch.optim.AdamW creates it."""
+        on_device = group["fused"] or group["capturable"]
+        step = torch.tensor(float(self.steps), device=p.device if on_device else "cpu")
+        return {"step": step, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        others = [p for p in self._params() if p not in self.mine]
+        grads = [p.grad for p in others]
+        for p in others:
+            p.grad = None  # AdamW skips a parameter without gradient: it neither creates nor updates its state
+        try:
+            super().step()
+        finally:
+            for p, g in zip(others, grads):
+                p.grad = g
+        self.steps += 1
+        for p in self._params():
+            dist.broadcast(_local(p), group=self.group, group_src=self.owner[p])
+
+    def state_dict(self):
+        owned, full = dict(self.state), {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                full[p] = owned[p] if p in self.mine else self._zeros(p, group)
+                for key in ("exp_avg", "exp_avg_sq"):
+                    dist.broadcast(_local(full[p][key]), group=self.group, group_src=self.owner[p])
+        self.state.update(full)
+        try:
+            return super().state_dict()
+        finally:
+            self.state.update({p: owned[p] for p in full})
+
+    def load_state_dict(self, state_dict) -> None:
+        super().load_state_dict(state_dict)
+        self.steps = max((int(s["step"]) for s in self.state.values() if "step" in s), default=0)
+        self.state.update({p: {} for p in self.owner if p not in self.mine})
 
 
 def held_bytes(tensors) -> int:
@@ -65,6 +113,6 @@ def held_bytes(tensors) -> int:
     i.e. what this rank really holds for them."""
     storages = {}
     for t in tensors:
-        s = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
+        s = _local(t).untyped_storage()
         storages[s.data_ptr()] = s.nbytes()
     return sum(storages.values())

@@ -10,12 +10,8 @@ from torch.distributed.tensor import DTensor, Replicate
 
 @torch.no_grad()
 def grad_norm(params, mesh: DeviceMesh | None = None) -> torch.Tensor:
-    """‖g‖₂ over every gradient of the model, identical on every rank (an FP32 scalar tensor).
-
-    A DTensor gradient's local squares are summed over the mesh dimensions that shard it and counted
-    once over those that replicate it; a plain gradient is replicated wherever it lives. The pipeline
-    stages hold disjoint parameters, so their sums of squares add over the mesh's "pp" dimension.
-    """
+    """‖g‖₂ over every gradient of the model, identical on every rank (an FP32 scalar tensor): a DTensor's local
+    squares summed over the mesh dimensions that shard it, once over those that replicate it; stages add over pp."""
     # Sums of squares of the local shards, one per (mesh, placements), in first-seen order: every rank of
     # a stage holds the same parameters in the same order, so they agree on the reductions below.
     groups: dict[tuple, torch.Tensor] = {}

@@ -1,16 +1,5 @@
-"""Pipeline parallelism: split the model into stages by layer count and run a `fourd.schedules` schedule.
-
-    schedule = build_schedule("interleaved", pp=4, microbatches=6, virtual_stages=2)
-    stages = pipeline_split(cfg, pp_rank, schedule, seed=0)     # this rank's stage modules
-    ...apply_tp / apply_cp / apply_dp to each stage...
-    runner = PipelineRunner(stages, schedule, mesh["pp"], loss_fn)
-    loss = runner.step(x, y)          # all microbatches forward and backward; the step's mean loss on every rank
-    runner.bubble_fraction, runner.records
-
-The runner does not reorder anything: it hands each rank's action list from `fourd.schedules` (the
-same lists the simulator times and the lab draws) to torch.distributed.pipelining's action runtime,
-which inserts the sends and receives between stages and the FSDP unshard / gradient reduction steps.
-"""
+"""Pipeline parallelism: split the model into stages by layer count and run a `fourd.schedules` schedule, its
+per-rank action lists unchanged, on torch.distributed.pipelining's action runtime (docs/pipeline-context.md)."""
 
 from __future__ import annotations
 
@@ -21,9 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import _Action, _ComputationType, _PipelineScheduleRuntime
 
-from fourd.errors import FourdError
+from fourd.compat import pipeline_runtime
 from fourd.layout import layer_split
 from fourd.model.config import ModelConfig
 from fourd.model.llama import Llama, Rope
@@ -39,13 +27,9 @@ def pipeline_split(
     device: str | torch.device = "cpu",
     fewer_first_last: bool = True,
 ) -> list[Llama]:
-    """The stage modules of pipeline rank `pp_rank`, in the order of `schedule.stages_of_rank(pp_rank)`.
-
-    Each is a `Llama` holding only its layers (keys stay the global layer index, so parameter names
-    are the full model's) and the embedding / final norm and output only on the first / last stage.
-    From a built model the stages share its modules; from a config each stage is built alone and
-    initialised from `seed`, giving the same weights as the full model (init is per parameter name).
-    """
+    """The stage modules (Llama with only their layers, global keys) of pipeline rank `pp_rank`, in the order of
+    `schedule.stages_of_rank(pp_rank)`: sharing a built model's modules, or built alone and initialised from
+    `seed` (the full model's weights: init is per parameter name)."""
     cfg = model_or_cfg.cfg if isinstance(model_or_cfg, Llama) else model_or_cfg
     counts = layer_split(cfg.layers, schedule.stages, fewer_first_last, empty_edges=True)
     starts = [sum(counts[:s]) for s in range(schedule.stages)]
@@ -79,12 +63,10 @@ def pipeline_split(
 
 @dataclass(frozen=True)
 class ActionRecord:
-    """One compute action as it ran: seconds from the start of the step."""
-
     kind: str  # "F", "B", "I" or "W" as in fourd.schedules (the last stage's F includes its loss)
     stage: int
     microbatch: int
-    start: float
+    start: float  # seconds from the start of the step
     end: float
 
 
@@ -114,55 +96,32 @@ class _TimedStage(PipelineStage):
 
 
 class PipelineRunner:
-    """Runs one training step of `schedule` over this rank's `stages` (from `pipeline_split`).
-
-    After each `step`: `records` (this rank's compute actions with their times), `wall` (the step's
-    seconds on this rank) and `bubble_fraction` = 1 − busy / wall, the share of the step this rank
-    spent not computing (waiting for its neighbours, sending, receiving, reducing gradients).
-    """
+    """Runs one training step of `schedule` over this rank's `stages`; after it, `records` (its compute actions),
+    `wall` (the step's seconds) and `bubble_fraction` = 1 − busy / wall."""
 
     def __init__(self, stages: list[nn.Module], schedule: Schedule, pp_mesh, loss_fn, device=None):
         self.group = pp_mesh.get_group() if hasattr(pp_mesh, "get_group") else pp_mesh
         self.schedule = schedule
         self.rank = dist.get_rank(self.group)
-        if dist.get_world_size(self.group) != schedule.pp:
-            raise FourdError(
-                f"schedule {schedule.name} is for pp = {schedule.pp} but the pp group has "
-                f"{dist.get_world_size(self.group)} ranks: build it with pp = the layout's pp"
-            )
         indices = schedule.stages_of_rank(self.rank)
-        if len(stages) != len(indices):
-            raise FourdError(
-                f"pp rank {self.rank} got {len(stages)} stage modules; schedule {schedule.name} "
-                f"places {len(indices)} on it: use pipeline_split with the same schedule"
-            )
+        assert dist.get_world_size(self.group) == schedule.pp and len(stages) == len(indices), "use pipeline_split"
         self.records: list[ActionRecord] = []
-        self.wall = 0.0
-        self.bubble_fraction = 0.0
+        self.wall = self.bubble_fraction = 0.0
         self._loss_fn = loss_fn
+        device = torch.device(device) if device is not None else None
         self._stages = [
-            _TimedStage(
-                module,
-                s,
-                schedule.stages,
-                torch.device(device) if device is not None else _device_of(module),
-                group=self.group,
-                log=self.records,
-            )
+            _TimedStage(module, s, schedule.stages, device or _device_of(module), group=self.group, log=self.records)
             for module, s in zip(stages, indices)
         ]
         self._has_first = 0 in indices
         self._has_last = schedule.stages - 1 in indices
         # Each microbatch's mean loss counts 1/M: the runtime divides the gradients by M once all
         # backwards are done (after FSDP's reduction), which is the same as backpropagating loss / M.
-        self._runtime = _PipelineScheduleRuntime(
-            self._stages, schedule.microbatches, loss_fn=self._timed_loss, scale_grads=True
-        )
-        self._runtime._prepare_schedule_with_comms(
-            {
-                r: [_Action(a.stage, _ComputationType(a.kind), a.microbatch) for a in actions]
-                for r, actions in enumerate(schedule.ranks)
-            }
+        self._runtime = pipeline_runtime(
+            self._stages,
+            schedule.microbatches,
+            self._timed_loss,
+            {r: [(a.stage, a.kind, a.microbatch) for a in actions] for r, actions in enumerate(schedule.ranks)},
         )
 
     def _timed_loss(self, output, target):
@@ -178,19 +137,8 @@ class PipelineRunner:
         return loss
 
     def step(self, x: torch.Tensor | None, y: torch.Tensor | None) -> torch.Tensor:
-        """Forward and backward of every microbatch of this rank's batch; returns its mean loss (a detached
-        FP32 scalar tensor, the same on every rank of the pipeline).
-
-        x, y: [batch, seq] token ids and targets; only the ranks holding the first / last stage read
-        them (others may pass None). batch must split into `schedule.microbatches` equal parts.
-        """
-        m = self.schedule.microbatches
-        for t in (x, y):
-            if t is not None and t.shape[0] % m:
-                raise FourdError(
-                    f"a batch of {t.shape[0]} sequences does not split into {m} equal microbatches: "
-                    f"make the per-rank batch a multiple of --microbatches"
-                )
+        """Forward and backward of every microbatch of x, y ([batch, seq], a multiple of the microbatches; read on
+        the first / last stage's rank only); returns the mean loss (detached FP32, the same on every rank)."""
         self.records.clear()
         # The step is one window for the whole pipeline: from all ranks starting together to the last one
         # finishing. A rank's own window would hide the fill (later stages wait before their first F) or
@@ -218,16 +166,9 @@ class PipelineRunner:
     def trace_events(self, pid: int = 0, offset_us: float = 0.0) -> list[dict]:
         """The last step's actions as Chrome trace events (one row per pipeline rank)."""
         return [
-            {
-                "name": f"{r.kind}{r.stage}.{r.microbatch}",
-                "cat": r.kind,
-                "ph": "X",
-                "pid": pid,
-                "tid": 0,
-                "ts": offset_us + r.start * 1e6,
-                "dur": (r.end - r.start) * 1e6,
-                "args": {"stage": r.stage, "microbatch": r.microbatch},
-            }
+            dict(name=f"{r.kind}{r.stage}.{r.microbatch}", cat=r.kind, ph="X", pid=pid, tid=0)
+            | dict(ts=offset_us + r.start * 1e6, dur=(r.end - r.start) * 1e6)
+            | {"args": {"stage": r.stage, "microbatch": r.microbatch}}
             for r in self.records
         ]
 

@@ -1,17 +1,5 @@
-"""Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) applied from outside to the unmodified Llama.
-
-Inside a block, q, k, v and w1, w3 are cut by output columns (each TP rank holds whole heads and a
-slice of the FFN) and wo, w2 by input rows, so a block needs one all-reduce after attention and one
-after the MLP in forward, and their mirror images in backward (brief.md §1, row 07). The embedding
-is cut by vocabulary rows and the output projection by vocabulary columns; `loss_fn` takes the
-vocabulary-sharded logits without ever gathering them.
-
-With sequence parallelism (Korthikanti et al. 2022) the residual stream between the big matmuls is
-cut along the sequence instead of being replicated, so norms run on S/TP tokens, and each all-reduce
-becomes a reduce-scatter (leaving a block) plus an all-gather (entering the next one): the same
-bytes, 1/TP of the activation memory. The residual stream is then a DTensor sharded on dim 1, whose
-.shape still reports the full sequence, which is what the model's RoPE lookup needs.
-"""
+"""Tensor parallelism (Megatron-LM, Shoeybi et al. 2019), optionally with sequence parallelism (Korthikanti et
+al. 2022), applied from outside to the unmodified Llama with DTensor; the plan is in docs/parallelism.md."""
 
 from __future__ import annotations
 
@@ -32,12 +20,8 @@ from torch.distributed.tensor.parallel import (
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> nn.Module:
-    """Shard a Llama, or a pipeline stage of it (tok_embeddings, norm, output may be None), in place.
-
-    Without sequence parallelism a stage takes and returns plain full tensors. With it, a stage that has
-    no tok_embeddings takes this rank's sequence shard [b, S/TP, dim] as a plain tensor, and a stage that
-    has no output returns its sequence shard: pipeline stages pass 1/TP of the activations.
-    """
+    """Shard a Llama or a pipeline stage of it in place. With sequence parallelism a stage without tok_embeddings
+    takes this rank's sequence shard [b, S/TP, dim], and one without output returns its shard."""
     if tp_mesh.size() == 1:
         return model
     stream = Shard(1) if sequence_parallel else Replicate()
@@ -68,6 +52,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = Fa
     if model.output is not None:
         plan["output"] = ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False)
     parallelize_module(model, tp_mesh, plan)
+    if model.tok_embeddings is not None and not sequence_parallel:
+        # Its all-reduce returns an AsyncCollectiveTensor, which a compiled block cannot take as input (the gradient
+        # it returns is a plain tensor): wait for it here, in a copy.
+        model.tok_embeddings.register_forward_hook(lambda module, args, out: out.clone())
     if sequence_parallel:
         # Each rank's norm-weight gradient covers only its own tokens: a partial sum that autograd leaves
         # as such in .grad. Sum it here (Megatron does the same), so that the optimizer and the gradient
@@ -96,11 +84,8 @@ def _sum_partial_grad(p: torch.Tensor) -> None:
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over all of this rank's tokens.
-
-    logits [b, s, vocab] as a plain tensor, or a DTensor sharded on the vocabulary (apply_tp's output);
-    targets [b, s] plain token ids. Returns a plain scalar tensor in both cases.
-    """
+    """Mean next-token cross-entropy of logits [b, s, vocab], plain or a DTensor sharded on the vocabulary (never
+    gathered), against targets [b, s]; a plain scalar tensor."""
     if not isinstance(logits, DTensor):
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
     (tp_dim,) = [i for i, p in enumerate(logits.placements) if p.is_shard() and p.dim in (-1, logits.ndim - 1)]
@@ -112,12 +97,8 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """-log softmax(z)[t] when each rank holds a block of the vocabulary columns of z.
-
-    Forward: all-reduce the row max, then the row sum of exp and the target logit (one all-reduce of
-    both); only [tokens] numbers cross the network, never [tokens, vocab]. Backward needs no
-    communication: softmax minus one-hot, restricted to the local columns.
-    """
+    """-log softmax(z)[t] when each rank holds a block of the vocabulary columns of z: forward all-reduces
+    [tokens] numbers only (row max; row sum of exp with the target logit); backward needs no communication."""
 
     @staticmethod
     def forward(ctx, local: torch.Tensor, targets: torch.Tensor, vocab_start: int, group) -> torch.Tensor:

@@ -14,7 +14,7 @@ examples:
 
 config keys (--section.key=value): model.preset|layers|dim|ffn|heads|kv_heads|vocab|max_seq,
   data.path|tokenizer|seq_len|cache_dir|holdout_fraction, train.steps|global_batch|lr|min_lr|
-  warmup_steps|weight_decay|beta1|beta2|grad_clip|seed|dtype|log_every|timeout_s,
+  warmup_steps|weight_decay|beta1|beta2|grad_clip|seed|dtype|compile|fp8|log_every|timeout_s,
   parallel.layout|schedule|microbatches|virtual_stages|zero|hsdp_replicas|recompute|sequence_parallel,
   checkpoint.interval|keep|async_save, fault.kill_rank|at_step|hang_rank, run.dir|max_restarts|trace
   (dashes and underscores are the same in keys: --fault.kill-rank 5 --fault.at-step 7)
@@ -45,7 +45,9 @@ FLAGS = {
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE.toml", help="a TOML file of [section] keys")
     p.add_argument("--model", metavar="PRESET", help="debug, small, llama3-8b, llama3-70b, llama3-405b")
-    p.add_argument("--layout", help="e.g. tp=2,cp=1,pp=2,dp=2 (omitted dimensions are 1)")
+    p.add_argument(
+        "--layout", help="e.g. tp=2,cp=1,pp=2,dp=2 (omitted dimensions are 1), or auto: the planner's choice"
+    )
     p.add_argument("--schedule", help="pipeline schedule: gpipe, 1f1b, interleaved, zero-bubble")
     p.add_argument("--microbatches", type=int, metavar="M", help="microbatches per step")
     p.add_argument(
@@ -72,23 +74,35 @@ def prepare(args):
     from fourd.config import build_config, model_config, parallelism
     from fourd.data.dataset import prepare as prepare_data
     from fourd.layout import check
+    from fourd.train.auto import check_memory, choose, machine
 
     cfg = build_config(args.config, {FLAGS[k]: getattr(args, k) for k in FLAGS}, list(getattr(args, "_unknown", [])))
     mcfg = model_config(cfg)
+    here = machine(cfg) if cfg.parallel.layout == "auto" else None  # (profile, devices, bytes per device)
+    if here:
+        choose(cfg, here[0], here[1])
     par = parallelism(cfg)
     check(mcfg, par, cfg.data.seq_len, cfg.train.global_batch)
+    if cfg.train.fp8:
+        from fourd.parallel.apply import check_fp8
+
+        check_fp8(cfg)
+    cluster, _, capacity = here or machine(cfg)
+    check_memory(cfg, cluster, capacity)
     from fourd.errors import FourdError
 
-    if par.recompute != "none":
-        raise FourdError(f"parallel.recompute = {par.recompute!r} is not implemented yet: use none")
     layout = par.layout
     cache = prepare_data(cfg.data.path, cfg.data.tokenizer, cfg.data.cache_dir)
     if cache.vocab_size > mcfg.vocab:
-        from fourd.errors import FourdError
-
         raise FourdError(
             f"the tokenizer has {cache.vocab_size} ids but the model's vocabulary is {mcfg.vocab}: "
             f"set --model.vocab={cache.vocab_size} or use another tokenizer"
+        )
+    if cache.vocab_size < mcfg.vocab:
+        print(
+            f"fourd train: note: the model's vocabulary ({mcfg.vocab:,}) is larger than the tokenizer's "
+            f"({cache.vocab_size:,} ids); the other rows are padding, never a target",
+            flush=True,
         )
     return cfg, layout, cache
 

@@ -1,8 +1,5 @@
-"""Which rank is behind: each rank records the step it has begun in the job's rendezvous store.
-
-When a collective times out (a hung rank) or loses a peer (a dead one), the rank that notices reads
-everyone's last step from the store, which outlives the workers, and names the ranks that never
-began the step the others are stuck in. Cost: one small store write per rank per step.
+"""Which rank is behind: each rank records the step it has begun in the job's store (one small write per step), so
+that the rank that sees a collective time out or lose a peer names the ranks that never began that step.
 """
 
 from __future__ import annotations
@@ -11,16 +8,15 @@ import torch.distributed as dist
 
 
 class Heartbeat:
-    def __init__(self, rank: int, world: int, attempt: int):
+    def __init__(self, rank: int, world: int, store: dist.Store | None):
+        """store: the job's store, under a prefix of this attempt's own (the store outlives restarts)."""
         self.rank, self.world, self.step = rank, world, 0
-        self.prefix = f"fourd/attempt{attempt}/began/"  # the store outlives restarts: keys per attempt
-        self.store: dist.Store | None = None
+        self.prefix = "fourd/began/"
+        self.store = store if world > 1 else None
 
     def beat(self, step: int) -> None:
         self.step = step
-        if self.world > 1:
-            if self.store is None:
-                self.store = dist.distributed_c10d._get_default_store()
+        if self.store is not None:
             self.store.set(f"{self.prefix}{self.rank}", str(step))
 
     def began(self) -> dict[int, int]:

@@ -157,18 +157,28 @@ class MetricsWriter:
         self.file.close()
 
 
-def summary_table(rows: list[dict], extra: dict[str, str]) -> str:
+def summary_table(rows: list[dict], extra: dict[str, str], predicted: dict | None = None) -> str:
+    """The closing summary; `predicted` (fourd.train.auto.predict) puts the planner's figures beside the measured."""
     if not rows:
         return "no steps run"
     timed = rows[1:] or rows  # the first step pays for warm-up
     mean = lambda k: sum(r[k] for r in timed) / len(timed)
+    got = {k: mean(k) for k in ("tokens_per_s", "step_time_s", "mfu")} | {
+        "peak_mem_gb": max(r["peak_mem_gb"] for r in rows)
+    }
+
+    def beside(key: str, form: str) -> str:
+        if not predicted:
+            return ""
+        return f"; planner {form.format(predicted[key])} ({(predicted[key] - got[key]) / got[key]:+.0%})"
+
     items = [
         ("steps", f"{rows[0]['step']} .. {rows[-1]['step']}"),
         ("loss", f"{rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f} (min {min(r['loss'] for r in rows):.4f})"),
-        ("tokens/s", f"{mean('tokens_per_s'):,.0f} (mean after the first step)"),
-        ("step time", f"{mean('step_time_s'):.3f} s"),
-        ("MFU", f"{100 * mean('mfu'):.2f} %"),
-        ("peak memory", f"{max(r['peak_mem_gb'] for r in rows):.2f} GB per rank"),
+        ("tokens/s", f"{got['tokens_per_s']:,.0f} (mean after the first step)" + beside("tokens_per_s", "{:,.0f}")),
+        ("step time", f"{got['step_time_s']:.3f} s" + beside("step_time_s", "{:.3f} s")),
+        ("MFU", f"{100 * got['mfu']:.2f} %" + beside("mfu", "{:.2%}")),
+        ("peak memory", f"{got['peak_mem_gb']:.2f} GB per rank" + beside("peak_mem_gb", "{:.2f} GB")),
     ]
     if "bubble_fraction" in rows[-1]:
         items.append(("pipeline bubble", f"{100 * mean('bubble_fraction'):.1f} % (measured)"))

@@ -24,11 +24,11 @@ def lr_at(step: int, cfg: Config) -> float:
 
 
 def param_groups(stages, weight_decay: float):
+    """AdamW's groups: norm weights (gains, no decay toward 0) and the rest (with weight_decay)."""
     decay: list = []
     no_decay: list = []
-    for s in stages:
-        for name, p in s.named_parameters():
-            (no_decay if name.endswith("norm.weight") else decay).append(p)
+    for name, p in ((n, p) for s in stages for n, p in s.named_parameters()):
+        (no_decay if name.endswith("norm.weight") else decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
@@ -39,9 +39,8 @@ def _forward_backward(par: Parallel, x: torch.Tensor, y: torch.Tensor, microbatc
     total = torch.zeros((), device=x.device)
     xs, ys = x.chunk(microbatches), y.chunk(microbatches)
     for i, (xm, ym) in enumerate(zip(xs, ys)):
-        sync = i == microbatches - 1
         if hasattr(model, "set_requires_gradient_sync"):
-            model.set_requires_gradient_sync(sync)
+            model.set_requires_gradient_sync(i == microbatches - 1)
         with amp():
             loss = criterion(model(xm), ym) / microbatches
         loss.backward()
@@ -50,10 +49,16 @@ def _forward_backward(par: Parallel, x: torch.Tensor, y: torch.Tensor, microbatc
 
 
 def build_optimizer(par: Parallel, cfg: Config) -> torch.optim.Optimizer:
+    """AdamW, fused on CUDA and multi-tensor (foreach) elsewhere; ZeRO 1 shards its state (ShardedAdamW)."""
     t = cfg.train
-    return torch.optim.AdamW(
-        param_groups(par.stages, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, foreach=False
-    )
+    groups = param_groups(par.stages, t.weight_decay)
+    kw = dict(lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8)
+    kw |= {"fused": True} if next(par.stages[0].parameters()).is_cuda else {"foreach": True}
+    if par.setting.zero == 1 and par.dp_mesh is not None:
+        from fourd.parallel.dp import ShardedAdamW
+
+        return ShardedAdamW(groups, par.dp_mesh, **kw)
+    return torch.optim.AdamW(groups, **kw)
 
 
 def train_step(par: Parallel, opt, x: torch.Tensor, y: torch.Tensor, lr: float, cfg: Config, amp):

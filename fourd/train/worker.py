@@ -25,6 +25,7 @@ from fourd.config import Config, model_config
 from fourd.data.dataset import SampleStream, TokenCache
 from fourd.errors import FourdError
 from fourd.parallel.apply import Parallel, build_parallel
+from fourd.train.auto import predict
 from fourd.train.heartbeat import Heartbeat
 from fourd.train.metrics import MetricsWriter, peak_memory_gb, summary_table
 from fourd.train.step import build_optimizer, lr_at, train_step
@@ -46,9 +47,10 @@ def run_worker(cfg: Config, cache: TokenCache, peak_flops: float, peak_source: s
     # The elastic agent keeps one TCP store for all restarts of the job: without a key prefix per
     # attempt, a restarted worker would read its peers' addresses from the failed attempt and hang.
     store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+    store = dist.PrefixStore(f"fourd/attempt{attempt}", store)
     dist.init_process_group(
         "nccl" if use_cuda else "gloo",
-        store=dist.PrefixStore(f"fourd/attempt{attempt}", store),
+        store=store,
         rank=rank,
         world_size=world,
         timeout=timeout,
@@ -57,7 +59,7 @@ def run_worker(cfg: Config, cache: TokenCache, peak_flops: float, peak_source: s
     # The digest gathers 2-D-sharded parameters once per checkpoint; DTensor's advice on merging those
     # all-gathers is about throughput, not correctness, and would flood every rank's log.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    beats = Heartbeat(rank, world, attempt)
+    beats = Heartbeat(rank, world, store)
     try:
         _train(cfg, cache, peak_flops, peak_source, rank, world, attempt, device, beats)
     except FourdError:
@@ -101,6 +103,7 @@ def _train(cfg, cache, peak_flops, peak_source, rank, world, attempt, device, be
         )
     writer = MetricsWriter(run_dir, t.steps, start_step) if rank == 0 else None
     flops_per_step = model_config(cfg).flops_per_token(seq) * B * seq
+    hw_flops_per_step = model_config(cfg).flops_per_token(seq, par.setting.recompute) * B * seq  # with recomputation
     if rank == 0:
         print(
             f"fourd train: {cfg.model.preset} model, layout {lay} ({world} rank{'s' if world > 1 else ''}, "
@@ -131,6 +134,7 @@ def _train(cfg, cache, peak_flops, peak_source, rank, world, attempt, device, be
                 "tokens_per_s": B * seq / dt,
                 "step_time_s": dt,
                 "mfu": flops_per_step / dt / (peak_flops * (world if device.type == "cuda" else 1)),
+                "hfu": hw_flops_per_step / dt / (peak_flops * (world if device.type == "cuda" else 1)),
                 "peak_mem_gb": peak_memory_gb(device.type),
                 "tokens": step * B * seq,
             }
@@ -153,6 +157,7 @@ def _train(cfg, cache, peak_flops, peak_source, rank, world, attempt, device, be
                     "MFU peak": f"{peak_flops / 1e12:.3f} TFLOP/s ({peak_source})",
                     "run dir": str(run_dir),
                 },
+                predict(cfg, peak_flops, world, device.type),
             ),
             flush=True,
         )

@@ -30,6 +30,7 @@ function el(tag, attrs = {}, parent = null, ns = null) {
 }
 
 const percent = (x) => `${(100 * x).toFixed(1)} %`;
+const count = (n, one, many = `${one}s`) => `${n.toLocaleString("en")} ${n === 1 ? one : many}`;
 
 // Only the newest answer of each kind is drawn, however the requests overtake one another.
 function latest(fn) {
@@ -48,33 +49,55 @@ function latest(fn) {
 
 // ---------------------------------------------------------------- timelines
 
-// rows: [{label, right, blocks: [{kind, start, dur, text, info}]}], times in one unit.
-function drawTimeline(container, rows, span, unit) {
-  const longest = Math.max(0, ...rows.map((r) => r.label.length));
-  const width = 1100, left = Math.min(280, Math.max(120, 7 * longest)), right = 80, rowH = 18, gap = 4, top = 4, axis = 18;
-  const plotW = width - left - right;
-  const height = top + rows.length * (rowH + gap) + axis;
+// Numbers as people write them: whole numbers from 100 up, three significant digits below.
+const fmt = (x) => (Math.abs(x) >= 100 ? Math.round(x).toLocaleString("en") : String(+x.toPrecision(3)));
+
+// About six axis ticks at 1, 2 or 5 times a power of ten.
+function ticks(span) {
+  if (!(span > 0)) return [0];
+  const raw = span / 6, power = 10 ** Math.floor(Math.log10(raw));
+  const step = [1, 2, 5, 10].map((k) => k * power).find((s) => s >= raw);
+  return Array.from({ length: Math.floor(span / step + 1e-9) + 1 }, (_, i) => i * step);
+}
+
+const FONT_PX = 11, CHAR_PX = 6.5;  // every label of a drawing is FONT_PX on screen at any width
+
+// rows: [{label, right, rightInfo, blocks: [{kind, start, dur, text, info}]}], times in `unit`. The drawing
+// is as wide as its container in CSS pixels, so its text keeps its size; it is redrawn when the window resizes.
+// Drawings that share a time axis pass the rows of all of them as `aligned`, so their label columns match.
+function drawTimeline(container, rows, span, unit, aligned = rows) {
+  container.lastDraw = [rows, span, unit, aligned];
+  const width = Math.max(480, container.clientWidth || 1100), rowH = 20, gap = 4, top = 4, axis = 22;
+  const widest = (texts) => CHAR_PX * Math.max(0, ...texts.map((t) => String(t || "").length));
+  const left = Math.min(0.3 * width, Math.max(60, widest(aligned.map((r) => r.label)) + 10));
+  const right = Math.min(0.3 * width, Math.max(40, widest(aligned.map((r) => r.right)) + 12));
+  const plotW = width - left - right, height = top + rows.length * (rowH + gap) + axis;
   const scale = span > 0 ? plotW / span : 0;
-  const svg = el("svg", { viewBox: `0 0 ${width} ${height}`, role: "img" }, null, SVG_NS);
+  const svg = el("svg", { viewBox: `0 0 ${width} ${height}`, width, height, role: "img" }, null, SVG_NS);
   rows.forEach((row, i) => {
-    const y = top + i * (rowH + gap);
+    const y = top + i * (rowH + gap), base = y + rowH - 6;
     const g = el("g", { class: "row" }, svg, SVG_NS);
-    el("text", { x: 0, y: y + rowH - 5, text: row.label }, g, SVG_NS);
+    el("text", { x: 0, y: base, text: row.label }, g, SVG_NS);
     el("rect", { class: "row-bg", x: left, y, width: plotW, height: rowH }, g, SVG_NS);
     for (const b of row.blocks) {
       const x = left + b.start * scale, w = Math.max(b.dur * scale, 0.5);
       el("rect", { class: `blk ${b.kind}`, x: x.toFixed(2), y, width: w.toFixed(2), height: rowH,
                    "data-info": b.info }, g, SVG_NS);
-      if (b.text !== undefined && w >= 14) {
-        el("text", { class: `in ${b.kind}`, x: (x + w / 2).toFixed(2), y: y + rowH - 5, "text-anchor": "middle",
+      if (b.text !== undefined && w >= 6 + CHAR_PX * String(b.text).length) {
+        el("text", { class: `in ${b.kind}`, x: (x + w / 2).toFixed(2), y: base, "text-anchor": "middle",
                      text: b.text }, g, SVG_NS);
       }
     }
-    if (row.right) el("text", { class: "peak", x: width - right + 6, y: y + rowH - 5, text: row.right }, g, SVG_NS);
+    if (row.right) el("text", { class: "peak", x: width - right + 8, y: base, text: row.right, "data-info": row.rightInfo }, g, SVG_NS);
   });
-  const yAxis = top + rows.length * (rowH + gap) + 12;
-  el("text", { class: "peak", x: left, y: yAxis, text: `0 ${unit}` }, svg, SVG_NS);
-  el("text", { class: "peak", x: left + plotW, y: yAxis, "text-anchor": "end", text: `${+span.toFixed(3)} ${unit}` }, svg, SVG_NS);
+  const bottom = top + rows.length * (rowH + gap);
+  const all = ticks(span);
+  for (const t of all) {
+    const x = left + t * scale, last = t === all[all.length - 1];
+    el("line", { class: "tick", x1: x, x2: x, y1: top, y2: bottom }, svg, SVG_NS);
+    el("text", { class: "axis", x, y: bottom + 14, "text-anchor": t === 0 ? "start" : "middle",
+                 text: last ? `${fmt(t)} ${unit}` : fmt(t) }, svg, SVG_NS);
+  }
   const status = el("div", { class: "note", text: "\u00a0" });
   svg.addEventListener("mouseover", (e) => { if (e.target.dataset.info) status.textContent = e.target.dataset.info; });
   container.replaceChildren(svg, status);
@@ -90,7 +113,7 @@ function benchParams() {
 
 function readURL() {
   const q = new URLSearchParams(location.search);
-  if (!q.has("v") && q.has("V")) q.set("v", q.get("V"));  // the seed names it V
+  if (!q.has("v") && q.has("V")) q.set("v", q.get("V"));  // links may name it V, as the page does
   for (const k of ["p", "m", "v"]) if (q.has(k)) $(k).value = q.get(k);
   const s = q.get("schedule");
   if (s && [...$("schedule").options].some((o) => o.value === s)) $("schedule").value = s;
@@ -120,23 +143,42 @@ async function updateBench() {
   showError("bench-error", null);
   $("idle").textContent = percent(data.idle_fraction);
   $("speedup").textContent = `${data.speedup.toFixed(2)}×`;
-  $("makespan").textContent = `${+data.makespan.toFixed(3)} units`;
+  $("makespan").textContent = `${fmt(data.makespan)} units`;
+  const zb = data.schedule === "zero-bubble";
+  $("legend-b").textContent = zb ? "input gradients (the first half of backward)" : "backward";
+  $("legend-w").hidden = !zb;
+  $("legend-peak").textContent = data.v > 1
+    ? `peak: the most activations a GPU holds at once, in microbatches' worth (each of its ${data.v} stages holds 1/${data.v} of a microbatch's)`
+    : "peak: the most microbatches whose activations a GPU holds at once";
   const rows = data.ranks.map((r) => ({
-    label: data.v > 1 ? `GPU ${r.rank} · ${r.stages.join(",")}` : `stage ${r.rank}`,
-    // A stage of an interleaved rank holds 1/V of its layers: count its activations in whole microbatches.
-    right: `peak ${+(r.peak_in_flight / data.v).toFixed(2)}`,
+    label: data.v > 1 ? `GPU ${r.rank} · stages ${r.stages.join(",")}` : `GPU ${r.rank}`,
+    right: peakText(r.peak_in_flight, data.v),
+    rightInfo: `GPU ${r.rank} holds at most ${r.peak_in_flight} (stage, microbatch) activations at once`,
     blocks: r.events.map(([kind, stage, mb, start, dur]) => ({
       kind, start, dur, text: mb,
-      info: `${kind} of microbatch ${mb} on stage ${stage} (GPU ${r.rank}): t = ${+start.toFixed(3)} to ${+(start + dur).toFixed(3)}`,
+      info: `${KINDS[kind]} of microbatch ${mb} on stage ${stage} (GPU ${r.rank}): from ${fmt(start)} to ${fmt(start + dur)} units`,
     })),
   }));
   drawTimeline($("timeline"), rows, data.makespan, "units");
 }
 
+const KINDS = { F: "forward", B: "backward", I: "input gradients", W: "weight gradients" };
+
+// With V stages per GPU each in-flight (stage, microbatch) holds 1/V of a microbatch's activations on that GPU.
+function peakText(inFlight, v) {
+  if (v === 1) return `peak ${count(inFlight, "microbatch", "microbatches")}`;
+  return `peak ${count(inFlight / v, "microbatch's", "microbatches'")} worth`;
+}
+
 // ---------------------------------------------------------------- the cluster row
 
 const fetchCluster = latest((q) => api("cluster", q));
-const groupColour = (index, n) => (n <= 1 ? "hsl(215 55% 45%)" : `hsl(${(index * 137.508) % 360} 58% 44%)`);
+// Sixteen colours, each at least 34 apart from every other in CIELAB (ΔE*ab) and at least 3:1 against the
+// white index written on it; group i takes colour i mod 16.
+const PALETTE = [
+  "#1f63c6", "#549c00", "#b40018", "#009c9c", "#f054b4", "#6c5424", "#6c3c60", "#d87800",
+  "#d87878", "#780c90", "#005418", "#249cd8", "#9c9018", "#9c0048", "#00a86c", "#b478cc",
+];
 
 const NAMES = { tp: "TP", cp: "CP", pp: "PP", dp: "DP" };
 const LEVELS = {
@@ -144,9 +186,18 @@ const LEVELS = {
   "cross-pod": "across pods",
 };
 
-function describeSpan(dim, s) {
+// s.levels counts the groups by the widest part of the cluster their members reach.
+function describeSpan(dim, s, perServer) {
   if (s.size <= 1) return null;
-  return `${NAMES[dim]}: ${s.groups.toLocaleString()} groups of ${s.size}, each ${LEVELS[s.level] || s.level}`;
+  const head = `${NAMES[dim]}: ${s.groups.toLocaleString("en")} groups of ${s.size}`;
+  const levels = Object.entries(s.levels);
+  if (levels.length === 1) return `${head}, each ${LEVELS[levels[0][0]]}`;
+  const parts = levels.map(([level, n]) => `${n.toLocaleString("en")} ${LEVELS[level]}`).join(", ");
+  const inside = s.levels.nvlink || 0;
+  const why = inside
+    ? `${dim}=${s.size} does not divide a server's ${perServer} GPUs, so ${(s.groups - inside).toLocaleString("en")} groups straddle servers`
+    : "the groups do not line up with the racks";
+  return `${head}: ${parts}; ${why}`;
 }
 
 async function updateCluster() {
@@ -188,15 +239,15 @@ async function updateCluster() {
         const c = gpu.coords;
         el("div", {
           class: "gpu", "data-rank": rank, "data-group": gpu.groups[dim],
-          style: `background:${groupColour(order.get(gpu.groups[dim]), order.size)}`,
+          style: `background:${PALETTE[order.get(gpu.groups[dim]) % PALETTE.length]}`,
           title: `rank ${rank}: tp ${c.tp}, cp ${c.cp}, pp ${c.pp}, dp ${c.dp}`,
           text: c[dim],
         }, gpus);
       }
     }
   }
-  const lines = Object.keys(NAMES).map((d) => describeSpan(d, data.spans[d])).filter(Boolean);
-  if (data.world > data.gpus.length) lines.push(`showing ranks 0–${data.gpus.length - 1} of ${data.world.toLocaleString()}`);
+  const lines = Object.keys(NAMES).map((d) => describeSpan(d, data.spans[d], data.gpus_per_server)).filter(Boolean);
+  if (data.world > data.gpus.length) lines.push(`showing ranks 0–${data.gpus.length - 1} of ${data.world.toLocaleString("en")}`);
   $("spans").replaceChildren(...lines.map((t) => el("li", { text: t })));
 }
 
@@ -229,7 +280,8 @@ async function updatePlan() {
   const lay = Object.entries(plan.layout).map(([k, v]) => `${k}=${v}`).join(",");
   const chosen = plan.chosen_by_planner.length ? ` · chosen by the planner: ${plan.chosen_by_planner.join(", ")}` : "";
   $("plan-config").textContent = `${lay} · ${plan.schedule}${plan.schedule === "interleaved" ? ` V=${plan.virtual_stages}` : ""}`
-    + ` · ${plan.microbatches} microbatches of ${plan.micro_batch_seqs} sequences · ZeRO ${plan.zero}`
+    + ` · ${count(plan.microbatches, "microbatch", "microbatches")} of ${count(plan.micro_batch_seqs, "sequence")}`
+    + ` · ZeRO ${plan.zero}`
     + ` · recompute ${plan.recompute}${chosen}`;
   $("plan-why").replaceChildren(...data.why.map((t) => el("li", { text: t })));
   const cap = data.gpu_memory_gb;
@@ -313,23 +365,23 @@ function traceRows(events) {
       label: names.get(`${r.pid}/${r.tid}`) || names.get(`${r.pid}`) || `pid ${r.pid} tid ${r.tid}`,
       blocks: r.blocks.map((b) => ({
         kind: kind(b.name, b.cat), start: (b.ts - t0) / 1000, dur: b.dur / 1000,
-        info: `${b.name}${b.cat ? ` [${b.cat}]` : ""}: ${((b.ts - t0) / 1000).toFixed(3)} ms, ${(b.dur / 1000).toFixed(3)} ms`,
+        info: `${b.name}${b.cat ? ` [${b.cat}]` : ""}: from ${fmt((b.ts - t0) / 1000)} ms for ${fmt(b.dur / 1000)} ms`,
       })),
     })),
   };
 }
 
+// The measured and the simulated trace share one time axis in ms, as long as the longer of the two.
+const shown = {};
+
 function showTrace(which, doc, name) {
   const events = Array.isArray(doc) ? doc : doc.traceEvents;
   if (!Array.isArray(events)) throw new Error("not a Chrome trace: no traceEvents list");
-  const { rows, span } = traceRows(events);
-  $(`${which}-name`).textContent = name;
-  if (span < 10000) {
-    drawTimeline($(which), rows, span, "ms");
-    return;
-  }
-  const inSeconds = rows.map((r) => ({ ...r, blocks: r.blocks.map((b) => ({ ...b, start: b.start / 1000, dur: b.dur / 1000 })) }));
-  drawTimeline($(which), inSeconds, span / 1000, "s");
+  shown[which] = traceRows(events);
+  $(`${which}-name`).textContent = `${name} · ${fmt(shown[which].span)} ms`;
+  const span = Math.max(...Object.values(shown).map((t) => t.span));
+  const aligned = Object.values(shown).flatMap((t) => t.rows);
+  for (const [w, t] of Object.entries(shown)) drawTimeline($(w), t.rows, span, "ms", aligned);
 }
 
 async function openTrace(ev) {
@@ -367,6 +419,9 @@ function debounced(fn, ms) {
 
 function main() {
   readURL();
+  window.addEventListener("resize", debounced(() => {
+    for (const c of document.querySelectorAll(".timeline")) if (c.lastDraw) drawTimeline(c, ...c.lastDraw);
+  }, 100));
   const bench = debounced(updateBench, 30);
   for (const id of ["p", "m", "v", "schedule"]) $(id).addEventListener("input", bench);
   $("bench-form").addEventListener("submit", (e) => e.preventDefault());

@@ -1,0 +1,50 @@
+"""Activation recomputation per transformer block, applied from outside like the parallelisms: "selective" keeps
+what fourd.plan.memory.activation_bytes_per_token counts (no matmul, attention or reduction is recomputed), "per-op"
+(torchtitan's policy) keeps only every other matmul's output besides, "full" keeps only each block's input
+(docs/parallelism.md)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+_aten, _c10d = torch.ops.aten, torch.ops._c10d_functional
+KEEP = {
+    _aten.mm.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default,
+    _c10d.all_reduce.default,
+    _c10d.reduce_scatter_tensor.default,
+}
+
+
+def _contexts(matmuls: int, mode: str):
+    """Fresh contexts for one block call. Selective leaves out the block's last matmul (w2): its output only joins
+    the residual stream, backward never needs it, and recomputation stops before reaching it. Per-op keeps the
+    1st, 3rd, ... matmul's output."""
+    seen = {False: 0, True: 0}  # matmuls so far in the forward and in the recomputation
+
+    def policy(ctx, op, *args, **kwargs):
+        keep = op in KEEP
+        if op is _aten.mm.default:
+            seen[ctx.is_recompute] += 1
+            n = seen[ctx.is_recompute]
+            keep = n % 2 == 1 if mode == "per-op" else n < matmuls
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def apply_recompute(stage: nn.Module, mode: str) -> nn.Module:
+    """Wrap each block's forward in place (parameter names unchanged): mode is one of fourd.layout.RECOMPUTE."""
+    for block in stage.layers.values() if mode != "none" else ():
+        kw = {}
+        if mode != "full":
+            kw["context_fn"] = partial(_contexts, sum(isinstance(m, nn.Linear) for m in block.modules()), mode)
+        block.forward = partial(checkpoint, block.forward, use_reentrant=False, **kw)
+    return stage
