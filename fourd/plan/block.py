@@ -101,8 +101,10 @@ def traffic(work: Work) -> Traffic:
     if work.recompute == "per-op":
         saved = sum(s.norm if n == s.h else n for n, _ in matmuls(work)[::2]) + s.q  # row-parallel outputs: SP shards
         return Traffic(forward, backward, r * s.norm + b * saved + F32 * s.heads, forward)
-    if work.recompute == "selective" and work.attention == "flash":
-        return Traffic(forward, backward, kept - outputs - b * s.f * swiglu, norms + act)
+    if work.recompute == "selective" and work.attention == "flash":  # fourd's policy (fourd.parallel.recompute)
+        out = (3, 6) if swiglu else (1, 3)  # wo and w2 feed the residual stream: backward needs neither
+        saved = sum(n for i, (n, _) in enumerate(matmuls(work)) if i not in out) + s.q  # and attention's output
+        return Traffic(forward, backward, 2 * r * s.norm + b * saved + F32 * s.heads, forward)
     if work.attention == "materialized" and work.recompute == "none":
         kept += 5 * s.heads * work.seq  # softmax output, dropout mask and output (Korthikanti et al. 2022 §4)
     return Traffic(forward, backward, kept, 0.0)

@@ -240,7 +240,7 @@ def _layer_overheads(rank: int, nproc: int) -> dict:
 
     mesh, x = init_device_mesh("cpu", (2,)), torch.randint(0, 64, (1, 16))
     out = {}
-    for name, wrap in (("plain", None), ("tp", apply_tp), ("fsdp", lambda m, mesh: apply_dp(m, mesh, "zero3"))):
+    for name, wrap in (("plain", None), ("tp", apply_tp), ("fsdp", lambda m, mesh: apply_dp(m, mesh, 3))):
         t = []
         for layers in (1, 3):
             model = build_model(ModelConfig(layers=layers, dim=64, ffn=128, heads=4, kv_heads=2, vocab=64), 0)

@@ -11,7 +11,8 @@ from fourd.plan.block import loss_bytes, traffic
 from fourd.plan.job import Job, stage_layers
 
 GB = 1e9
-# PyTorch's caching allocator keeps freed blocks for reuse: reserved memory over allocated, less one. Fitted.
+# PyTorch's CUDA caching allocator keeps freed blocks for reuse: reserved over allocated, less one. Fitted.
+# (Its CPU allocator returns freed memory to malloc: nothing on CPU profiles.)
 ALLOCATOR_FRAGMENTATION = 0.252
 
 
@@ -104,6 +105,11 @@ class Memory:
         return {k: getattr(self, k) / GB for k in names}
 
 
+def activation_bytes_per_token(work) -> float:
+    """Bytes one layer keeps for backward per token on one rank (what fourd.parallel.recompute keeps)."""
+    return traffic(work).saved
+
+
 def rank_memories(job: Job, ranks) -> list[Memory]:
     """Peak memory of one GPU of each pipeline rank in `ranks`."""
     return [Memory(*terms) for terms in _rank_terms(job, ranks)]
@@ -126,7 +132,7 @@ def _rank_terms(job: Job, ranks) -> list[tuple[float, ...]]:
         mine = params[r] / lay.tp
         acts = in_flight(par.schedule, lay.pp, par.microbatches, par.virtual_stages, r) * layers[r] * per_layer
         other = common + logits * (r == lay.pp - 1) + gathered + edge * (r in (0, lay.pp - 1))
-        cache = ALLOCATOR_FRAGMENTATION * (mine * (w + g + o) + acts + other)
+        cache = ALLOCATOR_FRAGMENTATION * (mine * (w + g + o) + acts + other) * (not job.cluster.cpu)
         out.append((mine * w, mine * g, mine * o, acts, other, cache, reserve))
     return out
 
