@@ -126,14 +126,8 @@ def _find(name_or_path: str) -> Path:
     )
 
 
-# Numbers that must be above zero (the others at least zero), each of its field's type.
-POSITIVE = {
-    *("m", "n", "k", "tflops", "seq", "head_dim", "fwd_tflops", "bwd_tflops", "masked_fwd_tflops", "sms"),
-    *("masked_bwd_tflops", "nproc", "beta_s_per_byte", "peak_tflops", "memory_gb", "hbm_bw_gbps", "gpus"),
-    *("gemm_efficiency", "attention_fwd_efficiency", "attention_bwd_efficiency", "elementwise_gbps"),
-    *("optimizer_gbps", "intra_bw_gbps", "intra_efficiency", "concurrent_ranks", "nic_bw_gbps"),
-    *("nic_efficiency", "gpus_per_rack", "gpus_per_pod", "cross_pod_oversubscription"),
-}
+# Numbers that may be zero (every other one must be above zero), each of its field's type.
+MAY_BE_ZERO = {"alpha_s", "memory_reserve_gb", "tp_layer_us", "fsdp_layer_us", "intra_latency_us", "latency_us"}
 _TYPES = {"int": (int,), "float": (int, float), "str": (str,)}
 
 
@@ -151,9 +145,9 @@ def _section(cls, data, where: str, path: Path):
         kind = _TYPES.get(str(fields[key].type).split(" ")[0])  # None: the tuples of samples, read apart
         if kind and (isinstance(value, bool) or not isinstance(value, kind)):
             raise FourdError(f"{path}: {where}.{key} = {value!r} must be of type {kind[-1].__name__}")
-        if kind and kind != (str,) and not (math.isfinite(value) and (value > 0 if key in POSITIVE else value >= 0)):
+        if kind and kind != (str,) and not (math.isfinite(value) and (value >= 0 if key in MAY_BE_ZERO else value > 0)):
             raise FourdError(
-                f"{path}: {where}.{key} = {value} must be a finite number {'above' if key in POSITIVE else 'of at least'} 0"
+                f"{path}: {where}.{key} = {value} must be a finite number {'of at least' if key in MAY_BE_ZERO else 'above'} 0"
             )
     try:
         return cls(**data)
