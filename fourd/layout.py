@@ -78,7 +78,9 @@ def parse_layout(text: str) -> Layout:
 # The words `fourd plan` and `fourd train` share for how a run is cut (schedule names: fourd.schedules).
 PRECISIONS = ("bf16", "fp32")  # BF16 autocast over FP32 master weights, or plain FP32
 ZERO_STAGES = (0, 1, 2, 3)  # 0 replicates (DDP); 1 shards optimizer state; 2 and gradients; 3 and weights
-RECOMPUTE = ("none", "selective", "full")  # what a layer keeps for backward: fourd.plan.memory
+# What a layer keeps for backward, lightest recomputation first (fourd.plan.block says what each keeps):
+# selective recomputes cheap ops, per-op also every other matmul (torchtitan's policy), full the whole layer.
+RECOMPUTE = ("none", "selective", "per-op", "full")
 
 
 @dataclass(frozen=True)

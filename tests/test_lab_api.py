@@ -175,7 +175,7 @@ def test_plan_panel_is_fourd_plan_with_one_memory_bar_per_pipeline_rank():
     plan = d["plan"]
     assert plan["layout"] == {"tp": 8, "cp": 1, "pp": 16, "dp": 128}
     assert (plan["schedule"], plan["microbatches"], plan["micro_batch_seqs"]) == ("interleaved", 16, 1)
-    assert plan["chosen_by_planner"] == ["virtual stages", "zero", "recompute"]
+    assert plan["chosen_by_planner"] == ["virtual stages", "zero", "recompute", "compile"]
     assert d["gpu_memory_gb"] == 80.0
     assert [b["label"] for b in d["memory"]] == [f"pipeline rank {r}" for r in range(16)]
     # the plan's memory is its fullest GPU's
@@ -194,7 +194,7 @@ def test_plan_panel_is_fourd_plan_with_one_memory_bar_per_pipeline_rank():
             {"model": "llama3-1t", "gpus": "8"},
             "model='llama3-1t': choose one of debug, small, llama3-8b, llama3-70b, llama3-405b",
         ),
-        ({"gpus": "0"}, "gpus 0 is out of range: give a whole number from 1 to 1048576"),
+        ({"gpus": "0"}, "gpus 0 is out of range: give a whole number from 1 to 1,048,576"),
         (
             {"gpus": "8", "seq": "8192", "global_batch_tokens": "1000"},
             "a global batch of 1000 tokens is not a whole number of 8192-token sequences: use a multiple of 8192",

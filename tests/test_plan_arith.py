@@ -1,45 +1,23 @@
-"""Whole-run arithmetic, ring collectives, bubbles, ZeRO bytes and activations: the planner's pure functions
-against figures worked out by hand and published formulas."""
-
-import math
+"""Ring collectives, bubbles, ZeRO bytes and activations: the planner's pure functions against figures
+worked out by hand and published formulas."""
 
 import pytest
 
 from fourd.layout import Layout, Parallelism
 from fourd.model.config import ModelConfig, get_preset
+from fourd.plan.block import traffic
 from fourd.plan.cluster import Group, load_cluster
 from fourd.plan.job import Job
 from fourd.plan.kernels import bus_factor, collective_time
-from fourd.plan.memory import (
-    activation_bytes_per_token,
-    gpt_activation_bytes_per_layer,
-    in_flight,
-    min_gpus,
-    state_bytes_per_param,
-    training_state_bytes,
-    weights_bytes,
-)
-from fourd.plan.perf import bubble_fraction, gpu_years, run_days, training_flops
+from fourd.plan.memory import in_flight, state_bytes_per_param
 
 H100 = load_cluster("llama3-h100")
 
 
-def work(model, tp=1, recompute="none", sp=True):
-    return Job(model, H100, Parallelism(Layout(tp=tp), recompute=recompute, sequence_parallel=sp), 2048, 1).work
-
-
-def test_weights_state_and_fewest_gpus_of_405b():
-    assert weights_bytes(405e9, 2) == 810e9
-    assert training_state_bytes(405e9) == 6.48e12
-    assert min_gpus(6.48e12, 80.0) == 81
-    assert min_gpus(80e9 * 81 + 1, 80.0) == 82
-
-
-def test_compute_budget_years_and_days():
-    flops = training_flops(405e9, 15.6e12)
-    assert round(flops / 1e25, 1) == 3.8
-    assert round(gpu_years(3.8e25, 400e12), -2) == 3000
-    assert round(run_days(3.8e25, 16384, 400e12)) == 67
+def work(model, tp=1, recompute="none", sp=True, attention="flash", seq=2048, dp=2):
+    """One microbatch of one sequence, BF16 weights of a data-parallel wrapper (dp > 1), eager blocks."""
+    par = Parallelism(Layout(tp=tp, dp=dp), recompute=recompute, sequence_parallel=sp)
+    return Job(model, H100, par, seq, dp, attention=attention).work
 
 
 def test_ring_all_reduce_bytes_and_time():
@@ -79,15 +57,9 @@ def test_ring_over_network_and_over_nvlink_through_collective_time(tmp_path):
     assert round(collective_time("all_reduce", 10e9, Group(128, 1, 128), nvlink), 3) == 0.044
 
 
-def test_gpipe_bubbles_at_p16():
-    assert [bubble_fraction(16, m) for m in (16, 64, 128)] == [15 / 31, 15 / 79, 15 / 143]  # 48.4, 19.0, 10.5 %
-    # interleaving V stages per rank divides the bubble (relative to compute) by V
-    assert bubble_fraction(16, 16, 4) == 15 / 79
-
-
 def test_zero_bytes_per_parameter():
     n = 64
-    assert sum(state_bytes_per_param(0, n)) == 16
+    assert sum(state_bytes_per_param(0, n)) == 16  # 405B: 6.48 TB of training state
     assert sum(state_bytes_per_param(1, n)) == 4 + 12 / n
     assert sum(state_bytes_per_param(2, n)) == 2 + 14 / n
     assert sum(state_bytes_per_param(3, n)) == 16 / n
@@ -102,23 +74,28 @@ def test_1f1b_holds_p_microbatches_gpipe_holds_m():
     assert in_flight("interleaved", 16, 32, 8, 0) == (7 * 16 + 30 + 1) / 8
 
 
-def test_activation_bytes_match_korthikanti_for_a_gpt_block_without_dropout():
-    # A GPT block: GeLU MLP of 4h, multi-head attention. Korthikanti et al. count 2 sbh of dropout masks
-    # that our blocks do not have; with flash attention the 5as/h term is gone; we keep a logsumexp per head.
+def test_a_megatron_gpt_block_keeps_korthikantis_34_sbh_and_5_as2b():
+    # Korthikanti et al. 2022 eq. 1-2, 16-bit GPT layer: sbh·34 + 5·a·s²·b with no parallelism,
+    # sbh·(10 + 24/t) + 5·a·s²·b/t with TP. fourd's block has no dropout (their 2·sbh of masks) and keeps
+    # attention's logsumexp (4 B per head); it keeps the scores' 5 bytes per pair like theirs.
     h, a, s = 4096, 32, 2048
     gpt = ModelConfig(layers=1, dim=h, ffn=4 * h, heads=a, kv_heads=a, vocab=1000, mlp="gelu")
-    lse = 4 * a
-    for t, sp in ((1, False), (8, False), (8, True)):
-        ours = s * activation_bytes_per_token(work(gpt, t, sp=sp))
-        theirs = gpt_activation_bytes_per_layer(s, 1, h, a, t, sequence_parallel=sp, flash=True)
-        masks = 2 * s * h / (t if sp else 1)
-        assert ours == pytest.approx(theirs - masks + s * lse / t)
-    assert gpt_activation_bytes_per_layer(s, 1, h, a) == s * h * (34 + 5 * a * s / h)
+    for t in (1, 8):
+        ours = s * traffic(work(gpt, t, sp=False, attention="materialized")).saved
+        theirs = s * h * (10 + 24 / t) + 5 * a * s * s / t if t > 1 else s * h * 34 + 5 * a * s * s
+        assert ours == pytest.approx(theirs - 2 * s * h + s * 4 * a / t)  # the two dropout masks are not cut by TP
+    # with sequence parallelism everything is cut by t (their eq. 4): sbh/t·34
+    ours = s * traffic(work(gpt, 8, sp=True, attention="materialized")).saved
+    assert ours == pytest.approx(s * h / 8 * 34 + 5 * a * s * s / 8 - 2 * s * h / 8 + s * 4 * a / 8)
 
 
 def test_recomputation_keeps_less():
     m = get_preset("llama3-405b")
-    none, sel, full = (activation_bytes_per_token(work(m, 8, rc)) for rc in ("none", "selective", "full"))
-    assert full == m.dim * 2 / 8
-    assert none - sel == (2 * m.dim + m.ffn) * 2 / 8
-    assert math.isclose(none, (4 * m.dim + 2 * m.heads * 128 + 2 * 8 * 128 + 3 * m.ffn) * 2 / 8 + 4 * m.heads / 8)
+    none, sel, per_op, full = (traffic(work(m, 8, rc)).saved for rc in ("none", "selective", "per-op", "full"))
+    assert full == m.dim * 2 / 8  # the layer's input, its sequence-parallel shard
+    assert none > sel > per_op > full
+    # per-op keeps the input, the outputs of wq, wv, w1 and w2 (every other matmul) and attention's output
+    shard = m.dim // 8
+    assert per_op == 2 * (shard + 16 * 128 + 128 + 53248 // 8 + shard + 16 * 128) + 4 * 16
+    # selective keeps the two norms' inputs, Q, K, V, attention's output and the w1 and w3 outputs (fourd's policy)
+    assert sel == 2 * 2 * shard + 2 * (16 * 128 + 2 * 128 + 16 * 128 + 2 * 53248 // 8) + 4 * 16

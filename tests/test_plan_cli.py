@@ -44,7 +44,7 @@ def plan(*args, home=None):
     )
 
 
-def test_json_plan_has_the_contract_keys_and_never_imports_torch():
+def test_json_plan_has_the_documented_keys_and_never_imports_torch():
     r = plan(*ROW1, "--json")
     assert r.returncode == 0, r.stderr
     assert r.stderr.strip().endswith("NO_TORCH")
@@ -59,7 +59,7 @@ def test_json_plan_has_the_contract_keys_and_never_imports_torch():
     assert d["tokens_per_s"] == pytest.approx(16777216 / d["step_time_s"])
     assert d["mfu"] == pytest.approx(d["tflops_per_gpu"] / 989.0)
     assert d["placement"] == {"tp": "nvlink", "cp": "single", "pp": "pod", "dp": "cross-pod"}
-    assert d["chosen_by_planner"] == ["virtual stages", "microbatches", "zero", "recompute"]
+    assert d["chosen_by_planner"] == ["virtual stages", "microbatches", "zero", "recompute", "compile"]
 
 
 def test_training_days_from_a_token_budget():
@@ -100,9 +100,18 @@ def test_search_json_best_and_candidates():
     assert d["best"] == d["candidates"][0] and len(d["candidates"]) == 5
     rates = [c["tokens_per_s"] for c in d["candidates"]]
     assert rates == sorted(rates, reverse=True)
-    assert all(
-        c["layout"]["tp"] * c["layout"]["cp"] * c["layout"]["pp"] * c["layout"]["dp"] == 16384 for c in d["candidates"]
-    )
+    # each candidate's figures are those of its own configuration, evaluated alone
+    from fourd.layout import Layout, Parallelism
+    from fourd.plan.cluster import load_cluster
+    from fourd.plan.job import Job
+    from fourd.plan.search import evaluate
+
+    h100 = load_cluster("llama3-h100")
+    for c in d["candidates"]:
+        keys = ("schedule", "microbatches", "virtual_stages", "zero", "recompute", "sequence_parallel")
+        par = Parallelism(Layout(**c["layout"]), **{k: c[k] for k in keys})
+        job = Job(get_preset("llama3-405b"), h100, par, 8192, 2048, compiled=c["compiled"])
+        assert c["step_time_s"] == evaluate(job).step.step_s and par.layout.world == 16384
 
 
 @pytest.mark.parametrize(
@@ -121,7 +130,10 @@ def test_search_json_best_and_candidates():
         ),
         (["--cluster", "nowhere"], "unknown cluster 'nowhere'"),
         (["--cluster", "local"], "run `fourd calibrate` to write it"),
-        (["--gpus", "8", "--seq", "0"], "argument --seq: 0 is out of range: give a sequence length from 2 to 16777216"),
+        (
+            ["--gpus", "8", "--seq", "0"],
+            "argument --seq: 0 is out of range: give a sequence length from 2 to 16,777,216",
+        ),
         (
             ["--gpus", "8", "--microbatches", "0"],
             "argument --microbatches: 0 is out of range: give a whole number from 1",
@@ -130,11 +142,16 @@ def test_search_json_best_and_candidates():
             ["--gpus", "8", "--virtual-stages", "0"],
             "argument --virtual-stages: 0 is out of range: give a whole number from 1",
         ),
-        (["--gpus", "8", "--top", "-1"], "argument --top: -1 is out of range: give a whole number from 1 to 10000"),
+        (["--gpus", "8", "--top", "-1"], "argument --top: -1 is out of range: give a whole number from 1 to 10,000"),
         (["--gpus", "8", "--train-tokens=-5T"], "argument --train-tokens: '-5T' must be a positive finite count"),
         (["--gpus", "8", "--global-batch-tokens", "nan"], "argument --global-batch-tokens: 'nan' must be a positive"),
         (["--gpus", "nan"], "argument --gpus: 'nan' is not a whole number"),
         (["--gpus", "8", "--sequence-parallel", "yes"], "argument --sequence-parallel: 'yes': choose on or off"),
+        (
+            ["--gpus", "8", "--schedule", "1f1b", "--virtual-stages", "2"],
+            "2 virtual stages need the interleaved schedule (1f1b runs one stage per rank): choose the interleaved "
+            "schedule or one virtual stage",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, needle):
@@ -163,7 +180,7 @@ def test_bad_model_spec_is_one_line(spec, needle):
 def test_any_gpu_count_on_a_preset_and_interleaving_with_fewer_microbatches_than_stages():
     # a profile describes a server, a pod and the network, not a size: 6,144 GPUs are six pods of dgx-h100
     r = plan("--model", "llama3-405b", "--cluster", "dgx-h100", "--gpus", "6144", "--layout", "tp=8,pp=8,dp=96",
-             "--seq", "8192", "--json")  # fmt: skip
+             "--seq", "8192", "--global-batch-tokens", str(2016 * 8192), "--json")  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["placement"]["dp"] == "cross-pod"
     # 8 microbatches on 16 pipeline ranks: each of the V rounds waits for microbatch 0 to come round
@@ -190,7 +207,7 @@ def test_user_profile_wins_over_the_preset_and_paths_work(tmp_path):
     path.write_text(faster)
     par = Parallelism(Layout(8, 1, 16, 64), "interleaved", base["microbatches"], base["virtual_stages"], base["zero"],
                       base["recompute"], sequence_parallel=True)  # fmt: skip
-    want = evaluate(Job(get_preset("llama3-405b"), load_cluster(str(path)), par, 8192, 2048)).step.step_s
+    want = evaluate(Job(get_preset("llama3-405b"), load_cluster(str(path)), par, 8192, 2048, compiled=True)).step.step_s
     assert (mine["microbatches"], mine["virtual_stages"], mine["zero"], mine["recompute"]) == (32, 8, 1, "selective")
     assert mine["step_time_s"] == want and base["step_time_s"] != want
     args = [a if a != "llama3-h100" else str(path) for a in ROW1]

@@ -34,7 +34,7 @@ def test_the_cli_the_lab_and_the_trainer_resolve_alike():
     a = request.plans(request.resolve(model, H100, text))[0]
     b = request.best_plan(model, H100, 8192, 8192, 2048, {k: v for k, v in typed.items() if k not in ("gpus", "seq")})
     assert a.job == b.job and a.step == b.step
-    assert a.chosen == ("virtual stages", "microbatches", "recompute")
+    assert a.chosen == ("virtual stages", "microbatches", "recompute", "compile")
     assert isinstance(b.config, Parallelism) and b.config.sequence_parallel is True
 
 
@@ -55,8 +55,8 @@ def test_a_cpu_profile_defaults_to_what_fourd_train_runs_in_every_caller(tmp_pat
     "values,message",
     [
         ({"gpus": 8, "typo": 1}, "unknown planner setting(s) typo"),
-        ({"gpus": 0}, "gpus 0 is out of range: give a whole number from 1 to 1048576"),
-        ({"gpus": 8, "zero": 4}, "zero 4 is out of range: give a ZeRO stage from 0 to 3"),
+        ({"gpus": 0}, "gpus 0 is out of range: give a whole number from 1 to 1,048,576"),
+        ({"gpus": 8, "zero": 4}, "zero '4': choose one of 0, 1, 2, 3"),
         ({"gpus": 8, "schedule": "2f2b"}, "schedule '2f2b': choose one of gpipe, 1f1b, interleaved, zero-bubble"),
         ({}, "give the number of GPUs or a layout (its product is the number of GPUs)"),
         ({"layout": "tp=8,pp=2", "virtual_stages": 200}, "pp=2 with 200 virtual stage(s) makes 400 pipeline stages"),
@@ -68,14 +68,14 @@ def test_bad_requests_name_the_setting(values, message):
     assert str(e.value).startswith(message)
 
 
-def test_a_batch_in_tokens_is_rounded_to_equal_replicas_and_said():
-    req = request.resolve(
-        get_preset("llama3-405b"), load_cluster("dgx-h100"), {"layout": "tp=8,pp=8,dp=96", "seq": 8192}
-    )
-    assert req.base.global_seqs == 2016  # 2048 sequences over 96 replicas: 21 each
-    assert req.open[-1] == "global batch (rounded to 2,016 sequences, 21 per replica)"
+def test_a_batch_the_pinned_replicas_cannot_share_is_refused():
+    model, values = get_preset("llama3-405b"), {"layout": "tp=8,pp=8,dp=96", "seq": 8192}
+    with pytest.raises(FourdError, match="2048 sequences does not split into dp × microbatches = 96 × 1"):
+        request.resolve(model, load_cluster("dgx-h100"), values)
+    req = request.resolve(model, load_cluster("dgx-h100"), {**values, "global_batch_tokens": 2016 * 8192})
+    assert req.base.global_seqs == 2016 and "global batch" not in " ".join(req.open)
     with pytest.raises(FourdError, match="does not split into dp × microbatches = 96 × 1"):
-        request.best_plan(get_preset("llama3-405b"), "dgx-h100", 6144, 8192, 2048, {"layout": "tp=8,pp=8,dp=96"})
+        request.best_plan(model, "dgx-h100", 6144, 8192, 2048, {"layout": "tp=8,pp=8,dp=96"})
 
 
 def test_rank_peak_memory_is_the_fullest_gpu_with_the_reserve():
@@ -83,6 +83,6 @@ def test_rank_peak_memory_is_the_fullest_gpu_with_the_reserve():
     par = Parallelism(Layout(tp=2, pp=2, dp=2), "1f1b", 4, zero=2, sequence_parallel=True)
     gb = request.rank_peak_memory_gb(model, "dgx-h100", par, 8192, 16)
     memory = peak_memory(Job(model, load_cluster("dgx-h100"), par, 8192, 16))[1]
-    assert gb == (memory.total + memory.reserve) / GB
+    assert gb == (memory.total + memory.fragmentation + memory.reserve) / GB
     with pytest.raises(FourdError, match="tp=3 cannot cut"):
         request.rank_peak_memory_gb(model, "dgx-h100", Parallelism(Layout(tp=3)), 8192, 16)

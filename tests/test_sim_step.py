@@ -8,6 +8,7 @@ from fractions import Fraction
 
 import pytest
 
+from fourd.errors import FourdError
 from fourd.model.config import get_preset
 from fourd.plan import request
 from fourd.plan.cluster import load_cluster
@@ -38,19 +39,12 @@ def test_no_comm_interleaved_bubble_over_compute_exact():
             assert [Fraction(r.pipeline_span_s - b, b) for b in r.busy_s] == [Fraction(p - 1, v * m)] * p
 
 
-def test_engine_draws_what_the_timeline_draws_with_unequal_stages():
-    for name, p, m, v in (("1f1b", 4, 7, 1), ("interleaved", 3, 7, 2), ("zero-bubble", 4, 6, 1), ("gpipe", 3, 5, 1)):
-        s = build_schedule(name, p, m, v)
-        costs = [{"F": 3 + k % 3, "B": 5 + k % 4, "I": 3 + k % 2, "W": 2 + k % 3} for k in range(s.stages)]
-        assert simulate(s, costs).events == timeline(s, lambda a: costs[a.stage][a.kind])
-
-
 def test_links_are_shared_equally_and_fractions_count():
     net = Network({"nic": 10.0, "nvl": 100.0})
     done = []
-    net.add(Flow(100.0, (("nic", 1.0),), 1e9, 0.0, done.append), 0.0)
-    net.add(Flow(100.0, (("nic", 1.0),), 1e9, 0.0, done.append), 0.0)
-    net.add(Flow(100.0, (("nic", 0.25), ("nvl", 1.0)), 30.0, 0.0, done.append), 0.0)
+    net.add(Flow(100.0, ((("nic",), 1.0),), 1e9, 0.0, done.append), 0.0)
+    net.add(Flow(100.0, ((("nic",), 1.0),), 1e9, 0.0, done.append), 0.0)
+    net.add(Flow(100.0, ((("nic",), 0.25), (("nvl",), 1.0)), 30.0, 0.0, done.append), 0.0)
     # three users of the NIC get 10/3 each; the third puts only a quarter of its bytes on it: 40/3
     assert net.next_finish(0.0) == pytest.approx(7.5)
     assert [f.rate for f in net.flows] == pytest.approx([10 / 3, 10 / 3, 40 / 3])
@@ -133,7 +127,7 @@ def test_nic_shared_by_pipeline_and_gradient_traffic_slows_both(tmp_path):
 def test_straggler_sets_the_pace_and_the_others_wait():
     s = build_schedule("1f1b", 4, 8)
     slow = simulate(s, [UNIT] * 4, slow=(2, 2), dp=4)
-    alone = timeline(s, lambda a: UNIT[a.kind] * (2 if a.stage == 2 else 1))
+    alone = timeline(s, [{k: t * (2 if st == 2 else 1) for k, t in UNIT.items()} for st in range(4)])
     assert slow.slow_events == alone
     # the healthy replicas run at full speed (no collectives here): their timeline is the plain one
     assert slow.events == timeline(s, UNIT)
@@ -208,9 +202,7 @@ def test_cli_json_trace_and_the_big_step(tmp_path):
         text=True,
         timeout=60,
     )
-    assert (
-        bad.returncode == 2 and "slow GPU 99:1.5: rank 99 is outside 0..15 of layout tp=8,cp=1,pp=1,dp=2" in bad.stderr
-    )
+    assert bad.returncode == 2 and "slow GPU 99:1.5: give a rank in 0..15 of layout tp=8,cp=1,pp=1,dp=2" in bad.stderr
 
 
 def test_cli_search_ranks_the_planners_candidates_by_simulated_time():
@@ -257,13 +249,39 @@ def test_cli_search_ranks_the_planners_candidates_by_simulated_time():
         assert mine[k] == simulate_step(p.job).step_time_s
 
 
-def test_lab_view_with_cost_model_durations_matches_the_simulator_without_comm():
-    from fourd.sim.step import cost_duration
-
-    plan = _plan(
-        "llama3-8b", "llama3-h100", "tp=8,pp=4,dp=4", 8192, 64 * 8192, "interleaved", microbatches=8, virtual_stages=2
+@pytest.mark.parametrize("where,message", [("missing/step.json", "which is not a folder"), (".", "is a folder")])
+def test_trace_path_is_checked_before_simulating(tmp_path, where, message):
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fourd",
+            "sim",
+            "step",
+            "--model",
+            "debug",
+            "--gpus",
+            "2",
+            "--trace",
+            str(tmp_path / where),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
-    c = plan.config
-    s = build_schedule(c.schedule, 4, c.microbatches, c.virtual_stages)
-    dur = cost_duration(plan.job, comm=False)
-    assert timeline(s, dur) == _sim(plan, comm=False).events
+    lines = bad.stderr.strip().splitlines()
+    assert bad.returncode == 2 and len(lines) == 1 and "argument --trace" in lines[0] and message in lines[0]
+
+
+def test_one_sequence_per_replica_on_16384_gpus_simulates():
+    # 2048 sequences of 8192 tokens (the default batch) cannot cover 16,384 replicas: refused, no division by zero
+    from fourd.lab import api
+
+    query = {"gpus": "16384", "layout": "tp=1,pp=1,dp=16384", "seq": "8192"}
+    with pytest.raises(FourdError, match="2048 sequences does not split into dp × microbatches = 16384 × 1"):
+        api.simtrace(query)
+    query["global_batch_tokens"] = str(16384 * 8192)
+    trace = api.simtrace(query)
+    assert [e["name"] for e in trace["traceEvents"] if e["ph"] == "X" and e["tid"] == 0] == ["F0.0", "B0.0"]
+    plan = api.plan(query)["plan"]
+    assert plan["global_batch_tokens"] == 16384 * 8192 and plan["microbatches"] == 1

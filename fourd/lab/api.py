@@ -14,7 +14,7 @@ from fourd.layout import DIMS, parse_layout
 from fourd.model.config import PRESETS, get_preset
 from fourd.plan import cluster as clusters
 from fourd.plan import request
-from fourd.plan.memory import rank_memory
+from fourd.plan.memory import rank_memories
 from fourd.plan.report import why
 from fourd.schedules import SCHEDULES, build_schedule
 from fourd.sim import pipeline
@@ -160,7 +160,8 @@ def _best_plan(q: dict[str, str]):
 def plan(q: dict[str, str], **_) -> dict:
     """The planner panel: the plan, memory per GPU of each pipeline rank, and the report's explanations."""
     best = _best_plan(q)
-    bars = [{"label": f"pipeline rank {r}", **rank_memory(best.job, r).gb()} for r in range(best.config.layout.pp)]
+    ranks = range(best.config.layout.pp)
+    bars = [{"label": f"pipeline rank {r}", **m.gb()} for r, m in zip(ranks, rank_memories(best.job, ranks))]
     return {"plan": best.to_json(), "memory": bars, "gpu_memory_gb": best.cluster.gpu.memory_gb, "why": why(best)}
 
 

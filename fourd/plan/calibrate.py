@@ -1,28 +1,8 @@
-"""Measure this machine and write its cluster profile, `local`, for `fourd plan --cluster local`.
-
-What it measures, as one worker process of `fourd train` sees it (one OpenMP thread; a CPU
-"device" is one worker process, and the machine is one node of 8 of them):
-  - FP32 matmul throughput across square shapes: the efficiency curve, as [[gpu.gemm]] samples;
-    peak_tflops is the best matmul throughput with all cores, as the trainer's MFU counts it: the
-    better of a threaded matmul and one single-threaded worker process per core at once (or one
-    thread's best, if that was higher because other work slowed both)
-  - the GEMMs of training, as eager torch runs them: a linear layer's forward x·Wᵀ, input gradient
-    dY·W and weight gradient dYᵀ·X for token counts and model dimensions around the presets'
-    (one thread), as [[gpu.gemm_shapes]] samples
-  - causal attention (torch's scaled_dot_product_attention, forward and backward, with is_causal and
-    with an explicit mask as context parallelism uses) across sequence lengths and head sizes, as
-    [[gpu.attention]] samples
-  - the unfused elementwise ops of a layer (RMSNorm, RoPE, SiLU·mul, residual adds; forward and
-    backward) and torch's AdamW (foreach=False, as the trainer runs it): rates in the bytes the
-    planner counts for them (elementwise_gbps, optimizer_gbps)
-  - memory bandwidth: a large tensor copy (read + write)
-  - collectives: a fit time = alpha + beta · bytes (bytes as nccl-tests count them, see
-    `fourd bench comm --help`) for all_reduce, all_gather and reduce_scatter over 2, 4 and 8
-    ranks, and for point-to-point send/recv between 2 ranks (op "send")
-The loopback figures of the send/recv fit also stand for the node's links and the network.
-
-Default run: under a minute (about 30 s here); --quick: a coarser, smaller sweep in about 8 s
-(tests use it).
+"""Measure this machine and write its cluster profile, `local`, for `fourd plan --cluster local`: on a CUDA
+device one GPU in BF16, on CPUs one worker process of `fourd train` in FP32. Matmuls (square and training
+shapes), attention, memory bandwidth, the eager block ops and AdamW, collectives where there are 2 devices
+or more, and on CPUs the all-core peak and the CPU time tensor parallelism and FSDP add to a layer
+(docs/planner.md). Under a minute on CPUs; --quick: a coarser sweep in seconds.
 
 examples:
   fourd calibrate
@@ -37,208 +17,186 @@ import os
 import platform
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from fourd.errors import FourdError
 
-DEVICES = 8  # worker processes taken as one node
+CPU_DEVICES = 8  # CPU worker processes taken as one node
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
+SMALL_MESSAGE, LARGE_MESSAGE = 1 << 14, 1 << 18  # at most: latency (alpha); at least: mostly bandwidth (beta)
+
+
+@dataclass(frozen=True)
+class Sweep:
+    squares: tuple  # square matmul sizes
+    groups: tuple  # collective group sizes
+    messages: tuple  # collective message bytes
+    iters: int
+    tokens: tuple  # training-shape GEMMs: tokens per microbatch
+    dims: tuple  # and model widths (in, out)
+    seqs: tuple  # attention sequence lengths
+    head_dims: tuple
+
+
 PLANS = {
-    #            gemm sizes (square)                                              group sizes  message sizes       iters
-    "full": (
-        (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048),
-        (2, 4, 8),
-        (1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24),
-        10,
-    ),
-    "quick": ((16, 32, 64, 128, 256), (2, 4), (1 << 10, 1 << 14, 1 << 20, 1 << 22), 4),
-}
-SHAPES = {
-    #         tokens per microbatch  model dims (in, out)  attention seq  head sizes
-    "full": ((256, 1024, 4096), (64, 256, 1024), (64, 256, 1024), (16, 32, 64, 128)),
-    "quick": ((256, 1024), (64, 256), (128, 256), (32,)),
-}
-CONCURRENT_N = 512  # matmul size timed on every core at once
+    "full": Sweep((16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048), (2, 4, 8),
+                  tuple(1 << e for e in range(10, 26, 2)), 10, (256, 1024, 4096), (64, 256, 1024), (64, 256, 1024),
+                  (16, 32, 64, 128)),
+    "quick": Sweep((16, 32, 64, 128, 256), (2, 4), (1 << 10, 1 << 14, 1 << 20, 1 << 22), 4, (256, 1024), (64, 256),
+                   (128, 256), (32,)),
+}  # fmt: skip
+GPU_SCALE = 8  # on a GPU the training shapes are this many times larger (tokens and widths)
 SAMPLE_S = 0.03  # timed per training-shape sample (best of batches)
-SMALL_MESSAGE = 1 << 14  # at most this: time is latency (alpha)
-LARGE_MESSAGE = 1 << 18  # at least this: time is mostly bandwidth (beta)
 
 
-def best_seconds(fn, seconds: float) -> float:
-    """Best time of one call of `fn` over timed batches of about 2 ms each, for at least `seconds` (and
-    at least 4 batches)."""
+def _torch(device: str):
+    """torch, the compute dtype of `device` and a function that waits for it."""
+    import torch
+
+    cuda = device == "cuda"
+    return torch, torch.bfloat16 if cuda else torch.float32, torch.cuda.synchronize if cuda else (lambda: None)
+
+
+def best_seconds(fn, seconds: float, device: str = "cpu") -> float:
+    """Best time of one call of `fn` over timed batches of about 2 ms, for at least `seconds` and 4 batches."""
+    _, _, sync = _torch(device)
     fn()
+    sync()
     t0 = time.perf_counter()
     fn()
-    reps = max(1, int(2e-3 / max(time.perf_counter() - t0, 1e-7)))
-    best, start = float("inf"), time.perf_counter()
+    sync()
+    reps, best, start = max(1, int(2e-3 / max(time.perf_counter() - t0, 1e-7))), float("inf"), time.perf_counter()
     for batch in range(1000):
         t0 = time.perf_counter()
         for _ in range(reps):
             fn()
+        sync()
         best = min(best, (time.perf_counter() - t0) / reps)
         if batch >= 3 and time.perf_counter() - start > seconds:
             break
     return best
 
 
-def gemm_tflops(n: int, threads: int, seconds: float = 0.1) -> float:
-    """Best throughput of an n×n×n FP32 matmul over timed batches of about 2 ms each."""
-    import torch
-
+def gemm_tflops(n: int, threads: int = 1, seconds: float = 0.1, device: str = "cpu") -> float:
+    """Best throughput of an n×n×n matmul in the device's compute dtype."""
+    torch, dtype, _ = _torch(device)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        a, b, c = torch.randn(n, n), torch.randn(n, n), torch.empty(n, n)
-        return 2 * n**3 / best_seconds(lambda: torch.mm(a, b, out=c), seconds) / 1e12
+        a, b, c = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(3))
+        return 2 * n**3 / best_seconds(lambda: torch.mm(a, b, out=c), seconds, device) / 1e12
     finally:
         torch.set_num_threads(before)
 
 
-def training_gemms(tokens, dims, seconds: float = SAMPLE_S) -> list[tuple[int, int, int, float]]:
-    """(m, n, k, TFLOP/s) of one thread running a linear layer's three GEMMs as autograd does, for every
-    token count and (in, out) pair of dims, (m, n, k) as the planner names them: forward x·Wᵀ
-    (tokens, out, in), input gradient dY·W (tokens, in, out), weight gradient dYᵀ·X (in, out, tokens).
-    Their rates differ from square matmuls' by the operands' orientation and the long reduction over
-    tokens of the weight gradient."""
-    import torch
-
+def training_gemms(tokens, dims, device: str = "cpu", seconds: float = SAMPLE_S) -> list[tuple]:
+    """(m, n, k, TFLOP/s) of a linear layer's three GEMMs as autograd runs them, for every token count and
+    (in, out) pair, (m, n, k) as the planner names them: forward (tokens, out, in), input gradient (tokens,
+    in, out), weight gradient (in, out, tokens): orientation and the long reduction over tokens matter."""
+    torch, dtype, _ = _torch(device)
     out = []
     for t in tokens:
         for d_in in dims:
             for d_out in dims:
-                x, w, dy = torch.randn(t, d_in), torch.randn(d_out, d_in), torch.randn(t, d_out)
+                x, w, dy = (torch.randn(*s, dtype=dtype, device=device) for s in ((t, d_in), (d_out, d_in), (t, d_out)))
                 flops = 2 * t * d_in * d_out / 1e12
-                for shape, fn in (
-                    ((t, d_out, d_in), lambda: torch.mm(x, w.t())),
-                    ((t, d_in, d_out), lambda: torch.mm(dy, w)),
-                    ((d_in, d_out, t), lambda: torch.mm(dy.t(), x)),
-                ):
-                    out.append((*shape, flops / best_seconds(fn, seconds)))
+                for shape, fn in (((t, d_out, d_in), lambda: x @ w.t()), ((t, d_in, d_out), lambda: dy @ w),
+                                  ((d_in, d_out, t), lambda: dy.t() @ x)):  # fmt: skip
+                    out.append((*shape, flops / best_seconds(fn, seconds, device)))
     return out
 
 
-def attention_rates(seqs, head_dims, seconds: float = SAMPLE_S) -> list[tuple[int, int, float, float, float, float]]:
-    """(seq, head_dim, forward and backward TFLOP/s with is_causal, the same with an explicit causal mask)
-    of torch's scaled_dot_product_attention on one thread, in the planner's FLOPs: 4·pairs·head_dim per
-    head forward, 2.5 times that backward; is_causal skips the masked half (seq²/2 pairs), an explicit
-    mask (context parallelism's) computes all seq².
-    Heads times batch make about 4M query-key pairs per call, the size of a training microbatch's."""
-    import torch
-    import torch.nn.functional as F
+def attention_rates(seqs, head_dims, device: str = "cpu", seconds: float = SAMPLE_S) -> list[tuple]:
+    """(seq, head_dim, forward and backward TFLOP/s with is_causal, the same with an explicit causal mask) of
+    torch's scaled_dot_product_attention, in the planner's FLOPs: 4·pairs·head_dim per head forward, 2.5
+    times that backward; is_causal skips the masked half (seq²/2 pairs), an explicit mask computes all seq²."""
+    torch, dtype, _ = _torch(device)
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
 
     out = []
     for seq in seqs:
         for hd in head_dims:
-            heads = max(1, (1 << 22) // (seq * seq))
-            # [batch, seq, heads, hd] transposed to [batch, heads, seq, hd], as the model hands them over
-            q, k, v = (torch.randn(1, seq, heads, hd).transpose(1, 2).requires_grad_() for _ in range(3))
-            grad = torch.randn(1, heads, seq, hd)
-            mask = torch.ones(seq, seq, dtype=torch.bool).tril()
-
-            def forward():
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-            def both():
-                forward().backward(grad)
-
-            def masked():
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-
-            def masked_both():
-                masked().backward(grad)
-
+            heads = max(1, (1 << 22) // (seq * seq))  # about 4M query-key pairs per call, a microbatch's
+            q, k, v = (
+                torch.randn(1, seq, heads, hd, dtype=dtype, device=device).transpose(1, 2).requires_grad_()
+                for _ in range(3)
+            )
+            grad, mask = torch.randn_like(q), torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
             rates = []
-            for fwd_fn, both_fn, pairs in ((forward, both, seq * seq / 2), (masked, masked_both, seq * seq)):
+            for kw, pairs in (({"is_causal": True}, seq * seq / 2), ({"attn_mask": mask}, seq * seq)):
                 flops = 4 * pairs * hd * heads / 1e12
-                fwd = best_seconds(fwd_fn, seconds)
-                bwd = max(best_seconds(both_fn, seconds) - fwd, 1e-9)
-                rates += [flops / fwd, 2.5 * flops / bwd]
+                fwd = best_seconds(lambda kw=kw: sdpa(q, k, v, **kw), seconds, device)
+                both = best_seconds(lambda kw=kw: sdpa(q, k, v, **kw).backward(grad), seconds, device)
+                rates += [flops / fwd, 2.5 * flops / max(both - fwd, 1e-9)]
             out.append((seq, hd, *rates))
     return out
 
 
-def elementwise_rate(tokens: int = 4096, seconds: float = 0.1) -> float:
-    """GB/s, in the bytes the planner counts (fused kernels, one read and one write each; backward twice
-    the forward's), that one thread reaches running a `small` layer's elementwise ops eagerly: two
-    RMSNorms, RoPE on q and k, SiLU·mul and two residual adds, forward and backward."""
-    import torch
+def elementwise_rate(device: str = "cpu", tokens: int = 4096, seconds: float = 0.1) -> float:
+    """GB/s, in the bytes fourd.plan.block counts for fourd's eager block, that the device reaches running a
+    `small` layer's memory-bound ops as the model does: two RMSNorms, RoPE on q and k, the GQA repeat of k and
+    v, SiLU·mul and two residual adds, forward and backward."""
+    torch, dtype, _ = _torch(device)
     import torch.nn.functional as F
 
+    from fourd.layout import Layout, Parallelism
     from fourd.model.config import get_preset
     from fourd.model.llama import RMSNorm, apply_rope, rope_table
-    from fourd.plan.perf import elementwise_bytes
+    from fourd.plan.block import traffic
+    from fourd.plan.cluster import load_cluster
+    from fourd.plan.job import Job
 
-    cfg = get_preset("small")
-    seq = 256
-    b = tokens // seq
-    cos, sin = rope_table(cfg.head_dim, torch.arange(seq), cfg.rope_theta)
-    norms = RMSNorm(cfg.dim, cfg.norm_eps), RMSNorm(cfg.dim, cfg.norm_eps)
+    cfg, seq = get_preset("small"), 256
+    tokens *= GPU_SCALE if device == "cuda" else 1
+    cos, sin = (t.to(device) for t in rope_table(cfg.head_dim, torch.arange(seq), cfg.rope_theta))
+    norms = [RMSNorm(cfg.dim, cfg.norm_eps).to(device) for _ in range(2)]
 
     def leaf(*shape):
-        return torch.randn(b, seq, *shape).requires_grad_()
+        return torch.randn(tokens // seq, seq, *shape, dtype=dtype, device=device).requires_grad_()
 
-    x, attn, ff = leaf(cfg.dim), leaf(cfg.dim), leaf(cfg.dim)
-    q, k = leaf(cfg.heads, cfg.head_dim), leaf(cfg.kv_heads, cfg.head_dim)
-    gate, up = leaf(cfg.ffn), leaf(cfg.ffn)
+    x, attn, ff, gate, up = leaf(cfg.dim), leaf(cfg.dim), leaf(cfg.dim), leaf(cfg.ffn), leaf(cfg.ffn)
+    q, k, v = leaf(cfg.heads, cfg.head_dim), leaf(cfg.kv_heads, cfg.head_dim), leaf(cfg.kv_heads, cfg.head_dim)
 
     def forward():
-        h = x + attn
-        return [norms[0](x), apply_rope(q, cos, sin), apply_rope(k, cos, sin), norms[1](h), F.silu(gate) * up, h + ff]
+        h, rep = x + attn, cfg.heads // cfg.kv_heads
+        kv = [t.transpose(1, 2).repeat_interleave(rep, dim=1) for t in (apply_rope(k, cos, sin), v)]
+        return [norms[0](x), apply_rope(q, cos, sin), *kv, norms[1](h), F.silu(gate) * up, h + ff]
 
     grads = [torch.randn_like(t) for t in forward()]
-
-    def both():
-        torch.autograd.backward(forward(), grads)
-
-    total = best_seconds(both, seconds)
-    fwd_bytes = elementwise_bytes(cfg, tokens, 1, 4)[0]
-    return 3 * fwd_bytes / total / 1e9
+    total = best_seconds(lambda: torch.autograd.backward(forward(), grads), seconds, device)
+    precision = "bf16" if device == "cuda" else "fp32"
+    t = traffic(Job(cfg, load_cluster("dgx-h100"), Parallelism(Layout(dp=2)), seq, 2, precision).work)
+    return tokens * (t.forward + t.backward) / total / 1e9
 
 
-def optimizer_rate(seconds: float = 0.1) -> float:
+def optimizer_rate(device: str = "cpu", seconds: float = 0.1) -> float:
     """GB/s, in the bytes the planner counts for an Adam update (32 per FP32 parameter), of torch's AdamW
-    stepping the `small` model's parameters one tensor at a time (foreach=False, as the trainer does)."""
-    import torch
-
+    stepping the `small` model's parameters one tensor at a time (foreach=False, as the trainer does on CPUs;
+    fused on CUDA, as benchmarks/gpu_step.py)."""
+    torch, _, _ = _torch(device)
     from fourd.model.config import get_preset
     from fourd.model.llama import build_model
     from fourd.plan.kernels import ADAM_BYTES
 
-    model = build_model(get_preset("small"), 0, "cpu")
-    params = list(model.parameters())
+    params = list(build_model(get_preset("small"), 0, device).parameters())
     for p in params:
         p.grad = torch.randn_like(p)
-    opt = torch.optim.AdamW(params, lr=1e-4, foreach=False)
-    n = sum(p.numel() for p in params)
-    return n * ADAM_BYTES[4] / best_seconds(opt.step, seconds) / 1e9
+    opt = torch.optim.AdamW(params, lr=1e-4, foreach=False, fused=device == "cuda")
+    return sum(p.numel() for p in params) * ADAM_BYTES[4] / best_seconds(opt.step, seconds, device) / 1e9
 
 
-def copy_gbps(nbytes: int = 64 << 20, repeats: int = 20) -> float:
+def copy_gbps(device: str = "cpu", nbytes: int = 64 << 20) -> float:
     """Memory bandwidth of one thread copying a large tensor: bytes read plus bytes written, per second."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
-        dst.copy_(src)
-        best = float("inf")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            best = min(best, time.perf_counter() - t0)
-        return 2 * nbytes / best / 1e9
-    finally:
-        torch.set_num_threads(before)
+    torch, _, _ = _torch(device)
+    src, dst = torch.ones(nbytes // 4, device=device), torch.empty(nbytes // 4, device=device)
+    return 2 * nbytes / best_seconds(lambda: dst.copy_(src), 0.05, device) / 1e9
 
 
 def fit_alpha_beta(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """(alpha s, beta s/byte) of t = alpha + beta·bytes: alpha the median time of small messages,
-    beta the least-squares slope of the rest of the time over the large ones.
-
-    When other work on the machine inflates the small-message times past what the large messages
-    leave, beta falls back to the largest message's time per byte, an upper bound."""
+    """(alpha s, beta s/byte) of t = alpha + beta·bytes: alpha the median time of small messages, beta the
+    least-squares slope of the rest over the large ones; when other work inflates the small-message times
+    past what the large ones leave, the largest message's time per byte, an upper bound."""
     alpha = statistics.median(t for s, t in points if s <= SMALL_MESSAGE)
     large = [(s, t - alpha) for s, t in points if s >= LARGE_MESSAGE]
     beta = sum(s * t for s, t in large) / sum(s * s for s, _ in large)
@@ -248,208 +206,187 @@ def fit_alpha_beta(points: list[tuple[int, float]]) -> tuple[float, float]:
     return alpha, beta
 
 
-def _workers(rank: int, nproc: int, cores: int, group_sizes, sizes, iters) -> dict:
-    """One worker's share: the matmul rate it gets while one worker per core does the same (ranks below
-    `cores`), then the collectives of its groups."""
+def _workers(rank: int, nproc: int, cores: int, sweep: Sweep) -> dict:
+    """One worker's share: on CPUs the matmul rate while one worker per core does the same (ranks below
+    `cores`); then the collectives of its groups."""
     import torch.distributed as dist
 
     from fourd.comm.bench import time_op
 
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     dist.barrier()
-    concurrent = gemm_tflops(CONCURRENT_N, threads=1, seconds=0.3) if rank < cores else 0.0
+    concurrent = gemm_tflops(512, seconds=0.3) if rank < cores and device == "cpu" else 0.0
     dist.barrier()
-    rows = []
-    groups = {g: dist.new_group(list(range(g))) for g in group_sizes}
+    rows, groups = [], {g: dist.new_group(list(range(g))) for g in sweep.groups if g <= nproc}
     for g, group in groups.items():
         if rank < g:
-            rows += [time_op(op, s, iters, 1, group) for op in OPS for s in sizes]
+            rows += [time_op(op, s, sweep.iters, 1, group) for op in OPS for s in sweep.messages]
     if rank < 2:
-        rows += [dict(time_op("sendrecv", s, iters, 1, groups[2]), op="send") for s in sizes]
+        rows += [dict(time_op("sendrecv", s, sweep.iters, 1, groups[2]), op="send") for s in sweep.messages]
     dist.barrier()
     return {"rows": rows, "concurrent_tflops": concurrent}
 
 
-def measure(plan: str) -> dict:
-    """Every figure of the profile, measured now."""
-    from fourd.comm.launch import run_workers
+def _layer_overheads(rank: int, nproc: int) -> dict:
+    """Seconds fourd's tensor parallelism and FSDP add to one layer's forward and backward on 2 ranks, beyond
+    the plain layer (a tiny one, whose compute is negligible), from models of 1 and 3 layers."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
 
-    gemm_sizes, group_sizes, sizes, iters = PLANS[plan]
-    cores = os.cpu_count() or 1
-    gemm = [(n, gemm_tflops(n, threads=1)) for n in gemm_sizes]
-    tokens, dims, seqs, head_dims = SHAPES[plan]
+    from fourd.model.config import ModelConfig
+    from fourd.model.llama import build_model
+    from fourd.parallel.dp import apply_dp
+    from fourd.parallel.tp import apply_tp
+
+    mesh, x = init_device_mesh("cpu", (2,)), torch.randint(0, 64, (1, 16))
+    out = {}
+    for name, wrap in (("plain", None), ("tp", apply_tp), ("fsdp", lambda m, mesh: apply_dp(m, mesh, 3))):
+        t = []
+        for layers in (1, 3):
+            model = build_model(ModelConfig(layers=layers, dim=64, ffn=128, heads=4, kv_heads=2, vocab=64), 0)
+            model = wrap(model, mesh) if wrap else model
+            runs = []  # the same number of steps on both ranks: each meets the other in the collectives
+            for _ in range(12):
+                t0 = time.perf_counter()
+                model(x).float().sum().backward()
+                runs.append(time.perf_counter() - t0)
+            t.append(min(runs[2:]))
+        out[name] = (t[1] - t[0]) / 2
+    return out
+
+
+def _machine(device: str) -> dict:
+    """What is read, not measured: the device's name, memory and SMs, the devices per node, the peak."""
     import torch
 
+    from fourd.config import fourd_home
+    from fourd.train.metrics import device_peak_flops
+
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        peak = device_peak_flops("cuda", fourd_home())[0] / 1e12
+        return {"name": props.name, "memory_gb": props.total_memory / 1e9, "sms": props.multi_processor_count,
+                "devices": torch.cuda.device_count(), "peak_tflops": peak}  # fmt: skip
+    with open("/proc/meminfo") as f:
+        total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    name = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                 if ln.startswith("model name")), platform.machine())  # fmt: skip
+    return {"name": f"{name}, one worker process", "memory_gb": total / 1e9 / CPU_DEVICES, "sms": None,
+            "devices": CPU_DEVICES, "cores": os.cpu_count() or 1}  # fmt: skip
+
+
+def measure(plan: str, device: str = "cpu") -> dict:
+    """Every figure of the profile, measured now on `device`."""
+    import torch
+
+    from fourd.comm.launch import run_workers
+
+    sweep, m = PLANS[plan], _machine(device)
+    scale = GPU_SCALE if device == "cuda" else 1
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        shaped = training_gemms(tokens, dims)
-        attention = attention_rates(seqs, head_dims)
-        elementwise, optimizer = elementwise_rate(), optimizer_rate()
+        m.update(gemm=[(n, gemm_tflops(n, device=device)) for n in sweep.squares],
+                 gemm_shapes=training_gemms([t * scale for t in sweep.tokens], [d * scale for d in sweep.dims], device),
+                 attention=attention_rates(sweep.seqs, sweep.head_dims, device), copy_gbps=copy_gbps(device),
+                 elementwise_gbps=elementwise_rate(device), optimizer_gbps=optimizer_rate(device))  # fmt: skip
     finally:
         torch.set_num_threads(before)
-    bandwidth = copy_gbps()
-    workers = run_workers(_workers, max(group_sizes), (cores, group_sizes, sizes, iters), timeout_s=600)
-    rows = workers[0]["rows"]
-    concurrent = sum(w["concurrent_tflops"] for w in workers)
-    # One worker process per core, as `fourd train` runs, keeps every core busy even when other work
-    # delays one of them; a threaded matmul waits for its slowest thread at every call, so on a busy
-    # machine it can fall below that sum, or below one thread's best. The peak is the best seen.
-    threaded = [gemm_tflops(n, threads=cores, seconds=0.3) for n in (512, 1024, 2048)]
-    peak = max(threaded + [concurrent] + [t for _, t in gemm])
-    fits = {}
-    for op in OPS + ("send",):
-        for g in (2,) if op == "send" else group_sizes:
-            alpha, beta = fit_alpha_beta([(r["bytes"], r["time_s"]) for r in rows if r["op"] == op and r["nproc"] == g])
-            fits[(op, g)] = (alpha, beta)
-    return {
-        "cores": cores,
-        "gemm": gemm,
-        "peak_tflops": peak,
-        "concurrent_tflops": concurrent,
-        "copy_gbps": bandwidth,
-        "fits": fits,
-        "rows": rows,
-        "gemm_shapes": shaped,
-        "attention": attention,
-        "elementwise_gbps": elementwise,
-        "optimizer_gbps": optimizer,
-    }
+    nproc = min(max(sweep.groups), m["devices"])
+    workers = run_workers(_workers, nproc, (m.get("cores", 0), sweep), timeout_s=600) if nproc >= 2 else []
+    rows = workers[0]["rows"] if workers else []
+    m["fits"] = {(op, g): fit_alpha_beta([(r["bytes"], r["time_s"]) for r in rows if (r["op"], r["nproc"]) == (op, g)])
+                 for op in (*OPS, "send") for g in sweep.groups if g <= nproc and (op != "send" or g == 2)}  # fmt: skip
+    if device == "cpu":
+        # One worker per core, as `fourd train` runs, keeps every core busy even when other work delays one;
+        # a threaded matmul waits for its slowest thread, so on a busy machine it can fall below that sum.
+        threaded = [gemm_tflops(n, threads=m["cores"], seconds=0.3) for n in (512, 1024, 2048)]
+        m["concurrent_tflops"] = sum(w["concurrent_tflops"] for w in workers)
+        m["peak_tflops"] = max(threaded + [m["concurrent_tflops"]] + [t for _, t in m["gemm"]])
+        over = run_workers(_layer_overheads, 2, (), timeout_s=300)[0]
+        # beyond the collectives' latency, which the planner counts apart: TP all-reduces twice forward and
+        # twice backward; ZeRO 3 gathers a layer forward and backward and reduce-scatters its gradients
+        alpha = {op: m["fits"][(op, 2)][0] for op in OPS}
+        m["tp_layer_s"] = max(0.0, over["tp"] - over["plain"] - 4 * alpha["all_reduce"])
+        m["fsdp_layer_s"] = max(0.0, over["fsdp"] - over["plain"] - 2 * alpha["all_gather"] - alpha["reduce_scatter"])
+    return m
 
 
-def _memory_gb() -> float:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024 / 1e9
-    raise FourdError("no MemTotal in /proc/meminfo: calibrate needs Linux")
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+def _samples(m: dict) -> list[str]:
+    out, att = [], ("seq", "head_dim", "fwd_tflops", "bwd_tflops", "masked_fwd_tflops", "masked_bwd_tflops")
+    for table, keys, rows in (("gpu.gemm", ("m", "n", "k", "tflops"), [(n, n, n, t) for n, t in m["gemm"]]),
+                              ("gpu.gemm_shapes", ("m", "n", "k", "tflops"), m["gemm_shapes"]),
+                              ("gpu.attention", att, m["attention"]),
+                              ("collectives", ("op", "nproc", "alpha_s", "beta_s_per_byte"),
+                               [(op, g, a, b) for (op, g), (a, b) in m["fits"].items()])):  # fmt: skip
+        for row in rows:
+            out += [f"[[{table}]]", *(f"{k} = {v!r}" if isinstance(v, str) else f"{k} = {v:.6g}"
+                                      for k, v in zip(keys, row)), ""]  # fmt: skip
+    return out
 
 
 def profile_toml(m: dict, command: str) -> str:
-    """The `local` cluster profile in the planner's schema (fourd.plan.cluster)."""
-    alpha, beta = m["fits"][("send", 2)]
-    link_gbps, link_us = 1 / beta / 1e9, alpha * 1e6
-    today = datetime.date.today().isoformat()
-    out = [
-        '# Written by `fourd calibrate`; rerun it to refresh. One "GPU" is one worker process',
-        "# (one OpenMP thread); the node is this machine.",
-        'name = "local"',
-        f'description = "this machine ({m["cores"]} CPU cores), measured on {today}; one device = one worker process"',
-        'dtype = "fp32"',
-        "",
-        "[gpu]",
-        f'name = "{_cpu_name()}, one worker process"',
-        f"peak_tflops = {m['peak_tflops']:.6g}   # best FP32 matmul with all {m['cores']} cores",
-        f"memory_gb = {_memory_gb() / DEVICES:.4g}   # this machine's memory shared by {DEVICES} workers",
-        f"hbm_bw_gbps = {m['copy_gbps']:.4g}   # one thread copying 64 MB",
-        f"elementwise_gbps = {m['elementwise_gbps']:.4g}   # a layer's eager norms, RoPE, SiLU·mul, adds (planner bytes)",
-        f"optimizer_gbps = {m['optimizer_gbps']:.4g}   # AdamW foreach=False (planner bytes: 32 per parameter)",
-        "",
-        "[node]",
-        f"gpus = {DEVICES}",
-        f"intra_bw_gbps = {link_gbps:.4g}   # loopback send/recv between two workers",
-        f"intra_latency_us = {link_us:.4g}",
-        f"concurrent_ranks = {m['cores']}   # workers beyond this share cores",
-        "",
-        "[network]",
-        f"nic_bw_gbps = {link_gbps:.4g}   # no network: the loopback figures",
-        f"latency_us = {link_us:.4g}",
-        f"gpus_per_rack = {DEVICES}",
-        f"gpus_per_pod = {DEVICES}",
-        "",
-        "[calibration]",
-        f'date = "{today}"',
-        f'command = "{command}"',
-        f"cores = {m['cores']}",
-        "threads_per_worker = 1",
-        "",
-    ]
-    for n, tflops in m["gemm"]:
-        out += ["[[gpu.gemm]]", f"m = {n}", f"n = {n}", f"k = {n}", f"tflops = {tflops:.6g}", ""]
-    for gm, gn, gk, tflops in m["gemm_shapes"]:
-        out += ["[[gpu.gemm_shapes]]", f"m = {gm}", f"n = {gn}", f"k = {gk}", f"tflops = {tflops:.6g}", ""]
-    for seq, hd, fwd, bwd, masked_fwd, masked_bwd in m["attention"]:
-        out += [
-            "[[gpu.attention]]",
-            f"seq = {seq}",
-            f"head_dim = {hd}",
-            f"fwd_tflops = {fwd:.6g}",
-            f"bwd_tflops = {bwd:.6g}",
-            f"masked_fwd_tflops = {masked_fwd:.6g}",
-            f"masked_bwd_tflops = {masked_bwd:.6g}",
-            "",
-        ]
-    for (op, g), (a, b) in m["fits"].items():
-        out += [
-            "[[collectives]]",
-            f'op = "{op}"',
-            f"nproc = {g}",
-            f"alpha_s = {a:.6g}",
-            f"beta_s_per_byte = {b:.6g}",
-            "",
-        ]
-    return "\n".join(out)
+    """The `local` cluster profile in the planner's schema (fourd.plan.cluster) from `measure`'s figures."""
+    cpu, today = m["sms"] is None, datetime.date.today().isoformat()
+    alpha, beta = m["fits"].get(("send", 2), (5e-6, 1 / (m["copy_gbps"] * 1e9)))  # one device: its own copies
+    link = f"{1 / beta / 1e9:.4g}   # {'send/recv between two workers' if ('send', 2) in m['fits'] else 'no second device'}"
+    out = ['# Written by `fourd calibrate`; rerun it to refresh.', 'name = "local"',
+           f'description = "{m["name"]} x {m["devices"]}, measured on {today}"', f'dtype = "{"fp32" if cpu else "bf16"}"', "",
+           "[gpu]", f'name = "{m["name"]}"', f"peak_tflops = {m['peak_tflops']:.6g}   # {'best FP32 matmul, all cores' if cpu else 'datasheet dense BF16'}",
+           f"memory_gb = {m['memory_gb']:.4g}", f"hbm_bw_gbps = {m['copy_gbps']:.4g}   # a 64 MB copy, read and write",
+           f"elementwise_gbps = {m['elementwise_gbps']:.4g}   # fourd's eager block ops, in fourd.plan.block's bytes",
+           f"optimizer_gbps = {m['optimizer_gbps']:.4g}   # AdamW, in the planner's 32 bytes per parameter"]  # fmt: skip
+    if cpu:
+        out += [f"tp_layer_us = {m['tp_layer_s'] * 1e6:.4g}", f"fsdp_layer_us = {m['fsdp_layer_s'] * 1e6:.4g}"]
+    else:
+        out += [f"sms = {m['sms']}", "memory_reserve_gb = 1.0   # the CUDA context"]
+    out += ["", "[node]", f"gpus = {m['devices']}", f"intra_bw_gbps = {link}", f"intra_latency_us = {alpha * 1e6:.4g}"]
+    out += [f"concurrent_ranks = {m['cores']}   # workers beyond this share cores"] if cpu else []
+    out += ["", "[network]   # not measured: the node's own figures", f"nic_bw_gbps = {1 / beta / 1e9:.4g}",
+            f"latency_us = {alpha * 1e6:.4g}", f"gpus_per_rack = {m['devices']}", f"gpus_per_pod = {m['devices']}", "",
+            "[calibration]", f'date = "{today}"', f'command = "{command}"', ""]  # fmt: skip
+    return "\n".join(out + _samples(m))
 
 
 def add_arguments(p):
     p.add_argument(
-        "--out",
-        default=None,
-        help="where to write the profile (default $FOURD_HOME/clusters/local.toml, FOURD_HOME defaults to ~/.fourd)",
+        "--out", help="where to write the profile (default $FOURD_HOME/clusters/local.toml; FOURD_HOME: ~/.fourd)"
     )
-    p.add_argument("--quick", action="store_true", help="a coarser, smaller sweep (about 8 s)")
+    p.add_argument("--quick", action="store_true", help="a coarser, smaller sweep (seconds)")
+    p.add_argument(
+        "--device", choices=("auto", "cpu", "cuda"), default="auto", help="what to measure (default: CUDA if present)"
+    )
 
 
 def run(args) -> int:
+    import torch
+
     from fourd.config import fourd_home
     from fourd.plan.cluster import load_cluster
 
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise FourdError("--device cuda: no CUDA device is visible to torch here; use --device cpu")
     out = Path(args.out) if args.out else fourd_home() / "clusters" / "local.toml"
-    if out.suffix != ".toml":
-        raise FourdError(f"--out {args.out}: the planner reads .toml profiles; end the path in .toml")
+    if out.suffix != ".toml" or out.is_dir():
+        raise FourdError(f"--out {out}: the planner reads .toml profile files; give a file path ending in .toml")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise FourdError(f"--out {out}: cannot create {out.parent} ({e.strerror}); choose a writable path") from None
-    m = measure("quick" if args.quick else "full")
+    m = measure("quick" if args.quick else "full", device)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    tmp.write_text(profile_toml(m, "fourd calibrate" + (" --quick" if args.quick else "")))
+    tmp.write_text(profile_toml(m, f"fourd calibrate{' --quick' if args.quick else ''} --device {device}"))
     os.replace(tmp, out)
-    cluster = load_cluster(str(out))
-    best = max(m["gemm"], key=lambda x: x[1])
-    print(f"wrote {out}")
-    print(
-        f"  matmul FP32: {cluster.gpu.peak_tflops * 1e3:.1f} GFLOP/s on all {m['cores']} cores "
-        f"({m['concurrent_tflops'] * 1e3:.1f} as one worker per core); one worker "
-        f"{best[1] * 1e3:.1f} GFLOP/s at n={best[0]}, {m['gemm'][0][1] * 1e3:.2f} at n={m['gemm'][0][0]}"
-    )
-    rates = sorted(g.tflops for g in cluster.gpu.gemm_shapes)
-    attn = [a.fwd_tflops for a in cluster.gpu.attention]
-    print(
-        f"  training-shape GEMMs: {rates[0] * 1e3:.1f} to {rates[-1] * 1e3:.1f} GFLOP/s (median "
-        f"{statistics.median(rates) * 1e3:.1f}) over {len(rates)} shapes; attention forward "
-        f"{min(attn) * 1e3:.1f} to {max(attn) * 1e3:.1f} GFLOP/s"
-    )
-    print(
-        f"  eager elementwise ops {cluster.gpu.elementwise_gbps:.2f} GB/s, AdamW {cluster.gpu.optimizer_gbps:.2f} GB/s "
-        "(planner-counted bytes)"
-    )
-    print(
-        f"  memory copy: {cluster.gpu.hbm_bw_gbps:.2f} GB/s; send/recv {cluster.node.intra_bw_gbps:.3f} GB/s, "
-        f"{cluster.node.intra_latency_us:.0f} us"
-    )
-    for s in cluster.collectives:
+    c = load_cluster(str(out))
+    rates = sorted(g.tflops for g in c.gpu.gemm_shapes)
+    print(f"wrote {out}\n  {c.gpu.name}: peak {c.gpu.peak_tflops * 1e3:.1f} GFLOP/s; training-shape GEMMs {rates[0] * 1e3:.1f} "
+          f"to {rates[-1] * 1e3:.1f} GFLOP/s over {len(rates)} shapes; copy {c.gpu.hbm_bw_gbps:.2f} GB/s, eager block "
+          f"ops {c.gpu.elementwise_gbps:.2f} GB/s, AdamW {c.gpu.optimizer_gbps:.2f} GB/s")  # fmt: skip
+    for s in c.collectives:
         print(
             f"  {s.op:>14} x{s.nproc}: alpha {s.alpha_s * 1e6:8.1f} us  1/beta {1 / s.beta_s_per_byte / 1e9:6.3f} GB/s"
         )
+    if c.cpu:
+        print(f"  CPU time per layer: tensor parallelism {c.gpu.tp_layer_us:.0f} us, FSDP {c.gpu.fsdp_layer_us:.0f} us")
     return 0

@@ -13,8 +13,8 @@ examples:
   fourd plan --model small --cluster local --layout tp=2,dp=2 --seq 256 --global-batch-tokens 8192
   fourd plan --model llama3-405b --cluster llama3-h100 --gpus 16384 --layout tp=8,pp=16,dp=128 --train-tokens 15.6T
 
-Cluster profiles: fourd/plan/clusters/*.toml (llama3-h100, dgx-h100, dgx-h200, dgx-a100-40gb,
-dgx-a100-80gb, selene-a100), and $FOURD_HOME/clusters/<name>.toml (`fourd calibrate` writes `local`),
+Cluster profiles: fourd/plan/clusters/*.toml (llama3-h100, dgx-h100, dgx-h200, grand-teton-h100,
+dgx-a100-40gb, selene-a100 (A100 80 GB)), and $FOURD_HOME/clusters/<name>.toml (`fourd calibrate` writes `local`),
 or a path; see docs/planner.md.
 """
 

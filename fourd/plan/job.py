@@ -10,6 +10,8 @@ from fourd.layout import Layout, Parallelism, layer_split
 from fourd.model.config import ModelConfig
 from fourd.plan.cluster import DTYPE_BYTES, Cluster
 
+ATTENTION = ("flash", "materialized")  # a fused kernel, or the s × s scores written to memory (Megatron 2021-22)
+
 
 @dataclass(frozen=True)
 class Work:
@@ -24,17 +26,24 @@ class Work:
     sequence_parallel: bool
     dtype_bytes: int
     compiled: bool
+    attention: str = "flash"
+    autocast: bool = False  # BF16 autocast over FP32 weights: the residual stream stays FP32
+    fsdp: bool = False  # each layer an FSDP unit (ZeRO 1-3 over more than one rank)
 
     @property
     def tokens(self) -> int:
         """Tokens of one microbatch on one rank (context parallelism cuts each sequence)."""
         return self.micro_seqs * self.seq // self.layout.cp
 
+    def __hash__(self) -> int:  # the time model's caches key on this: hash the fields once
+        return _hash(self)
+
 
 @dataclass(frozen=True)
 class Job:
     """A training run: `global_seqs` sequences of `seq` tokens per optimizer step, cut as `par` says.
-    `precision` None trains in the profile's precision; `compiled` runs torch.compile'd (fused) kernels."""
+    `precision` None trains in the profile's precision; `compiled` runs the blocks torch.compile'd (fused
+    kernels); `attention` is "flash" (a fused kernel) or "materialized" (the s × s scores in memory)."""
 
     model: ModelConfig
     cluster: Cluster
@@ -43,6 +52,7 @@ class Job:
     global_seqs: int
     precision: str | None = None
     compiled: bool = False
+    attention: str = "flash"
 
     @property
     def layout(self) -> Layout:
@@ -60,13 +70,25 @@ class Job:
     @cached_property
     def work(self) -> Work:
         p = self.par
+        # fourd trains BF16 by autocast over FP32 weights unless a data-parallel wrapper computes with BF16
+        # copies of them (FSDP's and DDP's mixed precision, as torchtitan, llm-foundry and Megatron do)
+        autocast = self.dtype_bytes == 2 and p.layout.cp * p.layout.dp == 1
         return Work(
             self.model, self.cluster, p.layout, self.seq, self.micro_seqs, p.recompute, p.sequence_parallel,
-            self.dtype_bytes, self.compiled,
+            self.dtype_bytes, self.compiled, self.attention, autocast, p.zero >= 1 and p.shard_ranks > 1,
         )  # fmt: skip
+
+    def __hash__(self) -> int:
+        return _hash(self)
 
     def with_par(self, **changes) -> Job:
         return replace(self, par=replace(self.par, **changes))
+
+
+def _hash(obj) -> int:
+    if "_hash" not in obj.__dict__:
+        obj.__dict__["_hash"] = hash(tuple(getattr(obj, f) for f in obj.__dataclass_fields__))
+    return obj.__dict__["_hash"]
 
 
 def stage_layers(layers: int, pp: int, virtual_stages: int = 1) -> list[int]:

@@ -1,8 +1,5 @@
-"""One kernel's time: GEMMs, attention, memory-bound elementwise work, the optimizer update, collectives.
-
-Times in seconds, sizes in bytes, rates in FLOP/s or bytes/s. Measured samples in a profile (`fourd
-calibrate`) win over the models; docs/planner.md names the source of every figure.
-"""
+"""One kernel's time: GEMMs, attention, memory-bound work, the optimizer update, collectives. Seconds, bytes,
+FLOP/s; a profile's measured samples (`fourd calibrate`) win over the models; docs/planner.md sources each figure."""
 
 from __future__ import annotations
 
@@ -14,9 +11,11 @@ from fourd.plan.cluster import Cluster, Group, group_bandwidth
 
 KERNEL_LAUNCH_S = 4e-6  # CUDA kernel launch and tail, per GEMM on a GPU
 GPU_TILES = ((128, 128), (128, 256), (256, 128))  # output tiles cuBLAS picks among for large BF16 GEMMs
+GEMM_K_OVERHEAD = 380  # a tile's prologue and epilogue, in units of the inner dimension k: rate · k / (k + this)
 FA_BACKWARD_FLOPS = 2.5  # FlashAttention's backward redoes QK^T: 5 matmuls to the forward's 2 (Dao 2023 §3.1)
 FA_HALF_LENGTH = 384  # attention kernels lose efficiency on short sequences: eff · L/(L+384)
 ADAM_BYTES = {2: 30, 4: 32}  # HBM bytes per owned parameter in an Adam update (read+write states, grad, weight)
+HBM_EFFICIENCY = 0.9  # memory-bound kernels stream at this share of the datasheet bandwidth (assumed)
 
 
 def _wave_utilization(m: int, n: int, sms: int) -> float:
@@ -31,19 +30,10 @@ def _wave_utilization(m: int, n: int, sms: int) -> float:
 
 
 def _interpolate(samples: Sequence[tuple[Sequence[float], float]], point: Sequence[float]) -> float:
-    """A measured value at `point` from samples at other points: inverse-distance weighting (power 4, so the
-    nearest samples dominate) in log2 coordinates, each clamped to the samples' range (flat beyond them).
-    Samples measured at the point itself are averaged. One coordinate: linear between the two neighbours."""
+    """A measured value at `point`: inverse-distance weighting (power 4) in log2 coordinates clamped to the
+    samples' range; samples at the point itself are averaged."""
     logs = [tuple(math.log2(c) for c in where) for where, _ in samples]
-    lo = [min(c) for c in zip(*logs)]
-    hi = [max(c) for c in zip(*logs)]
-    q = [min(max(math.log2(c), a), b) for c, a, b in zip(point, lo, hi)]
-    if len(q) == 1:
-        pts = sorted((x[0], v) for x, (_, v) in zip(logs, samples))
-        for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
-            if x0 <= q[0] <= x1:
-                return y0 + (y1 - y0) * (q[0] - x0) / (x1 - x0) if x1 > x0 else y1
-        return pts[0][1] if q[0] <= pts[0][0] else pts[-1][1]
+    q = [min(max(math.log2(c), min(cs)), max(cs)) for c, cs in zip(point, zip(*logs))]
     hits, weights, total = [], 0.0, 0.0
     for where, (_, value) in zip(logs, samples):
         d2 = sum((a - b) ** 2 for a, b in zip(where, q))
@@ -57,61 +47,46 @@ def _interpolate(samples: Sequence[tuple[Sequence[float], float]], point: Sequen
 
 @lru_cache(maxsize=65536)
 def gemm_time(m: int, n: int, k: int, cluster: Cluster, dtype_bytes: int = 2) -> float:
-    """Seconds for one (m×k)·(k×n) GEMM.
-
-    Measured samples (calibrate) win when the profile has them: those at training shapes, interpolated
-    over (m, n, k), else the square ones, over FLOPs. Otherwise a roofline: FLOPs at the sustained GEMM
-    rate, reduced by wave quantization of the output tiles over the SMs, or the bytes of the three
-    matrices over HBM bandwidth, whichever is slower.
-    """
+    """Seconds for one (m×k)·(k×n) GEMM: measured samples if the profile has them (training shapes over
+    (m, n, k), else squares over FLOPs), else the slower of the sustained rate cut by wave quantization and
+    the k-loop's prologue, and the three matrices' bytes over HBM."""
     gpu = cluster.gpu
     flops = 2.0 * m * n * k
     if gpu.gemm_shapes:
         return flops / (_interpolate([((s.m, s.n, s.k), s.tflops) for s in gpu.gemm_shapes], (m, n, k)) * 1e12)
     if gpu.gemm:
         return flops / (_interpolate([((2 * s.m * s.n * s.k,), s.tflops) for s in gpu.gemm], (flops,)) * 1e12)
-    util = _wave_utilization(m, n, gpu.sms) if gpu.sms else 1.0
+    util = _wave_utilization(m, n, gpu.sms) * k / (k + GEMM_K_OVERHEAD) if gpu.sms else 1.0
     compute = flops / (gpu.peak_tflops * 1e12 * gpu.gemm_efficiency * util)
-    memory = dtype_bytes * (m * k + k * n + m * n) / (gpu.hbm_bw_gbps * 1e9)
+    memory = dtype_bytes * (m * k + k * n + m * n) / (gpu.hbm_bw_gbps * HBM_EFFICIENCY * 1e9)
     return max(compute, memory) + (KERNEL_LAUNCH_S if gpu.sms else 0.0)
 
 
 def elementwise_time(nbytes: float, cluster: Cluster) -> float:
-    """Seconds of a model's memory-bound kernels that move `nbytes` as fused kernels would. On GPUs they
-    stream at HBM bandwidth; a CPU profile measures eager torch, one op and one pass at a time, and the
-    rate it gives these same counted bytes (`elementwise_gbps`) wins."""
-    return nbytes / ((cluster.gpu.elementwise_gbps or cluster.gpu.hbm_bw_gbps) * 1e9)
+    """Seconds of memory-bound kernels that move `nbytes` (fourd.plan.block counts them): at a share of HBM
+    bandwidth on GPUs, at the rate a CPU profile measured for eager torch on those counted bytes."""
+    return nbytes / (cluster.gpu.elementwise_gbps or cluster.gpu.hbm_bw_gbps * HBM_EFFICIENCY) / 1e9
 
 
 def optimizer_time(params: float, cluster: Cluster, dtype_bytes: int = 2) -> float:
     """Seconds of an Adam update of `params` parameters: ADAM_BYTES each at HBM bandwidth, or at the rate
     a CPU profile measured for torch's AdamW going parameter by parameter (`optimizer_gbps`)."""
-    rate = cluster.gpu.optimizer_gbps or cluster.gpu.hbm_bw_gbps
+    rate = cluster.gpu.optimizer_gbps or cluster.gpu.hbm_bw_gbps * HBM_EFFICIENCY
     return params * ADAM_BYTES[dtype_bytes] / (rate * 1e9)
 
 
 def _measured_attention(cluster: Cluster, kv_len: int, head_dim: int, masked: bool) -> tuple[float, float]:
     """(forward, backward) FLOP/s a profile measured for attention at this length and head size."""
-    samples = cluster.gpu.attention
-    rates = []
-    for fwd in (True, False):
-        pick = [
-            ((s.seq, s.head_dim), float((s.masked_fwd_tflops if fwd else s.masked_bwd_tflops) or 0) if masked else
-             (s.fwd_tflops if fwd else s.bwd_tflops))
-            for s in samples
-        ]  # fmt: skip
-        rates.append(_interpolate(pick, (kv_len, head_dim)) * 1e12)
-    return rates[0], rates[1]
+    names = ("masked_fwd_tflops", "masked_bwd_tflops") if masked else ("fwd_tflops", "bwd_tflops")
+    pick = [[((s.seq, s.head_dim), float(getattr(s, name) or 0)) for s in cluster.gpu.attention] for name in names]
+    return _interpolate(pick[0], (kv_len, head_dim)) * 1e12, _interpolate(pick[1], (kv_len, head_dim)) * 1e12
 
 
 def attention_time(
     q_tokens: int, kv_len: int, heads: int, head_dim: int, cluster: Cluster, causal: bool = True
 ) -> tuple[float, float]:
-    """(forward, backward) seconds of fused attention for q_tokens queries per head against kv_len keys.
-
-    Causal attention does half the score work; the backward does 2.5× the forward's FLOPs. CPU profiles
-    use their measured rates; non-causal calls there take the explicit-mask kernel, which computes every pair.
-    """
+    """(forward, backward) seconds of fused attention, q_tokens queries per head against kv_len keys (causal:
+    half the pairs; measured rates win, non-causal ones there from the explicit-mask kernel)."""
     gpu = cluster.gpu
     pairs = q_tokens * kv_len * (0.5 if causal else 1.0)
     fwd_flops = 4.0 * pairs * head_dim * heads
@@ -132,14 +107,12 @@ def attention_time(
 
 # bytes each rank sends = factor · nbytes (nbytes: all-gather's output, reduce-scatter's input), and ring steps
 BUS_FACTOR = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "all_to_all": lambda n: (n - 1) / n,
-    "broadcast": lambda n: 1.0,
-    "send": lambda n: 1.0,
-}
-_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "send": lambda n: 1}
+    "all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0, "send": lambda n: 1.0,
+}  # fmt: skip
+# latency steps: a ring's n−1 (all-reduce 2(n−1)); NCCL's double binary tree all-reduces in 2·log2(n)
+_STEPS = {"all_reduce": lambda n: min(2 * (n - 1), 2 * math.ceil(math.log2(n))), "send": lambda n: 1}
 
 
 def bus_factor(op: str, n: int) -> float:

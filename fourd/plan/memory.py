@@ -1,42 +1,24 @@
-"""Memory per GPU: weights, gradients and optimizer state by ZeRO stage, activations per layer for the block
-type and recomputation, microbatches in flight per pipeline schedule, embedding and logits.
-
-All sizes in bytes unless a name says otherwise. Pure functions; docs/planner.md derives each term.
-"""
+"""Memory per GPU: weights, gradients and optimizer state by ZeRO stage, the activations a layer keeps
+(fourd.plan.block) times the microbatches in flight of the schedule, the loss's logits, FSDP's gathered
+layers, the allocator's cache and the runtime. Bytes; docs/planner.md derives each term."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from fourd.plan.job import Job, Work, stage_layers
+from fourd.plan.block import loss_bytes, traffic
+from fourd.plan.job import Job, stage_layers
 
 GB = 1e9
-
-
-# ---- whole-model arithmetic ----------------------------------------------------------------------------
-
-
-def weights_bytes(params: float, bytes_per_param: int = 2) -> float:
-    """405e9 BF16 parameters are 810 GB."""
-    return params * bytes_per_param
-
-
-def training_state_bytes(params: float, zero: int = 0, dp: int = 1, dtype_bytes: int = 2) -> float:
-    """Weights + gradients + optimizer state of mixed-precision Adam: 16 B/param unsharded (405B: 6.48 TB)."""
-    return params * sum(state_bytes_per_param(zero, dp, dtype_bytes))
-
-
-def min_gpus(nbytes: float, gpu_memory_gb: float) -> int:
-    """Fewest GPUs whose memory holds nbytes, before activations (6.48 TB on 80 GB: 81)."""
-    return -int(-nbytes // (gpu_memory_gb * GB))
+# PyTorch's CUDA caching allocator keeps freed blocks for reuse: reserved over allocated, less one. Fitted.
+# (Its CPU allocator returns freed memory to malloc: nothing on CPU profiles.)
+ALLOCATOR_FRAGMENTATION = 0.252
 
 
 def state_bytes_per_param(zero: int, dp: int, dtype_bytes: int = 2) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer) bytes per parameter for ZeRO stage 0-3 over dp ranks (Rajbhandari et al.
-    2020, §5): mixed precision keeps 16-bit weights and gradients and an FP32 master copy, momentum and
-    variance (2 + 2 + 12 = 16: stage 1 4 + 12/N_d, stage 2 2 + 14/N_d, stage 3 16/N_d). FP32 training keeps
-    4 + 4 + 8 (no master copy)."""
+    """(weights, gradients, optimizer) bytes per parameter for ZeRO stage 0-3 over dp ranks: 2 + 2 + 12 in
+    mixed precision, 4 + 4 + 8 in FP32 (Rajbhandari et al. 2020 §5)."""
     w = g = dtype_bytes
     opt = 12 if dtype_bytes == 2 else 8
     return (w / dp if zero >= 3 else w, g / dp if zero >= 2 else g, opt / dp if zero >= 1 else opt)
@@ -56,20 +38,16 @@ def stage_params(model, counts: list[int], stage: int) -> int:
 
 
 @lru_cache(maxsize=4096)
-def rank_shapes(model, pp: int, virtual_stages: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int]:
-    """(layers per pipeline rank, parameters per pipeline rank before TP, the ranks that can peak in memory,
-    parameters of the largest stage).
-
-    In-flight microbatches fall with the rank, so besides the last (logits) only the first rank with each
-    layer count can hold the most."""
+def rank_shapes(model, pp: int, virtual_stages: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """(layers per pipeline rank, parameters per pipeline rank before TP, the ranks that can peak in memory:
+    in-flight microbatches fall with the rank, so besides the last (logits) the first with each layer count)."""
     counts = stage_layers(model.layers, pp, virtual_stages)
     layers = tuple(sum(counts[s] for s in range(r, len(counts), pp)) for r in range(pp))
     params = tuple(sum(stage_params(model, counts, s) for s in range(r, len(counts), pp)) for r in range(pp))
     first_with: dict[int, int] = {}
     for r, n in enumerate(layers):
         first_with.setdefault(n, r)
-    biggest = max(stage_params(model, counts, s) for s in range(len(counts)))
-    return layers, params, tuple(sorted({0, pp - 1, *first_with.values()})), biggest
+    return layers, params, tuple(sorted({0, pp - 1, *first_with.values()}))
 
 
 def max_rank_params(model, pp: int, virtual_stages: int, tp: int) -> float:
@@ -80,53 +58,9 @@ def max_rank_params(model, pp: int, virtual_stages: int, tp: int) -> float:
 # ---- activations ---------------------------------------------------------------------------------------
 
 
-@lru_cache(maxsize=4096)
-def activation_bytes_per_token(work: Work, recompute: str | None = None) -> float:
-    """Bytes one layer keeps for backward per token on one TP rank, with a fused (flash) attention kernel.
-
-    Derived for these blocks the way Korthikanti et al. 2022 (§4.1) derive 34·sbh for GPT: a pre-norm
-    block saves the inputs of both norms (h each) and their outputs (h each, the inputs of the QKV and
-    MLP GEMMs); attention saves Q, K, V and its output (GQA: K and V have kv_heads) and a logsumexp per
-    head (4 B); the MLP saves the inputs of its nonlinearity and of its last GEMM (SwiGLU: w1 and w3
-    outputs and their product, 3·ffn; GeLU: 2·ffn). No dropout. Sequence parallelism cuts the norm
-    parts by tp; TP cuts the rest. `selective` recomputes the norm outputs and the MLP product; `full`
-    keeps only the layer input. `recompute` overrides the work's own.
-    """
-    model, tp, b = work.model, work.layout.tp, work.dtype_bytes
-    recompute = recompute or work.recompute
-    h, hd = model.dim, model.head_dim
-    norm_cut = tp if work.sequence_parallel else 1
-    if recompute == "full":
-        return h * b / norm_cut
-    q = model.heads * hd
-    kv = 2 * model.kv_heads * hd
-    mlp = (3 if model.mlp == "swiglu" else 2) * model.ffn
-    norms = 4 * h
-    if recompute == "selective":
-        norms, mlp = 2 * h, mlp - model.ffn
-    attention = q + kv + q  # Q, K, V, output
-    return norms * b / norm_cut + (attention + mlp) * b / tp + 4 * model.heads / tp
-
-
-def gpt_activation_bytes_per_layer(
-    s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False, flash: bool = False
-) -> float:
-    """Korthikanti et al. 2022 eq. 1-4 (16-bit GPT layer with dropout): sbh(34 + 5as/h) with no parallelism,
-    sbh(10 + 24/t + 5as/(ht)) with TP, (sbh/t)(34 + 5as/h) with TP and SP; flash attention drops the 5as/h."""
-    scores = 0 if flash else 5 * a * s / h
-    if sequence_parallel:
-        return s * b * h / t * (34 + scores)
-    return s * b * h * (10 + 24 / t + scores / t)
-
-
 def in_flight(schedule: str, pp: int, microbatches: int, virtual_stages: int, rank: int) -> float:
-    """Microbatches whose activations pipeline rank `rank` holds at its peak, in units of all its layers
-    (the closed forms of fourd.schedules' action lists, which the tests check against).
-
-    GPipe: all m (every forward before any backward). 1F1B: p − rank (Narayanan et al. 2021 §2.2). ZB-H1:
-    p on every rank, its deferred weight gradients keeping inputs alive (Qi et al. 2023 §3.1). Interleaved:
-    (V − 1)·R + 2(p − rank − 1) warm-up forwards of one stage (1/V of the layers) each and one more, R the
-    first round of microbatches (at least p; fourd.schedules)."""
+    """Microbatches whose activations pipeline rank `rank` holds at its peak, in units of all its layers: the
+    closed forms of fourd.schedules' lists (docs/simulators.md's "peak in flight"; the tests check them)."""
     m, p, v = microbatches, pp, virtual_stages
     if schedule == "gpipe":
         return m
@@ -149,41 +83,62 @@ class Memory:
     optimizer: float
     activations: float
     other: float  # logits of the loss, gathered ZeRO-3 buffers
-    reserve: float
+    fragmentation: float  # what the caching allocator keeps reserved beyond the tensors
+    reserve: float  # the runtime's: CUDA context, NCCL's buffers
 
     @property
     def total(self) -> float:
+        """Bytes of tensors at the peak (torch's max_memory_allocated)."""
         return self.params + self.grads + self.optimizer + self.activations + self.other
 
+    @property
+    def held(self) -> float:
+        """All a GPU holds at the peak: the tensors, the allocator's cache and the runtime."""
+        return self.total + self.fragmentation + self.reserve
+
+    def fits(self, capacity: float) -> bool:
+        """The tensors and the runtime fit: before it gives up, the allocator frees what it keeps cached."""
+        return self.total + self.reserve <= capacity
+
     def gb(self) -> dict:
-        names = ("params", "grads", "optimizer", "activations", "other", "reserve", "total")
+        names = ("params", "grads", "optimizer", "activations", "other", "fragmentation", "reserve", "total")
         return {k: getattr(self, k) / GB for k in names}
 
 
-@lru_cache(maxsize=16384)
-def rank_memory(job: Job, rank: int) -> Memory:
-    """Peak memory of one GPU of pipeline rank `rank`."""
-    par, lay, work, b = job.par, job.layout, job.work, job.dtype_bytes
-    layers, params, _, biggest = rank_shapes(job.model, lay.pp, par.virtual_stages)
-    mine = params[rank] / lay.tp
-    w, g, o = state_bytes_per_param(par.zero, lay.cp * lay.dp, b)  # FSDP shards over dp×cp
-    tokens = work.tokens
-    per_layer = tokens * activation_bytes_per_token(work)
-    acts = in_flight(par.schedule, lay.pp, par.microbatches, par.virtual_stages, rank) * layers[rank] * per_layer
-    other = 0.0
-    if par.recompute == "full":
-        # the layer being recomputed holds its whole activations for one microbatch
-        other += tokens * activation_bytes_per_token(work, "none")
-    if rank == lay.pp - 1:
-        # FP32 logits and their gradient for one microbatch, vocabulary split over TP
-        other += 2 * 4 * tokens * job.model.vocab / lay.tp
-    if par.zero == 3:
-        # one gathered stage and the next, prefetched
-        other += 2 * biggest / lay.tp * b
-    return Memory(mine * w, mine * g, mine * o, acts, other, job.cluster.gpu.memory_reserve_gb * GB)
+def activation_bytes_per_token(work) -> float:
+    """Bytes one layer keeps for backward per token on one rank (what fourd.parallel.recompute keeps)."""
+    return traffic(work).saved
+
+
+def rank_memories(job: Job, ranks) -> list[Memory]:
+    """Peak memory of one GPU of each pipeline rank in `ranks`."""
+    return [Memory(*terms) for terms in _rank_terms(job, ranks)]
+
+
+def _rank_terms(job: Job, ranks) -> list[tuple[float, ...]]:
+    par, lay, work, b, model = job.par, job.layout, job.work, job.dtype_bytes, job.model
+    layers, params, _ = rank_shapes(model, lay.pp, par.virtual_stages)
+    w, g, o = state_bytes_per_param(par.zero, par.shard_ranks, b)  # FSDP shards over dp×cp (or an HSDP group)
+    per_layer = work.tokens * traffic(work).saved
+    # while a layer is recomputed it holds all its activations for one microbatch
+    common = work.tokens * traffic(replace(work, recompute="none")).saved if par.recompute == "full" else 0.0
+    logits = loss_bytes(b)[2] * work.tokens * model.vocab / lay.tp  # the loss's, for one microbatch: the last rank
+    layer = model.layer_params()
+    gathered = 2 * layer / lay.tp * b * (par.zero == 3)  # FSDP's gathered layer and the next
+    edge = 2 * max(0, model.embedding_params() - layer) / lay.tp * b * (par.zero == 3)  # embedding, output
+    out: list[tuple[float, ...]] = []
+    reserve = job.cluster.gpu.memory_reserve_gb * GB
+    for r in ranks:
+        mine = params[r] / lay.tp
+        acts = in_flight(par.schedule, lay.pp, par.microbatches, par.virtual_stages, r) * layers[r] * per_layer
+        other = common + logits * (r == lay.pp - 1) + gathered + edge * (r in (0, lay.pp - 1))
+        cache = ALLOCATOR_FRAGMENTATION * (mine * (w + g + o) + acts + other) * (not job.cluster.cpu)
+        out.append((mine * w, mine * g, mine * o, acts, other, cache, reserve))
+    return out
 
 
 def peak_memory(job: Job) -> tuple[int, Memory]:
-    """The pipeline rank with the most memory, the reserve included, and its memory."""
+    """The pipeline rank whose tensors take the most memory, and its memory."""
     ranks = rank_shapes(job.model, job.layout.pp, job.par.virtual_stages)[2]
-    return max(((r, rank_memory(job, r)) for r in ranks), key=lambda rm: rm[1].total + rm[1].reserve)
+    rank, terms = max(zip(ranks, _rank_terms(job, ranks)), key=lambda rt: sum(rt[1][:5]))
+    return rank, Memory(*terms)

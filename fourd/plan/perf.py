@@ -1,14 +1,13 @@
-"""The time model of a step: one layer's work and collectives, a pipeline stage, the bubble of the
-schedule, data-parallel traffic and the optimizer. Shared with the simulator (`fourd sim step` schedules
-these same per-microbatch times), so that the two agree. Seconds, bytes, FLOP/s.
-"""
+"""The time of a step: a layer's work and collectives, a pipeline stage, the schedule's bubble, data-parallel
+traffic, the optimizer. `fourd sim step` schedules these same per-microbatch times. Seconds, bytes, FLOP/s."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
 
-from fourd.plan.cluster import Cluster, Group, placement, shard_group
+from fourd.plan.block import loss_bytes, matmuls, traffic
+from fourd.plan.cluster import Cluster, Group, placement, replica_group, shard_group
 from fourd.plan.job import Job, Work, stage_layers
 from fourd.plan.kernels import attention_time, collective_time, elementwise_time, gemm_time, optimizer_time
 from fourd.plan.memory import max_rank_params, rank_shapes
@@ -26,13 +25,8 @@ class StageTime:
     forward_comm_s: float  # TP and CP collectives on the critical path
     backward_comm_s: float
 
-    @property
-    def forward(self) -> float:
-        return self.forward_s + self.forward_comm_s
-
-    @property
-    def backward(self) -> float:
-        return self.input_grad_s + self.weight_grad_s + self.backward_comm_s
+    forward = property(lambda self: self.forward_s + self.forward_comm_s)
+    backward = property(lambda self: self.input_grad_s + self.weight_grad_s + self.backward_comm_s)
 
     def __add__(self, other: StageTime) -> StageTime:
         return StageTime(*(a + b for a, b in zip(self._t(), other._t())))
@@ -50,43 +44,10 @@ class StageTime:
 # ---- the model's work per microbatch -------------------------------------------------------------------
 
 
-def _gemms(model, tokens: int, tp: int) -> list[tuple[int, int, int]]:
-    """(m, n, k) of the forward GEMMs of one layer on one TP rank (Megatron column/row split)."""
-    hd = model.head_dim
-    q_heads = model.heads // tp
-    kv_heads = max(1, model.kv_heads // tp)
-    up = 2 * model.ffn // tp if model.mlp == "swiglu" else model.ffn // tp
-    return [
-        (tokens, (q_heads + 2 * kv_heads) * hd, model.dim),  # fused QKV
-        (tokens, model.dim, q_heads * hd),  # attention output
-        (tokens, up, model.dim),  # w1 and w3 fused (fc1 for GeLU)
-        (tokens, model.dim, model.ffn // tp),  # w2
-    ]
-
-
-def elementwise_bytes(model, tokens: int, tp: int, b: int, sequence_parallel: bool = True) -> tuple[float, float]:
-    """HBM bytes of a layer's memory-bound kernels in forward: (norms and residuals, on the sequence-parallel
-    shard or, without SP, on every token on every TP rank; RoPE and the MLP activation on the TP shard), and
-    the part a selective recomputation redoes."""
-    h, hd = model.dim, model.head_dim
-    sp = tp if sequence_parallel else 1
-    norms = 2 * 2 * h * b * tokens / sp  # two norms: read and write h
-    residual = 2 * 3 * h * b * tokens / sp  # two adds: read 2h, write h
-    rope = 2 * 2 * (model.heads + model.kv_heads) * hd * b * tokens / tp
-    act = (3 if model.mlp == "swiglu" else 2) * model.ffn * b * tokens / tp
-    return norms + residual + rope + act, norms + act
-
-
 @lru_cache(maxsize=8192)
 def layer_comm(work: Work) -> tuple[float, float, float, float]:
-    """(TP forward, TP backward, CP forward, CP backward) seconds of one layer's collectives, none overlapped.
-
-    TP alone: an all-reduce after each of attention and MLP, forward and backward (Shoeybi et al. 2019
-    §3). With sequence parallelism each all-reduce becomes an all-gather before the block and a
-    reduce-scatter after it (Korthikanti et al. 2022 §4.2.2), and backward gathers the two saved input
-    shards once more for the weight gradients. CP: all-gather K and V forward, again backward, and
-    reduce-scatter their gradients (Llama 3 §3.3.2; with GQA these are small).
-    """
+    """(TP forward, TP backward, CP forward, CP backward) seconds of one layer's collectives, none overlapped
+    (docs/planner.md: Shoeybi et al. 2019, Korthikanti et al. 2022 §4.2.2 with SP, Llama 3 §3.3.2 for CP)."""
     model, cluster, lay, b = work.model, work.cluster, work.layout, work.dtype_bytes
     groups = placement(lay)
     act = work.tokens * model.dim * b
@@ -102,43 +63,61 @@ def layer_comm(work: Work) -> tuple[float, float, float, float]:
     return (2 * (gather + scatter), 4 * gather + 2 * scatter, *cp_times)
 
 
+def materialized_attention(work: Work) -> tuple[float, float]:
+    """(forward, backward) seconds of attention that writes the s × s scores (Megatron's scale-mask-softmax):
+    two batched GEMMs, softmax and dropout forward, four GEMMs and their backward (Korthikanti et al. 2022 §4)."""
+    m, c, b = work.model, work.cluster, work.dtype_bytes
+    n = work.micro_seqs * (m.heads // work.layout.tp)  # the GEMMs' batch, stacked into rows
+    rows, keys, hd = n * work.tokens // work.micro_seqs, work.seq, m.head_dim
+    scores_t, values_t = gemm_time(rows, keys, hd, c, b), gemm_time(rows, hd, keys, c, b)
+    scores = rows * keys
+    fwd = scores_t + values_t + elementwise_time(9 * scores, c)
+    return fwd, scores_t + 3 * values_t + elementwise_time(11 * scores, c)
+
+
 @lru_cache(maxsize=8192)
 def layer_time(work: Work) -> StageTime:
     """One transformer layer, one microbatch, on one rank of a (tp, cp) group."""
     model, cluster, tp, b = work.model, work.cluster, work.layout.tp, work.dtype_bytes
     tokens = work.tokens
     fwd = wgrad = dgrad = 0.0
-    for m, n, k in _gemms(model, tokens, tp):
-        fwd += gemm_time(m, n, k, cluster, b)
-        dgrad += gemm_time(m, k, n, cluster, b)
-        wgrad += gemm_time(k, n, m, cluster, b)
-    # Each CP rank holds chunks i and 2·CP−1−i of every sequence, so its queries see on average half the
-    # sequence and the causal work is even across ranks (Llama 3 §3.3.2): tokens·seq/2 score pairs.
-    # A CPU profile's measured attention is torch's: there the chunks take an explicit mask, whose kernel
-    # computes all tokens·seq pairs.
-    all_pairs = work.layout.cp > 1 and bool(cluster.gpu.attention)
-    a_fwd, a_bwd = attention_time(tokens, work.seq, model.heads // tp, model.head_dim, cluster, not all_pairs)
-    ew, ew_selective = elementwise_bytes(model, tokens, tp, b, work.sequence_parallel)
-    fwd += a_fwd + elementwise_time(ew, cluster)
-    dgrad += a_bwd + elementwise_time(2 * ew, cluster)
+    for i, (n, k) in enumerate(matmuls(work)):
+        fwd += gemm_time(tokens, n, k, cluster, b)
+        dgrad += gemm_time(tokens, k, n, cluster, b)
+        wgrad += gemm_time(k, n, tokens, cluster, b)
+        if i % 2 and work.recompute == "per-op":
+            dgrad += gemm_time(tokens, n, k, cluster, b)  # recomputed: every other matmul
+    if work.attention == "materialized":
+        a_fwd, a_bwd = materialized_attention(work)
+    else:
+        # CP ranks hold chunks i and 2·CP−1−i: causal, tokens·seq/2 pairs (Llama 3 §3.3.2); on a CPU profile
+        # the chunks take torch's explicit-mask kernel, which computes all pairs
+        all_pairs = work.layout.cp > 1 and bool(cluster.gpu.attention)
+        a_fwd, a_bwd = attention_time(tokens, work.seq, model.heads // tp, model.head_dim, cluster, not all_pairs)
+    t = traffic(work)
+    fwd += a_fwd + elementwise_time(tokens * t.forward, cluster)
+    dgrad += a_bwd + elementwise_time(tokens * (t.backward + t.redo), cluster)
+    # the CPU time a CPU profile measured fourd's TP (DTensor) and FSDP to add per layer, a third forward
+    cpu = cluster.gpu.tp_layer_us * (tp > 1) + cluster.gpu.fsdp_layer_us * work.fsdp
+    fwd, dgrad = fwd + cpu * 1e-6 / 3, dgrad + cpu * 2e-6 / 3
     tp_f, tp_b, cp_f, cp_b = layer_comm(work)
     fwd_comm, bwd_comm = tp_f + cp_f, tp_b + cp_b
-    if work.recompute == "selective":
-        dgrad += elementwise_time(ew_selective, cluster)
-    elif work.recompute == "full":
+    if work.recompute == "full":
         dgrad += fwd
         bwd_comm += fwd_comm
+    elif work.recompute == "selective" and work.attention == "materialized":
+        dgrad += a_fwd  # the attention core, recomputed from Q, K and V (Korthikanti et al. 2022 §5)
     return StageTime(fwd, dgrad, wgrad, fwd_comm, bwd_comm)
 
 
 def _head_time(work: Work, tp_group: Group) -> StageTime:
-    """Final norm, output projection (vocabulary split over TP) and cross-entropy in FP32."""
+    """Final norm, output projection (vocabulary split over TP) and torch's cross-entropy on the logits."""
     cluster, tokens, tp, b = work.cluster, work.tokens, work.layout.tp, work.dtype_bytes
     dim, v, sp = work.model.dim, work.model.vocab // tp, work.sequence_parallel
     norm = 4 * dim * b * tokens / (tp if sp else 1)
-    logits = 4 * tokens * v  # FP32: written, read by the softmax, its gradient written
-    fwd = gemm_time(tokens, v, dim, cluster, b) + elementwise_time(norm + 2 * logits, cluster)
-    dgrad = gemm_time(tokens, dim, v, cluster, b) + elementwise_time(2 * logits, cluster)
+    loss_f, loss_b, _ = loss_bytes(b)
+    fwd = gemm_time(tokens, v, dim, cluster, b) + elementwise_time(norm + loss_f * tokens * v, cluster)
+    dgrad = gemm_time(tokens, dim, v, cluster, b) + elementwise_time(2 * norm + loss_b * tokens * v, cluster)
     wgrad = gemm_time(dim, v, tokens, cluster, b)
     act = tokens * dim * b
     # the vocabulary-parallel loss all-reduces max, sum and target logit; SP gathers the input first and
@@ -150,24 +129,9 @@ def _head_time(work: Work, tp_group: Group) -> StageTime:
     return StageTime(fwd, dgrad, wgrad, comm_f, collective_time("reduce_scatter", act, tp_group, cluster))
 
 
-def _embedding_time(work: Work, tp_group: Group) -> StageTime:
-    """Vocabulary-parallel lookup: partial rows, reduce-scattered into the sequence-parallel shard (or
-    all-reduced without SP)."""
-    act = work.tokens * work.model.dim * work.dtype_bytes
-    cluster = work.cluster
-    ops = ("reduce_scatter", "all_gather") if work.sequence_parallel else ("all_reduce", None)
-    return StageTime(
-        elementwise_time(act, cluster), elementwise_time(2 * act, cluster), 0.0,
-        collective_time(ops[0], act, tp_group, cluster), collective_time(ops[1], act, tp_group, cluster) if ops[1] else 0.0,
-    )  # fmt: skip
-
-
 def compute_share(layout, cluster: Cluster) -> float:
-    """How much slower each rank computes because ranks of one server share its compute (CPU profiles).
-
-    Ranks beyond `concurrent_ranks` (the cores) take turns; and the cores in use share memory bandwidth
-    and clocks, so together they reach the profile's all-core peak, not each its one-worker best.
-    """
+    """How much slower each rank computes where ranks share a server's cores (CPU profiles): ranks beyond
+    `concurrent_ranks` take turns, and the busy cores together reach the all-core peak."""
     slots = cluster.node.concurrent_ranks
     if not slots:
         return 1.0
@@ -182,13 +146,16 @@ def compute_share(layout, cluster: Cluster) -> float:
 def stage_time(work: Work, layers: int, first: bool = False, last: bool = False) -> StageTime:
     """One microbatch through a pipeline stage of `layers` layers (plus the embedding if `first`, the output
     and loss if `last`) on one GPU; TP and CP collectives included as exposed communication."""
-    tp_group = placement(work.layout)["tp"]
+    tp_group, c = placement(work.layout)["tp"], work.cluster
     t = layer_time(work).scaled(layers)
-    if first:
-        t = t + _embedding_time(work, tp_group)
+    if first:  # the vocabulary-parallel lookup: partial rows reduce-scattered into the SP shard (or all-reduced)
+        act = work.tokens * work.model.dim * work.dtype_bytes
+        ops = ("reduce_scatter", "all_gather") if work.sequence_parallel else ("all_reduce", "none")
+        comm = [collective_time(op, act, tp_group, c) if op != "none" else 0.0 for op in ops]
+        t = t + StageTime(elementwise_time(act, c), elementwise_time(2 * act, c), 0.0, *comm)
     if last:
         t = t + _head_time(work, tp_group)
-    return t.scaled(compute_share(work.layout, work.cluster), comm=1.0)
+    return t.scaled(compute_share(work.layout, c), comm=1.0)
 
 
 def chunk_times(job: Job) -> list[StageTime]:
@@ -198,22 +165,24 @@ def chunk_times(job: Job) -> list[StageTime]:
 
 
 def slowest_rank(job: Job) -> tuple[int, StageTime]:
-    """The pipeline rank with the most work per microbatch, and that work (all its stages). Rank 0 also
-    embeds and rank pp−1 also runs the output and the loss."""
-    p = job.layout.pp
-    per_rank = rank_shapes(job.model, p, job.par.virtual_stages)[0]
+    """The pipeline rank with the most work per microbatch (embedding and head included), and that work."""
+    return _slowest(job.work, job.layout.pp, job.par.virtual_stages)
+
+
+@lru_cache(maxsize=16384)
+def _slowest(work: Work, p: int, virtual_stages: int) -> tuple[int, StageTime]:
+    per_rank = rank_shapes(work.model, p, virtual_stages)[0]
     # ranks with equal layers and no embedding or head take equal time: look at one of each kind
     seen: dict[int, int] = {}
     for r in range(1, p - 1):
         seen.setdefault(per_rank[r], r)
-    times = {r: stage_time(job.work, per_rank[r], r == 0, r == p - 1) for r in {0, p - 1, *seen.values()}}
+    times = {r: stage_time(work, per_rank[r], r == 0, r == p - 1) for r in {0, p - 1, *seen.values()}}
     r = max(times, key=lambda r: times[r].forward + times[r].backward)
     return r, times[r]
 
 
 def p2p_time(work: Work) -> float:
-    """One activation (or its gradient) sent between adjacent pipeline ranks; with SP each TP rank sends
-    its shard, without it the whole activation."""
+    """One activation (or its gradient) sent between adjacent pipeline ranks (with SP each TP rank's shard)."""
     lay = work.layout
     nbytes = work.tokens * work.model.dim * work.dtype_bytes / (lay.tp if work.sequence_parallel else 1)
     return collective_time("send", nbytes, Group(2, lay.tp * lay.cp, lay.world), work.cluster)
@@ -223,14 +192,9 @@ def p2p_time(work: Work) -> float:
 
 
 def bubble_time(schedule: str, pp: int, microbatches: int, virtual_stages: int, stage: StageTime) -> float:
-    """Idle time of a pipeline rank per step, for per-microbatch times `stage` (all its layers).
-
-    GPipe and 1F1B: (p−1)·(t_f + t_b), an idle fraction (p−1)/(m+p−1) of the step (Huang et al. 2019;
-    Narayanan et al. 2021 §2.2). Interleaved with V stages per rank: (p−1)/V·(t_f + t_b), i.e. (p−1)/(V·m)
-    of compute (Narayanan et al. 2021 §2.2.1), for m ≥ p; with fewer microbatches each of the V rounds
-    waits for microbatch 0 to come round: (p − 1 − (V−1)(m−1)/V)·(t_f + t_b) (fourd.schedules' lists). Zero-bubble ZB-H1: (p−1)·(t_f + t_i − t_w), weight-gradient
-    work filling the cool-down (Qi et al. 2023 §3.1).
-    """
+    """Idle time of a pipeline rank per step, for per-microbatch times `stage` (all its layers): (p−1)·(t_f +
+    t_b) for GPipe and 1F1B; interleaved (p − 1 − (V−1)(min(m, p)−1)/V)·(t_f + t_b), exact for fourd.schedules'
+    lists; ZB-H1 (p−1)·(t_f + t_i − t_w) (docs/simulators.md gives the sources)."""
     p, v = pp, virtual_stages
     whole = stage.forward + stage.backward
     if schedule in ("gpipe", "1f1b"):
@@ -238,14 +202,6 @@ def bubble_time(schedule: str, pp: int, microbatches: int, virtual_stages: int, 
     if schedule == "interleaved":
         return ((p - 1) * v - (v - 1) * (min(microbatches, p) - 1)) * whole / v
     return (p - 1) * max(0.0, stage.forward + stage.input_grad_s + stage.backward_comm_s - stage.weight_grad_s)
-
-
-def bubble_fraction(pp: int, microbatches: int, virtual_stages: int = 1) -> float:
-    """Idle fraction of the step with equal stages and free communication: (p−1)/(m+p−1) for GPipe and 1F1B
-    (p = 16: 48.4 % at m = 16, 19.0 % at 64, 10.5 % at 128); interleaved (p−1)/(V·m+p−1), the bubble
-    (p−1)/(V·m) of compute as a share of the step."""
-    p, m, v = pp, microbatches, virtual_stages
-    return (p - 1) / (v * m + p - 1)
 
 
 @dataclass(frozen=True)
@@ -265,35 +221,30 @@ class StepTime:
 
 
 def _dp_exposure(job: Job, t: StageTime, bubble: float, layers: int) -> tuple[float, float]:
-    """(exposed, total) seconds of ZeRO/DDP traffic on the slowest rank's weights (and as many gradients).
+    """(exposed, total) seconds of ZeRO/DDP traffic of the slowest rank in one bucket per layer: what the
+    compute around it cannot hide, and the last bucket, are exposed; weights move in the compute precision,
+    gradients in FP32 (docs/planner.md, the data-parallel row, says what each ZeRO stage moves)."""
+    lay, par, c = job.layout, job.par, job.cluster
+    m, shard, n = par.microbatches, shard_group(lay, par.hsdp_replicas), max(1, layers)
+    params = max_rank_params(job.model, lay.pp, par.virtual_stages, lay.tp)
 
-    Gradients of a layer are reduced as soon as its last backward ends, weights gathered just before their
-    first use (bucketed by layer, as DDP and FSDP do): what does not fit in the compute around it, and the
-    last bucket, stay on the critical path. Stage 0 all-reduces; 1 reduce-scatters gradients once per step
-    and all-gathers the updated weights; 2 reduce-scatters every microbatch (gradients stay sharded);
-    3 also gathers weights for every microbatch's forward and backward (Rajbhandari et al. 2020).
-    """
-    lay, m, zero = job.layout, job.par.microbatches, job.par.zero
-    nbytes = max_rank_params(job.model, lay.pp, job.par.virtual_stages, lay.tp) * job.dtype_bytes
-    group = shard_group(lay)
+    def ct(op: str, nbytes: float, group=shard) -> float:
+        return n * collective_time(op, nbytes / n, group, c)
 
-    def ct(op):
-        return collective_time(op, nbytes, group, job.cluster)
-
-    tail = t.backward + bubble / 2  # the last microbatch's backward and the cool-down
-    head = t.forward + bubble / 2  # the first microbatch's forward and the warm-up
+    ag, rs = ct("all_gather", params * job.dtype_bytes), ct("reduce_scatter", 4 * params)
+    across = ct("all_reduce", 4 * params / shard.size, replica_group(lay, par.hsdp_replicas))
+    tail, head = t.backward + bubble / 2, t.forward + bubble / 2  # last backward and cool-down; warm-up
     phases = {
-        0: [(ct("all_reduce"), tail, 1)],
-        1: [(ct("reduce_scatter"), tail, 1), (ct("all_gather"), head, 1)],
-        2: [(m * ct("reduce_scatter"), m * t.backward, m), (ct("all_gather"), head, 1)],
-        3: [(m * ct("all_gather"), m * t.forward, m), (m * (ct("all_gather") + ct("reduce_scatter")), m * t.backward, m)],
-    }[zero]  # fmt: skip
-    total = sum(c for c, _, _ in phases)
-    exposed = sum(max(0.0, c - window) + c / (max(1, layers) * n) for c, window, n in phases)
+        0: [(ct("all_reduce", 4 * params), tail, 1)],
+        1: [(rs, tail, 1), (ag, head, 1)],
+        2: [(m * rs, m * t.backward, m), (ag, head, 1)],
+        3: [(m * ag, m * t.forward, m), (m * (ag + rs + across), m * t.backward, m)],
+    }[par.zero]  # fmt: skip
+    total = sum(x for x, _, _ in phases)
+    exposed = sum(max(0.0, x - window) + x / (n * k) for x, window, k in phases)
     return min(exposed, total), total
 
 
-@lru_cache(maxsize=16384)
 def step_time(job: Job) -> StepTime:
     """Seconds per optimizer step, and where they go."""
     lay, par = job.layout, job.par
@@ -312,27 +263,8 @@ def step_time(job: Job) -> StepTime:
         exposed = total
     overlap = OVERLAP_SLOWDOWN * (total - exposed)
     params = max_rank_params(job.model, p, par.virtual_stages, lay.tp)
-    optimizer = optimizer_time(params / (shard_group(lay).size if par.zero >= 1 else 1), job.cluster, job.dtype_bytes)
+    owned = params / (shard_group(lay, par.hsdp_replicas).size if par.zero >= 1 else 1)
+    optimizer = optimizer_time(owned, job.cluster, job.dtype_bytes)
     step = compute + bubble + p2p + exposed + overlap + optimizer
     tp_comm, cp_comm = m * layers * (tp_f * redo + tp_b), m * layers * (cp_f * redo + cp_b)
     return StepTime(step, compute, bubble, p2p, exposed, total, overlap, optimizer, tp_comm, cp_comm, slow, t)
-
-
-# ---- whole-run arithmetic ----------------------------------------------------------------------------------
-
-SECONDS_PER_YEAR = 365.25 * 86400
-
-
-def training_flops(params: float, tokens: float) -> float:
-    """6·N·D (Kaplan et al. 2020): 405e9 parameters × 15.6e12 tokens ≈ 3.8e25 FLOPs."""
-    return 6.0 * params * tokens
-
-
-def gpu_years(flops: float, flops_per_gpu: float) -> float:
-    """One GPU at a sustained rate: 3.8e25 FLOPs at 400 TFLOP/s ≈ 3,000 years."""
-    return flops / flops_per_gpu / SECONDS_PER_YEAR
-
-
-def run_days(flops: float, gpus: int, flops_per_gpu: float) -> float:
-    """Days on `gpus` GPUs at a sustained rate: 3.8e25 FLOPs on 16,384 GPUs at 400 TFLOP/s ≈ 67 days."""
-    return flops / (gpus * flops_per_gpu) / 86400

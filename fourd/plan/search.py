@@ -3,12 +3,13 @@ N GPUs ranked by tokens/s among those that fit."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from functools import cached_property
+import math
+from dataclasses import dataclass, field
 
 from fourd.errors import FourdError
 from fourd.layout import RECOMPUTE, ZERO_STAGES, Layout, Parallelism, split_ok, tp_ok
 from fourd.layout import check as layout_check
+from fourd.plan.block import matmuls
 from fourd.plan.cluster import group_level, placement
 from fourd.plan.job import Job, stage_layers
 from fourd.plan.memory import GB, Memory, peak_memory
@@ -30,6 +31,7 @@ class Fixed:
     zero: int | None = None
     recompute: str | None = None
     sequence_parallel: bool = True
+    hsdp_replicas: int = 1
 
 
 @dataclass(frozen=True)
@@ -39,45 +41,21 @@ class Plan:
     memory: Memory
     chosen: tuple[str, ...] = field(default=())  # settings the planner chose because the user left them open
 
-    @property
-    def config(self) -> Parallelism:
-        return self.job.par
+    config = property(lambda self: self.job.par)
+    model = property(lambda self: self.job.model)
+    cluster = property(lambda self: self.job.cluster)
+    seq = property(lambda self: self.job.seq)
+    global_seqs = property(lambda self: self.job.global_seqs)
+    micro_seqs = property(lambda self: self.job.micro_seqs)
+    gpus = property(lambda self: self.job.layout.world)
+    fits = property(lambda self: self.memory.fits(self.cluster.gpu.memory_gb * GB))
+    tokens_per_s = property(lambda self: self.global_seqs * self.seq / self.step.step_s)
+    mfu = property(lambda self: self.tflops_per_gpu / self.cluster.gpu.peak_tflops)
+    bubble_fraction = property(lambda self: self.step.bubble_s / self.step.step_s)
 
     @property
-    def model(self):
-        return self.job.model
-
-    @property
-    def cluster(self):
-        return self.job.cluster
-
-    @property
-    def seq(self) -> int:
-        return self.job.seq
-
-    @property
-    def global_seqs(self) -> int:
-        return self.job.global_seqs
-
-    @property
-    def gpus(self) -> int:
-        return self.job.layout.world
-
-    @property
-    def micro_seqs(self) -> int:
-        return self.job.micro_seqs
-
-    @property
-    def fits(self) -> bool:
-        return self.memory.total + self.memory.reserve <= self.cluster.gpu.memory_gb * GB
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.global_seqs * self.seq / self.step.step_s
-
-    @cached_property
     def model_flops(self) -> float:
-        """FLOPs of one step, 6N + 12·L·H·Q·T per token (PaLM appendix B)."""
+        """FLOPs of one step: 6·(N − input embedding) + 12·L·H·Q·T per token (PaLM appendix B, as Megatron counts)."""
         return self.global_seqs * self.seq * self.model.flops_per_token(self.seq)
 
     @property
@@ -86,66 +64,33 @@ class Plan:
 
     @property
     def hw_tflops_per_gpu(self) -> float:
-        """Model FLOPs plus recomputation: full recomputation repeats the forward, a third of the total."""
-        extra = 1 / 3 if self.config.recompute == "full" else 0.0
-        return self.tflops_per_gpu * (1 + extra)
-
-    @property
-    def mfu(self) -> float:
-        return self.tflops_per_gpu / self.cluster.gpu.peak_tflops
-
-    @property
-    def bubble_fraction(self) -> float:
-        return self.step.bubble_s / self.step.step_s
-
-    def placement_levels(self) -> dict[str, str]:
-        return {d: group_level(g, self.cluster) for d, g in placement(self.config.layout).items()}
+        """Model FLOPs and the recomputed forward's: the layers' (full), every other matmul (per-op), or the
+        attention core (selective with materialized scores)."""
+        m, work, rc = self.model, self.job.work, self.config.recompute
+        attention = 4 * m.layers * m.heads * m.head_dim * self.seq  # Q·Kᵀ and P·V forward, per token
+        mm = [2 * n * k * work.layout.tp * m.layers for n, k in matmuls(work)]
+        extra = {"full": sum(mm) + attention, "per-op": sum(mm[1::2])}.get(rc, 0.0)
+        extra += attention * (rc == "selective" and work.attention == "materialized")
+        return self.tflops_per_gpu * (1 + extra / m.flops_per_token(self.seq))
 
     def to_json(self, train_tokens: float | None = None) -> dict:
-        c, s, lay = self.config, self.step, self.config.layout
-        out = {
-            "model": self.model.to_dict(),
-            "cluster": self.cluster.name,
-            "gpus": self.gpus,
-            "dtype": self.job.precision or self.cluster.dtype,
-            "compiled": self.job.compiled,
-            "layout": {"tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp},
-            "schedule": c.schedule,
-            "microbatches": c.microbatches,
-            "virtual_stages": c.virtual_stages,
-            "micro_batch_seqs": self.micro_seqs,
-            "zero": c.zero,
-            "recompute": c.recompute,
-            "sequence_parallel": c.sequence_parallel,
-            "seq": self.seq,
-            "global_batch_tokens": self.global_seqs * self.seq,
-            "memory_gb": {k: round(v, 3) for k, v in self.memory.gb().items()},
-            "memory_capacity_gb": self.cluster.gpu.memory_gb,
-            "fits": self.fits,
-            "step_time_s": s.step_s,
-            "tokens_per_s": self.tokens_per_s,
-            "tflops_per_gpu": self.tflops_per_gpu,
-            "hw_tflops_per_gpu": self.hw_tflops_per_gpu,
-            "mfu": self.mfu,
-            "bubble_fraction": self.bubble_fraction,
-            "breakdown_s": {
-                "compute": s.compute_s,
-                "tp_comm": s.tp_comm_s,
-                "cp_comm": s.cp_comm_s,
-                "bubble": s.bubble_s,
-                "pp_p2p": s.p2p_s,
-                "dp_exposed": s.dp_exposed_s,
-                "dp_total": s.dp_total_s,
-                "overlap_slowdown": s.overlap_s,
-                "optimizer": s.optimizer_s,
-            },  # fmt: skip
-            "placement": self.placement_levels(),
-            "stage_layers": stage_layers(self.model.layers, lay.pp, c.virtual_stages),
-            "chosen_by_planner": list(self.chosen),
-        }
+        c, s, lay, job = self.config, self.step, self.config.layout, self.job
+        out = {"model": self.model.to_dict(), "cluster": self.cluster.name, "gpus": self.gpus}
+        out |= {"dtype": job.precision or self.cluster.dtype, "compiled": job.compiled, "attention": job.attention}
+        out |= {"layout": {d: getattr(lay, d) for d in ("tp", "cp", "pp", "dp")}, "schedule": c.schedule}
+        out |= {k: getattr(c, k) for k in ("microbatches", "virtual_stages", "zero", "recompute", "sequence_parallel")}
+        out |= {"hsdp_replicas": c.hsdp_replicas, "micro_batch_seqs": self.micro_seqs, "seq": self.seq}
+        out |= {"global_batch_tokens": self.global_seqs * self.seq, "fits": self.fits, "step_time_s": s.step_s}
+        out |= {"memory_gb": {k: round(v, 3) for k, v in self.memory.gb().items()}}
+        out |= {"memory_capacity_gb": self.cluster.gpu.memory_gb, "tokens_per_s": self.tokens_per_s}
+        out |= {k: getattr(self, k) for k in ("tflops_per_gpu", "hw_tflops_per_gpu", "mfu", "bubble_fraction")}
+        parts = ("compute", "tp_comm", "cp_comm", "bubble", "p2p", "dp_exposed", "dp_total", "overlap", "optimizer")
+        out["breakdown_s"] = {k: getattr(s, f"{k}_s") for k in parts}
+        out["placement"] = {d: group_level(g, self.cluster) for d, g in placement(lay).items()}
+        out["stage_layers"] = stage_layers(self.model.layers, lay.pp, c.virtual_stages)
+        out["chosen_by_planner"] = list(self.chosen)
         if train_tokens:
-            out["train_tokens"] = train_tokens
-            out["training_days"] = train_tokens / self.tokens_per_s / 86400
+            out |= {"train_tokens": train_tokens, "training_days": train_tokens / self.tokens_per_s / 86400}
         return out
 
 
@@ -158,56 +103,55 @@ def evaluate(job: Job, chosen=()) -> Plan:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
 
 
 def layouts(model, gpus: int, seq: int, global_seqs: int) -> list[Layout]:
     """Every (tp, cp, pp, dp) with tp·cp·pp·dp = gpus that splits the model, the sequence and the batch."""
     out = []
-    for tp in _divisors(gpus):
-        if not tp_ok(model, tp):
-            continue
-        for cp in _divisors(gpus // tp):
-            if seq % (2 * cp) or (cp > 1 and seq // cp < MIN_CP_TOKENS):
-                continue
-            for pp in _divisors(gpus // (tp * cp)):
-                dp = gpus // (tp * cp * pp)
-                if split_ok(model.layers, pp) and global_seqs % dp == 0:
-                    out.append(Layout(tp, cp, pp, dp))
+    for tp in (t for t in _divisors(gpus) if tp_ok(model, t)):
+        for cp in (c for c in _divisors(gpus // tp) if seq % (2 * c) == 0 and (c == 1 or seq // c >= MIN_CP_TOKENS)):
+            for pp in (p for p in _divisors(gpus // (tp * cp)) if split_ok(model.layers, p)):
+                if global_seqs % (gpus // (tp * cp * pp)) == 0:
+                    out.append(Layout(tp, cp, pp, gpus // (tp * cp * pp)))
     return out
 
 
 def _virtual_stages(layers: int, pp: int) -> list[int]:
     """V values that split the layers cleanly: every stage the same, or first and last one fewer."""
-    return [
-        v
-        for v in range(2, (layers + 2) // pp + 1)
-        if split_ok(layers, pp * v) and (layers % (pp * v) == 0 or (layers + 2) % (pp * v) == 0)
-    ]
+    top = (layers + 2) // pp + 1
+    return [v for v in range(2, top) if split_ok(layers, pp * v) and 0 in (layers % (pp * v), (layers + 2) % (pp * v))]
 
 
 def configs(model, gpus: int, seq: int, global_seqs: int, fixed: Fixed):
     """Every Parallelism the fixed settings allow, recomputation "none" (see `search`)."""
     sp = fixed.sequence_parallel
     for lay in [fixed.layout] if fixed.layout else layouts(model, gpus, seq, global_seqs):
-        if sp and (seq // lay.cp) % lay.tp:
-            continue
         per_replica = global_seqs // lay.dp
+        counts = [per_replica // s for s in MICRO_SEQS if per_replica % s == 0]
         if fixed.microbatches:
             counts = [fixed.microbatches] if per_replica % fixed.microbatches == 0 else []
-        else:
-            counts = [per_replica // s for s in MICRO_SEQS if per_replica % s == 0]
+        # left open, GPipe is never chosen (1F1B's bubble, more memory), nor ZeRO 0 where data parallelism
+        # shards (ZeRO 1 moves fewer bytes and shards the optimizer); unsharded every ZeRO stage is the same
+        zeros = [fixed.zero] if fixed.zero is not None else [0] if lay.cp * lay.dp == 1 else ZERO_STAGES[1:]
         for sched in [fixed.schedule] if fixed.schedule else SCHEDULES:
-            if lay.pp == 1 and fixed.schedule is None and sched != "1f1b":
+            if (sp and (seq // lay.cp) % lay.tp) or (
+                fixed.schedule is None and sched != "1f1b" and (lay.pp == 1 or sched == "gpipe")
+            ):
                 continue  # without a pipeline every schedule is the same
+            vs = [fixed.virtual_stages or 1] if lay.pp == 1 else [1]
             if sched == "interleaved" and lay.pp > 1:
                 vs = [fixed.virtual_stages] if fixed.virtual_stages else _virtual_stages(model.layers, lay.pp)
-            else:
-                vs = [fixed.virtual_stages or 1] if lay.pp == 1 else [1]
-            for v in vs:
-                for m in counts:
-                    for z in [fixed.zero] if fixed.zero is not None else ZERO_STAGES:
-                        yield Parallelism(lay, sched, m, v, z, "none", sp)
+            # interleaving fewer microbatches than ranks idles most of the time: only when nothing else is left
+            ms = (
+                [m for m in counts if m >= lay.pp]
+                if sched == "interleaved" and max(counts, default=0) >= lay.pp
+                else counts
+            )
+            for v, m in ((v, m) for v in vs for m in ms):
+                for z in zeros:
+                    yield Parallelism(lay, sched, m, v, z, "none", sp, fixed.hsdp_replicas)
 
 
 def valid(job: Job) -> bool:
@@ -222,17 +166,20 @@ def valid(job: Job) -> bool:
 def search(base: Job, gpus: int, fixed: Fixed, chosen=()) -> list[Plan]:
     """Plans for every configuration of `gpus` GPUs for `base`'s model, cluster, sequence and batch (its own
     Parallelism is ignored), fitting ones first, fastest first. Recomputation, when left open, is the
-    lightest that fits (none, then selective, then full): each costs time and saves memory."""
-    plans = []
-    capacity = base.cluster.gpu.memory_gb * GB
-    for par in configs(base.model, gpus, base.seq, base.global_seqs, fixed):
-        job = replace(base, par=par)
-        if not valid(job):
+    lightest that fits (RECOMPUTE's order): each costs time and saves memory."""
+    plans, capacity = [], base.cluster.gpu.memory_gb * GB
+    b, pinned = base, fixed != Fixed(sequence_parallel=fixed.sequence_parallel)  # unpinned, every config is valid
+    for par in configs(b.model, gpus, b.seq, b.global_seqs, fixed):
+        job = Job(b.model, b.cluster, par, b.seq, b.global_seqs, b.precision, b.compiled, b.attention)
+        if pinned and not valid(job):
             continue
         for rc in [fixed.recompute] if fixed.recompute else RECOMPUTE:
-            job = job.with_par(recompute=rc)
+            if rc != "none":
+                lay, sched, m, v, zero, _, sp, hsdp = (getattr(par, f) for f in Parallelism.__dataclass_fields__)
+                job = Job(b.model, b.cluster, Parallelism(lay, sched, m, v, zero, rc, sp, hsdp), b.seq, b.global_seqs,
+                          b.precision, b.compiled, b.attention)  # fmt: skip
             memory = peak_memory(job)[1]
-            if memory.total + memory.reserve <= capacity:
+            if memory.fits(capacity):
                 break
         plans.append(Plan(job, step_time(job), memory, tuple(chosen)))
     plans.sort(key=lambda p: (not p.fits, -p.tokens_per_s if p.fits else p.memory.total))

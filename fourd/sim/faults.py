@@ -1,56 +1,30 @@
-"""Monte-Carlo of a long training run on N GPUs: interruptions, checkpoints, restarts and lost work.
-
-Interruptions arrive as Poisson processes. Unexpected ones follow the per-component counts of
-Llama 3 Table 5 (419 in 54 days on 16,384 GPUs; Dubey et al. 2024 §3.3.4), scaled linearly with
-the number of GPUs (each GPU and its share of hosts, links and software fails independently).
-Planned ones (47 in the same 54 days: upgrades, configuration changes) are decisions about the job,
-so their rate does not depend on its size.
-
-The job checkpoints every `interval` of training, paying `checkpoint_s` each time. An unexpected
-interruption loses the work since the last complete checkpoint (a checkpoint being written when
-it strikes is lost too) and costs `restart_s` before training resumes. A planned one saves first
-(`checkpoint_s`, nothing lost) and then costs `restart_s`. Runs are vectorised over numpy arrays.
-"""
+"""Monte-Carlo of a long training run on N GPUs: interruptions (Llama 3 Table 5's rates, unexpected ones
+scaled with the GPUs), checkpoints, restarts and lost work, vectorised over runs (docs/simulators.md)."""
 
 from __future__ import annotations
 
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from fourd.errors import FourdError
 
-# Llama 3 Table 5 (Dubey et al. 2024 §3.3.4): unexpected interruptions in 54 days on 16,384 GPUs, and whether the
-# component is hardware (the paper's "~78 % hardware").
+# Llama 3 Table 5 (Dubey et al. 2024 §3.3.4): unexpected interruptions in 54 days on 16,384 GPUs per component,
+# and whether it is hardware (the paper's "~78 % hardware").
 TABLE5 = {
-    "faulty GPU": (148, True),
-    "GPU HBM3 memory": (72, True),
-    "software bug": (54, False),
-    "network switch/cable": (35, True),
-    "host maintenance": (32, False),
-    "GPU SRAM memory": (19, True),
-    "GPU system processor": (17, True),
-    "NIC": (7, True),
-    "NCCL watchdog timeouts": (7, False),
-    "silent data corruption": (6, True),
-    "GPU thermal interface + sensor": (6, True),
-    "SSD": (3, True),
-    "power supply": (3, True),
-    "server chassis": (2, True),
-    "IO expansion board": (2, True),
-    "dependency": (2, False),
-    "CPU": (2, True),
-    "system memory": (2, True),
-}
+    "faulty GPU": (148, True), "GPU HBM3 memory": (72, True), "software bug": (54, False),
+    "network switch/cable": (35, True), "host maintenance": (32, False), "GPU SRAM memory": (19, True),
+    "GPU system processor": (17, True), "NIC": (7, True), "NCCL watchdog timeouts": (7, False),
+    "silent data corruption": (6, True), "GPU thermal interface + sensor": (6, True), "SSD": (3, True),
+    "power supply": (3, True), "server chassis": (2, True), "IO expansion board": (2, True),
+    "dependency": (2, False), "CPU": (2, True), "system memory": (2, True),
+}  # fmt: skip
 TABLE5_GPUS, TABLE5_DAYS, TABLE5_PLANNED = 16_384, 54, 47
 
-# Checkpoint save: the full training state of 405B (16 B/param, 6.48 TB) written by all GPUs in
-# parallel to Tectonic at its sustained 2 TB/s (Llama 3 §3.3.1) is 3.2 s; 10 s leaves room for
-# coordination and stragglers. Restart: detect (NCCL watchdog), swap the host, relaunch, rebuild
-# communicators and read the checkpoint back; 5 minutes is our assumption for an automated restart
-# (the paper says all but 3 interruptions were handled automatically and > 90 % of time trained).
+# Assumed checkpoint save and restart times (docs/simulators.md derives them from Llama 3 §3.3.1).
 CHECKPOINT_S = 10.0
 BYTES_PER_SLOT = 160  # peak NumPy memory of `simulate` per run and slot: 111 B measured (tracemalloc), and a margin
 RESTART_S = 300.0
@@ -109,13 +83,10 @@ class FaultResult:
 def machine_memory_bytes() -> int:
     """Memory this machine can give a computation now (MemAvailable), or all of it where that is not known."""
     try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        lines = Path("/proc/meminfo").read_text().splitlines()
+        return next(int(ln.split()[1]) * 1024 for ln in lines if ln.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _check_size(runs: int, slots: int) -> None:
@@ -138,20 +109,18 @@ def simulate(
     restart_s: float = RESTART_S,
 ) -> FaultResult:
     """`runs` independent runs of `days` days; the checkpoint interval defaults to Daly's optimum."""
-    if gpus < 1 or not 0 < days < math.inf or runs < 1:
-        raise FourdError(f"{gpus} GPUs, {days} days, {runs} runs: each must be positive and finite")
-    if not (0 <= checkpoint_s < math.inf and 0 <= restart_s < math.inf):
-        raise FourdError(f"checkpoint time {checkpoint_s} s and restart time {restart_s} s must be finite and >= 0")
-    m = mtbf_s(gpus)
-    tau = daly_interval(checkpoint_s, m) if interval_s is None else interval_s
-    if not 0 < tau < math.inf:
-        raise FourdError(f"checkpoint interval {tau / 60:g} min must be positive and finite")
+    positive = (gpus, runs, days, 1.0 if interval_s is None else interval_s)
+    finite = math.isfinite(sum(positive) + checkpoint_s + restart_s)
+    if not (finite and min(positive) > 0 and min(checkpoint_s, restart_s) >= 0):
+        raise FourdError(
+            f"{gpus} GPUs, {days} days, {runs} runs, checkpoint interval {interval_s} s, checkpoint {checkpoint_s} s,"
+            f" restart {restart_s} s: each must be finite, and positive (the last two may be 0)"
+        )
+    tau = daly_interval(checkpoint_s, mtbf_s(gpus)) if interval_s is None else interval_s
     rates = unexpected_per_day(gpus)
-    lam_u, lam_p = sum(rates.values()) / DAY_S, planned_per_day() / DAY_S
+    lam_u, lam_p, horizon = sum(rates.values()) / DAY_S, planned_per_day() / DAY_S, days * DAY_S
     lam = lam_u + lam_p
-    horizon = days * DAY_S
-    # Enough arrival slots that running out has probability ~1e-15 (mean + 8 sigma).
-    mean = lam * horizon
+    mean = lam * horizon  # enough arrival slots that running out has probability ~1e-15 (mean + 8 sigma)
     slots = int(mean + 8 * math.sqrt(mean) + 16)
     _check_size(runs, slots)
     rng = np.random.default_rng(seed)
@@ -160,10 +129,8 @@ def simulate(
     planned = (rng.random((runs, slots)) < lam_p / lam) & happened
     unexpected = happened & ~planned
     useful, lost, downtime, ckpt, live = _spans(arrivals, happened, planned, horizon, (tau, checkpoint_s, restart_s))
-    n_unexpected = unexpected.sum(axis=1)
-    total_u = int(n_unexpected.sum())
-    names = list(rates)
-    probs = np.array([rates[c] for c in names]) / sum(rates.values())
+    n_unexpected, names = unexpected.sum(axis=1), list(rates)
+    probs, total_u = np.array([rates[c] for c in names]) / sum(rates.values()), int(n_unexpected.sum())
     counts = rng.multinomial(total_u, probs) if total_u else np.zeros(len(names), dtype=int)
 
     def per_run(x):
@@ -202,28 +169,16 @@ def _spans(arrivals, happened, planned, horizon: float, times: tuple[float, floa
 
 def summary(r: FaultResult) -> dict:
     """The `fourd sim faults --json` object: means over runs (the headline keys first)."""
-    m = mtbf_s(r.gpus)
-    eff = r.effective
-    hardware = sum(v for c, v in r.by_component.items() if TABLE5[c][1])
-    total = sum(r.by_component.values())
+    m, eff, comp = mtbf_s(r.gpus), r.effective, r.by_component
+    hardware, total = sum(v for c, v in comp.items() if TABLE5[c][1]), sum(comp.values())
     return {
-        "unexpected_interruptions": float(r.unexpected.mean()),
-        "planned_interruptions": float(r.planned.mean()),
-        "effective_training_fraction": float(eff.mean()),
+        "unexpected_interruptions": float(r.unexpected.mean()), "planned_interruptions": float(r.planned.mean()),
+        "effective_training_fraction": float(eff.mean()), "checkpoint_interval_min": r.interval_s / 60,
         "optimal_checkpoint_interval_min": daly_interval(r.checkpoint_s, m) / 60,
-        "young_interval_min": young_interval(r.checkpoint_s, m) / 60,
-        "checkpoint_interval_min": r.interval_s / 60,
-        "effective_training_fraction_p5": float(np.percentile(eff, 5)),
-        "effective_training_fraction_p95": float(np.percentile(eff, 95)),
-        "mtbf_h": m / 3600,
-        "gpus": r.gpus,
-        "days": r.days,
-        "runs": r.runs,
-        "checkpoint_save_s": r.checkpoint_s,
-        "restart_s": r.restart_s,
-        "lost_work_h": float(r.lost_s.mean()) / 3600,
-        "restart_h": float(r.restart_total_s.mean()) / 3600,
+        "young_interval_min": young_interval(r.checkpoint_s, m) / 60, "mtbf_h": m / 3600,
+        **{f"effective_training_fraction_p{q}": float(np.percentile(eff, q)) for q in (5, 95)},
+        "gpus": r.gpus, "days": r.days, "runs": r.runs, "checkpoint_save_s": r.checkpoint_s, "restart_s": r.restart_s,
+        "lost_work_h": float(r.lost_s.mean()) / 3600, "restart_h": float(r.restart_total_s.mean()) / 3600,
         "checkpointing_h": float(r.checkpoint_total_s.mean()) / 3600,
-        "hardware_share": hardware / total if total else 0.0,
-        "components": r.by_component,
-    }
+        "hardware_share": hardware / total if total else 0.0, "components": comp,
+    }  # fmt: skip

@@ -1,11 +1,7 @@
-"""Transfers as fluid flows over shared links.
-
-A flow moves `size` bytes over a set of links at a rate capped by its own bandwidth (what its
-placement allows: NVLink, a NIC, its share of a pod's uplinks); flows on the same link share it
-equally. A link may carry only a fraction of a flow's bytes (a ring with k members per server sends
-1/k of its bytes through each NIC, the rest over NVLink), so links come with that fraction. Rates change
-only when a flow starts or ends, so the simulator advances from one such event to the next. A flow is delivered `latency` seconds after its last byte leaves.
-"""
+"""Transfers as fluid flows over shared links: flows on a link share it equally, each capped by its own
+bandwidth; a link may carry only a fraction of a flow's bytes (a ring with k members per server sends 1/k
+through each NIC). Rates change only when a flow starts or ends; a flow is delivered `latency` after its
+last byte leaves."""
 
 from __future__ import annotations
 
@@ -16,7 +12,7 @@ from dataclasses import dataclass, field
 @dataclass(eq=False)
 class Flow:
     size: float  # bytes still to move
-    links: tuple  # (link id, fraction of the flow's bytes it carries)
+    links: tuple  # ((port, ...) link id, fraction of the flow's bytes it carries)
     cap: float  # bytes/s it can reach alone
     latency: float
     done: Callable[[float], None]  # called with the delivery time
@@ -26,7 +22,7 @@ class Flow:
 
 class Network:
     def __init__(self, capacity: dict):
-        self.capacity = capacity  # link id -> bytes/s
+        self.capacity = capacity  # port -> bytes/s of each link (port, ...) of that port
         self.flows: list[Flow] = []
         self.dirty = False
 
@@ -41,7 +37,7 @@ class Network:
             for link, _ in f.links:
                 users[link] = users.get(link, 0) + 1
         for f in self.flows:
-            f.rate = min([f.cap] + [self.capacity[link] / users[link] / share for link, share in f.links])
+            f.rate = min([f.cap] + [self.capacity[link[0]] / users[link] / share for link, share in f.links])
         self.dirty = False
 
     def next_finish(self, now: float) -> float:

@@ -1,16 +1,7 @@
-"""Discrete-event simulation of one training step, driven by the `fourd.schedules` action lists.
-
-Each pipeline rank runs its compute actions in the schedule's order, each action's duration from the
-planner's cost model (`fourd.plan.perf.chunk_times`, TP and CP collectives included). Between actions
-the simulator moves bytes: activations and their gradients between pipeline stages, and data-parallel
-collectives in per-layer buckets (gradients reduced as soon as a layer's last backward produces them,
-weights gathered before their first use, on one stream per kind as NCCL runs them). Transfers are fluid
-flows that share links (`fourd.sim.network`): a GPU's NIC in each direction and its NVLink port.
-
-Symmetry: all data-parallel replicas run alike and all TP/CP ranks of a stage do the same work, so one
-GPU per pipeline rank stands for all (docs/simulators.md says what that assumes). A straggler breaks it
-for one replica: then two replica classes run, the slow one and the rest, and meet in every DP collective.
-"""
+"""Discrete-event simulation of one training step: each pipeline rank runs its `fourd.schedules` action
+list with the planner's compute times; activations, gradients and per-layer data-parallel buckets move as
+fluid flows sharing the links (`fourd.sim.network`). One GPU per pipeline rank stands for its replicas and
+TP/CP group; a straggler adds a second replica class (docs/simulators.md says what that assumes)."""
 
 from __future__ import annotations
 
@@ -31,7 +22,7 @@ from fourd.schedules import Action, Schedule, build_schedule, depends_on
 from fourd.sim.network import Flow, Network
 from fourd.sim.pipeline import Event
 
-MAX_PIECES = 2_000_000  # compute pieces one simulation may hold (about 1 GB of Python objects)
+MAX_PIECES = 200_000  # compute pieces one simulation may run: about 20 s of simulation
 
 
 def stage_costs(job: Job, comm: bool = True) -> list[dict[str, float]]:
@@ -43,12 +34,6 @@ def stage_costs(job: Job, comm: bool = True) -> list[dict[str, float]]:
         i = t.input_grad_s + (t.backward_comm_s if comm else 0.0)
         out.append({"F": f, "I": i, "W": t.weight_grad_s, "B": i + t.weight_grad_s})
     return out
-
-
-def cost_duration(job: Job, comm: bool = True):
-    """A duration function for `fourd.sim.pipeline.timeline`: the cost model's time of each Action."""
-    costs = stage_costs(job, comm)
-    return lambda a: costs[a.stage][a.kind]
 
 
 @dataclass(frozen=True)
@@ -78,8 +63,7 @@ class StepResult:
 
     @property
     def bubble_fraction(self) -> float:
-        """Idle share of the pipeline span on the busiest rank: the schedule's bubble on the rank that sets
-        the pace (ranks with less work idle more: load imbalance, per_rank_idle_fraction)."""
+        """Idle share of the pipeline span on the busiest rank (the pace setter's bubble)."""
         span = self.pipeline_span_s
         return 1 - max(self.busy_s) / span if span > 0 else 0.0
 
@@ -96,20 +80,17 @@ class Comm:
     dp_group: Any = None  # Group
     dp_bw: float = 0.0  # what a DP ring reaches alone (group_bandwidth)
     dp_links: tuple = ()  # (port, share of the ring's bytes) per GPU
-    dp_bytes: list = field(default_factory=list)  # weight bytes of each stage on one GPU (one bucket per layer)
+    dp_params: list = field(default_factory=list)  # each stage's parameters on one GPU (one bucket per layer)
+    weight_bytes: int = 2  # per parameter: weights move in the compute precision, gradients in FP32
 
 
-def build_comm(job: Job, replicas: int) -> Comm:
-    """Links and transfer costs of the job's layout on its cluster, for `replicas` classes of replica."""
+def build_comm(job: Job) -> Comm:
+    """Links and transfer costs of the job's layout on its cluster."""
     cluster, lay = job.cluster, job.layout
     node, net = cluster.node, cluster.network
     nic, nvl = net.nic_bw_gbps * 1e9 * net.nic_efficiency, node.intra_bw_gbps * 1e9 * node.intra_efficiency
-    comm = Comm(cluster, job.par.zero)
-    for c in range(replicas):
-        for r in range(lay.pp):
-            comm.capacity.update(
-                {("nic_out", c, r): nic, ("nic_in", c, r): nic, ("nvl_out", c, r): nvl, ("nvl_in", c, r): nvl}
-            )
+    comm = Comm(cluster, job.par.zero, weight_bytes=job.dtype_bytes, dp_params=stage_params_on_gpu(job))
+    comm.capacity = {"nic_out": nic, "nic_in": nic, "nvl_out": nvl, "nvl_in": nvl}  # links (port, class, rank)
     # each TP rank sends its sequence-parallel shard; without SP every TP rank holds (and sends) it all
     comm.p2p_bytes = job.work.tokens * job.model.dim * job.dtype_bytes / (lay.tp if job.par.sequence_parallel else 1)
     gpu = [lay.rank(pp=r) for r in range(lay.pp)]
@@ -128,17 +109,16 @@ def build_comm(job: Job, replicas: int) -> Comm:
         # NIC, all of them over its NVLink port to the server's other members.
         k = members_per_node(comm.dp_group, cluster)
         comm.dp_links = (("nic_out", 1 / k), ("nic_in", 1 / k)) + ((("nvl_out", 1.0), ("nvl_in", 1.0)) if k > 1 else ())
-    comm.dp_bytes = stage_bytes(job)
     return comm
 
 
-def stage_bytes(job: Job) -> list[float]:
-    """Weight bytes of each pipeline stage on one GPU (what its data-parallel buckets move)."""
+def stage_params_on_gpu(job: Job) -> list[float]:
+    """Parameters of each pipeline stage on one GPU (what its data-parallel buckets move)."""
     counts = stage_layers(job.model.layers, job.layout.pp, job.par.virtual_stages)
-    return [stage_params(job.model, counts, s) / job.layout.tp * job.dtype_bytes for s in range(len(counts))]
+    return [stage_params(job.model, counts, s) / job.layout.tp for s in range(len(counts))]
 
 
-@dataclass
+@dataclass(slots=True)
 class _Piece:
     action: Action
     part: int  # layer piece index when an action is split into its layers
@@ -158,23 +138,13 @@ def simulate(
     slow: tuple[int, float] | None = None,
     dp: int = 1,
 ) -> StepResult:
-    """Run one step. `costs[stage][kind]` are compute seconds; `comm` None makes transfers free and runs
-    no data-parallel collectives.
-
-    `layers[stage]` cuts actions into per-layer pieces where data-parallel buckets gate or follow them;
-    `optimizer_s[rank]` runs after the rank's last gradient bucket. `slow = (pipeline rank, factor)` slows
-    that rank in one of `dp` data-parallel replicas (the others stay the representative class).
-    """
+    """Run one step: `costs[stage][kind]` compute seconds, `layers[stage]` DP buckets per stage, `comm` None:
+    transfers free, no DP collectives; `slow = (pipeline rank, factor)` slows it in one of `dp` replicas."""
     p = schedule.pp
     layers = layers or [1] * schedule.stages
     optimizer_s = optimizer_s or [0] * p
     classes = [None] if slow is None else ([None, slow] if dp > 1 else [slow])
-    pieces = len(classes) * sum(layers[a.stage] for r in schedule.ranks for a in r)
-    if pieces > MAX_PIECES:
-        raise FourdError(
-            f"this step has {pieces:,} compute pieces to simulate, more than {MAX_PIECES:,}: use fewer "
-            "microbatches, virtual stages or pipeline ranks"
-        )
+    _check_size(len(classes) * sum(layers[a.stage] for r in schedule.ranks for a in r))
     zero = comm.zero if comm is not None and comm.dp_group.size > 1 else None
     sim = _Engine(schedule, comm, len(classes))
     for c, straggler in enumerate(classes):
@@ -184,6 +154,14 @@ def simulate(
             needs = tuple((c, "coll", key) for key in sim.rs_keys[(c, r)])
             sim.pieces[(c, r)].append(_Piece(Action("O", r, 0), 0, 1, optimizer_s[r] * factor, needs, []))
     return sim.run()
+
+
+def _check_size(pieces: int) -> None:
+    if pieces > MAX_PIECES:
+        raise FourdError(
+            f"this step has {pieces:,} compute pieces to simulate, more than {MAX_PIECES:,}: use fewer "
+            "microbatches, virtual stages or pipeline ranks"
+        )
 
 
 def _needs(a: Action, c: int, stages: int) -> list:
@@ -197,27 +175,26 @@ def _needs(a: Action, c: int, stages: int) -> list:
 def _rank_pieces(sim: _Engine, who: tuple[int, int], costs, layers, factor, zero):
     """A rank's compute pieces for one replica class, with the DP buckets they gate and emit."""
     c, r = who
-    schedule, dp_bytes = sim.schedule, sim.comm.dp_bytes if sim.comm else []
+    schedule, comm = sim.schedule, sim.comm
+    weights = [n * comm.weight_bytes for n in comm.dp_params] if comm else []
+    grads = [n * 4 for n in comm.dp_params] if comm else []
     actions = schedule.ranks[r]
     last_grad = {a.stage: i for i, a in enumerate(actions) if a.kind in ("B", "W")}
-    first_f: dict[int, int] = {}
-    for i, a in enumerate(actions):
-        if a.kind == "F":
-            first_f.setdefault(a.stage, i)
+    first_f = {a.stage: i for i, a in reversed(list(enumerate(actions))) if a.kind == "F"}  # the first wins
     pieces, rs_keys = [], sim.rs_keys.setdefault(who, [])
     if zero in (1, 2):
         for s in sorted(first_f, key=lambda s: first_f[s]):
             for i in range(layers[s]):
-                sim.enqueue((c, r, "ag"), ("ag", s, 0, i), dp_bytes[s] / layers[s])
+                sim.enqueue((c, r, "ag"), ("ag", s, 0, i), weights[s] / layers[s])
     for idx, a in enumerate(actions):
         s, j = a.stage, a.microbatch
         gather = zero is not None and ((zero in (1, 2) and idx == first_f.get(s)) or (zero == 3 and a.kind != "W"))
         reduce = zero is not None and a.kind in ("B", "W") and (zero >= 2 or idx == last_grad[s])
         parts = layers[s] if (gather or reduce) else 1
-        dur = costs[s][a.kind] * factor / parts if parts > 1 else costs[s][a.kind] * factor
+        dur = costs[s][a.kind] * factor / parts if parts > 1 else costs[s][a.kind] * factor  # ints stay exact
         if zero == 3 and gather:
             for i in range(parts):
-                sim.enqueue((c, r, "ag"), ("ag", s, j, a.kind, i), dp_bytes[s] / parts)
+                sim.enqueue((c, r, "ag"), ("ag", s, j, a.kind, i), weights[s] / parts)
         for i in range(parts):
             need = tuple(_needs(a, c, schedule.stages)) if i == 0 else ()
             if gather:
@@ -225,7 +202,7 @@ def _rank_pieces(sim: _Engine, who: tuple[int, int], costs, layers, factor, zero
             after: list = []
             if reduce:
                 key = ("rs" if zero else "ar", s, j if zero >= 2 else 0, i)
-                after.append(("enqueue", (c, r, "rs"), key, dp_bytes[s] / parts))
+                after.append(("enqueue", (c, r, "rs"), key, grads[s] / parts))
                 rs_keys.append(key)
             if i == parts - 1:
                 after.append(("token", (c, a.kind, s, j)))
@@ -244,7 +221,7 @@ class _Engine:
         self.ranks = [(c, r) for c in range(n_classes) for r in range(schedule.pp)]
         self.pieces: dict[tuple, list[_Piece]] = {}
         self.rs_keys: dict[tuple, list] = {}
-        self.streams: dict[tuple, deque] = {(c, r, s): deque() for c, r in self.ranks for s in ("ag", "rs")}
+        self.streams: dict[tuple, deque] = {(c, r, s): deque() for c, r in self.ranks for s in ("ag", "rs") if comm}
         self.sizes: dict = {}
         self.tokens: set = set()
         self.deliveries: list = []  # (time, order, callback): flows delivered after their latency, FIFO at a tie
@@ -384,26 +361,16 @@ def simulate_step(
     GPU computes factor× slower, and with it its TP/CP group (they meet in every layer's collectives).
     `throttle` ≥ 1 slows every GPU's compute alike."""
     lay, par = job.layout, job.par
+    layers = [max(1, n) for n in stage_layers(job.model.layers, lay.pp, par.virtual_stages)]
+    _check_size(par.microbatches * sum(layers) * (3 if par.schedule == "zero-bubble" else 2))  # before building
     schedule = build_schedule(par.schedule, lay.pp, par.microbatches, par.virtual_stages)
     costs = [{k: t * throttle for k, t in c.items()} for c in stage_costs(job, comm)]
-    net = None
-    slow = None
-    if slow_gpu is not None:
-        g, factor = slow_gpu
-        if not 0 <= g < lay.world:
-            raise FourdError(f"slow GPU {g}:{factor}: rank {g} is outside 0..{lay.world - 1} of layout {lay}")
-        if not (math.isfinite(factor) and factor > 0):
-            raise FourdError(f"slow GPU {g}:{factor}: the factor must be positive, e.g. 1.2 for 20 % slower")
-        slow = (lay.coords(g)["pp"], factor)
-    if comm:
-        net = build_comm(job, 1 if slow is None or lay.dp == 1 else 2)
-    dp_bytes = stage_bytes(job)
-    owned = shard_group(lay).size if par.zero >= 1 else 1
-    optimizer = [
-        optimizer_time(sum(dp_bytes[s] for s in schedule.stages_of_rank(r)) / job.dtype_bytes / owned, job.cluster, job.dtype_bytes) * throttle
-        for r in range(lay.pp)
-    ]  # fmt: skip
-    counts = stage_layers(job.model.layers, lay.pp, par.virtual_stages)
-    return simulate(
-        schedule, costs, layers=[max(1, n) for n in counts], comm=net, optimizer_s=optimizer, slow=slow, dp=lay.dp
-    )
+    g, factor = slow_gpu or (0, 1.0)
+    if not (0 <= g < lay.world and 0 < factor < math.inf):
+        raise FourdError(f"slow GPU {g}:{factor}: give a rank in 0..{lay.world - 1} of layout {lay} and a factor > 0")
+    slow = None if slow_gpu is None else (lay.coords(g)["pp"], factor)
+    net = build_comm(job) if comm else None
+    params, owned = stage_params_on_gpu(job), shard_group(lay).size if par.zero >= 1 else 1
+    optimizer = [optimizer_time(sum(params[s] for s in schedule.stages_of_rank(r)) / owned, job.cluster,
+                                job.dtype_bytes) * throttle for r in range(lay.pp)]  # fmt: skip
+    return simulate(schedule, costs, layers=layers, comm=net, optimizer_s=optimizer, slow=slow, dp=lay.dp)

@@ -1,10 +1,7 @@
-"""Simulate one training step event by event: each pipeline rank runs the schedule's action lists
-(fourd.schedules) with compute times from the planner's cost model, activations and gradients move
-between stages, and data-parallel buckets are reduced and gathered, all sharing the links of the
-cluster's topology. Takes the same model, cluster and layout flags as `fourd plan`; settings left
-out are the planner's choice. Identical data-parallel replicas are simulated once, so a 16,384-GPU
-step takes well under a second (docs/simulators.md says what that assumes). With --search it
-simulates the planner's best candidates and ranks them by simulated step time.
+"""Simulate one training step event by event: the schedule's action lists with the planner's compute
+times, pipeline sends and data-parallel buckets sharing the cluster's links; identical replicas simulated
+once (docs/simulators.md). Flags as `fourd plan`, settings left out the planner's choice; --search
+ranks the planner's best candidates by simulated time.
 
 examples:
   fourd sim step --model llama3-405b --cluster llama3-h100 --gpus 16384 --layout tp=8,pp=16,dp=128 \\
@@ -74,39 +71,23 @@ def diurnal_factor(pct: float, hour: float) -> float:
 
 
 def report(plan, result, comm: bool, wall: float, train_tokens: float | None = None) -> dict:
-    c, step = plan.config, result.step_time_s
-    tokens = plan.global_seqs * plan.seq
+    c, step, tokens = plan.config, result.step_time_s, plan.global_seqs * plan.seq
     tflops = plan.model_flops / step / plan.gpus / 1e12
     out = {
-        "step_time_s": step,
-        "bubble_fraction": result.bubble_fraction,
+        "step_time_s": step, "bubble_fraction": result.bubble_fraction,
         "per_rank_idle_fraction": result.per_rank_idle_fraction,
         "bubble_over_compute": [(result.pipeline_span_s - b) / b if b else 0.0 for b in result.busy_s],
-        "tokens_per_s": tokens / step,
-        "tflops_per_gpu": tflops,
-        "mfu": tflops / plan.cluster.gpu.peak_tflops,
-        "pipeline_span_s": result.pipeline_span_s,
-        "optimizer_s": max(result.optimizer_s),
-        "planner_step_time_s": plan.step.step_s,
-        "planner_vs_sim": plan.step.step_s / step - 1,
-        "comm": comm,
-        "layout": {d: getattr(c.layout, d) for d in ("tp", "cp", "pp", "dp")},
-        "gpus": plan.gpus,
-        "schedule": c.schedule,
-        "microbatches": c.microbatches,
-        "virtual_stages": c.virtual_stages,
-        "micro_batch_seqs": plan.micro_seqs,
-        "zero": c.zero,
-        "recompute": c.recompute,
-        "sequence_parallel": c.sequence_parallel,
-        "seq": plan.seq,
-        "global_batch_tokens": tokens,
-        "cluster": plan.cluster.name,
-        "transfers": len(result.transfers),
-        "sim_wall_s": wall,
-    }
+        "tokens_per_s": tokens / step, "tflops_per_gpu": tflops, "mfu": tflops / plan.cluster.gpu.peak_tflops,
+        "pipeline_span_s": result.pipeline_span_s, "optimizer_s": max(result.optimizer_s), "comm": comm,
+        "planner_step_time_s": plan.step.step_s, "planner_vs_sim": plan.step.step_s / step - 1,
+        "layout": {d: getattr(c.layout, d) for d in ("tp", "cp", "pp", "dp")}, "gpus": plan.gpus,
+        **{k: getattr(c, k) for k in ("schedule", "microbatches", "virtual_stages", "zero", "recompute",
+                                      "sequence_parallel")},
+        "micro_batch_seqs": plan.micro_seqs, "seq": plan.seq, "global_batch_tokens": tokens,
+        "cluster": plan.cluster.name, "transfers": len(result.transfers), "sim_wall_s": wall,
+    }  # fmt: skip
     if train_tokens:
-        out.update(train_tokens=train_tokens, training_days=train_tokens * step / tokens / 86400)
+        out |= {"train_tokens": train_tokens, "training_days": train_tokens * step / tokens / 86400}
     return out
 
 
@@ -152,22 +133,13 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(out))
         return 0
-    c = plan.config
-    print(
-        f"{plan.gpus:,} GPUs, layout {c.layout}, {c.schedule}" + (f" V={c.virtual_stages}" if c.virtual_stages > 1 else "")
-        + f", {c.microbatches} microbatches of {plan.micro_seqs} x {plan.seq} tokens, ZeRO {c.zero}, recompute {c.recompute}"
-        + ("" if out["comm"] else ", transfers free")
-    )  # fmt: skip
-    print(f"  step time        {out['step_time_s']:.4g} s   (planner {out['planner_step_time_s']:.4g} s)")
-    print(
-        f"  throughput       {out['tokens_per_s']:,.0f} tokens/s, {out['tflops_per_gpu']:.0f} TFLOP/s per GPU, MFU {100 * out['mfu']:.1f} %"
-    )
-    print(
-        f"  bubble           {100 * out['bubble_fraction']:.1f} % of the pipeline span ({out['pipeline_span_s']:.4g} s) on the busiest rank"
-    )
-    print(
-        "  idle per rank    " + " ".join(f"{100 * x:.1f}" for x in out["per_rank_idle_fraction"]) + "  (% of the step)"
-    )
+    c, v = plan.config, f" V={plan.config.virtual_stages}" if plan.config.virtual_stages > 1 else ""
+    idle = " ".join(f"{100 * x:.1f}" for x in out["per_rank_idle_fraction"])
+    print(f"""{plan.gpus:,} GPUs, layout {c.layout}, {c.schedule}{v}, {c.microbatches} microbatches of {plan.micro_seqs} x {plan.seq} tokens, ZeRO {c.zero}, recompute {c.recompute}{"" if out["comm"] else ", transfers free"}
+  step time        {out["step_time_s"]:.4g} s   (planner {out["planner_step_time_s"]:.4g} s)
+  throughput       {out["tokens_per_s"]:,.0f} tokens/s, {out["tflops_per_gpu"]:.0f} TFLOP/s per GPU, MFU {100 * out["mfu"]:.1f} %
+  bubble           {100 * out["bubble_fraction"]:.1f} % of the pipeline span ({out["pipeline_span_s"]:.4g} s) on the busiest rank
+  idle per rank    {idle}  (% of the step)""")
     if args.slow_gpu:
         print(f"  straggler        GPU {args.slow_gpu[0]} at {args.slow_gpu[1]:g}x")
     if req.train_tokens:

@@ -33,20 +33,8 @@ def chrome_trace(result: StepResult) -> dict:
         out.append(label(pid, None, "replicas (all alike)" if pid == 0 else "the straggler's replica"))
         for r, evs in enumerate(events):
             out += [label(pid, 2 * r, f"rank {r} compute"), label(pid, 2 * r + 1, f"rank {r} sends")]
-            for e in evs:
-                name = f"{e.kind}{e.stage}.{e.microbatch}"
-                out.append(
-                    span(
-                        pid,
-                        2 * r,
-                        name,
-                        NAMES[e.kind],
-                        e.start,
-                        e.end - e.start,
-                        stage=e.stage,
-                        microbatch=e.microbatch,
-                    )
-                )
+            out += [span(pid, 2 * r, f"{e.kind}{e.stage}.{e.microbatch}", NAMES[e.kind], e.start, e.end - e.start,
+                         stage=e.stage, microbatch=e.microbatch) for e in evs]  # fmt: skip
     out += [span(t.replica, 2 * t.rank + 1, t.name, t.kind, t.start, t.end - t.start) for t in result.transfers]
     return document(out)
 

@@ -1,0 +1,268 @@
+"""The planner against published training runs (benchmarks/validation/runs.toml): per-row and per-source
+errors of step time, MFU and memory, out of sample, with llm-analysis's predictions beside fourd's.
+
+    python benchmarks/validate_planner.py                # the tables
+    python benchmarks/validate_planner.py --json         # one object (errors as fractions)
+    python benchmarks/validate_planner.py --write-docs   # the tables into docs/planner.md, between its markers
+    python benchmarks/validate_planner.py --fit          # refit the fitted constants on the declared fit rows
+
+Each usable row is asked of the planner as a user would pin it: the model, the GPU's preset (the row's NIC
+rate where it states one), the layout, schedule, microbatches, ZeRO stage, recomputation, sequence
+parallelism, compile, the attention kernel and HSDP. What a row leaves open (virtual stages, the microbatch
+size) is the planner's choice: the fastest configuration, whether or not the memory model says it fits (the
+run did fit; memory is judged on the rows that publish it). Fitted numbers are fitted on the `fit = true`
+rows only (`--fit`); every error below the fit rows' is out of sample.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+import sys
+from functools import cache
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
+
+from validation.runs import Run, load  # noqa: E402
+
+from fourd.plan import block, kernels, memory, perf, request  # noqa: E402
+from fourd.plan.cluster import Cluster, load_cluster  # noqa: E402
+
+GIB = 2**30
+DOCS = ROOT / "docs" / "planner.md"
+MARKERS = ("<!-- validation:begin -->", "<!-- validation:end -->")
+# The preset that describes each GPU of the runs; rows that state their network set the NIC rate.
+PRESETS = {
+    "A100-SXM-40GB": "dgx-a100-40gb",
+    "A100-SXM-80GB": "selene-a100",
+    "H100-SXM-80GB": "dgx-h100",
+    "H100-HBM2e-96GB": "grand-teton-h100",
+    "H200-SXM-141GB": "dgx-h200",
+}
+# Rows whose source states Llama 3's cluster (3,072-GPU pods, 1:7 between them) run on that preset.
+TOPOLOGY = {"llama3": "llama3-h100"}
+# The fitted numbers: each GPU generation's sustained GEMM efficiency (in the presets) and the model's constants.
+GENERATIONS = {
+    "A100": ("dgx-a100-40gb", "selene-a100"),
+    "H100/H200": ("dgx-h100", "llama3-h100", "dgx-h200"),
+    "H100 96 GB": ("grand-teton-h100",),
+}
+CONSTANTS = ((kernels, "GEMM_K_OVERHEAD", 32.0),)
+
+
+def cluster_for(run: Run, efficiency: dict[str, float] | None = None) -> Cluster:
+    name = TOPOLOGY.get(run.source, PRESETS[run.gpu])
+    return _cluster(name, run.nic_gbps_per_gpu, tuple(sorted((efficiency or {}).items())))
+
+
+@cache
+def _cluster(name: str, nic_gbps: float, efficiency: tuple) -> Cluster:
+    c = load_cluster(name)
+    for gen, names in GENERATIONS.items():
+        if name in names and dict(efficiency).get(gen):
+            c = dataclasses.replace(c, gpu=dataclasses.replace(c.gpu, gemm_efficiency=dict(efficiency)[gen]))
+    if nic_gbps:
+        c = dataclasses.replace(c, network=dataclasses.replace(c.network, nic_bw_gbps=nic_gbps / 8))
+    return c
+
+
+def recompute(run: Run) -> str:
+    """fourd's mode for the row's recomputation: torchtitan's per-op policy is `per-op` (its `selective`)."""
+    return "per-op" if run.recompute_detail.startswith("torchtitan per-op") else run.recompute
+
+
+def predict(run: Run, efficiency: dict[str, float] | None = None):
+    """fourd's plan for a row: its settings pinned, the rest the planner's fastest."""
+    lay = run.parsed_layout
+    values = {
+        "layout": lay, "gpus": run.gpus, "seq": run.seq, "global_seqs": run.global_batch_seqs,
+        "schedule": run.schedule, "zero": run.zero, "recompute": recompute(run), "precision": run.precision,
+        "sequence_parallel": run.sequence_parallel, "compiled": run.compiled, "hsdp_replicas": run.hsdp_replicas,
+        "attention": "materialized" if run.attention_kernel == "materialized" else "flash",
+        "virtual_stages": run.virtual_stages or None,
+        "microbatches": run.global_batch_seqs // lay.dp // run.microbatch_seqs if run.microbatch_seqs else None,
+    }  # fmt: skip
+    plans = request.plans(request.resolve(run.model_config, cluster_for(run, efficiency), values))
+    return max(plans, key=lambda p: p.tokens_per_s)
+
+
+def memory_gib(plan, kind: str) -> float:
+    """The plan's peak per GPU as torch reports it: allocated, or reserved (with the allocator's fragmentation)."""
+    m = plan.memory
+    return (m.total if kind == "allocated" else m.total + m.fragmentation) / GIB
+
+
+def evaluate(runs: list[Run], efficiency: dict[str, float] | None = None) -> list[dict]:
+    out = []
+    for run in runs:
+        plan = predict(run, efficiency)
+        row = {"id": run.id, "source": run.source, "fit": run.fit, "published_s": run.step_time_s_derived}
+        row.update(predicted_s=plan.step.step_s, error=plan.step.step_s / run.step_time_s_derived - 1)
+        if run.mfu:
+            row.update(mfu=run.mfu, predicted_mfu=run.mfu * run.step_time_s_derived / plan.step.step_s)
+        if run.memory_gib:
+            predicted = memory_gib(plan, run.memory_kind)
+            row.update(memory_gib=run.memory_gib, predicted_gib=predicted, memory_error=predicted / run.memory_gib - 1)
+        c = plan.config
+        row["config"] = f"{c.schedule} V={c.virtual_stages} m={c.microbatches} ZeRO {c.zero} {c.recompute}"
+        out.append(row)
+    return out
+
+
+def summary(rows: list[dict], sources: int) -> dict:
+    held = [r for r in rows if not r["fit"]]
+    per_source: dict[str, list[float]] = {}
+    for r in held:
+        per_source.setdefault(r["source"], []).append(abs(r["error"]))
+    memory_rows = [abs(r["memory_error"]) for r in held if "memory_error" in r]
+    return {
+        "rows": len(rows),
+        "sources": sources,
+        "fit_rows": len(rows) - len(held),
+        "out_of_sample_mean": statistics.mean(abs(r["error"]) for r in held),
+        "out_of_sample_max": max(abs(r["error"]) for r in held),
+        "fit_mean": statistics.mean(abs(r["error"]) for r in rows if r["fit"]),
+        "memory_mean": statistics.mean(memory_rows) if memory_rows else None,
+        "per_source": {s: statistics.mean(v) for s, v in per_source.items()},
+    }
+
+
+def _forget() -> None:
+    """Drop the time and memory model's caches: a fitted constant changed under them."""
+    for mod in (kernels, perf, memory, block):
+        for f in vars(mod).values():
+            if hasattr(f, "cache_clear"):
+                f.cache_clear()
+
+
+def fit(runs: list[Run]) -> dict:
+    """Coordinate descent of the fitted numbers on the fit rows: mean |log(predicted / published)| of the step
+    time, each number searched over a grid around its value that narrows every round; then the allocator's
+    fragmentation from the fit rows that publish reserved memory."""
+    rows = [r for r in runs if r.fit]
+    eff = {gen: load_cluster(names[0]).gpu.gemm_efficiency for gen, names in GENERATIONS.items()}
+    knobs: list = [(eff, gen, 0.04) for gen in eff] + [(vars(mod), name, step) for mod, name, step in CONSTANTS]
+
+    def loss() -> float:
+        _forget()
+        return statistics.mean(abs(math.log(predict(r, eff).step.step_s / r.step_time_s_derived)) for r in rows)
+
+    best = loss()
+    for _ in range(5):
+        for i, (owner, name, step) in enumerate(knobs):
+            start = owner[name]
+            for value in (start + k * step for k in range(-4, 5)):
+                if value >= 0 and value != start:
+                    owner[name] = value
+                    trial = loss()
+                    if trial < best - 1e-9:
+                        best, start = trial, value
+            owner[name] = start
+            knobs[i] = (owner, name, step / 3)
+    memory.ALLOCATOR_FRAGMENTATION = 0.0
+    _forget()
+    reserved = [r for r in rows if r.memory_kind == "reserved"]
+    frag = (
+        statistics.mean(r.memory_gib / (predict(r, eff).memory.total / GIB) - 1 for r in reserved) if reserved else 0.0
+    )
+    out = {f"gemm_efficiency {gen}": round(v, 4) for gen, v in eff.items()}
+    out.update({name: round(getattr(mod, name), 4) for mod, name, _ in CONSTANTS})
+    return {**out, "ALLOCATOR_FRAGMENTATION": round(frag, 4), "fit_mean": best}
+
+
+def llm_analysis(runs: list[Run]) -> dict[str, float]:
+    """llm-analysis's step time for the rows it can express ({} when it is not installed)."""
+    try:
+        from validation.llm_analysis_side import predict as theirs
+    except ImportError:
+        return {}
+    return theirs(runs)
+
+
+def _pct(x: float | None) -> str:
+    return "" if x is None else f"{100 * x:+.1f} %"
+
+
+def tables(rows: list[dict], s: dict, other: dict[str, float], runs: list[Run]) -> str:
+    by_id = {r.id: r for r in runs}
+    out = [
+        "| row | source | fit | published s | fourd s | error | MFU published / fourd | memory GiB published / fourd "
+        "| llm-analysis s (error) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        mfu = f"{100 * r['mfu']:.1f} / {100 * r['predicted_mfu']:.1f} %" if "mfu" in r else ""
+        mem = (
+            f"{r['memory_gib']:.1f} / {r['predicted_gib']:.1f} ({_pct(r['memory_error'])})" if "memory_gib" in r else ""
+        )
+        theirs = other.get(r["id"])
+        la = f"{theirs:.4g} ({_pct(theirs / by_id[r['id']].step_time_s_derived - 1)})" if theirs else ""
+        out.append(
+            f"| {r['id']} | {r['source']} | {'fit' if r['fit'] else ''} | {r['published_s']:.4g} | "
+            f"{r['predicted_s']:.4g} | {_pct(r['error'])} | {mfu} | {mem} | {la} |"
+        )
+    out += ["", "| source | held-out rows | mean abs. error |", "|---|---|---|"]
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r["source"]] = counts.get(r["source"], 0) + (not r["fit"])
+    out += [f"| {src} | {counts[src]} | {100 * v:.1f} % |" for src, v in s["per_source"].items()]
+    out += [
+        "",
+        f"{s['rows']} rows from {s['sources']} sources, {s['fit_rows']} fit rows (mean abs. error {100 * s['fit_mean']:.1f} %). "
+        f"Out of sample: mean abs. error **{100 * s['out_of_sample_mean']:.1f} %**, max {100 * s['out_of_sample_max']:.1f} %; "
+        f"memory rows {100 * (s['memory_mean'] or 0):.1f} % mean abs. error.",
+    ]
+    if other:
+        errs = [abs(other[r["id"]] / by_id[r["id"]].step_time_s_derived - 1) for r in rows if r["id"] in other]
+        out.append(
+            f"llm-analysis 0.2.2 (its defaults) on the {len(errs)} rows it can express: mean abs. error "
+            f"{100 * statistics.mean(errs):.1f} %."
+        )
+    else:
+        out.append(
+            "llm-analysis is not installed here: `pip install --no-deps llm-analysis==0.2.2 fire==0.5.0 six termcolor`."
+        )
+    return "\n".join(out)
+
+
+def write_docs(text: str) -> None:
+    doc = DOCS.read_text()
+    head, _, rest = doc.partition(MARKERS[0])
+    _, _, tail = rest.partition(MARKERS[1])
+    if not rest:
+        raise SystemExit(f"{DOCS} has no {MARKERS[0]} ... {MARKERS[1]} section")
+    DOCS.write_text(f"{head}{MARKERS[0]}\n{text}\n{MARKERS[1]}{tail}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--write-docs", action="store_true", help="write the tables into docs/planner.md")
+    ap.add_argument("--fit", action="store_true", help="refit the fitted numbers on the fit rows and print them")
+    args = ap.parse_args()
+    sources, runs = load()
+    usable = [r for r in runs if not r.excluded]
+    if args.fit:
+        print(json.dumps(fit(usable), indent=1))
+        return
+    rows = evaluate(usable)
+    s = summary(rows, len({r.source for r in usable}))
+    other = llm_analysis(usable)
+    if args.json:
+        s["llm_analysis"] = other
+        s["row_errors"] = {r["id"]: r["error"] for r in rows}
+        print(json.dumps(s))
+        return
+    text = tables(rows, s, other, usable)
+    print(text)
+    if args.write_docs:
+        write_docs(text)
+
+
+if __name__ == "__main__":
+    main()
