@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from fourd.ckpt import store
 from fourd.cli import main
-from fourd.hf.generate import Cached, generate, load_model, perplexity, sample
+from fourd.hf.inference import Cached, generate, load_model, perplexity, sample
 from fourd.model.config import get_preset
 from fourd.model.llama import build_model
 

@@ -1,12 +1,12 @@
-"""A checkpoint's step, layout, model and model digest, read from its manifest (no tensors loaded).
+"""A checkpoint's step, layout, model and model digest, read from its manifest (nothing is loaded).
 
-model_digest is a SHA-256 over every model tensor in full (unsharded) form in sorted-name order, so
-the same weights give the same digest whatever layout saved them. --json prints the manifest's fields
-(`step`, `layout`, `model`, `model_digest`, `train`, ...) plus `path`, `files` (count) and `bytes`.
+model_digest is a SHA-256 over every model tensor in full (unsharded) form: the same weights give the
+same digest whatever layout saved them. --json prints the manifest's fields (`step`, `layout`, `model`,
+`model_digest`, `train`, ...) with `path`, `files` (count) and `bytes`.
 
 examples:
-  fourd ckpt info runs/latest/checkpoints/step-300
-  fourd ckpt info runs/latest --json         # a run directory: its newest complete checkpoint
+  fourd ckpt info runs/demo/checkpoints/step-4
+  fourd ckpt info runs/demo --json         # a run directory: its newest complete checkpoint
 """
 
 from __future__ import annotations
@@ -25,31 +25,23 @@ def run(args) -> int:
 
     directory = store.resolve(args.dir)
     manifest = store.read_manifest(directory)
-    info = {
-        **{k: v for k, v in manifest.items() if k != "files"},
-        "path": str(directory),
-        "files": len(manifest["files"]),
-        "bytes": sum(f["bytes"] for f in manifest["files"].values()),
-    }
+    files = manifest["files"].values()
+    info = {**manifest, "path": str(directory), "files": len(files), "bytes": sum(f["bytes"] for f in files)}
     if args.json:
         print(json.dumps(info, indent=1, sort_keys=True))
         return 0
-    m = manifest["model"]
+    m = store.model_config(str(directory), manifest["model"])
+    train = manifest.get("train", {})
     rows = [
         ("path", str(directory)),
         ("step", str(manifest["step"])),
         ("layout", manifest["layout"]),
-        (
-            "model",
-            f"{m.get('layers')} layers, dim {m.get('dim')}, heads {m.get('heads')}/{m.get('kv_heads')}, "
-            f"vocab {m.get('vocab')}",
-        ),
+        ("model", f"{m.layers} layers, dim {m.dim}, heads {m.heads}/{m.kv_heads}, vocab {m.vocab}"),
         ("model_digest", manifest["model_digest"]),
         ("files", f"{info['files']} ({info['bytes']:,} bytes)"),
+        ("train", ", ".join(f"{k} {v}" for k, v in sorted(train.items()) if not isinstance(v, dict))),
+        ("data", ", ".join(f"{k} {v}" for k, v in sorted(train.get("data", {}).items()))),
     ]
-    train = manifest.get("train")
-    if isinstance(train, dict):
-        rows.append(("train", ", ".join(f"{k} {v}" for k, v in sorted(train.items()))))
     width = max(len(k) for k, _ in rows)
-    print("\n".join(f"{k:<{width}}   {v}" for k, v in rows))
+    print("\n".join(f"{k:<{width}}   {v}" for k, v in rows if v))
     return 0

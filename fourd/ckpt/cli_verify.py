@@ -1,12 +1,12 @@
 """Check every file of a checkpoint against the SHA-256 sums in its manifest.
 
 Exit status 0 when every file is present with the size and hash the manifest records; 2 naming the
-first missing, truncated or altered file, or when the directory has no valid manifest. Nothing in
-the checkpoint is unpickled or loaded: only bytes are hashed.
+first missing, truncated or altered file, or when the directory has no valid manifest. Nothing is
+unpickled or loaded: only bytes are hashed.
 
 examples:
-  fourd ckpt verify runs/latest/checkpoints/step-300
-  fourd ckpt verify runs/latest              # a run directory: its newest complete checkpoint
+  fourd ckpt verify runs/demo/checkpoints/step-4
+  fourd ckpt verify runs/demo              # a run directory: its newest complete checkpoint
 """
 
 from __future__ import annotations
