@@ -24,16 +24,17 @@ def stdlib_files() -> list[Path]:
 
 def read_regular(path: str | os.PathLike, what: str, fix: str) -> bytes:
     """The bytes of a regular file; a FIFO, device, socket or pseudo-file is refused without blocking."""
+    not_regular = f"{what} {str(path)!r} is not a regular file (a FIFO, device, socket or system file): {fix}"
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # O_NONBLOCK: opening a FIFO must not wait for a writer
+        if not stat.S_ISREG(os.stat(path).st_mode):  # checked before opening: opening a FIFO waits for a writer
+            raise FourdError(not_regular)
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            data = f.read(size + 1)
     except (OSError, ValueError) as e:
         raise FourdError(f"{what} {str(path)!r} cannot be read ({getattr(e, 'strerror', None) or e}): {fix}") from None
-    with os.fdopen(fd, "rb") as f:
-        info = os.fstat(fd)
-        regular = stat.S_ISREG(info.st_mode)
-        data = f.read(info.st_size + 1) if regular else b""
-    if not regular or len(data) > info.st_size:  # reading past its size: a /proc or /sys file
-        raise FourdError(f"{what} {str(path)!r} is not a regular file (a FIFO, device, socket or system file): {fix}")
+    if len(data) > size:  # it reads past its size: a /proc or /sys file
+        raise FourdError(not_regular)
     return data
 
 
