@@ -150,6 +150,9 @@ def main() -> int:
             print(
                 f"trial {n}/{args.trials}: {what}: {how}; final digest {verdict} ({time.time() - t:.0f} s)", flush=True
             )
+            if got != want:  # the evidence, before the temporary directory goes
+                tail = Path(tmp, f"trial-{n}.log").read_text().strip().splitlines()[-8:]
+                print("\n".join(f"    {line[:200]}" for line in tail), flush=True)
     wall = time.time() - t0
     print(f"{same}/{args.trials} bitwise identical, wall time {wall / 60:.1f} min (seed {args.seed})", flush=True)
     return 0 if same == args.trials else 1

@@ -56,7 +56,7 @@ def test_rotary_permutation_is_exact_and_inverse():
     one_head = torch.arange(8.0)[:, None]  # head_dim 8: pairs (0,1) (2,3) (4,5) (6,7)
     assert convert.interleaved_to_halves(one_head, 1).flatten().tolist() == [0, 2, 4, 6, 1, 3, 5, 7]
     w = torch.randn(4 * 16, 64, dtype=torch.bfloat16)
-    back = convert.halves_to_interleaved(convert.interleaved_to_halves(w, 4), 4)
+    back = convert.interleaved_to_halves(convert.interleaved_to_halves(w, 4), 4, inverse=True)
     assert back.dtype == torch.bfloat16 and torch.equal(back, w)
 
 
@@ -213,9 +213,9 @@ def test_unexpected_tensor_is_named(hf_dir, tmp_path, capsys):
             lambda c: c.update(rope_scaling={"rope_type": "llama3", "factor": 8.0}),
             "field 'rope_scaling' = {'rope_type': 'llama3'",
         ),
-        (lambda c: c.update(rms_norm_eps="small"), "field 'rms_norm_eps' = 'small' is not a number"),
-        (lambda c: c.pop("hidden_size"), "field 'hidden_size' missing"),
-        (lambda c: c.update(num_attention_heads=0), "field 'num_attention_heads' missing or not a positive integer"),
+        (lambda c: c.update(rms_norm_eps="small"), "field 'rms_norm_eps' = 'small' is not a positive number"),
+        (lambda c: c.pop("hidden_size"), "field 'hidden_size' = None is not a positive integer"),
+        (lambda c: c.update(num_attention_heads=0), "field 'num_attention_heads' = 0 is not a positive integer"),
         (lambda c: c.update(num_key_value_heads=3), "model.heads = 4 must be a multiple of model.kv_heads = 3"),
         (lambda c: c.update(hidden_act="gelu"), "field 'hidden_act' = 'gelu' is not supported"),
     ],

@@ -178,15 +178,16 @@ def _trained_on_jsonl(tmp_path, trained, tokenizer="byte"):
     corpus = tmp_path / "corpus.jsonl"
     docs = [(STDLIB / f).read_text() for f in ("textwrap.py", "shlex.py")]
     corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    config = Config().to_dict()
-    config["data"].update(path=str(corpus), seq_len=128, holdout_fraction=0.1, tokenizer=tokenizer)
+    run = tmp_path / "run"
+    cfg = Config()
+    cfg.data.path, cfg.data.seq_len, cfg.data.holdout_fraction, cfg.data.tokenizer = str(corpus), 128, 0.1, tokenizer
+    cfg.model.preset, cfg.run.dir = "debug", str(run)
     cache = prepare(str(corpus), tokenizer)
     data = {"path": str(corpus), "tokenizer": tokenizer, "identity": load_tokenizer(tokenizer).identity()}
-    info = {"seed": 0, "config": config, "data": {**data, "source": cache.source, "tokens": cache.tokens}}
+    info = {"data": {**data, "source": cache.source, "tokens": cache.tokens}}
     model, _ = load_model(trained)
     opt = torch.optim.AdamW(model.parameters())
-    run = tmp_path / "run"
-    Checkpointer(run, [model], opt, model_cfg=CFG, layout="dp=1", contributes=True, keep=2, info=info).save(60, 960)
+    Checkpointer(cfg, [model], opt, layout="dp=1", contributes=True, info=info).save(60, 960)
     return run, "\n\n".join(docs).encode()
 
 

@@ -1,8 +1,7 @@
-"""A checkpoint's step, layout, model and model digest, read from its manifest (nothing is loaded).
+"""A checkpoint's step, layout, model and model digest, from its manifest (nothing is loaded).
 
-model_digest is a SHA-256 over every model tensor in full (unsharded) form: the same weights give the
-same digest whatever layout saved them. --json prints the manifest's fields (`step`, `layout`, `model`,
-`model_digest`, `train`, ...) with `path`, `files` (count) and `bytes`.
+model_digest hashes the full (unsharded) model tensors: the same weights give the same digest whatever
+layout saved them. --json prints the manifest's fields with `path`, `files` (a count) and `bytes`.
 
 examples:
   fourd ckpt info runs/demo/checkpoints/step-4
@@ -11,11 +10,10 @@ examples:
 
 from __future__ import annotations
 
-import argparse
 import json
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p) -> None:
     p.add_argument("dir", metavar="DIR", help="a checkpoint directory, or a run directory (its newest checkpoint)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -30,18 +28,11 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(info, indent=1, sort_keys=True))
         return 0
-    m = store.model_config(str(directory), manifest["model"])
-    train = manifest.get("train", {})
-    rows = [
-        ("path", str(directory)),
-        ("step", str(manifest["step"])),
-        ("layout", manifest["layout"]),
-        ("model", f"{m.layers} layers, dim {m.dim}, heads {m.heads}/{m.kv_heads}, vocab {m.vocab}"),
-        ("model_digest", manifest["model_digest"]),
-        ("files", f"{info['files']} ({info['bytes']:,} bytes)"),
-        ("train", ", ".join(f"{k} {v}" for k, v in sorted(train.items()) if not isinstance(v, dict))),
-        ("data", ", ".join(f"{k} {v}" for k, v in sorted(train.get("data", {}).items()))),
-    ]
-    width = max(len(k) for k, _ in rows)
-    print("\n".join(f"{k:<{width}}   {v}" for k, v in rows if v))
+    m, train = store.model_config(str(directory), manifest["model"]), manifest.get("train", {})
+    rows = {"path": directory, "step": manifest["step"], "layout": manifest["layout"]}
+    rows["model"] = f"{m.layers} layers, dim {m.dim}, heads {m.heads}/{m.kv_heads}, vocab {m.vocab}"
+    rows |= {"model_digest": manifest["model_digest"], "files": f"{info['files']} ({info['bytes']:,} bytes)"}
+    rows["train"] = ", ".join(f"{k} {v}" for k, v in sorted(train.items()) if not isinstance(v, dict))
+    rows["data"] = ", ".join(f"{k} {v}" for k, v in sorted(train.get("data", {}).items()))
+    print("\n".join(f"{k:<12}   {v}" for k, v in rows.items() if v != ""))
     return 0

@@ -11,13 +11,8 @@ import torch.distributed.checkpoint as dcp
 from fourd.errors import FourdError
 
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
-# torch.serialization._get_layout looks a layout up by name.
-_ALLOWED = {
-    ("collections", "OrderedDict"),
-    ("torch", "Size"),
-    ("pathlib", "PosixPath"),
-    ("torch.serialization", "_get_layout"),
-}
+_ALLOWED = {("collections", "OrderedDict"), ("torch", "Size"), ("pathlib", "PosixPath")}
+_ALLOWED.add(("torch.serialization", "_get_layout"))  # looks a layout up by name
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -41,11 +36,10 @@ class SafeReader(dcp.FileSystemReader):
         try:
             with open(path, "rb") as f:
                 metadata = _MetadataUnpickler(f).load()
+            if not isinstance(getattr(metadata, "state_dict_metadata", None), dict):
+                raise pickle.UnpicklingError("not DCP metadata")
         except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError, TypeError) as e:
             raise FourdError(f"{path}: refused ({e}); load only checkpoints fourd wrote") from None
-        state = getattr(metadata, "state_dict_metadata", None)
-        if not isinstance(state, dict):
-            raise FourdError(f"{path}: not DCP metadata; load only checkpoints fourd wrote")
         if getattr(metadata, "storage_meta", None) is None:
             from torch.distributed.checkpoint.metadata import StorageMeta
 

@@ -1,8 +1,5 @@
-"""Checkpoint storage: DCP files plus manifest.json, written atomically; the manifest's typed schema.
-
-The format, the commit protocol and the trust boundary are in docs/fault-tolerance.md. Reading a
-manifest, verifying files and finding a run's newest checkpoint import no torch.
-"""
+"""Checkpoint storage: DCP files and a manifest.json with a typed schema, written atomically (format and
+trust boundary: docs/fault-tolerance.md). Only loading and saving tensors imports torch."""
 
 from __future__ import annotations
 
@@ -14,6 +11,7 @@ import os
 import shutil
 import sys
 import warnings
+from collections.abc import Iterator
 from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,26 +22,32 @@ from fourd.model.config import ModelConfig
 if TYPE_CHECKING:
     import torch
 
+# DCP warns when it runs without a process group; fourd's single-process saves and loads do so on purpose.
+warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+
 FORMAT = "fourd-checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
 CHECKPOINTS = "checkpoints"
-_CHUNK = 1 << 20
-_HEX = frozenset("0123456789abcdef")
-# Manifest fields: name -> (type, required). Other keys are kept, unchecked.
-_TOP = {"format": (str, 1), "version": (int, 1), "step": (int, 1), "layout": (str, 1), "model": (dict, 1)}
-_TOP |= {"model_digest": (str, 1), "files": (dict, 1), "train": (dict, 0), "hf_config": (dict, 0)}
+_SHA = "sha256"  # a kind: 64 lowercase hexadecimal digits
+_KINDS = {int: "an integer >= 0", float: "a finite number >= 0", str: "a string", dict: "an object", _SHA: "a SHA-256"}
+# The manifest's schema: field -> kind. Keys it does not name are kept, unchecked.
+_TOP = {"format": str, "version": int, "step": int, "layout": str, "model": dict, "model_digest": _SHA, "files": dict}
+_TOP |= {"train": dict, "hf_config": dict}
+_FILE = {"bytes": int, "sha256": _SHA}
 _TRAIN = {"step": int, "samples": int, "seed": int, "global_batch": int, "steps": int, "config": dict, "data": dict}
 _DATA = {"path": str, "tokenizer": str, "identity": str, "source": str, "tokens": int}
-_KINDS = {int: "an integer >= 0", float: "a finite number >= 0", str: "a string", dict: "an object"}
+_CONFIG_DATA = {"path": str, "tokenizer": str, "seq_len": int, "cache_dir": str, "holdout_fraction": float}
 
 
 def warn(message: str) -> None:
     print(f"fourd: warning: {message}", file=sys.stderr, flush=True)
 
 
-def _typed(where: str, name: str, value, kind: type):
-    if kind is float:
+def _typed(where: str, name: str, value, kind):
+    if kind == _SHA:
+        ok = isinstance(value, str) and len(value) == 64 and set(value) <= set("0123456789abcdef")
+    elif kind is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
     else:
         ok = isinstance(value, kind) and not isinstance(value, bool) and (not isinstance(value, int) or value >= 0)
@@ -53,7 +57,10 @@ def _typed(where: str, name: str, value, kind: type):
     return value
 
 
-def _check_keys(where: str, prefix: str, obj: dict, spec: dict) -> None:
+def _check(where: str, prefix: str, obj: dict, spec: dict, required=()) -> None:
+    for key in required:
+        if key not in obj:
+            raise FourdError(f"{where}: missing field {prefix + key!r}; the checkpoint is damaged")
     for key, kind in spec.items():
         if key in obj:
             _typed(where, prefix + key, obj[key], kind)
@@ -61,8 +68,7 @@ def _check_keys(where: str, prefix: str, obj: dict, spec: dict) -> None:
 
 def model_config(where: str, spec: dict) -> ModelConfig:
     """The ModelConfig a manifest records; any wrong key or type is one FourdError naming the field."""
-    types = {"int": int, "float": float, "str": str}
-    kinds = {f.name: types[getattr(f.type, "__name__", str(f.type))] for f in fields(ModelConfig)}
+    kinds = {f.name: {"int": int, "float": float, "str": str}[str(f.type)] for f in fields(ModelConfig)}
     for key, value in spec.items():
         if key not in kinds:
             raise FourdError(f"{where}: field 'model.{key}' is not a model setting; the checkpoint is damaged")
@@ -84,17 +90,6 @@ def inside(folder: str | os.PathLike, rel: object, source: str) -> Path:
     return path
 
 
-def _check_files(where: str, directory: Path, files: dict) -> None:
-    for rel, entry in files.items():
-        inside(directory, rel, where)
-        if not isinstance(entry, dict):
-            raise FourdError(f"{where}: files[{rel!r}] is not an object; the checkpoint is damaged")
-        _typed(where, f"files[{rel!r}].bytes", entry.get("bytes"), int)
-        sha = _typed(where, f"files[{rel!r}].sha256", entry.get("sha256"), str)
-        if len(sha) != 64 or not set(sha) <= _HEX:
-            raise FourdError(f"{where}: files[{rel!r}].sha256 is not a SHA-256; the checkpoint is damaged")
-
-
 def read_manifest(directory: str | os.PathLike) -> dict:
     """manifest.json, checked against its schema: any missing or wrong-typed field is one FourdError."""
     path = Path(directory) / MANIFEST
@@ -108,35 +103,24 @@ def read_manifest(directory: str | os.PathLike) -> dict:
         raise FourdError(f"{path}: format is not {FORMAT!r}; not a fourd checkpoint")
     if manifest.get("version") != VERSION:
         raise FourdError(f"{path}: version {manifest.get('version')!r} is not supported (this fourd reads {VERSION})")
-    for key, (kind, required) in _TOP.items():
-        if key in manifest:
-            _typed(str(path), key, manifest[key], kind)
-        elif required:
-            raise FourdError(f"{path}: missing field {key!r}; the checkpoint is damaged")
-    digest = manifest["model_digest"]
-    if len(digest) != 64 or not set(digest) <= _HEX:
-        raise FourdError(f"{path}: field 'model_digest' is not a SHA-256; the checkpoint is damaged")
-    model_config(str(path), manifest["model"])
-    _check_files(str(path), Path(directory), manifest["files"])
+    where = str(path)
+    _check(where, "", manifest, _TOP, required=("step", "layout", "model", "model_digest", "files"))
+    model_config(where, manifest["model"])
+    for rel, entry in manifest["files"].items():
+        inside(directory, rel, where)
+        _check(where, f"files[{rel!r}].", _typed(where, f"files[{rel!r}]", entry, dict), _FILE, required=_FILE)
     train = manifest.get("train", {})
-    _check_keys(str(path), "train.", train, _TRAIN)
-    _check_keys(str(path), "train.data.", train.get("data", {}), _DATA)
+    _check(where, "train.", train, _TRAIN)
+    _check(where, "train.data.", train.get("data", {}), _DATA)
+    config_data = _typed(where, "train.config.data", train.get("config", {}).get("data", {}), dict)
+    _check(where, "train.config.data.", config_data, _CONFIG_DATA)
     return manifest
-
-
-def recorded(manifest: dict, section: str, key: str, kind: type):
-    """A setting of the run that saved the checkpoint (`train.config`), or None when it is not recorded."""
-    config = manifest.get("train", {}).get("config")
-    values = config.get(section) if isinstance(config, dict) else None
-    if not isinstance(values, dict) or values.get(key) is None:
-        return None
-    return _typed(MANIFEST, f"train.config.{section}.{key}", values[key], kind)
 
 
 def _sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        while block := f.read(_CHUNK):
+        while block := f.read(1 << 20):
             h.update(block)
     return h.hexdigest()
 
@@ -148,7 +132,7 @@ def verify(directory: str | os.PathLike) -> dict:
         raise FourdError(f"{directory}/{MANIFEST} lists no files; the checkpoint is damaged")
     for rel, want in sorted(manifest["files"].items()):
         path = Path(directory) / rel
-        if not path.is_file():
+        if not os.path.isfile(path):
             raise FourdError(f"{path}: missing (listed in {MANIFEST}); the checkpoint is incomplete")
         if path.stat().st_size != want["bytes"]:
             raise FourdError(f"{path}: {path.stat().st_size} bytes, manifest says {want['bytes']}; the file is damaged")
@@ -165,7 +149,8 @@ def checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
 
 def newest(run_dir: str | os.PathLike, check=read_manifest, on_damaged=None) -> Path | None:
     """The newest checkpoint passing `check`; says in one line which damaged newer ones it skipped."""
-    skipped = []
+    skipped: list[str] = []
+    found: Path | None = None
     for _step, path in checkpoints(run_dir):
         try:
             check(path)
@@ -174,25 +159,20 @@ def newest(run_dir: str | os.PathLike, check=read_manifest, on_damaged=None) -> 
             if on_damaged is not None:
                 on_damaged(path, e)
             continue
-        if skipped:
-            warn(f"falling back to the previous complete checkpoint {path.name} (skipped damaged {', '.join(skipped)})")
-        return path
+        found = path
+        break
+    damaged = f"skipped damaged {', '.join(skipped)}"
     if skipped:
-        warn(f"no complete checkpoint left in {Path(run_dir, CHECKPOINTS)} (skipped damaged {', '.join(skipped)})")
-    return None
+        warn(f"falling back to the previous complete checkpoint {found.name} ({damaged})" if found else damaged)
+    return found
 
 
-def check_model(directory: str | os.PathLike, cfg: ModelConfig) -> dict:
-    """The checkpoint's manifest, refused when it holds another model than `cfg`."""
-    manifest = read_manifest(directory)
-    saved, wanted = manifest["model"], cfg.to_dict()
-    if saved != wanted:
-        diff = [k for k in wanted if saved.get(k) != wanted[k]]
-        raise FourdError(
-            f"{directory} holds another model ({', '.join(f'{k} {saved.get(k)}' for k in diff)}; this run has "
-            f"{', '.join(f'{k} {wanted[k]}' for k in diff)}): use another run directory or the same model"
-        )
-    return manifest
+def check_model(directory: str | os.PathLike, cfg: ModelConfig) -> None:
+    """Refuse a checkpoint of another model than `cfg`, naming the settings that differ."""
+    saved, wanted = read_manifest(directory)["model"], cfg.to_dict()
+    diff = ", ".join(f"{k} {saved.get(k)} (this run: {v})" for k, v in wanted.items() if saved.get(k) != v)
+    if diff:
+        raise FourdError(f"{directory} holds another model: {diff}; use another run directory or the same model")
 
 
 def resolve(path: str | os.PathLike) -> Path:
@@ -208,21 +188,16 @@ def resolve(path: str | os.PathLike) -> Path:
 
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    os.fsync(fd)
+    os.close(fd)
 
 
 def staging_dir(final_dir: str | os.PathLike) -> Path:
     """The temporary sibling a checkpoint is written into; the same name on every rank."""
-    final = Path(final_dir)
-    return final.parent / f".{final.name}.partial"
+    return Path(final_dir).with_name(f".{Path(final_dir).name}.partial")
 
 
-def write_manifest(
-    directory: str | os.PathLike, *, cfg: ModelConfig, digest: str, step: int = 0, layout: str = "dp=1", extra=None
-) -> dict:
+def write_manifest(directory, cfg: ModelConfig, digest: str, step: int = 0, layout: str = "dp=1", extra=None) -> dict:
     """Hash every file already in `directory` and write manifest.json; call it after the last data file."""
     directory = Path(directory)
     data = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
@@ -239,8 +214,6 @@ def write_manifest(
 def commit(tmp_dir: str | os.PathLike, final_dir: str | os.PathLike) -> Path:
     """fsync every file of `tmp_dir`, then rename it to `final_dir` in one step."""
     tmp, final = Path(tmp_dir), Path(final_dir)
-    if not (tmp / MANIFEST).is_file():
-        raise FourdError(f"{tmp}: no {MANIFEST}; write_manifest must run before commit")
     if final.exists():
         raise FourdError(f"{final} already exists; remove it or choose another destination")
     for p in sorted(tmp.rglob("*"), key=lambda p: -len(p.parts)) + [tmp]:
@@ -257,10 +230,8 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 
 def model_digest(state_dict: dict[str, torch.Tensor]) -> str:
-    """SHA-256 over every tensor in sorted-name order: name, dtype, shape (NUL-separated), raw bytes.
-
-    DTensors are gathered with `.full_tensor()`: under a process group every rank calls this together.
-    """
+    """SHA-256 over the tensors in name order: name, dtype, shape (NUL-separated), raw bytes; DTensors are
+    gathered (a collective: every rank calls it)."""
     import torch
 
     h = hashlib.sha256()
@@ -278,31 +249,30 @@ def shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in build_model(cfg, device="meta").state_dict().items()}
 
 
-def _single_process(fn, *args, **kw):
-    # DCP warns that it runs without a process group; here that is the intent.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        return fn(*args, no_dist=True, **kw)
+@contextlib.contextmanager
+def staged(final: str | os.PathLike) -> Iterator[Path]:
+    """A fresh staging directory for `final` (which must not exist), removed again if the block fails."""
+    if Path(final).exists():
+        raise FourdError(f"{final} already exists; remove it or choose another destination")
+    tmp = staging_dir(final)
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a crashed earlier attempt
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def save_model_checkpoint(directory, cfg: ModelConfig, state_dict, step: int = 0, layout="dp=1", extra=None) -> Path:
     """One process, full tensors: the checkpoint `fourd convert` writes and tests build."""
     import torch.distributed.checkpoint as dcp
 
-    final = Path(directory)
-    if final.exists():
-        raise FourdError(f"{final} already exists; remove it or choose another destination")
-    tmp = staging_dir(final)
-    shutil.rmtree(tmp, ignore_errors=True)  # left by a crashed earlier attempt
-    tmp.mkdir(parents=True)
-    try:
+    with staged(directory) as tmp:
         sd = {k: full(v) for k, v in state_dict.items()}
-        _single_process(dcp.save, {"model": sd}, storage_writer=dcp.FileSystemWriter(str(tmp)))
+        dcp.save({"model": sd}, storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=True)
         write_manifest(tmp, cfg=cfg, digest=model_digest(sd), step=step, layout=layout, extra=extra)
-        return commit(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        return commit(tmp, directory)
 
 
 def load_model_checkpoint(directory: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -314,6 +284,8 @@ def load_model_checkpoint(directory: str | os.PathLike) -> tuple[ModelConfig, di
 
     manifest = verify(directory)
     cfg = ModelConfig(**manifest["model"])
+    if cfg.mlp != "swiglu":  # the GPT-style MLP is the planner's only
+        raise FourdError(f"{directory}: model.mlp = {cfg.mlp!r}; a checkpoint holds a Llama (swiglu) model")
     reader = SafeReader(str(directory))
     sd = {}
     for key, meta in reader.read_metadata().state_dict_metadata.items():
@@ -326,7 +298,7 @@ def load_model_checkpoint(directory: str | os.PathLike) -> tuple[ModelConfig, di
     bad = sorted(set(want) ^ set(sd)) or sorted(k for k in sd if tuple(sd[k].shape) != want[k])
     if bad:
         raise FourdError(f"{directory}: tensor {bad[0]} does not fit its manifest's model (names or shapes differ)")
-    _single_process(dcp.load, {"model": sd}, storage_reader=reader)
+    dcp.load({"model": sd}, storage_reader=reader, no_dist=True)
     if model_digest(sd) != manifest["model_digest"]:
         raise FourdError(f"{directory}: the loaded tensors' model_digest differs from {MANIFEST}; it is damaged")
     return cfg, sd

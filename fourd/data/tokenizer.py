@@ -61,7 +61,7 @@ class HFTokenizer:
         except Exception as e:  # the library raises a plain Exception for malformed files
             raise FourdError(f"{path}: not a valid Hugging Face tokenizer.json ({str(e)[:80]})") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self._identity = f"hf:{hashlib.sha256(raw).hexdigest()}"
+        self.raw, self._identity = raw, f"hf:{hashlib.sha256(raw).hexdigest()}"
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -87,7 +87,7 @@ class TiktokenTokenizer:
         special = {s: n + i for i, s in enumerate(specials)}
         self._enc = tiktoken.Encoding(name="bpe", pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=special)
         self.vocab_size = n + LLAMA3_SPECIAL
-        self._identity = f"tiktoken:{hashlib.sha256(raw).hexdigest()}"
+        self.raw, self._identity = raw, f"tiktoken:{hashlib.sha256(raw).hexdigest()}"  # raw: the file's bytes
 
     def encode(self, text: str) -> list[int]:
         # Special-token text in the input is encoded as ordinary text, never as control tokens.
@@ -114,4 +114,7 @@ def read_bpe_ranks(path: str, raw: bytes) -> dict[bytes, int]:
         raise FourdError(f"{path}: no BPE ranks; not a tiktoken BPE file")
     if sorted(ranks.values()) != list(range(len(ranks))):
         raise FourdError(f"{path}: ranks are not 0..{len(ranks) - 1} each once; the file is damaged")
+    missing = next((b for b in range(256) if bytes([b]) not in ranks), None)
+    if missing is not None:  # tiktoken would abort on a text holding that byte
+        raise FourdError(f"{path}: byte {missing} has no rank; a tiktoken BPE file ranks all 256 single bytes")
     return ranks

@@ -12,11 +12,14 @@ examples:
 from __future__ import annotations
 
 import json
+import math
 import os
-import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from fourd.ckpt import store
+from fourd.data.corpus import read_regular
+from fourd.data.tokenizer import load_tokenizer
 from fourd.errors import FourdError
 from fourd.model.config import ModelConfig
 
@@ -25,12 +28,13 @@ if TYPE_CHECKING:
 
 ARCHITECTURE = "LlamaForCausalLM"
 INDEX = "model.safetensors.index.json"
-# LlamaConfig's defaults, for a config.json that omits the key.
+# config.json key -> ModelConfig field, both ways; LlamaConfig's defaults for keys a config.json omits.
+_CONFIG = {"num_hidden_layers": "layers", "hidden_size": "dim", "intermediate_size": "ffn", "vocab_size": "vocab"}
+_CONFIG |= {"num_attention_heads": "heads", "num_key_value_heads": "kv_heads", "head_dim": "head_dim"}
+_CONFIG |= {"rms_norm_eps": "norm_eps", "rope_theta": "rope_theta", "max_position_embeddings": "max_seq"}
 _HF_DEFAULTS = {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 2048}
-# Tensors Hugging Face checkpoints sometimes carry that are recomputed, not learned.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-# Tokenizer kinds (fourd.data.tokenizer names) and the file name Hugging Face and Meta give each.
-_TOKENIZER_FILES = {"tokenizer.json": "tokenizer.json", "tiktoken": "tokenizer.model"}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # tensors some checkpoints carry that are recomputed, not learned
+_TOKENIZER_FILES = {"tokenizer.json": "tokenizer.json", "tiktoken": "tokenizer.model"}  # kind -> usual file name
 
 
 def add_arguments(p) -> None:
@@ -38,9 +42,7 @@ def add_arguments(p) -> None:
     p.add_argument("src", metavar="SRC", help="directory to read (fourd: a checkpoint or a run directory)")
     p.add_argument("--to", dest="dst_format", required=True, choices=("hf", "fourd"), help="format of DST")
     p.add_argument("dst", metavar="DST", help="directory to create (must not exist)")
-    p.add_argument(
-        "--shard-mb", type=int, default=5000, help="Hugging Face export: largest safetensors file in MB (default 5000)"
-    )
+    p.add_argument("--shard-mb", type=int, default=5000, help="export: largest safetensors file in MB (default 5000)")
 
 
 def run(args) -> int:
@@ -56,8 +58,6 @@ def run(args) -> int:
     return 0
 
 
-# ---- names and the rotary layout -------------------------------------------------------------------
-
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
 _TOP["output.weight"] = "lm_head.weight"
 _BLOCK = {"attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
@@ -66,38 +66,27 @@ _BLOCK |= {"feed_forward.w1": "mlp.gate_proj", "feed_forward.w2": "mlp.down_proj
 
 
 def hf_name(name: str) -> str:
-    """fourd (Meta) parameter name -> Hugging Face name, e.g. layers.3.feed_forward.w1.weight ->
-    model.layers.3.mlp.gate_proj.weight."""
+    """fourd's (Meta's) parameter name -> Hugging Face's: layers.3.feed_forward.w1.weight -> model.layers.3.mlp..."""
     if name in _TOP:
         return _TOP[name]
     _, i, rest = name.split(".", 2)
     return f"model.layers.{i}.{_BLOCK[rest.removesuffix('.weight')]}.weight"
 
 
-def interleaved_to_halves(w: torch.Tensor, heads: int) -> torch.Tensor:
+def interleaved_to_halves(w: torch.Tensor, heads: int, inverse: bool = False) -> torch.Tensor:
     """Rows of a q or k projection, per head, from pairs (2i, 2i+1) to halves (i, i + d/2) (docs/hf.md)."""
     rows, cols = w.shape
-    return w.reshape(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols).contiguous()
+    pairs = (heads, 2, rows // heads // 2, cols) if inverse else (heads, rows // heads // 2, 2, cols)
+    return w.reshape(pairs).transpose(1, 2).reshape(rows, cols).contiguous()
 
 
-def halves_to_interleaved(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """The inverse of interleaved_to_halves."""
-    rows, cols = w.shape
-    return w.reshape(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols).contiguous()
-
-
-def _rotary(cfg: ModelConfig, name: str, w: torch.Tensor, permute) -> torch.Tensor:
+def _rotary(cfg: ModelConfig, name: str, w: torch.Tensor, inverse: bool) -> torch.Tensor:
     if name.endswith(("wq.weight", "wk.weight")):
-        return permute(w, cfg.heads if name.endswith("wq.weight") else cfg.kv_heads)
+        return interleaved_to_halves(w, cfg.heads if name.endswith("wq.weight") else cfg.kv_heads, inverse)
     return w
 
 
-# ---- Hugging Face -> fourd -------------------------------------------------------------------------
-
-
 def _json_object(path: Path, what: str) -> dict:
-    from fourd.data.corpus import read_regular
-
     try:
         obj = json.loads(read_regular(path, what, "give a Hugging Face model directory"))
     except (ValueError, RecursionError) as e:
@@ -108,11 +97,12 @@ def _json_object(path: Path, what: str) -> dict:
 
 
 def _field(path: Path, hf: dict, key: str, default, kind: type):
-    value = hf.get(key) if hf.get(key) is not None else default
-    if kind is int and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-        raise FourdError(f"{path}: field {key!r} missing or not a positive integer")
-    if kind is float and (not isinstance(value, (int, float)) or isinstance(value, bool)):
-        raise FourdError(f"{path}: field {key!r} = {value!r} is not a number")
+    value: Any = hf.get(key) if hf.get(key) is not None else default
+    ok = isinstance(value, kind if kind is int else (int, float)) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or value <= 0:
+        raise FourdError(
+            f"{path}: field {key!r} = {value!r} is not a positive {'integer' if kind is int else 'number'}"
+        )
     return kind(value)
 
 
@@ -130,30 +120,26 @@ def read_hf_config(src: Path) -> tuple[ModelConfig, dict]:
     if hf.get("rope_scaling") or not isinstance(rope, dict) or rope.get("rope_type", "default") != "default":
         what = f"'rope_scaling' = {hf['rope_scaling']!r}" if hf.get("rope_scaling") else f"'rope_parameters' = {rope!r}"
         raise FourdError(f"{path}: field {what} is not supported; fourd implements plain RoPE")
-    dim, heads = _field(path, hf, "hidden_size", None, int), _field(path, hf, "num_attention_heads", None, int)
-    cfg = ModelConfig(
-        layers=_field(path, hf, "num_hidden_layers", None, int),
-        dim=dim,
-        ffn=_field(path, hf, "intermediate_size", None, int),
-        heads=heads,
-        kv_heads=_field(path, hf, "num_key_value_heads", heads, int),
-        vocab=_field(path, hf, "vocab_size", None, int),
-        head_dim=_field(path, hf, "head_dim", dim // heads, int),
-        norm_eps=_field(path, hf, "rms_norm_eps", _HF_DEFAULTS["rms_norm_eps"], float),
-        rope_theta=_field(path, {**hf, **rope}, "rope_theta", _HF_DEFAULTS["rope_theta"], float),
-        max_seq=_field(path, hf, "max_position_embeddings", _HF_DEFAULTS["max_position_embeddings"], int),
-    )
-    return cfg, hf
+    given = {**hf, **rope}  # newer configs keep rope_theta in rope_parameters
+    defaults = {**_HF_DEFAULTS, "num_key_value_heads": given.get("num_attention_heads")}
+    values = {
+        field: _field(path, given, key, defaults.get(key), float if field in ("norm_eps", "rope_theta") else int)
+        for key, field in _CONFIG.items()
+        if key != "head_dim" or given.get(key) is not None  # else dim // heads
+    }
+    return ModelConfig(**values), hf
 
 
 def _safetensors_files(src: Path) -> list[Path]:
-    from fourd.ckpt.store import inside
-
     if (src / INDEX).is_file():
         weight_map = _json_object(src / INDEX, INDEX).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
+        if (
+            not isinstance(weight_map, dict)
+            or not weight_map
+            or not all(isinstance(f, str) for f in weight_map.values())
+        ):
             raise FourdError(f"{src / INDEX}: no valid 'weight_map'; the index is damaged")
-        files = [inside(src, f, str(src / INDEX)) for f in sorted(set(map(str, weight_map.values())))]
+        files = [store.inside(src, f, str(src / INDEX)) for f in sorted(set(weight_map.values()))]
     else:
         files = sorted(src.glob("*.safetensors"))
     if not files:
@@ -161,7 +147,7 @@ def _safetensors_files(src: Path) -> list[Path]:
         hint = f" ({bins[0]} is a pickle, which fourd does not load; save the model with safe_serialization)"
         raise FourdError(f"{src}: no .safetensors files{hint if bins else ''}")
     for f in files:
-        if not f.is_file():  # a FIFO or device would block or never end
+        if not os.path.isfile(f):  # a FIFO or device would block or never end
             raise FourdError(f"{f}: missing or not a regular file (named in {INDEX})")
     return files
 
@@ -183,8 +169,6 @@ def read_hf_tensors(src: Path) -> dict[str, torch.Tensor]:
 
 
 def hf_to_fourd_state_dict(cfg: ModelConfig, hf: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    from fourd.ckpt.store import shapes
-
     tensors = {k: v for k, v in tensors.items() if not k.endswith(_IGNORED_SUFFIXES)}
     if hf.get("tie_word_embeddings") and "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
         # Tied models (Llama 3.2 1B/3B) store one matrix; fourd's output projection gets its own copy.
@@ -192,18 +176,17 @@ def hf_to_fourd_state_dict(cfg: ModelConfig, hf: dict, tensors: dict[str, torch.
     if cfg.layers > len(tensors):  # checked before a model of that depth is built, even on the meta device
         raise FourdError(f"config.json says {cfg.layers} layers; the safetensors files hold {len(tensors)} tensors")
     sd = {}
-    for name, shape in shapes(cfg).items():
+    for name, shape in store.shapes(cfg).items():
         hname = hf_name(name)
         if hname not in tensors:
             raise FourdError(f"tensor {hname} missing from the safetensors files (config.json implies it)")
         w = tensors.pop(hname)
         if tuple(w.shape) != shape:
             raise FourdError(f"tensor {hname} has shape {list(w.shape)}; config.json implies {list(shape)}")
-        sd[name] = _rotary(cfg, name, w, halves_to_interleaved)
-    if tensors:
+        sd[name] = _rotary(cfg, name, w, inverse=True)
+    if extra := sorted(tensors):
         raise FourdError(
-            f"tensor {sorted(tensors)[0]} is not part of a {ARCHITECTURE} "
-            f"({len(tensors)} unexpected tensor(s)); fourd would drop it"
+            f"tensor {extra[0]} is not part of a {ARCHITECTURE} ({len(extra)} unexpected); fourd would drop it"
         )
     return sd
 
@@ -224,14 +207,9 @@ def load_hf(src: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor
 
 
 def hf_to_fourd(src: str | os.PathLike, dst: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    from fourd.ckpt import store
-
     cfg, hf, sd = read_hf(src)
     store.save_model_checkpoint(dst, cfg, sd, extra={"hf_config": hf})
     return cfg, sd
-
-
-# ---- fourd -> Hugging Face -------------------------------------------------------------------------
 
 
 def hf_config(cfg: ModelConfig, dtype: torch.dtype, base: dict | None = None) -> dict:
@@ -240,12 +218,10 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype, base: dict | None = None) ->
     out = dict(base or {"bos_token_id": None, "eos_token_id": None})
     out.pop("rope_scaling", None)
     out |= {"architectures": [ARCHITECTURE], "model_type": "llama", "hidden_act": "silu", "attention_bias": False}
-    out |= {"mlp_bias": False, "tie_word_embeddings": False, "hidden_size": cfg.dim, "intermediate_size": cfg.ffn}
-    out |= {"num_hidden_layers": cfg.layers, "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads}
-    out |= {"head_dim": cfg.head_dim, "vocab_size": cfg.vocab, "rms_norm_eps": cfg.norm_eps}
-    # Older readers take rope_theta at the top, newer ones from rope_parameters.
-    out |= {"max_position_embeddings": cfg.max_seq, "rope_theta": cfg.rope_theta, "torch_dtype": dtype_name}
-    out |= {"rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}, "dtype": dtype_name}
+    out |= {"mlp_bias": False, "tie_word_embeddings": False, "torch_dtype": dtype_name, "dtype": dtype_name}
+    out |= {key: getattr(cfg, field) for key, field in _CONFIG.items()}
+    # Older readers take rope_theta at the top (above), newer ones from rope_parameters.
+    out["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     return out
 
 
@@ -255,73 +231,62 @@ def _shard(tensors: dict[str, torch.Tensor], shard_bytes: int) -> list[dict[str,
     for k in sorted(tensors):
         n = tensors[k].numel() * tensors[k].element_size()
         if shards[-1] and size + n > shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][k] = tensors[k]
-        size += n
+            shards, size = [*shards, {}], 0
+        shards[-1][k], size = tensors[k], size + n
     return shards
 
 
-def _tokenizer_file(manifest: dict) -> tuple[str, bytes] | None:
-    """(file name, bytes) of the tokenizer file the run trained with; None for byte-level or unrecorded runs."""
-    from fourd.data.corpus import read_regular
-    from fourd.data.tokenizer import load_tokenizer
+def tokenizer_spec(given: str | None, data: dict) -> str:
+    return given if given is not None else data.get("tokenizer") or "byte"
 
+
+def run_tokenizer(manifest: dict, given: str | None):
+    """The tokenizer the run trained with (byte-level when unrecorded); `given` must be the same one."""
     data = manifest.get("train", {}).get("data", {})
-    spec = data.get("tokenizer", "byte")
-    if spec in ("", "byte"):
-        return None
-    tok = load_tokenizer(spec)
+    tok = load_tokenizer(tokenizer_spec(given, data))
     if "identity" in data and tok.identity() != data["identity"]:
-        raise FourdError(f"tokenizer {spec!r} changed since the run trained with it; restore the file it used")
-    return _TOKENIZER_FILES[tok.name], read_regular(spec, "tokenizer", "restore the file the run trained with")
+        if given is None:
+            raise FourdError(f"tokenizer {data.get('tokenizer')!r} changed since the run trained with it; restore it")
+        raise FourdError(f"--tokenizer {given!r} is not the run's tokenizer ({data.get('tokenizer')!r}); leave it out")
+    return tok
+
+
+def _tokenizer_file(manifest: dict) -> dict[str, bytes]:
+    """{file name: bytes} of the tokenizer file the run trained with; {} for byte-level or unrecorded runs."""
+    tok = run_tokenizer(manifest, None)
+    return {} if tok.name == "byte" else {_TOKENIZER_FILES[tok.name]: tok.raw}
 
 
 def write_hf(dst: Path, config: dict, tensors: dict[str, torch.Tensor], shard_bytes: int, extra=None) -> None:
-    """config.json, safetensors (sharded with an index past `shard_bytes`) and `extra` {name: bytes} files,
-    renamed into place at the end; files get the usual mode (0644 under umask 022)."""
+    """config.json, safetensors (sharded with an index past `shard_bytes`) and `extra` {name: bytes}, renamed
+    into place at the end; every file gets the mode the umask gives (safetensors alone writes 0600)."""
     from safetensors.torch import save_file
 
-    from fourd.ckpt.store import staging_dir
-
-    if dst.exists():
-        raise FourdError(f"{dst} already exists; remove it or choose another destination")
-    tmp = staging_dir(dst)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        shards = _shard(tensors, shard_bytes)
-        names = [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
-        names = names if len(shards) > 1 else ["model.safetensors"]
+    shards = _shard(tensors, shard_bytes)
+    names = [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    names = names if len(shards) > 1 else ["model.safetensors"]
+    files = {**(extra or {}), "config.json": (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()}
+    if len(shards) > 1:
+        index = {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())}
+        weight_map = {k: name for name, shard in zip(names, shards) for k in shard}
+        files[INDEX] = json.dumps({"metadata": index, "weight_map": weight_map}, indent=2).encode()
+    umask = os.umask(0)
+    os.umask(umask)
+    with store.staged(dst) as tmp:
         for name, shard in zip(names, shards):
             save_file(shard, str(tmp / name), metadata={"format": "pt"})
-        files = dict(extra or {}, **{"config.json": json.dumps(config, indent=2, sort_keys=True) + "\n"})
-        if len(shards) > 1:
-            total = sum(t.numel() * t.element_size() for t in tensors.values())
-            weight_map = {k: name for name, shard in zip(names, shards) for k in shard}
-            files[INDEX] = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
         for name, content in files.items():
-            (tmp / name).write_bytes(content if isinstance(content, bytes) else content.encode())
-        umask = os.umask(0)
-        os.umask(umask)
-        for p in tmp.iterdir():  # safetensors writes 0600
+            (tmp / name).write_bytes(content)
+        for p in tmp.iterdir():
             p.chmod(0o666 & ~umask)
         os.rename(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def fourd_to_hf(src: str | os.PathLike, dst: str | os.PathLike, shard_bytes: int = 5_000_000_000) -> ModelConfig:
-    from fourd.ckpt import store
-
     src = store.resolve(src)
     cfg, sd = store.load_model_checkpoint(src)
-    if cfg.mlp != "swiglu":
-        raise FourdError(f"{src}: model.mlp = {cfg.mlp!r}; only Llama (swiglu) models export to Hugging Face")
     manifest = store.read_manifest(src)
-    tokenizer = _tokenizer_file(manifest)
-    tensors = {hf_name(k): _rotary(cfg, k, v, interleaved_to_halves).contiguous() for k, v in sd.items()}
+    tensors = {hf_name(k): _rotary(cfg, k, v, inverse=False).contiguous() for k, v in sd.items()}
     config = hf_config(cfg, sd["tok_embeddings.weight"].dtype, manifest.get("hf_config"))
-    write_hf(Path(dst), config, tensors, shard_bytes, extra=dict([tokenizer]) if tokenizer else None)
+    write_hf(Path(dst), config, tensors, shard_bytes, extra=_tokenizer_file(manifest))
     return cfg

@@ -1,7 +1,7 @@
 """Generate tokens from a checkpoint (greedy or top-p sampling, with a KV cache), or score text.
 
-A checkpoint of `fourd train` records its run: the tokenizer, the corpus, the sequence length and the
-held-out fraction come from it, so no flag is repeated; a flag that contradicts the run is refused.
+The tokenizer, corpus, sequence length and held-out fraction come from the run the checkpoint records:
+no flag is repeated, and a flag that contradicts the run is refused.
 
 examples:
   fourd generate --ckpt runs/demo --prompt "def main(" --max-new-tokens 64     # a run's newest checkpoint
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from fourd.errors import FourdError
+from fourd.hf.convert import run_tokenizer, tokenizer_spec
 
 
 def add_arguments(p) -> None:
@@ -28,9 +29,7 @@ def add_arguments(p) -> None:
     what.add_argument("--prompt", metavar="TEXT", help="prompt text, encoded with the run's tokenizer")
     what.add_argument("--prompt-ids", metavar="IDS", help="prompt token ids, comma separated")
     what.add_argument("--eval-file", metavar="FILE", help="score this text file instead: per-token NLL and perplexity")
-    what.add_argument(
-        "--eval-holdout", nargs="?", const="", metavar="CORPUS", help="score the held-out tail of the run's corpus"
-    )
+    what.add_argument("--eval-holdout", nargs="?", const="", metavar="CORPUS", help="score the run's held-out tail")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--greedy", action="store_true", help="always take the most likely token")
     p.add_argument("--top-p", type=float, default=0.9, help="sample from the most likely tokens holding this mass")
@@ -44,135 +43,94 @@ def add_arguments(p) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def _check_numbers(args) -> None:
-    bad = [
-        (args.max_new_tokens < 1, f"--max-new-tokens {args.max_new_tokens} must be at least 1"),
-        (not 0 < args.top_p <= 1, f"--top-p {args.top_p} must be in (0, 1]"),
-        (not 0 < args.temperature < math.inf, f"--temperature {args.temperature} must be a finite number > 0"),
-        (args.eval_tokens < 0, f"--eval-tokens {args.eval_tokens} must be >= 0 (0: all)"),
-        (args.eval_seq is not None and args.eval_seq < 1, f"--eval-seq {args.eval_seq} must be at least 1"),
-    ]
-    for wrong, message in bad:
-        if wrong:
-            raise FourdError(message)
+def _refuse_if(wrong: bool, message: str) -> None:
+    if wrong:
+        raise FourdError(message)
 
 
-def _check_ids(ids: list[int], vocab: int, what: str) -> None:
-    bad = [i for i in ids if not 0 <= i < vocab]
-    if bad:
-        raise FourdError(f"{what} {bad[0]} is outside the model's vocabulary 0..{vocab - 1}")
+def _check_ids(ids: list, vocab: int, what: str) -> None:
+    bad = [i for i in ids if not isinstance(i, int) or not 0 <= i < vocab]
+    _refuse_if(bool(bad), f"{what} {bad[0] if bad else ''} is outside the model's vocabulary 0..{vocab - 1}")
 
 
 def run(args) -> int:
-    from fourd.ckpt import store
-    from fourd.hf.inference import load_model
+    from fourd.hf.inference import generate, load_model
 
-    _check_numbers(args)
+    _refuse_if(args.max_new_tokens < 1, f"--max-new-tokens {args.max_new_tokens} must be at least 1")
+    _refuse_if(not 0 < args.top_p <= 1, f"--top-p {args.top_p} must be in (0, 1]")
+    _refuse_if(not 0 < args.temperature < math.inf, f"--temperature {args.temperature} must be a finite number > 0")
+    _refuse_if(args.eval_tokens < 0, f"--eval-tokens {args.eval_tokens} must be >= 0 (0: all)")
+    _refuse_if((args.eval_seq or 1) < 1, f"--eval-seq {args.eval_seq} must be at least 1")
     model, manifest = load_model(args.ckpt)
-    tok = run_tokenizer(manifest, args.tokenizer)
+    tok, cfg = run_tokenizer(manifest, args.tokenizer), model.cfg
     if args.eval_file is not None or args.eval_holdout is not None:
         return _run_eval(args, model, tok, manifest)
     try:
-        prompt = [int(x) for x in args.prompt_ids.split(",") if x.strip()] if args.prompt_ids else []
+        ids = args.prompt_ids
+        prompt = [int(x) for x in ids.split(",") if x.strip()] if ids is not None else tok.encode(args.prompt)
     except ValueError:
         raise FourdError(f"--prompt-ids {args.prompt_ids!r}: give integers separated by commas, e.g. 5,17,42") from None
-    prompt = prompt if args.prompt_ids else tok.encode(args.prompt)
-    if not prompt:
-        raise FourdError("the prompt is empty: give --prompt text or --prompt-ids")
-    eos = manifest.get("hf_config", {}).get("eos_token_id")
-    stop = args.stop_id if args.stop_id is not None else ([eos] if isinstance(eos, int) else eos or [])
-    if not isinstance(stop, list) or not all(isinstance(i, int) for i in stop):
-        raise FourdError(f"{store.MANIFEST}: hf_config.eos_token_id = {eos!r} is not token ids; give --stop-id")
-    _check_ids(prompt, model.cfg.vocab, "prompt id")
-    _check_ids(stop, model.cfg.vocab, "--stop-id" if args.stop_id else "eos_token_id")
-    if len(prompt) + args.max_new_tokens > model.cfg.max_seq:
-        raise FourdError(
-            f"prompt ({len(prompt)}) + --max-new-tokens ({args.max_new_tokens}) exceeds the model's "
-            f"max_seq {model.cfg.max_seq}; shorten one of them"
-        )
-    from fourd.hf.inference import generate
-
+    _refuse_if(not prompt, "the prompt is empty: give --prompt text or --prompt-ids")
+    eos = manifest.get("hf_config", {}).get("eos_token_id")  # a model converted from Hugging Face
+    stop = args.stop_id if args.stop_id is not None else [eos] if isinstance(eos, int) else eos or []
+    _refuse_if(not isinstance(stop, list), f"manifest.json: hf_config.eos_token_id = {eos!r} is not token ids")
+    _check_ids(prompt, cfg.vocab, "prompt id")
+    _check_ids(stop, cfg.vocab, "--stop-id" if args.stop_id else "eos_token_id")
+    total = f"prompt ({len(prompt)}) + --max-new-tokens ({args.max_new_tokens})"
+    too_long = f"{total} exceeds the model's max_seq {cfg.max_seq}; shorten one of them"
+    _refuse_if(len(prompt) + args.max_new_tokens > cfg.max_seq, too_long)
     t0 = time.perf_counter()
     ids = generate(model, prompt, args.max_new_tokens, args.greedy, args.top_p, args.temperature, args.seed, stop)
-    elapsed = time.perf_counter() - t0
+    rate = len(ids) / max(time.perf_counter() - t0, 1e-9)
     text = tok.decode([i for i in ids if i < tok.vocab_size])
-    if args.json:
-        out = {"ids": ids, "prompt_ids": prompt, "text": text, "new_tokens": len(ids)}
-        print(json.dumps({**out, "tokens_per_s": len(ids) / elapsed if elapsed > 0 else None}))
-    else:
-        print(text)
+    out = {"ids": ids, "prompt_ids": prompt, "text": text, "new_tokens": len(ids), "tokens_per_s": rate}
+    print(json.dumps(out) if args.json else text)
     return 0
 
 
-def _spec(given: str | None, data: dict) -> str:
-    return given if given is not None else data.get("tokenizer") or "byte"
-
-
-def run_tokenizer(manifest: dict, given: str | None):
-    """The tokenizer the run trained with (byte-level when unrecorded); `given` must be the same one."""
-    from fourd.data.tokenizer import load_tokenizer
-
-    data = manifest.get("train", {}).get("data", {})
-    tok = load_tokenizer(_spec(given, data))
-    if "identity" in data and tok.identity() != data["identity"]:
-        if given is None:
-            raise FourdError(f"tokenizer {data.get('tokenizer')!r} changed since the run trained with it; restore it")
-        raise FourdError(f"--tokenizer {given!r} is not the run's tokenizer ({data.get('tokenizer')!r}); leave it out")
-    return tok
-
-
 def _same(given: Any, recorded: Any, flag: str) -> Any:
-    if given is not None and recorded is not None and given != recorded:
-        raise FourdError(f"{flag} {given!r} differs from the run's {recorded!r}; leave {flag} out to use the run's")
+    message = f"{flag} {given!r} differs from the run's {recorded!r}; leave {flag} out to use the run's"
+    _refuse_if(given is not None and recorded is not None and given != recorded, message)
     return recorded if recorded is not None else given
 
 
 def holdout_ids(args, manifest: dict) -> list[int]:
-    """The tail of the run's corpus that `fourd train` kept out of training."""
-    from fourd.ckpt.store import recorded
+    """The tail of the run's corpus that `fourd train` kept out of training (today's defaults for runs that
+    recorded no data: the standard library, 1 %)."""
     from fourd.data.dataset import prepare, split
 
     data = manifest.get("train", {}).get("data", {})
+    recorded = manifest.get("train", {}).get("config", {}).get("data", {})  # typed by the manifest's schema
     given = str(Path(args.eval_holdout).expanduser().resolve()) if args.eval_holdout else None
     path = (str(Path(data["path"]).expanduser().resolve()) if data["path"] else "") if "path" in data else None
     corpus = _same(given, path, "--eval-holdout") or ""
-    fraction = _same(args.holdout_fraction, recorded(manifest, "data", "holdout_fraction", float), "--holdout-fraction")
-    cache_dir = recorded(manifest, "data", "cache_dir", str) or ""
-    cache = prepare(str(corpus), _spec(args.tokenizer, data), cache_dir)
-    if data.get("tokens") not in (None, cache.tokens):
-        raise FourdError(
-            f"the corpus {corpus or 'standard library'!r} has {cache.tokens} tokens, {data['tokens']} when the run "
-            "trained: it changed, so its tail is not the held-out part; use --eval-file"
-        )
+    fraction = _same(args.holdout_fraction, recorded.get("holdout_fraction"), "--holdout-fraction")
+    cache = prepare(corpus, tokenizer_spec(args.tokenizer, data), recorded.get("cache_dir", ""))
+    changed = f"the corpus {corpus or 'standard library'!r} has {cache.tokens} tokens, {data.get('tokens')} when the"
+    changed += " run trained: it changed, so its tail is not the held-out part; use --eval-file"
+    _refuse_if(data.get("tokens") not in (None, cache.tokens), changed)
     train_tokens, _ = split(cache.tokens, 1, 0.01 if fraction is None else fraction)
     ids = cache.array()[train_tokens:].tolist()
     return ids[: args.eval_tokens] if args.eval_tokens > 0 else ids
 
 
 def _run_eval(args, model, tok, manifest: dict) -> int:
-    from fourd.ckpt.store import recorded
+    from fourd.data.corpus import read_regular
     from fourd.hf.inference import perplexity
 
     if args.eval_holdout is not None:
         ids = holdout_ids(args, manifest)
     else:
-        from fourd.data.corpus import read_regular
-
         try:
             ids = tok.encode(read_regular(args.eval_file, "--eval-file", "give a UTF-8 text file").decode("utf-8"))
         except UnicodeDecodeError as e:
             raise FourdError(f"--eval-file {args.eval_file!r} is not UTF-8 text (byte {e.start})") from None
-    seq = args.eval_seq or recorded(manifest, "data", "seq_len", int) or min(model.cfg.max_seq, 1024)
-    if seq > model.cfg.max_seq:
-        raise FourdError(f"--eval-seq {seq} exceeds the model's max_seq {model.cfg.max_seq}")
-    if len(ids) < 2:
-        raise FourdError("the evaluation text has fewer than 2 tokens; give a longer text")
+    recorded = manifest.get("train", {}).get("config", {}).get("data", {})
+    seq = args.eval_seq or recorded.get("seq_len") or min(model.cfg.max_seq, 1024)
+    _refuse_if(seq > model.cfg.max_seq, f"--eval-seq {seq} exceeds the model's max_seq {model.cfg.max_seq}")
+    _refuse_if(len(ids) < 2, "the evaluation text has fewer than 2 tokens; give a longer text")
     _check_ids(ids, model.cfg.vocab, "token id")
-    result = perplexity(model, ids, seq)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(
-            f"{result['tokens']} tokens: {result['nll_per_token']:.4f} nats/token, perplexity {result['perplexity']:.3f}"
-        )
+    r = perplexity(model, ids, seq)
+    text = f"{r['tokens']} tokens: {r['nll_per_token']:.4f} nats/token, perplexity {r['perplexity']:.3f}"
+    print(json.dumps(r) if args.json else text)
     return 0

@@ -8,19 +8,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fourd.errors import FourdError
-
 
 def load_model(ckpt) -> tuple[nn.Module, dict]:
-    """The model of a checkpoint (or of a run directory's newest one) in float32 on the CPU, in eval mode,
-    and the checkpoint's manifest."""
+    """The model of a checkpoint (or a run's newest) in float32 on the CPU in eval mode, and its manifest."""
     from fourd.ckpt import store
     from fourd.model.llama import build_model
 
     path = store.resolve(ckpt)
     cfg, sd = store.load_model_checkpoint(path)
-    if cfg.mlp != "swiglu":
-        raise FourdError(f"{ckpt}: model.mlp = {cfg.mlp!r}; only Llama (swiglu) models run")
     model = build_model(cfg, seed=None)
     model.load_state_dict(sd)
     return model.eval(), store.read_manifest(path)
@@ -43,11 +38,8 @@ class KVCache(nn.Module):
         new, total = q.shape[1], self.k.shape[1]
         # new query i sits at position total - new + i and sees every key up to there
         mask = torch.arange(total)[None, :] <= torch.arange(total - new, total)[:, None]
-        rep = q.shape[2] // k.shape[2]
         qt, kt, vt = (t.transpose(1, 2) for t in (q, self.k, self.v))
-        if rep > 1:
-            kt, vt = kt.repeat_interleave(rep, dim=1), vt.repeat_interleave(rep, dim=1)
-        return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask).transpose(1, 2)
+        return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, enable_gqa=True).transpose(1, 2)
 
 
 class ShiftedRope(nn.Module):
@@ -64,8 +56,7 @@ class ShiftedRope(nn.Module):
 
 
 class Cached:
-    """Context manager: the model with a KV cache in every attention layer, restored afterwards.
-    `step(ids)` feeds the next tokens and returns their logits [1, len(ids), vocab]."""
+    """The model with a KV cache in every attention layer, restored on exit; `step(ids)` returns their logits."""
 
     def __init__(self, model):
         self.model = model
@@ -91,8 +82,7 @@ class Cached:
 
 
 def sample(logits: torch.Tensor, greedy: bool, top_p: float, temperature: float, gen: torch.Generator) -> int:
-    """Nucleus sampling (Holtzman et al. 2020): draw from the smallest set of most likely tokens whose
-    probability reaches top_p."""
+    """Nucleus sampling (Holtzman et al. 2020): from the fewest most likely tokens holding top_p."""
     if greedy:
         return int(logits.argmax())
     probs = torch.softmax(logits.double() / temperature, dim=-1)
@@ -120,8 +110,7 @@ def generate(
 
 @torch.no_grad()
 def perplexity(model, ids: list[int], seq: int, batch: int = 8) -> dict:
-    """Mean negative log-likelihood per predicted token over non-overlapping windows of `seq` tokens,
-    each token after the first predicted exactly once."""
+    """Mean NLL per token over non-overlapping windows of `seq` tokens: each but the first predicted once."""
     data = torch.tensor(ids, dtype=torch.long)
     starts = list(range(0, len(ids) - 1, seq))
     full = [s for s in starts if s + seq + 1 <= len(ids)]

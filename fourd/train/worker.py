@@ -82,14 +82,11 @@ def _train(cfg, cache, peak_flops, peak_source, rank, world, attempt, device, be
     amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else _no_amp
     run_dir = Path(cfg.run.dir)
     ckpt = Checkpointer(
-        run_dir,
+        cfg,
         par.stages,
         opt,
-        model_cfg=model_config(cfg),
         layout=str(lay),
         contributes=all(par.coords[d] == 0 for d in ("tp", "cp", "dp")),
-        keep=cfg.checkpoint.keep,
-        async_save=cfg.checkpoint.async_save,
         attempt=attempt,
         info={"seed": t.seed, "global_batch": B, "steps": t.steps},
     )
