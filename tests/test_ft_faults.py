@@ -41,6 +41,8 @@ def test_retention_keeps_the_newest_two(clean):
     assert [r["step"] for r in rows(clean)] == [1, 2, 3, 4, 5, 6]
     m = store.verify(clean / "checkpoints" / "step-6")
     assert m["step"] == 6 and m["layout"] == "tp=1,cp=1,pp=1,dp=2"
+    config = m["train"].pop("config")  # the whole resolved run, as fourd.config.Config.to_dict() gives it
+    assert (config["train"]["steps"], config["checkpoint"]["keep"], config["parallel"]["layout"]) == (6, 2, "dp=2")
     assert m["train"] == {"step": 6, "samples": 96, "seed": 0, "global_batch": 16, "steps": 6}
     assert sorted(m["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
 
