@@ -249,6 +249,7 @@ def test_flags_that_contradict_the_run_are_refused(trained, tmp_path, monkeypatc
         (["--stop-id", "999"], "--stop-id 999 is outside the model's vocabulary 0..255"),
         (["--stop-id", "-1"], "--stop-id -1 is outside the model's vocabulary 0..255"),
         (["--eval-tokens", "-1"], "--eval-tokens -1 must be >= 0 (0: all)"),
+        (["--eval-seq", "0"], "--eval-seq 0 must be at least 1"),
         (["--prompt", ""], "the prompt is empty: give --prompt text or --prompt-ids"),
     ],
 )

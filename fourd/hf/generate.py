@@ -60,7 +60,7 @@ def run(args) -> int:
     _refuse_if(not 0 < args.top_p <= 1, f"--top-p {args.top_p} must be in (0, 1]")
     _refuse_if(not 0 < args.temperature < math.inf, f"--temperature {args.temperature} must be a finite number > 0")
     _refuse_if(args.eval_tokens < 0, f"--eval-tokens {args.eval_tokens} must be >= 0 (0: all)")
-    _refuse_if((args.eval_seq or 1) < 1, f"--eval-seq {args.eval_seq} must be at least 1")
+    _refuse_if(args.eval_seq is not None and args.eval_seq < 1, f"--eval-seq {args.eval_seq} must be at least 1")
     model, manifest = load_model(args.ckpt)
     tok, cfg = run_tokenizer(manifest, args.tokenizer), model.cfg
     if args.eval_file is not None or args.eval_holdout is not None:
@@ -126,7 +126,7 @@ def _run_eval(args, model, tok, manifest: dict) -> int:
         except UnicodeDecodeError as e:
             raise FourdError(f"--eval-file {args.eval_file!r} is not UTF-8 text (byte {e.start})") from None
     recorded = manifest.get("train", {}).get("config", {}).get("data", {})
-    seq = args.eval_seq or recorded.get("seq_len") or min(model.cfg.max_seq, 1024)
+    seq = args.eval_seq if args.eval_seq is not None else recorded.get("seq_len") or min(model.cfg.max_seq, 1024)
     _refuse_if(seq > model.cfg.max_seq, f"--eval-seq {seq} exceeds the model's max_seq {model.cfg.max_seq}")
     _refuse_if(len(ids) < 2, "the evaluation text has fewer than 2 tokens; give a longer text")
     _check_ids(ids, model.cfg.vocab, "token id")

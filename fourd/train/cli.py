@@ -71,6 +71,7 @@ def prepare(args):
     """Everything that can fail on bad input, done before any worker starts."""
     from fourd.config import build_config, model_config, parallelism
     from fourd.data.dataset import prepare as prepare_data
+    from fourd.data.dataset import split
     from fourd.layout import check
 
     cfg = build_config(args.config, {FLAGS[k]: getattr(args, k) for k in FLAGS}, list(getattr(args, "_unknown", [])))
@@ -83,6 +84,7 @@ def prepare(args):
         raise FourdError(f"parallel.recompute = {par.recompute!r} is not implemented yet: use none")
     layout = par.layout
     cache = prepare_data(cfg.data.path, cfg.data.tokenizer, cfg.data.cache_dir)
+    split(cache.tokens, cfg.data.seq_len, cfg.data.holdout_fraction)  # one sequence must fit: refused before launch
     if cache.vocab_size > mcfg.vocab:
         from fourd.errors import FourdError
 
