@@ -4,7 +4,7 @@ model_digest hashes the full (unsharded) model tensors: the same weights give th
 layout saved them. --json prints the manifest's fields with `path`, `files` (a count) and `bytes`.
 
 examples:
-  fourd ckpt info runs/demo/checkpoints/step-4
+  fourd ckpt info runs/demo/checkpoints/step-20     # after the run on docs/hf.md
   fourd ckpt info runs/demo --json         # a run directory: its newest complete checkpoint
 """
 

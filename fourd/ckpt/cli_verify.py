@@ -2,7 +2,7 @@
 exit status 2 names the first missing, truncated or altered file, or what is wrong with the manifest.
 
 examples:
-  fourd ckpt verify runs/demo/checkpoints/step-4
+  fourd ckpt verify runs/demo/checkpoints/step-20     # after the run on docs/hf.md
   fourd ckpt verify runs/demo              # a run directory: its newest complete checkpoint
 """
 

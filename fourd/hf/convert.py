@@ -4,9 +4,10 @@ Tensors keep their dtype; q and k rows are permuted between Meta's interleaved r
 Face's halves, exactly. Only safetensors are read. An export carries the run's tokenizer file.
 
 examples:
-  fourd convert --from hf ./Llama-3-8B --to fourd ./ckpt/llama3-8b
-  fourd convert --from fourd runs/demo/checkpoints/step-4 --to hf ./export --shard-mb 5000
-  fourd convert --from fourd runs/demo --to hf ./export     # a run directory: its newest checkpoint
+  fourd train --model debug --steps 20 --train.global_batch=4 --run-dir runs/demo     # a run to convert
+  fourd convert --from fourd runs/demo --to hf runs/demo-hf     # a run directory: its newest checkpoint
+  fourd convert --from fourd runs/demo/checkpoints/step-20 --to hf runs/demo-hf-shards --shard-mb 1
+  fourd convert --from hf runs/demo-hf --to fourd runs/demo-back
 """
 
 from __future__ import annotations
