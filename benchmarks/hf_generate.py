@@ -12,7 +12,7 @@ import torch
 
 from fourd.ckpt import store
 from fourd.hf import convert
-from fourd.hf.generate import generate
+from fourd.hf.inference import generate
 from fourd.model.config import get_preset
 from fourd.model.llama import build_model
 

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pytest
@@ -105,17 +106,44 @@ def test_failed_write_leaves_no_directory(tmp_path):
     assert sorted(store.read_manifest(d)["files"]) == [".metadata", "__0_0.distcp"]
 
 
-def test_latest_skips_incomplete_checkpoints(tmp_path):
+def test_newest_skips_damaged_checkpoints_and_says_so(tmp_path, capsys):
     sd = {"w": torch.ones(2)}
     for step in (5, 40, 300):
         store.save_model_checkpoint(tmp_path / "checkpoints" / f"step-{step}", CFG, sd, step=step)
     (tmp_path / "checkpoints" / "step-300" / "manifest.json").write_text("{")  # torn
-    (tmp_path / "checkpoints" / "step-900").mkdir()  # no manifest yet
-    store.staging_dir(tmp_path / "checkpoints" / "step-1000").mkdir()
-    assert store.latest(tmp_path) == tmp_path / "checkpoints" / "step-40"
+    (tmp_path / "checkpoints" / "step-900").mkdir()  # no manifest
+    store.staging_dir(tmp_path / "checkpoints" / "step-1000").mkdir()  # a save in progress: not a checkpoint
+    assert store.newest(tmp_path) == tmp_path / "checkpoints" / "step-40"
+    assert capsys.readouterr().err == (
+        "fourd: warning: falling back to the previous complete checkpoint step-40 (skipped damaged step-900, step-300)\n"
+    )
     assert store.resolve(tmp_path) == tmp_path / "checkpoints" / "step-40"
     assert store.resolve(tmp_path / "checkpoints" / "step-5") == tmp_path / "checkpoints" / "step-5"
-    assert store.latest(tmp_path / "nothing") is None
+    assert store.newest(tmp_path / "nothing") is None
+    capsys.readouterr()
+    for step in (5, 40):
+        (tmp_path / "checkpoints" / f"step-{step}" / "manifest.json").unlink()
+    with pytest.raises(FourdError, match="a run directory without a complete checkpoint under checkpoints/"):
+        store.resolve(tmp_path)
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_load_refuses_a_manifest_model_that_does_not_fit_the_tensors(saved, tmp_path):
+    import shutil
+
+    d = tmp_path / "ck"
+    shutil.copytree(saved[0], d)
+    m = store.read_manifest(d)
+    (d / "manifest.json").unlink()
+    bigger = dataclasses.replace(CFG, layers=CFG.layers * 1000)
+    store.write_manifest(d, cfg=bigger, digest=m["model_digest"], step=7)
+    with pytest.raises(FourdError, match=f"holds {CFG.params():,} model parameters, its manifest's model has"):
+        store.load_model_checkpoint(d)
+    sd = build_model(CFG, seed=1).state_dict()
+    sd["norm.bias"] = sd.pop("norm.weight")  # as many parameters, another name
+    store.save_model_checkpoint(tmp_path / "renamed", CFG, sd)
+    with pytest.raises(FourdError, match="tensor norm.bias does not fit its manifest's model"):
+        store.load_model_checkpoint(tmp_path / "renamed")
 
 
 class _Payload:

@@ -1,10 +1,13 @@
 """Tokenizers from local files: tokenizer.json and tiktoken BPE, built here with known merges."""
 
 import base64
+import os
 import subprocess
 import sys
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from fourd.data.tokenizer import LLAMA3_SPECIAL, load_tokenizer
 from fourd.errors import FourdError
@@ -83,3 +86,50 @@ def test_fourd_imports_without_the_tokenizer_libraries(tmp_path):
         out.stdout.strip()
         == "FourdError reading this tokenizer file needs the 'tiktoken' package: pip install 'fourd[hf]'"
     )
+
+
+@settings(max_examples=200, deadline=None)
+@given(spec=st.text(max_size=40))
+def test_any_tokenizer_spec_is_a_tokenizer_or_one_line(spec):
+    try:
+        assert load_tokenizer(spec).vocab_size >= 256
+    except FourdError as e:
+        assert str(e) and "\n" not in str(e)
+
+
+B64 = st.binary(min_size=1, max_size=3).map(lambda b: base64.b64encode(b))
+# all 256 bytes, then any multi-byte tokens: merges that may or may not be reachable
+MERGES = st.lists(st.binary(min_size=2, max_size=4), max_size=6, unique=True).map(
+    lambda extra: b"\n".join(
+        base64.b64encode(t) + b" %d" % r for r, t in enumerate([bytes([b]) for b in range(256)] + extra)
+    )
+)
+LINE = st.tuples(B64 | st.binary(max_size=6), st.integers(-2, 8)).map(lambda t: t[0] + b" " + str(t[1]).encode())
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    raw=st.lists(LINE, max_size=8).map(b"\n".join)
+    | st.binary(max_size=60)
+    | st.just(b'{"model": {"type": "BPE"}}')
+    | MERGES
+)
+def test_any_tokenizer_file_is_a_tokenizer_or_one_line(tmp_path, raw):
+    (tmp_path / "tok").write_bytes(raw)
+    try:
+        tok = load_tokenizer(str(tmp_path / "tok"))
+        assert tok.decode(tok.encode("ab")) == "ab"
+    except FourdError as e:
+        assert str(e) and "\n" not in str(e)
+
+
+@pytest.mark.timeout(60)
+def test_a_fifo_or_device_is_refused_without_blocking(tmp_path):
+    os.mkfifo(tmp_path / "pipe")
+    for path in (tmp_path / "pipe", "/dev/zero"):
+        with pytest.raises(FourdError) as e:
+            load_tokenizer(str(path))
+        assert str(e.value) == (
+            f"tokenizer '{path}' is not a regular file (a FIFO, device, socket or system file): "
+            "give 'byte' or the path of a tokenizer.json or tiktoken BPE file"
+        )

@@ -4,12 +4,15 @@ import json
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from fourd.ckpt import store
 from fourd.cli import main
+from fourd.errors import FourdError
 from fourd.hf import convert
-from fourd.hf.generate import generate, load_model
+from fourd.hf.inference import generate, load_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -53,14 +56,14 @@ def test_rotary_permutation_is_exact_and_inverse():
     one_head = torch.arange(8.0)[:, None]  # head_dim 8: pairs (0,1) (2,3) (4,5) (6,7)
     assert convert.interleaved_to_halves(one_head, 1).flatten().tolist() == [0, 2, 4, 6, 1, 3, 5, 7]
     w = torch.randn(4 * 16, 64, dtype=torch.bfloat16)
-    back = convert.halves_to_interleaved(convert.interleaved_to_halves(w, 4), 4)
+    back = convert.interleaved_to_halves(convert.interleaved_to_halves(w, 4), 4, inverse=True)
     assert back.dtype == torch.bfloat16 and torch.equal(back, w)
 
 
 def test_names_match_transformers(hf_dir):
     d, m = hf_dir
     cfg, _ = store.load_model_checkpoint(d / "fd")
-    assert sorted(convert.hf_names(cfg).values()) == sorted(m.state_dict())
+    assert sorted(map(convert.hf_name, store.shapes(cfg))) == sorted(m.state_dict())
 
 
 def test_imported_logits_equal_transformers(hf_dir):
@@ -204,15 +207,15 @@ def test_unexpected_tensor_is_named(hf_dir, tmp_path, capsys):
         ),
         (
             lambda c: c.update(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}),
-            "field 'rope_parameters.rope_type' = 'llama3'",
+            "field 'rope_parameters' = {'rope_type': 'llama3', 'rope_theta': 500000.0, 'factor': 8.0} is not supported",
         ),
         (
             lambda c: c.update(rope_scaling={"rope_type": "llama3", "factor": 8.0}),
             "field 'rope_scaling' = {'rope_type': 'llama3'",
         ),
-        (lambda c: c.update(rms_norm_eps="small"), "field 'rms_norm_eps' = 'small' is not a number"),
-        (lambda c: c.pop("hidden_size"), "field 'hidden_size' missing"),
-        (lambda c: c.update(num_attention_heads=0), "field 'num_attention_heads' missing or not a positive integer"),
+        (lambda c: c.update(rms_norm_eps="small"), "field 'rms_norm_eps' = 'small' is not a positive number"),
+        (lambda c: c.pop("hidden_size"), "field 'hidden_size' = None is not a positive integer"),
+        (lambda c: c.update(num_attention_heads=0), "field 'num_attention_heads' = 0 is not a positive integer"),
         (lambda c: c.update(num_key_value_heads=3), "model.heads = 4 must be a multiple of model.kv_heads = 3"),
         (lambda c: c.update(hidden_act="gelu"), "field 'hidden_act' = 'gelu' is not supported"),
     ],
@@ -239,3 +242,97 @@ def test_export_of_a_damaged_checkpoint_names_the_file(hf_dir, tmp_path, capsys)
     code = main(["convert", "--from", "fourd", str(src), "--to", "hf", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert code == 2 and "__0_0.distcp: 10 bytes, manifest says" in err and not (tmp_path / "out").exists()
+
+
+def test_load_hf_gives_fourd_names_in_float32(tmp_path):
+    m = tiny_hf(dtype=torch.bfloat16, seed=3)
+    m.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    cfg, sd = convert.load_hf(tmp_path / "hf")
+    assert sorted(sd) == sorted(store.shapes(cfg)) and {t.dtype for t in sd.values()} == {torch.float32}
+    convert.hf_to_fourd(tmp_path / "hf", tmp_path / "fd")
+    _, kept = store.load_model_checkpoint(tmp_path / "fd")  # the checkpoint keeps bfloat16
+    assert all(torch.equal(sd[k], kept[k].float()) for k in sd)
+
+
+def test_export_carries_the_runs_tokenizer_file_with_the_usual_mode(hf_dir, tmp_path):
+    import base64
+    import os
+
+    from fourd.data.tokenizer import load_tokenizer
+
+    bpe = tmp_path / "llama.bpe"
+    bpe.write_text("".join(f"{base64.b64encode(bytes([b])).decode()} {b}\n" for b in range(256)))
+    _, sd = store.load_model_checkpoint(hf_dir[0] / "fd")
+    cfg = store.model_config("test", store.read_manifest(hf_dir[0] / "fd")["model"])
+    data = {"path": "", "tokenizer": str(bpe), "identity": load_tokenizer(str(bpe)).identity()}
+    store.save_model_checkpoint(tmp_path / "fd", cfg, sd, extra={"train": {"data": data}})
+    old = os.umask(0o022)
+    try:
+        assert main(["convert", "--from", "fourd", str(tmp_path / "fd"), "--to", "hf", str(tmp_path / "hf")]) == 0
+    finally:
+        os.umask(old)
+    out = tmp_path / "hf"
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.model"]
+    assert (out / "tokenizer.model").read_bytes() == bpe.read_bytes()
+    assert {oct(p.stat().st_mode & 0o777) for p in out.iterdir()} == {"0o644"}
+    bpe.write_text(bpe.read_text().replace(" 255\n", " 255\n\n"))  # same ranks, other bytes: another file
+    assert main(["convert", "--from", "fourd", str(tmp_path / "fd"), "--to", "hf", str(tmp_path / "hf2")]) == 2
+    assert not (tmp_path / "hf2").exists()
+
+
+@pytest.mark.parametrize("mb", ["0", "-5"])
+def test_shard_mb_below_one_is_refused(hf_dir, tmp_path, capsys, mb):
+    assert (
+        main(["convert", "--from", "fourd", str(hf_dir[0] / "fd"), "--to", "hf", str(tmp_path / "o"), "--shard-mb", mb])
+        == 2
+    )
+    assert capsys.readouterr().err == f"fourd: error: --shard-mb {mb} must be at least 1 (MB per safetensors file)\n"
+    assert not (tmp_path / "o").exists()
+
+
+def test_an_index_naming_files_outside_the_folder_is_refused(hf_dir, tmp_path, capsys):
+    src = _broken_copy(hf_dir, tmp_path)
+    outside = tmp_path / "outside.safetensors"
+    (src / "model.safetensors").rename(outside)
+    names = sorted(hf_tensors(hf_dir[0] / "hf"))
+    (src / convert.INDEX).write_text(json.dumps({"weight_map": dict.fromkeys(names, "../outside.safetensors")}))
+    err = _convert_fails(capsys, src, tmp_path / "out")
+    assert f"names '../outside.safetensors', which is not a file inside {src}" in err
+
+
+# ---- property tests: any config.json or index ends in a model or one FourdError line ------------------
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=8,
+)
+HF_KEYS = st.sampled_from(
+    ["architectures", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size"]
+    + ["intermediate_size", "head_dim", "rms_norm_eps", "rope_theta", "rope_parameters", "rope_scaling", "hidden_act"]
+    + ["max_position_embeddings", "tie_word_embeddings", "attention_bias"]
+)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(edits=st.dictionaries(HF_KEYS, JSON, max_size=3))
+def test_any_config_json_is_a_model_or_one_line(hf_dir, tmp_path, edits):
+    (tmp_path / "config.json").write_text(
+        json.dumps({**json.loads((hf_dir[0] / "hf" / "config.json").read_text()), **edits})
+    )
+    try:
+        cfg, _ = convert.read_hf_config(tmp_path)
+        assert cfg.params() > 0
+    except FourdError as e:
+        assert str(e) and "\n" not in str(e)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(index=JSON | st.dictionaries(st.just("weight_map"), st.dictionaries(st.text(max_size=8), JSON, max_size=3)))
+def test_any_index_is_read_or_one_line(tmp_path, index):
+    (tmp_path / convert.INDEX).write_text(json.dumps(index))
+    (tmp_path / "a.safetensors").write_bytes(b"not safetensors")
+    try:
+        convert.read_hf_tensors(tmp_path)
+    except FourdError as e:
+        assert str(e) and "\n" not in str(e)

@@ -1,5 +1,6 @@
 """Generation with a KV cache, sampling, perplexity, and the `fourd generate` command."""
 
+import base64
 import json
 import math
 import sysconfig
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 
 from fourd.ckpt import store
 from fourd.cli import main
-from fourd.hf.generate import Cached, generate, load_model, perplexity, sample
+from fourd.hf.inference import Cached, generate, load_model, perplexity, sample
 from fourd.model.config import get_preset
 from fourd.model.llama import build_model
 
@@ -161,3 +162,115 @@ def test_eval_holdout_scores_the_corpus_tail(trained, tmp_path, monkeypatch, cap
     assert got["perplexity"] == perplexity(model, tail, 256)["perplexity"]
     assert main(argv + ["--eval-tokens", "1000"]) == 0
     assert json.loads(capsys.readouterr().out)["tokens"] == 999
+
+
+# ---- the run a checkpoint records: no flag repeated, a contradicting flag refused ---------------------
+
+
+def _trained_on_jsonl(tmp_path, trained, tokenizer="byte"):
+    """A run directory whose checkpoint records its run as `fourd train` does (Checkpointer(info=...)):
+    the trained weights, a JSONL corpus, data.seq_len 128 and data.holdout_fraction 0.1."""
+    from fourd.ckpt.dcp_io import Checkpointer
+    from fourd.config import Config
+    from fourd.data.dataset import prepare
+    from fourd.data.tokenizer import load_tokenizer
+
+    corpus = tmp_path / "corpus.jsonl"
+    docs = [(STDLIB / f).read_text() for f in ("textwrap.py", "shlex.py")]
+    corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    run = tmp_path / "run"
+    cfg = Config()
+    cfg.data.path, cfg.data.seq_len, cfg.data.holdout_fraction, cfg.data.tokenizer = str(corpus), 128, 0.1, tokenizer
+    cfg.model.preset, cfg.run.dir = "debug", str(run)
+    cache = prepare(str(corpus), tokenizer)
+    data = {"path": str(corpus), "tokenizer": tokenizer, "identity": load_tokenizer(tokenizer).identity()}
+    info = {"data": {**data, "source": cache.source, "tokens": cache.tokens}}
+    model, _ = load_model(trained)
+    opt = torch.optim.AdamW(model.parameters())
+    Checkpointer(cfg, [model], opt, layout="dp=1", contributes=True, info=info).save(60, 960)
+    return run, "\n\n".join(docs).encode()
+
+
+def test_eval_holdout_scores_the_runs_own_corpus_with_no_flags(trained, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FOURD_HOME", str(tmp_path / "home"))
+    run, raw = _trained_on_jsonl(tmp_path, trained[0])
+    capsys.readouterr()
+    assert main(["generate", "--ckpt", str(run), "--eval-holdout", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    tail = list(raw[int(len(raw) * 0.9) :])  # the last tenth of the JSONL's documents joined by blank lines
+    model, _ = load_model(trained[0])
+    assert got["tokens"] == len(tail) - 1
+    assert got["perplexity"] == perplexity(model, tail, 128)["perplexity"]  # the run's data.seq_len
+    assert main(["generate", "--ckpt", str(run), "--eval-holdout", str(tmp_path / "corpus.jsonl"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == got  # naming the run's own corpus is no contradiction
+
+
+def test_flags_that_contradict_the_run_are_refused(trained, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FOURD_HOME", str(tmp_path / "home"))
+    run, _ = _trained_on_jsonl(tmp_path, trained[0])
+    other = tmp_path / "other.txt"
+    other.write_text("x" * 5000)
+    bpe = tmp_path / "tokenizer.model"  # a valid tiktoken file: the 256 bytes, no merges
+    bpe.write_text("".join(f"{base64.b64encode(bytes([b])).decode()} {b}\n" for b in range(256)))
+    corpus = tmp_path / "corpus.jsonl"
+    cases = [
+        (
+            ["--eval-holdout", str(other)],
+            f"--eval-holdout '{other}' differs from the run's '{corpus}'; leave --eval-holdout out to use the run's",
+        ),
+        (
+            ["--eval-holdout", "--holdout-fraction", "0.2"],
+            "--holdout-fraction 0.2 differs from the run's 0.1; leave --holdout-fraction out to use the run's",
+        ),
+        (["--prompt", "a", "--tokenizer", str(bpe)], f"--tokenizer '{bpe}' is not the run's tokenizer ('byte')"),
+    ]
+    for argv, message in cases:
+        capsys.readouterr()
+        assert main(["generate", "--ckpt", str(run), *argv]) == 2
+        assert capsys.readouterr().err.startswith(f"fourd: error: {message}")
+    with open(corpus, "a") as f:
+        f.write(json.dumps({"text": "appended after training"}) + "\n")
+    capsys.readouterr()
+    assert main(["generate", "--ckpt", str(run), "--eval-holdout"]) == 2
+    err = capsys.readouterr().err
+    assert "when the run trained: it changed, so its tail is not the held-out part; use --eval-file" in err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--temperature", "nan"], "--temperature nan must be a finite number > 0"),
+        (["--temperature", "inf"], "--temperature inf must be a finite number > 0"),
+        (["--temperature", "-1"], "--temperature -1.0 must be a finite number > 0"),
+        (["--top-p", "1.5"], "--top-p 1.5 must be in (0, 1]"),
+        (["--top-p", "nan"], "--top-p nan must be in (0, 1]"),
+        (["--max-new-tokens", "0"], "--max-new-tokens 0 must be at least 1"),
+        (["--max-new-tokens", "-3"], "--max-new-tokens -3 must be at least 1"),
+        (["--stop-id", "999"], "--stop-id 999 is outside the model's vocabulary 0..255"),
+        (["--stop-id", "-1"], "--stop-id -1 is outside the model's vocabulary 0..255"),
+        (["--eval-tokens", "-1"], "--eval-tokens -1 must be >= 0 (0: all)"),
+        (["--eval-seq", "0"], "--eval-seq 0 must be at least 1"),
+        (["--prompt", ""], "the prompt is empty: give --prompt text or --prompt-ids"),
+    ],
+)
+def test_numbers_out_of_range_are_refused(trained, capsys, argv, message):
+    prompt = [] if "--prompt" in argv else ["--prompt", "ab"]
+    assert main(["generate", "--ckpt", str(trained[0]), *prompt, *argv]) == 2
+    assert capsys.readouterr().err == f"fourd: error: {message}\n"
+
+
+def test_generate_says_when_it_skips_a_damaged_newer_checkpoint(trained, tmp_path, capsys):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(trained[0], run / "checkpoints" / "step-60")
+    (run / "checkpoints" / "step-80").mkdir()
+    (run / "checkpoints" / "step-80" / "manifest.json").write_text('{"format": "fourd-checkpoint"')  # torn
+    argv = ["generate", "--ckpt", str(run), "--prompt", "def ", "--max-new-tokens", "4", "--greedy", "--json"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert captured.err == (
+        "fourd: warning: falling back to the previous complete checkpoint step-60 (skipped damaged step-80)\n"
+    )
+    model, _ = load_model(trained[0])
+    assert json.loads(captured.out)["ids"] == generate(model, list(b"def "), 4)

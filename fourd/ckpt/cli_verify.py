@@ -1,20 +1,15 @@
-"""Check every file of a checkpoint against the SHA-256 sums in its manifest.
-
-Exit status 0 when every file is present with the size and hash the manifest records; 2 naming the
-first missing, truncated or altered file, or when the directory has no valid manifest. Nothing in
-the checkpoint is unpickled or loaded: only bytes are hashed.
+"""Check every file of a checkpoint against the sizes and SHA-256 sums in its manifest (nothing is loaded);
+exit status 2 names the first missing, truncated or altered file, or what is wrong with the manifest.
 
 examples:
-  fourd ckpt verify runs/latest/checkpoints/step-300
-  fourd ckpt verify runs/latest              # a run directory: its newest complete checkpoint
+  fourd ckpt verify runs/demo/checkpoints/step-20     # after the run on docs/hf.md
+  fourd ckpt verify runs/demo              # a run directory: its newest complete checkpoint
 """
 
 from __future__ import annotations
 
-import argparse
 
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p) -> None:
     p.add_argument("dir", metavar="DIR", help="a checkpoint directory, or a run directory (its newest checkpoint)")
 
 
@@ -22,10 +17,9 @@ def run(args) -> int:
     from fourd.ckpt import store
 
     directory = store.resolve(args.dir)
-    manifest = store.verify(directory)
-    total = sum(f["bytes"] for f in manifest["files"].values())
+    m = store.verify(directory)
+    total = sum(f["bytes"] for f in m["files"].values())
     print(
-        f"{directory}: OK, step {manifest['step']}, {len(manifest['files'])} files, {total:,} bytes, "
-        f"model_digest {manifest['model_digest']}"
+        f"{directory}: OK, step {m['step']}, {len(m['files'])} files, {total:,} bytes, model_digest {m['model_digest']}"
     )
     return 0

@@ -1,115 +1,210 @@
-"""Checkpoint storage: a directory of torch.distributed.checkpoint (DCP) files and a manifest.
-
-    step-100/
-      manifest.json      format, version, step, layout, model (ModelConfig), model_digest,
-                         files {relative path: {bytes, sha256}}; written last
-      .metadata          DCP's index of the tensors (a pickle: see the trust boundary below)
-      __0_0.distcp ...   DCP's data files
-
-A checkpoint is written into a staging sibling (`staging_dir`), its files fsynced, the manifest
-written last, and the staging directory renamed into place, so a reader sees either no checkpoint
-or a complete one. `model_digest` hashes the full (unsharded) tensors, so two layouts that save the
-same weights give the same digest.
-
-Trust boundary: DCP's `.metadata` is a Python pickle. `load_model_checkpoint` refuses a directory whose
-manifest is missing or whose files do not match the manifest's hashes, and then unpickles `.metadata`
-with dcp_io's SafeReader, which builds only DCP's metadata classes. The manifest is not signed: the
-hashes catch damage, not someone who can write the directory.
-"""
+"""Checkpoint storage: DCP files and a manifest.json with a typed schema, written atomically (format and
+trust boundary: docs/fault-tolerance.md). Only loading and saving tensors imports torch."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import math
 import os
 import shutil
+import sys
 import warnings
+from collections.abc import Iterator
+from dataclasses import fields
 from pathlib import Path
-
-import torch
-import torch.distributed.checkpoint as dcp
+from typing import TYPE_CHECKING
 
 from fourd.errors import FourdError
 from fourd.model.config import ModelConfig
 
+if TYPE_CHECKING:
+    import torch
+
+# DCP warns when it runs without a process group; fourd's single-process saves and loads do so on purpose.
+warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+
 FORMAT = "fourd-checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
-_CHUNK = 1 << 20
+CHECKPOINTS = "checkpoints"
+_SHA = "sha256"  # a kind: 64 lowercase hexadecimal digits
+_KINDS = {int: "an integer >= 0", float: "a finite number >= 0", str: "a string", dict: "an object", _SHA: "a SHA-256"}
+# The manifest's schema: field -> kind. Keys it does not name are kept, unchecked.
+_TOP = {"format": str, "version": int, "step": int, "layout": str, "model": dict, "model_digest": _SHA, "files": dict}
+_TOP |= {"train": dict, "hf_config": dict}
+_FILE = {"bytes": int, "sha256": _SHA}
+_TRAIN = {"step": int, "samples": int, "seed": int, "global_batch": int, "steps": int, "config": dict, "data": dict}
+_DATA = {"path": str, "tokenizer": str, "identity": str, "source": str, "tokens": int}
+_CONFIG_DATA = {"path": str, "tokenizer": str, "seq_len": int, "cache_dir": str, "holdout_fraction": float}
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    full_tensor = getattr(t, "full_tensor", None)  # a DTensor: gather its shards
-    return (full_tensor() if full_tensor is not None else t).detach().cpu().contiguous()
+def warn(message: str) -> None:
+    print(f"fourd: warning: {message}", file=sys.stderr, flush=True)
 
 
-def model_digest(state_dict: dict[str, torch.Tensor]) -> str:
-    """SHA-256 over every tensor in sorted-name order: name, dtype, shape, then the raw bytes.
+def _typed(where: str, name: str, value, kind):
+    if kind == _SHA:
+        ok = isinstance(value, str) and len(value) == 64 and set(value) <= set("0123456789abcdef")
+    elif kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+    else:
+        ok = isinstance(value, kind) and not isinstance(value, bool) and (not isinstance(value, int) or value >= 0)
+    if not ok:
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise FourdError(f"{where}: field {name!r} = {shown} is not {_KINDS[kind]}; the checkpoint is damaged")
+    return value
 
-    DTensors are gathered with `.full_tensor()`, a collective: under a process group every rank
-    must call this together. The fields are NUL-separated so that no two different tensors hash alike.
-    """
-    h = hashlib.sha256()
-    for name in sorted(state_dict):
-        t = _full(state_dict[name])
-        h.update(f"{name}\0{str(t.dtype).removeprefix('torch.')}\0{tuple(t.shape)}\0".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())  # hosts are little-endian
-    return h.hexdigest()
+
+def _check(where: str, prefix: str, obj: dict, spec: dict, required=()) -> None:
+    for key in required:
+        if key not in obj:
+            raise FourdError(f"{where}: missing field {prefix + key!r}; the checkpoint is damaged")
+    for key, kind in spec.items():
+        if key in obj:
+            _typed(where, prefix + key, obj[key], kind)
+
+
+def model_config(where: str, spec: dict) -> ModelConfig:
+    """The ModelConfig a manifest records; any wrong key or type is one FourdError naming the field."""
+    kinds = {f.name: {"int": int, "float": float, "str": str}[str(f.type)] for f in fields(ModelConfig)}
+    for key, value in spec.items():
+        if key not in kinds:
+            raise FourdError(f"{where}: field 'model.{key}' is not a model setting; the checkpoint is damaged")
+        _typed(where, f"model.{key}", value, kinds[key])
+    try:
+        return ModelConfig(**spec)
+    except (TypeError, FourdError) as e:
+        raise FourdError(f"{where}: field 'model' is not a valid model ({e}); the checkpoint is damaged") from None
+
+
+def inside(folder: str | os.PathLike, rel: object, source: str) -> Path:
+    """`folder/rel`, refused unless `rel` is a relative path that resolves inside `folder`."""
+    root, path = Path(folder).resolve(), None
+    if isinstance(rel, str) and rel:
+        with contextlib.suppress(OSError, ValueError):
+            path = (root / rel).resolve()
+    if path is None or path == root or not path.is_relative_to(root):
+        raise FourdError(f"{source} names {rel!r}, which is not a file inside {folder}; the file is damaged or forged")
+    return path
+
+
+def read_manifest(directory: str | os.PathLike) -> dict:
+    """manifest.json, checked against its schema: any missing or wrong-typed field is one FourdError."""
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        raise FourdError(f"{directory}: no {MANIFEST}; not a fourd checkpoint (or an incomplete one)")
+    try:
+        manifest = json.loads(path.read_bytes())
+    except (ValueError, RecursionError) as e:
+        raise FourdError(f"{path}: not valid JSON ({str(e)[:80]}); the checkpoint is damaged") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise FourdError(f"{path}: format is not {FORMAT!r}; not a fourd checkpoint")
+    if manifest.get("version") != VERSION:
+        raise FourdError(f"{path}: version {manifest.get('version')!r} is not supported (this fourd reads {VERSION})")
+    where = str(path)
+    _check(where, "", manifest, _TOP, required=("step", "layout", "model", "model_digest", "files"))
+    model_config(where, manifest["model"])
+    for rel, entry in manifest["files"].items():
+        inside(directory, rel, where)
+        _check(where, f"files[{rel!r}].", _typed(where, f"files[{rel!r}]", entry, dict), _FILE, required=_FILE)
+    train = manifest.get("train", {})
+    _check(where, "train.", train, _TRAIN)
+    _check(where, "train.data.", train.get("data", {}), _DATA)
+    config_data = _typed(where, "train.config.data", train.get("config", {}).get("data", {}), dict)
+    _check(where, "train.config.data.", config_data, _CONFIG_DATA)
+    return manifest
 
 
 def _sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        while block := f.read(_CHUNK):
+        while block := f.read(1 << 20):
             h.update(block)
     return h.hexdigest()
 
 
-def _data_files(directory: Path) -> list[Path]:
-    return sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
+def verify(directory: str | os.PathLike) -> dict:
+    """Check every file against the manifest; FourdError names the first missing or altered file."""
+    manifest = read_manifest(directory)
+    if not manifest["files"]:
+        raise FourdError(f"{directory}/{MANIFEST} lists no files; the checkpoint is damaged")
+    for rel, want in sorted(manifest["files"].items()):
+        path = Path(directory) / rel
+        if not os.path.isfile(path):
+            raise FourdError(f"{path}: missing (listed in {MANIFEST}); the checkpoint is incomplete")
+        if path.stat().st_size != want["bytes"]:
+            raise FourdError(f"{path}: {path.stat().st_size} bytes, manifest says {want['bytes']}; the file is damaged")
+        if _sha256_file(path) != want["sha256"]:
+            raise FourdError(f"{path}: SHA-256 differs from {MANIFEST}; the file is damaged")
+    return manifest
+
+
+def checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """(step, dir) of every `run_dir/checkpoints/step-<N>`, newest first, complete or not."""
+    found = Path(run_dir, CHECKPOINTS).glob("step-*")
+    return sorted(((int(p.name[5:]), p) for p in found if p.name[5:].isdecimal()), reverse=True)
+
+
+def newest(run_dir: str | os.PathLike, check=read_manifest, on_damaged=None) -> Path | None:
+    """The newest checkpoint passing `check`; says in one line which damaged newer ones it skipped."""
+    skipped: list[str] = []
+    found: Path | None = None
+    for _step, path in checkpoints(run_dir):
+        try:
+            check(path)
+        except FourdError as e:
+            skipped.append(path.name)
+            if on_damaged is not None:
+                on_damaged(path, e)
+            continue
+        found = path
+        break
+    damaged = f"skipped damaged {', '.join(skipped)}"
+    if skipped:
+        warn(f"falling back to the previous complete checkpoint {found.name} ({damaged})" if found else damaged)
+    return found
+
+
+def check_model(directory: str | os.PathLike, cfg: ModelConfig) -> None:
+    """Refuse a checkpoint of another model than `cfg`, naming the settings that differ."""
+    saved, wanted = read_manifest(directory)["model"], cfg.to_dict()
+    diff = ", ".join(f"{k} {saved.get(k)} (this run: {v})" for k, v in wanted.items() if saved.get(k) != v)
+    if diff:
+        raise FourdError(f"{directory} holds another model: {diff}; use another run directory or the same model")
+
+
+def resolve(path: str | os.PathLike) -> Path:
+    """A checkpoint directory, or a run directory standing for its newest complete checkpoint."""
+    path = Path(path)
+    if (path / MANIFEST).is_file() or not (path / CHECKPOINTS).is_dir():
+        return path
+    found = newest(path)
+    if found is None:
+        raise FourdError(f"{path}: a run directory without a complete checkpoint under {CHECKPOINTS}/")
+    return found
 
 
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    os.fsync(fd)
+    os.close(fd)
 
 
 def staging_dir(final_dir: str | os.PathLike) -> Path:
     """The temporary sibling a checkpoint is written into; the same name on every rank."""
-    final = Path(final_dir)
-    return final.parent / f".{final.name}.partial"
+    return Path(final_dir).with_name(f".{Path(final_dir).name}.partial")
 
 
-def write_manifest(
-    directory: str | os.PathLike,
-    *,
-    cfg: ModelConfig,
-    digest: str,
-    step: int = 0,
-    layout: str = "dp=1",
-    extra: dict | None = None,
-) -> dict:
+def write_manifest(directory, cfg: ModelConfig, digest: str, step: int = 0, layout: str = "dp=1", extra=None) -> dict:
     """Hash every file already in `directory` and write manifest.json; call it after the last data file."""
     directory = Path(directory)
-    files = {
-        p.relative_to(directory).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256_file(p)}
-        for p in _data_files(directory)
-    }
-    manifest = {
-        "format": FORMAT,
-        "version": VERSION,
-        "step": int(step),
-        "layout": str(layout),
-        "model": cfg.to_dict(),
-        "model_digest": digest,
-        **(extra or {}),
-        "files": files,
-    }
-    path = directory / MANIFEST
-    with open(path, "w") as f:
+    data = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
+    files = {p.relative_to(directory).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256_file(p)} for p in data}
+    top = {"format": FORMAT, "version": VERSION, "step": int(step), "layout": str(layout), "model": cfg.to_dict()}
+    manifest = {**top, "model_digest": digest, **(extra or {}), "files": files}
+    with open(directory / MANIFEST, "w") as f:
         json.dump(manifest, f, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
@@ -119,131 +214,91 @@ def write_manifest(
 def commit(tmp_dir: str | os.PathLike, final_dir: str | os.PathLike) -> Path:
     """fsync every file of `tmp_dir`, then rename it to `final_dir` in one step."""
     tmp, final = Path(tmp_dir), Path(final_dir)
-    if not (tmp / MANIFEST).is_file():
-        raise FourdError(f"{tmp}: no {MANIFEST}; write_manifest must run before commit")
     if final.exists():
         raise FourdError(f"{final} already exists; remove it or choose another destination")
-    for p in _data_files(tmp):
+    for p in sorted(tmp.rglob("*"), key=lambda p: -len(p.parts)) + [tmp]:
         _fsync(p)
-    for d in sorted({p.parent for p in tmp.rglob("*")} | {tmp}, key=lambda p: -len(p.parts)):
-        _fsync(d)
     os.rename(tmp, final)
     _fsync(final.parent)
     return final
 
 
-def read_manifest(directory: str | os.PathLike) -> dict:
-    path = Path(directory) / MANIFEST
-    if not path.is_file():
-        raise FourdError(f"{directory}: no {MANIFEST}; not a fourd checkpoint (or an incomplete one)")
-    try:
-        manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise FourdError(f"{path}: not valid JSON ({e}); the checkpoint is damaged") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise FourdError(f"{path}: format is not {FORMAT!r}; not a fourd checkpoint")
-    if manifest.get("version") != VERSION:
-        raise FourdError(f"{path}: version {manifest.get('version')!r} is not supported (this fourd reads {VERSION})")
-    for key in ("step", "layout", "model", "model_digest", "files"):
-        if key not in manifest:
-            raise FourdError(f"{path}: missing field {key!r}; the checkpoint is damaged")
-    return manifest
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of the whole tensor; a DTensor gathers its shards (a collective)."""
+    full_tensor = getattr(t, "full_tensor", None)
+    return (full_tensor() if full_tensor is not None else t).detach().cpu().contiguous()
 
 
-def verify(directory: str | os.PathLike) -> dict:
-    """Check every file against the manifest; FourdError names the first missing or altered file."""
-    directory = Path(directory)
-    manifest = read_manifest(directory)
-    if not manifest["files"]:
-        raise FourdError(f"{directory}/{MANIFEST} lists no files; the checkpoint is damaged")
-    for rel, want in sorted(manifest["files"].items()):
-        path = directory / rel
-        if not path.is_file():
-            raise FourdError(f"{path}: missing (listed in {MANIFEST}); the checkpoint is incomplete")
-        if path.stat().st_size != want["bytes"]:
-            raise FourdError(f"{path}: {path.stat().st_size} bytes, manifest says {want['bytes']}; the file is damaged")
-        if _sha256_file(path) != want["sha256"]:
-            raise FourdError(f"{path}: SHA-256 differs from {MANIFEST}; the file is damaged")
-    return manifest
+def model_digest(state_dict: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over the tensors in name order: name, dtype, shape (NUL-separated), raw bytes; DTensors are
+    gathered (a collective: every rank calls it)."""
+    import torch
+
+    h = hashlib.sha256()
+    for name in sorted(state_dict):
+        t = full(state_dict[name])
+        h.update(f"{name}\0{str(t.dtype).removeprefix('torch.')}\0{tuple(t.shape)}\0".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())  # hosts are little-endian
+    return h.hexdigest()
 
 
-def latest(run_dir: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint `run_dir/checkpoints/step-<N>` (one whose manifest reads), or None."""
-    found = []
-    for d in Path(run_dir, "checkpoints").glob("step-*"):
-        step = d.name.removeprefix("step-")
-        if step.isdigit() and (d / MANIFEST).is_file():
-            try:
-                read_manifest(d)
-            except FourdError:
-                continue
-            found.append((int(step), d))
-    return max(found)[1] if found else None
+def shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter name of `cfg`'s model and its shape (built on the meta device: no memory)."""
+    from fourd.model.llama import build_model
+
+    return {k: tuple(v.shape) for k, v in build_model(cfg, device="meta").state_dict().items()}
 
 
-def resolve(path: str | os.PathLike) -> Path:
-    """A checkpoint directory, or a run directory standing for its newest complete checkpoint."""
-    path = Path(path)
-    if (path / MANIFEST).is_file() or not (path / "checkpoints").is_dir():
-        return path
-    newest = latest(path)
-    if newest is None:
-        raise FourdError(f"{path}: a run directory without a complete checkpoint under checkpoints/")
-    return newest
-
-
-def _single_process(fn, *args, **kw):
-    # DCP warns that it runs without a process group; here that is the intent.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        return fn(*args, no_dist=True, **kw)
-
-
-def save_model_checkpoint(
-    directory: str | os.PathLike,
-    cfg: ModelConfig,
-    state_dict: dict[str, torch.Tensor],
-    step: int = 0,
-    layout: str = "dp=1",
-    extra: dict | None = None,
-) -> Path:
-    """One process, full tensors: the checkpoint `fourd convert` writes and tests build."""
-    final = Path(directory)
-    if final.exists():
+@contextlib.contextmanager
+def staged(final: str | os.PathLike) -> Iterator[Path]:
+    """A fresh staging directory for `final` (which must not exist), removed again if the block fails."""
+    if Path(final).exists():
         raise FourdError(f"{final} already exists; remove it or choose another destination")
     tmp = staging_dir(final)
     shutil.rmtree(tmp, ignore_errors=True)  # left by a crashed earlier attempt
     tmp.mkdir(parents=True)
     try:
-        sd = {k: _full(v) for k, v in state_dict.items()}
-        _single_process(dcp.save, {"model": sd}, storage_writer=dcp.FileSystemWriter(str(tmp)))
-        write_manifest(tmp, cfg=cfg, digest=model_digest(sd), step=step, layout=layout, extra=extra)
-        return commit(tmp, final)
+        yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
+def save_model_checkpoint(directory, cfg: ModelConfig, state_dict, step: int = 0, layout="dp=1", extra=None) -> Path:
+    """One process, full tensors: the checkpoint `fourd convert` writes and tests build."""
+    import torch.distributed.checkpoint as dcp
+
+    with staged(directory) as tmp:
+        sd = {k: full(v) for k, v in state_dict.items()}
+        dcp.save({"model": sd}, storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=True)
+        write_manifest(tmp, cfg=cfg, digest=model_digest(sd), step=step, layout=layout, extra=extra)
+        return commit(tmp, directory)
+
+
 def load_model_checkpoint(directory: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Verify, then load the full model state_dict on the CPU, whatever layout saved it."""
-    from fourd.ckpt.dcp_io import SafeReader  # imports this module: a local import avoids the cycle
+    import torch
+    import torch.distributed.checkpoint as dcp
 
-    directory = Path(directory)
+    from fourd.ckpt.safe_reader import SafeReader
+
     manifest = verify(directory)
-    try:
-        cfg = ModelConfig(**manifest["model"])
-    except TypeError as e:
-        raise FourdError(f"{directory}/{MANIFEST}: field 'model' is not a model config ({e})") from None
+    cfg = ModelConfig(**manifest["model"])
+    if cfg.mlp != "swiglu":  # the GPT-style MLP is the planner's only
+        raise FourdError(f"{directory}: model.mlp = {cfg.mlp!r}; a checkpoint holds a Llama (swiglu) model")
     reader = SafeReader(str(directory))
     sd = {}
     for key, meta in reader.read_metadata().state_dict_metadata.items():
         if key.startswith("model.") and hasattr(meta, "size"):
             sd[key.removeprefix("model.")] = torch.empty(meta.size, dtype=meta.properties.dtype)
-    if not sd:
-        raise FourdError(f"{directory}: holds no model tensors")
-    _single_process(dcp.load, {"model": sd}, storage_reader=reader)
+    held = sum(t.numel() for t in sd.values())
+    if held != cfg.params():  # checked before any model of cfg's size is built
+        raise FourdError(f"{directory}: holds {held:,} model parameters, its manifest's model has {cfg.params():,}")
+    want = shapes(cfg)
+    bad = sorted(set(want) ^ set(sd)) or sorted(k for k in sd if tuple(sd[k].shape) != want[k])
+    if bad:
+        raise FourdError(f"{directory}: tensor {bad[0]} does not fit its manifest's model (names or shapes differ)")
+    dcp.load({"model": sd}, storage_reader=reader, no_dist=True)
     if model_digest(sd) != manifest["model_digest"]:
-        raise FourdError(
-            f"{directory}: model_digest of the loaded tensors differs from {MANIFEST}; the checkpoint is damaged"
-        )
+        raise FourdError(f"{directory}: the loaded tensors' model_digest differs from {MANIFEST}; it is damaged")
     return cfg, sd

@@ -1,9 +1,8 @@
 """Token streams in a memory-mapped cache, and training samples addressed by a global sample index.
 
-Sample i of a run is a window of seq_len + 1 tokens. The training part of the stream (all but the
-held-out tail) is cut into non-overlapping windows; epoch e = i // windows visits them in the order
-of a permutation drawn from (seed, e). So the data a step sees depends on the seed and the config
-only, never on the layout or the number of ranks: step t trains on samples [t·B, (t+1)·B).
+Sample i is a window of seq_len + 1 tokens from the training part of the stream (all but the held-out
+tail), cut into non-overlapping windows; epoch e = i // windows visits them in a permutation drawn
+from (seed, e). Step t trains on samples [t·B, (t+1)·B) whatever the layout (docs/parallelism.md).
 """
 
 from __future__ import annotations
@@ -21,6 +20,8 @@ from fourd.data.corpus import SEPARATOR, read_documents
 from fourd.data.tokenizer import load_tokenizer
 from fourd.errors import FourdError
 
+_DTYPES = ("uint8", "uint16", "uint32")
+
 
 @dataclass(frozen=True)
 class TokenCache:
@@ -34,8 +35,27 @@ class TokenCache:
         return np.memmap(self.path, dtype=self.dtype, mode="r", shape=(self.tokens,))
 
 
-def _token_dtype(vocab: int) -> str:
-    return "uint8" if vocab <= 256 else "uint16" if vocab <= 65536 else "uint32"
+def _cached(bin_path: Path, meta_path: Path, source: str) -> TokenCache | None:
+    """The cache entry, or None when it is missing or does not describe its file (it is then rebuilt)."""
+    try:
+        meta = json.loads(meta_path.read_bytes())
+        tokens, vocab, dtype = meta["tokens"], meta["vocab_size"], meta["dtype"]
+        ok = dtype in _DTYPES and isinstance(tokens, int) and isinstance(vocab, int)
+        ok = ok and bin_path.stat().st_size == tokens * np.dtype(dtype).itemsize
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        return None
+    return TokenCache(bin_path, tokens, vocab, dtype, source) if ok else None
+
+
+def _encode(tok, docs: list[str], dtype: str) -> np.ndarray:
+    if tok.name == "byte":
+        return np.frombuffer(SEPARATOR.join(docs).encode("utf-8"), dtype=np.uint8)
+    sep = tok.encode(SEPARATOR)
+    ids: list[int] = []
+    for i, d in enumerate(docs):
+        ids.extend(sep if i else [])
+        ids.extend(tok.encode(d))
+    return np.asarray(ids, dtype=dtype)
 
 
 def prepare(data_path: str, tokenizer_spec: str, cache_dir: str = "") -> TokenCache:
@@ -49,38 +69,45 @@ def prepare(data_path: str, tokenizer_spec: str, cache_dir: str = "") -> TokenCa
         digest.update(b)
     key = digest.hexdigest()[:24]
     root = Path(cache_dir).expanduser() if cache_dir else fourd_home() / "cache"
-    root.mkdir(parents=True, exist_ok=True)
     bin_path, meta_path = root / f"tokens-{key}.bin", root / f"tokens-{key}.json"
-    if meta_path.is_file() and bin_path.is_file():
-        meta = json.loads(meta_path.read_text())
-        if bin_path.stat().st_size == meta["tokens"] * np.dtype(meta["dtype"]).itemsize:
-            return TokenCache(bin_path, meta["tokens"], meta["vocab_size"], meta["dtype"], source)
-    dtype = _token_dtype(tok.vocab_size)
-    if tok.name == "byte":
-        arr = np.frombuffer(SEPARATOR.join(docs).encode("utf-8"), dtype=np.uint8)
-    else:
-        sep = tok.encode(SEPARATOR)
-        ids: list[int] = []
-        for i, d in enumerate(docs):
-            if i:
-                ids.extend(sep)
-            ids.extend(tok.encode(d))
-        arr = np.asarray(ids, dtype=dtype)
+    found = _cached(bin_path, meta_path, source)
+    if found is not None:
+        return found
+    dtype = _DTYPES[0] if tok.vocab_size <= 256 else _DTYPES[1] if tok.vocab_size <= 65536 else _DTYPES[2]
+    arr = _encode(tok, docs, dtype)
+    meta = {"tokens": int(arr.size), "vocab_size": tok.vocab_size, "dtype": dtype, "tokenizer": tok.identity()}
     # Written under temporary names and renamed: a crash never leaves a cache that looks complete.
     tmp = root / f".tokens-{key}.{os.getpid()}.tmp"
-    arr.astype(dtype).tofile(tmp)
-    os.replace(tmp, bin_path)
-    meta = {
-        "tokens": int(arr.size),
-        "vocab_size": tok.vocab_size,
-        "dtype": dtype,
-        "tokenizer": tok.identity(),
-        "source": source,
-    }
-    tmp_meta = root / f".tokens-{key}.{os.getpid()}.json.tmp"
-    tmp_meta.write_text(json.dumps(meta))
-    os.replace(tmp_meta, meta_path)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        arr.astype(dtype).tofile(tmp)
+        os.replace(tmp, bin_path)
+        tmp.with_suffix(".json").write_text(json.dumps({**meta, "source": source}))
+        os.replace(tmp.with_suffix(".json"), meta_path)
+    except OSError as e:
+        where = "data.cache_dir" if cache_dir else "the default cache under $FOURD_HOME"
+        raise FourdError(
+            f"{where} {str(root)!r} cannot hold the token cache ({e.strerror or e}): give a writable folder"
+        ) from None
     return TokenCache(bin_path, int(arr.size), tok.vocab_size, dtype, source)
+
+
+def split(tokens: int, seq_len: int, holdout_fraction: float) -> tuple[int, int]:
+    """(training tokens, training windows) of a stream; refused when not one sequence fits."""
+    if not 0 <= holdout_fraction < 0.5:
+        raise FourdError(f"data.holdout_fraction = {holdout_fraction} must be in [0, 0.5)")
+    train_tokens = int(tokens * (1 - holdout_fraction))
+    windows = (train_tokens - 1) // seq_len
+    if windows < 1:
+        need = seq_len + 1
+        while int(need * (1 - holdout_fraction)) < seq_len + 1:
+            need += 1
+        raise FourdError(
+            f"the corpus has {tokens} tokens, too few for one training sequence: {need} are needed "
+            f"(data.seq_len {seq_len} + 1, plus the held-out {holdout_fraction:.0%}); "
+            "give more text or a smaller data.seq_len"
+        )
+    return train_tokens, windows
 
 
 class SampleStream:
@@ -89,13 +116,7 @@ class SampleStream:
     def __init__(self, cache: TokenCache, seq_len: int, seed: int, holdout_fraction: float = 0.01):
         self.tokens = cache.array()
         self.seq_len, self.seed = seq_len, seed
-        self.train_tokens = int(cache.tokens * (1 - holdout_fraction))
-        self.windows = (self.train_tokens - 1) // seq_len
-        if self.windows < 1:
-            raise FourdError(
-                f"the corpus has {cache.tokens} tokens, too few for one sequence of {seq_len}: "
-                "give more text or a smaller data.seq_len"
-            )
+        self.train_tokens, self.windows = split(cache.tokens, seq_len, holdout_fraction)
         self._perm_epoch, self._perm = -1, None
 
     def _order(self, epoch: int) -> np.ndarray:

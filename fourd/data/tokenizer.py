@@ -1,15 +1,13 @@
-"""Tokenizers. The default is byte-level: token ids are the UTF-8 bytes (vocabulary 256). Local files: a
-Hugging Face `tokenizer.json` (the `tokenizers` library) or a tiktoken-format BPE file such as Llama 3's
-`tokenizer.model` (the `tiktoken` library); both libraries are optional (`pip install 'fourd[hf]'`) and
-imported only when such a file is used."""
+"""Tokenizers: byte-level (ids are the UTF-8 bytes), or a local Hugging Face `tokenizer.json` or tiktoken BPE
+file (docs/hf.md); their libraries are optional and imported only when such a file is used."""
 
 from __future__ import annotations
 
 import base64
 import hashlib
 import importlib
-from pathlib import Path
 
+from fourd.data.corpus import read_regular
 from fourd.errors import FourdError
 
 
@@ -28,15 +26,11 @@ class ByteTokenizer:
 
 
 def load_tokenizer(spec: str):
-    """ "byte", or a local file: a Hugging Face tokenizer.json or a tiktoken-format BPE file."""
+    """ "byte", or a local file: a Hugging Face tokenizer.json (a JSON object) or else a tiktoken BPE file."""
     if spec in ("", "byte"):
         return ByteTokenizer()
-    if not Path(spec).is_file():
-        raise FourdError(
-            f"tokenizer {spec!r}: not 'byte' and not a file; give 'byte' or the path of a "
-            "tokenizer.json or tiktoken BPE file"
-        )
-    return load_tokenizer_file(spec)
+    raw = read_regular(spec, "tokenizer", "give 'byte' or the path of a tokenizer.json or tiktoken BPE file")
+    return HFTokenizer(spec, raw) if raw.lstrip()[:1] == b"{" else TiktokenTokenizer(spec, raw)
 
 
 # Llama 3's pre-tokenization pattern and special-token count, from Meta's released tokenizer (llama3 repository,
@@ -55,23 +49,19 @@ def _require(module: str):
         raise FourdError(f"reading this tokenizer file needs the {module!r} package: pip install 'fourd[hf]'") from None
 
 
-def _file_sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 class HFTokenizer:
     """A Hugging Face tokenizer.json; no special tokens are added on encode."""
 
     name = "tokenizer.json"
 
-    def __init__(self, path: Path):
+    def __init__(self, path: str, raw: bytes):
         tokenizers = _require("tokenizers")
         try:
-            self._tok = tokenizers.Tokenizer.from_file(str(path))
+            self._tok = tokenizers.Tokenizer.from_str(raw.decode("utf-8"))
         except Exception as e:  # the library raises a plain Exception for malformed files
-            raise FourdError(f"{path}: not a valid Hugging Face tokenizer.json ({e})") from None
+            raise FourdError(f"{path}: not a valid Hugging Face tokenizer.json ({str(e)[:80]})") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self._identity = f"hf:{_file_sha256(path)}"
+        self.raw, self._identity = raw, f"hf:{hashlib.sha256(raw).hexdigest()}"
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -88,21 +78,16 @@ class TiktokenTokenizer:
 
     name = "tiktoken"
 
-    def __init__(self, path: Path):
+    def __init__(self, path: str, raw: bytes):
         tiktoken = _require("tiktoken")
-        ranks = read_bpe_ranks(path)
+        ranks = read_bpe_ranks(path, raw)
         n = len(ranks)
-        specials = ["<|begin_of_text|>", "<|end_of_text|>"] + [
-            f"<|reserved_special_token_{i}|>" for i in range(LLAMA3_SPECIAL - 2)
-        ]
-        self._enc = tiktoken.Encoding(
-            name=path.name,
-            pat_str=LLAMA3_PATTERN,
-            mergeable_ranks=ranks,
-            special_tokens={s: n + i for i, s in enumerate(specials)},
-        )
+        specials = ["<|begin_of_text|>", "<|end_of_text|>"]
+        specials += [f"<|reserved_special_token_{i}|>" for i in range(LLAMA3_SPECIAL - 2)]
+        special = {s: n + i for i, s in enumerate(specials)}
+        self._enc = tiktoken.Encoding(name="bpe", pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=special)
         self.vocab_size = n + LLAMA3_SPECIAL
-        self._identity = f"tiktoken:{_file_sha256(path)}"
+        self.raw, self._identity = raw, f"tiktoken:{hashlib.sha256(raw).hexdigest()}"  # raw: the file's bytes
 
     def encode(self, text: str) -> list[int]:
         # Special-token text in the input is encoded as ordinary text, never as control tokens.
@@ -115,9 +100,9 @@ class TiktokenTokenizer:
         return self._identity
 
 
-def read_bpe_ranks(path: Path) -> dict[bytes, int]:
+def read_bpe_ranks(path: str, raw: bytes) -> dict[bytes, int]:
     ranks = {}
-    for n, line in enumerate(path.read_bytes().splitlines(), 1):
+    for n, line in enumerate(raw.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -129,12 +114,7 @@ def read_bpe_ranks(path: Path) -> dict[bytes, int]:
         raise FourdError(f"{path}: no BPE ranks; not a tiktoken BPE file")
     if sorted(ranks.values()) != list(range(len(ranks))):
         raise FourdError(f"{path}: ranks are not 0..{len(ranks) - 1} each once; the file is damaged")
+    missing = next((b for b in range(256) if bytes([b]) not in ranks), None)
+    if missing is not None:  # tiktoken would abort on a text holding that byte
+        raise FourdError(f"{path}: byte {missing} has no rank; a tiktoken BPE file ranks all 256 single bytes")
     return ranks
-
-
-def load_tokenizer_file(spec: str):
-    """A tokenizer.json (a JSON object) or else a tiktoken BPE file, decided by the file's content."""
-    path = Path(spec)
-    with open(path, "rb") as f:
-        looks_json = f.read(4096).lstrip()[:1] == b"{"
-    return HFTokenizer(path) if looks_json else TiktokenTokenizer(path)

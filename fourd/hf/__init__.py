@@ -1,2 +1,1 @@
-"""Hugging Face interop: checkpoint conversion (convert.py), tokenizer files (tokenizers.py), generation and
-perplexity (generate.py)."""
+"""Hugging Face interop: checkpoint conversion (convert.py), generation and perplexity (inference.py, generate.py)."""

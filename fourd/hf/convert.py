@@ -1,48 +1,54 @@
 """Convert Llama checkpoints between Hugging Face (config.json + safetensors) and fourd's format.
 
-    fourd convert --from hf ./Llama-3-8B --to fourd ./ckpt/llama3-8b
-    fourd convert --from fourd ./run/checkpoints/step-1000 --to hf ./export --shard-mb 5000
+Tensors keep their dtype; q and k rows are permuted between Meta's interleaved rotary pairs and Hugging
+Face's halves, exactly. Only safetensors are read. An export carries the run's tokenizer file.
 
-Tensors keep their dtype (a bfloat16 model stays bfloat16). Hugging Face stores q and k with the
-rotary pairs split into halves; fourd keeps Meta's interleaved pairs, and the conversion permutes
-those rows exactly (no arithmetic). Only safetensors are read: pickled .bin files are refused.
+examples:
+  fourd train --model debug --steps 20 --train.global_batch=4 --run-dir runs/demo     # a run to convert
+  fourd convert --from fourd runs/demo --to hf runs/demo-hf     # a run directory: its newest checkpoint
+  fourd convert --from fourd runs/demo/checkpoints/step-20 --to hf runs/demo-hf-shards --shard-mb 1
+  fourd convert --from hf runs/demo-hf --to fourd runs/demo-back
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
-import shutil
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from fourd.ckpt import store
+from fourd.data.corpus import read_regular
+from fourd.data.tokenizer import load_tokenizer
 from fourd.errors import FourdError
 from fourd.model.config import ModelConfig
 
+if TYPE_CHECKING:
+    import torch
+
 ARCHITECTURE = "LlamaForCausalLM"
 INDEX = "model.safetensors.index.json"
-# LlamaConfig's defaults, for a config.json that omits the key.
+# config.json key -> ModelConfig field, both ways; LlamaConfig's defaults for keys a config.json omits.
+_CONFIG = {"num_hidden_layers": "layers", "hidden_size": "dim", "intermediate_size": "ffn", "vocab_size": "vocab"}
+_CONFIG |= {"num_attention_heads": "heads", "num_key_value_heads": "kv_heads", "head_dim": "head_dim"}
+_CONFIG |= {"rms_norm_eps": "norm_eps", "rope_theta": "rope_theta", "max_position_embeddings": "max_seq"}
 _HF_DEFAULTS = {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 2048}
-# Tensors Hugging Face checkpoints sometimes carry that are recomputed, not learned.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # tensors some checkpoints carry that are recomputed, not learned
+_TOKENIZER_FILES = {"tokenizer.json": "tokenizer.json", "tiktoken": "tokenizer.model"}  # kind -> usual file name
 
 
 def add_arguments(p) -> None:
     p.add_argument("--from", dest="src_format", required=True, choices=("hf", "fourd"), help="format of SRC")
-    p.add_argument("src", metavar="SRC", help="directory to read")
+    p.add_argument("src", metavar="SRC", help="directory to read (fourd: a checkpoint or a run directory)")
     p.add_argument("--to", dest="dst_format", required=True, choices=("hf", "fourd"), help="format of DST")
     p.add_argument("dst", metavar="DST", help="directory to create (must not exist)")
-    p.add_argument(
-        "--shard-mb",
-        type=int,
-        default=5000,
-        help="Hugging Face export: largest safetensors file in MB; more becomes shards plus an index",
-    )
+    p.add_argument("--shard-mb", type=int, default=5000, help="export: largest safetensors file in MB (default 5000)")
 
 
 def run(args) -> int:
+    if args.shard_mb < 1:
+        raise FourdError(f"--shard-mb {args.shard_mb} must be at least 1 (MB per safetensors file)")
     if (args.src_format, args.dst_format) == ("hf", "fourd"):
         cfg, _ = hf_to_fourd(args.src, args.dst)
     elif (args.src_format, args.dst_format) == ("fourd", "hf"):
@@ -53,140 +59,97 @@ def run(args) -> int:
     return 0
 
 
-# ---- names and the rotary layout -------------------------------------------------------------------
-
-_TOP = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_BLOCK = {
-    "attention_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attention.wq": "self_attn.q_proj",
-    "attention.wk": "self_attn.k_proj",
-    "attention.wv": "self_attn.v_proj",
-    "attention.wo": "self_attn.o_proj",
-    "feed_forward.w1": "mlp.gate_proj",
-    "feed_forward.w2": "mlp.down_proj",
-    "feed_forward.w3": "mlp.up_proj",
-}
+_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
+_TOP["output.weight"] = "lm_head.weight"
+_BLOCK = {"attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+_BLOCK |= {f"attention.w{x}": f"self_attn.{x}_proj" for x in "qkvo"}
+_BLOCK |= {"feed_forward.w1": "mlp.gate_proj", "feed_forward.w2": "mlp.down_proj", "feed_forward.w3": "mlp.up_proj"}
 
 
 def hf_name(name: str) -> str:
-    """fourd (Meta) parameter name -> Hugging Face name, e.g. layers.3.feed_forward.w1.weight ->
-    model.layers.3.mlp.gate_proj.weight."""
+    """fourd's (Meta's) parameter name -> Hugging Face's: layers.3.feed_forward.w1.weight -> model.layers.3.mlp..."""
     if name in _TOP:
         return _TOP[name]
     _, i, rest = name.split(".", 2)
     return f"model.layers.{i}.{_BLOCK[rest.removesuffix('.weight')]}.weight"
 
 
-def hf_names(cfg: ModelConfig) -> dict[str, str]:
-    """Every fourd parameter name of `cfg` -> its Hugging Face name."""
-    return {name: hf_name(name) for name in _shapes(cfg)}
-
-
-def interleaved_to_halves(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """Rows of a q or k projection, per head, from pairs (2i, 2i+1) to halves (i, i + d/2).
-
-    Meta rotates x[2i] with x[2i+1]; Hugging Face rotates x[i] with x[i + d/2]. Moving output rows
-    this way gives the same attention scores, since q·k is a sum over all rows alike.
-    """
+def interleaved_to_halves(w: torch.Tensor, heads: int, inverse: bool = False) -> torch.Tensor:
+    """Rows of a q or k projection, per head, from pairs (2i, 2i+1) to halves (i, i + d/2) (docs/hf.md)."""
     rows, cols = w.shape
-    return w.reshape(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols).contiguous()
+    pairs = (heads, 2, rows // heads // 2, cols) if inverse else (heads, rows // heads // 2, 2, cols)
+    return w.reshape(pairs).transpose(1, 2).reshape(rows, cols).contiguous()
 
 
-def halves_to_interleaved(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """The inverse of interleaved_to_halves."""
-    rows, cols = w.shape
-    return w.reshape(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols).contiguous()
+def _rotary(cfg: ModelConfig, name: str, w: torch.Tensor, inverse: bool) -> torch.Tensor:
+    if name.endswith(("wq.weight", "wk.weight")):
+        return interleaved_to_halves(w, cfg.heads if name.endswith("wq.weight") else cfg.kv_heads, inverse)
+    return w
 
 
-def _shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    from fourd.model.llama import build_model
+def _json_object(path: Path, what: str) -> dict:
+    try:
+        obj = json.loads(read_regular(path, what, "give a Hugging Face model directory"))
+    except (ValueError, RecursionError) as e:
+        raise FourdError(f"{path}: not valid JSON ({str(e)[:80]})") from None
+    if not isinstance(obj, dict):
+        raise FourdError(f"{path}: not a JSON object; give a Hugging Face {what}")
+    return obj
 
-    return {k: tuple(v.shape) for k, v in build_model(cfg, device="meta").state_dict().items()}
 
-
-# ---- Hugging Face -> fourd -------------------------------------------------------------------------
+def _field(path: Path, hf: dict, key: str, default, kind: type):
+    value: Any = hf.get(key) if hf.get(key) is not None else default
+    ok = isinstance(value, kind if kind is int else (int, float)) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or value <= 0:
+        raise FourdError(
+            f"{path}: field {key!r} = {value!r} is not a positive {'integer' if kind is int else 'number'}"
+        )
+    return kind(value)
 
 
 def read_hf_config(src: Path) -> tuple[ModelConfig, dict]:
     path = src / "config.json"
-    if not path.is_file():
-        raise FourdError(f"{src}: no config.json; give a Hugging Face model directory")
-    try:
-        hf = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise FourdError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(hf, dict):
-        raise FourdError(f"{path}: not a JSON object; give a Hugging Face config.json")
+    hf = _json_object(path, "config.json")
     arch = hf.get("architectures") or [hf.get("model_type")]
-    if ARCHITECTURE not in arch and arch != ["llama"]:
-        raise FourdError(f"{path}: architecture {arch[0]!r} is not supported; fourd converts {ARCHITECTURE} only")
-
-    def integer(key, default=None):
-        value = hf.get(key) if hf.get(key) is not None else default
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise FourdError(f"{path}: field {key!r} missing or not a positive integer")
-        return value
-
-    def number(key, value):
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise FourdError(f"{path}: field {key!r} = {value!r} is not a number")
-        return float(value)
-
+    if not isinstance(arch, list) or not arch or (ARCHITECTURE not in arch and arch != ["llama"]):
+        shown = arch[0] if isinstance(arch, list) and arch else arch
+        raise FourdError(f"{path}: architecture {shown!r} is not supported; fourd converts {ARCHITECTURE} only")
     for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
         if hf.get(key, want) != want:
             raise FourdError(f"{path}: field {key!r} = {hf[key]!r} is not supported (fourd's Llama has {want!r})")
     rope = hf.get("rope_parameters") or {}
-    if hf.get("rope_scaling"):
-        raise FourdError(
-            f"{path}: field 'rope_scaling' = {hf['rope_scaling']!r} is not supported; fourd implements plain RoPE"
-        )
-    if rope.get("rope_type", "default") != "default":
-        raise FourdError(
-            f"{path}: field 'rope_parameters.rope_type' = {rope['rope_type']!r} is not supported; "
-            "fourd implements plain RoPE"
-        )
-    dim, heads = integer("hidden_size"), integer("num_attention_heads")
-    cfg = ModelConfig(
-        layers=integer("num_hidden_layers"),
-        dim=dim,
-        ffn=integer("intermediate_size"),
-        heads=heads,
-        kv_heads=integer("num_key_value_heads", heads),
-        vocab=integer("vocab_size"),
-        head_dim=integer("head_dim", dim // heads),
-        norm_eps=number("rms_norm_eps", hf.get("rms_norm_eps", _HF_DEFAULTS["rms_norm_eps"])),
-        rope_theta=number("rope_theta", rope.get("rope_theta", hf.get("rope_theta", _HF_DEFAULTS["rope_theta"]))),
-        max_seq=integer("max_position_embeddings", _HF_DEFAULTS["max_position_embeddings"]),
-    )
-    return cfg, hf
+    if hf.get("rope_scaling") or not isinstance(rope, dict) or rope.get("rope_type", "default") != "default":
+        what = f"'rope_scaling' = {hf['rope_scaling']!r}" if hf.get("rope_scaling") else f"'rope_parameters' = {rope!r}"
+        raise FourdError(f"{path}: field {what} is not supported; fourd implements plain RoPE")
+    given = {**hf, **rope}  # newer configs keep rope_theta in rope_parameters
+    defaults = {**_HF_DEFAULTS, "num_key_value_heads": given.get("num_attention_heads")}
+    values = {
+        field: _field(path, given, key, defaults.get(key), float if field in ("norm_eps", "rope_theta") else int)
+        for key, field in _CONFIG.items()
+        if key != "head_dim" or given.get(key) is not None  # else dim // heads
+    }
+    return ModelConfig(**values), hf
 
 
 def _safetensors_files(src: Path) -> list[Path]:
-    index = src / INDEX
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise FourdError(f"{index}: no valid 'weight_map'; the index is damaged") from None
-        files = [src / f for f in sorted(set(weight_map.values()))]
-        for f in files:
-            if not f.is_file():
-                raise FourdError(f"{f}: missing (named in {INDEX})")
-        return files
-    files = sorted(src.glob("*.safetensors"))
+    if (src / INDEX).is_file():
+        weight_map = _json_object(src / INDEX, INDEX).get("weight_map")
+        if (
+            not isinstance(weight_map, dict)
+            or not weight_map
+            or not all(isinstance(f, str) for f in weight_map.values())
+        ):
+            raise FourdError(f"{src / INDEX}: no valid 'weight_map'; the index is damaged")
+        files = [store.inside(src, f, str(src / INDEX)) for f in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(src.glob("*.safetensors"))
     if not files:
         bins = sorted(p.name for p in src.glob("*.bin"))
-        hint = (
-            f" ({bins[0]} is a pickle, which fourd does not load; save the model with safe_serialization)"
-            if bins
-            else ""
-        )
-        raise FourdError(f"{src}: no .safetensors files{hint}")
+        hint = f" ({bins[0]} is a pickle, which fourd does not load; save the model with safe_serialization)"
+        raise FourdError(f"{src}: no .safetensors files{hint if bins else ''}")
+    for f in files:
+        if not os.path.isfile(f):  # a FIFO or device would block or never end
+            raise FourdError(f"{f}: missing or not a regular file (named in {INDEX})")
     return files
 
 
@@ -201,8 +164,8 @@ def read_hf_tensors(src: Path) -> dict[str, torch.Tensor]:
                     if k in tensors:
                         raise FourdError(f"{f}: tensor {k} also appears in another file")
                     tensors[k] = st.get_tensor(k)
-        except SafetensorError as e:
-            raise FourdError(f"{f}: not a valid safetensors file ({e})") from None
+        except (SafetensorError, OSError) as e:
+            raise FourdError(f"{f}: not a readable safetensors file ({str(e)[:80]})") from None
     return tensors
 
 
@@ -211,36 +174,43 @@ def hf_to_fourd_state_dict(cfg: ModelConfig, hf: dict, tensors: dict[str, torch.
     if hf.get("tie_word_embeddings") and "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
         # Tied models (Llama 3.2 1B/3B) store one matrix; fourd's output projection gets its own copy.
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
-    shapes, names = _shapes(cfg), hf_names(cfg)
+    if cfg.layers > len(tensors):  # checked before a model of that depth is built, even on the meta device
+        raise FourdError(f"config.json says {cfg.layers} layers; the safetensors files hold {len(tensors)} tensors")
     sd = {}
-    for name, hname in names.items():
+    for name, shape in store.shapes(cfg).items():
+        hname = hf_name(name)
         if hname not in tensors:
             raise FourdError(f"tensor {hname} missing from the safetensors files (config.json implies it)")
         w = tensors.pop(hname)
-        if tuple(w.shape) != shapes[name]:
-            raise FourdError(f"tensor {hname} has shape {list(w.shape)}; config.json implies {list(shapes[name])}")
-        if name.endswith(("wq.weight", "wk.weight")):
-            w = halves_to_interleaved(w, cfg.heads if name.endswith("wq.weight") else cfg.kv_heads)
-        sd[name] = w
-    if tensors:
+        if tuple(w.shape) != shape:
+            raise FourdError(f"tensor {hname} has shape {list(w.shape)}; config.json implies {list(shape)}")
+        sd[name] = _rotary(cfg, name, w, inverse=True)
+    if extra := sorted(tensors):
         raise FourdError(
-            f"tensor {sorted(tensors)[0]} is not part of a {ARCHITECTURE} "
-            f"({len(tensors)} unexpected tensor(s)); fourd would drop it"
+            f"tensor {extra[0]} is not part of a {ARCHITECTURE} ({len(extra)} unexpected); fourd would drop it"
         )
     return sd
 
 
-def hf_to_fourd(src: str | os.PathLike, dst: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def read_hf(src: str | os.PathLike) -> tuple[ModelConfig, dict, dict[str, torch.Tensor]]:
+    """A Hugging Face Llama directory: its ModelConfig, config.json, and tensors under fourd's names."""
     src = Path(src)
     if not src.is_dir():
         raise FourdError(f"{src}: not a directory; give a Hugging Face model directory")
     cfg, hf = read_hf_config(src)
-    sd = hf_to_fourd_state_dict(cfg, hf, read_hf_tensors(src))
+    return cfg, hf, hf_to_fourd_state_dict(cfg, hf, read_hf_tensors(src))
+
+
+def load_hf(src: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """A Hugging Face Llama directory as (ModelConfig, state dict in fourd's names, float32 on the CPU)."""
+    cfg, _, sd = read_hf(src)
+    return cfg, {k: v.float() for k, v in sd.items()}
+
+
+def hf_to_fourd(src: str | os.PathLike, dst: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    cfg, hf, sd = read_hf(src)
     store.save_model_checkpoint(dst, cfg, sd, extra={"hf_config": hf})
     return cfg, sd
-
-
-# ---- fourd -> Hugging Face -------------------------------------------------------------------------
 
 
 def hf_config(cfg: ModelConfig, dtype: torch.dtype, base: dict | None = None) -> dict:
@@ -248,49 +218,11 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype, base: dict | None = None) ->
     dtype_name = str(dtype).removeprefix("torch.")
     out = dict(base or {"bos_token_id": None, "eos_token_id": None})
     out.pop("rope_scaling", None)
-    out.update(
-        {
-            "architectures": [ARCHITECTURE],
-            "model_type": "llama",
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "mlp_bias": False,
-            "tie_word_embeddings": False,
-            "hidden_size": cfg.dim,
-            "intermediate_size": cfg.ffn,
-            "num_hidden_layers": cfg.layers,
-            "num_attention_heads": cfg.heads,
-            "num_key_value_heads": cfg.kv_heads,
-            "head_dim": cfg.head_dim,
-            "vocab_size": cfg.vocab,
-            "rms_norm_eps": cfg.norm_eps,
-            "max_position_embeddings": cfg.max_seq,
-            # Older readers take rope_theta at the top, newer ones from rope_parameters.
-            "rope_theta": cfg.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-            "torch_dtype": dtype_name,
-            "dtype": dtype_name,
-        }
-    )
-    return out
-
-
-def fourd_to_hf_tensors(cfg: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    shapes = _shapes(cfg)
-    for name, shape in shapes.items():
-        if name not in sd:
-            raise FourdError(f"tensor {name} missing from the checkpoint (model config implies it)")
-        if tuple(sd[name].shape) != shape:
-            raise FourdError(f"tensor {name} has shape {list(sd[name].shape)}; the model config implies {list(shape)}")
-    extra = sorted(set(sd) - set(shapes))
-    if extra:
-        raise FourdError(f"tensor {extra[0]} is not part of the model config's Llama")
-    out = {}
-    for name, hname in hf_names(cfg).items():
-        w = sd[name]
-        if name.endswith(("wq.weight", "wk.weight")):
-            w = interleaved_to_halves(w, cfg.heads if name.endswith("wq.weight") else cfg.kv_heads)
-        out[hname] = w.contiguous()
+    out |= {"architectures": [ARCHITECTURE], "model_type": "llama", "hidden_act": "silu", "attention_bias": False}
+    out |= {"mlp_bias": False, "tie_word_embeddings": False, "torch_dtype": dtype_name, "dtype": dtype_name}
+    out |= {key: getattr(cfg, field) for key, field in _CONFIG.items()}
+    # Older readers take rope_theta at the top (above), newer ones from rope_parameters.
+    out["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     return out
 
 
@@ -300,48 +232,62 @@ def _shard(tensors: dict[str, torch.Tensor], shard_bytes: int) -> list[dict[str,
     for k in sorted(tensors):
         n = tensors[k].numel() * tensors[k].element_size()
         if shards[-1] and size + n > shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][k] = tensors[k]
-        size += n
+            shards, size = [*shards, {}], 0
+        shards[-1][k], size = tensors[k], size + n
     return shards
 
 
-def write_hf(dst: Path, config: dict, tensors: dict[str, torch.Tensor], shard_bytes: int) -> None:
-    """config.json and safetensors (sharded with an index past `shard_bytes`), renamed into place at the end."""
+def tokenizer_spec(given: str | None, data: dict) -> str:
+    return given if given is not None else data.get("tokenizer") or "byte"
+
+
+def run_tokenizer(manifest: dict, given: str | None):
+    """The tokenizer the run trained with (byte-level when unrecorded); `given` must be the same one."""
+    data = manifest.get("train", {}).get("data", {})
+    tok = load_tokenizer(tokenizer_spec(given, data))
+    if "identity" in data and tok.identity() != data["identity"]:
+        if given is None:
+            raise FourdError(f"tokenizer {data.get('tokenizer')!r} changed since the run trained with it; restore it")
+        raise FourdError(f"--tokenizer {given!r} is not the run's tokenizer ({data.get('tokenizer')!r}); leave it out")
+    return tok
+
+
+def _tokenizer_file(manifest: dict) -> dict[str, bytes]:
+    """{file name: bytes} of the tokenizer file the run trained with; {} for byte-level or unrecorded runs."""
+    tok = run_tokenizer(manifest, None)
+    return {} if tok.name == "byte" else {_TOKENIZER_FILES[tok.name]: tok.raw}
+
+
+def write_hf(dst: Path, config: dict, tensors: dict[str, torch.Tensor], shard_bytes: int, extra=None) -> None:
+    """config.json, safetensors (sharded with an index past `shard_bytes`) and `extra` {name: bytes}, renamed
+    into place at the end; every file gets the mode the umask gives (safetensors alone writes 0600)."""
     from safetensors.torch import save_file
 
-    if dst.exists():
-        raise FourdError(f"{dst} already exists; remove it or choose another destination")
-    tmp = store.staging_dir(dst)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        shards = _shard(tensors, shard_bytes)
-        if len(shards) == 1:
-            save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        else:
-            weight_map = {}
-            for i, shard in enumerate(shards, 1):
-                fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-                save_file(shard, str(tmp / fname), metadata={"format": "pt"})
-                weight_map.update(dict.fromkeys(shard, fname))
-            total = sum(t.numel() * t.element_size() for t in tensors.values())
-            (tmp / INDEX).write_text(
-                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
-            )
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    shards = _shard(tensors, shard_bytes)
+    names = [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    names = names if len(shards) > 1 else ["model.safetensors"]
+    files = {**(extra or {}), "config.json": (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()}
+    if len(shards) > 1:
+        index = {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())}
+        weight_map = {k: name for name, shard in zip(names, shards) for k in shard}
+        files[INDEX] = json.dumps({"metadata": index, "weight_map": weight_map}, indent=2).encode()
+    umask = os.umask(0)
+    os.umask(umask)
+    with store.staged(dst) as tmp:
+        for name, shard in zip(names, shards):
+            save_file(shard, str(tmp / name), metadata={"format": "pt"})
+        for name, content in files.items():
+            (tmp / name).write_bytes(content)
+        for p in tmp.iterdir():
+            p.chmod(0o666 & ~umask)
         os.rename(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def fourd_to_hf(src: str | os.PathLike, dst: str | os.PathLike, shard_bytes: int = 5_000_000_000) -> ModelConfig:
+    src = store.resolve(src)
     cfg, sd = store.load_model_checkpoint(src)
-    if cfg.mlp != "swiglu":
-        raise FourdError(f"{src}: model.mlp = {cfg.mlp!r}; only Llama (swiglu) models export to Hugging Face")
-    tensors = fourd_to_hf_tensors(cfg, sd)
-    base = store.read_manifest(src).get("hf_config")
-    write_hf(Path(dst), hf_config(cfg, sd["tok_embeddings.weight"].dtype, base), tensors, shard_bytes)
+    manifest = store.read_manifest(src)
+    tensors = {hf_name(k): _rotary(cfg, k, v, inverse=False).contiguous() for k, v in sd.items()}
+    config = hf_config(cfg, sd["tok_embeddings.weight"].dtype, manifest.get("hf_config"))
+    write_hf(Path(dst), config, tensors, shard_bytes, extra=_tokenizer_file(manifest))
     return cfg

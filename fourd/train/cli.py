@@ -139,10 +139,9 @@ def init_source(path: str, weights: bool = False):
 
     p = Path(path)
     if (p / "config.json").is_file():
-        from fourd.hf.convert import hf_to_fourd_state_dict, read_hf_config, read_hf_tensors
+        from fourd.hf.convert import load_hf, read_hf_config
 
-        mcfg, hf = read_hf_config(p)
-        return (mcfg, hf_to_fourd_state_dict(mcfg, hf, read_hf_tensors(p))) if weights else mcfg
+        return load_hf(p) if weights else read_hf_config(p)[0]
     if not p.is_dir():
         raise FourdError(f"--init-from {path}: no such checkpoint or Hugging Face folder")
     found = store.resolve(p)
@@ -181,7 +180,7 @@ def prepare(args):
     """Everything that can fail on bad input, done before any worker starts: (cfg, layout, cache, data record)."""
     from fourd.config import check as check_config
     from fourd.config import parallelism
-    from fourd.data.dataset import SampleStream
+    from fourd.data.dataset import SampleStream, split
     from fourd.data.dataset import prepare as prepare_data
     from fourd.data.tokenizer import load_tokenizer
     from fourd.layout import check
@@ -204,6 +203,7 @@ def prepare(args):
         _check_run_dir(cfg, args.run_dir)
     d = cfg.data
     cache = prepare_data(d.path, d.tokenizer, d.cache_dir)
+    split(cache.tokens, d.seq_len, d.holdout_fraction)  # one sequence must fit: refused before launch
     if cache.vocab_size > mcfg.vocab:
         raise FourdError(
             f"the tokenizer has {cache.vocab_size} ids but the model's vocabulary is {mcfg.vocab}: "

@@ -16,7 +16,6 @@ import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -113,13 +112,12 @@ class _Run:
         cuda = device.type == "cuda"
         self.amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
         self.stream = SampleStream(cache, cfg.data.seq_len, cfg.train.seed, cfg.data.holdout_fraction)
-        self.dir, c = Path(cfg.run.dir), cfg.checkpoint
+        self.dir = Path(cfg.run.dir)
         first = all(self.par.coords[d] == 0 for d in ("tp", "cp", "dp"))  # one rank per stage sends its weights
-        kw: dict[str, Any] = dict(
-            keep=c.keep, async_save=c.async_save, attempt=self.attempt, layout=str(self.par.layout)
+        lay, attempt = str(self.par.layout), self.attempt
+        self.ckpt = Checkpointer(
+            cfg, self.par.stages, self.opt, layout=lay, contributes=first, attempt=attempt, info={"data": data}
         )
-        kw |= dict(model_cfg=model_config(cfg), contributes=first, info={"config": cfg.to_dict(), "data": data})
-        self.ckpt = Checkpointer(self.dir, self.par.stages, self.opt, **kw)
         self.writer: MetricsWriter | None = None
         self.per_dp = cfg.train.global_batch // self.par.layout.dp
         self.tokens = cfg.train.global_batch * cfg.data.seq_len
@@ -179,10 +177,10 @@ class _Run:
         return result
 
     def _diverged(self, row: dict) -> str:
-        from fourd.ckpt.store import latest
+        from fourd.ckpt.store import newest
 
-        newest = latest(self.dir)
-        kept = f"the newest checkpoint, {newest}, is kept" if newest else "no checkpoint was saved before it"
+        last = newest(self.dir)
+        kept = f"the newest checkpoint, {last}, is kept" if last else "no checkpoint was saved before it"
         return (
             f"step {row['step']}: the loss is {row['loss']} and the gradient norm {row['grad_norm']}: training "
             f"diverged; {kept}, and nothing of this step was saved: lower train.lr (it is {self.cfg.train.lr:g})"

@@ -1,10 +1,9 @@
-"""An 8-rank three-dimensional job (tp=2, pp=2, dp=2) loses a rank to SIGKILL at a random step, restarts
-by itself and ends with the same model as the uninterrupted job; its checkpoint then resumes at dp=4
-(DCP resharding) and continues the same loss curve. Three real runs shared by the tests below."""
+"""An 8-rank three-dimensional job (tp=2, pp=2, dp=2) loses a rank to SIGKILL before its first checkpoint
+and between two checkpoints, restarts by itself and ends with the same model as the uninterrupted job; a
+checkpoint then resumes at dp=4 (DCP resharding) and continues the same loss curve to the last step."""
 
 import json
 import random
-import re
 import shutil
 
 import pytest
@@ -30,8 +29,9 @@ BASE = (
     "--checkpoint.interval",
     INTERVAL,
 )
-PICK = random.Random()  # a fresh step and rank each session; the failure message names them
-KILL_STEP, KILL_RANK = PICK.randint(2, STEPS), PICK.randrange(8)
+# Checkpoints at steps 4, 8 and 10: a kill at step 3 restarts from scratch, one at step 7 resumes step-4.
+KILLS = {3: None, 7: 4}
+RANKS = dict(zip(KILLS, random.Random(18).sample(range(8), len(KILLS))))  # seeded: the same ranks every run
 
 
 def rows(run_dir):
@@ -50,25 +50,18 @@ def uninterrupted(tmp_path_factory):
     return d
 
 
-@pytest.fixture(scope="module")
-def killed(tmp_path_factory):
-    d = tmp_path_factory.mktemp("b")
+@pytest.fixture(scope="module", params=list(KILLS))
+def killed(request, tmp_path_factory):
+    step, rank = request.param, RANKS[request.param]
+    d = tmp_path_factory.mktemp(f"killed-{step}")
     code, out, err = run_fourd(
         *BASE,
-        "--layout",
-        "tp=2,pp=2,dp=2",
-        "--max-restarts",
-        2,
-        "--fault.kill-rank",
-        KILL_RANK,
-        "--fault.at-step",
-        KILL_STEP,
-        "--run-dir",
-        d,
+        *("--layout", "tp=2,pp=2,dp=2", "--max-restarts", 1, "--fault.kill-rank", rank, "--fault.at-step", step),
+        *("--run-dir", d),
         timeout=1200,
     )
-    assert code == 0, f"kill rank {KILL_RANK} at step {KILL_STEP}: {err}"
-    return d, out
+    assert code == 0, f"kill rank {rank} at step {step}: {err}"
+    return d, out, step
 
 
 @pytest.fixture(scope="module")
@@ -82,21 +75,17 @@ def resharded(uninterrupted, tmp_path_factory):
 
 @pytest.mark.timeout(2400)
 def test_killed_rank_restarts_and_ends_with_the_same_model(uninterrupted, killed):
-    d, out = killed
-    why = f"(rank {KILL_RANK} killed at step {KILL_STEP})"
-    resumed = re.search(r"resuming after restart 1 from checkpoint \S+/step-(\d+) at step (\d+)", out)
-    if KILL_STEP <= INTERVAL:
-        assert resumed is None, why  # nothing saved yet: the restart begins at step 1
-        recomputed = KILL_STEP - 1
+    d, out, step = killed
+    resumed = KILLS[step]
+    if resumed is None:
+        assert "resuming" not in out and out.count("fourd train: ") == 2  # nothing saved yet: from step 1 again
     else:
-        assert resumed, why
-        step = int(resumed.group(1))
-        assert step == (KILL_STEP - 1) // INTERVAL * INTERVAL, why
-        recomputed = KILL_STEP - 1 - step
-    assert recomputed <= INTERVAL, why
-    assert manifest(d, STEPS)["model_digest"] == manifest(uninterrupted, STEPS)["model_digest"], why
-    assert [r["step"] for r in rows(d)] == list(range(1, STEPS + 1)), why  # one row per step
-    assert [r["loss"] for r in rows(d)] == [r["loss"] for r in rows(uninterrupted)], why
+        samples = resumed * 16
+        assert f"resuming after restart 1 from checkpoint {d}/checkpoints/step-{resumed} at step {resumed}, " in out
+        assert f"sample {samples}\n" in out
+    assert manifest(d, STEPS)["model_digest"] == manifest(uninterrupted, STEPS)["model_digest"]
+    assert [r["step"] for r in rows(d)] == list(range(1, STEPS + 1))  # one row per step
+    assert [r["loss"] for r in rows(d)] == [r["loss"] for r in rows(uninterrupted)]
 
 
 @pytest.mark.timeout(2400)
@@ -120,5 +109,10 @@ def test_resume_at_another_layout_continues_the_loss_curve(uninterrupted, reshar
     got = {r["step"]: r["loss"] for r in rows(d)}
     want = {r["step"]: r["loss"] for r in rows(uninterrupted)}
     assert sorted(got) == list(range(5, STEPS + 1))
-    for step in range(5, 10):
+    for step in range(5, STEPS + 1):
         assert got[step] == pytest.approx(want[step], rel=1e-5), step
+    # the final weights: equal up to the rounding of another reduction order
+    _, a = store.load_model_checkpoint(d / "checkpoints" / f"step-{STEPS}")
+    _, b = store.load_model_checkpoint(uninterrupted / "checkpoints" / f"step-{STEPS}")
+    worst = max(((a[k] - b[k]).abs().max() / b[k].abs().max()).item() for k in b)
+    assert worst < 1e-4, worst

@@ -1,0 +1,126 @@
+"""Generation with a KV cache added from outside the model, nucleus sampling, and perplexity (docs/hf.md)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def load_model(ckpt) -> tuple[nn.Module, dict]:
+    """The model of a checkpoint (or a run's newest) in float32 on the CPU in eval mode, and its manifest."""
+    from fourd.ckpt import store
+    from fourd.model.llama import build_model
+
+    path = store.resolve(ckpt)
+    cfg, sd = store.load_model_checkpoint(path)
+    model = build_model(cfg, seed=None)
+    model.load_state_dict(sd)
+    return model.eval(), store.read_manifest(path)
+
+
+class KVCache(nn.Module):
+    """Takes the place of `Attention.core`: keeps the keys and values of every position seen so far."""
+
+    def __init__(self, core: nn.Module):
+        super().__init__()
+        self.core = core
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.k is None:  # the prompt: exactly the model's own causal attention
+            self.k, self.v = k, v
+            return self.core(q, k, v)
+        self.k, self.v = torch.cat((self.k, k), dim=1), torch.cat((self.v, v), dim=1)
+        new, total = q.shape[1], self.k.shape[1]
+        # new query i sits at position total - new + i and sees every key up to there
+        mask = torch.arange(total)[None, :] <= torch.arange(total - new, total)[:, None]
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, self.k, self.v))
+        return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, enable_gqa=True).transpose(1, 2)
+
+
+class ShiftedRope(nn.Module):
+    """Takes the place of `Llama.rope`: the rotation rows of positions offset .. offset + seqlen - 1."""
+
+    def __init__(self, rope: nn.Module):
+        super().__init__()
+        self.rope = rope
+        self.offset = 0
+
+    def forward(self, seqlen: int) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.offset + seqlen
+        return self.rope.cos[self.offset : end], self.rope.sin[self.offset : end]
+
+
+class Cached:
+    """The model with a KV cache in every attention layer, restored on exit; `step(ids)` returns their logits."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __enter__(self):
+        m = self.model
+        self._saved = (m.rope, [layer.attention.core for layer in m.layers.values()])
+        m.rope = ShiftedRope(m.rope)
+        for layer in m.layers.values():
+            layer.attention.core = KVCache(layer.attention.core)
+        return self
+
+    def __exit__(self, *exc):
+        self.model.rope, cores = self._saved
+        for layer, core in zip(self.model.layers.values(), cores):
+            layer.attention.core = core
+
+    @torch.no_grad()
+    def step(self, ids: list[int]) -> torch.Tensor:
+        logits = self.model(torch.tensor([ids], dtype=torch.long))
+        self.model.rope.offset += len(ids)
+        return logits
+
+
+def sample(logits: torch.Tensor, greedy: bool, top_p: float, temperature: float, gen: torch.Generator) -> int:
+    """Nucleus sampling (Holtzman et al. 2020): from the fewest most likely tokens holding top_p."""
+    if greedy:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.double() / temperature, dim=-1)
+    p, idx = probs.sort(descending=True)
+    keep = (p.cumsum(0) - p) < top_p  # the mass before a token is short of top_p: it is in the nucleus
+    return int(idx[torch.multinomial(p * keep, 1, generator=gen)])
+
+
+def generate(
+    model, prompt: list[int], max_new_tokens: int, greedy=True, top_p=1.0, temperature=1.0, seed=0, stop_ids=()
+):
+    """The generated ids (the prompt not included); the caller checks ids and lengths against model.cfg."""
+    gen = torch.Generator().manual_seed(seed)
+    out: list[int] = []
+    with Cached(model) as cache:
+        logits = cache.step(prompt)
+        while len(out) < max_new_tokens:
+            nxt = sample(logits[0, -1], greedy, top_p, temperature, gen)
+            out.append(nxt)
+            if nxt in stop_ids:
+                break
+            logits = cache.step([nxt])
+    return out
+
+
+@torch.no_grad()
+def perplexity(model, ids: list[int], seq: int, batch: int = 8) -> dict:
+    """Mean NLL per token over non-overlapping windows of `seq` tokens: each but the first predicted once."""
+    data = torch.tensor(ids, dtype=torch.long)
+    starts = list(range(0, len(ids) - 1, seq))
+    full = [s for s in starts if s + seq + 1 <= len(ids)]
+    groups = [torch.stack([data[s : s + seq + 1] for s in full[i : i + batch]]) for i in range(0, len(full), batch)]
+    if len(full) < len(starts):  # the shorter last window
+        groups.append(data[starts[-1] :][None])
+    total, count = 0.0, 0
+    for x in groups:
+        logits = model(x[:, :-1]).float()
+        total += F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten(), reduction="sum").item()
+        count += x[:, 1:].numel()
+    nll = total / count
+    return {"tokens": count, "nll_per_token": nll, "perplexity": math.exp(nll)}
