@@ -86,10 +86,10 @@ def _which(argv: list[str]) -> str | None:
     )
 
 
-def _unknown(args, unknown: list[str]) -> FourdError:
-    options = [s for a in args._parser._actions for s in a.option_strings]
+def _unknown(parser: argparse.ArgumentParser, unknown: list[str]) -> FourdError:
+    options = [s for a in parser._actions for s in a.option_strings]
     hint = did_you_mean(unknown[0].split("=")[0], options)
-    return FourdError(f"unrecognised argument {unknown[0]!r}{hint} (see `{args._parser.prog} --help`)")
+    return FourdError(f"unrecognised argument {unknown[0]!r}{hint} (see `{parser.prog} --help`)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,10 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         parser = build_parser(_which(argv))
         args, unknown = parser.parse_known_args(argv)
+        if unknown and not getattr(args, "_overrides", False):
+            raise _unknown(getattr(args, "_parser", parser), unknown)
         if not getattr(args, "_run", None):
             parser.parse_args([args.command, "--help"] if getattr(args, "command", None) else ["--help"])
-        if unknown and not args._overrides:
-            raise _unknown(args, unknown)
         args._unknown = unknown
         return int(args._run(args) or 0)
     except FourdError as e:

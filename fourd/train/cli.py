@@ -85,7 +85,12 @@ def _resuming(args) -> tuple[Path | None, dict]:
             if where
             else "--resume needs the run: --resume DIR, or --run-dir DIR --resume"
         )
-    return Path(where), load_toml(Path(where, "config.toml")) if Path(where, "config.toml").is_file() else {}
+    from fourd.ckpt.store import checkpoints
+
+    run, record = Path(where), Path(where, "config.toml")
+    if not record.is_file() and not checkpoints(run):
+        raise FourdError(f"--resume {where}: nothing to resume there (no config.toml, no checkpoint): drop --resume")
+    return run, load_toml(record) if record.is_file() else {}
 
 
 def _changes(have, asked) -> str:
