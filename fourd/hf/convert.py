@@ -201,9 +201,22 @@ def read_hf(src: str | os.PathLike) -> tuple[ModelConfig, dict, dict[str, torch.
     return cfg, hf, hf_to_fourd_state_dict(cfg, hf, read_hf_tensors(src))
 
 
-def load_hf(src: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """A Hugging Face Llama directory as (ModelConfig, state dict in fourd's names, float32 on the CPU)."""
-    cfg, _, sd = read_hf(src)
+def load_weights(path: str | os.PathLike, weights: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """A Hugging Face folder, a fourd checkpoint or a run directory (its newest): its ModelConfig and, with
+    `weights`, its full state dict in fourd's names, float32 on the CPU (else {})."""
+    p = Path(path)
+    if (p / "config.json").is_file():
+        cfg, hf = read_hf_config(p)
+        sd = hf_to_fourd_state_dict(cfg, hf, read_hf_tensors(p)) if weights else {}
+    elif not p.is_dir():
+        raise FourdError(
+            f"{path}: no such checkpoint or Hugging Face folder: give a checkpoint, run or model directory"
+        )
+    elif weights:
+        cfg, sd = store.load_model_checkpoint(store.resolve(p))
+    else:
+        found = store.resolve(p)
+        cfg, sd = store.model_config(str(found), store.read_manifest(found)["model"]), {}
     return cfg, {k: v.float() for k, v in sd.items()}
 
 

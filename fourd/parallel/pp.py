@@ -163,15 +163,6 @@ class PipelineRunner:
         self.bubble_fraction = max(0.0, 1.0 - busy / self.wall)
         return loss
 
-    def trace_events(self, pid: int = 0, offset_us: float = 0.0) -> list[dict]:
-        """The last step's actions as Chrome trace events (one row per pipeline rank)."""
-        return [
-            dict(name=f"{r.kind}{r.stage}.{r.microbatch}", cat=r.kind, ph="X", pid=pid, tid=0)
-            | dict(ts=offset_us + r.start * 1e6, dur=(r.end - r.start) * 1e6)
-            | {"args": {"stage": r.stage, "microbatch": r.microbatch}}
-            for r in self.records
-        ]
-
 
 def _device_of(module: nn.Module) -> torch.device:
     p = next(module.parameters())

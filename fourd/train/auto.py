@@ -14,13 +14,19 @@ from fourd.train.metrics import device_peak_flops
 GPU_PRESETS = {"H200": "dgx-h200", "H100": "dgx-h100", "A100": "selene-a100"}  # the first name found wins
 
 
+def use_cuda(cfg: Config) -> bool:
+    import torch
+
+    return torch.cuda.is_available() and cfg.train.dtype != "fp32"
+
+
 def machine(cfg: Config):
     """(this machine's cluster profile, its devices, the bytes one device holds: on CPU, RAM shared by all ranks)."""
     import torch
 
     from fourd.plan.cluster import GPU, Cluster, Network, Node, load_cluster
 
-    if torch.cuda.is_available() and cfg.train.dtype != "fp32":
+    if use_cuda(cfg):
         name = torch.cuda.get_device_name()
         preset = next((p for key, p in GPU_PRESETS.items() if key in name), "dgx-h100")
         return load_cluster(preset), torch.cuda.device_count(), torch.cuda.get_device_properties(0).total_memory

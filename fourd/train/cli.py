@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import os
 import time
 from pathlib import Path
@@ -136,23 +137,6 @@ def _check_run_dir(cfg, given: str | None) -> None:
         )
 
 
-def init_source(path: str, weights: bool = False):
-    """The ModelConfig of a fourd checkpoint (or run directory) or a Hugging Face folder, and with `weights` its
-    full state dict in fourd's names."""
-    from fourd.ckpt import store
-    from fourd.model.config import ModelConfig
-
-    p = Path(path)
-    if (p / "config.json").is_file():
-        from fourd.hf.convert import load_hf, read_hf_config
-
-        return load_hf(p) if weights else read_hf_config(p)[0]
-    if not p.is_dir():
-        raise FourdError(f"--init-from {path}: no such checkpoint or Hugging Face folder")
-    found = store.resolve(p)
-    return store.load_model_checkpoint(found) if weights else ModelConfig(**store.read_manifest(found)["model"])
-
-
 def _configure(args):
     """The run's whole configuration and its model: flags over a resumed run's record or an --init-from model."""
     from fourd.config import Config, build_config, load_toml, model_config
@@ -164,7 +148,11 @@ def _configure(args):
     overrides, options = list(args._unknown), [s for a in args._parser._actions for s in a.option_strings]
     cfg = build_config(args.config, flags, overrides, saved, options)
     _absolute(cfg)
-    source = init_source(cfg.train.init_from) if cfg.train.init_from and resumed is None else None
+    source = None
+    if cfg.train.init_from and resumed is None:
+        from fourd.hf.convert import load_weights
+
+        source = load_weights(cfg.train.init_from, weights=False)[0]
     said = args.model or any(w.startswith("--model.") for w in overrides) or "model" in load_toml(args.config or "")
     if source is not None and not said:  # nothing said about the model: the source's
         dims = {k: v for k, v in source.to_dict().items() if k != "mlp"}
@@ -204,7 +192,9 @@ def prepare(args):
         check_fp8(cfg)
     cluster, _, capacity = here or machine(cfg)
     check_memory(cfg, cluster, capacity)
-    if resumed is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0:
+    from fourd.train.launch import attempt
+
+    if resumed is None and attempt() == 0:
         _check_run_dir(cfg, args.run_dir)
     d = cfg.data
     cache = prepare_data(d.path, d.tokenizer, d.cache_dir)
@@ -230,13 +220,6 @@ def prepare(args):
     return cfg, par.layout, cache, {**data, "source": cache.source, "tokens": cache.tokens}
 
 
-def _made(d: Path) -> bool:
-    with contextlib.suppress(FileExistsError):
-        d.mkdir()
-        return True
-    return False
-
-
 def _start(cfg) -> None:
     """Create the run directory (a fresh, unique one when none is given) and write config.toml into it."""
     from fourd.layout import DIMS, parse_layout
@@ -244,13 +227,12 @@ def _start(cfg) -> None:
     if not cfg.run.dir:
         lay = parse_layout(cfg.parallel.layout)
         tag = "-".join(f"{d}{getattr(lay, d)}" for d in DIMS if getattr(lay, d) > 1) or "dp1"
-        stem = Path("runs", f"{_model_name(cfg)}-{tag}-{time.strftime('%Y%m%d-%H%M%S')}")
-        Path("runs").mkdir(exist_ok=True)
-        d, n = stem, 1
-        while not _made(d):  # two runs started in the same second get -2, -3, ...
-            n += 1
-            d = stem.with_name(f"{stem.name}-{n}")
-        cfg.run.dir = str(d)
+        stem = f"runs/{_model_name(cfg)}-{tag}-{time.strftime('%Y%m%d-%H%M%S')}"
+        for n in itertools.count(1):  # two runs started in the same second get -2, -3, ...
+            cfg.run.dir = stem + (f"-{n}" if n > 1 else "")
+            with contextlib.suppress(FileExistsError):
+                Path(cfg.run.dir).mkdir(parents=True)
+                break
     try:
         Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
         tmp = Path(cfg.run.dir, f".config.toml.{os.getpid()}")
@@ -263,9 +245,10 @@ def _start(cfg) -> None:
 def run(args) -> int:
     cfg, layout, cache, data = prepare(args)
     from fourd.config import fourd_home, model_config
+    from fourd.train.auto import use_cuda
     from fourd.train.launch import launch_local, outcome, under_torchrun
     from fourd.train.metrics import device_peak_flops
-    from fourd.train.worker import use_cuda, worker_entry
+    from fourd.train.worker import worker_entry
 
     device = "cuda" if use_cuda(cfg) else "cpu"
     peak = device_peak_flops(device, fourd_home())

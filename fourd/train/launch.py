@@ -24,6 +24,11 @@ from fourd.errors import FourdError, RunFailed, plural
 LAUNCH_DIR_ENV = "FOURD_LAUNCH_DIR"
 
 
+def attempt() -> int:
+    """How many times the elastic agent has restarted this worker's job."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+
+
 def under_torchrun() -> bool:
     """True when this process is itself a worker started by torchrun / an elastic agent."""
     return "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ
