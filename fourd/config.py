@@ -18,7 +18,7 @@ import tomllib
 
 from fourd.errors import FourdError, did_you_mean
 from fourd.layout import PRECISIONS, RECOMPUTE, ZERO_STAGES, Parallelism, parse_layout
-from fourd.model.config import PRESETS
+from fourd.model.config import PRESETS, ModelConfig, get_preset, with_overrides
 from fourd.schedules import SCHEDULES
 
 
@@ -27,20 +27,11 @@ def fourd_home() -> Path:
     return Path(os.environ.get("FOURD_HOME") or "~/.fourd").expanduser()
 
 
-@dataclass
-class ModelSection:
-    preset: str = "small"
-    # Any ModelConfig field may be overridden on top of the preset, e.g. `--model.layers=2`.
-    layers: int | None = None
-    dim: int | None = None
-    ffn: int | None = None
-    heads: int | None = None
-    kv_heads: int | None = None
-    vocab: int | None = None
-    max_seq: int | None = None
-    head_dim: int | None = None
-    norm_eps: float | None = None
-    rope_theta: float | None = None
+# [model]: a preset, and any ModelConfig field but mlp set on top of it (`--model.layers=2`); None: the preset's.
+_MODEL_KEYS = typing.get_type_hints(ModelConfig)
+ModelSection = dataclasses.make_dataclass(
+    "ModelSection", [("preset", str, "small")] + [(k, t | None, None) for k, t in _MODEL_KEYS.items() if k != "mlp"]
+)
 
 
 @dataclass
@@ -114,7 +105,7 @@ class RunSection:
 
 @dataclass
 class Config:
-    model: ModelSection = field(default_factory=ModelSection)
+    model: typing.Any = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
     train: TrainSection = field(default_factory=TrainSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
@@ -281,9 +272,7 @@ def check(cfg: Config) -> None:
         raise FourdError("fault.at_step is set but neither fault.kill_rank nor fault.hang_rank: set one, or drop it")
 
 
-def model_config(cfg: Config):
-    from fourd.model.config import get_preset, with_overrides
-
+def model_config(cfg: Config) -> ModelConfig:
     over = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k != "preset" and v is not None}
     model = with_overrides(get_preset(cfg.model.preset), **over)
     if cfg.data.seq_len > model.max_seq:
