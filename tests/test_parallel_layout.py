@@ -68,13 +68,13 @@ def test_a_valid_layout_passes():
         (
             Parallelism(Layout(pp=5)),
             {},
-            "pp=5 with 1 virtual stage(s) makes 5 pipeline stages for 4 layers: use at most 4 stages, or exactly 6 "
+            "pp=5 with 1 virtual stage makes 5 pipeline stages for 4 layers: use at most 4 stages, or exactly 6 "
             "(the embedding and the output a stage each)",
         ),
         (
             Parallelism(Layout(pp=2), "interleaved", virtual_stages=4),
             {},
-            "pp=2 with 4 virtual stage(s) makes 8 pipeline stages for 4 layers: use at most 4 stages, or exactly 6 "
+            "pp=2 with 4 virtual stages makes 8 pipeline stages for 4 layers: use at most 4 stages, or exactly 6 "
             "(the embedding and the output a stage each)",
         ),
         (

@@ -85,11 +85,8 @@ def _bench(name: str, p: int, m: int, v: int) -> dict:
         | {"events": [[e.kind, e.stage, e.microbatch, e.start, e.end - e.start] for e in events[r]]}
         for r in range(p)
     ]
-    # One GPU running every stage would take the whole busy time.
-    return {"p": p, "m": m, "schedule": name, "v": v, "makespan": step, "idle_fraction": sum(idle) / p} | {
-        "speedup": busy / step,
-        "ranks": ranks,
-    }
+    out = {"p": p, "m": m, "schedule": name, "v": v, "makespan": step, "idle_fraction": sum(idle) / p}
+    return out | {"speedup": busy / step, "ranks": ranks}  # speedup: one GPU would take the whole busy time
 
 
 def cluster(q: dict[str, str], **_) -> dict:
@@ -132,19 +129,8 @@ def _levels(group, profile) -> dict[str, int]:
     return dict(Counter(levels))
 
 
-PLAN_PARAMS = (
-    "model",
-    "cluster",
-    "gpus",
-    "layout",
-    "schedule",
-    "microbatches",
-    "v",
-    "seq",
-    "global_batch_tokens",
-    "zero",
-    "recompute",
-)
+PLAN_PARAMS = ("model", "cluster", "gpus", "layout", "schedule", "microbatches", "v", "seq", "global_batch_tokens")
+PLAN_PARAMS += ("zero", "recompute")
 
 
 def _best_plan(q: dict[str, str]):
@@ -181,12 +167,10 @@ def trace(q: dict[str, str], *, trace_dir: Path, **_) -> dict:
     """A Chrome trace file under the server's --trace-dir, checked and returned for the page to draw."""
     _known(q, "path")
     text = q.get("path", "")
-    if not text or "\0" in text:
-        raise FourdError(
-            "path contains a NUL byte"
-            if text
-            else "missing parameter path: name a trace file under the lab's --trace-dir"
-        )
+    if not text:
+        raise FourdError("missing parameter path: name a trace file under the lab's --trace-dir")
+    if "\0" in text:
+        raise FourdError("path contains a NUL byte")
     root, shown = trace_dir.resolve(), repr(text[:80])
     try:
         path = (root / text).resolve()

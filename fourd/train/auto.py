@@ -7,7 +7,7 @@ import os
 from dataclasses import replace
 
 from fourd.config import Config, fourd_home, model_config, parallelism
-from fourd.errors import FourdError
+from fourd.errors import FourdError, plural
 from fourd.layout import Parallelism
 from fourd.train.metrics import device_peak_flops
 
@@ -50,7 +50,7 @@ def choose(cfg: Config, cluster, devices: int) -> None:
     cfg.parallel.layout, cfg.parallel.hsdp_replicas = str(c.layout), c.hsdp_replicas
     print(
         f"fourd train: --layout auto on {cluster.name} ({devices} devices): {c.layout}, {c.schedule}, "
-        f"{c.microbatches} microbatch(es), ZeRO {c.zero}, recompute {c.recompute} (predicted {step_s:.3g} s/step)",
+        f"{plural(c.microbatches, 'microbatch')}, ZeRO {c.zero}, recompute {c.recompute} (predicted {step_s:.3g} s/step)",
         flush=True,
     )
 
@@ -92,7 +92,7 @@ def _fix(cfg: Config, cluster, par: Parallelism, capacity: float) -> str:
     best, _ = _best(cfg, cluster, par.layout.world)
     if _need(cfg, cluster, best) <= capacity:
         return f"use the planner's layout (--layout auto: {best.layout}, ZeRO {best.zero}, recompute {best.recompute})"
-    return f"no layout of {par.layout.world} device(s) fits: train a smaller model, or on more devices"
+    return f"no layout of {plural(par.layout.world, 'device')} fits: train a smaller model, or on more devices"
 
 
 def predict(cfg: Config, peak_flops: float, world: int, device_type: str) -> dict:
