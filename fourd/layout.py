@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fourd.errors import FourdError, plural
+from fourd.schedules import SCHEDULES, check_stages
 
 # Innermost first: the order of the rank formula and of the layout string.
 DIMS = ("tp", "cp", "pp", "dp")
@@ -131,8 +132,6 @@ def _choose(name: str, value, allowed) -> None:
 def check(model, par: Parallelism, seq: int, global_seqs: int) -> None:
     """FourdError naming the fix for a run that cannot go: the one validator of plan, sim, lab and train
     (model: a fourd.model.config.ModelConfig; global_seqs: sequences per step)."""
-    from fourd.schedules import SCHEDULES, check_stages
-
     lay = par.layout
     _choose("schedule", par.schedule, SCHEDULES)
     _choose("ZeRO stage", par.zero, ZERO_STAGES)

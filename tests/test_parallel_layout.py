@@ -113,7 +113,11 @@ def test_a_valid_layout_passes():
             "divide dp=4: choose among 1, 2, 4 with ZeRO stage 3",
         ),
         (Parallelism(Layout(), zero=5), {}, "ZeRO stage 5: choose one of 0, 1, 2, 3"),
-        (Parallelism(Layout(), recompute="some"), {}, "recomputation 'some': choose one of none, selective, full"),
+        (
+            Parallelism(Layout(), recompute="some"),
+            {},
+            "recomputation 'some': choose one of none, selective, per-op, full",
+        ),
         (
             Parallelism(Layout(), schedule="pipedream"),
             {},

@@ -129,8 +129,8 @@ def _levels(group, profile) -> dict[str, int]:
     return dict(Counter(levels))
 
 
-PLAN_PARAMS = ("model", "cluster", "gpus", "layout", "schedule", "microbatches", "v", "seq", "global_batch_tokens")
-PLAN_PARAMS += ("zero", "recompute")
+PLAN_PARAMS: tuple[str, ...] = ("model", "cluster", "gpus", "layout", "schedule", "microbatches", "v", "seq")
+PLAN_PARAMS += ("global_batch_tokens", "zero", "recompute")
 
 
 def _best_plan(q: dict[str, str]):

@@ -31,7 +31,14 @@ import os
 import time
 from pathlib import Path
 
+from fourd.ckpt.store import checkpoints
+from fourd.config import Config, build_config, fourd_home, load_toml, model_config, parallelism
+from fourd.config import check as check_config
 from fourd.errors import FourdError, plural, si
+from fourd.layout import DIMS, check, parse_layout
+from fourd.train.auto import check_memory, choose, machine, use_cuda
+from fourd.train.launch import attempt, launch_local, outcome, under_torchrun
+from fourd.train.metrics import device_peak_flops
 
 # short flag -> config key
 FLAGS = {"model": "model.preset", "steps": "train.steps", "seed": "train.seed", "init_from": "train.init_from"}
@@ -44,8 +51,6 @@ ACCEPTS_OVERRIDES = True
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from fourd.config import Config
-
     p.description = (p.description or "") + "".join(f"\n  [{s}] {', '.join(v)}" for s, v in Config().to_dict().items())
     p.add_argument("--config", metavar="FILE.toml", help="a TOML file of [section] keys")
     p.add_argument("--model", metavar="PRESET", help="debug, small, llama3-8b, llama3-70b, llama3-405b")
@@ -73,8 +78,6 @@ def _absolute(cfg) -> None:
 
 def _resuming(args) -> tuple[Path | None, dict]:
     """(the run directory --resume names, its recorded configuration); (None, {}) for a new run."""
-    from fourd.config import load_toml
-
     if args.resume is None:
         return None, {}
     if args.resume is not True and args.run_dir is not None and Path(args.resume) != Path(args.run_dir):
@@ -86,8 +89,6 @@ def _resuming(args) -> tuple[Path | None, dict]:
             if where
             else "--resume needs the run: --resume DIR, or --run-dir DIR --resume"
         )
-    from fourd.ckpt.store import checkpoints
-
     run, record = Path(where), Path(where, "config.toml")
     if not record.is_file() and not checkpoints(run):
         raise FourdError(f"--resume {where}: nothing to resume there (no config.toml, no checkpoint): drop --resume")
@@ -101,8 +102,6 @@ def _changes(have, asked) -> str:
 
 
 def _check_kept(saved, cfg, mcfg, run_dir: Path) -> None:
-    from fourd.config import model_config
-
     if model_config(saved) != mcfg:
         raise FourdError(f"--resume: the model differs from the run's ({_changes(model_config(saved), mcfg)})")
     for key in KEPT:
@@ -139,8 +138,6 @@ def _check_run_dir(cfg, given: str | None) -> None:
 
 def _configure(args):
     """The run's whole configuration and its model: flags over a resumed run's record or an --init-from model."""
-    from fourd.config import Config, build_config, load_toml, model_config
-
     resumed, saved = _resuming(args)
     flags = {FLAGS[k]: getattr(args, k) for k in FLAGS}
     if resumed is not None:
@@ -171,13 +168,9 @@ def _configure(args):
 
 def prepare(args):
     """Everything that can fail on bad input, done before any worker starts: (cfg, layout, cache, data record)."""
-    from fourd.config import check as check_config
-    from fourd.config import parallelism
-    from fourd.data.dataset import SampleStream, split
+    from fourd.data.dataset import SampleStream
     from fourd.data.dataset import prepare as prepare_data
     from fourd.data.tokenizer import load_tokenizer
-    from fourd.layout import check
-    from fourd.train.auto import check_memory, choose, machine
 
     cfg, mcfg, resumed = _configure(args)
     here = machine(cfg) if cfg.parallel.layout == "auto" else None  # (profile, devices, bytes per device)
@@ -192,13 +185,11 @@ def prepare(args):
         check_fp8(cfg)
     cluster, _, capacity = here or machine(cfg)
     check_memory(cfg, cluster, capacity)
-    from fourd.train.launch import attempt
-
     if resumed is None and attempt() == 0:
         _check_run_dir(cfg, args.run_dir)
     d = cfg.data
     cache = prepare_data(d.path, d.tokenizer, d.cache_dir)
-    split(cache.tokens, d.seq_len, d.holdout_fraction)  # one sequence must fit: refused before launch
+    held = len(SampleStream(cache, d.seq_len, cfg.train.seed, d.holdout_fraction).holdout())  # refused before launch
     if cache.vocab_size > mcfg.vocab:
         raise FourdError(
             f"the tokenizer has {cache.vocab_size} ids but the model's vocabulary is {mcfg.vocab}: "
@@ -210,7 +201,6 @@ def prepare(args):
             f"({cache.vocab_size:,} ids); the other rows are padding, never a target",
             flush=True,
         )
-    held = len(SampleStream(cache, d.seq_len, cfg.train.seed, d.holdout_fraction).holdout())
     if cfg.eval.every and (held - 1) // d.seq_len < cfg.train.global_batch:
         raise FourdError(
             f"eval.every: the held-out tail has {plural(held, 'token')}, less than one batch of "
@@ -222,8 +212,6 @@ def prepare(args):
 
 def _start(cfg) -> None:
     """Create the run directory (a fresh, unique one when none is given) and write config.toml into it."""
-    from fourd.layout import DIMS, parse_layout
-
     if not cfg.run.dir:
         lay = parse_layout(cfg.parallel.layout)
         tag = "-".join(f"{d}{getattr(lay, d)}" for d in DIMS if getattr(lay, d) > 1) or "dp1"
@@ -244,10 +232,6 @@ def _start(cfg) -> None:
 
 def run(args) -> int:
     cfg, layout, cache, data = prepare(args)
-    from fourd.config import fourd_home, model_config
-    from fourd.train.auto import use_cuda
-    from fourd.train.launch import launch_local, outcome, under_torchrun
-    from fourd.train.metrics import device_peak_flops
     from fourd.train.worker import worker_entry
 
     device = "cuda" if use_cuda(cfg) else "cpu"

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from fourd.config import Config
-from fourd.parallel.apply import Parallel, loss_fn
+from fourd.parallel.apply import Parallel, cross_entropy
 from fourd.parallel.grad import clip_grad_norm
 
 
@@ -49,13 +49,13 @@ def _forward(par: Parallel, x: torch.Tensor, y: torch.Tensor, microbatches: int,
     if par.runner is not None:
         with amp():
             return par.runner.step(x, y)
-    criterion, model = loss_fn(par.layout), par.stages[0]
+    model = par.stages[0]
     total = torch.zeros((), device=x.device)
     for i, (xm, ym) in enumerate(zip(x.chunk(microbatches), y.chunk(microbatches))):
         if hasattr(model, "set_requires_gradient_sync"):
             model.set_requires_gradient_sync(i == microbatches - 1)
         with amp(), torch.set_grad_enabled(backward):
-            loss = criterion(model(xm), ym) / microbatches
+            loss = cross_entropy(model(xm), ym) / microbatches
         if backward:
             loss.backward()
         total += loss.detach()

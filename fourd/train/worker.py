@@ -18,12 +18,17 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from fourd.ckpt.dcp_io import Checkpointer
+from fourd.ckpt.store import newest
 from fourd.config import Config, model_config
 from fourd.data.dataset import SampleStream, TokenCache
 from fourd.errors import FourdError, RunFailed, plural
+from fourd.hf.convert import load_weights
 from fourd.parallel.apply import build_parallel
+from fourd.parallel.cp import cp_shard
+from fourd.sim.trace import document, label, span, write_trace
 from fourd.train.auto import predict, use_cuda
 from fourd.train.heartbeat import Heartbeat
 from fourd.train.launch import LAUNCH_DIR_ENV, attempt
@@ -168,8 +173,6 @@ class _Run:
         return result
 
     def _diverged(self, row: dict) -> str:
-        from fourd.ckpt.store import newest
-
         last = newest(self.dir)
         kept = f"the newest checkpoint, {last}, is kept" if last else "no checkpoint was saved before it"
         return (
@@ -212,8 +215,6 @@ class _Run:
         batch = torch.from_numpy(rows).to(self.device)
         x, y = batch[:, :-1], batch[:, 1:]
         if self.par.layout.cp > 1:
-            from fourd.parallel.cp import cp_shard
-
             x, y = (cp_shard(v, self.par.coords["cp"], self.par.layout.cp, dim=1) for v in (x, y))
         return x, y
 
@@ -243,9 +244,6 @@ class _Run:
 
     def _init_weights(self) -> None:
         """Start from train.init_from's weights: the full state dict on every rank, each keeping its part."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        from fourd.hf.convert import load_weights
 
         _, sd = load_weights(self.cfg.train.init_from)
         for stage in self.par.stages:
@@ -256,8 +254,6 @@ class _Run:
 
     def _write_trace(self, path: Path) -> None:
         """This step's pipeline actions on every rank, as one Chrome trace (opens in Perfetto and the lab)."""
-        from fourd.sim.trace import document, label, span, write_trace
-
         c, r = self.par.coords, self.rank
         events = [label(r, None, f"rank {r} (pp={c['pp']} tp={c['tp']} cp={c['cp']} dp={c['dp']})")]
         for a in self.par.runner.records:
