@@ -1,9 +1,6 @@
-"""Benchmark collectives the way nccl-tests does: a sweep of message sizes, each warmed up and then timed
-repeatedly; a row reports the median over iterations of the slowest rank's time, algbw = size / time and
-busbw = algbw × the bus factor (docs/comm.md gives the conventions). `ring` is fourd's own ring all-reduce
-(fourd.comm.ring); `sendrecv`: every rank sends to the next and receives from the previous at once. The
-sweep doubles from --min-bytes to --max-bytes: 1K to 256M on GPUs, 1K to 64M on CPU, where 128M and 256M
-alone add 10 to 40 s per op on a shared 2-core machine.
+"""Benchmark collectives as nccl-tests does (docs/comm.md): message sizes doubling from --min-bytes to --max-bytes,
+each row the median over iterations of the slowest rank's time, algbw = size / time, busbw = algbw × bus factor.
+`ring` is fourd's own ring all-reduce; `sendrecv`: every rank sends to the next, receives from the previous.
 
 examples:
   fourd bench comm --op all_reduce --nproc 4

@@ -3,7 +3,7 @@ per-rank action lists unchanged, on torch.distributed.pipelining's action runtim
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from time import perf_counter
 
 import torch
@@ -27,9 +27,8 @@ def pipeline_split(
     device: str | torch.device = "cpu",
     fewer_first_last: bool = True,
 ) -> list[Llama]:
-    """The stage modules (Llama with only their layers, global keys) of pipeline rank `pp_rank`, in the order of
-    `schedule.stages_of_rank(pp_rank)`: sharing a built model's modules, or built alone and initialised from
-    `seed` (the full model's weights: init is per parameter name)."""
+    """Pipeline rank `pp_rank`'s stages (Llama with only their layers, global keys) in schedule order: sharing a
+    built model's modules, or built alone from `seed` (the full model's weights: init is per parameter name)."""
     cfg = model_or_cfg.cfg if isinstance(model_or_cfg, Llama) else model_or_cfg
     counts = layer_split(cfg.layers, schedule.stages, fewer_first_last, empty_edges=True)
     starts = [sum(counts[:s]) for s in range(schedule.stages)]
@@ -130,10 +129,7 @@ class PipelineRunner:
         # The loss belongs to the forward action that produced `output`, which was just recorded
         # (no record yet when the runtime infers shapes before the first step).
         if self.records:
-            last = self.records[-1]
-            self.records[-1] = ActionRecord(
-                last.kind, last.stage, last.microbatch, last.start, last.end + perf_counter() - start
-            )
+            self.records[-1] = replace(self.records[-1], end=self.records[-1].end + perf_counter() - start)
         return loss
 
     def step(self, x: torch.Tensor | None, y: torch.Tensor | None) -> torch.Tensor:
