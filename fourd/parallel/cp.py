@@ -32,25 +32,6 @@ def cp_shard(tensor: torch.Tensor, cp_rank: int, cp: int, dim: int = 1) -> torch
     return tensor.index_select(dim, index)
 
 
-def cp_unshard(tensor: torch.Tensor, cp_mesh, dim: int = 1) -> torch.Tensor:
-    """The full sequence from every cp rank's shard, in true order (a collective over the cp group)."""
-    group, rank, cp = _group_of(cp_mesh)
-    if cp == 1:
-        return tensor
-    parts = [torch.empty_like(tensor) for _ in range(cp)]
-    dist.all_gather(parts, tensor.contiguous(), group=group)
-    seq_len = tensor.shape[dim] * cp
-    order = torch.cat([cp_positions(seq_len, r, cp) for r in range(cp)])
-    full = torch.empty_like(torch.cat(parts, dim=dim))
-    full.index_copy_(dim, order.to(tensor.device), torch.cat(parts, dim=dim))
-    return full
-
-
-def _group_of(cp_mesh) -> tuple[dist.ProcessGroup, int, int]:
-    group = cp_mesh.get_group() if hasattr(cp_mesh, "get_group") else cp_mesh
-    return group, dist.get_rank(group), dist.get_world_size(group)
-
-
 class _GatherKV(torch.autograd.Function):
     """All-gather along a new leading dimension; backward reduce-scatters the gradient (every rank's queries use
     each rank's K and V)."""
@@ -99,7 +80,8 @@ class ContextParallelAttention(nn.Module):
 def apply_cp(stage: nn.Module, cp_mesh, seq_len: int) -> nn.Module:
     """Make `stage` (after TP) run on this rank's 2 chunks of each sequence of exactly `seq_len` tokens (inputs cut
     by `cp_shard`): ContextParallelAttention cores, and the rope rows of the rank's tokens."""
-    group, rank, cp = _group_of(cp_mesh)
+    group = cp_mesh.get_group() if hasattr(cp_mesh, "get_group") else cp_mesh
+    rank, cp = dist.get_rank(group), dist.get_world_size(group)
     if cp == 1:
         return stage
     cfg = stage.cfg
