@@ -192,9 +192,8 @@ def set_value(cfg: Config, key: str, value) -> None:
     value = _coerce(key, value, hints[name])
     allowed = CHOICES.get(key)
     if allowed and value not in allowed:
-        raise FourdError(
-            f"{key} = {value!r}{did_you_mean(value, allowed)}: allowed values are {', '.join(map(str, allowed))}"
-        )
+        hint = did_you_mean(value, allowed)
+        raise FourdError(f"{key} = {value!r}{hint}: allowed values are {', '.join(map(str, allowed))}")
     ok, what = LIMITS.get(key, (None, ""))
     if ok is not None and value is not None and not ok(value):
         raise FourdError(f"{key} = {value!r} must be {what}")
@@ -239,13 +238,11 @@ def parse_overrides(items: list[str], flags=()) -> list[tuple[str, str]]:
     return out
 
 
-def build_config(
-    toml_path: str | None, flags: dict, overrides: list[str], base: dict | None = None, options=()
-) -> Config:
+def build_config(toml: str | None, flags: dict, overrides: list[str], base: dict | None = None, options=()) -> Config:
     """The configuration from its layers (module docstring); `options`: the command's flags, for suggestions."""
     cfg = Config()
     apply(cfg, base or {}, "base configuration")
-    apply(cfg, load_toml(toml_path or ""), f"config file {toml_path!r}")
+    apply(cfg, load_toml(toml or ""), f"config file {toml!r}")
     for key, value in flags.items():
         if value is not None:
             set_value(cfg, key, value)

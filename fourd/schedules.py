@@ -8,6 +8,7 @@ bubbles; Qi et al. 2023, zero bubble).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from fourd.errors import FourdError
@@ -160,15 +161,12 @@ def validate(schedule: Schedule) -> None:
             if key in seen:
                 raise FourdError(f"schedule {schedule.name}: {a} appears twice")
             seen[key] = r
-    for s in range(n):
-        for j in range(m):
-            full = ("B", s, j) in seen
-            split = ("I", s, j) in seen, ("W", s, j) in seen
-            if ("F", s, j) not in seen or not (full ^ all(split)) or (full and any(split)) or (split[0] != split[1]):
-                raise FourdError(
-                    f"schedule {schedule.name}: stage {s} microbatch {j} needs exactly one F "
-                    f"and either one B or one I and one W"
-                )
+    for s, j in itertools.product(range(n), range(m)):
+        full, split = ("B", s, j) in seen, (("I", s, j) in seen, ("W", s, j) in seen)
+        if ("F", s, j) not in seen or full == any(split) or split[0] != split[1]:
+            raise FourdError(
+                f"schedule {schedule.name}: stage {s} microbatch {j} needs exactly one F and either one B or one I and one W"
+            )
     stuck = _first_deadlock(schedule)
     if stuck:
         raise FourdError(f"schedule {schedule.name} deadlocks: every rank waits ({stuck})")

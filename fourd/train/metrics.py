@@ -119,14 +119,12 @@ def summary_table(rows: list[dict], extra: dict[str, str], predicted: dict | Non
         return "no steps run"
     timed = rows[1:] or rows  # the first step pays for warm-up
     mean = lambda k: sum(r[k] for r in timed) / len(timed)
-    got = {k: mean(k) for k in ("tokens_per_s", "step_time_s", "mfu")} | {
-        "peak_mem_gb": max(r["peak_mem_gb"] for r in rows)
-    }
+    got = {k: mean(k) for k in ("tokens_per_s", "step_time_s", "mfu")}
+    got["peak_mem_gb"] = max(r["peak_mem_gb"] for r in rows)
 
     def beside(key: str, form: str) -> str:
-        if not predicted:
-            return ""
-        return f"; planner {form.format(predicted[key])} ({(predicted[key] - got[key]) / got[key]:+.0%})"
+        p, g = (predicted or {}).get(key), got[key]
+        return f"; planner {form.format(p)} ({(p - g) / g:+.0%})" if p is not None else ""
 
     items = [
         ("steps", f"{rows[0]['step']} .. {rows[-1]['step']}"),

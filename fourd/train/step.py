@@ -23,10 +23,8 @@ def lr_at(step: int, cfg: Config) -> float:
 
 def param_groups(stages, weight_decay: float):
     """AdamW's groups: norm weights (gains, no decay toward 0) and the rest (with weight_decay)."""
-    decay: list = []
-    no_decay: list = []
-    for name, p in ((n, p) for s in stages for n, p in s.named_parameters()):
-        (no_decay if name.endswith("norm.weight") else decay).append(p)
+    named = [(n, p) for s in stages for n, p in s.named_parameters()]
+    decay, no_decay = ([p for n, p in named if n.endswith("norm.weight") == norm] for norm in (False, True))
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
