@@ -51,7 +51,7 @@ def test_malformed_layouts_are_refused(text, message):
 
 def test_a_valid_layout_passes():
     check(DEBUG, Parallelism(Layout(tp=2, pp=2, dp=2), microbatches=2), seq=64, global_seqs=8)
-    # Llama 3 405B at 16,384 GPUs, long context: 8 × 16 × 16 × 8, 16 sequences per replica (brief.md §3).
+    # Llama 3 405B at 16,384 GPUs, long context: 8 × 16 × 16 × 8, 16 sequences per replica (Llama 3 paper, Table 4).
     lay = Layout(tp=8, cp=16, pp=16, dp=8)
     check(L405, Parallelism(lay, "interleaved", 16, virtual_stages=8), seq=131072, global_seqs=128)
 

@@ -1,6 +1,6 @@
-"""The 4D mesh on 8 real gloo ranks follows the contract's rank formula, and the gradient norm is the true
-global norm when gradients are cut by TP (with sequence parallelism), sharded by FSDP and split over
-pipeline stages."""
+"""The 4D mesh on 8 real gloo ranks follows fourd.layout's rank formula (order [TP, CP, PP, DP], Llama 3 paper
+§3.3.2), and the gradient norm is the true global norm when gradients are cut by TP (with sequence parallelism),
+sharded by FSDP and split over pipeline stages."""
 
 import pytest
 import torch
