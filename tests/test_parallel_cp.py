@@ -11,6 +11,8 @@ from fourd.model.config import get_preset
 from fourd.model.llama import build_model
 from fourd.parallel.cp import apply_cp, cp_positions, cp_shard
 
+pytestmark = pytest.mark.slow  # gloo ranks
+
 CFG = get_preset("debug")  # 4 layers, 4 heads over 2 KV heads (GQA), head_dim 16
 BATCH, SEQ, STEPS, LR = 2, 32, 5, 1e-3
 

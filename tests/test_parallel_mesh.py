@@ -16,6 +16,8 @@ from fourd.parallel.grad import clip_grad_norm
 from fourd.parallel.mesh import build_mesh, dp_cp_mesh
 from fourd.parallel.tp import apply_tp, loss_fn
 
+pytestmark = pytest.mark.slow  # gloo ranks
+
 CFG = get_preset("debug")
 BATCH, SEQ, MAX_NORM = 4, 16, 0.01
 LAYOUTS = [Layout(tp=2, cp=2, pp=2), Layout(tp=2, pp=2, dp=2), Layout(cp=4, dp=2)]

@@ -12,6 +12,8 @@ from fourd.model.llama import build_model
 from fourd.parallel.pp import PipelineRunner, layer_split, pipeline_split
 from fourd.schedules import build_schedule
 
+pytestmark = pytest.mark.slow  # gloo ranks
+
 CFG = with_overrides(get_preset("debug"), layers=8)
 SEQ, STEPS, LR = 16, 3, 1e-3
 # Microbatch counts that are not multiples of pp; one sequence per microbatch.
