@@ -11,10 +11,12 @@ examples:
 from __future__ import annotations
 
 import json
+import os
 import re
 import statistics
 import time
 
+from fourd.comm.launch import backend, run_workers
 from fourd.errors import FourdError
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "ring", "sendrecv")
@@ -123,11 +125,7 @@ def run(args) -> int:
     lo, (iters, warmup) = parse_bytes(args.min_bytes), (args.iters, args.warmup)
     if iters < 1 or warmup < 0:
         raise FourdError(f"--iters {iters} --warmup {warmup}: need at least 1 timed iteration and no negative warm-up")
-    import os
-
     import torch
-
-    from fourd.comm.launch import backend, run_workers
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     hi = parse_bytes(args.max_bytes or ("256M" if gpus else "64M"))

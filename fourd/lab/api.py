@@ -108,12 +108,9 @@ def cluster(q: dict[str, str], **_) -> dict:
         d: {"size": g.size, "groups": g.world // g.size, "levels": _levels(g, profile)}
         for d, g in clusters.placement(layout).items()
     }
-    shape = {
-        "racks": REPLICA_GPUS // per_rack,
-        "servers_per_rack": per_rack // per_server,
-        "gpus_per_server": per_server,
-    }
-    return {"layout": str(layout), "world": layout.world, "cluster": profile.name, "gpus": gpus, "spans": spans} | shape
+    shape = {"racks": REPLICA_GPUS // per_rack, "servers_per_rack": per_rack // per_server}
+    out = {"layout": str(layout), "world": layout.world, "cluster": profile.name, "gpus": gpus, "spans": spans}
+    return out | shape | {"gpus_per_server": per_server}
 
 
 def _levels(group, profile) -> dict[str, int]:

@@ -39,14 +39,9 @@ MAX_WAITING = 512  # connections still sending their request; beyond it the olde
 MAX_QUEUED = 64  # complete requests waiting for a worker; beyond it the answer is 503
 MAX_HEAD = 16 << 10
 # Content-Security-Policy keeps the page from loading anything that is not served here (no CDN).
-_HEADERS = {
-    "Cache-Control": "no-store",
-    "Connection": "close",
-    "X-Content-Type-Options": "nosniff",
-    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; style-src 'self'; "
-    "script-src 'self'; connect-src 'self'; frame-ancestors 'none'",
-    "Referrer-Policy": "no-referrer",
-}
+_CSP = "default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; connect-src 'self'"
+_HEADERS = {"Cache-Control": "no-store", "Connection": "close", "X-Content-Type-Options": "nosniff"}
+_HEADERS |= {"Content-Security-Policy": _CSP + "; frame-ancestors 'none'", "Referrer-Policy": "no-referrer"}
 
 
 def add_arguments(p):

@@ -77,13 +77,12 @@ def build_parallel(cfg: Config, device: torch.device, rank: int, world: int) -> 
     return Parallel(par, rank, coords, mesh, stages, runner, dp_mesh)
 
 
-def _per_block(cfg: Config, stage: torch.nn.Module, par: Parallelism, device: torch.device) -> torch.nn.Module:
+def _per_block(cfg: Config, stage: torch.nn.Module, par: Parallelism, device: torch.device) -> None:
     """Recomputation, then compilation of each block in place, as torchtitan does (parameter names unchanged)."""
     apply_recompute(stage, par.recompute)
     if compiles(cfg, device.type):
         for block in stage.layers.values():
             block.compile()
-    return stage
 
 
 def compiles(cfg: Config, device_type: str) -> bool:

@@ -116,12 +116,8 @@ class PipelineRunner:
         self._has_last = schedule.stages - 1 in indices
         # Each microbatch's mean loss counts 1/M: the runtime divides the gradients by M once all
         # backwards are done (after FSDP's reduction), which is the same as backpropagating loss / M.
-        self._runtime = pipeline_runtime(
-            self._stages,
-            schedule.microbatches,
-            self._timed_loss,
-            {r: [(a.stage, a.kind, a.microbatch) for a in actions] for r, actions in enumerate(schedule.ranks)},
-        )
+        actions = {r: [(a.stage, a.kind, a.microbatch) for a in acts] for r, acts in enumerate(schedule.ranks)}
+        self._runtime = pipeline_runtime(self._stages, schedule.microbatches, self._timed_loss, actions)
 
     def _timed_loss(self, output, target):
         start = perf_counter()
@@ -144,12 +140,8 @@ class PipelineRunner:
         for stage in self._stages:
             stage.t0 = t0
         losses: list[torch.Tensor] = []
-        self._runtime.step(
-            *((x,) if self._has_first else ()),
-            target=y if self._has_last else None,
-            losses=losses,
-            return_outputs=False,
-        )
+        first = (x,) if self._has_first else ()
+        self._runtime.step(*first, target=y if self._has_last else None, losses=losses, return_outputs=False)
         device = self._stages[0].device
         # Only the last stage's rank has losses; the others add zero, and everyone waits for the last rank.
         loss = torch.stack([x.detach().float() for x in losses]).mean() if losses else torch.zeros((), device=device)

@@ -1,10 +1,7 @@
-"""Train a Llama-style model with 4D parallelism.
-
-Started directly, fourd launches one local worker per rank through PyTorch's elastic launcher; under torchrun it
-is that worker, so the same command trains across nodes. Same seed, same data order and same initial weights at
-any layout. A run gets a fresh directory runs/<model>-<layout>-<time> (or --run-dir) with config.toml,
-metrics.jsonl, tensorboard/ and checkpoints/. Ctrl-C (SIGINT) or SIGTERM stops it at the next step with a
-checkpoint; --resume continues it exactly, with the configuration it recorded.
+"""Train a Llama-style model with 4D parallelism: one local worker per rank through PyTorch's elastic launcher, or
+under torchrun the worker itself, across nodes. Same seed, data order and initial weights at any layout. A run gets
+runs/<model>-<layout>-<time> (or --run-dir) with config.toml, metrics.jsonl, tensorboard/ and checkpoints/; Ctrl-C
+or SIGTERM stops it at the next step with a checkpoint, and --resume continues it exactly.
 
 examples:
   fourd train --model debug --steps 30                # one rank, seconds
@@ -34,7 +31,9 @@ from pathlib import Path
 from fourd.ckpt.store import checkpoints
 from fourd.config import Config, build_config, fourd_home, load_toml, model_config, parallelism
 from fourd.config import check as check_config
+from fourd.data.tokenizer import load_tokenizer
 from fourd.errors import FourdError, plural, si
+from fourd.hf.convert import load_weights
 from fourd.layout import DIMS, check, parse_layout
 from fourd.train.auto import check_memory, choose, machine, use_cuda
 from fourd.train.launch import attempt, launch_local, outcome, under_torchrun
@@ -147,8 +146,6 @@ def _configure(args):
     _absolute(cfg)
     source = None
     if cfg.train.init_from and resumed is None:
-        from fourd.hf.convert import load_weights
-
         source = load_weights(cfg.train.init_from, weights=False)[0]
     said = args.model or any(w.startswith("--model.") for w in overrides) or "model" in load_toml(args.config or "")
     if source is not None and not said:  # nothing said about the model: the source's
@@ -170,7 +167,6 @@ def prepare(args):
     """Everything that can fail on bad input, done before any worker starts: (cfg, layout, cache, data record)."""
     from fourd.data.dataset import SampleStream
     from fourd.data.dataset import prepare as prepare_data
-    from fourd.data.tokenizer import load_tokenizer
 
     cfg, mcfg, resumed = _configure(args)
     here = machine(cfg) if cfg.parallel.layout == "auto" else None  # (profile, devices, bytes per device)
@@ -196,11 +192,8 @@ def prepare(args):
             f"set --model.vocab={cache.vocab_size} or use another tokenizer"
         )
     if cache.vocab_size < mcfg.vocab:
-        print(
-            f"fourd train: note: the model's vocabulary ({mcfg.vocab:,}) is larger than the tokenizer's "
-            f"({cache.vocab_size:,} ids); the other rows are padding, never a target",
-            flush=True,
-        )
+        note = f"the model's vocabulary ({mcfg.vocab:,}) is larger than the tokenizer's ({cache.vocab_size:,} ids)"
+        print(f"fourd train: note: {note}; the other rows are padding, never a target", flush=True)
     if cfg.eval.every and (held - 1) // d.seq_len < cfg.train.global_batch:
         raise FourdError(
             f"eval.every: the held-out tail has {plural(held, 'token')}, less than one batch of "
@@ -238,12 +231,10 @@ def run(args) -> int:
     peak = device_peak_flops(device, fourd_home())
     if not under_torchrun() or os.environ.get("RANK") == "0":
         _start(cfg)
-        print(
-            f"fourd train: {cfg.run.dir}: {_model_name(cfg)} model, {si(model_config(cfg).params())} parameters, "
-            f"layout {layout} ({plural(layout.world, 'rank')}, {device}), {cfg.train.global_batch} x "
-            f"{cfg.data.seq_len} tokens per step, data: {cache.source}",
-            flush=True,
-        )
+        model = f"{_model_name(cfg)} model, {si(model_config(cfg).params())} parameters"
+        per_step = f"{cfg.train.global_batch} x {cfg.data.seq_len} tokens per step"
+        where = f"layout {layout} ({plural(layout.world, 'rank')}, {device})"
+        print(f"fourd train: {cfg.run.dir}: {model}, {where}, {per_step}, data: {cache.source}", flush=True)
     if under_torchrun():
         return outcome([worker_entry(cfg.to_dict(), cache, data, peak)])
     return launch_local(layout.world, cfg.run.max_restarts, worker_entry, cfg.to_dict(), cache, data, peak)

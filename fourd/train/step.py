@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from fourd.config import Config
 from fourd.parallel.apply import Parallel, cross_entropy
+from fourd.parallel.dp import ShardedAdamW
 from fourd.parallel.grad import clip_grad_norm
 
 
@@ -35,8 +36,6 @@ def build_optimizer(par: Parallel, cfg: Config) -> torch.optim.Optimizer:
     kw = dict(lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8)
     kw |= {"fused": True} if next(par.stages[0].parameters()).is_cuda else {"foreach": True}
     if par.setting.zero == 1 and par.dp_mesh is not None:
-        from fourd.parallel.dp import ShardedAdamW
-
         return ShardedAdamW(groups, par.dp_mesh, **kw)
     return torch.optim.AdamW(groups, **kw)
 

@@ -150,11 +150,10 @@ class _Run:
             if stop and step < t.steps:
                 if saved != step:
                     self.ckpt.save(step, sample)
-                name = signal.Signals(stop).name
+                saved_at = f"checkpoint {self.dir}/checkpoints/step-{step} saved"
+                resume = f"continue with `fourd train --resume {self.dir}`"
                 return self._end(
-                    stop,
-                    f"stopped by {name} after step {step}; checkpoint {self.dir}/checkpoints/"
-                    f"step-{step} saved; continue with `fourd train --resume {self.dir}`",
+                    stop, f"stopped by {signal.Signals(stop).name} after step {step}; {saved_at}; {resume}"
                 )
         lay, flops, source = self.par.layout, *self.peak
         facts = {"layout": f"{lay} on {plural(self.world, self.device.type + ' rank')}", "run dir": str(self.dir)}
