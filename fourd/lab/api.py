@@ -90,9 +90,8 @@ def _bench(name: str, p: int, m: int, v: int) -> dict:
 
 
 def cluster(q: dict[str, str], **_) -> dict:
-    """The cluster row: for each of a layout's first 128 ranks its GPU and the group it joins in each
-    dimension (named by its first rank), and per dimension how many groups lie inside one server, rack
-    or pod. Rank r runs on GPU r, as the planner places ranks."""
+    """The cluster row: a layout's first 128 ranks (rank r on GPU r, as the planner places them) with the group they
+    join in each dimension (named by its first rank), and how many groups lie inside one server, rack or pod."""
     _known(q, "layout", "cluster")
     layout = parse_layout(q.get("layout") or "tp=8,pp=16")
     profile = clusters.load_cluster(_profile_name(q.get("cluster") or "llama3-h100"))

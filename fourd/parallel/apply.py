@@ -38,10 +38,6 @@ class Parallel:
     def layout(self) -> Layout:
         return self.setting.layout
 
-    @property
-    def data_rank(self) -> int:
-        return self.coords["dp"]
-
 
 def build_parallel(cfg: Config, device: torch.device, rank: int, world: int) -> Parallel:
     par = parallelism(cfg)

@@ -116,6 +116,7 @@ class _Run:
         )
         self.writer: MetricsWriter | None = None
         self.per_dp = cfg.train.global_batch // self.par.layout.dp
+        self.offset = self.par.coords["dp"] * self.per_dp  # this rank's first sample in a global batch: any dp
         self.tokens = cfg.train.global_batch * cfg.data.seq_len
         flops = model_config(cfg).flops_per_token
         # the model's FLOPs (MFU), and the hardware's with what recomputation repeats (HFU)
@@ -189,8 +190,7 @@ class _Run:
         self.beats.beat(step)
         self.ckpt.poll()
         t0 = time.perf_counter()
-        # the global sample index: the same stream at any dp
-        x, y = self._inputs(self.stream.samples(sample + self.par.data_rank * self.per_dp, self.per_dp))
+        x, y = self._inputs(self.stream.samples(sample + self.offset, self.per_dp))
         lr = lr_at(step, cfg)
         loss, grad_norm = train_step(self.par, self.opt, x, y, lr, cfg, self.amp)
         if self.device.type == "cuda":
@@ -225,7 +225,7 @@ class _Run:
         n = min(self.cfg.eval.batches, (len(tail) - 1) // seq // big)
         total = 0.0
         for b in range(n):
-            first = b * big + self.par.data_rank * self.per_dp
+            first = b * big + self.offset
             rows = np.stack([tail[(first + k) * seq : (first + k + 1) * seq + 1] for k in range(self.per_dp)])
             x, y = self._inputs(rows)
             total += eval_step(self.par, self.opt, x, y, self.cfg, self.amp)
