@@ -1,4 +1,4 @@
-"""Measured GPipe bubble against (p−1)/(m+p−1) (GPipe, Huang et al. 2019; brief.md §1 row 09).
+"""Measured GPipe bubble against (p−1)/(m+p−1) (GPipe, Huang et al. 2019).
 
 p gloo processes run fourd's PipelineRunner on the GPipe schedule of fourd.schedules; each rank's
 bubble_fraction is 1 − (seconds inside its F and B actions) / (the step's wall seconds). The stages are

@@ -17,20 +17,23 @@ from fourd.errors import FourdError, did_you_mean
 
 GROUPS = {"model": "model presets: dimensions and parameter counts", "bench": "benchmarks: collectives"}
 GROUPS |= {"sim": "simulate one training step, or months of failures", "ckpt": "verify and inspect checkpoints"}
-# name -> (module, one-line help); "group:sub" for the commands of a group ("fourd sim step").
+# A command ("group:sub" for one of a group: `fourd sim step`), the module under fourd that owns it, its help.
+_TABLE = """
+train        train.cli        train a model with 4D parallelism (launches its own workers)
+model:info   model.cli        a model preset's dimensions and parameter count
+plan         plan.cli         predict memory, step time and MFU of a layout; --search for the best
+sim:step     sim.step_cli     discrete-event simulation of one training step on a cluster
+sim:faults   sim.faults_cli   Monte-Carlo of interruptions over a long run
+bench:comm   comm.bench       nccl-tests-style collective benchmark
+calibrate    plan.calibrate   measure this machine and write the `local` cluster profile
+ckpt:verify  ckpt.cli_verify  check every file of a checkpoint against its manifest
+ckpt:info    ckpt.cli_info    a checkpoint's step, layout and model digest
+convert      hf.convert       convert checkpoints between Hugging Face and fourd formats
+generate     hf.generate      generate text from a checkpoint (greedy or top-p, KV cache)
+lab          lab.server       serve the interactive pipeline bench and cluster view
+"""
 COMMANDS = {
-    "train": ("fourd.train.cli", "train a model with 4D parallelism (launches its own workers)"),
-    "model:info": ("fourd.model.cli", "a model preset's dimensions and parameter count"),
-    "plan": ("fourd.plan.cli", "predict memory, step time and MFU of a layout; --search for the best"),
-    "sim:step": ("fourd.sim.step_cli", "discrete-event simulation of one training step on a cluster"),
-    "sim:faults": ("fourd.sim.faults_cli", "Monte-Carlo of interruptions over a long run"),
-    "bench:comm": ("fourd.comm.bench", "nccl-tests-style collective benchmark"),
-    "calibrate": ("fourd.plan.calibrate", "measure this machine and write the `local` cluster profile"),
-    "ckpt:verify": ("fourd.ckpt.cli_verify", "check every file of a checkpoint against its manifest"),
-    "ckpt:info": ("fourd.ckpt.cli_info", "a checkpoint's step, layout and model digest"),
-    "convert": ("fourd.hf.convert", "convert checkpoints between Hugging Face and fourd formats"),
-    "generate": ("fourd.hf.generate", "generate text from a checkpoint (greedy or top-p, KV cache)"),
-    "lab": ("fourd.lab.server", "serve the interactive pipeline bench and cluster view"),
+    name: (f"fourd.{mod}", help_) for name, mod, help_ in (r.split(None, 2) for r in _TABLE.strip().splitlines())
 }
 
 

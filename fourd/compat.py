@@ -21,9 +21,8 @@ def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
 
 
 def pipeline_runtime(stages: list, microbatches: int, loss_fn, actions: dict[int, list[tuple[int, str, int]]]):
-    """torch.distributed.pipelining's action runtime, running exactly `actions` (per pipeline rank, each action
-    (stage, "F" | "B" | "I" | "W", microbatch)); it inserts the sends, receives and FSDP steps. Gradients are
-    divided by the microbatch count once, after the last backward."""
+    """torch.distributed.pipelining's runtime running exactly `actions` ({rank: [(stage, kind, microbatch)]}), with the
+    sends, receives and FSDP steps it inserts; gradients divided by the microbatch count after the last backward."""
     runtime = _PipelineScheduleRuntime(stages, microbatches, loss_fn=loss_fn, scale_grads=True)
     runtime._prepare_schedule_with_comms(
         {r: [_Action(s, _ComputationType(kind), mb) for s, kind, mb in acts] for r, acts in actions.items()}

@@ -18,7 +18,7 @@ import tomllib
 
 from fourd.errors import FourdError, did_you_mean
 from fourd.layout import PRECISIONS, RECOMPUTE, ZERO_STAGES, Parallelism, parse_layout
-from fourd.model.config import PRESETS
+from fourd.model.config import PRESETS, ModelConfig, get_preset, with_overrides
 from fourd.schedules import SCHEDULES
 
 
@@ -27,20 +27,11 @@ def fourd_home() -> Path:
     return Path(os.environ.get("FOURD_HOME") or "~/.fourd").expanduser()
 
 
-@dataclass
-class ModelSection:
-    preset: str = "small"
-    # Any ModelConfig field may be overridden on top of the preset, e.g. `--model.layers=2`.
-    layers: int | None = None
-    dim: int | None = None
-    ffn: int | None = None
-    heads: int | None = None
-    kv_heads: int | None = None
-    vocab: int | None = None
-    max_seq: int | None = None
-    head_dim: int | None = None
-    norm_eps: float | None = None
-    rope_theta: float | None = None
+# [model]: a preset, and any ModelConfig field but mlp set on top of it (`--model.layers=2`); None: the preset's.
+_MODEL_KEYS = typing.get_type_hints(ModelConfig)
+ModelSection = dataclasses.make_dataclass(
+    "ModelSection", [("preset", str, "small")] + [(k, t | None, None) for k, t in _MODEL_KEYS.items() if k != "mlp"]
+)
 
 
 @dataclass
@@ -114,7 +105,7 @@ class RunSection:
 
 @dataclass
 class Config:
-    model: ModelSection = field(default_factory=ModelSection)
+    model: typing.Any = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
     train: TrainSection = field(default_factory=TrainSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
@@ -201,9 +192,8 @@ def set_value(cfg: Config, key: str, value) -> None:
     value = _coerce(key, value, hints[name])
     allowed = CHOICES.get(key)
     if allowed and value not in allowed:
-        raise FourdError(
-            f"{key} = {value!r}{did_you_mean(value, allowed)}: allowed values are {', '.join(map(str, allowed))}"
-        )
+        hint = did_you_mean(value, allowed)
+        raise FourdError(f"{key} = {value!r}{hint}: allowed values are {', '.join(map(str, allowed))}")
     ok, what = LIMITS.get(key, (None, ""))
     if ok is not None and value is not None and not ok(value):
         raise FourdError(f"{key} = {value!r} must be {what}")
@@ -248,13 +238,11 @@ def parse_overrides(items: list[str], flags=()) -> list[tuple[str, str]]:
     return out
 
 
-def build_config(
-    toml_path: str | None, flags: dict, overrides: list[str], base: dict | None = None, options=()
-) -> Config:
+def build_config(toml: str | None, flags: dict, overrides: list[str], base: dict | None = None, options=()) -> Config:
     """The configuration from its layers (module docstring); `options`: the command's flags, for suggestions."""
     cfg = Config()
     apply(cfg, base or {}, "base configuration")
-    apply(cfg, load_toml(toml_path or ""), f"config file {toml_path!r}")
+    apply(cfg, load_toml(toml or ""), f"config file {toml!r}")
     for key, value in flags.items():
         if value is not None:
             set_value(cfg, key, value)
@@ -281,9 +269,7 @@ def check(cfg: Config) -> None:
         raise FourdError("fault.at_step is set but neither fault.kill_rank nor fault.hang_rank: set one, or drop it")
 
 
-def model_config(cfg: Config):
-    from fourd.model.config import get_preset, with_overrides
-
+def model_config(cfg: Config) -> ModelConfig:
     over = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k != "preset" and v is not None}
     model = with_overrides(get_preset(cfg.model.preset), **over)
     if cfg.data.seq_len > model.max_seq:

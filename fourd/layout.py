@@ -1,18 +1,15 @@
-"""The 4D layout: how many ways each parallel dimension cuts the work, and which rank sits where.
+"""The 4D layout and the words plan and train share for how a run is cut, with their one validator (pure Python).
 
-Pure Python, so that the planner, the simulator and the CLI can read layouts without torch.
-
-Ranks are numbered innermost first in the order [TP, CP, PP, DP], as in Llama 3 (brief.md §1, row 10):
-rank = tp + TP·(cp + CP·(pp + PP·dp)). TP is innermost because its all-reduces are on the critical path
-of every layer and must stay on the fast links inside a server; DP is outermost because its gradient
-reduction happens once per step and overlaps with backward.
+Ranks are numbered innermost first in the order [TP, CP, PP, DP] of the Llama 3 paper (§3.3.2):
+rank = tp + TP·(cp + CP·(pp + PP·dp)); TP's per-layer all-reduces stay inside a server (docs/parallelism.md).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fourd.errors import FourdError
+from fourd.errors import FourdError, plural
+from fourd.schedules import SCHEDULES, check_stages
 
 # Innermost first: the order of the rank formula and of the layout string.
 DIMS = ("tp", "cp", "pp", "dp")
@@ -58,7 +55,7 @@ class Layout:
 
 
 def parse_layout(text: str) -> Layout:
-    """`tp=2,cp=1,pp=2,dp=2` (contract syntax); omitted dimensions are 1, so `dp=1` is one rank."""
+    """`tp=2,cp=1,pp=2,dp=2`; omitted dimensions are 1, so `dp=1` is one rank."""
     values: dict[str, int] = {}
     for part in (p.strip() for p in str(text).split(",")):
         if not part:
@@ -75,7 +72,7 @@ def parse_layout(text: str) -> Layout:
     return Layout(**values)
 
 
-# The words `fourd plan` and `fourd train` share for how a run is cut (schedule names: fourd.schedules).
+# Schedule names are fourd.schedules'.
 PRECISIONS = ("bf16", "fp32")  # BF16 autocast over FP32 master weights, or plain FP32
 ZERO_STAGES = (0, 1, 2, 3)  # 0 replicates (DDP); 1 shards optimizer state; 2 and gradients; 3 and weights
 # What a layer keeps for backward, lightest recomputation first (fourd.plan.block says what each keeps):
@@ -133,12 +130,8 @@ def _choose(name: str, value, allowed) -> None:
 
 
 def check(model, par: Parallelism, seq: int, global_seqs: int) -> None:
-    """FourdError naming the fix for a run that cannot go: the one validator of plan, sim, lab and train.
-
-    model is a fourd.model.config.ModelConfig, seq the sequence length, global_seqs the sequences per step.
-    """
-    from fourd.schedules import SCHEDULES, check_stages
-
+    """FourdError naming the fix for a run that cannot go: the one validator of plan, sim, lab and train
+    (model: a fourd.model.config.ModelConfig; global_seqs: sequences per step)."""
     lay = par.layout
     _choose("schedule", par.schedule, SCHEDULES)
     _choose("ZeRO stage", par.zero, ZERO_STAGES)
@@ -154,7 +147,7 @@ def check(model, par: Parallelism, seq: int, global_seqs: int) -> None:
         raise FourdError(f"{par.virtual_stages} virtual stages need a pipeline: choose pp > 1 or one virtual stage")
     if not split_ok(model.layers, par.stages):
         raise FourdError(
-            f"pp={lay.pp} with {par.virtual_stages} virtual stage(s) makes {par.stages} pipeline stages for "
+            f"pp={lay.pp} with {plural(par.virtual_stages, 'virtual stage')} makes {par.stages} pipeline stages for "
             f"{model.layers} layers: use at most {model.layers} stages, or exactly {model.layers + 2} (the "
             "embedding and the output a stage each)"
         )
@@ -182,16 +175,10 @@ def check(model, par: Parallelism, seq: int, global_seqs: int) -> None:
 
 
 def layer_split(n_layers: int, stages: int, fewer_first_last: bool = True, empty_edges: bool = False) -> list[int]:
-    """Transformer layers of each pipeline stage, in model order; the trainer's split and the planner's.
-
-    With `fewer_first_last` the embedding and the output projection count as one layer each, so the
-    first and last stage hold one layer fewer than the middle ones (Llama 3 paper §3.3.2: 126 layers in
-    16 stages are 7, 8, ..., 8, 7); layers left over go to the first and last stage first, which keeps
-    every stage's work equal where it can be (128 in 16: all 8; 32 in 4: all 8). If that would leave a
-    stage empty, the layers are split evenly instead (leftovers to the middle stages), unless
-    `empty_edges` lets the first and last stage hold only the embedding and the output (the planner's
-    405B with 128 stages).
-    """
+    """Transformer layers of each pipeline stage, in model order; the trainer's split and the planner's. With
+    `fewer_first_last` the first and last stage hold one layer fewer (Llama 3 paper §3.3.2: 126 in 16 are 7, 8,
+    ..., 8, 7), unless a stage would be empty: then an even split, or with `empty_edges` edge stages holding only
+    the embedding and the output (docs/pipeline-context.md)."""
     if stages < 1 or n_layers < 1:
         raise FourdError(f"{n_layers} layers in {stages} pipeline stages: both must be at least 1")
     if stages == 1:

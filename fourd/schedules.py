@@ -1,24 +1,14 @@
-"""Pipeline schedules as plain data: for each pipeline rank, its compute actions in execution order.
+"""Pipeline schedules as plain data, written once: for each pipeline rank, its compute actions in execution order.
+The trainer runs these lists, the simulator times them, the lab draws them (docs/simulators.md).
 
-This is the one description of a schedule. The trainer executes these lists through
-torch.distributed.pipelining, the simulator times them, and the lab draws them, so a schedule
-is written once, here.
-
-    >>> s = build_schedule("1f1b", pp=2, microbatches=3)
-    >>> [str(a) for a in s.ranks[0]]
-    ['F0.0', 'F0.1', 'B0.0', 'F0.2', 'B0.1', 'B0.2']
-
-Stages are numbered 0 .. pp·V−1 in model order and placed in a loop: stage s lives on rank
-s % pp, so rank r holds stages r, r+pp, r+2·pp, ... (Narayanan et al. 2021, interleaved 1F1B).
-
-Action kinds: "F" forward; "B" full backward (input and weight gradients); the zero-bubble
-schedule splits the backward into "I" (gradient with respect to the stage's input, which the
-previous stage waits for) and "W" (weight gradients, which nobody waits for, so W can fill
-bubbles; Qi et al. 2023, "Zero Bubble Pipeline Parallelism").
+Stage s of pp·V (model order) lives on rank s % pp (Narayanan et al. 2021). Actions: "F" forward, "B" full
+backward, or "I" (input gradient, which the previous stage waits for) and "W" (weight gradients, which fill
+bubbles; Qi et al. 2023, zero bubble).
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from fourd.errors import FourdError
@@ -29,7 +19,7 @@ KINDS = ("F", "B", "I", "W")
 
 @dataclass(frozen=True)
 class Action:
-    kind: str  # "F", "B", "I" or "W" (see the module docstring)
+    kind: str  # "F", "B", "I" or "W"
     stage: int  # global stage index 0 .. pp·V−1 in model order
     microbatch: int
 
@@ -57,12 +47,8 @@ class Schedule:
         return [rank + k * self.pp for k in range(self.virtual_stages)]
 
     def peak_in_flight(self, rank: int) -> int:
-        """Most (stage, microbatch) activation sets the rank holds at once.
-
-        A set is held from its F until its B (or, split, until its W: the weight gradient still
-        needs the saved inputs). With V = 1 this counts microbatches; with V > 1 each set is one
-        virtual stage, 1/V of the rank's layers.
-        """
+        """Most (stage, microbatch) activation sets the rank holds at once, each from its F until its B or W;
+        with V > 1 a set is one virtual stage, 1/V of the rank's layers."""
         held = peak = 0
         for a in self.ranks[rank]:
             if a.kind == "F":
@@ -106,8 +92,7 @@ def _gpipe(rank, pp, m, v):
 
 
 def _one_f_one_b(rank, pp, m, v):
-    """Warm-up of pp−1−rank forwards, then one forward one backward, then the remaining backwards
-    (PipeDream-Flush, Narayanan et al. 2021): at most pp−rank microbatches in flight."""
+    """PipeDream-Flush (Narayanan et al. 2021): pp−1−rank warm-up forwards, then one F one B; pp−rank in flight."""
     return _warm_steady_cool(
         [Action("F", rank, j) for j in range(m)], [Action("B", rank, j) for j in range(m)], min(pp - 1 - rank, m)
     )
@@ -121,13 +106,8 @@ def _warm_steady_cool(forwards, backwards, warmup):
 
 
 def _rounds(pp: int, m: int) -> list[range]:
-    """Microbatches in rounds of at least pp (one round when m < pp), sizes as even as possible.
-
-    A rank cycles through its V stages once per round; a round must hold at least pp microbatches
-    so that the first microbatch has come round the loop to rank 0 again when the rank turns to
-    its next stage. Uneven rounds let m be any count, as Llama 3 needed (m need not be a multiple
-    of pp).
-    """
+    """Microbatches in rounds of at least pp (one when m < pp), as even as possible: a rank cycles through its
+    V stages once per round. Uneven rounds let m be any count, as Llama 3 needed (§3.3.2)."""
     n = max(1, m // pp)
     sizes = [m // n + (1 if i < m % n else 0) for i in range(n)]
     starts = [sum(sizes[:i]) for i in range(n)]
@@ -135,14 +115,8 @@ def _rounds(pp: int, m: int) -> list[range]:
 
 
 def _interleaved(rank, pp, m, v):
-    """Interleaved 1F1B (Narayanan et al. 2021): per round of microbatches, forwards through the
-    rank's stages in model order, backwards in reverse; warm-up long enough that the first
-    backward of the last virtual stage has arrived when the rank turns to backwards.
-
-    With m ≥ pp every rank idles (pp−1)/(V·m) of its compute at equal stage times, whether or not
-    pp divides m; the price of a round larger than pp is memory: the warm-up, and so the peak in
-    flight, grows with the round size. With m < pp ranks wait for microbatches to come round.
-    """
+    """Interleaved 1F1B (Narayanan et al. 2021): per round, forwards through the rank's stages in model order,
+    backwards in reverse, after a warm-up that lets the last virtual stage's first backward arrive."""
     rounds = _rounds(pp, m)
     forwards = [Action("F", rank + k * pp, j) for r in rounds for k in range(v) for j in r]
     backwards = [Action("B", rank + k * pp, j) for r in rounds for k in reversed(range(v)) for j in r]
@@ -151,14 +125,8 @@ def _interleaved(rank, pp, m, v):
 
 
 def _zb_h1(rank, pp, m, v):
-    """ZB-H1 (Qi et al. 2023): 1F1B's order with each backward split into I and W, and rank r's
-    W passes held back r microbatches behind its I passes.
-
-    The input gradients then run down the pipeline without waiting for weight gradients, and
-    rank r's r deferred W passes fill the tail where 1F1B idles. With m ≥ pp every rank idles
-    (pp−1)·(T_F + T_I − T_W) per step, a third of 1F1B's (pp−1)·(T_F + T_I + T_W) at equal
-    times, and holds at most pp microbatches, 1F1B's peak (rank 0's).
-    """
+    """ZB-H1 (Qi et al. 2023): 1F1B's order with each backward split into I and W, rank r's W held back r
+    microbatches behind its I, so that the deferred W fill the tail where 1F1B idles."""
     order = []
     for a in _warm_steady_cool(
         [Action("F", rank, j) for j in range(m)], [Action("I", rank, j) for j in range(m)], min(pp - 1 - rank, m)
@@ -171,13 +139,8 @@ def _zb_h1(rank, pp, m, v):
 
 
 def validate(schedule: Schedule) -> None:
-    """Raise FourdError unless the schedule is complete, consistent and cannot deadlock.
-
-    Complete: every (stage, microbatch) gets exactly one F and either one B or one I and one W,
-    on the rank that holds the stage. Deadlock-free: executing each rank's list in order, with
-    F of stage s waiting for F of s−1, B or I of s waiting for F of s and B or I of s+1, and W
-    waiting for I of its stage, every action eventually runs.
-    """
+    """FourdError unless every (stage, microbatch) has one F and one B (or one I and one W) on the stage's rank,
+    and the lists, run in order with the dependencies of `depends_on`, all complete."""
     p, m, n = schedule.pp, schedule.microbatches, schedule.stages
     if len(schedule.ranks) != p:
         raise FourdError(f"schedule {schedule.name}: {len(schedule.ranks)} rank lists for pp = {p}")
@@ -198,23 +161,19 @@ def validate(schedule: Schedule) -> None:
             if key in seen:
                 raise FourdError(f"schedule {schedule.name}: {a} appears twice")
             seen[key] = r
-    for s in range(n):
-        for j in range(m):
-            full = ("B", s, j) in seen
-            split = ("I", s, j) in seen, ("W", s, j) in seen
-            if ("F", s, j) not in seen or not (full ^ all(split)) or (full and any(split)) or (split[0] != split[1]):
-                raise FourdError(
-                    f"schedule {schedule.name}: stage {s} microbatch {j} needs exactly one F "
-                    f"and either one B or one I and one W"
-                )
+    for s, j in itertools.product(range(n), range(m)):
+        full, split = ("B", s, j) in seen, (("I", s, j) in seen, ("W", s, j) in seen)
+        if ("F", s, j) not in seen or full == any(split) or split[0] != split[1]:
+            raise FourdError(
+                f"schedule {schedule.name}: stage {s} microbatch {j} needs exactly one F and either one B or one I and one W"
+            )
     stuck = _first_deadlock(schedule)
     if stuck:
         raise FourdError(f"schedule {schedule.name} deadlocks: every rank waits ({stuck})")
 
 
 def depends_on(a: Action, stages: int) -> list[tuple[str, int, int]]:
-    """The actions `a` waits for, as (kind, stage, microbatch); a B or I names both possible
-    kinds of the next stage's input-gradient pass under the kind "grad"."""
+    """The actions `a` waits for, as (kind, stage, microbatch); "grad" is the next stage's B or I."""
     if a.kind == "F":
         return [("F", a.stage - 1, a.microbatch)] if a.stage > 0 else []
     if a.kind == "W":

@@ -1,6 +1,7 @@
 """A checkpoint saved by 2 gloo ranks holding DTensor shards loads in one process, bit-exact, with the
 same model_digest as a single-process save of the same weights."""
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -11,6 +12,8 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from fourd.ckpt import store
 from fourd.model.config import get_preset
 from fourd.model.llama import build_model
+
+pytestmark = pytest.mark.slow  # gloo ranks
 
 CFG = get_preset("debug")
 

@@ -13,9 +13,6 @@ from fourd import __version__
 from fourd.cli import COMMANDS
 from fourd.errors import did_you_mean, plural, si
 
-# Command modules of other packages that still import torch at module top (issue 15, item 7).
-TORCH_AT_IMPORT = {"ckpt:verify", "ckpt:info", "convert", "generate"}
-
 
 def _seconds(*args) -> float:
     t0 = time.perf_counter()
@@ -34,15 +31,7 @@ def _no_torch(code: str):
     assert done.returncode == 0, done.stderr[-600:]
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(n, marks=pytest.mark.xfail(reason="imports torch at module top", strict=False))
-        if n in TORCH_AT_IMPORT
-        else n
-        for n in COMMANDS
-    ],
-)
+@pytest.mark.parametrize("name", COMMANDS)
 def test_a_command_parser_imports_no_torch(name):
     _no_torch(f"from fourd.cli import build_parser\nbuild_parser({name!r})")
 

@@ -9,7 +9,7 @@ import pytest
 
 from fourd.comm.bench import bus_factor, parse_bytes, sweep_sizes
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]  # gloo ranks
 
 
 def _fourd(*args):

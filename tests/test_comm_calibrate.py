@@ -9,7 +9,7 @@ import pytest
 
 from fourd.plan.calibrate import CPU_DEVICES, PLANS, fit_alpha_beta, profile_toml, training_gemms
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # gloo ranks
 
 
 def test_fit_recovers_alpha_and_beta_exactly():

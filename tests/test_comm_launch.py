@@ -8,6 +8,8 @@ import torch
 import torch.distributed as dist
 from dist_util import run_ranks
 
+pytestmark = pytest.mark.slow  # gloo ranks
+
 
 def _sum_of_ranks(rank, world, scale):
     t = torch.tensor([float(rank)])

@@ -11,6 +11,8 @@ import torch.distributed as dist
 from fourd.comm.launch import run_workers
 from fourd.comm.ring import ring_all_reduce
 
+pytestmark = pytest.mark.slow  # gloo ranks
+
 WORLD = 8
 DIVISIBLE = 24 * 35  # by 2, 3, 4 and 8
 NUMELS = {2: [1, 7, 4097], 3: [2, 10, 1000], 4: [3, 13, 4094], 8: [5, 9, 63]}

@@ -1,5 +1,5 @@
-"""The contract of the private PyTorch APIs behind fourd/compat.py (and the pipeline stage methods fourd overrides):
-when a torch upgrade changes one, this fails naming it."""
+"""The signatures fourd relies on in the private PyTorch APIs behind fourd/compat.py (and the pipeline stage methods
+fourd overrides): when a torch upgrade changes one, this fails naming it."""
 
 import inspect
 

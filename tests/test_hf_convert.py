@@ -247,7 +247,7 @@ def test_export_of_a_damaged_checkpoint_names_the_file(hf_dir, tmp_path, capsys)
 def test_load_hf_gives_fourd_names_in_float32(tmp_path):
     m = tiny_hf(dtype=torch.bfloat16, seed=3)
     m.save_pretrained(tmp_path / "hf", safe_serialization=True)
-    cfg, sd = convert.load_hf(tmp_path / "hf")
+    cfg, sd = convert.load_weights(tmp_path / "hf")
     assert sorted(sd) == sorted(store.shapes(cfg)) and {t.dtype for t in sd.values()} == {torch.float32}
     convert.hf_to_fourd(tmp_path / "hf", tmp_path / "fd")
     _, kept = store.load_model_checkpoint(tmp_path / "fd")  # the checkpoint keeps bfloat16

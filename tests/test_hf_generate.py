@@ -69,6 +69,7 @@ def test_kv_cache_logits_match_full_forward():
     assert torch.equal(model(ids), full)
 
 
+@pytest.mark.slow
 def test_cached_greedy_equals_recomputing(trained):
     model, _ = load_model(trained[0])
     prompt = list(b"def __init__(self")
@@ -84,6 +85,7 @@ def test_sampling_is_seeded_and_stays_in_the_nucleus():
     assert {sample(logits, False, 0.01, 1.0, torch.Generator().manual_seed(s)) for s in range(50)} == {0}
 
 
+@pytest.mark.slow
 def test_tiny_top_p_is_greedy(trained):
     model, _ = load_model(trained[0])
     prompt = list(b"import ")
@@ -93,6 +95,7 @@ def test_tiny_top_p_is_greedy(trained):
     assert a != generate(model, prompt, 20, greedy=False, top_p=0.95, seed=4)
 
 
+@pytest.mark.slow
 def test_perplexity_of_trained_model_on_held_out_stdlib(trained):
     d, untrained = trained
     assert untrained["perplexity"] > 200  # measured 272.25 at initialisation
@@ -103,6 +106,7 @@ def test_perplexity_of_trained_model_on_held_out_stdlib(trained):
     assert got["perplexity"] < 18  # measured 14.68 (2026-11-29, 1 thread); uniform would be 256
 
 
+@pytest.mark.slow
 def test_generate_cli_json(trained, capsys):
     d, _ = trained
     assert (
@@ -117,6 +121,7 @@ def test_generate_cli_json(trained, capsys):
     assert ev["perplexity"] == perplexity(model, list(HELD_OUT.read_bytes()), 256)["perplexity"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "argv, needle",
     [
@@ -137,6 +142,7 @@ def test_generate_refuses_a_directory_without_manifest(tmp_path, capsys):
     assert "no manifest.json; not a fourd checkpoint" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_eval_holdout_scores_the_corpus_tail(trained, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FOURD_HOME", str(tmp_path / "home"))
     corpus = tmp_path / "corpus.txt"
@@ -191,6 +197,7 @@ def _trained_on_jsonl(tmp_path, trained, tokenizer="byte"):
     return run, "\n\n".join(docs).encode()
 
 
+@pytest.mark.slow
 def test_eval_holdout_scores_the_runs_own_corpus_with_no_flags(trained, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FOURD_HOME", str(tmp_path / "home"))
     run, raw = _trained_on_jsonl(tmp_path, trained[0])
@@ -205,6 +212,7 @@ def test_eval_holdout_scores_the_runs_own_corpus_with_no_flags(trained, tmp_path
     assert json.loads(capsys.readouterr().out) == got  # naming the run's own corpus is no contradiction
 
 
+@pytest.mark.slow
 def test_flags_that_contradict_the_run_are_refused(trained, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FOURD_HOME", str(tmp_path / "home"))
     run, _ = _trained_on_jsonl(tmp_path, trained[0])
@@ -236,6 +244,7 @@ def test_flags_that_contradict_the_run_are_refused(trained, tmp_path, monkeypatc
     assert "when the run trained: it changed, so its tail is not the held-out part; use --eval-file" in err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -259,6 +268,7 @@ def test_numbers_out_of_range_are_refused(trained, capsys, argv, message):
     assert capsys.readouterr().err == f"fourd: error: {message}\n"
 
 
+@pytest.mark.slow
 def test_generate_says_when_it_skips_a_damaged_newer_checkpoint(trained, tmp_path, capsys):
     import shutil
 

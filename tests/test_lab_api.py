@@ -1,4 +1,4 @@
-"""The lab's API returns the project's own schedules and placements, with the seed's figures."""
+"""The lab's API returns the project's own schedules and placements, with the published bubble figures."""
 
 from __future__ import annotations
 
@@ -20,14 +20,14 @@ def bench(p, m, schedule="gpipe", v=None):
 
 
 @pytest.mark.parametrize("p,m,percent", [(16, 16, "48.4"), (16, 64, "19.0"), (1, 64, "0.0")])
-def test_seed_figures(p, m, percent):
+def test_gpipe_bubble_figures(p, m, percent):
     """GPipe's bubble (p−1)/(m+p−1) (Huang et al. 2019): p=16 idles 48.4 % at m=16 and 19.0 % at m=64."""
     assert f"{100 * bench(p, m)['idle_fraction']:.1f}" == percent
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("p,m", [(1, 1), (2, 7), (5, 16), (16, 1), (16, 16), (16, 64), (7, 64)])
-def test_gpipe_and_1f1b_match_the_seed_formulas(schedule, p, m):
+def test_gpipe_and_1f1b_match_the_bubble_formulas(schedule, p, m):
     """Idle (p−1)/(m+p−1) and speed-up over one GPU running every stage p·m/(m+p−1) (Huang et al. 2019)."""
     d = bench(p, m, schedule)
     assert d["idle_fraction"] == pytest.approx(float(Fraction(p - 1, m + p - 1)), abs=1e-12)

@@ -466,6 +466,7 @@ def test_a_trace_opens_by_path_under_the_trace_dir(page, tmp_path):
         server.server_close()
 
 
+@pytest.mark.slow
 def test_a_trace_written_by_fourd_train_beside_the_simulated_step(page, tmp_path):
     """Two real ranks train one step with 1F1B and write trace.json; the page draws, for each rank,
     the schedule's actions in order, and the simulated step of the same layout beneath."""

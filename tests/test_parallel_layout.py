@@ -51,7 +51,7 @@ def test_malformed_layouts_are_refused(text, message):
 
 def test_a_valid_layout_passes():
     check(DEBUG, Parallelism(Layout(tp=2, pp=2, dp=2), microbatches=2), seq=64, global_seqs=8)
-    # Llama 3 405B at 16,384 GPUs, long context: 8 × 16 × 16 × 8, 16 sequences per replica (brief.md §3).
+    # Llama 3 405B at 16,384 GPUs, long context: 8 × 16 × 16 × 8, 16 sequences per replica (Llama 3 paper, Table 4).
     lay = Layout(tp=8, cp=16, pp=16, dp=8)
     check(L405, Parallelism(lay, "interleaved", 16, virtual_stages=8), seq=131072, global_seqs=128)
 
@@ -68,13 +68,13 @@ def test_a_valid_layout_passes():
         (
             Parallelism(Layout(pp=5)),
             {},
-            "pp=5 with 1 virtual stage(s) makes 5 pipeline stages for 4 layers: use at most 4 stages, or exactly 6 "
+            "pp=5 with 1 virtual stage makes 5 pipeline stages for 4 layers: use at most 4 stages, or exactly 6 "
             "(the embedding and the output a stage each)",
         ),
         (
             Parallelism(Layout(pp=2), "interleaved", virtual_stages=4),
             {},
-            "pp=2 with 4 virtual stage(s) makes 8 pipeline stages for 4 layers: use at most 4 stages, or exactly 6 "
+            "pp=2 with 4 virtual stages makes 8 pipeline stages for 4 layers: use at most 4 stages, or exactly 6 "
             "(the embedding and the output a stage each)",
         ),
         (
@@ -113,7 +113,11 @@ def test_a_valid_layout_passes():
             "divide dp=4: choose among 1, 2, 4 with ZeRO stage 3",
         ),
         (Parallelism(Layout(), zero=5), {}, "ZeRO stage 5: choose one of 0, 1, 2, 3"),
-        (Parallelism(Layout(), recompute="some"), {}, "recomputation 'some': choose one of none, selective, full"),
+        (
+            Parallelism(Layout(), recompute="some"),
+            {},
+            "recomputation 'some': choose one of none, selective, per-op, full",
+        ),
         (
             Parallelism(Layout(), schedule="pipedream"),
             {},

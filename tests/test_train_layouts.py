@@ -51,7 +51,7 @@ def test_layout_losses_equal_one_process(fourd, tmp_path, reference, layout, ext
 
 REFUSED = [
     (("--layout", "tp=3"), "tp=3 cannot cut the model's heads (4), KV heads (2), FFN width (176) and vocabulary (256) into equal parts: choose tp among 1, 2"),
-    (("--layout", "pp=8"), "pp=8 with 1 virtual stage(s) makes 8 pipeline stages for 4 layers: use at most 4 stages, or exactly 6 (the embedding and the output a stage each)"),
+    (("--layout", "pp=8"), "pp=8 with 1 virtual stage makes 8 pipeline stages for 4 layers: use at most 4 stages, or exactly 6 (the embedding and the output a stage each)"),
     (("--layout", "cp=3"), "sequence length 256 is not a multiple of 2·cp = 6 (context parallelism cuts each sequence into 2·cp chunks): choose a multiple of 6, or a smaller cp"),
     (("--layout", "dp=3"), "the global batch of 16 sequences does not split into dp × microbatches = 3 × 1 equal parts: choose a global batch that is a multiple of 3"),
     (("--layout", "pp=2", "--microbatches", 3), "the global batch of 16 sequences does not split into dp × microbatches = 1 × 3 equal parts: choose a global batch that is a multiple of 3"),

@@ -51,11 +51,12 @@ def debug_runs(home, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_debug_loss_falls_below_bound(debug_runs):
     d, stdout = debug_runs[0]
     r = rows(d)
     assert [x["step"] for x in r] == list(range(1, 31))
-    keys = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mfu", "peak_mem_gb", "tokens"}
+    keys = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mfu", "hfu", "peak_mem_gb", "tokens"}
     assert set(r[0]) == keys
     assert 5.4 < r[0]["loss"] < 5.8  # ≈ ln 256 = 5.55 nats per byte at initialisation
     assert r[-1]["loss"] < 4.0  # measured 3.53 at step 30 (seed 0)
@@ -64,6 +65,7 @@ def test_debug_loss_falls_below_bound(debug_runs):
     assert (d / "tensorboard").is_dir() and any((d / "tensorboard").iterdir())
 
 
+@pytest.mark.slow
 def test_metrics_are_their_formulas_of_the_step_time(home, debug_runs):
     d, _ = debug_runs[0]
     batch, seq = Config().train.global_batch, Config().data.seq_len
@@ -78,6 +80,7 @@ def test_metrics_are_their_formulas_of_the_step_time(home, debug_runs):
     assert 0.15 < memory[0] < 3 and memory == sorted(memory)
 
 
+@pytest.mark.slow
 def test_same_seed_gives_identical_metrics(debug_runs):
     (a, _), (b, _) = debug_runs
     keys = ("step", "loss", "lr", "grad_norm", "tokens")
@@ -112,7 +115,7 @@ REFUSALS = [
     (["--fault.at_step=1"], "fault.at_step is set but neither fault.kill_rank nor fault.hang_rank: set one, or drop it"),
     (["--data.seq_len=100000"], "data.seq_len = 100000 is longer than the model's max_seq = 256: raise --model.max_seq or shorten data.seq_len"),
     (["--data.path=/no/such/corpus"], "data path '/no/such/corpus' does not exist: give a text file, a folder of text files or a .jsonl file"),
-    (["--data.path=TMP/tiny.txt"], "the corpus has 11 tokens, too few for one sequence of 256: give more text or a smaller data.seq_len"),
+    (["--data.path=TMP/tiny.txt"], "the corpus has 11 tokens, too few for one training sequence: 260 are needed (data.seq_len 256 + 1, plus the held-out 1%); give more text or a smaller data.seq_len"),
     (["--eval.every=5", "--data.holdout_fraction=0"], "eval.every: the held-out tail has 0 tokens, less than one batch of 16 x 257: raise data.holdout_fraction or set eval.every = 0"),
     (["--run-dir", ""], "--run-dir '' is empty: give a directory, or leave --run-dir out for a fresh one"),
     (["--run-dir", "TMP/tiny.txt"], "run directory TMP/tiny.txt: TMP/tiny.txt is a file, not a directory: choose another --run-dir"),
@@ -122,6 +125,7 @@ REFUSALS = [
 ]  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,message", REFUSALS, ids=[" ".join(a) for a, _ in REFUSALS])
 def test_bad_input_exits_2_with_one_line(tmp_path, args, message):
     (tmp_path / "tiny.txt").write_text("hello world")
@@ -131,6 +135,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path, args, message):
     assert not (tmp_path / "runs").exists()  # nothing half written
 
 
+@pytest.mark.slow
 def test_bad_config_file_exits_2(tmp_path):
     f = tmp_path / "c.toml"
     f.write_text("[train]\nsteps = 'many'\n")

@@ -1,7 +1,7 @@
 """A checkpoint's step, layout, model and model digest, from its manifest (nothing is loaded).
 
-model_digest hashes the full (unsharded) model tensors: the same weights give the same digest whatever
-layout saved them. --json prints the manifest's fields with `path`, `files` (a count) and `bytes`.
+model_digest hashes the full model tensors, the same whatever layout saved them. --json prints the manifest's
+fields with `path`, `files` (a count) and `bytes`.
 
 examples:
   fourd ckpt info runs/demo/checkpoints/step-20     # after the run on docs/hf.md
@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 
+from fourd.ckpt import store
+
 
 def add_arguments(p) -> None:
     p.add_argument("dir", metavar="DIR", help="a checkpoint directory, or a run directory (its newest checkpoint)")
@@ -19,8 +21,6 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from fourd.ckpt import store
-
     directory = store.resolve(args.dir)
     manifest = store.read_manifest(directory)
     files = manifest["files"].values()

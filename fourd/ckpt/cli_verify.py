@@ -8,14 +8,14 @@ examples:
 
 from __future__ import annotations
 
+from fourd.ckpt import store
+
 
 def add_arguments(p) -> None:
     p.add_argument("dir", metavar="DIR", help="a checkpoint directory, or a run directory (its newest checkpoint)")
 
 
 def run(args) -> int:
-    from fourd.ckpt import store
-
     directory = store.resolve(args.dir)
     m = store.verify(directory)
     total = sum(f["bytes"] for f in m["files"].values())

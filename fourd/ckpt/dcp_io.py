@@ -8,6 +8,7 @@ import resource
 import shutil
 import signal
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -86,16 +87,12 @@ class Checkpointer:
         state = {"model": model, "optim": optim, "train": {**train, f"rng_rank{self.rank}": torch.get_rng_state()}}
         extra = {"train": {"step": step, "samples": samples, **self.info, **(extra or {})}}
         pending = (step, final, tmp, gathered_digest(model, self.contributes), extra)
-        writer = dcp.FileSystemWriter(str(tmp))
-        try:  # DCP raises the same error on every rank
-            if self.async_save:
-                self.pending = (dcp.async_save(state, storage_writer=writer, process_group=self.async_group), pending)
-                self.blocked = time.perf_counter() - self.started
-                return
-            dcp.save(state, storage_writer=writer)
-            error = None
-        except (Exception, CheckpointException) as e:
-            error = _describe(e)
+        writer, future = dcp.FileSystemWriter(str(tmp)), []
+        save = partial(dcp.async_save, process_group=self.async_group) if self.async_save else dcp.save
+        error = _error_of(lambda: future.append(save(state, storage_writer=writer)))
+        if self.async_save and error is None:
+            self.pending, self.blocked = (future[0], pending), time.perf_counter() - self.started
+            return
         self._finish(pending, error)
 
     def poll(self) -> None:
@@ -111,12 +108,7 @@ class Checkpointer:
         """Wait for an asynchronous save to finish and commit it."""
         if self.pending is not None:
             (fut, pending), self.pending = self.pending, None
-            try:
-                fut.result()
-                error = None
-            except (Exception, CheckpointException) as e:
-                error = _describe(e)
-            self._finish(pending, error)
+            self._finish(pending, _error_of(fut.result))
 
     def _finish(self, pending: tuple, error: str | None) -> None:
         step, final, tmp, digest, extra = pending
@@ -181,8 +173,9 @@ class Checkpointer:
         step, samples = int(train["step"]), int(train["samples"])
         if self.rank == 0:
             after = f" after restart {self.attempt}" if self.attempt else ""
-            where = f" (saved at layout {saved_layout}, resharded to {self.layout})"
-            where = "" if saved_layout == self.layout else where
+            where = (
+                "" if saved_layout == self.layout else f" (saved at layout {saved_layout}, resharded to {self.layout})"
+            )
             line = f"fourd: resuming{after} from checkpoint {directory} at step {step}, sample {samples}{where}"
             print(line, flush=True)
         return step, samples
@@ -199,9 +192,9 @@ class Checkpointer:
 
     def _choose(self) -> str | None:
         """Rank 0: the newest checkpoint that verifies; partial and damaged ones are set aside loudly."""
-        for partial in sorted(self.root.glob(".step-*.partial")):
-            store.warn(f"ignoring the incomplete checkpoint {partial} (a save was interrupted); removing it")
-            shutil.rmtree(partial, ignore_errors=True)
+        for staged in sorted(self.root.glob(".step-*.partial")):
+            store.warn(f"ignoring the incomplete checkpoint {staged} (a save was interrupted); removing it")
+            shutil.rmtree(staged, ignore_errors=True)
 
         def set_aside(path: Path, e: FourdError) -> None:
             aside, n = path.with_name(f"{path.name}.damaged"), 1
@@ -222,6 +215,15 @@ def _storage_state(root: Path) -> str:
     state = f"{shutil.disk_usage(root).free / 2**30:.2f} GiB free there"
     soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
     return state + (f", a file-size limit of {soft:,} bytes (ulimit -f)" if soft != resource.RLIM_INFINITY else "")
+
+
+def _error_of(fn) -> str | None:
+    """None when fn() succeeds, else its error in one line (DCP raises the same error on every rank)."""
+    try:
+        fn()
+    except (Exception, CheckpointException) as e:
+        return _describe(e)
+    return None
 
 
 def _describe(e: BaseException) -> str:

@@ -154,13 +154,12 @@ def newest(run_dir: str | os.PathLike, check=read_manifest, on_damaged=None) -> 
     for _step, path in checkpoints(run_dir):
         try:
             check(path)
+            found = path
+            break
         except FourdError as e:
             skipped.append(path.name)
             if on_damaged is not None:
                 on_damaged(path, e)
-            continue
-        found = path
-        break
     damaged = f"skipped damaged {', '.join(skipped)}"
     if skipped:
         warn(f"falling back to the previous complete checkpoint {found.name} ({damaged})" if found else damaged)

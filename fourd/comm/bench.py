@@ -1,9 +1,6 @@
-"""Benchmark collectives the way nccl-tests does: a sweep of message sizes, each warmed up and then timed
-repeatedly; a row reports the median over iterations of the slowest rank's time, algbw = size / time and
-busbw = algbw × the bus factor (docs/comm.md gives the conventions). `ring` is fourd's own ring all-reduce
-(fourd.comm.ring); `sendrecv`: every rank sends to the next and receives from the previous at once. The
-sweep doubles from --min-bytes to --max-bytes: 1K to 256M on GPUs, 1K to 64M on CPU, where 128M and 256M
-alone add 10 to 40 s per op on a shared 2-core machine.
+"""Benchmark collectives as nccl-tests does (docs/comm.md): message sizes doubling from --min-bytes to --max-bytes,
+each row the median over iterations of the slowest rank's time, algbw = size / time, busbw = algbw × bus factor.
+`ring` is fourd's own ring all-reduce; `sendrecv`: every rank sends to the next, receives from the previous.
 
 examples:
   fourd bench comm --op all_reduce --nproc 4
@@ -14,10 +11,12 @@ examples:
 from __future__ import annotations
 
 import json
+import os
 import re
 import statistics
 import time
 
+from fourd.comm.launch import backend, run_workers
 from fourd.errors import FourdError
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "ring", "sendrecv")
@@ -126,11 +125,7 @@ def run(args) -> int:
     lo, (iters, warmup) = parse_bytes(args.min_bytes), (args.iters, args.warmup)
     if iters < 1 or warmup < 0:
         raise FourdError(f"--iters {iters} --warmup {warmup}: need at least 1 timed iteration and no negative warm-up")
-    import os
-
     import torch
-
-    from fourd.comm.launch import backend, run_workers
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     hi = parse_bytes(args.max_bytes or ("256M" if gpus else "64M"))

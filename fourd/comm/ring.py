@@ -1,10 +1,6 @@
-"""Ring all-reduce written on point-to-point send/recv, with its own accounting (docs/comm.md).
-
-The tensor is cut into N chunks (zero-padded when N does not divide it); N−1 reduce-scatter steps pass a chunk
-to the next rank, which combines it with its own, then N−1 all-gather steps pass the reduced chunks round the
-ring: each rank sends 2(N−1)/N of the tensor, the lower bound for all-reduce (Patarasuk & Yuan 2009, Theorem
-1). Chunks travel in segments, so that receiving, combining and forwarding overlap.
-"""
+"""Ring all-reduce on point-to-point send/recv, with its own accounting (docs/comm.md): N−1 reduce-scatter and N−1
+all-gather steps over N chunks, each rank sending 2(N−1)/N of the tensor, the lower bound for all-reduce
+(Patarasuk & Yuan 2009, Theorem 1); chunks travel in segments so that receiving and forwarding overlap."""
 
 from __future__ import annotations
 
@@ -35,10 +31,8 @@ class RingStats:
 
 
 def _schedule(rank: int, n: int) -> tuple[list[bool], list[int], list[int]]:
-    """Per ring step: whether it reduces, the chunk received, the chunk sent. Step t sends chunk (rank − t) and
-    receives chunk (rank − t − 1) for t < N−1 (reduce-scatter, combining what arrives), then chunk
-    (rank + 1 − s) / (rank − s) for s = t − (N−1) (all-gather, received in place). What a rank receives at
-    step t is what it sends at step t + 1."""
+    """Per ring step: whether it reduces, the chunk received, the chunk sent; what a rank receives at step t it
+    sends at step t + 1."""
     reducing = [t < n - 1 for t in range(2 * (n - 1))]
     recv_of = [(rank - t - 1) % n if r else (rank - (t - n + 1)) % n for t, r in enumerate(reducing)]
     send_of = [(rank - t) % n if r else (rank + 1 - (t - n + 1)) % n for t, r in enumerate(reducing)]

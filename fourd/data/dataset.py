@@ -50,11 +50,9 @@ def _cached(bin_path: Path, meta_path: Path, source: str) -> TokenCache | None:
 def _encode(tok, docs: list[str], dtype: str) -> np.ndarray:
     if tok.name == "byte":
         return np.frombuffer(SEPARATOR.join(docs).encode("utf-8"), dtype=np.uint8)
-    sep = tok.encode(SEPARATOR)
-    ids: list[int] = []
+    sep, ids = tok.encode(SEPARATOR), list[int]()
     for i, d in enumerate(docs):
-        ids.extend(sep if i else [])
-        ids.extend(tok.encode(d))
+        ids += (sep if i else []) + tok.encode(d)
     return np.asarray(ids, dtype=dtype)
 
 

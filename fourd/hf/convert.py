@@ -133,14 +133,10 @@ def read_hf_config(src: Path) -> tuple[ModelConfig, dict]:
 
 def _safetensors_files(src: Path) -> list[Path]:
     if (src / INDEX).is_file():
-        weight_map = _json_object(src / INDEX, INDEX).get("weight_map")
-        if (
-            not isinstance(weight_map, dict)
-            or not weight_map
-            or not all(isinstance(f, str) for f in weight_map.values())
-        ):
+        names = _json_object(src / INDEX, INDEX).get("weight_map")
+        if not (isinstance(names, dict) and names and all(isinstance(f, str) for f in names.values())):
             raise FourdError(f"{src / INDEX}: no valid 'weight_map'; the index is damaged")
-        files = [store.inside(src, f, str(src / INDEX)) for f in sorted(set(weight_map.values()))]
+        files = [store.inside(src, f, str(src / INDEX)) for f in sorted(set(names.values()))]
     else:
         files = sorted(src.glob("*.safetensors"))
     if not files:
@@ -201,9 +197,18 @@ def read_hf(src: str | os.PathLike) -> tuple[ModelConfig, dict, dict[str, torch.
     return cfg, hf, hf_to_fourd_state_dict(cfg, hf, read_hf_tensors(src))
 
 
-def load_hf(src: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """A Hugging Face Llama directory as (ModelConfig, state dict in fourd's names, float32 on the CPU)."""
-    cfg, _, sd = read_hf(src)
+def load_weights(path: str | os.PathLike, weights: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """A Hugging Face folder, a fourd checkpoint or a run directory (its newest): its ModelConfig and, with
+    `weights`, its full state dict in fourd's names, float32 on the CPU (else {})."""
+    p = Path(path)
+    if (p / "config.json").is_file():
+        cfg, _, sd = read_hf(p) if weights else (*read_hf_config(p), {})
+    elif not p.is_dir():
+        raise FourdError(f"{path}: no such directory; give a fourd checkpoint, a run or a Hugging Face model directory")
+    elif weights:
+        cfg, sd = store.load_model_checkpoint(store.resolve(p))
+    else:
+        cfg, sd = store.model_config(str(p), store.read_manifest(store.resolve(p))["model"]), {}
     return cfg, {k: v.float() for k, v in sd.items()}
 
 

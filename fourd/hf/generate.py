@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fourd.data.corpus import read_regular
+from fourd.data.dataset import prepare, split
 from fourd.errors import FourdError
 from fourd.hf.convert import run_tokenizer, tokenizer_spec
 
@@ -98,8 +100,6 @@ def _same(given: Any, recorded: Any, flag: str) -> Any:
 def holdout_ids(args, manifest: dict) -> list[int]:
     """The tail of the run's corpus that `fourd train` kept out of training (today's defaults for runs that
     recorded no data: the standard library, 1 %)."""
-    from fourd.data.dataset import prepare, split
-
     data = manifest.get("train", {}).get("data", {})
     recorded = manifest.get("train", {}).get("config", {}).get("data", {})  # typed by the manifest's schema
     given = str(Path(args.eval_holdout).expanduser().resolve()) if args.eval_holdout else None
@@ -116,7 +116,6 @@ def holdout_ids(args, manifest: dict) -> list[int]:
 
 
 def _run_eval(args, model, tok, manifest: dict) -> int:
-    from fourd.data.corpus import read_regular
     from fourd.hf.inference import perplexity
 
     if args.eval_holdout is not None:

@@ -8,12 +8,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fourd.ckpt import store
+from fourd.model.llama import build_model
+
 
 def load_model(ckpt) -> tuple[nn.Module, dict]:
     """The model of a checkpoint (or a run's newest) in float32 on the CPU in eval mode, and its manifest."""
-    from fourd.ckpt import store
-    from fourd.model.llama import build_model
-
     path = store.resolve(ckpt)
     cfg, sd = store.load_model_checkpoint(path)
     model = build_model(cfg, seed=None)

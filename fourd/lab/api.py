@@ -85,17 +85,13 @@ def _bench(name: str, p: int, m: int, v: int) -> dict:
         | {"events": [[e.kind, e.stage, e.microbatch, e.start, e.end - e.start] for e in events[r]]}
         for r in range(p)
     ]
-    # One GPU running every stage would take the whole busy time.
-    return {"p": p, "m": m, "schedule": name, "v": v, "makespan": step, "idle_fraction": sum(idle) / p} | {
-        "speedup": busy / step,
-        "ranks": ranks,
-    }
+    out = {"p": p, "m": m, "schedule": name, "v": v, "makespan": step, "idle_fraction": sum(idle) / p}
+    return out | {"speedup": busy / step, "ranks": ranks}  # speedup: one GPU would take the whole busy time
 
 
 def cluster(q: dict[str, str], **_) -> dict:
-    """The cluster row: for each of a layout's first 128 ranks its GPU and the group it joins in each
-    dimension (named by its first rank), and per dimension how many groups lie inside one server, rack
-    or pod. Rank r runs on GPU r, as the planner places ranks."""
+    """The cluster row: a layout's first 128 ranks (rank r on GPU r, as the planner places them) with the group they
+    join in each dimension (named by its first rank), and how many groups lie inside one server, rack or pod."""
     _known(q, "layout", "cluster")
     layout = parse_layout(q.get("layout") or "tp=8,pp=16")
     profile = clusters.load_cluster(_profile_name(q.get("cluster") or "llama3-h100"))
@@ -111,12 +107,9 @@ def cluster(q: dict[str, str], **_) -> dict:
         d: {"size": g.size, "groups": g.world // g.size, "levels": _levels(g, profile)}
         for d, g in clusters.placement(layout).items()
     }
-    shape = {
-        "racks": REPLICA_GPUS // per_rack,
-        "servers_per_rack": per_rack // per_server,
-        "gpus_per_server": per_server,
-    }
-    return {"layout": str(layout), "world": layout.world, "cluster": profile.name, "gpus": gpus, "spans": spans} | shape
+    shape = {"racks": REPLICA_GPUS // per_rack, "servers_per_rack": per_rack // per_server}
+    out = {"layout": str(layout), "world": layout.world, "cluster": profile.name, "gpus": gpus, "spans": spans}
+    return out | shape | {"gpus_per_server": per_server}
 
 
 def _levels(group, profile) -> dict[str, int]:
@@ -132,19 +125,8 @@ def _levels(group, profile) -> dict[str, int]:
     return dict(Counter(levels))
 
 
-PLAN_PARAMS = (
-    "model",
-    "cluster",
-    "gpus",
-    "layout",
-    "schedule",
-    "microbatches",
-    "v",
-    "seq",
-    "global_batch_tokens",
-    "zero",
-    "recompute",
-)
+PLAN_PARAMS: tuple[str, ...] = ("model", "cluster", "gpus", "layout", "schedule", "microbatches", "v", "seq")
+PLAN_PARAMS += ("global_batch_tokens", "zero", "recompute")
 
 
 def _best_plan(q: dict[str, str]):
@@ -181,12 +163,10 @@ def trace(q: dict[str, str], *, trace_dir: Path, **_) -> dict:
     """A Chrome trace file under the server's --trace-dir, checked and returned for the page to draw."""
     _known(q, "path")
     text = q.get("path", "")
-    if not text or "\0" in text:
-        raise FourdError(
-            "path contains a NUL byte"
-            if text
-            else "missing parameter path: name a trace file under the lab's --trace-dir"
-        )
+    if not text:
+        raise FourdError("missing parameter path: name a trace file under the lab's --trace-dir")
+    if "\0" in text:
+        raise FourdError("path contains a NUL byte")
     root, shown = trace_dir.resolve(), repr(text[:80])
     try:
         path = (root / text).resolve()

@@ -1,7 +1,6 @@
-"""Serve the lab, a local web page: a pipeline bench drawn from fourd's schedules and simulator, the
-cluster row of one Llama 3 replica coloured by a layout's groups, a planner panel, and a measured trace
-beside the simulated one. It works offline, listens on 127.0.0.1 unless told otherwise, and answers
-GET and HEAD addressed to itself only.
+"""Serve the lab, a local web page: a pipeline bench drawn from fourd's schedules and simulator, the cluster row
+of one Llama 3 replica coloured by a layout's groups, a planner panel, and a measured trace beside the simulated
+one. Offline; it listens on 127.0.0.1 unless told otherwise and answers GET and HEAD addressed to itself only.
 
 examples:
   fourd lab                      # then open http://127.0.0.1:8000/
@@ -40,14 +39,9 @@ MAX_WAITING = 512  # connections still sending their request; beyond it the olde
 MAX_QUEUED = 64  # complete requests waiting for a worker; beyond it the answer is 503
 MAX_HEAD = 16 << 10
 # Content-Security-Policy keeps the page from loading anything that is not served here (no CDN).
-_HEADERS = {
-    "Cache-Control": "no-store",
-    "Connection": "close",
-    "X-Content-Type-Options": "nosniff",
-    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; style-src 'self'; "
-    "script-src 'self'; connect-src 'self'; frame-ancestors 'none'",
-    "Referrer-Policy": "no-referrer",
-}
+_CSP = "default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; connect-src 'self'"
+_HEADERS = {"Cache-Control": "no-store", "Connection": "close", "X-Content-Type-Options": "nosniff"}
+_HEADERS |= {"Content-Security-Policy": _CSP + "; frame-ancestors 'none'", "Referrer-Policy": "no-referrer"}
 
 
 def add_arguments(p):
@@ -72,9 +66,8 @@ def run(args) -> int:
 
 
 class LabServer:
-    """One thread reads requests from every connection at once, WORKERS threads answer complete ones: a client
-    that sends slowly or not at all costs a socket for `timeout` seconds, never a thread. One request per
-    connection."""
+    """One thread reads every connection's request, WORKERS threads answer complete ones: a client that sends
+    slowly costs a socket for `timeout` seconds, never a thread (docs/lab.md). One request per connection."""
 
     def __init__(self, host="127.0.0.1", port=0, *, static_dir=STATIC_DIR, trace_dir=Path("."), timeout=TIMEOUT_S):
         self.socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -102,8 +95,7 @@ class LabServer:
         self._stopped.set()
 
     def serve_forever(self) -> None:
-        """Accept and read until shutdown(); each connection still sending its request is registered with
-        (deadline, bytes so far) as its data, oldest first."""
+        """Accept and read until shutdown(); a connection still sending has (deadline, bytes so far) as its data."""
         self._stopped.clear()
         sel = self._sel = selectors.DefaultSelector()
         sel.register(self.socket, selectors.EVENT_READ)
@@ -224,8 +216,7 @@ class LabServer:
 
 
 def load_static(folder: Path) -> dict[str, tuple[bytes, str]]:
-    """Regular files of known types directly in `folder`, read once: requests name them exactly, so no
-    request path reaches the file system and no symbolic link is followed."""
+    """Regular files of known types directly in `folder`, read once: no request path reaches the file system."""
     files = {}
     with os.scandir(folder) as it:
         for entry in it:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 
 from fourd.errors import FourdError
 
@@ -56,10 +56,8 @@ class ModelConfig:
         return self.params() - 2 * self.embedding_params()
 
     def flops_per_token(self, seq: int, recompute: str = "none") -> float:
-        """FLOPs per trained token (docs/parallelism.md): the model's, 6·(N − input embedding) + 12·L·H·Q·T, PaLM's
-        count (Chowdhery et al. 2022, app. B) with the output projection in N, for MFU; with recompute (one of
-        fourd.layout.RECOMPUTE) the hardware's, for HFU (Korthikanti et al. 2022): full recomputation runs every
-        layer's forward, 2·L·P_layer + 4·L·H·Q·T, once more; selective recomputes no matmul."""
+        """FLOPs per trained token for MFU, 6·(N − input embedding) + 12·L·H·Q·T (PaLM, Chowdhery et al. 2022, app. B);
+        with `recompute` "full" the hardware's for HFU, one more forward per layer (docs/parallelism.md)."""
         attention = 4 * self.layers * self.heads * self.head_dim * seq
         model = 6 * (self.params() - self.embedding_params()) + 3 * attention
         return model + (2 * self.layers * self.layer_params() + attention if recompute == "full" else 0)
@@ -116,10 +114,7 @@ def parse_model_spec(spec: str) -> ModelConfig:
 
 
 def with_overrides(cfg: ModelConfig, **kw) -> ModelConfig:
-    known = {f.name for f in fields(ModelConfig)}
-    bad = set(kw) - known
-    if bad:
-        raise FourdError(f"unknown model key(s) {', '.join(sorted(bad))}: allowed keys are {', '.join(sorted(known))}")
+    """`cfg` with fields replaced; head_dim follows a new dim or heads unless it is given too."""
     if ("dim" in kw or "heads" in kw) and "head_dim" not in kw:
         kw["head_dim"] = 0  # recomputed as dim // heads
     return replace(cfg, **kw)

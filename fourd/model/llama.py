@@ -77,9 +77,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         # -1 heads: under tensor parallelism each rank sees only its own heads.
-        q = self.wq(x).view(b, s, -1, self.head_dim)
-        k = self.wk(x).view(b, s, -1, self.head_dim)
-        v = self.wv(x).view(b, s, -1, self.head_dim)
+        q, k, v = (w(x).view(b, s, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return self.wo(self.core(q, k, v).reshape(b, s, -1))
 

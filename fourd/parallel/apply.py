@@ -12,6 +12,14 @@ from fourd.config import Config, model_config, parallelism
 from fourd.errors import FourdError
 from fourd.layout import Layout, Parallelism
 from fourd.model.llama import build_model
+from fourd.parallel.cp import apply_cp
+from fourd.parallel.dp import apply_dp
+from fourd.parallel.mesh import build_mesh, dp_cp_mesh
+from fourd.parallel.pp import PipelineRunner, pipeline_split
+from fourd.parallel.recompute import apply_recompute
+from fourd.parallel.tp import apply_tp
+from fourd.parallel.tp import loss_fn as cross_entropy  # logits plain, or sharded on the vocabulary by TP
+from fourd.schedules import build_schedule
 
 
 @dataclass
@@ -30,10 +38,6 @@ class Parallel:
     def layout(self) -> Layout:
         return self.setting.layout
 
-    @property
-    def data_rank(self) -> int:
-        return self.coords["dp"]
-
 
 def build_parallel(cfg: Config, device: torch.device, rank: int, world: int) -> Parallel:
     par = parallelism(cfg)
@@ -46,13 +50,8 @@ def build_parallel(cfg: Config, device: torch.device, rank: int, world: int) -> 
     coords, schedule = layout.coords(rank), None
     mesh: Any = None  # one rank needs no mesh: every degree is 1
     if world > 1:
-        from fourd.parallel.mesh import build_mesh, dp_cp_mesh
-
         mesh = build_mesh(layout, device.type, hsdp_replicate=par.hsdp_replicas if par.hsdp else None)
     if layout.pp > 1:
-        from fourd.parallel.pp import pipeline_split
-        from fourd.schedules import build_schedule
-
         schedule = build_schedule(par.schedule, layout.pp, par.microbatches, par.virtual_stages)
         stages = pipeline_split(mcfg, coords["pp"], schedule, seed=seed, device=device)
     else:
@@ -62,35 +61,24 @@ def build_parallel(cfg: Config, device: torch.device, rank: int, world: int) -> 
         if cfg.train.fp8:
             _fp8(s)
         if layout.tp > 1:
-            from fourd.parallel.tp import apply_tp
-
             apply_tp(s, mesh["tp"], sequence_parallel=par.sequence_parallel)
         if layout.cp > 1:
-            from fourd.parallel.cp import apply_cp
-
             apply_cp(s, mesh["cp"], cfg.data.seq_len)
         _per_block(cfg, s, par, device)
         if dp_mesh is not None:
-            from fourd.parallel.dp import apply_dp
-
             apply_dp(s, dp_mesh, par.zero)
     runner = None
     if schedule is not None:
-        from fourd.parallel.pp import PipelineRunner
-
-        runner = PipelineRunner(stages, schedule, mesh["pp"], loss_fn(layout), device=device)
+        runner = PipelineRunner(stages, schedule, mesh["pp"], cross_entropy, device=device)
     return Parallel(par, rank, coords, mesh, stages, runner, dp_mesh)
 
 
-def _per_block(cfg: Config, stage: torch.nn.Module, par: Parallelism, device: torch.device) -> torch.nn.Module:
+def _per_block(cfg: Config, stage: torch.nn.Module, par: Parallelism, device: torch.device) -> None:
     """Recomputation, then compilation of each block in place, as torchtitan does (parameter names unchanged)."""
-    from fourd.parallel.recompute import apply_recompute
-
     apply_recompute(stage, par.recompute)
     if compiles(cfg, device.type):
         for block in stage.layers.values():
             block.compile()
-    return stage
 
 
 def compiles(cfg: Config, device_type: str) -> bool:
@@ -118,16 +106,3 @@ def _fp8(stage: torch.nn.Module) -> None:
 
     # The output projection stays in BF16: its FP8 error reaches the loss directly (torchtitan does the same).
     convert_to_float8_training(stage, module_filter_fn=lambda module, fqn: fqn != "output")
-
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss in nats (float32 whatever the compute dtype)."""
-    return torch.nn.functional.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
-
-
-def loss_fn(layout: Layout):
-    if layout.tp > 1:
-        from fourd.parallel.tp import loss_fn as vocab_parallel_loss
-
-        return vocab_parallel_loss
-    return cross_entropy

@@ -1,9 +1,5 @@
 """Context parallelism, Llama 3 style: rank i of CP holds chunks i and 2·CP−1−i of each sequence cut in 2·CP, and
 attention all-gathers K and V (the KV heads, not heads repeated for GQA) over the cp group (docs/pipeline-context.md).
-
-    apply_cp(stage, cp_mesh, seq_len)         # once per model or pipeline stage, after TP
-    x_local = cp_shard(x, cp_rank, cp)        # [b, seq_len] -> [b, seq_len / cp]; the same for targets
-    full = cp_unshard(y_local, cp_mesh)       # the inverse, gathered on every cp rank
 """
 
 from __future__ import annotations
@@ -20,7 +16,7 @@ from fourd.model.llama import rope_table
 def cp_positions(seq_len: int, cp_rank: int, cp: int) -> torch.Tensor:
     """True positions of the tokens rank `cp_rank` holds, in the order it holds them."""
     if seq_len % (2 * cp):
-        raise FourdError(f"sequence length {seq_len} must be a multiple of 2·cp = {2 * cp}: choose --seq accordingly")
+        raise FourdError(f"sequence length {seq_len} must be a multiple of 2·cp = {2 * cp}: choose it accordingly")
     chunk = seq_len // (2 * cp)
     first, second = cp_rank, 2 * cp - 1 - cp_rank
     return torch.cat(
@@ -36,28 +32,9 @@ def cp_shard(tensor: torch.Tensor, cp_rank: int, cp: int, dim: int = 1) -> torch
     return tensor.index_select(dim, index)
 
 
-def cp_unshard(tensor: torch.Tensor, cp_mesh, dim: int = 1) -> torch.Tensor:
-    """The full sequence from every cp rank's shard, in true order (a collective over the cp group)."""
-    group, rank, cp = _group_of(cp_mesh)
-    if cp == 1:
-        return tensor
-    parts = [torch.empty_like(tensor) for _ in range(cp)]
-    dist.all_gather(parts, tensor.contiguous(), group=group)
-    seq_len = tensor.shape[dim] * cp
-    order = torch.cat([cp_positions(seq_len, r, cp) for r in range(cp)])
-    full = torch.empty_like(torch.cat(parts, dim=dim))
-    full.index_copy_(dim, order.to(tensor.device), torch.cat(parts, dim=dim))
-    return full
-
-
-def _group_of(cp_mesh) -> tuple[dist.ProcessGroup, int, int]:
-    group = cp_mesh.get_group() if hasattr(cp_mesh, "get_group") else cp_mesh
-    return group, dist.get_rank(group), dist.get_world_size(group)
-
-
 class _GatherKV(torch.autograd.Function):
-    """All-gather along a new leading dimension; backward reduce-scatters the gradient (each rank's K and V serve
-    every rank's queries, so their gradient is the sum of what every rank sends back)."""
+    """All-gather along a new leading dimension; backward reduce-scatters the gradient (every rank's queries use
+    each rank's K and V)."""
 
     @staticmethod
     def forward(ctx, local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -101,14 +78,15 @@ class ContextParallelAttention(nn.Module):
 
 
 def apply_cp(stage: nn.Module, cp_mesh, seq_len: int) -> nn.Module:
-    """Make `stage` run on this rank's 2 chunks of each sequence (cut inputs with `cp_shard` at exactly `seq_len`
-    tokens): ContextParallelAttention cores, and the rope rows of the rank's tokens."""
-    group, rank, cp = _group_of(cp_mesh)
+    """Make `stage` (after TP) run on this rank's 2 chunks of each sequence of exactly `seq_len` tokens (inputs cut
+    by `cp_shard`): ContextParallelAttention cores, and the rope rows of the rank's tokens."""
+    group = cp_mesh.get_group() if hasattr(cp_mesh, "get_group") else cp_mesh
+    rank, cp = dist.get_rank(group), dist.get_world_size(group)
     if cp == 1:
         return stage
     cfg = stage.cfg
     if seq_len > cfg.max_seq:
-        raise FourdError(f"sequence length {seq_len} exceeds the model's max_seq {cfg.max_seq}: lower --seq")
+        raise FourdError(f"sequence length {seq_len} exceeds the model's max_seq {cfg.max_seq}: shorten it")
     positions = cp_positions(seq_len, rank, cp)
     device = stage.rope.cos.device
     cos, sin = rope_table(cfg.head_dim, positions, cfg.rope_theta)

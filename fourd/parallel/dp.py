@@ -18,10 +18,9 @@ from fourd.layout import ZERO_STAGES
 
 
 def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, zero: int = 3) -> nn.Module:
-    """Wrap a Llama or a pipeline stage of it in place, per transformer block and then whole: ZeRO 0 and 1
-    replicate (gradients all-reduced; ZeRO 1 shards the optimizer with ShardedAdamW), 2 and 3 shard with
-    fully_shard (3 re-gathers parameters in backward). dp_mesh comes from fourd.parallel.mesh.dp_cp_mesh; a 2-D
-    one (HSDP) takes ZeRO 3. On CUDA parameters are computed in BF16 and gradients reduced in FP32."""
+    """Wrap a Llama or a pipeline stage in place, per block and then whole: ZeRO 0 and 1 replicate (ZeRO 1's optimizer
+    is ShardedAdamW), 2 and 3 fully_shard; a 2-D dp_mesh (HSDP, from mesh.dp_cp_mesh) takes ZeRO 3. On CUDA,
+    compute in BF16 and gradient reduction in FP32."""
     if zero not in ZERO_STAGES or isinstance(zero, bool):
         raise FourdError(f"ZeRO stage {zero!r}: choose one of {', '.join(map(str, ZERO_STAGES))}")
     if dp_mesh.ndim == 2 and zero != 3:
@@ -47,9 +46,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class ShardedAdamW(torch.optim.AdamW):
-    """ZeRO 1 over replicated parameters: each parameter's AdamW state lives on one owner among the mesh's ranks
-    (largest parameters first, each to the least loaded rank), which updates it and broadcasts it. state_dict()
-    gathers every state (a collective), so checkpoints equal those of ZeRO 0; load_state_dict() keeps the owned."""
+    """ZeRO 1 over replicated parameters: each parameter's AdamW state lives on one owner rank (largest first, to the
+    least loaded), which updates and broadcasts it. state_dict() gathers every state (a collective): checkpoints
+    equal ZeRO 0's; load_state_dict() keeps the owned."""
 
     def __init__(self, params, mesh: DeviceMesh, **kwargs):
         super().__init__(params, **kwargs)
@@ -109,8 +108,7 @@ class ShardedAdamW(torch.optim.AdamW):
 
 
 def held_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind these tensors' local shards (FSDP keeps padded storages),
-    i.e. what this rank really holds for them."""
+    """Bytes of the distinct storages behind these tensors' local shards (FSDP's padded): what this rank holds."""
     storages = {}
     for t in tensors:
         s = _local(t).untyped_storage()

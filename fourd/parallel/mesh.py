@@ -5,7 +5,6 @@ from __future__ import annotations
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fourd.compat import concatenate_meshes, flatten_mesh
-from fourd.errors import FourdError
 from fourd.layout import Layout
 
 MESH_DIMS = ("dp", "pp", "cp", "tp")
@@ -13,13 +12,9 @@ MESH_DIMS = ("dp", "pp", "cp", "tp")
 
 def build_mesh(layout: Layout, device_type: str = "cpu", hsdp_replicate: int | None = None) -> DeviceMesh:
     """The job's mesh (row-major, so rank = tp + TP·(cp + CP·(pp + PP·dp))); needs an initialised default
-    process group of layout.world ranks. With HSDP the dp dimension is ("dp_replicate", "dp_shard")."""
+    process group of layout.world ranks. HSDP (validated by fourd.layout.check) splits dp: dp_replicate, dp_shard."""
     if hsdp_replicate is None:
         return init_device_mesh(device_type, (layout.dp, layout.pp, layout.cp, layout.tp), mesh_dim_names=MESH_DIMS)
-    if hsdp_replicate < 1 or layout.dp % hsdp_replicate:
-        raise FourdError(
-            f"HSDP replicate degree {hsdp_replicate} must divide dp={layout.dp}: choose a divisor of {layout.dp}"
-        )
     shape = (hsdp_replicate, layout.dp // hsdp_replicate, layout.pp, layout.cp, layout.tp)
     return init_device_mesh(device_type, shape, mesh_dim_names=("dp_replicate", "dp_shard") + MESH_DIMS[1:])
 

@@ -3,7 +3,7 @@ per-rank action lists unchanged, on torch.distributed.pipelining's action runtim
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from time import perf_counter
 
 import torch
@@ -27,9 +27,8 @@ def pipeline_split(
     device: str | torch.device = "cpu",
     fewer_first_last: bool = True,
 ) -> list[Llama]:
-    """The stage modules (Llama with only their layers, global keys) of pipeline rank `pp_rank`, in the order of
-    `schedule.stages_of_rank(pp_rank)`: sharing a built model's modules, or built alone and initialised from
-    `seed` (the full model's weights: init is per parameter name)."""
+    """Pipeline rank `pp_rank`'s stages (Llama with only their layers, global keys) in schedule order: sharing a
+    built model's modules, or built alone from `seed` (the full model's weights: init is per parameter name)."""
     cfg = model_or_cfg.cfg if isinstance(model_or_cfg, Llama) else model_or_cfg
     counts = layer_split(cfg.layers, schedule.stages, fewer_first_last, empty_edges=True)
     starts = [sum(counts[:s]) for s in range(schedule.stages)]
@@ -117,12 +116,8 @@ class PipelineRunner:
         self._has_last = schedule.stages - 1 in indices
         # Each microbatch's mean loss counts 1/M: the runtime divides the gradients by M once all
         # backwards are done (after FSDP's reduction), which is the same as backpropagating loss / M.
-        self._runtime = pipeline_runtime(
-            self._stages,
-            schedule.microbatches,
-            self._timed_loss,
-            {r: [(a.stage, a.kind, a.microbatch) for a in actions] for r, actions in enumerate(schedule.ranks)},
-        )
+        actions = {r: [(a.stage, a.kind, a.microbatch) for a in acts] for r, acts in enumerate(schedule.ranks)}
+        self._runtime = pipeline_runtime(self._stages, schedule.microbatches, self._timed_loss, actions)
 
     def _timed_loss(self, output, target):
         start = perf_counter()
@@ -130,10 +125,7 @@ class PipelineRunner:
         # The loss belongs to the forward action that produced `output`, which was just recorded
         # (no record yet when the runtime infers shapes before the first step).
         if self.records:
-            last = self.records[-1]
-            self.records[-1] = ActionRecord(
-                last.kind, last.stage, last.microbatch, last.start, last.end + perf_counter() - start
-            )
+            self.records[-1] = replace(self.records[-1], end=self.records[-1].end + perf_counter() - start)
         return loss
 
     def step(self, x: torch.Tensor | None, y: torch.Tensor | None) -> torch.Tensor:
@@ -148,12 +140,8 @@ class PipelineRunner:
         for stage in self._stages:
             stage.t0 = t0
         losses: list[torch.Tensor] = []
-        self._runtime.step(
-            *((x,) if self._has_first else ()),
-            target=y if self._has_last else None,
-            losses=losses,
-            return_outputs=False,
-        )
+        first = (x,) if self._has_first else ()
+        self._runtime.step(*first, target=y if self._has_last else None, losses=losses, return_outputs=False)
         device = self._stages[0].device
         # Only the last stage's rank has losses; the others add zero, and everyone waits for the last rank.
         loss = torch.stack([x.detach().float() for x in losses]).mean() if losses else torch.zeros((), device=device)
@@ -162,15 +150,6 @@ class PipelineRunner:
         busy = sum(r.end - r.start for r in self.records)
         self.bubble_fraction = max(0.0, 1.0 - busy / self.wall)
         return loss
-
-    def trace_events(self, pid: int = 0, offset_us: float = 0.0) -> list[dict]:
-        """The last step's actions as Chrome trace events (one row per pipeline rank)."""
-        return [
-            dict(name=f"{r.kind}{r.stage}.{r.microbatch}", cat=r.kind, ph="X", pid=pid, tid=0)
-            | dict(ts=offset_us + r.start * 1e6, dur=(r.end - r.start) * 1e6)
-            | {"args": {"stage": r.stage, "microbatch": r.microbatch}}
-            for r in self.records
-        ]
 
 
 def _device_of(module: nn.Module) -> torch.device:

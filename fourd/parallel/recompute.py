@@ -1,7 +1,5 @@
-"""Activation recomputation per transformer block, applied from outside like the parallelisms: "selective" keeps
-what fourd.plan.memory.activation_bytes_per_token counts (no matmul, attention or reduction is recomputed), "per-op"
-(torchtitan's policy) keeps only every other matmul's output besides, "full" keeps only each block's input
-(docs/parallelism.md)."""
+"""Activation recomputation per transformer block, applied from outside (docs/parallelism.md): "selective"
+recomputes no matmul, attention or reduction, "per-op" (torchtitan's) every other matmul, "full" the whole block."""
 
 from __future__ import annotations
 
@@ -24,9 +22,8 @@ KEEP = {
 
 
 def _contexts(matmuls: int, mode: str):
-    """Fresh contexts for one block call. Selective leaves out the block's last matmul (w2): its output only joins
-    the residual stream, backward never needs it, and recomputation stops before reaching it. Per-op keeps the
-    1st, 3rd, ... matmul's output."""
+    """Fresh contexts for one block call. Selective does not keep the last matmul's (w2) output, which backward
+    never needs; per-op keeps the 1st, 3rd, ... matmul's."""
     seen = {False: 0, True: 0}  # matmuls so far in the forward and in the recomputation
 
     def policy(ctx, op, *args, **kwargs):

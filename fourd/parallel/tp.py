@@ -45,8 +45,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = Fa
         for linear in ("attention.wo", "feed_forward.w2"):
             plan[f"{block}.{linear}"] = RowwiseParallel(output_layouts=stream, use_local_output=not sequence_parallel)
         if sequence_parallel:
-            plan[f"{block}.attention_norm"] = SequenceParallel()
-            plan[f"{block}.ffn_norm"] = SequenceParallel()
+            plan |= {f"{block}.{norm}": SequenceParallel() for norm in ("attention_norm", "ffn_norm")}
     if model.norm is not None and sequence_parallel:
         plan["norm"] = SequenceParallel()
     if model.output is not None:
@@ -64,17 +63,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = Fa
             if name.endswith("norm.weight"):
                 p.register_post_accumulate_grad_hook(_sum_partial_grad)
         if model.tok_embeddings is None:
-            parallelize_module(
-                model,
-                tp_mesh,
-                PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(stream,), use_local_output=False),
-            )
+            io = PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(stream,), use_local_output=False)
+            parallelize_module(model, tp_mesh, io)
         if model.output is None:
-            parallelize_module(
-                model,
-                tp_mesh,
-                PrepareModuleOutput(output_layouts=(stream,), desired_output_layouts=(stream,), use_local_output=True),
-            )
+            io = PrepareModuleOutput(output_layouts=(stream,), desired_output_layouts=(stream,), use_local_output=True)
+            parallelize_module(model, tp_mesh, io)
     return model
 
 

@@ -7,20 +7,28 @@ import os
 from dataclasses import replace
 
 from fourd.config import Config, fourd_home, model_config, parallelism
-from fourd.errors import FourdError
+from fourd.errors import FourdError, plural
 from fourd.layout import Parallelism
+from fourd.plan.cluster import GPU, Cluster, Network, Node, load_cluster
+from fourd.plan.job import Job
+from fourd.plan.request import best_plan, rank_peak_memory_gb
+from fourd.plan.search import evaluate
 from fourd.train.metrics import device_peak_flops
 
 GPU_PRESETS = {"H200": "dgx-h200", "H100": "dgx-h100", "A100": "selene-a100"}  # the first name found wins
+
+
+def use_cuda(cfg: Config) -> bool:
+    import torch
+
+    return torch.cuda.is_available() and cfg.train.dtype != "fp32"
 
 
 def machine(cfg: Config):
     """(this machine's cluster profile, its devices, the bytes one device holds: on CPU, RAM shared by all ranks)."""
     import torch
 
-    from fourd.plan.cluster import GPU, Cluster, Network, Node, load_cluster
-
-    if torch.cuda.is_available() and cfg.train.dtype != "fp32":
+    if use_cuda(cfg):
         name = torch.cuda.get_device_name()
         preset = next((p for key, p in GPU_PRESETS.items() if key in name), "dgx-h100")
         return load_cluster(preset), torch.cuda.device_count(), torch.cuda.get_device_properties(0).total_memory
@@ -44,14 +52,12 @@ def choose(cfg: Config, cluster, devices: int) -> None:
     cfg.parallel.layout, cfg.parallel.hsdp_replicas = str(c.layout), c.hsdp_replicas
     print(
         f"fourd train: --layout auto on {cluster.name} ({devices} devices): {c.layout}, {c.schedule}, "
-        f"{c.microbatches} microbatch(es), ZeRO {c.zero}, recompute {c.recompute} (predicted {step_s:.3g} s/step)",
+        f"{plural(c.microbatches, 'microbatch')}, ZeRO {c.zero}, recompute {c.recompute} (predicted {step_s:.3g} s/step)",
         flush=True,
     )
 
 
 def _best(cfg: Config, cluster, devices: int) -> tuple[Parallelism, float]:
-    from fourd.plan.request import best_plan
-
     plan = best_plan(model_config(cfg), cluster, devices, cfg.data.seq_len, cfg.train.global_batch)
     return plan.config, plan.step.step_s
 
@@ -70,8 +76,6 @@ def check_memory(cfg: Config, cluster, capacity: int) -> None:
 
 
 def _need(cfg: Config, cluster, par: Parallelism, global_seqs: int = 0) -> float:
-    from fourd.plan.request import rank_peak_memory_gb
-
     seqs = global_seqs or cfg.train.global_batch
     return rank_peak_memory_gb(model_config(cfg), cluster, par, cfg.data.seq_len, seqs) * 1e9
 
@@ -86,14 +90,12 @@ def _fix(cfg: Config, cluster, par: Parallelism, capacity: float) -> str:
     best, _ = _best(cfg, cluster, par.layout.world)
     if _need(cfg, cluster, best) <= capacity:
         return f"use the planner's layout (--layout auto: {best.layout}, ZeRO {best.zero}, recompute {best.recompute})"
-    return f"no layout of {par.layout.world} device(s) fits: train a smaller model, or on more devices"
+    return f"no layout of {plural(par.layout.world, 'device')} fits: train a smaller model, or on more devices"
 
 
 def predict(cfg: Config, peak_flops: float, world: int, device_type: str) -> dict:
     """The planner's step time, tokens/s, MFU (the trainer's definition) and peak memory of rank 0 (GiB) for this run."""
     from fourd.parallel.apply import compiles
-    from fourd.plan.job import Job
-    from fourd.plan.search import evaluate
 
     cluster, _, _ = machine(cfg)
     mcfg, seq, seqs = model_config(cfg), cfg.data.seq_len, cfg.train.global_batch

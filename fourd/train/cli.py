@@ -1,10 +1,7 @@
-"""Train a Llama-style model with 4D parallelism.
-
-Started directly, fourd launches one local worker per rank through PyTorch's elastic launcher; under torchrun it
-is that worker, so the same command trains across nodes. Same seed, same data order and same initial weights at
-any layout. A run gets a fresh directory runs/<model>-<layout>-<time> (or --run-dir) with config.toml,
-metrics.jsonl, tensorboard/ and checkpoints/. Ctrl-C (SIGINT) or SIGTERM stops it at the next step with a
-checkpoint; --resume continues it exactly, with the configuration it recorded.
+"""Train a Llama-style model with 4D parallelism: one local worker per rank through PyTorch's elastic launcher, or
+under torchrun the worker itself, across nodes. Same seed, data order and initial weights at any layout. A run gets
+runs/<model>-<layout>-<time> (or --run-dir) with config.toml, metrics.jsonl, tensorboard/ and checkpoints/; Ctrl-C
+or SIGTERM stops it at the next step with a checkpoint, and --resume continues it exactly.
 
 examples:
   fourd train --model debug --steps 30                # one rank, seconds
@@ -26,11 +23,21 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import os
 import time
 from pathlib import Path
 
+from fourd.ckpt.store import checkpoints
+from fourd.config import Config, build_config, fourd_home, load_toml, model_config, parallelism
+from fourd.config import check as check_config
+from fourd.data.tokenizer import load_tokenizer
 from fourd.errors import FourdError, plural, si
+from fourd.hf.convert import load_weights
+from fourd.layout import DIMS, check, parse_layout
+from fourd.train.auto import check_memory, choose, machine, use_cuda
+from fourd.train.launch import attempt, launch_local, outcome, under_torchrun
+from fourd.train.metrics import device_peak_flops
 
 # short flag -> config key
 FLAGS = {"model": "model.preset", "steps": "train.steps", "seed": "train.seed", "init_from": "train.init_from"}
@@ -43,8 +50,6 @@ ACCEPTS_OVERRIDES = True
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from fourd.config import Config
-
     p.description = (p.description or "") + "".join(f"\n  [{s}] {', '.join(v)}" for s, v in Config().to_dict().items())
     p.add_argument("--config", metavar="FILE.toml", help="a TOML file of [section] keys")
     p.add_argument("--model", metavar="PRESET", help="debug, small, llama3-8b, llama3-70b, llama3-405b")
@@ -72,8 +77,6 @@ def _absolute(cfg) -> None:
 
 def _resuming(args) -> tuple[Path | None, dict]:
     """(the run directory --resume names, its recorded configuration); (None, {}) for a new run."""
-    from fourd.config import load_toml
-
     if args.resume is None:
         return None, {}
     if args.resume is not True and args.run_dir is not None and Path(args.resume) != Path(args.run_dir):
@@ -85,8 +88,6 @@ def _resuming(args) -> tuple[Path | None, dict]:
             if where
             else "--resume needs the run: --resume DIR, or --run-dir DIR --resume"
         )
-    from fourd.ckpt.store import checkpoints
-
     run, record = Path(where), Path(where, "config.toml")
     if not record.is_file() and not checkpoints(run):
         raise FourdError(f"--resume {where}: nothing to resume there (no config.toml, no checkpoint): drop --resume")
@@ -100,8 +101,6 @@ def _changes(have, asked) -> str:
 
 
 def _check_kept(saved, cfg, mcfg, run_dir: Path) -> None:
-    from fourd.config import model_config
-
     if model_config(saved) != mcfg:
         raise FourdError(f"--resume: the model differs from the run's ({_changes(model_config(saved), mcfg)})")
     for key in KEPT:
@@ -136,27 +135,8 @@ def _check_run_dir(cfg, given: str | None) -> None:
         )
 
 
-def init_source(path: str, weights: bool = False):
-    """The ModelConfig of a fourd checkpoint (or run directory) or a Hugging Face folder, and with `weights` its
-    full state dict in fourd's names."""
-    from fourd.ckpt import store
-    from fourd.model.config import ModelConfig
-
-    p = Path(path)
-    if (p / "config.json").is_file():
-        from fourd.hf.convert import load_hf, read_hf_config
-
-        return load_hf(p) if weights else read_hf_config(p)[0]
-    if not p.is_dir():
-        raise FourdError(f"--init-from {path}: no such checkpoint or Hugging Face folder")
-    found = store.resolve(p)
-    return store.load_model_checkpoint(found) if weights else ModelConfig(**store.read_manifest(found)["model"])
-
-
 def _configure(args):
     """The run's whole configuration and its model: flags over a resumed run's record or an --init-from model."""
-    from fourd.config import Config, build_config, load_toml, model_config
-
     resumed, saved = _resuming(args)
     flags = {FLAGS[k]: getattr(args, k) for k in FLAGS}
     if resumed is not None:
@@ -164,7 +144,9 @@ def _configure(args):
     overrides, options = list(args._unknown), [s for a in args._parser._actions for s in a.option_strings]
     cfg = build_config(args.config, flags, overrides, saved, options)
     _absolute(cfg)
-    source = init_source(cfg.train.init_from) if cfg.train.init_from and resumed is None else None
+    source = None
+    if cfg.train.init_from and resumed is None:
+        source = load_weights(cfg.train.init_from, weights=False)[0]
     said = args.model or any(w.startswith("--model.") for w in overrides) or "model" in load_toml(args.config or "")
     if source is not None and not said:  # nothing said about the model: the source's
         dims = {k: v for k, v in source.to_dict().items() if k != "mlp"}
@@ -183,13 +165,8 @@ def _configure(args):
 
 def prepare(args):
     """Everything that can fail on bad input, done before any worker starts: (cfg, layout, cache, data record)."""
-    from fourd.config import check as check_config
-    from fourd.config import parallelism
-    from fourd.data.dataset import SampleStream, split
+    from fourd.data.dataset import SampleStream
     from fourd.data.dataset import prepare as prepare_data
-    from fourd.data.tokenizer import load_tokenizer
-    from fourd.layout import check
-    from fourd.train.auto import check_memory, choose, machine
 
     cfg, mcfg, resumed = _configure(args)
     here = machine(cfg) if cfg.parallel.layout == "auto" else None  # (profile, devices, bytes per device)
@@ -204,23 +181,19 @@ def prepare(args):
         check_fp8(cfg)
     cluster, _, capacity = here or machine(cfg)
     check_memory(cfg, cluster, capacity)
-    if resumed is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0:
+    if resumed is None and attempt() == 0:
         _check_run_dir(cfg, args.run_dir)
     d = cfg.data
     cache = prepare_data(d.path, d.tokenizer, d.cache_dir)
-    split(cache.tokens, d.seq_len, d.holdout_fraction)  # one sequence must fit: refused before launch
+    held = len(SampleStream(cache, d.seq_len, cfg.train.seed, d.holdout_fraction).holdout())  # refused before launch
     if cache.vocab_size > mcfg.vocab:
         raise FourdError(
             f"the tokenizer has {cache.vocab_size} ids but the model's vocabulary is {mcfg.vocab}: "
             f"set --model.vocab={cache.vocab_size} or use another tokenizer"
         )
     if cache.vocab_size < mcfg.vocab:
-        print(
-            f"fourd train: note: the model's vocabulary ({mcfg.vocab:,}) is larger than the tokenizer's "
-            f"({cache.vocab_size:,} ids); the other rows are padding, never a target",
-            flush=True,
-        )
-    held = len(SampleStream(cache, d.seq_len, cfg.train.seed, d.holdout_fraction).holdout())
+        note = f"the model's vocabulary ({mcfg.vocab:,}) is larger than the tokenizer's ({cache.vocab_size:,} ids)"
+        print(f"fourd train: note: {note}; the other rows are padding, never a target", flush=True)
     if cfg.eval.every and (held - 1) // d.seq_len < cfg.train.global_batch:
         raise FourdError(
             f"eval.every: the held-out tail has {plural(held, 'token')}, less than one batch of "
@@ -230,27 +203,17 @@ def prepare(args):
     return cfg, par.layout, cache, {**data, "source": cache.source, "tokens": cache.tokens}
 
 
-def _made(d: Path) -> bool:
-    with contextlib.suppress(FileExistsError):
-        d.mkdir()
-        return True
-    return False
-
-
 def _start(cfg) -> None:
     """Create the run directory (a fresh, unique one when none is given) and write config.toml into it."""
-    from fourd.layout import DIMS, parse_layout
-
     if not cfg.run.dir:
         lay = parse_layout(cfg.parallel.layout)
         tag = "-".join(f"{d}{getattr(lay, d)}" for d in DIMS if getattr(lay, d) > 1) or "dp1"
-        stem = Path("runs", f"{_model_name(cfg)}-{tag}-{time.strftime('%Y%m%d-%H%M%S')}")
-        Path("runs").mkdir(exist_ok=True)
-        d, n = stem, 1
-        while not _made(d):  # two runs started in the same second get -2, -3, ...
-            n += 1
-            d = stem.with_name(f"{stem.name}-{n}")
-        cfg.run.dir = str(d)
+        stem = f"runs/{_model_name(cfg)}-{tag}-{time.strftime('%Y%m%d-%H%M%S')}"
+        for n in itertools.count(1):  # two runs started in the same second get -2, -3, ...
+            cfg.run.dir = stem + (f"-{n}" if n > 1 else "")
+            with contextlib.suppress(FileExistsError):
+                Path(cfg.run.dir).mkdir(parents=True)
+                break
     try:
         Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
         tmp = Path(cfg.run.dir, f".config.toml.{os.getpid()}")
@@ -262,21 +225,16 @@ def _start(cfg) -> None:
 
 def run(args) -> int:
     cfg, layout, cache, data = prepare(args)
-    from fourd.config import fourd_home, model_config
-    from fourd.train.launch import launch_local, outcome, under_torchrun
-    from fourd.train.metrics import device_peak_flops
-    from fourd.train.worker import use_cuda, worker_entry
+    from fourd.train.worker import worker_entry
 
     device = "cuda" if use_cuda(cfg) else "cpu"
     peak = device_peak_flops(device, fourd_home())
     if not under_torchrun() or os.environ.get("RANK") == "0":
         _start(cfg)
-        print(
-            f"fourd train: {cfg.run.dir}: {_model_name(cfg)} model, {si(model_config(cfg).params())} parameters, "
-            f"layout {layout} ({plural(layout.world, 'rank')}, {device}), {cfg.train.global_batch} x "
-            f"{cfg.data.seq_len} tokens per step, data: {cache.source}",
-            flush=True,
-        )
+        model = f"{_model_name(cfg)} model, {si(model_config(cfg).params())} parameters"
+        per_step = f"{cfg.train.global_batch} x {cfg.data.seq_len} tokens per step"
+        where = f"layout {layout} ({plural(layout.world, 'rank')}, {device})"
+        print(f"fourd train: {cfg.run.dir}: {model}, {where}, {per_step}, data: {cache.source}", flush=True)
     if under_torchrun():
         return outcome([worker_entry(cfg.to_dict(), cache, data, peak)])
     return launch_local(layout.world, cfg.run.max_restarts, worker_entry, cfg.to_dict(), cache, data, peak)

@@ -8,32 +8,24 @@ import torch.distributed as dist
 
 
 class Heartbeat:
-    def __init__(self, rank: int, world: int, store: dist.Store | None):
+    def __init__(self, rank: int, world: int, store: dist.Store):
         """store: the job's store, under a prefix of this attempt's own (the store outlives restarts)."""
         self.rank, self.world, self.step = rank, world, 0
-        self.prefix = "fourd/began/"
         self.store = store if world > 1 else None
 
     def beat(self, step: int) -> None:
         self.step = step
         if self.store is not None:
-            self.store.set(f"{self.prefix}{self.rank}", str(step))
-
-    def began(self) -> dict[int, int]:
-        """Each rank's last begun step (0: none yet), as far as the store knows."""
-        out = {}
-        for r in range(self.world):
-            key = f"{self.prefix}{r}"
-            out[r] = int(self.store.get(key)) if self.store is not None and self.store.check([key]) else 0
-        return out
+            self.store.set(f"fourd/began/{self.rank}", str(step))
 
     def report(self, error: BaseException) -> str:
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]
         where = f"step {self.step} failed ({type(error).__name__}: {first})"
-        if self.world == 1:
+        if self.store is None:
             return where
-        try:
-            began = self.began()
+        try:  # each rank's last begun step, 0 for none yet
+            keys = {r: f"fourd/began/{r}" for r in range(self.world)}
+            began = {r: int(self.store.get(k)) if self.store.check([k]) else 0 for r, k in keys.items()}
         except Exception as e:  # noqa: BLE001 - the store itself is gone: say what we know
             return f"{where}; the rendezvous store is unreachable ({e})"
         behind = sorted(r for r, s in began.items() if s < self.step)

@@ -24,6 +24,11 @@ from fourd.errors import FourdError, RunFailed, plural
 LAUNCH_DIR_ENV = "FOURD_LAUNCH_DIR"
 
 
+def attempt() -> int:
+    """How many times the elastic agent has restarted this worker's job."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+
+
 def under_torchrun() -> bool:
     """True when this process is itself a worker started by torchrun / an elastic agent."""
     return "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ
@@ -88,23 +93,13 @@ def launch_local(nproc: int, max_restarts: int, entrypoint, *args) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory(prefix="fourd-elastic-") as tmp, _signals_to_file(Path(tmp)) as got:
         os.environ[LAUNCH_DIR_ENV] = tmp
-        config = LaunchConfig(
-            min_nodes=1,
-            max_nodes=1,
-            nproc_per_node=nproc,
-            run_id=f"fourd-{uuid.uuid4().hex[:8]}",
-            rdzv_backend="c10d",
-            rdzv_endpoint=f"127.0.0.1:{free_port()}",
-            rdzv_configs={"timeout": 120},
-            max_restarts=max_restarts,
-            monitor_interval=0.1,
-            start_method="spawn",
-            logs_specs=DefaultLogsSpecs(log_dir=os.path.join(tmp, "logs")),
-            # not SIGINT and SIGTERM: the agent would turn them into an exception that kills unsaved workers
-            signals_to_handle="SIGHUP,SIGQUIT",
-        )
+        kw = dict(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"fourd-{uuid.uuid4().hex[:8]}")
+        kw |= dict(rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", rdzv_configs={"timeout": 120})
+        kw |= dict(max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn")
+        # not SIGINT and SIGTERM: the agent would turn them into an exception that kills unsaved workers
+        kw |= dict(signals_to_handle="SIGHUP,SIGQUIT", logs_specs=DefaultLogsSpecs(log_dir=os.path.join(tmp, "logs")))
         try:
-            results = elastic_launch(config, entrypoint)(*args)
+            results = elastic_launch(LaunchConfig(**kw), entrypoint)(*args)
         except ChildFailedError as e:
             if got:
                 print(f"fourd: stopped by {signal.Signals(got[0]).name} before a checkpoint", file=sys.stderr)

@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 from fourd.errors import FourdError
+from fourd.plan.calibrate import gemm_tflops
+from fourd.plan.cluster import load_cluster
 
 # Dense BF16 peaks from the vendors' datasheets (TFLOP/s, without sparsity).
 GPU_PEAK_TFLOPS = {"H100": 989, "H200": 989, "H800": 989, "A100": 312, "A800": 312, "L40S": 362, "A10G": 125,
@@ -21,8 +23,6 @@ GPU_PEAK_TFLOPS = {"H100": 989, "H200": 989, "H800": 989, "A100": 312, "A800": 3
 def cpu_peak_flops(cache_dir: Path) -> tuple[float, str]:
     """The best all-core FP32 matmul rate of this machine and where it comes from. Measured once and kept
     (per CPU model and core count) only when the machine was quiet: on a busy one it reads low, and MFU high."""
-    from fourd.plan.calibrate import gemm_tflops
-
     key = f"{platform.processor() or platform.machine()}-{os.cpu_count()}"
     path = cache_dir / "cpu_peak.json"
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
@@ -51,8 +51,6 @@ def device_peak_flops(device_type: str, cache_dir: Path) -> tuple[float, str]:
         if tflops is None:
             return 989e12, f"{name} unknown: H100's 989 TFLOP/s assumed"
         return tflops * 1e12, f"{name} datasheet, dense BF16"
-    from fourd.plan.cluster import load_cluster
-
     try:  # `fourd calibrate` measures the all-core rate more carefully than the quick benchmark
         return load_cluster("local").gpu.peak_tflops * 1e12, "the `fourd calibrate` profile of this machine"
     except FourdError:
@@ -121,14 +119,12 @@ def summary_table(rows: list[dict], extra: dict[str, str], predicted: dict | Non
         return "no steps run"
     timed = rows[1:] or rows  # the first step pays for warm-up
     mean = lambda k: sum(r[k] for r in timed) / len(timed)
-    got = {k: mean(k) for k in ("tokens_per_s", "step_time_s", "mfu")} | {
-        "peak_mem_gb": max(r["peak_mem_gb"] for r in rows)
-    }
+    got = {k: mean(k) for k in ("tokens_per_s", "step_time_s", "mfu")}
+    got["peak_mem_gb"] = max(r["peak_mem_gb"] for r in rows)
 
     def beside(key: str, form: str) -> str:
-        if not predicted:
-            return ""
-        return f"; planner {form.format(predicted[key])} ({(predicted[key] - got[key]) / got[key]:+.0%})"
+        p, g = (predicted or {}).get(key), got[key]
+        return f"; planner {form.format(p)} ({(p - g) / g:+.0%})" if p is not None else ""
 
     items = [
         ("steps", f"{rows[0]['step']} .. {rows[-1]['step']}"),

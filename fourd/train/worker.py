@@ -1,7 +1,5 @@
 """One training worker: the parallel model, then the loop around fourd.train.step (fault injection, heartbeat,
-held-out evaluation, metrics, checkpoints). Every rank sees the same global batch of the same step, so any layout
-reproduces the single-process run up to rounding. A SIGINT or SIGTERM sets a flag; the ranks agree on it at each
-step boundary (an all-reduce MAX), save a checkpoint and return the signal."""
+held-out evaluation, metrics, checkpoints, and a stop signal the ranks agree on at each step boundary)."""
 
 from __future__ import annotations
 
@@ -20,23 +18,24 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from fourd.ckpt.dcp_io import Checkpointer
+from fourd.ckpt.store import newest
 from fourd.config import Config, model_config
 from fourd.data.dataset import SampleStream, TokenCache
 from fourd.errors import FourdError, RunFailed, plural
+from fourd.hf.convert import load_weights
 from fourd.parallel.apply import build_parallel
-from fourd.train.auto import predict
+from fourd.parallel.cp import cp_shard
+from fourd.sim.trace import document, label, span, write_trace
+from fourd.train.auto import predict, use_cuda
 from fourd.train.heartbeat import Heartbeat
-from fourd.train.launch import LAUNCH_DIR_ENV
+from fourd.train.launch import LAUNCH_DIR_ENV, attempt
 from fourd.train.metrics import MetricsWriter, peak_memory_gb, summary_table
-from fourd.train.step import build_optimizer, lr_at, train_step
+from fourd.train.step import build_optimizer, eval_step, lr_at, train_step
 
 _STOP = [0]  # the signal that asked this worker to stop; 0: none
-
-
-def use_cuda(cfg: Config) -> bool:
-    return torch.cuda.is_available() and cfg.train.dtype != "fp32"
 
 
 def worker_entry(cfg_dict: dict, cache: TokenCache, data: dict, peak: tuple[float, str]) -> int | str:
@@ -54,24 +53,22 @@ def worker_entry(cfg_dict: dict, cache: TokenCache, data: dict, peak: tuple[floa
 
 def _report(e: Exception, cfg: Config) -> None:
     """Leave a failure's one line for the launcher (printed once), or print it when the job will restart."""
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     message = str(e) if isinstance(e, FourdError) else f"{type(e).__name__}: {e}".splitlines()[0]
     if os.environ.get("FOURD_DEBUG"):
         traceback.print_exc()
     folder = os.environ.get(LAUNCH_DIR_ENV)
-    if attempt < cfg.run.max_restarts and type(e) is not FourdError:
+    if attempt() < cfg.run.max_restarts and type(e) is not FourdError:
         print(f"fourd: warning: {message}; the job restarts from the newest checkpoint", file=sys.stderr, flush=True)
     elif folder is None:
         print(f"fourd: error: {message}", file=sys.stderr, flush=True)
     if folder is not None:
         rank, code = int(os.environ.get("RANK", 0)), 2 if type(e) is FourdError else 1
-        report = dict(rank=rank, attempt=attempt, time=time.time(), message=message, code=code)
+        report = dict(rank=rank, attempt=attempt(), time=time.time(), message=message, code=code)
         Path(folder, f"rank-{rank}.json").write_text(json.dumps(report))
 
 
 def run_worker(cfg: Config, cache: TokenCache, data: dict, peak: tuple[float, str]) -> int | str:
     rank, world, local = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     device = torch.device("cuda", local) if use_cuda(cfg) else torch.device("cpu")
     cuda = {"device_id": device} if device.type == "cuda" else {}
     if cuda:
@@ -81,7 +78,7 @@ def run_worker(cfg: Config, cache: TokenCache, data: dict, peak: tuple[float, st
     timeout = timedelta(seconds=cfg.train.timeout_s)
     # The elastic agent keeps one TCP store for all restarts of the job: without a key prefix per
     # attempt, a restarted worker would read its peers' addresses from the failed attempt and hang.
-    store = dist.PrefixStore(f"fourd/attempt{attempt}", next(dist.rendezvous("env://", timeout=timeout))[0])
+    store = dist.PrefixStore(f"fourd/attempt{attempt()}", next(dist.rendezvous("env://", timeout=timeout))[0])
     backend = "nccl" if cuda else "gloo"
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **cuda)
     # The digest gathers 2-D-sharded parameters once per checkpoint; DTensor's advice on merging those
@@ -104,8 +101,7 @@ class _Run:
 
     def __init__(self, cfg: Config, cache: TokenCache, data: dict, peak: tuple[float, str], device, beats):
         self.cfg, self.device, self.beats, self.peak = cfg, device, beats, peak
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        self.rank, self.world, self.attempt = dist.get_rank(), dist.get_world_size(), attempt()
         torch.manual_seed(cfg.train.seed)
         self.par = build_parallel(cfg, device, self.rank, self.world)
         self.opt = build_optimizer(self.par, cfg)
@@ -114,17 +110,18 @@ class _Run:
         self.stream = SampleStream(cache, cfg.data.seq_len, cfg.train.seed, cfg.data.holdout_fraction)
         self.dir = Path(cfg.run.dir)
         first = all(self.par.coords[d] == 0 for d in ("tp", "cp", "dp"))  # one rank per stage sends its weights
-        lay, attempt = str(self.par.layout), self.attempt
+        lay, info = str(self.par.layout), {"data": data}
         self.ckpt = Checkpointer(
-            cfg, self.par.stages, self.opt, layout=lay, contributes=first, attempt=attempt, info={"data": data}
+            cfg, self.par.stages, self.opt, layout=lay, contributes=first, attempt=self.attempt, info=info
         )
         self.writer: MetricsWriter | None = None
         self.per_dp = cfg.train.global_batch // self.par.layout.dp
+        self.offset = self.par.coords["dp"] * self.per_dp  # this rank's first sample in a global batch: any dp
         self.tokens = cfg.train.global_batch * cfg.data.seq_len
-        self.flops_per_step = model_config(cfg).flops_per_token(cfg.data.seq_len) * self.tokens
-        # hardware FLOPs: the model's and what recomputation repeats
-        recompute = self.par.setting.recompute
-        self.hw_flops_per_step = model_config(cfg).flops_per_token(cfg.data.seq_len, recompute) * self.tokens
+        flops = model_config(cfg).flops_per_token
+        # the model's FLOPs (MFU), and the hardware's with what recomputation repeats (HFU)
+        self.flops_per_step = flops(cfg.data.seq_len) * self.tokens
+        self.hw_flops_per_step = flops(cfg.data.seq_len, self.par.setting.recompute) * self.tokens
         # MFU's denominator: every GPU's peak; on a CPU the ranks share the cores the peak was measured on.
         self.peak_total = peak[0] * (self.world if cuda else 1)
 
@@ -154,11 +151,10 @@ class _Run:
             if stop and step < t.steps:
                 if saved != step:
                     self.ckpt.save(step, sample)
-                name = signal.Signals(stop).name
+                saved_at = f"checkpoint {self.dir}/checkpoints/step-{step} saved"
+                resume = f"continue with `fourd train --resume {self.dir}`"
                 return self._end(
-                    stop,
-                    f"stopped by {name} after step {step}; checkpoint {self.dir}/checkpoints/"
-                    f"step-{step} saved; continue with `fourd train --resume {self.dir}`",
+                    stop, f"stopped by {signal.Signals(stop).name} after step {step}; {saved_at}; {resume}"
                 )
         lay, flops, source = self.par.layout, *self.peak
         facts = {"layout": f"{lay} on {plural(self.world, self.device.type + ' rank')}", "run dir": str(self.dir)}
@@ -177,8 +173,6 @@ class _Run:
         return result
 
     def _diverged(self, row: dict) -> str:
-        from fourd.ckpt.store import newest
-
         last = newest(self.dir)
         kept = f"the newest checkpoint, {last}, is kept" if last else "no checkpoint was saved before it"
         return (
@@ -196,8 +190,7 @@ class _Run:
         self.beats.beat(step)
         self.ckpt.poll()
         t0 = time.perf_counter()
-        # the global sample index: the same stream at any dp
-        x, y = self._inputs(self.stream.samples(sample + self.par.data_rank * self.per_dp, self.per_dp))
+        x, y = self._inputs(self.stream.samples(sample + self.offset, self.per_dp))
         lr = lr_at(step, cfg)
         loss, grad_norm = train_step(self.par, self.opt, x, y, lr, cfg, self.amp)
         if self.device.type == "cuda":
@@ -221,41 +214,22 @@ class _Run:
         batch = torch.from_numpy(rows).to(self.device)
         x, y = batch[:, :-1], batch[:, 1:]
         if self.par.layout.cp > 1:
-            from fourd.parallel.cp import cp_shard
-
             x, y = (cp_shard(v, self.par.coords["cp"], self.par.layout.cp, dim=1) for v in (x, y))
         return x, y
 
     def _evaluate(self) -> dict:
-        """Held-out loss and perplexity over the first eval.batches global batches of windows of the corpus
-        tail that training never reads; the same windows, so the same figure, at every layout."""
+        """Held-out loss and perplexity over the first eval.batches global batches of the corpus tail that training
+        never reads: the same windows, so the same figure, at every layout."""
         seq, big = self.cfg.data.seq_len, self.cfg.train.global_batch
         tail = self.stream.holdout()
         n = min(self.cfg.eval.batches, (len(tail) - 1) // seq // big)
         total = 0.0
         for b in range(n):
-            first = b * big + self.par.data_rank * self.per_dp
+            first = b * big + self.offset
             rows = np.stack([tail[(first + k) * seq : (first + k + 1) * seq + 1] for k in range(self.per_dp)])
-            total += self._held_out_loss(*self._inputs(rows))
+            x, y = self._inputs(rows)
+            total += eval_step(self.par, self.opt, x, y, self.cfg, self.amp)
         return {"val_loss": total / n, "val_ppl": math.exp(min(total / n, 700.0))}
-
-    def _held_out_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        """The global batch's mean loss without an update. A pipeline runs its whole schedule, backward
-        included; those gradients are dropped."""
-        par, m = self.par, self.cfg.parallel.microbatches
-        if par.runner is not None:
-            with self.amp():
-                loss = par.runner.step(x, y)
-            self.opt.zero_grad(set_to_none=True)
-        else:
-            from fourd.parallel.apply import loss_fn
-
-            with torch.no_grad(), self.amp():
-                loss = sum(loss_fn(par.layout)(par.stages[0](a), b) for a, b in zip(x.chunk(m), y.chunk(m))) / m
-        loss = loss.detach().float().reshape(())
-        if self.world > 1:
-            dist.all_reduce(loss, op=dist.ReduceOp.AVG)  # over the dp×cp ranks, i.e. the global batch
-        return loss.item()
 
     def _stop_agreed(self) -> int:
         """The signal that stops the run at this step boundary, agreed by every rank; 0: go on."""
@@ -268,12 +242,9 @@ class _Run:
         return int(flag)
 
     def _init_weights(self) -> None:
-        """Start from --init-from's weights: the full state dict on every rank, each keeping its part."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        """Start from train.init_from's weights: the full state dict on every rank, each keeping its part."""
 
-        from fourd.train.cli import init_source
-
-        _, sd = init_source(self.cfg.train.init_from, weights=True)
+        _, sd = load_weights(self.cfg.train.init_from)
         for stage in self.par.stages:
             part = {k: sd[k] for k in stage.state_dict()}
             set_model_state_dict(stage, part, options=StateDictOptions(full_state_dict=True))
@@ -282,13 +253,12 @@ class _Run:
 
     def _write_trace(self, path: Path) -> None:
         """This step's pipeline actions on every rank, as one Chrome trace (opens in Perfetto and the lab)."""
-        c = self.par.coords
-        name = f"rank {self.rank} (pp={c['pp']} tp={c['tp']} cp={c['cp']} dp={c['dp']})"
-        events = [{"ph": "M", "name": "process_name", "pid": self.rank, "args": {"name": name}}]
-        events += self.par.runner.trace_events(pid=self.rank)
-        gathered: list | None = [None] * self.world if self.rank == 0 else None
+        c, r = self.par.coords, self.rank
+        events = [label(r, None, f"rank {r} (pp={c['pp']} tp={c['tp']} cp={c['cp']} dp={c['dp']})")]
+        for a in self.par.runner.records:
+            name, args = f"{a.kind}{a.stage}.{a.microbatch}", {"stage": a.stage, "microbatch": a.microbatch}
+            events.append(span(r, 0, name, a.kind, a.start, a.end - a.start, **args))
+        gathered: list | None = [None] * self.world if r == 0 else None
         dist.gather_object(events, gathered, dst=0)
         if gathered is not None:
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"traceEvents": [e for part in gathered for e in part], "displayTimeUnit": "ms"}))
-            os.replace(tmp, path)
+            write_trace(document([e for part in gathered for e in part]), path)

@@ -19,6 +19,8 @@ from fourd.parallel.pp import PipelineRunner, pipeline_split
 from fourd.parallel.tp import apply_tp, loss_fn
 from fourd.schedules import build_schedule
 
+pytestmark = pytest.mark.slow  # gloo ranks
+
 CFG = with_overrides(get_preset("debug"), layers=8)
 SEQ, STEPS, LR, MAX_NORM = 32, 3, 1e-3, 0.3
 

@@ -21,6 +21,8 @@ from fourd.parallel.dp import ShardedAdamW, apply_dp, held_bytes
 from fourd.parallel.mesh import build_mesh, dp_cp_mesh
 from fourd.parallel.tp import apply_tp, loss_fn
 
+pytestmark = pytest.mark.slow  # gloo ranks
+
 # Odd sizes, so that 4 shards of dim 66, FFN 90 and vocab 250 are uneven and FSDP pads them.
 ODD = ModelConfig(layers=2, dim=66, ffn=90, heads=3, kv_heads=3, vocab=250, max_seq=64)
 SEQ = 16

@@ -16,6 +16,8 @@ from fourd.parallel.grad import clip_grad_norm
 from fourd.parallel.mesh import build_mesh, dp_cp_mesh
 from fourd.parallel.tp import apply_tp, loss_fn
 
+pytestmark = pytest.mark.slow  # gloo ranks
+
 STEPS, BATCH, SEQ, LR, MAX_NORM = 5, 8, 32, 3e-3, 0.3
 DEBUG = get_preset("debug")
 # The debug preset has 2 KV heads; TP = 4 needs 4 (fourd refuses TP beyond the KV heads).

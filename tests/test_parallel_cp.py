@@ -9,10 +9,21 @@ from dist_util import run_ranks
 from fourd.errors import FourdError
 from fourd.model.config import get_preset
 from fourd.model.llama import build_model
-from fourd.parallel.cp import apply_cp, cp_positions, cp_shard, cp_unshard
+from fourd.parallel.cp import apply_cp, cp_positions, cp_shard
+
+pytestmark = pytest.mark.slow  # gloo ranks
 
 CFG = get_preset("debug")  # 4 layers, 4 heads over 2 KV heads (GQA), head_dim 16
 BATCH, SEQ, STEPS, LR = 2, 32, 5, 1e-3
+
+
+def cp_unshard(tensor, group, dim=1):
+    """The full sequence from every cp rank's shard, in true order: the inverse of cp_shard."""
+    cp = dist.get_world_size(group)
+    parts = [torch.empty_like(tensor) for _ in range(cp)]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    order = torch.cat([cp_positions(tensor.shape[dim] * cp, r, cp) for r in range(cp)])
+    return torch.cat(parts, dim=dim).index_select(dim, order.argsort())
 
 
 def _data():

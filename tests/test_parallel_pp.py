@@ -12,6 +12,8 @@ from fourd.model.llama import build_model
 from fourd.parallel.pp import PipelineRunner, layer_split, pipeline_split
 from fourd.schedules import build_schedule
 
+pytestmark = pytest.mark.slow  # gloo ranks
+
 CFG = with_overrides(get_preset("debug"), layers=8)
 SEQ, STEPS, LR = 16, 3, 1e-3
 # Microbatch counts that are not multiples of pp; one sequence per microbatch.
@@ -56,8 +58,8 @@ def _pp_run(pp, group, name, v):
         opt.step()
         opt.zero_grad()
     params = {k: v.detach().clone() for s in stages for k, v in s.state_dict().items()}
-    # The trace of the last step names the schedule's actions in its order, one after another in the step.
-    ran = [e["name"] for e in runner.trace_events(pid=rank)]
+    # The records of the last step name the schedule's actions in its order, one after another in the step.
+    ran = [f"{r.kind}{r.stage}.{r.microbatch}" for r in runner.records]
     planned = [str(a) for a in schedule.ranks[rank]]
     times = [t for r in runner.records for t in (r.start, r.end)]
     in_order = times == sorted(times) and times[0] >= 0 and times[-1] <= runner.wall

@@ -1,6 +1,6 @@
-"""The 4D mesh on 8 real gloo ranks follows the contract's rank formula, and the gradient norm is the true
-global norm when gradients are cut by TP (with sequence parallelism), sharded by FSDP and split over
-pipeline stages."""
+"""The 4D mesh on 8 real gloo ranks follows fourd.layout's rank formula (order [TP, CP, PP, DP], Llama 3 paper
+§3.3.2), and the gradient norm is the true global norm when gradients are cut by TP (with sequence parallelism),
+sharded by FSDP and split over pipeline stages."""
 
 import pytest
 import torch
@@ -15,6 +15,8 @@ from fourd.parallel.dp import apply_dp
 from fourd.parallel.grad import clip_grad_norm
 from fourd.parallel.mesh import build_mesh, dp_cp_mesh
 from fourd.parallel.tp import apply_tp, loss_fn
+
+pytestmark = pytest.mark.slow  # gloo ranks
 
 CFG = get_preset("debug")
 BATCH, SEQ, MAX_NORM = 4, 16, 0.01
