@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from fourd.errors import plural, si
 from fourd.layout import Layout
 from fourd.plan.cluster import group_level, placement
 from fourd.plan.search import Plan, evaluate
@@ -30,7 +31,7 @@ def why(plan: Plan) -> list[str]:
     lines, per_replica = [], plan.global_seqs // lay.dp
     if lay.pp > 1:
         lines.append(
-            f"Pipeline bubble: each replica gets {per_replica} sequences, so {c.microbatches} microbatches; the "
+            f"Pipeline bubble: each replica gets {plural(per_replica, 'sequence')}, so {plural(c.microbatches, 'microbatch')}; the "
             f"{c.schedule} schedule idles {_bubble_shape(lay.pp, c.microbatches, c.virtual_stages, c.schedule)} = "
             f"{_pct(s.bubble_s / s.compute_s)} of compute ({_pct(plan.bubble_fraction)} of the step)."
         )
@@ -58,9 +59,9 @@ def plan_report(plan: Plan, train_tokens: float | None = None) -> str:
     sched = c.schedule + (f" V={c.virtual_stages}" if c.schedule == "interleaved" else "")
     out = [
         f"fourd plan: {plan.gpus:,} × {cl.gpu.name} ({cl.name}, {(plan.job.precision or cl.dtype).upper()}), model with "
-        f"{plan.model.params() / 1e9:,.1f} B parameters, {plan.seq:,}-token sequences, {plan.global_seqs * plan.seq:,} "
+        f"{si(plan.model.params())} parameters, {plan.seq:,}-token sequences, {plan.global_seqs * plan.seq:,} "
         f"tokens per step",
-        f"  {c.layout} · {sched} · {c.microbatches} microbatches of {plan.micro_seqs} × {plan.seq:,} tokens · ZeRO "
+        f"  {c.layout} · {sched} · {plural(c.microbatches, 'microbatch')} of {plan.micro_seqs} × {plan.seq:,} tokens · ZeRO "
         f"{c.zero} · recompute {c.recompute} · {'compiled' if plan.job.compiled else 'eager'}",
     ]
     out += [f"  chosen by the planner (fastest that fits): {', '.join(plan.chosen)}"] if plan.chosen else []

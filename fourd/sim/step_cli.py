@@ -21,6 +21,7 @@ import math
 import time
 from pathlib import Path
 
+from fourd.errors import plural
 from fourd.plan.request import BadValue, bounded
 from fourd.plan.request import add_arguments as plan_arguments
 
@@ -135,7 +136,7 @@ def run(args) -> int:
         return 0
     c, v = plan.config, f" V={plan.config.virtual_stages}" if plan.config.virtual_stages > 1 else ""
     idle = " ".join(f"{100 * x:.1f}" for x in out["per_rank_idle_fraction"])
-    print(f"""{plan.gpus:,} GPUs, layout {c.layout}, {c.schedule}{v}, {c.microbatches} microbatches of {plan.micro_seqs} x {plan.seq} tokens, ZeRO {c.zero}, recompute {c.recompute}{"" if out["comm"] else ", transfers free"}
+    print(f"""{plan.gpus:,} GPUs, layout {c.layout}, {c.schedule}{v}, {plural(c.microbatches, "microbatch")} of {plan.micro_seqs} x {plan.seq} tokens, ZeRO {c.zero}, recompute {c.recompute}{"" if out["comm"] else ", transfers free"}
   step time        {out["step_time_s"]:.4g} s   (planner {out["planner_step_time_s"]:.4g} s)
   throughput       {out["tokens_per_s"]:,.0f} tokens/s, {out["tflops_per_gpu"]:.0f} TFLOP/s per GPU, MFU {100 * out["mfu"]:.1f} %
   bubble           {100 * out["bubble_fraction"]:.1f} % of the pipeline span ({out["pipeline_span_s"]:.4g} s) on the busiest rank
