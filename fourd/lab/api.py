@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections import Counter
 from pathlib import Path
 
 from fourd.errors import FourdError
@@ -108,7 +107,7 @@ def cluster(q: dict[str, str], **_) -> dict:
         for r, c in ((r, layout.coords(r)) for r in range(min(layout.world, REPLICA_GPUS)))
     ]
     spans = {
-        d: {"size": g.size, "groups": g.world // g.size, "levels": _levels(g, profile)}
+        d: {"size": g.size, "groups": g.world // g.size, "levels": clusters.group_levels(g, profile)}
         for d, g in clusters.placement(layout).items()
     }
     shape = {
@@ -117,19 +116,6 @@ def cluster(q: dict[str, str], **_) -> dict:
         "gpus_per_server": per_server,
     }
     return {"layout": str(layout), "world": layout.world, "cluster": profile.name, "gpus": gpus, "spans": spans} | shape
-
-
-def _levels(group, profile) -> dict[str, int]:
-    """How many of a dimension's groups lie inside one server ("nvlink"), one rack, one pod, or across pods,
-    each where its ranks are (with tp=3 on 8-GPU servers some TP groups straddle two servers)."""
-    if group.size == 1:
-        return {}
-    blocks = {"nvlink": profile.node.gpus, "rack": profile.network.gpus_per_rack, "pod": profile.network.gpus_per_pod}
-    reach = (group.size - 1) * group.stride  # from a group's first rank to its last
-    span = group.stride * group.size
-    firsts = (b + o for b in range(0, group.world, span) for o in range(group.stride))
-    levels = (next((k for k, n in blocks.items() if r // n == (r + reach) // n), "cross-pod") for r in firsts)
-    return dict(Counter(levels))
 
 
 PLAN_PARAMS = (

@@ -11,6 +11,7 @@ from fourd.model.config import ModelConfig
 from fourd.plan.cluster import DTYPE_BYTES, Cluster
 
 ATTENTION = ("flash", "materialized")  # a fused kernel, or the s × s scores written to memory (Megatron 2021-22)
+PIPELINE_COMM = ("overlapped", "blocking")  # beside compute (Megatron, torchtitan, fourd), or waited for (DeepSpeed)
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,9 @@ class Work:
 class Job:
     """A training run: `global_seqs` sequences of `seq` tokens per optimizer step, cut as `par` says.
     `precision` None trains in the profile's precision; `compiled` runs the blocks torch.compile'd (fused
-    kernels); `attention` is "flash" (a fused kernel) or "materialized" (the s × s scores in memory)."""
+    kernels); `attention` is "flash" (a fused kernel) or "materialized" (the s × s scores in memory);
+    `pipeline_comm` "blocking": each pipeline send waits for its receiver and gradients are reduced after the
+    last backward (DeepSpeed's pipeline engine)."""
 
     model: ModelConfig
     cluster: Cluster
@@ -53,6 +56,7 @@ class Job:
     precision: str | None = None
     compiled: bool = False
     attention: str = "flash"
+    pipeline_comm: str = "overlapped"
 
     @property
     def layout(self) -> Layout:

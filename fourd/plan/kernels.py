@@ -129,7 +129,7 @@ def collective_time(op: str, nbytes: float, group: Group, cluster: Cluster) -> f
     if n <= 1 or nbytes <= 0:
         return 0.0
     for s in cluster.collectives:
-        if s.op == op and s.nproc == n:
+        if s.op == op and s.nproc == (2 if op == "send" else n):  # a send pairs two ranks of any group
             return s.alpha_s + s.beta_s_per_byte * nbytes
-    bw, latency = group_bandwidth(group, cluster)
+    bw, latency = group_bandwidth(group, cluster, 1 if op == "send" else None)  # a send: one NIC each end
     return _STEPS.get(op, lambda n: n - 1)(n) * latency + bus_factor(op, n) * nbytes / bw

@@ -181,11 +181,15 @@ def _slowest(work: Work, p: int, virtual_stages: int) -> tuple[int, StageTime]:
     return r, times[r]
 
 
-def p2p_time(work: Work) -> float:
-    """One activation (or its gradient) sent between adjacent pipeline ranks (with SP each TP rank's shard)."""
-    lay = work.layout
-    nbytes = work.tokens * work.model.dim * work.dtype_bytes / (lay.tp if work.sequence_parallel else 1)
-    return collective_time("send", nbytes, Group(2, lay.tp * lay.cp, lay.world), work.cluster)
+def p2p_time(job: Job) -> float:
+    """One activation (or its gradient) sent between adjacent pipeline ranks, at the slowest boundary (where the
+    pipeline spans servers some neighbours are on two). With SP each TP rank sends its shard; blocking
+    (DeepSpeed's engine) partitions it over TP too and gathers it on arrival."""
+    work, lay = job.work, job.layout
+    full = work.tokens * work.model.dim * work.dtype_bytes
+    split = work.sequence_parallel or job.pipeline_comm == "blocking"
+    gather = collective_time("all_gather", full, placement(lay)["tp"], job.cluster) * (split > work.sequence_parallel)
+    return collective_time("send", full / (lay.tp if split else 1), placement(lay)["pp"], job.cluster) + gather
 
 
 # ---- one optimizer step ----------------------------------------------------------------------------------
@@ -250,16 +254,19 @@ def step_time(job: Job) -> StepTime:
     lay, par = job.layout, job.par
     p, m = lay.pp, par.microbatches
     slow, t = slowest_rank(job)
-    p2p = 2 * (p - 1) * p2p_time(job.work) if p > 1 else 0.0
+    blocking = job.pipeline_comm == "blocking"
+    # overlapped, the sends of warm-up and cool-down are on the critical path; blocking, each microbatch after
+    # the first also waits for a middle rank's four (two on a two-rank pipeline): docs/planner.md
+    p2p = (2 * (p - 1) + blocking * 2 * min(2, p - 1) * (m - 1)) * p2p_time(job) if p > 1 else 0.0
     layers = rank_shapes(job.model, p, par.virtual_stages)[0][slow]
     tp_f, tp_b, cp_f, cp_b = layer_comm(job.work)
     redo = 2 if par.recompute == "full" else 1
     compute = m * (t.forward + t.backward)
     bubble = bubble_time(par.schedule, p, m, par.virtual_stages, t) if p > 1 else 0.0
     exposed, total = _dp_exposure(job, t, bubble, layers)
-    if job.cluster.cpu:
-        # CPU profiles: a collective's copies, reductions and socket work run on the cores the compute
-        # needs, so nothing hides behind compute
+    if job.cluster.cpu or blocking:
+        # CPU profiles: a collective's copies, reductions and socket work run on the cores the compute needs;
+        # DeepSpeed's pipeline engine reduces gradients after the last backward: nothing hides behind compute
         exposed = total
     overlap = OVERLAP_SLOWDOWN * (total - exposed)
     params = max_rank_params(job.model, p, par.virtual_stages, lay.tp)

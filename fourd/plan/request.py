@@ -20,7 +20,7 @@ from fourd.layout import PRECISIONS, RECOMPUTE, ZERO_STAGES, Layout, Parallelism
 from fourd.layout import check as layout_check
 from fourd.model.config import ModelConfig, get_preset, parse_model_spec
 from fourd.plan.cluster import Cluster, load_cluster
-from fourd.plan.job import ATTENTION, Job
+from fourd.plan.job import ATTENTION, PIPELINE_COMM, Job
 from fourd.plan.search import Fixed, Plan, search
 from fourd.schedules import SCHEDULES, check_stages
 
@@ -102,12 +102,14 @@ SETTINGS: dict[str, tuple[Any, str]] = {
     "precision": (choice(PRECISIONS), "training precision (default: the cluster profile's)"),
     "compiled": (on_off, "the blocks torch.compile'd (default: the planner's choice, on; on a CPU profile off)"),
     "attention": (choice(ATTENTION), "flash (fused, default) or materialized (s x s scores, Megatron 2021-22)"),
+    "pipeline_comm": (choice(PIPELINE_COMM), "overlapped (default) or blocking (DeepSpeed's pipeline engine)"),
     "train_tokens": (count, "token budget of the whole run, e.g. 15.6T, for training_days"),
     "global_seqs": (bounded(int, 1, 1 << 40), ""),  # the trainer's exact batch, in sequences
 }
 FLAGS = {"precision": "--dtype", "compiled": "--compile"}
 METAVARS = {k: "{" + ",".join(map(str, v)) + "}" for k, v in (("schedule", SCHEDULES), ("recompute", RECOMPUTE),
-            ("zero", ZERO_STAGES), ("precision", PRECISIONS), ("attention", ATTENTION), ("sequence_parallel", ("on", "off")),
+            ("zero", ZERO_STAGES), ("precision", PRECISIONS), ("attention", ATTENTION), ("pipeline_comm", PIPELINE_COMM),
+            ("sequence_parallel", ("on", "off")),
             ("compiled", ("on", "off")))}  # fmt: skip
 
 
@@ -212,9 +214,8 @@ def resolve(model: ModelConfig, cluster: Cluster, values: Mapping[str, Any]) -> 
     # compiled blocks are faster and keep less; a CPU profile predicts fourd train, which runs eager
     compiled = (not cluster.cpu) if v["compiled"] is None else v["compiled"]
     open_ += ("compile",) * (v["compiled"] is None and not cluster.cpu)
-    base = Job(
-        model, cluster, Parallelism(Layout()), seq, global_seqs, v["precision"], compiled, v["attention"] or "flash"
-    )
+    attention, comm = v["attention"] or "flash", v["pipeline_comm"] or "overlapped"
+    base = Job(model, cluster, Parallelism(Layout()), seq, global_seqs, v["precision"], compiled, attention, comm)
     return Request(base, gpus, fixed, open_, v["train_tokens"])
 
 

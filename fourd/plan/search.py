@@ -4,7 +4,7 @@ N GPUs ranked by tokens/s among those that fit."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fourd.errors import FourdError
 from fourd.layout import RECOMPUTE, ZERO_STAGES, Layout, Parallelism, split_ok, tp_ok
@@ -77,6 +77,7 @@ class Plan:
         c, s, lay, job = self.config, self.step, self.config.layout, self.job
         out = {"model": self.model.to_dict(), "cluster": self.cluster.name, "gpus": self.gpus}
         out |= {"dtype": job.precision or self.cluster.dtype, "compiled": job.compiled, "attention": job.attention}
+        out |= {"pipeline_comm": job.pipeline_comm}
         out |= {"layout": {d: getattr(lay, d) for d in ("tp", "cp", "pp", "dp")}, "schedule": c.schedule}
         out |= {k: getattr(c, k) for k in ("microbatches", "virtual_stages", "zero", "recompute", "sequence_parallel")}
         out |= {"hsdp_replicas": c.hsdp_replicas, "micro_batch_seqs": self.micro_seqs, "seq": self.seq}
@@ -168,16 +169,13 @@ def search(base: Job, gpus: int, fixed: Fixed, chosen=()) -> list[Plan]:
     Parallelism is ignored), fitting ones first, fastest first. Recomputation, when left open, is the
     lightest that fits (RECOMPUTE's order): each costs time and saves memory."""
     plans, capacity = [], base.cluster.gpu.memory_gb * GB
-    b, pinned = base, fixed != Fixed(sequence_parallel=fixed.sequence_parallel)  # unpinned, every config is valid
-    for par in configs(b.model, gpus, b.seq, b.global_seqs, fixed):
-        job = Job(b.model, b.cluster, par, b.seq, b.global_seqs, b.precision, b.compiled, b.attention)
+    pinned = fixed != Fixed(sequence_parallel=fixed.sequence_parallel)  # unpinned, every config is valid
+    for par in configs(base.model, gpus, base.seq, base.global_seqs, fixed):
+        job = replace(base, par=par)
         if pinned and not valid(job):
             continue
         for rc in [fixed.recompute] if fixed.recompute else RECOMPUTE:
-            if rc != "none":
-                lay, sched, m, v, zero, _, sp, hsdp = (getattr(par, f) for f in Parallelism.__dataclass_fields__)
-                job = Job(b.model, b.cluster, Parallelism(lay, sched, m, v, zero, rc, sp, hsdp), b.seq, b.global_seqs,
-                          b.precision, b.compiled, b.attention)  # fmt: skip
+            job = job if rc == "none" else replace(base, par=replace(par, recompute=rc))
             memory = peak_memory(job)[1]
             if memory.fits(capacity):
                 break

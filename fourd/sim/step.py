@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fourd.errors import FourdError
-from fourd.plan.cluster import Group, group_bandwidth, group_level, members_per_node, shard_group
+from fourd.plan.cluster import group_bandwidth, group_level, members_per_node, shard_group
 from fourd.plan.job import Job, stage_layers
 from fourd.plan.kernels import bus_factor, collective_time, optimizer_time
 from fourd.plan.memory import stage_params
@@ -96,10 +96,10 @@ def build_comm(job: Job) -> Comm:
     gpu = [lay.rank(pp=r) for r in range(lay.pp)]
     for src in range(lay.pp):
         for dst in range(lay.pp):
-            if src != dst:
-                bw, latency = group_bandwidth(Group(2, abs(gpu[dst] - gpu[src]), lay.world), cluster)
-                same_node = gpu[src] // node.gpus == gpu[dst] // node.gpus
-                comm.p2p[(src, dst)] = (("nvl_out", "nvl_in") if same_node else ("nic_out", "nic_in"), bw, latency)
+            if gpu[src] // node.gpus == gpu[dst] // node.gpus:
+                comm.p2p[(src, dst)] = (("nvl_out", "nvl_in"), nvl, node.intra_latency_us * 1e-6)
+            else:
+                comm.p2p[(src, dst)] = (("nic_out", "nic_in"), nic, net.latency_us * 1e-6)
     comm.dp_group = shard_group(lay)  # the cp·dp ranks holding the same weights reduce gradients together
     comm.dp_bw = group_bandwidth(comm.dp_group, cluster)[0]
     if group_level(comm.dp_group, cluster) == "nvlink":
@@ -361,6 +361,8 @@ def simulate_step(
     GPU computes factor× slower, and with it its TP/CP group (they meet in every layer's collectives).
     `throttle` ≥ 1 slows every GPU's compute alike."""
     lay, par = job.layout, job.par
+    if job.pipeline_comm != "overlapped":
+        raise FourdError("the step simulator runs overlapped pipeline communication only; the planner models blocking")
     layers = [max(1, n) for n in stage_layers(job.model.layers, lay.pp, par.virtual_stages)]
     _check_size(par.microbatches * sum(layers) * (3 if par.schedule == "zero-bubble" else 2))  # before building
     schedule = build_schedule(par.schedule, lay.pp, par.microbatches, par.virtual_stages)
