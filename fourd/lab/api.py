@@ -16,8 +16,7 @@ from fourd.plan import request
 from fourd.plan.memory import rank_memories
 from fourd.plan.report import why
 from fourd.schedules import SCHEDULES, build_schedule
-from fourd.sim import pipeline
-from fourd.sim.step import simulate_step
+from fourd.sim.step import UNIT, idle_fractions, simulate_step, timeline
 from fourd.sim.trace import chrome_trace
 
 P_RANGE, M_RANGE, V_RANGE = (1, 16), (1, 64), (1, 8)  # the bench's sliders
@@ -76,8 +75,8 @@ def schedule(q: dict[str, str], **_) -> dict:
 @functools.lru_cache(maxsize=256)  # a slider dragged back and forth asks for the same settings again
 def _bench(name: str, p: int, m: int, v: int) -> dict:
     sched = build_schedule(name, p, m, v)
-    events = pipeline.timeline(sched, {k: t / v for k, t in pipeline.UNIT.items()})
-    step, idle = pipeline.idle_fractions(events)
+    events = timeline(sched, {k: t / v for k, t in UNIT.items()})
+    step, idle = idle_fractions(events)
     busy = sum(e.end - e.start for rank in events for e in rank)
     ranks = [
         dict(rank=r, stages=sched.stages_of_rank(r), idle_fraction=idle[r], peak_in_flight=sched.peak_in_flight(r))
