@@ -1,8 +1,5 @@
-"""Cluster profiles: what one accelerator does, how a server, a pod and the network connect them, and where
-a parallel group of ranks lands in that topology. A profile describes hardware, not a size: any number of
-GPUs may be asked of it. Profiles are TOML (schema in docs/planner.md): presets in fourd/plan/clusters/,
-user profiles in $FOURD_HOME/clusters/ (they win; `fourd calibrate` writes `local` there), or a path.
-"""
+"""Cluster profiles (TOML, docs/planner.md): a GPU, a server, a pod and the network, not a size; presets in
+fourd/plan/clusters/, user profiles in $FOURD_HOME/clusters/ (they win), or a path. And where a group lands."""
 
 from __future__ import annotations
 
@@ -31,11 +28,7 @@ class GemmSample:  # a measured (m×k)·(k×n) GEMM
 
 
 @dataclass(frozen=True)
-class AttentionSample:
-    """Measured attention at `seq` queries and keys per head of `head_dim`, in the planner's FLOPs (4·pairs·
-    head_dim forward, 2.5 times that backward; causal: seq²/2 pairs); `masked_*` with an explicit mask
-    (context parallelism's chunks on CPUs), every one of the seq² pairs computed."""
-
+class AttentionSample:  # measured, in the planner's FLOPs; masked_*: an explicit mask, all seq² pairs computed
     seq: int
     head_dim: int
     fwd_tflops: float
@@ -137,19 +130,15 @@ def _section(cls, data, where: str, path: Path):
     if not isinstance(data, dict):
         raise FourdError(f"{path}: [{where}] must be a table; see docs/planner.md for the schema")
     fields = cls.__dataclass_fields__
-    bad = set(data) - set(fields)
-    if bad:
-        raise FourdError(
-            f"{path}: unknown key(s) {', '.join(sorted(bad))} in [{where}]; allowed: {', '.join(sorted(fields))}"
-        )
+    if bad := ", ".join(sorted(set(data) - set(fields))):
+        raise FourdError(f"{path}: unknown key(s) {bad} in [{where}]; allowed: {', '.join(sorted(fields))}")
     for key, value in data.items():
         kind = _TYPES.get(str(fields[key].type).split(" ")[0])  # None: the tuples of samples, read apart
         if kind and (isinstance(value, bool) or not isinstance(value, kind)):
             raise FourdError(f"{path}: {where}.{key} = {value!r} must be of type {kind[-1].__name__}")
-        if kind and kind != (str,) and not (math.isfinite(value) and (value >= 0 if key in MAY_BE_ZERO else value > 0)):
-            raise FourdError(
-                f"{path}: {where}.{key} = {value} must be a finite number {'of at least' if key in MAY_BE_ZERO else 'above'} 0"
-            )
+        zero = key in MAY_BE_ZERO
+        if kind and kind != (str,) and not (math.isfinite(value) and (value >= 0 if zero else value > 0)):
+            raise FourdError(f"{path}: {where}.{key} = {value} must be finite, {'at least' * zero or 'above'} 0")
     try:
         return cls(**data)
     except TypeError as e:
@@ -162,9 +151,7 @@ def load_cluster(name_or_path: str) -> Cluster:
     try:
         data = tomllib.loads(path.read_text())
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
-        raise FourdError(
-            f"{path}: not a readable TOML profile ({e}); fix the file or rerun `fourd calibrate`"
-        ) from None
+        raise FourdError(f"{path}: not a readable TOML profile ({e}); fix it or rerun `fourd calibrate`") from None
     for key in ("gpu", "node", "network"):
         if not isinstance(data.get(key), dict):
             raise FourdError(f"{path}: missing the [{key}] table; see docs/planner.md for the schema")

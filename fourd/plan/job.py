@@ -3,7 +3,7 @@ rank does for one microbatch. Frozen values, so the memory and time model can ca
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cached_property
 
 from fourd.layout import Layout, Parallelism, layer_split
@@ -85,9 +85,6 @@ class Job:
     def __hash__(self) -> int:
         return _hash(self)
 
-    def with_par(self, **changes) -> Job:
-        return replace(self, par=replace(self.par, **changes))
-
 
 def _hash(obj) -> int:
     if "_hash" not in obj.__dict__:
@@ -96,7 +93,6 @@ def _hash(obj) -> int:
 
 
 def stage_layers(layers: int, pp: int, virtual_stages: int = 1) -> list[int]:
-    """Transformer layers of each of the pp·V pipeline stages: the trainer's split
-    (fourd.layout.layer_split), and beyond the trainer, the first and last stage may hold only
-    the embedding and the output when layers + 2 = pp·V (405B: 128 stages of one layer)."""
+    """Transformer layers of each of the pp·V pipeline stages: the trainer's split (fourd.layout.layer_split), or
+    the first and last stage only the embedding and the output when layers + 2 = pp·V (405B: 128 of one)."""
     return layer_split(layers, pp * virtual_stages, empty_edges=True)

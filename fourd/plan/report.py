@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from fourd.errors import plural, si
 from fourd.layout import Layout
 from fourd.plan.cluster import group_level, placement
@@ -37,7 +39,7 @@ def why(plan: Plan) -> list[str]:
         )
     if lay.pp > 1 and lay.dp % 2 == 0:  # the same global batch on half the replicas, each twice the sequences
         half = Layout(lay.tp, lay.cp, lay.pp, lay.dp // 2)
-        other = evaluate(plan.job.with_par(layout=half, microbatches=2 * c.microbatches))
+        other = evaluate(replace(plan.job, par=replace(c, layout=half, microbatches=2 * c.microbatches)))
         lines.append(
             f"With half the replicas (dp={half.dp}, {2 * per_replica} sequences and {other.config.microbatches} "
             f"microbatches each, same global batch on {other.gpus:,} GPUs) the bubble would be "
@@ -62,7 +64,8 @@ def plan_report(plan: Plan, train_tokens: float | None = None) -> str:
         f"{si(plan.model.params())} parameters, {plan.seq:,}-token sequences, {plan.global_seqs * plan.seq:,} "
         f"tokens per step",
         f"  {c.layout} · {sched} · {plural(c.microbatches, 'microbatch')} of {plan.micro_seqs} × {plan.seq:,} tokens · ZeRO "
-        f"{c.zero} · recompute {c.recompute} · {'compiled' if plan.job.compiled else 'eager'}",
+        f"{c.zero} · recompute {c.recompute} · {'compiled' if plan.job.compiled else 'eager'}"
+        f"{' · blocking pipeline sends' if plan.job.pipeline_comm == 'blocking' else ''}",
     ]
     out += [f"  chosen by the planner (fastest that fits): {', '.join(plan.chosen)}"] if plan.chosen else []
     out += ["", "Placement (ranks innermost first: TP, CP, PP, DP)"]
@@ -70,10 +73,8 @@ def plan_report(plan: Plan, train_tokens: float | None = None) -> str:
     g = mem.gb()
     out += ["", "Memory per GPU (the fullest pipeline rank)        GB"]
     out += [f"  {label:<44} {g[key]:>7.1f}" for key, label in MEMORY]
-    verdict = "fits" if plan.fits else "DOES NOT FIT"
-    out.append(
-        f"  {'total of ' + format(cl.gpu.memory_gb, '.0f') + ' GB':<44} {g['total'] + g['reserve']:>7.1f}  {verdict}"
-    )
+    total = f"total of {cl.gpu.memory_gb:.0f} GB"
+    out.append(f"  {total:<44} {g['total'] + g['reserve']:>7.1f}  {'fits' if plan.fits else 'DOES NOT FIT'}")
     out.append(f"  {'and the allocator cache (freed when short)':<44} {g['fragmentation']:>7.1f}")
     rows = [("compute (TP and CP collectives included)", s.compute_s), ("  of which TP collectives", s.tp_comm_s),
             ("  of which CP collectives", s.cp_comm_s), ("pipeline bubble", s.bubble_s),
@@ -93,9 +94,7 @@ def plan_report(plan: Plan, train_tokens: float | None = None) -> str:
 
 
 def search_report(plans: list[Plan], top: int, train_tokens: float | None = None) -> str:
-    head = (
-        f"  {'layout':<26} {'schedule':<14} {'m':>4} {'mbs':>4} {'zero':>4} {'recompute':<9} {'GB':>6} {'step s':>8} "
-    )
+    head = f"  {'layout':<26} {'schedule':<14} {'m':>4} {'mbs':>4} {'zero':>4} {'recompute':<9} {'GB':>6} {'step s':>8} "  # fmt: skip
     out = [f"searched {len(plans):,} configurations, {sum(p.fits for p in plans):,} fit in memory; the best:", "",
            plan_report(plans[0], train_tokens), "", f"Top {min(top, len(plans))} (fitting first, by tokens/s)",
            head + f"{'tokens/s':>12} {'MFU':>7}"]  # fmt: skip
