@@ -84,6 +84,7 @@ def predict(run: Run, efficiency: dict[str, float] | None = None):
         "schedule": run.schedule, "zero": run.zero, "recompute": recompute(run), "precision": run.precision,
         "sequence_parallel": run.sequence_parallel, "compiled": run.compiled, "hsdp_replicas": run.hsdp_replicas,
         "attention": "materialized" if run.attention_kernel == "materialized" else "flash",
+        "pipeline_comm": run.pipeline_comm,
         "virtual_stages": run.virtual_stages or None,
         "microbatches": run.global_batch_seqs // lay.dp // run.microbatch_seqs if run.microbatch_seqs else None,
     }  # fmt: skip

@@ -9,7 +9,7 @@ import pytest
 from fourd.errors import FourdError
 from fourd.lab import api
 from fourd.schedules import build_schedule
-from fourd.sim.pipeline import timeline
+from fourd.sim.step import timeline
 
 
 def bench(p, m, schedule="gpipe", v=None):

@@ -77,6 +77,15 @@ def test_readable_report_explains_the_drop_from_43_to_41():
     assert "NVLink, inside one server" in r.stdout and "fits" in r.stdout
 
 
+def test_small_models_and_single_microbatches_read_right():
+    r = plan("--model", "debug", "--cluster", "dgx-h100", "--layout", "pp=2", "--microbatches", "1", "--seq", "256",
+             "--global-batch-tokens", "512", "--pipeline-comm", "blocking")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    n = get_preset("debug").params()
+    assert f"model with {n / 1e3:.3g}K parameters" in r.stdout and " · 1 microbatch of 2 × 256 tokens · " in r.stdout
+    assert "each replica gets 2 sequences, so 1 microbatch;" in r.stdout
+
+
 def test_search_json_best_and_candidates():
     r = plan(
         "--model",
@@ -128,7 +137,9 @@ def test_search_json_best_and_candidates():
             "no configuration of 64 GPUs runs this model with 8192-token sequences and 2048 sequences per step in 7 "
             "microbatches per replica: change the number of GPUs, the sequence length, the microbatches or the global batch",
         ),
-        (["--cluster", "nowhere"], "unknown cluster 'nowhere'"),
+        (["--cluster", "nowhere"], "unknown cluster 'nowhere':"),
+        (["--cluster", "dgx-h10"], "unknown cluster 'dgx-h10' (did you mean `dgx-h100`?)"),
+        (["--gpus", "8", "--pipeline-comm", "async"], "argument --pipeline-comm: 'async': choose one of overlapped"),
         (["--cluster", "local"], "run `fourd calibrate` to write it"),
         (
             ["--gpus", "8", "--seq", "0"],

@@ -5,18 +5,27 @@ from fractions import Fraction
 
 import pytest
 
+from fourd.errors import FourdError
 from fourd.layout import Layout, Parallelism
 from fourd.model.config import get_preset
 from fourd.plan import request
-from fourd.plan.cluster import Group, group_bandwidth, group_level, load_cluster, placement
+from fourd.plan.cluster import (
+    Group,
+    group_bandwidth,
+    group_level,
+    group_levels,
+    load_cluster,
+    members_per_node,
+    placement,
+)
 from fourd.plan.job import Job, stage_layers
 from fourd.plan.kernels import GEMM_K_OVERHEAD, HBM_EFFICIENCY, KERNEL_LAUNCH_S, collective_time, gemm_time
 from fourd.plan.memory import in_flight
-from fourd.plan.perf import StageTime, bubble_time, chunk_times, stage_time, step_time
+from fourd.plan.perf import StageTime, bubble_time, chunk_times, layer_comm, stage_time, step_time
 from fourd.plan.report import why
 from fourd.plan.search import evaluate
 from fourd.schedules import build_schedule
-from fourd.sim.step import simulate
+from fourd.sim.step import simulate, simulate_step
 
 H100 = load_cluster("llama3-h100")
 L405 = get_preset("llama3-405b")
@@ -68,6 +77,35 @@ def test_placement_of_table4_groups():
     assert levels == {"tp": "nvlink", "cp": "single", "pp": "pod", "dp": "cross-pod"}
     assert {d: group_level(g, H100) for d, g in placement(Layout(8, 16, 16, 8)).items()}["cp"] == "pod"
     assert group_level(Group(2, 8, 16), H100) == "rack"
+
+
+def test_groups_that_straddle_servers_are_charged_at_the_nics():
+    # tp=3 on 8-GPU servers, 16 per rack: {6,7,8} spans two servers, {15,16,17} two racks, one member alone
+    tp3 = Group(3, 1, 24)
+    assert group_levels(tp3, H100) == {"nvlink": 6, "rack": 1, "pod": 1}
+    assert (group_level(tp3, H100), members_per_node(tp3, H100)) == ("pod", 1)
+    nic = H100.network.nic_bw_gbps * 1e9 * H100.network.nic_efficiency
+    assert group_bandwidth(tp3, H100)[0] == pytest.approx(nic)  # one NIC carries the ring across
+    # tp=6: pieces of 2 and 4 on two servers; the pair's two NICs carry the ring
+    assert members_per_node(Group(6, 1, 48), H100) == 2
+    # regular groups keep every member per server: 16 ranks on two servers drive 8 NICs each
+    assert (group_level(Group(16, 1, 32), H100), members_per_node(Group(16, 1, 32), H100)) == ("rack", 8)
+    lay = Layout(3, 1, 1, 8)
+    straddled = job(get_preset("small"), H100, lay, 1024, 8, "1f1b", 1, 1, 1, "none", sp=False)
+    inside = job(get_preset("small"), H100, Layout(2, 1, 1, 8), 1024, 8, "1f1b", 1, 1, 1, "none", sp=False)
+    assert layer_comm(straddled.work)[0] > 3 * layer_comm(inside.work)[0]
+
+
+def test_blocking_pipeline_comm_waits_for_every_send_and_the_gradient_reduction():
+    base = job(L405, H100, Layout(8, 1, 16, 8), 8192, 128, "1f1b", 16, 1, 1, "none")
+    overlapped, blocking = step_time(base), step_time(dataclasses.replace(base, pipeline_comm="blocking"))
+    assert blocking.compute_s == overlapped.compute_s and blocking.bubble_s == overlapped.bubble_s
+    # the 2(p−1) sends of warm-up and cool-down, and a middle rank's four for each microbatch after the first
+    one = overlapped.p2p_s / (2 * 15)
+    assert blocking.p2p_s == pytest.approx((2 * 15 + 4 * 15) * one)  # with SP each TP rank sends its shard alike
+    assert blocking.dp_exposed_s == blocking.dp_total_s > overlapped.dp_exposed_s
+    with pytest.raises(FourdError, match="overlapped pipeline communication only"):
+        simulate_step(dataclasses.replace(base, pipeline_comm="blocking"))
 
 
 def test_cross_pod_groups_share_oversubscribed_uplinks(tmp_path):
@@ -151,7 +189,7 @@ def test_stage_time_is_the_sum_of_its_layers_and_ends():
         chunks[0].forward > 7 * one.forward
         and chunks[-1].forward > 7 * one.forward + chunks[0].forward - 7 * one.forward
     )
-    full = stage_time(j.with_par(recompute="full").work, 1)
+    full = stage_time(dataclasses.replace(j, par=dataclasses.replace(j.par, recompute="full")).work, 1)
     assert full.input_grad_s == pytest.approx(one.input_grad_s + one.forward_s)
 
 
@@ -206,7 +244,7 @@ def test_step_time_adds_up():
     s = step_time(j)
     assert s.step_s == pytest.approx(s.compute_s + s.bubble_s + s.p2p_s + s.dp_exposed_s + s.overlap_s + s.optimizer_s)
     assert s.bubble_s == pytest.approx(15 * (s.per_microbatch.forward + s.per_microbatch.backward))
-    z3 = step_time(j.with_par(zero=3))
+    z3 = step_time(dataclasses.replace(j, par=dataclasses.replace(j.par, zero=3)))
     assert z3.dp_total_s > 30 * s.dp_total_s  # stage 3 gathers weights for every microbatch
 
 

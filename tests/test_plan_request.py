@@ -48,7 +48,7 @@ def test_a_cpu_profile_defaults_to_what_fourd_train_runs_in_every_caller(tmp_pat
     )
     req = request.resolve(get_preset("small"), load_cluster(str(path)), {"layout": "tp=2"})
     assert (req.base.seq, req.base.global_seqs) == (DataSection().seq_len, TrainSection().global_batch)
-    assert req.fixed.sequence_parallel is ParallelSection().sequence_parallel
+    assert req.fixed["sequence_parallel"] is ParallelSection().sequence_parallel
 
 
 @pytest.mark.parametrize(

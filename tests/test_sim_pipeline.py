@@ -3,7 +3,7 @@
 from fractions import Fraction
 
 from fourd.schedules import build_schedule
-from fourd.sim.pipeline import idle_fractions, timeline
+from fourd.sim.step import idle_fractions, timeline
 
 # Integer durations keep the arithmetic exact: equal means equal.
 UNIT = {"F": 1, "B": 2, "I": 1, "W": 1}

@@ -14,8 +14,7 @@ from fourd.plan import request
 from fourd.plan.cluster import load_cluster
 from fourd.schedules import build_schedule
 from fourd.sim.network import Flow, Network
-from fourd.sim.pipeline import timeline
-from fourd.sim.step import simulate, simulate_step
+from fourd.sim.step import simulate, simulate_step, timeline
 from fourd.sim.step_cli import diurnal_factor
 
 UNIT = {"F": 1, "B": 2, "I": 1, "W": 1}

@@ -24,6 +24,7 @@ if __package__ in (None, ""):  # run as a script: make `fourd` importable from t
 from fourd.errors import FourdError
 from fourd.layout import PRECISIONS, RECOMPUTE, ZERO_STAGES, Layout, Parallelism, check, parse_layout
 from fourd.model.config import ModelConfig, get_preset, parse_model_spec
+from fourd.plan.job import PIPELINE_COMM
 from fourd.schedules import SCHEDULES
 
 PATH = Path(__file__).with_name("runs.toml")
@@ -77,6 +78,7 @@ class Run:
     step_time_s: float = 0.0
     memory_gib: float = 0.0  # peak per GPU
     memory_kind: str = ""
+    pipeline_comm: str = "overlapped"  # "blocking": DeepSpeed's pipeline engine (sends wait; gradients reduced last)
     fit: bool = False
     unstated: list[str] = field(default_factory=list)  # settings the source does not publish (values: best reading)
     excluded: str = ""  # why the planner cannot be judged on this row
@@ -124,6 +126,7 @@ def _check_run(run: Run, sources: dict[str, Source]) -> None:
         ("zero", ZERO_STAGES),
         ("precision", PRECISIONS),
         ("attention_kernel", ATTENTION_KERNELS),
+        ("pipeline_comm", PIPELINE_COMM),
     ):
         _choose(run, name, allowed)
     _choose(run, "memory_kind", MEMORY_KINDS if run.memory_gib else ("",))

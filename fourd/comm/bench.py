@@ -18,6 +18,7 @@ import time
 
 from fourd.comm.launch import backend, run_workers
 from fourd.errors import FourdError
+from fourd.plan import kernels
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "ring", "sendrecv")
 
@@ -25,9 +26,8 @@ _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
 def bus_factor(op: str, n: int) -> float:
-    """nccl-tests' busbw / algbw ratio (its doc/PERFORMANCE.md); `ring` is an all-reduce."""
-    hops = {"all_reduce": 2, "ring": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1}
-    return hops[op] * (n - 1) / n if op in hops else 1.0
+    """nccl-tests' busbw / algbw ratio (fourd.plan.kernels holds the table); `ring` is an all-reduce."""
+    return kernels.bus_factor({"ring": "all_reduce", "sendrecv": "send"}.get(op, op), n)
 
 
 def parse_bytes(text: str) -> int:

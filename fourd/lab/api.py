@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections import Counter
 from pathlib import Path
 
 from fourd.errors import FourdError
@@ -17,8 +16,7 @@ from fourd.plan import request
 from fourd.plan.memory import rank_memories
 from fourd.plan.report import why
 from fourd.schedules import SCHEDULES, build_schedule
-from fourd.sim import pipeline
-from fourd.sim.step import simulate_step
+from fourd.sim.step import UNIT, idle_fractions, simulate_step, timeline
 from fourd.sim.trace import chrome_trace
 
 P_RANGE, M_RANGE, V_RANGE = (1, 16), (1, 64), (1, 8)  # the bench's sliders
@@ -77,8 +75,8 @@ def schedule(q: dict[str, str], **_) -> dict:
 @functools.lru_cache(maxsize=256)  # a slider dragged back and forth asks for the same settings again
 def _bench(name: str, p: int, m: int, v: int) -> dict:
     sched = build_schedule(name, p, m, v)
-    events = pipeline.timeline(sched, {k: t / v for k, t in pipeline.UNIT.items()})
-    step, idle = pipeline.idle_fractions(events)
+    events = timeline(sched, {k: t / v for k, t in UNIT.items()})
+    step, idle = idle_fractions(events)
     busy = sum(e.end - e.start for rank in events for e in rank)
     ranks = [
         dict(rank=r, stages=sched.stages_of_rank(r), idle_fraction=idle[r], peak_in_flight=sched.peak_in_flight(r))
@@ -104,25 +102,12 @@ def cluster(q: dict[str, str], **_) -> dict:
         for r, c in ((r, layout.coords(r)) for r in range(min(layout.world, REPLICA_GPUS)))
     ]
     spans = {
-        d: {"size": g.size, "groups": g.world // g.size, "levels": _levels(g, profile)}
+        d: {"size": g.size, "groups": g.world // g.size, "levels": clusters.group_levels(g, profile)}
         for d, g in clusters.placement(layout).items()
     }
     shape = {"racks": REPLICA_GPUS // per_rack, "servers_per_rack": per_rack // per_server}
     out = {"layout": str(layout), "world": layout.world, "cluster": profile.name, "gpus": gpus, "spans": spans}
     return out | shape | {"gpus_per_server": per_server}
-
-
-def _levels(group, profile) -> dict[str, int]:
-    """How many of a dimension's groups lie inside one server ("nvlink"), one rack, one pod, or across pods,
-    each where its ranks are (with tp=3 on 8-GPU servers some TP groups straddle two servers)."""
-    if group.size == 1:
-        return {}
-    blocks = {"nvlink": profile.node.gpus, "rack": profile.network.gpus_per_rack, "pod": profile.network.gpus_per_pod}
-    reach = (group.size - 1) * group.stride  # from a group's first rank to its last
-    span = group.stride * group.size
-    firsts = (b + o for b in range(0, group.world, span) for o in range(group.stride))
-    levels = (next((k for k, n in blocks.items() if r // n == (r + reach) // n), "cross-pod") for r in firsts)
-    return dict(Counter(levels))
 
 
 PLAN_PARAMS: tuple[str, ...] = ("model", "cluster", "gpus", "layout", "schedule", "microbatches", "v", "seq")

@@ -1,13 +1,10 @@
-"""Measure this machine and write its cluster profile, `local`, for `fourd plan --cluster local`: on a CUDA
-device one GPU in BF16, on CPUs one worker process of `fourd train` in FP32. Matmuls (square and training
-shapes), attention, memory bandwidth, the eager block ops and AdamW, collectives where there are 2 devices
-or more, and on CPUs the all-core peak and the CPU time tensor parallelism and FSDP add to a layer
-(docs/planner.md). Under a minute on CPUs; --quick: a coarser sweep in seconds.
+"""Measure this machine and write its cluster profile, `local` (`fourd plan --cluster local`): on a CUDA device
+one GPU in BF16, on CPUs one worker process of `fourd train` in FP32 (what is measured: docs/planner.md).
+Under a minute on CPUs; --quick: a coarser sweep in seconds.
 
 examples:
   fourd calibrate
   fourd calibrate --quick --out /tmp/local.toml
-  fourd plan --model small --cluster local --layout tp=2,dp=2 --seq 256 --global-batch-tokens 8192
 """
 
 from __future__ import annotations
@@ -17,7 +14,7 @@ import os
 import platform
 import statistics
 import time
-from dataclasses import dataclass
+from collections import namedtuple
 from pathlib import Path
 
 from fourd.errors import FourdError
@@ -27,17 +24,9 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter")
 SMALL_MESSAGE, LARGE_MESSAGE = 1 << 14, 1 << 18  # at most: latency (alpha); at least: mostly bandwidth (beta)
 
 
-@dataclass(frozen=True)
-class Sweep:
-    squares: tuple  # square matmul sizes
-    groups: tuple  # collective group sizes
-    messages: tuple  # collective message bytes
-    iters: int
-    tokens: tuple  # training-shape GEMMs: tokens per microbatch
-    dims: tuple  # and model widths (in, out)
-    seqs: tuple  # attention sequence lengths
-    head_dims: tuple
-
+# square matmul sizes, collective group sizes and message bytes, iterations, training-shape GEMMs' tokens and
+# widths (in, out), attention's sequence lengths and head sizes
+Sweep = namedtuple("Sweep", "squares groups messages iters tokens dims seqs head_dims")
 
 PLANS = {
     "full": Sweep((16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048), (2, 4, 8),
@@ -61,11 +50,10 @@ def _torch(device: str):
 def best_seconds(fn, seconds: float, device: str = "cpu") -> float:
     """Best time of one call of `fn` over timed batches of about 2 ms, for at least `seconds` and 4 batches."""
     _, _, sync = _torch(device)
-    fn()
-    sync()
-    t0 = time.perf_counter()
-    fn()
-    sync()
+    for _ in range(2):  # a warm-up call, then one timed
+        t0 = time.perf_counter()
+        fn()
+        sync()
     reps, best, start = max(1, int(2e-3 / max(time.perf_counter() - t0, 1e-7))), float("inf"), time.perf_counter()
     for batch in range(1000):
         t0 = time.perf_counter()
@@ -91,9 +79,8 @@ def gemm_tflops(n: int, threads: int = 1, seconds: float = 0.1, device: str = "c
 
 
 def training_gemms(tokens, dims, device: str = "cpu", seconds: float = SAMPLE_S) -> list[tuple]:
-    """(m, n, k, TFLOP/s) of a linear layer's three GEMMs as autograd runs them, for every token count and
-    (in, out) pair, (m, n, k) as the planner names them: forward (tokens, out, in), input gradient (tokens,
-    in, out), weight gradient (in, out, tokens): orientation and the long reduction over tokens matter."""
+    """(m, n, k, TFLOP/s) of a linear layer's three GEMMs as autograd runs them for every token count and (in,
+    out): forward (tokens, out, in), input gradient (tokens, in, out), weight gradient (in, out, tokens)."""
     torch, dtype, _ = _torch(device)
     out = []
     for t in tokens:
@@ -109,8 +96,7 @@ def training_gemms(tokens, dims, device: str = "cpu", seconds: float = SAMPLE_S)
 
 def attention_rates(seqs, head_dims, device: str = "cpu", seconds: float = SAMPLE_S) -> list[tuple]:
     """(seq, head_dim, forward and backward TFLOP/s with is_causal, the same with an explicit causal mask) of
-    torch's scaled_dot_product_attention, in the planner's FLOPs: 4·pairs·head_dim per head forward, 2.5
-    times that backward; is_causal skips the masked half (seq²/2 pairs), an explicit mask computes all seq²."""
+    torch's SDPA in the planner's FLOPs (is_causal: seq²/2 pairs; an explicit mask computes all seq²)."""
     torch, dtype, _ = _torch(device)
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
@@ -134,9 +120,8 @@ def attention_rates(seqs, head_dims, device: str = "cpu", seconds: float = SAMPL
 
 
 def elementwise_rate(device: str = "cpu", tokens: int = 4096, seconds: float = 0.1) -> float:
-    """GB/s, in the bytes fourd.plan.block counts for fourd's eager block, that the device reaches running a
-    `small` layer's memory-bound ops as the model does: two RMSNorms, RoPE on q and k, the GQA repeat of k and
-    v, SiLU·mul and two residual adds, forward and backward."""
+    """GB/s, in fourd.plan.block's counted bytes, of a `small` layer's memory-bound ops run as the model does:
+    two RMSNorms, RoPE on q and k, the GQA repeat of k and v, SiLU·mul, two residual adds, forward and backward."""
     torch, dtype, _ = _torch(device)
     import torch.nn.functional as F
 
@@ -171,9 +156,8 @@ def elementwise_rate(device: str = "cpu", tokens: int = 4096, seconds: float = 0
 
 
 def optimizer_rate(device: str = "cpu", seconds: float = 0.1) -> float:
-    """GB/s, in the bytes the planner counts for an Adam update (32 per FP32 parameter), of torch's AdamW
-    stepping the `small` model's parameters one tensor at a time (foreach=False, as the trainer does on CPUs;
-    fused on CUDA, as benchmarks/gpu_step.py)."""
+    """GB/s, in the planner's 32 bytes per FP32 parameter, of torch's AdamW on the `small` model: one tensor at a
+    time on CPUs (foreach=False, as the trainer), fused on CUDA (as benchmarks/gpu_step.py)."""
     torch, _, _ = _torch(device)
     from fourd.model.config import get_preset
     from fourd.model.llama import build_model
@@ -194,21 +178,16 @@ def copy_gbps(device: str = "cpu", nbytes: int = 64 << 20) -> float:
 
 
 def fit_alpha_beta(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """(alpha s, beta s/byte) of t = alpha + beta·bytes: alpha the median time of small messages, beta the
-    least-squares slope of the rest over the large ones; when other work inflates the small-message times
-    past what the large ones leave, the largest message's time per byte, an upper bound."""
+    """(alpha s, beta s/byte) of t = alpha + beta·bytes: alpha the median of small messages, beta the slope over
+    the large ones (or, when other work inflates the small ones, the largest message's time per byte)."""
     alpha = statistics.median(t for s, t in points if s <= SMALL_MESSAGE)
     large = [(s, t - alpha) for s, t in points if s >= LARGE_MESSAGE]
     beta = sum(s * t for s, t in large) / sum(s * s for s, _ in large)
-    if beta <= 0:
-        s, t = max(points)
-        beta = t / s
-    return alpha, beta
+    return alpha, beta if beta > 0 else max(points)[1] / max(points)[0]
 
 
 def _workers(rank: int, nproc: int, cores: int, sweep: Sweep) -> dict:
-    """One worker's share: on CPUs the matmul rate while one worker per core does the same (ranks below
-    `cores`); then the collectives of its groups."""
+    """One worker's share: on CPUs the matmul rate while one worker per core does the same, then collectives."""
     import torch.distributed as dist
 
     from fourd.comm.bench import time_op
@@ -228,8 +207,7 @@ def _workers(rank: int, nproc: int, cores: int, sweep: Sweep) -> dict:
 
 
 def _layer_overheads(rank: int, nproc: int) -> dict:
-    """Seconds fourd's tensor parallelism and FSDP add to one layer's forward and backward on 2 ranks, beyond
-    the plain layer (a tiny one, whose compute is negligible), from models of 1 and 3 layers."""
+    """Seconds fourd's TP and FSDP add to a tiny layer's forward and backward on 2 ranks (models of 1 and 3)."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -349,13 +327,9 @@ def profile_toml(m: dict, command: str) -> str:
 
 
 def add_arguments(p):
-    p.add_argument(
-        "--out", help="where to write the profile (default $FOURD_HOME/clusters/local.toml; FOURD_HOME: ~/.fourd)"
-    )
+    p.add_argument("--out", help="where to write the profile (default $FOURD_HOME/clusters/local.toml)")
     p.add_argument("--quick", action="store_true", help="a coarser, smaller sweep (seconds)")
-    p.add_argument(
-        "--device", choices=("auto", "cpu", "cuda"), default="auto", help="what to measure (default: CUDA if present)"
-    )
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: CUDA if present")
 
 
 def run(args) -> int:
@@ -384,9 +358,7 @@ def run(args) -> int:
           f"to {rates[-1] * 1e3:.1f} GFLOP/s over {len(rates)} shapes; copy {c.gpu.hbm_bw_gbps:.2f} GB/s, eager block "
           f"ops {c.gpu.elementwise_gbps:.2f} GB/s, AdamW {c.gpu.optimizer_gbps:.2f} GB/s")  # fmt: skip
     for s in c.collectives:
-        print(
-            f"  {s.op:>14} x{s.nproc}: alpha {s.alpha_s * 1e6:8.1f} us  1/beta {1 / s.beta_s_per_byte / 1e9:6.3f} GB/s"
-        )
+        print(f"  {s.op:>14} x{s.nproc}: alpha {s.alpha_s * 1e6:8.1f} us  1/beta {1 / s.beta_s_per_byte / 1e9:6.3f} GB/s")  # fmt: skip
     if c.cpu:
         print(f"  CPU time per layer: tensor parallelism {c.gpu.tp_layer_us:.0f} us, FSDP {c.gpu.fsdp_layer_us:.0f} us")
     return 0

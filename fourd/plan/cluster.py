@@ -1,20 +1,18 @@
-"""Cluster profiles: what one accelerator does, how a server, a pod and the network connect them, and where
-a parallel group of ranks lands in that topology. A profile describes hardware, not a size: any number of
-GPUs may be asked of it. Profiles are TOML (schema in docs/planner.md): presets in fourd/plan/clusters/,
-user profiles in $FOURD_HOME/clusters/ (they win; `fourd calibrate` writes `local` there), or a path.
-"""
+"""Cluster profiles (TOML, docs/planner.md): a GPU, a server, a pod and the network, not a size; presets in
+fourd/plan/clusters/, user profiles in $FOURD_HOME/clusters/ (they win), or a path. And where a group lands."""
 
 from __future__ import annotations
 
 import math
 import os
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import tomllib
 
 from fourd.config import fourd_home
-from fourd.errors import FourdError
+from fourd.errors import FourdError, did_you_mean
 from fourd.layout import PRECISIONS
 
 PRESET_DIR = Path(__file__).parent / "clusters"
@@ -30,11 +28,7 @@ class GemmSample:  # a measured (m×k)·(k×n) GEMM
 
 
 @dataclass(frozen=True)
-class AttentionSample:
-    """Measured attention at `seq` queries and keys per head of `head_dim`, in the planner's FLOPs (4·pairs·
-    head_dim forward, 2.5 times that backward; causal: seq²/2 pairs); `masked_*` with an explicit mask
-    (context parallelism's chunks on CPUs), every one of the seq² pairs computed."""
-
+class AttentionSample:  # measured, in the planner's FLOPs; masked_*: an explicit mask, all seq² pairs computed
     seq: int
     head_dim: int
     fwd_tflops: float
@@ -121,8 +115,8 @@ def _find(name_or_path: str) -> Path:
             return folder / f"{name_or_path}.toml"
     hint = " (run `fourd calibrate` to write it)" if name_or_path == "local" else ""
     raise FourdError(
-        f"unknown cluster {name_or_path!r}{hint}: choose one of {', '.join(preset_names())}, "
-        f"a profile in {fourd_home() / 'clusters'}, or a path to a .toml file"
+        f"unknown cluster {name_or_path!r}{hint or did_you_mean(name_or_path, preset_names())}: choose one of "
+        f"{', '.join(preset_names())}, a profile in {fourd_home() / 'clusters'}, or a path to a .toml file"
     )
 
 
@@ -136,19 +130,15 @@ def _section(cls, data, where: str, path: Path):
     if not isinstance(data, dict):
         raise FourdError(f"{path}: [{where}] must be a table; see docs/planner.md for the schema")
     fields = cls.__dataclass_fields__
-    bad = set(data) - set(fields)
-    if bad:
-        raise FourdError(
-            f"{path}: unknown key(s) {', '.join(sorted(bad))} in [{where}]; allowed: {', '.join(sorted(fields))}"
-        )
+    if bad := ", ".join(sorted(set(data) - set(fields))):
+        raise FourdError(f"{path}: unknown key(s) {bad} in [{where}]; allowed: {', '.join(sorted(fields))}")
     for key, value in data.items():
         kind = _TYPES.get(str(fields[key].type).split(" ")[0])  # None: the tuples of samples, read apart
         if kind and (isinstance(value, bool) or not isinstance(value, kind)):
             raise FourdError(f"{path}: {where}.{key} = {value!r} must be of type {kind[-1].__name__}")
-        if kind and kind != (str,) and not (math.isfinite(value) and (value >= 0 if key in MAY_BE_ZERO else value > 0)):
-            raise FourdError(
-                f"{path}: {where}.{key} = {value} must be a finite number {'of at least' if key in MAY_BE_ZERO else 'above'} 0"
-            )
+        zero = key in MAY_BE_ZERO
+        if kind and kind != (str,) and not (math.isfinite(value) and (value >= 0 if zero else value > 0)):
+            raise FourdError(f"{path}: {where}.{key} = {value} must be finite, {'at least' * zero or 'above'} 0")
     try:
         return cls(**data)
     except TypeError as e:
@@ -161,9 +151,7 @@ def load_cluster(name_or_path: str) -> Cluster:
     try:
         data = tomllib.loads(path.read_text())
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
-        raise FourdError(
-            f"{path}: not a readable TOML profile ({e}); fix the file or rerun `fourd calibrate`"
-        ) from None
+        raise FourdError(f"{path}: not a readable TOML profile ({e}); fix it or rerun `fourd calibrate`") from None
     for key in ("gpu", "node", "network"):
         if not isinstance(data.get(key), dict):
             raise FourdError(f"{path}: missing the [{key}] table; see docs/planner.md for the schema")
@@ -193,30 +181,55 @@ class Group:
     world: int
 
 
+@lru_cache(maxsize=4096)
+def _spread(group: Group, cluster: Cluster) -> tuple[dict[str, int], int]:
+    """(how many of the dimension's groups lie inside one server, rack or pod, or across pods; the fewest
+    members a group that spans servers has on one of them). A group's place depends on its first rank modulo
+    the blocks' common multiple, so one period of first ranks is counted, each as often as it recurs."""
+    sizes = (cluster.node.gpus, cluster.network.gpus_per_rack, cluster.network.gpus_per_pod)
+    n, reach, span = sizes[0], (group.size - 1) * group.stride, group.size * group.stride
+    period, groups = math.lcm(*sizes), group.world // span
+    cycle = period // math.gcd(span, period)
+    counts: dict[str, int] = {}
+    fewest = group.size
+    for k in range(min(groups, cycle) if group.size > 1 else 0):
+        for o in range(min(group.stride, period)):
+            r, times = k * span + o, ((groups - 1 - k) // cycle + 1) * ((group.stride - 1 - o) // period + 1)
+            level = next((lv for lv, b in zip(LEVELS[1:], sizes) if r // b == (r + reach) // b), "cross-pod")
+            counts[level] = counts.get(level, 0) + times
+            if level != "nvlink" and group.stride < n:  # members on its first and on its last server
+                last = -(-((r + reach) // n * n - r) // group.stride)
+                fewest = min(fewest, -(-((r // n + 1) * n - r) // group.stride), group.size - last)
+    return counts, 1 if group.stride >= n else fewest
+
+
+def group_levels(group: Group, cluster: Cluster) -> dict[str, int]:
+    """How many of a dimension's groups lie inside one server ("nvlink"), one rack, one pod, or across pods
+    ("cross-pod"), each where its ranks are: with tp=3 on 8-GPU servers some TP groups straddle two servers."""
+    return dict(_spread(group, cluster)[0])
+
+
 def group_level(group: Group, cluster: Cluster) -> str:
-    """The widest part of the topology the group's traffic crosses."""
-    span, net = (group.size - 1) * group.stride + 1, cluster.network
-    if group.size <= 1:
-        return "single"
-    if span <= cluster.node.gpus and group.stride < cluster.node.gpus:
-        return "nvlink"
-    return "rack" if span <= net.gpus_per_rack else "pod" if span <= net.gpus_per_pod else "cross-pod"
+    """The widest part of the topology any of the dimension's groups crosses: they meet in every step, so the
+    slowest sets the pace."""
+    return max(group_levels(group, cluster), key=LEVELS.index, default="single")
 
 
 def members_per_node(group: Group, cluster: Cluster) -> int:
-    return 1 if group.stride >= cluster.node.gpus else max(1, min(group.size, cluster.node.gpus // group.stride))
+    """The fewest members a group spanning servers has on one server: its ring's NICs there carry its traffic."""
+    return _spread(group, cluster)[1]
 
 
-def group_bandwidth(group: Group, cluster: Cluster) -> tuple[float, float]:
+def group_bandwidth(group: Group, cluster: Cluster, channels: int | None = None) -> tuple[float, float]:
     """(bus bandwidth in bytes/s, per-step latency in s) of a ring over the group: NVLink inside a server;
     across servers each of the k members per server drives its own NIC (one ring channel each, as NCCL
-    does), k·NIC capped by NVLink; across pods all crossing channels share the pods' uplinks."""
+    does; `channels` k if given), k·NIC capped by NVLink; across pods all crossing channels share the uplinks."""
     node, net = cluster.node, cluster.network
     intra = node.intra_bw_gbps * 1e9 * node.intra_efficiency
     level = group_level(group, cluster)
     if level in ("single", "nvlink"):
         return intra, node.intra_latency_us * 1e-6
-    k, nic = members_per_node(group, cluster), net.nic_bw_gbps * 1e9 * net.nic_efficiency
+    k, nic = channels or members_per_node(group, cluster), net.nic_bw_gbps * 1e9 * net.nic_efficiency
     if level == "cross-pod":
         crossing = min(group.world, net.gpus_per_pod) / max(1, min(group.size, net.gpus_per_pod // group.stride)) * k
         nic = min(nic, net.gpus_per_pod * nic / net.cross_pod_oversubscription / crossing)

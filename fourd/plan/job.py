@@ -3,7 +3,7 @@ rank does for one microbatch. Frozen values, so the memory and time model can ca
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cached_property
 
 from fourd.layout import Layout, Parallelism, layer_split
@@ -11,6 +11,7 @@ from fourd.model.config import ModelConfig
 from fourd.plan.cluster import DTYPE_BYTES, Cluster
 
 ATTENTION = ("flash", "materialized")  # a fused kernel, or the s × s scores written to memory (Megatron 2021-22)
+PIPELINE_COMM = ("overlapped", "blocking")  # beside compute (Megatron, torchtitan, fourd), or waited for (DeepSpeed)
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,9 @@ class Work:
 class Job:
     """A training run: `global_seqs` sequences of `seq` tokens per optimizer step, cut as `par` says.
     `precision` None trains in the profile's precision; `compiled` runs the blocks torch.compile'd (fused
-    kernels); `attention` is "flash" (a fused kernel) or "materialized" (the s × s scores in memory)."""
+    kernels); `attention` is "flash" (a fused kernel) or "materialized" (the s × s scores in memory);
+    `pipeline_comm` "blocking": each pipeline send waits for its receiver and gradients are reduced after the
+    last backward (DeepSpeed's pipeline engine)."""
 
     model: ModelConfig
     cluster: Cluster
@@ -53,6 +56,7 @@ class Job:
     precision: str | None = None
     compiled: bool = False
     attention: str = "flash"
+    pipeline_comm: str = "overlapped"
 
     @property
     def layout(self) -> Layout:
@@ -81,9 +85,6 @@ class Job:
     def __hash__(self) -> int:
         return _hash(self)
 
-    def with_par(self, **changes) -> Job:
-        return replace(self, par=replace(self.par, **changes))
-
 
 def _hash(obj) -> int:
     if "_hash" not in obj.__dict__:
@@ -92,7 +93,6 @@ def _hash(obj) -> int:
 
 
 def stage_layers(layers: int, pp: int, virtual_stages: int = 1) -> list[int]:
-    """Transformer layers of each of the pp·V pipeline stages: the trainer's split
-    (fourd.layout.layer_split), and beyond the trainer, the first and last stage may hold only
-    the embedding and the output when layers + 2 = pp·V (405B: 128 stages of one layer)."""
+    """Transformer layers of each of the pp·V pipeline stages: the trainer's split (fourd.layout.layer_split), or
+    the first and last stage only the embedding and the output when layers + 2 = pp·V (405B: 128 of one)."""
     return layer_split(layers, pp * virtual_stages, empty_edges=True)

@@ -19,14 +19,9 @@ HBM_EFFICIENCY = 0.9  # memory-bound kernels stream at this share of the datashe
 
 
 def _wave_utilization(m: int, n: int, sms: int) -> float:
-    """Fraction of the SMs doing useful work when an m×n output is cut into tiles and run in waves."""
-    best = 0.0
-    for tm, tn in GPU_TILES:
-        tiles = math.ceil(m / tm) * math.ceil(n / tn)
-        waves = math.ceil(tiles / sms)
-        useful = (m * n) / (math.ceil(m / tm) * tm * math.ceil(n / tn) * tn)
-        best = max(best, useful * tiles / (waves * sms))
-    return best
+    """Fraction of the SMs doing useful work when an m×n output is cut into tiles run in waves: the output's
+    share of the tiles of all the waves, for the best tile."""
+    return max(m * n / (tm * tn * sms * math.ceil(math.ceil(m / tm) * math.ceil(n / tn) / sms)) for tm, tn in GPU_TILES)
 
 
 def _interpolate(samples: Sequence[tuple[Sequence[float], float]], point: Sequence[float]) -> float:
@@ -47,9 +42,8 @@ def _interpolate(samples: Sequence[tuple[Sequence[float], float]], point: Sequen
 
 @lru_cache(maxsize=65536)
 def gemm_time(m: int, n: int, k: int, cluster: Cluster, dtype_bytes: int = 2) -> float:
-    """Seconds for one (m×k)·(k×n) GEMM: measured samples if the profile has them (training shapes over
-    (m, n, k), else squares over FLOPs), else the slower of the sustained rate cut by wave quantization and
-    the k-loop's prologue, and the three matrices' bytes over HBM."""
+    """Seconds for one (m×k)·(k×n) GEMM: measured samples if the profile has them, else the slower of the
+    sustained rate cut by wave quantization and each tile's prologue, and the three matrices' bytes over HBM."""
     gpu = cluster.gpu
     flops = 2.0 * m * n * k
     if gpu.gemm_shapes:
@@ -63,23 +57,14 @@ def gemm_time(m: int, n: int, k: int, cluster: Cluster, dtype_bytes: int = 2) ->
 
 
 def elementwise_time(nbytes: float, cluster: Cluster) -> float:
-    """Seconds of memory-bound kernels that move `nbytes` (fourd.plan.block counts them): at a share of HBM
-    bandwidth on GPUs, at the rate a CPU profile measured for eager torch on those counted bytes."""
+    """Seconds of memory-bound kernels moving `nbytes` (counted by fourd.plan.block) at HBM_EFFICIENCY, or measured."""
     return nbytes / (cluster.gpu.elementwise_gbps or cluster.gpu.hbm_bw_gbps * HBM_EFFICIENCY) / 1e9
 
 
 def optimizer_time(params: float, cluster: Cluster, dtype_bytes: int = 2) -> float:
-    """Seconds of an Adam update of `params` parameters: ADAM_BYTES each at HBM bandwidth, or at the rate
-    a CPU profile measured for torch's AdamW going parameter by parameter (`optimizer_gbps`)."""
+    """Seconds of an Adam update of `params` parameters: ADAM_BYTES each at HBM bandwidth, or measured."""
     rate = cluster.gpu.optimizer_gbps or cluster.gpu.hbm_bw_gbps * HBM_EFFICIENCY
     return params * ADAM_BYTES[dtype_bytes] / (rate * 1e9)
-
-
-def _measured_attention(cluster: Cluster, kv_len: int, head_dim: int, masked: bool) -> tuple[float, float]:
-    """(forward, backward) FLOP/s a profile measured for attention at this length and head size."""
-    names = ("masked_fwd_tflops", "masked_bwd_tflops") if masked else ("fwd_tflops", "bwd_tflops")
-    pick = [[((s.seq, s.head_dim), float(getattr(s, name) or 0)) for s in cluster.gpu.attention] for name in names]
-    return _interpolate(pick[0], (kv_len, head_dim)) * 1e12, _interpolate(pick[1], (kv_len, head_dim)) * 1e12
 
 
 def attention_time(
@@ -92,8 +77,9 @@ def attention_time(
     fwd_flops = 4.0 * pairs * head_dim * heads
     if gpu.attention:
         masked = not causal and all(s.masked_fwd_tflops and s.masked_bwd_tflops for s in gpu.attention)
-        fwd, bwd = _measured_attention(cluster, kv_len, head_dim, masked)
-        return fwd_flops / fwd, fwd_flops * FA_BACKWARD_FLOPS / bwd
+        rate = [_interpolate([((s.seq, s.head_dim), float(getattr(s, ("masked_" * masked) + name) or 0))
+                              for s in gpu.attention], (kv_len, head_dim)) * 1e12 for name in ("fwd_tflops", "bwd_tflops")]  # fmt: skip
+        return fwd_flops / rate[0], fwd_flops * FA_BACKWARD_FLOPS / rate[1]
     if gpu.attention_fwd_efficiency is None:
         # No fused-kernel figure: two batched matmuls, at the measured GEMM rate.
         per_head = gemm_time(q_tokens, kv_len, head_dim, cluster) * 2 * (0.5 if causal else 1.0)
@@ -129,7 +115,7 @@ def collective_time(op: str, nbytes: float, group: Group, cluster: Cluster) -> f
     if n <= 1 or nbytes <= 0:
         return 0.0
     for s in cluster.collectives:
-        if s.op == op and s.nproc == n:
+        if s.op == op and s.nproc == (2 if op == "send" else n):  # a send pairs two ranks of any group
             return s.alpha_s + s.beta_s_per_byte * nbytes
-    bw, latency = group_bandwidth(group, cluster)
+    bw, latency = group_bandwidth(group, cluster, 1 if op == "send" else None)  # a send: one NIC each end
     return _STEPS.get(op, lambda n: n - 1)(n) * latency + bus_factor(op, n) * nbytes / bw

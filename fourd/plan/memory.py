@@ -1,6 +1,6 @@
-"""Memory per GPU: weights, gradients and optimizer state by ZeRO stage, the activations a layer keeps
-(fourd.plan.block) times the microbatches in flight of the schedule, the loss's logits, FSDP's gathered
-layers, the allocator's cache and the runtime. Bytes; docs/planner.md derives each term."""
+"""Memory per GPU, bytes: weights, gradients and optimizer state by ZeRO stage, the activations a layer keeps
+times the schedule's microbatches in flight, the logits, FSDP's gathered layers, the allocator's cache, the
+runtime (docs/planner.md derives each term)."""
 
 from __future__ import annotations
 
@@ -24,9 +24,6 @@ def state_bytes_per_param(zero: int, dp: int, dtype_bytes: int = 2) -> tuple[flo
     return (w / dp if zero >= 3 else w, g / dp if zero >= 2 else g, opt / dp if zero >= 1 else opt)
 
 
-# ---- parameters on each pipeline stage ---------------------------------------------------------------
-
-
 def stage_params(model, counts: list[int], stage: int) -> int:
     """Parameters of one pipeline stage (whole, before TP)."""
     p = counts[stage] * model.layer_params()
@@ -44,18 +41,13 @@ def rank_shapes(model, pp: int, virtual_stages: int) -> tuple[tuple[int, ...], t
     counts = stage_layers(model.layers, pp, virtual_stages)
     layers = tuple(sum(counts[s] for s in range(r, len(counts), pp)) for r in range(pp))
     params = tuple(sum(stage_params(model, counts, s) for s in range(r, len(counts), pp)) for r in range(pp))
-    first_with: dict[int, int] = {}
-    for r, n in enumerate(layers):
-        first_with.setdefault(n, r)
+    first_with = {n: r for r, n in reversed(list(enumerate(layers)))}
     return layers, params, tuple(sorted({0, pp - 1, *first_with.values()}))
 
 
 def max_rank_params(model, pp: int, virtual_stages: int, tp: int) -> float:
     """Parameters on the GPU that holds the most (what its data-parallel collectives move)."""
     return max(rank_shapes(model, pp, virtual_stages)[1]) / tp
-
-
-# ---- activations ---------------------------------------------------------------------------------------
 
 
 def in_flight(schedule: str, pp: int, microbatches: int, virtual_stages: int, rank: int) -> float:
@@ -71,9 +63,6 @@ def in_flight(schedule: str, pp: int, microbatches: int, virtual_stages: int, ra
     rounds = max(1, m // p)
     first_round = -(-m // rounds)
     return min(m * v, (v - 1) * first_round + 2 * (p - rank - 1) + 1) / v
-
-
-# ---- one GPU ---------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -112,10 +101,6 @@ def activation_bytes_per_token(work) -> float:
 
 def rank_memories(job: Job, ranks) -> list[Memory]:
     """Peak memory of one GPU of each pipeline rank in `ranks`."""
-    return [Memory(*terms) for terms in _rank_terms(job, ranks)]
-
-
-def _rank_terms(job: Job, ranks) -> list[tuple[float, ...]]:
     par, lay, work, b, model = job.par, job.layout, job.work, job.dtype_bytes, job.model
     layers, params, _ = rank_shapes(model, lay.pp, par.virtual_stages)
     w, g, o = state_bytes_per_param(par.zero, par.shard_ranks, b)  # FSDP shards over dp×cp (or an HSDP group)
@@ -126,19 +111,18 @@ def _rank_terms(job: Job, ranks) -> list[tuple[float, ...]]:
     layer = model.layer_params()
     gathered = 2 * layer / lay.tp * b * (par.zero == 3)  # FSDP's gathered layer and the next
     edge = 2 * max(0, model.embedding_params() - layer) / lay.tp * b * (par.zero == 3)  # embedding, output
-    out: list[tuple[float, ...]] = []
+    out: list[Memory] = []
     reserve = job.cluster.gpu.memory_reserve_gb * GB
     for r in ranks:
         mine = params[r] / lay.tp
         acts = in_flight(par.schedule, lay.pp, par.microbatches, par.virtual_stages, r) * layers[r] * per_layer
         other = common + logits * (r == lay.pp - 1) + gathered + edge * (r in (0, lay.pp - 1))
         cache = ALLOCATOR_FRAGMENTATION * (mine * (w + g + o) + acts + other) * (not job.cluster.cpu)
-        out.append((mine * w, mine * g, mine * o, acts, other, cache, reserve))
+        out.append(Memory(mine * w, mine * g, mine * o, acts, other, cache, reserve))
     return out
 
 
 def peak_memory(job: Job) -> tuple[int, Memory]:
     """The pipeline rank whose tensors take the most memory, and its memory."""
     ranks = rank_shapes(job.model, job.layout.pp, job.par.virtual_stages)[2]
-    rank, terms = max(zip(ranks, _rank_terms(job, ranks)), key=lambda rt: sum(rt[1][:5]))
-    return rank, Memory(*terms)
+    return max(zip(ranks, rank_memories(job, ranks)), key=lambda rm: rm[1].total)

@@ -3,7 +3,7 @@ traffic, the optimizer. `fourd sim step` schedules these same per-microbatch tim
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from functools import lru_cache
 
 from fourd.plan.block import loss_bytes, matmuls, traffic
@@ -29,19 +29,13 @@ class StageTime:
     backward = property(lambda self: self.input_grad_s + self.weight_grad_s + self.backward_comm_s)
 
     def __add__(self, other: StageTime) -> StageTime:
-        return StageTime(*(a + b for a, b in zip(self._t(), other._t())))
+        return StageTime(*(a + b for a, b in zip(astuple(self), astuple(other))))
 
     def scaled(self, k: float, comm: float | None = None) -> StageTime:
         """Compute times k times, communication `comm` times (default k)."""
         c = k if comm is None else comm
         return StageTime(self.forward_s * k, self.input_grad_s * k, self.weight_grad_s * k,
                          self.forward_comm_s * c, self.backward_comm_s * c)  # fmt: skip
-
-    def _t(self):
-        return (self.forward_s, self.input_grad_s, self.weight_grad_s, self.forward_comm_s, self.backward_comm_s)
-
-
-# ---- the model's work per microbatch -------------------------------------------------------------------
 
 
 @lru_cache(maxsize=8192)
@@ -78,8 +72,7 @@ def materialized_attention(work: Work) -> tuple[float, float]:
 @lru_cache(maxsize=8192)
 def layer_time(work: Work) -> StageTime:
     """One transformer layer, one microbatch, on one rank of a (tp, cp) group."""
-    model, cluster, tp, b = work.model, work.cluster, work.layout.tp, work.dtype_bytes
-    tokens = work.tokens
+    model, cluster, tp, b, tokens = work.model, work.cluster, work.layout.tp, work.dtype_bytes, work.tokens
     fwd = wgrad = dgrad = 0.0
     for i, (n, k) in enumerate(matmuls(work)):
         fwd += gemm_time(tokens, n, k, cluster, b)
@@ -164,37 +157,29 @@ def chunk_times(job: Job) -> list[StageTime]:
     return [stage_time(job.work, n, s == 0, s == len(counts) - 1) for s, n in enumerate(counts)]
 
 
-def slowest_rank(job: Job) -> tuple[int, StageTime]:
-    """The pipeline rank with the most work per microbatch (embedding and head included), and that work."""
-    return _slowest(job.work, job.layout.pp, job.par.virtual_stages)
-
-
 @lru_cache(maxsize=16384)
-def _slowest(work: Work, p: int, virtual_stages: int) -> tuple[int, StageTime]:
-    per_rank = rank_shapes(work.model, p, virtual_stages)[0]
-    # ranks with equal layers and no embedding or head take equal time: look at one of each kind
-    seen: dict[int, int] = {}
-    for r in range(1, p - 1):
-        seen.setdefault(per_rank[r], r)
-    times = {r: stage_time(work, per_rank[r], r == 0, r == p - 1) for r in {0, p - 1, *seen.values()}}
+def slowest_rank(work: Work, p: int, virtual_stages: int) -> tuple[int, StageTime]:
+    """The pipeline rank with the most work per microbatch (embedding and head included), and that work."""
+    per_rank, _, kinds = rank_shapes(work.model, p, virtual_stages)  # equal layers, equal time: one of each kind
+    times = {r: stage_time(work, per_rank[r], r == 0, r == p - 1) for r in kinds}
     r = max(times, key=lambda r: times[r].forward + times[r].backward)
     return r, times[r]
 
 
-def p2p_time(work: Work) -> float:
-    """One activation (or its gradient) sent between adjacent pipeline ranks (with SP each TP rank's shard)."""
-    lay = work.layout
-    nbytes = work.tokens * work.model.dim * work.dtype_bytes / (lay.tp if work.sequence_parallel else 1)
-    return collective_time("send", nbytes, Group(2, lay.tp * lay.cp, lay.world), work.cluster)
-
-
-# ---- one optimizer step ----------------------------------------------------------------------------------
+def p2p_time(job: Job) -> float:
+    """One activation (or its gradient) sent between adjacent pipeline ranks, at the slowest boundary (where the
+    pipeline spans servers some neighbours are on two). With SP each TP rank sends its shard; blocking
+    (DeepSpeed's engine) partitions it over TP too and gathers it on arrival."""
+    work, lay = job.work, job.layout
+    full = work.tokens * work.model.dim * work.dtype_bytes
+    split = work.sequence_parallel or job.pipeline_comm == "blocking"
+    gather = collective_time("all_gather", full, placement(lay)["tp"], job.cluster) * (split > work.sequence_parallel)
+    return collective_time("send", full / (lay.tp if split else 1), placement(lay)["pp"], job.cluster) + gather
 
 
 def bubble_time(schedule: str, pp: int, microbatches: int, virtual_stages: int, stage: StageTime) -> float:
-    """Idle time of a pipeline rank per step, for per-microbatch times `stage` (all its layers): (p−1)·(t_f +
-    t_b) for GPipe and 1F1B; interleaved (p − 1 − (V−1)(min(m, p)−1)/V)·(t_f + t_b), exact for fourd.schedules'
-    lists; ZB-H1 (p−1)·(t_f + t_i − t_w) (docs/simulators.md gives the sources)."""
+    """Idle time of a pipeline rank per step for per-microbatch times `stage` (all its layers): the closed forms
+    of fourd.schedules' lists (docs/simulators.md)."""
     p, v = pp, virtual_stages
     whole = stage.forward + stage.backward
     if schedule in ("gpipe", "1f1b"):
@@ -209,7 +194,7 @@ class StepTime:
     step_s: float
     compute_s: float  # m · (t_f + t_b) of the slowest pipeline rank, TP/CP communication included
     bubble_s: float
-    p2p_s: float  # pipeline sends on the critical path (warm-up and cool-down)
+    p2p_s: float  # pipeline sends on the critical path (warm-up and cool-down; blocking, every microbatch's)
     dp_exposed_s: float  # data-parallel collectives not hidden behind compute
     dp_total_s: float  # all data-parallel collectives of the step
     overlap_s: float  # compute slowed by collectives running beside it
@@ -221,9 +206,8 @@ class StepTime:
 
 
 def _dp_exposure(job: Job, t: StageTime, bubble: float, layers: int) -> tuple[float, float]:
-    """(exposed, total) seconds of ZeRO/DDP traffic of the slowest rank in one bucket per layer: what the
-    compute around it cannot hide, and the last bucket, are exposed; weights move in the compute precision,
-    gradients in FP32 (docs/planner.md, the data-parallel row, says what each ZeRO stage moves)."""
+    """(exposed, total) seconds of the slowest rank's ZeRO/DDP traffic, one bucket per layer: what compute around
+    it cannot hide, and the last bucket, are exposed (docs/planner.md: what each ZeRO stage moves)."""
     lay, par, c = job.layout, job.par, job.cluster
     m, shard, n = par.microbatches, shard_group(lay, par.hsdp_replicas), max(1, layers)
     params = max_rank_params(job.model, lay.pp, par.virtual_stages, lay.tp)
@@ -249,17 +233,19 @@ def step_time(job: Job) -> StepTime:
     """Seconds per optimizer step, and where they go."""
     lay, par = job.layout, job.par
     p, m = lay.pp, par.microbatches
-    slow, t = slowest_rank(job)
-    p2p = 2 * (p - 1) * p2p_time(job.work) if p > 1 else 0.0
+    slow, t = slowest_rank(job.work, p, par.virtual_stages)
+    blocking = job.pipeline_comm == "blocking"
+    # overlapped, the sends of warm-up and cool-down are on the critical path; blocking, each microbatch after
+    # the first also waits for a middle rank's four (two on a two-rank pipeline): docs/planner.md
+    p2p = (2 * (p - 1) + blocking * 2 * min(2, p - 1) * (m - 1)) * p2p_time(job) if p > 1 else 0.0
     layers = rank_shapes(job.model, p, par.virtual_stages)[0][slow]
     tp_f, tp_b, cp_f, cp_b = layer_comm(job.work)
     redo = 2 if par.recompute == "full" else 1
     compute = m * (t.forward + t.backward)
     bubble = bubble_time(par.schedule, p, m, par.virtual_stages, t) if p > 1 else 0.0
     exposed, total = _dp_exposure(job, t, bubble, layers)
-    if job.cluster.cpu:
-        # CPU profiles: a collective's copies, reductions and socket work run on the cores the compute
-        # needs, so nothing hides behind compute
+    if job.cluster.cpu or blocking:
+        # on CPUs collectives run on the cores compute needs; DeepSpeed's engine reduces after the last backward
         exposed = total
     overlap = OVERLAP_SLOWDOWN * (total - exposed)
     params = max_rank_params(job.model, p, par.virtual_stages, lay.tp)

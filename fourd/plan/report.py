@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from fourd.errors import plural, si
 from fourd.layout import Layout
 from fourd.plan.cluster import group_level, placement
 from fourd.plan.search import Plan, evaluate
@@ -30,13 +33,13 @@ def why(plan: Plan) -> list[str]:
     lines, per_replica = [], plan.global_seqs // lay.dp
     if lay.pp > 1:
         lines.append(
-            f"Pipeline bubble: each replica gets {per_replica} sequences, so {c.microbatches} microbatches; the "
+            f"Pipeline bubble: each replica gets {plural(per_replica, 'sequence')}, so {plural(c.microbatches, 'microbatch')}; the "
             f"{c.schedule} schedule idles {_bubble_shape(lay.pp, c.microbatches, c.virtual_stages, c.schedule)} = "
             f"{_pct(s.bubble_s / s.compute_s)} of compute ({_pct(plan.bubble_fraction)} of the step)."
         )
     if lay.pp > 1 and lay.dp % 2 == 0:  # the same global batch on half the replicas, each twice the sequences
         half = Layout(lay.tp, lay.cp, lay.pp, lay.dp // 2)
-        other = evaluate(plan.job.with_par(layout=half, microbatches=2 * c.microbatches))
+        other = evaluate(replace(plan.job, par=replace(c, layout=half, microbatches=2 * c.microbatches)))
         lines.append(
             f"With half the replicas (dp={half.dp}, {2 * per_replica} sequences and {other.config.microbatches} "
             f"microbatches each, same global batch on {other.gpus:,} GPUs) the bubble would be "
@@ -58,10 +61,11 @@ def plan_report(plan: Plan, train_tokens: float | None = None) -> str:
     sched = c.schedule + (f" V={c.virtual_stages}" if c.schedule == "interleaved" else "")
     out = [
         f"fourd plan: {plan.gpus:,} × {cl.gpu.name} ({cl.name}, {(plan.job.precision or cl.dtype).upper()}), model with "
-        f"{plan.model.params() / 1e9:,.1f} B parameters, {plan.seq:,}-token sequences, {plan.global_seqs * plan.seq:,} "
+        f"{si(plan.model.params())} parameters, {plan.seq:,}-token sequences, {plan.global_seqs * plan.seq:,} "
         f"tokens per step",
-        f"  {c.layout} · {sched} · {c.microbatches} microbatches of {plan.micro_seqs} × {plan.seq:,} tokens · ZeRO "
-        f"{c.zero} · recompute {c.recompute} · {'compiled' if plan.job.compiled else 'eager'}",
+        f"  {c.layout} · {sched} · {plural(c.microbatches, 'microbatch')} of {plan.micro_seqs} × {plan.seq:,} tokens · ZeRO "
+        f"{c.zero} · recompute {c.recompute} · {'compiled' if plan.job.compiled else 'eager'}"
+        f"{' · blocking pipeline sends' if plan.job.pipeline_comm == 'blocking' else ''}",
     ]
     out += [f"  chosen by the planner (fastest that fits): {', '.join(plan.chosen)}"] if plan.chosen else []
     out += ["", "Placement (ranks innermost first: TP, CP, PP, DP)"]
@@ -69,10 +73,8 @@ def plan_report(plan: Plan, train_tokens: float | None = None) -> str:
     g = mem.gb()
     out += ["", "Memory per GPU (the fullest pipeline rank)        GB"]
     out += [f"  {label:<44} {g[key]:>7.1f}" for key, label in MEMORY]
-    verdict = "fits" if plan.fits else "DOES NOT FIT"
-    out.append(
-        f"  {'total of ' + format(cl.gpu.memory_gb, '.0f') + ' GB':<44} {g['total'] + g['reserve']:>7.1f}  {verdict}"
-    )
+    total = f"total of {cl.gpu.memory_gb:.0f} GB"
+    out.append(f"  {total:<44} {g['total'] + g['reserve']:>7.1f}  {'fits' if plan.fits else 'DOES NOT FIT'}")
     out.append(f"  {'and the allocator cache (freed when short)':<44} {g['fragmentation']:>7.1f}")
     rows = [("compute (TP and CP collectives included)", s.compute_s), ("  of which TP collectives", s.tp_comm_s),
             ("  of which CP collectives", s.cp_comm_s), ("pipeline bubble", s.bubble_s),
@@ -92,9 +94,7 @@ def plan_report(plan: Plan, train_tokens: float | None = None) -> str:
 
 
 def search_report(plans: list[Plan], top: int, train_tokens: float | None = None) -> str:
-    head = (
-        f"  {'layout':<26} {'schedule':<14} {'m':>4} {'mbs':>4} {'zero':>4} {'recompute':<9} {'GB':>6} {'step s':>8} "
-    )
+    head = f"  {'layout':<26} {'schedule':<14} {'m':>4} {'mbs':>4} {'zero':>4} {'recompute':<9} {'GB':>6} {'step s':>8} "  # fmt: skip
     out = [f"searched {len(plans):,} configurations, {sum(p.fits for p in plans):,} fit in memory; the best:", "",
            plan_report(plans[0], train_tokens), "", f"Top {min(top, len(plans))} (fitting first, by tokens/s)",
            head + f"{'tokens/s':>12} {'MFU':>7}"]  # fmt: skip

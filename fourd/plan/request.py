@@ -1,11 +1,5 @@
-"""The one resolver of planner requests: `fourd plan`, `fourd sim step`, the lab's planner panel and the
-trainer turn their settings into a Request here: parsed and range-checked in one place, defaults filled in
-one way, the user's own settings checked before the search, the settings left open named.
-
-Entry points for other parts of fourd (no torch):
-  best_plan(model, cluster, gpus, seq, global_seqs, fixed=None) -> Plan   (.config is a Parallelism)
-  rank_peak_memory_gb(model, cluster, par, seq, global_seqs) -> float     (the fullest GPU, all it holds)
-"""
+"""The one resolver of planner requests (`fourd plan`, `fourd sim step`, the lab, the trainer): settings parsed
+and checked in one place, defaults filled one way, those left open named. Entry points: docs/planner.md."""
 
 from __future__ import annotations
 
@@ -20,8 +14,8 @@ from fourd.layout import PRECISIONS, RECOMPUTE, ZERO_STAGES, Layout, Parallelism
 from fourd.layout import check as layout_check
 from fourd.model.config import ModelConfig, get_preset, parse_model_spec
 from fourd.plan.cluster import Cluster, load_cluster
-from fourd.plan.job import ATTENTION, Job
-from fourd.plan.search import Fixed, Plan, search
+from fourd.plan.job import ATTENTION, PIPELINE_COMM, Job
+from fourd.plan.search import OPEN, Plan, search
 from fourd.schedules import SCHEDULES, check_stages
 
 DEFAULT_MODEL = "llama3-405b"
@@ -29,6 +23,7 @@ DEFAULT_CLUSTER = "llama3-h100"
 DEFAULT_BATCH_TOKENS = 2**24  # 16M tokens per step, Llama 3's
 MAX_GPUS = 1 << 20  # a million GPUs: the search still answers in about a second
 _SUFFIX = {"K": 2**10, "M": 2**20, "G": 2**30, "B": 1e9, "T": 1e12}
+ALLOWED: dict[Any, tuple] = {}  # parser -> the values it takes
 
 
 class BadValue(FourdError, argparse.ArgumentTypeError):
@@ -53,7 +48,7 @@ def bounded(kind: type, lo: float, hi: float = math.inf, what: str = ""):
 
 
 def choice(allowed, kind: type = str):
-    """A parser of one of `allowed`."""
+    """A parser of one of `allowed` (ALLOWED[parser] names them in --help)."""
 
     def parse(text) -> Any:
         try:
@@ -64,12 +59,12 @@ def choice(allowed, kind: type = str):
             raise BadValue(f"{str(text)[:40]!r}: choose one of {', '.join(map(str, allowed))}")
         return value
 
+    ALLOWED[parse] = allowed
     return parse
 
 
 def count(text) -> float:
-    """A positive amount: `16777216`, `16M` (K, M, G binary, for batch sizes: 16M = 2^24), `15.6T` (B, T
-    decimal, for budgets), `4e6`."""
+    """A positive amount: `16777216`, `16M` (K, M, G binary: 16M = 2^24), `15.6T` (B, T decimal), `4e6`."""
     t = str(text).strip()
     try:
         value = float(t[:-1]) * _SUFFIX[t[-1].upper()] if t and t[-1].upper() in _SUFFIX else float(t)
@@ -86,6 +81,7 @@ def on_off(text) -> bool:
     raise BadValue(f"{str(text)[:40]!r}: choose on or off")
 
 
+ALLOWED[on_off] = ("on", "off")
 # Every setting a request takes: its parser (for text and typed values alike) and its --help; None pins nothing.
 SETTINGS: dict[str, tuple[Any, str]] = {
     "gpus": (bounded(int, 1, MAX_GPUS), "number of GPUs, any count (default: the layout's product)"),
@@ -102,30 +98,23 @@ SETTINGS: dict[str, tuple[Any, str]] = {
     "precision": (choice(PRECISIONS), "training precision (default: the cluster profile's)"),
     "compiled": (on_off, "the blocks torch.compile'd (default: the planner's choice, on; on a CPU profile off)"),
     "attention": (choice(ATTENTION), "flash (fused, default) or materialized (s x s scores, Megatron 2021-22)"),
+    "pipeline_comm": (choice(PIPELINE_COMM), "overlapped (default) or blocking (DeepSpeed's pipeline engine)"),
     "train_tokens": (count, "token budget of the whole run, e.g. 15.6T, for training_days"),
     "global_seqs": (bounded(int, 1, 1 << 40), ""),  # the trainer's exact batch, in sequences
 }
 FLAGS = {"precision": "--dtype", "compiled": "--compile"}
-METAVARS = {k: "{" + ",".join(map(str, v)) + "}" for k, v in (("schedule", SCHEDULES), ("recompute", RECOMPUTE),
-            ("zero", ZERO_STAGES), ("precision", PRECISIONS), ("attention", ATTENTION), ("sequence_parallel", ("on", "off")),
-            ("compiled", ("on", "off")))}  # fmt: skip
 
 
 def add_arguments(p) -> None:
     """`fourd plan`'s flags; `fourd sim step` takes them too. On a CPU profile (`fourd calibrate` writes one)
     --seq, --global-batch-tokens and --sequence-parallel default to what `fourd train` runs."""
     g = p.add_mutually_exclusive_group()
-    g.add_argument(
-        "--model", help=f"preset: debug, small, llama3-8b, llama3-70b, llama3-405b (default {DEFAULT_MODEL})"
-    )
-    g.add_argument(
-        "--model-spec", type=parse_model_spec, help="layers=,dim=,ffn=,heads=,kv_heads=,vocab=[,head_dim=][,mlp=gelu]"
-    )
+    g.add_argument("--model", help=f"preset: debug, small, llama3-8b, llama3-70b, llama3-405b (default {DEFAULT_MODEL})")  # fmt: skip
+    g.add_argument("--model-spec", type=parse_model_spec, help="layers=,dim=,ffn=,heads=,kv_heads=,vocab=[,head_dim=][,mlp=gelu]")  # fmt: skip
     p.add_argument("--cluster", help=f"cluster profile name or .toml path (default {DEFAULT_CLUSTER})")
-    for key, (parse, text) in SETTINGS.items():
-        if text:
-            flag = FLAGS.get(key, "--" + key.replace("_", "-"))
-            p.add_argument(flag, dest=key, type=parse, metavar=METAVARS.get(key, key.upper()), help=text)
+    for key, (parse, text) in ((k, v) for k, v in SETTINGS.items() if v[1]):
+        metavar = "{" + ",".join(map(str, ALLOWED[parse])) + "}" if parse in ALLOWED else key.upper()
+        p.add_argument(FLAGS.get(key, "--" + key.replace("_", "-")), dest=key, type=parse, metavar=metavar, help=text)
     p.add_argument("--search", action="store_true", help="rank every valid configuration; report the best and the top")
     p.add_argument("--top", type=bounded(int, 1, 10_000), default=10, help="candidates listed by --search (default 10)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -138,7 +127,7 @@ class Request:
 
     base: Job
     gpus: int
-    fixed: Fixed
+    fixed: dict  # the settings pinned, by Parallelism's field names (fourd.plan.search.OPEN and more)
     open: tuple[str, ...]
     train_tokens: float | None = None
 
@@ -152,9 +141,8 @@ def resolve_inputs(args) -> Request:
 
 def _values(values: Mapping[str, Any]) -> dict[str, Any]:
     """Every setting, parsed and range-checked (None: not given), whether it came as text or typed."""
-    bad = sorted(set(values) - set(SETTINGS))
-    if bad:
-        raise FourdError(f"unknown planner setting(s) {', '.join(bad)}; known: {', '.join(SETTINGS)}")
+    if bad := ", ".join(sorted(set(values) - set(SETTINGS))):
+        raise FourdError(f"unknown planner setting(s) {bad}; known: {', '.join(SETTINGS)}")
     out: dict[str, Any] = dict.fromkeys(SETTINGS)
     for key, value in values.items():
         try:
@@ -172,9 +160,8 @@ def _batch(v: dict, seq: int, cluster: Cluster) -> int:
         from fourd.config import TrainSection
     tokens = v["global_batch_tokens"] or (TrainSection().global_batch * seq if cluster.cpu else DEFAULT_BATCH_TOKENS)
     if tokens % seq:
-        raise FourdError(
-            f"a global batch of {tokens:g} tokens is not a whole number of {seq}-token sequences: use a multiple of {seq}"
-        )
+        raise FourdError(f"a global batch of {tokens:g} tokens is not a whole number of {seq}-token sequences: "
+                         f"use a multiple of {seq}")  # fmt: skip
     return int(tokens // seq)
 
 
@@ -196,25 +183,20 @@ def resolve(model: ModelConfig, cluster: Cluster, values: Mapping[str, Any]) -> 
         )
     schedule = v["schedule"] or ("interleaved" if (v["virtual_stages"] or 1) > 1 else None)
     check_stages(schedule or "interleaved", 2, 1, v["virtual_stages"] or 1)  # with or without a layout
-    fixed = Fixed(
-        layout, schedule, v["microbatches"], v["virtual_stages"], v["zero"], v["recompute"], sp, v["hsdp_replicas"] or 1
-    )
-    open_ = tuple(
-        name.replace("_", " ")
-        for name in ("layout", "schedule", "virtual_stages", "microbatches", "zero", "recompute")
-        if getattr(fixed, name) is None and (schedule in (None, "interleaved") or name != "virtual_stages")
-    )
+    fixed = {k: v[k] for k in OPEN} | {"schedule": schedule, "sequence_parallel": sp}
+    fixed["hsdp_replicas"] = v["hsdp_replicas"] or 1
+    open_ = tuple(name.replace("_", " ") for name in OPEN
+                  if fixed[name] is None and (schedule in (None, "interleaved") or name != "virtual_stages"))  # fmt: skip
     if layout is not None:  # name what is wrong with the user's own settings before searching the rest
-        zero = 3 * (fixed.hsdp_replicas > 1) if fixed.zero is None else fixed.zero
-        mine = Parallelism(layout, schedule or "1f1b", fixed.microbatches or 1, fixed.virtual_stages or 1, zero,
-                           fixed.recompute or "none", sp, fixed.hsdp_replicas)  # fmt: skip
+        zero = 3 * (fixed["hsdp_replicas"] > 1) if fixed["zero"] is None else fixed["zero"]
+        mine = Parallelism(layout, schedule or "1f1b", fixed["microbatches"] or 1, fixed["virtual_stages"] or 1, zero,
+                           fixed["recompute"] or "none", sp, fixed["hsdp_replicas"])  # fmt: skip
         layout_check(model, mine, seq, global_seqs)
     # compiled blocks are faster and keep less; a CPU profile predicts fourd train, which runs eager
     compiled = (not cluster.cpu) if v["compiled"] is None else v["compiled"]
     open_ += ("compile",) * (v["compiled"] is None and not cluster.cpu)
-    base = Job(
-        model, cluster, Parallelism(Layout()), seq, global_seqs, v["precision"], compiled, v["attention"] or "flash"
-    )
+    attention, comm = v["attention"] or "flash", v["pipeline_comm"] or "overlapped"
+    base = Job(model, cluster, Parallelism(Layout()), seq, global_seqs, v["precision"], compiled, attention, comm)
     return Request(base, gpus, fixed, open_, v["train_tokens"])
 
 
@@ -222,7 +204,7 @@ def plans(req: Request) -> list[Plan]:
     """Every configuration the request allows, fitting first, fastest first; FourdError when there is none."""
     found = search(req.base, req.gpus, req.fixed, req.open)
     if not found:
-        b, m = req.base, req.fixed.microbatches
+        b, m = req.base, req.fixed["microbatches"]
         raise FourdError(
             f"no configuration of {req.gpus} GPUs runs this model with {b.seq}-token sequences and "
             f"{b.global_seqs} sequences per step{f' in {m} microbatches per replica' if m else ''}: change the "
@@ -238,9 +220,7 @@ def best_plan(model: ModelConfig, cluster: Cluster | str, gpus: int, seq: int, g
     return plans(resolve(model, cluster, {**(fixed or {}), "gpus": gpus, "seq": seq, "global_seqs": global_seqs}))[0]
 
 
-def rank_peak_memory_gb(
-    model: ModelConfig, cluster: Cluster | str, par: Parallelism, seq: int, global_seqs: int
-) -> float:
+def rank_peak_memory_gb(model: ModelConfig, cluster: Cluster | str, par: Parallelism, seq: int, global_seqs: int):
     """GB (10^9 bytes) the fullest GPU holds at its peak: tensors, the allocator's cache and the runtime's
     reserve; FourdError if the configuration cannot run."""
     from fourd.plan.memory import GB, peak_memory

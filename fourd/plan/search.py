@@ -4,7 +4,7 @@ N GPUs ranked by tokens/s among those that fit."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fourd.errors import FourdError
 from fourd.layout import RECOMPUTE, ZERO_STAGES, Layout, Parallelism, split_ok, tp_ok
@@ -20,18 +20,8 @@ MICRO_SEQS = (1, 2, 4, 8, 16)  # sequences per microbatch the search tries
 MIN_CP_TOKENS = 1024  # the search splits a sequence over CP ranks only down to this many tokens each
 
 
-@dataclass(frozen=True)
-class Fixed:
-    """The settings a user pinned; None leaves one to the planner (fastest that fits)."""
-
-    layout: Layout | None = None
-    schedule: str | None = None
-    microbatches: int | None = None
-    virtual_stages: int | None = None
-    zero: int | None = None
-    recompute: str | None = None
-    sequence_parallel: bool = True
-    hsdp_replicas: int = 1
+# The settings a user pinned, by Parallelism's field names; None leaves one to the planner (fastest that fits).
+OPEN = ("layout", "schedule", "virtual_stages", "microbatches", "zero", "recompute")
 
 
 @dataclass(frozen=True)
@@ -64,8 +54,7 @@ class Plan:
 
     @property
     def hw_tflops_per_gpu(self) -> float:
-        """Model FLOPs and the recomputed forward's: the layers' (full), every other matmul (per-op), or the
-        attention core (selective with materialized scores)."""
+        """Model FLOPs and the recomputed forward's (docs/planner.md says what each mode redoes)."""
         m, work, rc = self.model, self.job.work, self.config.recompute
         attention = 4 * m.layers * m.heads * m.head_dim * self.seq  # Q·Kᵀ and P·V forward, per token
         mm = [2 * n * k * work.layout.tp * m.layers for n, k in matmuls(work)]
@@ -77,8 +66,9 @@ class Plan:
         c, s, lay, job = self.config, self.step, self.config.layout, self.job
         out = {"model": self.model.to_dict(), "cluster": self.cluster.name, "gpus": self.gpus}
         out |= {"dtype": job.precision or self.cluster.dtype, "compiled": job.compiled, "attention": job.attention}
-        out |= {"layout": {d: getattr(lay, d) for d in ("tp", "cp", "pp", "dp")}, "schedule": c.schedule}
-        out |= {k: getattr(c, k) for k in ("microbatches", "virtual_stages", "zero", "recompute", "sequence_parallel")}
+        out |= {"pipeline_comm": job.pipeline_comm, "layout": {d: getattr(lay, d) for d in ("tp", "cp", "pp", "dp")}}
+        out |= {k: getattr(c, k) for k in ("schedule", "microbatches", "virtual_stages", "zero", "recompute")}
+        out |= {"sequence_parallel": c.sequence_parallel}
         out |= {"hsdp_replicas": c.hsdp_replicas, "micro_batch_seqs": self.micro_seqs, "seq": self.seq}
         out |= {"global_batch_tokens": self.global_seqs * self.seq, "fits": self.fits, "step_time_s": s.step_s}
         out |= {"memory_gb": {k: round(v, 3) for k, v in self.memory.gb().items()}}
@@ -124,34 +114,30 @@ def _virtual_stages(layers: int, pp: int) -> list[int]:
     return [v for v in range(2, top) if split_ok(layers, pp * v) and 0 in (layers % (pp * v), (layers + 2) % (pp * v))]
 
 
-def configs(model, gpus: int, seq: int, global_seqs: int, fixed: Fixed):
+def configs(model, gpus: int, seq: int, global_seqs: int, fixed: dict):
     """Every Parallelism the fixed settings allow, recomputation "none" (see `search`)."""
-    sp = fixed.sequence_parallel
-    for lay in [fixed.layout] if fixed.layout else layouts(model, gpus, seq, global_seqs):
+    sp = fixed["sequence_parallel"]
+    for lay in [fixed["layout"]] if fixed["layout"] else layouts(model, gpus, seq, global_seqs):
         per_replica = global_seqs // lay.dp
         counts = [per_replica // s for s in MICRO_SEQS if per_replica % s == 0]
-        if fixed.microbatches:
-            counts = [fixed.microbatches] if per_replica % fixed.microbatches == 0 else []
+        if fixed["microbatches"]:
+            counts = [fixed["microbatches"]] if per_replica % fixed["microbatches"] == 0 else []
         # left open, GPipe is never chosen (1F1B's bubble, more memory), nor ZeRO 0 where data parallelism
         # shards (ZeRO 1 moves fewer bytes and shards the optimizer); unsharded every ZeRO stage is the same
-        zeros = [fixed.zero] if fixed.zero is not None else [0] if lay.cp * lay.dp == 1 else ZERO_STAGES[1:]
-        for sched in [fixed.schedule] if fixed.schedule else SCHEDULES:
+        zeros = [fixed["zero"]] if fixed["zero"] is not None else [0] if lay.cp * lay.dp == 1 else ZERO_STAGES[1:]
+        for sched in [fixed["schedule"]] if fixed["schedule"] else SCHEDULES:
             if (sp and (seq // lay.cp) % lay.tp) or (
-                fixed.schedule is None and sched != "1f1b" and (lay.pp == 1 or sched == "gpipe")
+                fixed["schedule"] is None and sched != "1f1b" and (lay.pp == 1 or sched == "gpipe")
             ):
                 continue  # without a pipeline every schedule is the same
-            vs = [fixed.virtual_stages or 1] if lay.pp == 1 else [1]
+            vs = [fixed["virtual_stages"] or 1] if lay.pp == 1 else [1]
             if sched == "interleaved" and lay.pp > 1:
-                vs = [fixed.virtual_stages] if fixed.virtual_stages else _virtual_stages(model.layers, lay.pp)
+                vs = [fixed["virtual_stages"]] if fixed["virtual_stages"] else _virtual_stages(model.layers, lay.pp)
             # interleaving fewer microbatches than ranks idles most of the time: only when nothing else is left
-            ms = (
-                [m for m in counts if m >= lay.pp]
-                if sched == "interleaved" and max(counts, default=0) >= lay.pp
-                else counts
-            )
-            for v, m in ((v, m) for v in vs for m in ms):
-                for z in zeros:
-                    yield Parallelism(lay, sched, m, v, z, "none", sp, fixed.hsdp_replicas)
+            few = sched == "interleaved" and max(counts, default=0) >= lay.pp
+            ms = [m for m in counts if m >= lay.pp or not few]
+            hsdp = fixed["hsdp_replicas"]
+            yield from (Parallelism(lay, sched, m, v, z, "none", sp, hsdp) for v in vs for m in ms for z in zeros)
 
 
 def valid(job: Job) -> bool:
@@ -163,21 +149,18 @@ def valid(job: Job) -> bool:
     return True
 
 
-def search(base: Job, gpus: int, fixed: Fixed, chosen=()) -> list[Plan]:
+def search(base: Job, gpus: int, fixed: dict, chosen=()) -> list[Plan]:
     """Plans for every configuration of `gpus` GPUs for `base`'s model, cluster, sequence and batch (its own
     Parallelism is ignored), fitting ones first, fastest first. Recomputation, when left open, is the
     lightest that fits (RECOMPUTE's order): each costs time and saves memory."""
     plans, capacity = [], base.cluster.gpu.memory_gb * GB
-    b, pinned = base, fixed != Fixed(sequence_parallel=fixed.sequence_parallel)  # unpinned, every config is valid
-    for par in configs(b.model, gpus, b.seq, b.global_seqs, fixed):
-        job = Job(b.model, b.cluster, par, b.seq, b.global_seqs, b.precision, b.compiled, b.attention)
+    pinned = any(fixed[k] is not None for k in OPEN) or fixed["hsdp_replicas"] > 1  # else every config is valid
+    for par in configs(base.model, gpus, base.seq, base.global_seqs, fixed):
+        job = replace(base, par=par)
         if pinned and not valid(job):
             continue
-        for rc in [fixed.recompute] if fixed.recompute else RECOMPUTE:
-            if rc != "none":
-                lay, sched, m, v, zero, _, sp, hsdp = (getattr(par, f) for f in Parallelism.__dataclass_fields__)
-                job = Job(b.model, b.cluster, Parallelism(lay, sched, m, v, zero, rc, sp, hsdp), b.seq, b.global_seqs,
-                          b.precision, b.compiled, b.attention)  # fmt: skip
+        for rc in [fixed["recompute"]] if fixed["recompute"] else RECOMPUTE:
+            job = job if rc == "none" else replace(base, par=replace(par, recompute=rc))
             memory = peak_memory(job)[1]
             if memory.fits(capacity):
                 break

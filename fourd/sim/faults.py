@@ -24,10 +24,8 @@ TABLE5 = {
 }  # fmt: skip
 TABLE5_GPUS, TABLE5_DAYS, TABLE5_PLANNED = 16_384, 54, 47
 
-# Assumed checkpoint save and restart times (docs/simulators.md derives them from Llama 3 §3.3.1).
-CHECKPOINT_S = 10.0
+CHECKPOINT_S, RESTART_S = 10.0, 300.0  # assumed save and restart times (docs/simulators.md: Llama 3 §3.3.1)
 BYTES_PER_SLOT = 160  # peak NumPy memory of `simulate` per run and slot: 111 B measured (tracemalloc), and a margin
-RESTART_S = 300.0
 DAY_S = 86_400.0
 
 
@@ -52,11 +50,8 @@ def young_interval(checkpoint_s: float, mtbf: float) -> float:
 
 def daly_interval(checkpoint_s: float, mtbf: float) -> float:
     """τ = √(2δM)·[1 + ⅓√(δ/2M) + (δ/2M)/9] − δ for δ < 2M, else M (Daly 2006, eq. 37)."""
-    d, m = checkpoint_s, mtbf
-    if d >= 2 * m:
-        return m
-    x = d / (2 * m)
-    return math.sqrt(2 * d * m) * (1 + math.sqrt(x) / 3 + x / 9) - d
+    d, m, x = checkpoint_s, mtbf, checkpoint_s / (2 * mtbf)
+    return m if d >= 2 * m else math.sqrt(2 * d * m) * (1 + math.sqrt(x) / 3 + x / 9) - d
 
 
 @dataclass(frozen=True)
@@ -80,18 +75,14 @@ class FaultResult:
         return self.useful_s / (self.days * DAY_S)
 
 
-def machine_memory_bytes() -> int:
-    """Memory this machine can give a computation now (MemAvailable), or all of it where that is not known."""
+def _check_size(runs: int, slots: int) -> None:
+    """Refuse a simulation whose arrays would not fit in half the memory this machine can give now."""
     try:
         lines = Path("/proc/meminfo").read_text().splitlines()
-        return next(int(ln.split()[1]) * 1024 for ln in lines if ln.startswith("MemAvailable:"))
+        free = next(int(ln.split()[1]) * 1024 for ln in lines if ln.startswith("MemAvailable:"))
     except (OSError, StopIteration):
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def _check_size(runs: int, slots: int) -> None:
-    """Refuse a simulation whose arrays would not fit in half the machine's available memory."""
-    need, limit = runs * slots * BYTES_PER_SLOT, machine_memory_bytes() // 2
+        free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    need, limit = runs * slots * BYTES_PER_SLOT, free // 2
     if need > limit:
         raise FourdError(
             f"{runs:,} runs of {slots:,} interruption slots each need about {need / 2**30:,.1f} GiB, more than "
@@ -99,15 +90,8 @@ def _check_size(runs: int, slots: int) -> None:
         )
 
 
-def simulate(
-    gpus: int,
-    days: float,
-    runs: int = 1000,
-    seed: int = 0,
-    interval_s: float | None = None,
-    checkpoint_s: float = CHECKPOINT_S,
-    restart_s: float = RESTART_S,
-) -> FaultResult:
+def simulate(gpus: int, days: float, runs: int = 1000, seed: int = 0, interval_s: float | None = None,
+             checkpoint_s: float = CHECKPOINT_S, restart_s: float = RESTART_S) -> FaultResult:  # fmt: skip
     """`runs` independent runs of `days` days; the checkpoint interval defaults to Daly's optimum."""
     positive = (gpus, runs, days, 1.0 if interval_s is None else interval_s)
     finite = math.isfinite(sum(positive) + checkpoint_s + restart_s)
@@ -118,8 +102,8 @@ def simulate(
         )
     tau = daly_interval(checkpoint_s, mtbf_s(gpus)) if interval_s is None else interval_s
     rates = unexpected_per_day(gpus)
-    lam_u, lam_p, horizon = sum(rates.values()) / DAY_S, planned_per_day() / DAY_S, days * DAY_S
-    lam = lam_u + lam_p
+    lam_p, horizon = planned_per_day() / DAY_S, days * DAY_S
+    lam = sum(rates.values()) / DAY_S + lam_p
     mean = lam * horizon  # enough arrival slots that running out has probability ~1e-15 (mean + 8 sigma)
     slots = int(mean + 8 * math.sqrt(mean) + 16)
     _check_size(runs, slots)
@@ -146,8 +130,7 @@ def _spans(arrivals, happened, planned, horizon: float, times: tuple[float, floa
     """(useful, lost, downtime, checkpointing, live) per gap between interruptions; each gap runs from one
     restart to the next interruption (the last one to the horizon)."""
     tau, checkpoint_s, restart_s = times
-    runs = arrivals.shape[0]
-    starts = np.concatenate([np.zeros((runs, 1)), arrivals[:, :-1]], axis=1)
+    starts = np.concatenate([np.zeros((arrivals.shape[0], 1)), arrivals[:, :-1]], axis=1)
     live = starts < horizon
     span = np.where(live, np.where(happened, arrivals, horizon) - starts, 0.0)
     # What the previous interruption costs before training resumes: nothing at the start; a planned
@@ -156,13 +139,10 @@ def _spans(arrivals, happened, planned, horizon: float, times: tuple[float, floa
     pause[:, 0] = 0.0
     pause[:, 1:] += np.where(planned[:, :-1], checkpoint_s, 0.0)
     downtime = np.minimum(span, pause)
-    run_s = span - downtime
-    cycle = tau + checkpoint_s
-    cycles = np.floor(run_s / cycle)
-    rest = run_s - cycles * cycle
+    cycles = np.floor((span - downtime) / (tau + checkpoint_s))
+    rest = span - downtime - cycles * (tau + checkpoint_s)
     # Interrupted by a planned stop or by the end of the horizon: the partial interval is saved.
-    keep_rest = planned | ~happened
-    useful = cycles * tau + np.where(keep_rest, np.minimum(rest, tau), 0.0)
+    useful = cycles * tau + np.where(planned | ~happened, np.minimum(rest, tau), 0.0)
     lost = np.where(happened & ~planned, np.minimum(rest, tau), 0.0)
     return useful, lost, downtime, cycles * checkpoint_s + np.maximum(rest - tau, 0.0), live
 

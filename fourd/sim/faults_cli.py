@@ -1,8 +1,6 @@
-"""Monte-Carlo of interruptions over a long run: unexpected failures per component at the rates of
-Llama 3 Table 5 (scaled with the number of GPUs), planned interruptions (47 in 54 days), checkpoint
-saves, restarts and the work lost since the last checkpoint; the effective training fraction and the
-Young and Daly checkpoint intervals. Assumed times (see docs/simulators.md): checkpoint save 10 s,
-restart 5 min; change them with --checkpoint-s and --restart-min.
+"""Monte-Carlo of interruptions over a long run at Llama 3 Table 5's rates (scaled with the GPUs): checkpoints,
+restarts and lost work; the effective training fraction and the Young and Daly checkpoint intervals. Assumed
+times (docs/simulators.md): checkpoint save 10 s, restart 5 min (--checkpoint-s, --restart-min).
 
 examples:
   fourd sim faults --gpus 16384 --days 54
@@ -14,12 +12,11 @@ from __future__ import annotations
 
 import json
 
+from fourd.plan.request import bounded
 from fourd.sim import faults
 
 
 def add_arguments(p):
-    from fourd.plan.request import bounded
-
     flags = (
         ("--gpus", bounded(int, 1, 1 << 24), None, "GPUs in the job"),
         ("--days", bounded(float, 1e-6, 1e6), None, "length of the run in days"),

@@ -1,12 +1,11 @@
-"""Transfers as fluid flows over shared links: flows on a link share it equally, each capped by its own
-bandwidth; a link may carry only a fraction of a flow's bytes (a ring with k members per server sends 1/k
-through each NIC). Rates change only when a flow starts or ends; a flow is delivered `latency` after its
-last byte leaves."""
+"""Transfers as fluid flows sharing links equally, each capped by its own bandwidth; a link may carry a fraction
+of a flow's bytes (a ring with k members per server: 1/k through each NIC). Delivered `latency` after the end."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(eq=False)
@@ -16,8 +15,7 @@ class Flow:
     cap: float  # bytes/s it can reach alone
     latency: float
     done: Callable[[float], None]  # called with the delivery time
-    start: float = 0.0
-    rate: float = field(default=0.0)
+    rate: float = 0.0
 
 
 class Network:
@@ -27,15 +25,11 @@ class Network:
         self.dirty = False
 
     def add(self, flow: Flow, now: float) -> None:
-        flow.start = now
         self.flows.append(flow)
         self.dirty = True
 
     def _rates(self) -> None:
-        users: dict = {}
-        for f in self.flows:
-            for link, _ in f.links:
-                users[link] = users.get(link, 0) + 1
+        users = Counter(link for f in self.flows for link, _ in f.links)
         for f in self.flows:
             f.rate = min([f.cap] + [self.capacity[link[0]] / users[link] / share for link, share in f.links])
         self.dirty = False
@@ -49,12 +43,9 @@ class Network:
         """Move every flow dt seconds forward; return the flows that finished (their bytes all sent)."""
         if self.dirty:
             self._rates()
-        finished: list = []
-        running: list = []
         for f in self.flows:
             f.size -= f.rate * dt
-            (finished if f.size <= 1e-3 else running).append(f)  # bytes: float noise, not data
+        finished = [f for f in self.flows if f.size <= 1e-3]  # bytes below that: float noise, not data
         if finished:
-            self.flows = running
-            self.dirty = True
+            self.flows, self.dirty = [f for f in self.flows if f.size > 1e-3], True
         return finished

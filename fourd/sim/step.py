@@ -1,7 +1,6 @@
-"""Discrete-event simulation of one training step: each pipeline rank runs its `fourd.schedules` action
-list with the planner's compute times; activations, gradients and per-layer data-parallel buckets move as
-fluid flows sharing the links (`fourd.sim.network`). One GPU per pipeline rank stands for its replicas and
-TP/CP group; a straggler adds a second replica class (docs/simulators.md says what that assumes)."""
+"""Discrete-event simulation of one training step: each pipeline rank runs its `fourd.schedules` actions with
+the planner's compute times; activations, gradients and per-layer data-parallel buckets move as flows sharing
+the links (fourd.sim.network). One GPU per pipeline rank stands for its replicas (docs/simulators.md)."""
 
 from __future__ import annotations
 
@@ -9,31 +8,39 @@ import heapq
 import itertools
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from fourd.errors import FourdError
-from fourd.plan.cluster import Group, group_bandwidth, group_level, members_per_node, shard_group
+from fourd.plan.cluster import group_bandwidth, group_level, members_per_node, shard_group
 from fourd.plan.job import Job, stage_layers
 from fourd.plan.kernels import bus_factor, collective_time, optimizer_time
 from fourd.plan.memory import stage_params
 from fourd.plan.perf import chunk_times
 from fourd.schedules import Action, Schedule, build_schedule, depends_on
 from fourd.sim.network import Flow, Network
-from fourd.sim.pipeline import Event
 
 MAX_PIECES = 200_000  # compute pieces one simulation may run: about 20 s of simulation
+# Backward twice forward (two GEMMs per forward one); a split backward is half input, half weight.
+UNIT = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+
+
+@dataclass(frozen=True)
+class Event:
+    rank: int
+    stage: int
+    kind: str  # "F", "B", "I", "W"
+    microbatch: int
+    start: float
+    end: float
 
 
 def stage_costs(job: Job, comm: bool = True) -> list[dict[str, float]]:
-    """Seconds of each action kind ("F", "B", "I", "W") per global stage, from the planner's cost model;
-    TP and CP collectives are part of F, B and I unless `comm` is False."""
-    out = []
-    for t in chunk_times(job):
-        f = t.forward_s + (t.forward_comm_s if comm else 0.0)
-        i = t.input_grad_s + (t.backward_comm_s if comm else 0.0)
-        out.append({"F": f, "I": i, "W": t.weight_grad_s, "B": i + t.weight_grad_s})
-    return out
+    """Seconds of each action kind ("F", "B", "I", "W") per global stage from the planner's cost model; TP and
+    CP collectives are part of F, B and I unless `comm` is False."""
+    times = [(t.forward_s + t.forward_comm_s * comm, t.input_grad_s + t.backward_comm_s * comm, t.weight_grad_s)
+             for t in chunk_times(job)]  # fmt: skip
+    return [{"F": f, "I": i, "W": w, "B": i + w} for f, i, w in times]
 
 
 @dataclass(frozen=True)
@@ -57,59 +64,48 @@ class StepResult:
     slow_events: list[list[Event]] | None = None
 
     @property
-    def per_rank_idle_fraction(self) -> list[float]:
-        """Share of the step each pipeline rank does no compute (bubbles, waiting for transfers)."""
+    def per_rank_idle_fraction(self) -> list[float]:  # no compute: bubbles, waiting for transfers
         return [1 - (b + o) / self.step_time_s for b, o in zip(self.busy_s, self.optimizer_s)]
 
     @property
-    def bubble_fraction(self) -> float:
-        """Idle share of the pipeline span on the busiest rank (the pace setter's bubble)."""
-        span = self.pipeline_span_s
-        return 1 - max(self.busy_s) / span if span > 0 else 0.0
+    def bubble_fraction(self) -> float:  # idle share of the pipeline span on the busiest rank
+        return 1 - max(self.busy_s) / self.pipeline_span_s if self.pipeline_span_s > 0 else 0.0
 
 
-@dataclass
+@dataclass(frozen=True)
 class Comm:
     """What transfers cost on a cluster for one job: links, and each transfer's bytes, cap and latency."""
 
     cluster: Any
     zero: int
-    capacity: dict = field(default_factory=dict)
-    p2p_bytes: float = 0.0
-    p2p: dict = field(default_factory=dict)  # (src rank, dst rank) -> ((out port, in port), cap, latency)
-    dp_group: Any = None  # Group
-    dp_bw: float = 0.0  # what a DP ring reaches alone (group_bandwidth)
-    dp_links: tuple = ()  # (port, share of the ring's bytes) per GPU
-    dp_params: list = field(default_factory=list)  # each stage's parameters on one GPU (one bucket per layer)
-    weight_bytes: int = 2  # per parameter: weights move in the compute precision, gradients in FP32
+    capacity: dict  # bytes/s of each port's links (port, replica class, rank)
+    p2p_bytes: float
+    p2p: dict  # (src rank, dst rank) -> ((out port, in port), cap, latency)
+    dp_group: Any  # the cp·dp ranks holding the same weights reduce gradients together
+    dp_bw: float  # what a DP ring reaches alone (group_bandwidth)
+    dp_links: tuple  # (port, share of the ring's bytes) per GPU
+    dp_params: list  # each stage's parameters on one GPU (one bucket per layer)
+    weight_bytes: int  # per parameter: weights move in the compute precision, gradients in FP32
 
 
 def build_comm(job: Job) -> Comm:
     """Links and transfer costs of the job's layout on its cluster."""
-    cluster, lay = job.cluster, job.layout
-    node, net = cluster.node, cluster.network
+    cluster, lay, node, net = job.cluster, job.layout, job.cluster.node, job.cluster.network
     nic, nvl = net.nic_bw_gbps * 1e9 * net.nic_efficiency, node.intra_bw_gbps * 1e9 * node.intra_efficiency
-    comm = Comm(cluster, job.par.zero, weight_bytes=job.dtype_bytes, dp_params=stage_params_on_gpu(job))
-    comm.capacity = {"nic_out": nic, "nic_in": nic, "nvl_out": nvl, "nvl_in": nvl}  # links (port, class, rank)
     # each TP rank sends its sequence-parallel shard; without SP every TP rank holds (and sends) it all
-    comm.p2p_bytes = job.work.tokens * job.model.dim * job.dtype_bytes / (lay.tp if job.par.sequence_parallel else 1)
-    gpu = [lay.rank(pp=r) for r in range(lay.pp)]
-    for src in range(lay.pp):
-        for dst in range(lay.pp):
-            if src != dst:
-                bw, latency = group_bandwidth(Group(2, abs(gpu[dst] - gpu[src]), lay.world), cluster)
-                same_node = gpu[src] // node.gpus == gpu[dst] // node.gpus
-                comm.p2p[(src, dst)] = (("nvl_out", "nvl_in") if same_node else ("nic_out", "nic_in"), bw, latency)
-    comm.dp_group = shard_group(lay)  # the cp·dp ranks holding the same weights reduce gradients together
-    comm.dp_bw = group_bandwidth(comm.dp_group, cluster)[0]
-    if group_level(comm.dp_group, cluster) == "nvlink":
-        comm.dp_links = (("nvl_out", 1.0), ("nvl_in", 1.0))
-    else:
-        # k members per server drive k NICs (one ring channel each): 1/k of the bytes through this GPU's
-        # NIC, all of them over its NVLink port to the server's other members.
-        k = members_per_node(comm.dp_group, cluster)
-        comm.dp_links = (("nic_out", 1 / k), ("nic_in", 1 / k)) + ((("nvl_out", 1.0), ("nvl_in", 1.0)) if k > 1 else ())
-    return comm
+    p2p_bytes = job.work.tokens * job.model.dim * job.dtype_bytes / (lay.tp if job.par.sequence_parallel else 1)
+    server = [lay.rank(pp=r) // node.gpus for r in range(lay.pp)]
+    link = {True: (("nvl_out", "nvl_in"), nvl, node.intra_latency_us * 1e-6),
+            False: (("nic_out", "nic_in"), nic, net.latency_us * 1e-6)}  # fmt: skip
+    p2p = {(a, b): link[server[a] == server[b]] for a in range(lay.pp) for b in range(lay.pp)}
+    group, nvlink = shard_group(lay), (("nvl_out", 1.0), ("nvl_in", 1.0))
+    # k members per server drive k NICs (one ring channel each): 1/k of the bytes through this GPU's NIC, all
+    # of them over its NVLink port to the server's other members
+    k = members_per_node(group, cluster)
+    nic_links = (("nic_out", 1 / k), ("nic_in", 1 / k)) + nvlink * (k > 1)
+    dp_links = nvlink if group_level(group, cluster) == "nvlink" else nic_links
+    return Comm(cluster, job.par.zero, {"nic_out": nic, "nic_in": nic, "nvl_out": nvl, "nvl_in": nvl}, p2p_bytes, p2p,
+                group, group_bandwidth(group, cluster)[0], dp_links, stage_params_on_gpu(job), job.dtype_bytes)  # fmt: skip
 
 
 def stage_params_on_gpu(job: Job) -> list[float]:
@@ -128,16 +124,9 @@ class _Piece:
     after: list  # effects when it ends: ("token", t) | ("send", dst, token) | ("enqueue", stream, key, bytes)
 
 
-def simulate(
-    schedule: Schedule,
-    costs: list[dict[str, float]],
-    *,
-    layers: list[int] | None = None,
-    comm: Comm | None = None,
-    optimizer_s: list[float] | None = None,
-    slow: tuple[int, float] | None = None,
-    dp: int = 1,
-) -> StepResult:
+def simulate(schedule: Schedule, costs: list[dict[str, float]], *, layers: list[int] | None = None,
+             comm: Comm | None = None, optimizer_s: list[float] | None = None, slow: tuple[int, float] | None = None,
+             dp: int = 1) -> StepResult:  # fmt: skip
     """Run one step: `costs[stage][kind]` compute seconds, `layers[stage]` DP buckets per stage, `comm` None:
     transfers free, no DP collectives; `slow = (pipeline rank, factor)` slows it in one of `dp` replicas."""
     p = schedule.pp
@@ -158,27 +147,21 @@ def simulate(
 
 def _check_size(pieces: int) -> None:
     if pieces > MAX_PIECES:
-        raise FourdError(
-            f"this step has {pieces:,} compute pieces to simulate, more than {MAX_PIECES:,}: use fewer "
-            "microbatches, virtual stages or pipeline ranks"
-        )
+        raise FourdError(f"this step has {pieces:,} compute pieces to simulate, more than {MAX_PIECES:,}: use "
+                         "fewer microbatches, virtual stages or pipeline ranks")  # fmt: skip
 
 
 def _needs(a: Action, c: int, stages: int) -> list:
-    """Tokens an action waits for: a forward the activation delivered to its rank, a backward its own
-    forward and the gradient delivered from the next stage, a weight gradient its input gradient."""
-    return [
-        (c, "act" if a.kind == "F" else "gin" if kind == "grad" else kind, s, j) for kind, s, j in depends_on(a, stages)
-    ]
+    """Tokens an action waits for (fourd.schedules.depends_on): deliveries are "act" and "gin" tokens."""
+    return [(c, "act" if a.kind == "F" else "gin" if k == "grad" else k, s, j) for k, s, j in depends_on(a, stages)]
 
 
 def _rank_pieces(sim: _Engine, who: tuple[int, int], costs, layers, factor, zero):
     """A rank's compute pieces for one replica class, with the DP buckets they gate and emit."""
     c, r = who
-    schedule, comm = sim.schedule, sim.comm
-    weights = [n * comm.weight_bytes for n in comm.dp_params] if comm else []
-    grads = [n * 4 for n in comm.dp_params] if comm else []
-    actions = schedule.ranks[r]
+    schedule, comm, actions = sim.schedule, sim.comm, sim.schedule.ranks[r]
+    params = comm.dp_params if comm else []
+    weights, grads = [n * comm.weight_bytes for n in params] if comm else [], [4 * n for n in params]
     last_grad = {a.stage: i for i, a in enumerate(actions) if a.kind in ("B", "W")}
     first_f = {a.stage: i for i, a in reversed(list(enumerate(actions))) if a.kind == "F"}  # the first wins
     pieces, rs_keys = [], sim.rs_keys.setdefault(who, [])
@@ -192,17 +175,16 @@ def _rank_pieces(sim: _Engine, who: tuple[int, int], costs, layers, factor, zero
         reduce = zero is not None and a.kind in ("B", "W") and (zero >= 2 or idx == last_grad[s])
         parts = layers[s] if (gather or reduce) else 1
         dur = costs[s][a.kind] * factor / parts if parts > 1 else costs[s][a.kind] * factor  # ints stay exact
-        if zero == 3 and gather:
-            for i in range(parts):
-                sim.enqueue((c, r, "ag"), ("ag", s, j, a.kind, i), weights[s] / parts)
         for i in range(parts):
+            if zero == 3 and gather:
+                sim.enqueue((c, r, "ag"), ("ag", s, j, a.kind, i), weights[s] / parts)
             need = tuple(_needs(a, c, schedule.stages)) if i == 0 else ()
             if gather:
                 need += ((c, "coll", ("ag", s, 0, i) if zero in (1, 2) else ("ag", s, j, a.kind, i)),)
             after: list = []
             if reduce:
                 key = ("rs" if zero else "ar", s, j if zero >= 2 else 0, i)
-                after.append(("enqueue", (c, r, "rs"), key, grads[s] / parts))
+                after.append(("enqueue", (c, r, "rs"), key, grads[s] / parts))  # gradients in FP32
                 rs_keys.append(key)
             if i == parts - 1:
                 after.append(("token", (c, a.kind, s, j)))
@@ -220,19 +202,14 @@ class _Engine:
         self.net = Network(comm.capacity if comm else {})
         self.ranks = [(c, r) for c in range(n_classes) for r in range(schedule.pp)]
         self.pieces: dict[tuple, list[_Piece]] = {}
-        self.rs_keys: dict[tuple, list] = {}
         self.streams: dict[tuple, deque] = {(c, r, s): deque() for c, r in self.ranks for s in ("ag", "rs") if comm}
-        self.sizes: dict = {}
-        self.tokens: set = set()
+        self.rs_keys, self.sizes, self.tokens = dict[tuple, list](), dict[Any, float](), set[Any]()
+        self.transfers: list[Transfer] = []
         self.deliveries: list = []  # (time, order, callback): flows delivered after their latency, FIFO at a tie
         self.order = itertools.count()
-        self.transfers: list[Transfer] = []
-        self.done_colls: dict = {}  # collectives finished, whose streams move on
-        self.waiting: dict = {}  # collective key -> the streams whose head it is
-        self.busy_streams: set = set()
-        self.pos = dict.fromkeys(self.ranks, 0)
-        self.running: dict[tuple, tuple[float, _Piece]] = {}
-        self.started: dict[tuple, float] = {}
+        # collectives finished (their streams move on), collective key -> the streams whose head it is
+        self.done_colls, self.waiting, self.busy_streams = dict[Any, Any](), dict[Any, set](), set[tuple]()
+        self.pos, self.running, self.started = dict.fromkeys(self.ranks, 0), dict[tuple, tuple](), dict[tuple, float]()
 
     def enqueue(self, stream, key, nbytes, ready: float = 0.0):
         self.streams[stream].append((key, ready))
@@ -244,13 +221,11 @@ class _Engine:
         while moved:
             moved = False
             for k in self.ranks:
-                if k in self.running or self.pos[k] >= len(self.pieces[k]):
-                    continue
-                piece = self.pieces[k][self.pos[k]]
-                if all(n in self.tokens for n in piece.needs):
+                idle = k not in self.running and self.pos[k] < len(self.pieces[k])
+                piece = self.pieces[k][self.pos[k]] if idle else None
+                if piece and all(n in self.tokens for n in piece.needs):
                     self.running[k] = (t + piece.dur, piece)
-                    if piece.part == 0:
-                        self.started[k] = t
+                    self.started[k] = t if piece.part == 0 else self.started[k]
                     moved = True
             for stream, q in self.streams.items():
                 if stream in self.busy_streams or not q or q[0][1] > t:
@@ -264,9 +239,8 @@ class _Engine:
 
     def run(self) -> StepResult:
         events: dict[tuple, list] = {k: [] for k in self.ranks}
-        busy: dict[tuple, Any] = dict.fromkeys(self.ranks, 0)
-        opt: dict[tuple, Any] = dict.fromkeys(self.ranks, 0)
-        t: Any = 0
+        busy, opt = dict[tuple, Any].fromkeys(self.ranks, 0), dict[tuple, Any].fromkeys(self.ranks, 0)
+        t: Any = 0  # ints stay exact with whole-number costs
         end_time: Any = 0
         while True:
             self._start(t)
@@ -294,9 +268,6 @@ class _Engine:
                     self.streams[stream].popleft()
                     self.busy_streams.discard(stream)
             self.done_colls.clear()
-        return self._result(end_time, events, busy, opt)
-
-    def _result(self, end_time, events, busy, opt) -> StepResult:
         stuck = [k for k in self.ranks if self.pos[k] < len(self.pieces[k])]
         if stuck:
             raise RuntimeError(f"simulation stalled at {stuck[0]}: {self.pieces[stuck[0]][self.pos[stuck[0]]]}")
@@ -305,9 +276,8 @@ class _Engine:
         starts, ends = [e[0].start for e in rep if e], [e[-1].end for e in rep if e]
         slow = [events[(1, r)] for r in range(p)] if self.n_classes > 1 else None
         span = max(ends) - min(starts) if starts else 0.0
-        return StepResult(
-            end_time, rep, self.transfers, [busy[(0, r)] for r in range(p)], [opt[(0, r)] for r in range(p)], span, slow
-        )
+        mine = [(busy[(0, r)], opt[(0, r)]) for r in range(p)]
+        return StepResult(end_time, rep, self.transfers, [b for b, _ in mine], [o for _, o in mine], span, slow)
 
     def _effect(self, k, eff, t):
         c, r = k
@@ -354,13 +324,12 @@ class _Engine:
             self.net.add(Flow(volume, links, comm.dp_bw, latency, lambda when, s=stream: done(when, s)), t)
 
 
-def simulate_step(
-    job: Job, comm: bool = True, slow_gpu: tuple[int, float] | None = None, throttle: float = 1.0
-) -> StepResult:
-    """One step of `job`, its schedule built from its Parallelism. `slow_gpu = (global rank, factor)`: that
-    GPU computes factor× slower, and with it its TP/CP group (they meet in every layer's collectives).
-    `throttle` ≥ 1 slows every GPU's compute alike."""
+def simulate_step(job: Job, comm: bool = True, slow_gpu: tuple[int, float] | None = None, throttle: float = 1.0):
+    """One step of `job` (a StepResult). `slow_gpu = (global rank, factor)`: that GPU, and with it its TP/CP
+    group, computes factor× slower; `throttle` ≥ 1 slows every GPU alike."""
     lay, par = job.layout, job.par
+    if job.pipeline_comm != "overlapped":
+        raise FourdError("the step simulator runs overlapped pipeline communication only; the planner models blocking")
     layers = [max(1, n) for n in stage_layers(job.model.layers, lay.pp, par.virtual_stages)]
     _check_size(par.microbatches * sum(layers) * (3 if par.schedule == "zero-bubble" else 2))  # before building
     schedule = build_schedule(par.schedule, lay.pp, par.microbatches, par.virtual_stages)
@@ -374,3 +343,16 @@ def simulate_step(
     optimizer = [optimizer_time(sum(params[s] for s in schedule.stages_of_rank(r)) / owned, job.cluster,
                                 job.dtype_bytes) * throttle for r in range(lay.pp)]  # fmt: skip
     return simulate(schedule, costs, layers=layers, comm=net, optimizer_s=optimizer, slow=slow, dp=lay.dp)
+
+
+def timeline(schedule: Schedule, costs: dict | list[dict] | None = None) -> list[list[Event]]:
+    """Per-rank timed events in execution order, times from 0, transfers free (the lab's pipeline bench):
+    `costs` seconds by kind (UNIT, the default), or a list of such dicts, one per stage."""
+    costs = UNIT if costs is None else costs
+    return simulate(schedule, costs if isinstance(costs, list) else [costs] * schedule.stages).events
+
+
+def idle_fractions(events: list[list[Event]]) -> tuple[float, list[float]]:
+    """The step time (first start to last end over all ranks) and each rank's idle share of it."""
+    step = max(e[-1].end for e in events if e) - min(e[0].start for e in events if e)
+    return step, [(step - sum(x.end - x.start for x in e)) / step for e in events]

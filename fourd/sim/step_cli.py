@@ -1,14 +1,10 @@
-"""Simulate one training step event by event: the schedule's action lists with the planner's compute
-times, pipeline sends and data-parallel buckets sharing the cluster's links; identical replicas simulated
-once (docs/simulators.md). Flags as `fourd plan`, settings left out the planner's choice; --search
-ranks the planner's best candidates by simulated time.
+"""Simulate one training step event by event: the schedule's action lists with the planner's compute times,
+pipeline sends and data-parallel buckets sharing the cluster's links (docs/simulators.md). Flags as `fourd
+plan`, settings left out the planner's choice; --search ranks the planner's best candidates by simulated time.
 
 examples:
   fourd sim step --model llama3-405b --cluster llama3-h100 --gpus 16384 --layout tp=8,pp=16,dp=128 \\
                  --seq 8192 --global-batch-tokens 16M --schedule interleaved
-  fourd sim step --model-spec layers=128,dim=4096,ffn=16384,heads=32,kv_heads=32,vocab=32000,mlp=gelu \\
-                 --gpus 16 --layout pp=16 --schedule gpipe --microbatches 16 --seq 2048 \\
-                 --global-batch-tokens 32768 --no-comm --json
   fourd sim step --model llama3-70b --gpus 512 --layout tp=8,pp=4,dp=16 --seq 8192 --global-batch-tokens 4M \\
                  --schedule 1f1b --slow-gpu 40:1.2 --trace step.json
   fourd sim step --model llama3-8b --gpus 64 --seq 8192 --global-batch-tokens 1M --search --top 5
@@ -21,6 +17,7 @@ import math
 import time
 from pathlib import Path
 
+from fourd.errors import plural
 from fourd.plan.request import BadValue, bounded
 from fourd.plan.request import add_arguments as plan_arguments
 
@@ -31,9 +28,7 @@ def slow_gpu(text: str) -> tuple[int, float]:
     try:
         return bounded(int, 0, 1 << 20)(rank), bounded(float, 1e-3, 1e3)(factor)
     except BadValue as e:
-        raise BadValue(
-            f"{str(text)[:40]!r} ({e}): write RANK:FACTOR, e.g. 37:1.25 for GPU 37 computing 25 % slower"
-        ) from None
+        raise BadValue(f"{str(text)[:40]!r} ({e}): write RANK:FACTOR, e.g. 37:1.25 for GPU 37 25 % slower") from None
 
 
 def trace_path(text: str) -> Path:
@@ -48,25 +43,15 @@ def trace_path(text: str) -> Path:
 def add_arguments(p):
     plan_arguments(p)  # the same model, cluster, layout and run flags as `fourd plan`
     p.add_argument("--no-comm", action="store_true", help="every transfer free: the schedule's figures alone")
-    p.add_argument(
-        "--slow-gpu", type=slow_gpu, metavar="RANK:FACTOR", help="GPU RANK computes FACTOR times slower, e.g. 37:1.25"
-    )
-    p.add_argument(
-        "--diurnal",
-        type=bounded(float, 0, 100),
-        default=0.0,
-        metavar="PCT",
-        help="daily clock throttle amplitude in percent (Llama 3 saw 1-2 %%), largest at 15:00",
-    )
-    p.add_argument(
-        "--hour", type=bounded(float, 0, 24), default=15.0, help="time of day for --diurnal, 0-24 (default 15)"
-    )
+    p.add_argument("--slow-gpu", type=slow_gpu, metavar="RANK:FACTOR", help="GPU RANK computes FACTOR times slower")
+    p.add_argument("--diurnal", type=bounded(float, 0, 100), default=0.0, metavar="PCT",
+                   help="daily clock throttle amplitude in percent (Llama 3 saw 1-2 %%), largest at 15:00")  # fmt: skip
+    p.add_argument("--hour", type=bounded(float, 0, 24), default=15.0, help="time of day for --diurnal (default 15)")
     p.add_argument("--trace", type=trace_path, metavar="FILE.json", help="write a Chrome trace (open it in Perfetto)")
 
 
 def diurnal_factor(pct: float, hour: float) -> float:
-    """Compute slowdown at `hour`: 1 at 03:00, 1 + pct/100 at 15:00, a cosine between (Llama 3 §3.3.4
-    reports a 1-2 % throughput swing with the time of day, from GPU clocks at mid-day temperatures)."""
+    """Compute slowdown at `hour`: 1 at 03:00, 1 + pct/100 at 15:00, a cosine between (Llama 3 §3.3.4)."""
     return 1 + pct / 100 * (1 - math.cos(2 * math.pi * (hour - 3) / 24)) / 2
 
 
@@ -92,8 +77,7 @@ def report(plan, result, comm: bool, wall: float, train_tokens: float | None = N
 
 
 def simulate_plan(plan, args, train_tokens: float | None = None):
-    """Simulate the planner's configuration `plan` with the straggler and throttle flags of `args`:
-    (the StepResult, its report)."""
+    """(the StepResult, its report) of the planner's `plan` with the straggler and throttle flags of `args`."""
     from fourd.sim.step import simulate_step
 
     start = time.perf_counter()
@@ -103,10 +87,8 @@ def simulate_plan(plan, args, train_tokens: float | None = None):
 
 def _line(r: dict) -> str:
     lay = ",".join(f"{d}={r['layout'][d]}" for d in ("tp", "cp", "pp", "dp"))
-    return (
-        f"{r['step_time_s']:.4g} s (planner {r['planner_step_time_s']:.4g} s)  {lay} {r['schedule']}"
-        f" V={r['virtual_stages']} m={r['microbatches']} ZeRO {r['zero']} recompute {r['recompute']}"
-    )
+    return (f"{r['step_time_s']:.4g} s (planner {r['planner_step_time_s']:.4g} s)  {lay} {r['schedule']}"
+            f" V={r['virtual_stages']} m={r['microbatches']} ZeRO {r['zero']} recompute {r['recompute']}")  # fmt: skip
 
 
 def run(args) -> int:
@@ -114,17 +96,13 @@ def run(args) -> int:
 
     req = resolve_inputs(args)
     found = plans(req)
-    if args.search:
-        # The planner's best candidates that fit, ranked again by simulated step time.
+    if args.search:  # the planner's best candidates that fit, ranked again by simulated step time
         fitting = [p for p in found if p.fits][: args.top] or found[:1]
         rows = sorted((simulate_plan(p, args, req.train_tokens)[1] for p in fitting), key=lambda r: r["step_time_s"])
-        print(
-            json.dumps({"best": rows[0], "candidates": rows})
-            if args.json
-            else "\n".join(f"{i + 1:2}. {_line(r)}" for i, r in enumerate(rows))
-        )
+        out = {"best": rows[0], "candidates": rows}
+        print(json.dumps(out) if args.json else "\n".join(f"{i + 1:2}. {_line(r)}" for i, r in enumerate(rows)))
         return 0
-    plan = found[0]
+    plan, c = found[0], found[0].config
     result, out = simulate_plan(plan, args, req.train_tokens)
     if args.trace:
         from fourd.sim.trace import write_trace
@@ -133,18 +111,19 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(out))
         return 0
-    c, v = plan.config, f" V={plan.config.virtual_stages}" if plan.config.virtual_stages > 1 else ""
+    v = f" V={c.virtual_stages}" if c.virtual_stages > 1 else ""
     idle = " ".join(f"{100 * x:.1f}" for x in out["per_rank_idle_fraction"])
-    print(f"""{plan.gpus:,} GPUs, layout {c.layout}, {c.schedule}{v}, {c.microbatches} microbatches of {plan.micro_seqs} x {plan.seq} tokens, ZeRO {c.zero}, recompute {c.recompute}{"" if out["comm"] else ", transfers free"}
-  step time        {out["step_time_s"]:.4g} s   (planner {out["planner_step_time_s"]:.4g} s)
-  throughput       {out["tokens_per_s"]:,.0f} tokens/s, {out["tflops_per_gpu"]:.0f} TFLOP/s per GPU, MFU {100 * out["mfu"]:.1f} %
-  bubble           {100 * out["bubble_fraction"]:.1f} % of the pipeline span ({out["pipeline_span_s"]:.4g} s) on the busiest rank
-  idle per rank    {idle}  (% of the step)""")
-    if args.slow_gpu:
-        print(f"  straggler        GPU {args.slow_gpu[0]} at {args.slow_gpu[1]:g}x")
-    if req.train_tokens:
-        print(f"  training         {out['training_days']:.1f} days for {req.train_tokens:.3g} tokens")
-    if args.trace:
-        print(f"  trace            {args.trace} (open in Perfetto)")
-    print(f"  simulated in     {out['sim_wall_s']:.2f} s, {out['transfers']} transfers")
+    lines = [
+        f"{plan.gpus:,} GPUs, layout {c.layout}, {c.schedule}{v}, {plural(c.microbatches, 'microbatch')} of "
+        f"{plan.micro_seqs} x {plan.seq} tokens, ZeRO {c.zero}, recompute {c.recompute}{'' if out['comm'] else ', transfers free'}",
+        f"  step time        {out['step_time_s']:.4g} s   (planner {out['planner_step_time_s']:.4g} s)",
+        f"  throughput       {out['tokens_per_s']:,.0f} tokens/s, {out['tflops_per_gpu']:.0f} TFLOP/s per GPU, MFU {100 * out['mfu']:.1f} %",
+        f"  bubble           {100 * out['bubble_fraction']:.1f} % of the pipeline span ({out['pipeline_span_s']:.4g} s) on the busiest rank",
+        f"  idle per rank    {idle}  (% of the step)",
+        *([f"  straggler        GPU {args.slow_gpu[0]} at {args.slow_gpu[1]:g}x"] if args.slow_gpu else []),
+        *([f"  training         {out['training_days']:.1f} days for {req.train_tokens:.3g} tokens"] if req.train_tokens else []),
+        *([f"  trace            {args.trace} (open in Perfetto)"] if args.trace else []),
+        f"  simulated in     {out['sim_wall_s']:.2f} s, {out['transfers']} transfers",
+    ]  # fmt: skip
+    print("\n".join(lines))
     return 0

@@ -1,6 +1,5 @@
-"""Chrome trace JSON (opens in Perfetto, ui.perfetto.dev, or chrome://tracing): the one writer of fourd's
-traces. A simulated step has one process per class of replica (the replicas that stand for all, and a
-straggler's) and two tracks per pipeline rank: its compute and the transfers it sends."""
+"""Chrome trace JSON (Perfetto, chrome://tracing), the one writer of fourd's traces: a simulated step has one
+process per class of replica (all alike, a straggler's) and per pipeline rank a compute and a sends track."""
 
 from __future__ import annotations
 
@@ -21,9 +20,8 @@ def span(pid: int, tid: int, name: str, cat: str, start_s: float, dur_s: float, 
 
 def label(pid: int, tid: int | None, name: str) -> dict:
     """A process name (tid None) or a thread name."""
-    if tid is None:
-        return {"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}}
-    return {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}}
+    kind = {"name": "process_name", "pid": pid} if tid is None else {"name": "thread_name", "pid": pid, "tid": tid}
+    return {"ph": "M", **kind, "args": {"name": name}}
 
 
 def chrome_trace(result: StepResult) -> dict:
@@ -36,11 +34,7 @@ def chrome_trace(result: StepResult) -> dict:
             out += [span(pid, 2 * r, f"{e.kind}{e.stage}.{e.microbatch}", NAMES[e.kind], e.start, e.end - e.start,
                          stage=e.stage, microbatch=e.microbatch) for e in evs]  # fmt: skip
     out += [span(t.replica, 2 * t.rank + 1, t.name, t.kind, t.start, t.end - t.start) for t in result.transfers]
-    return document(out)
-
-
-def document(events: list[dict]) -> dict:
-    return {"traceEvents": events, "displayTimeUnit": "ms"}
+    return {"traceEvents": out, "displayTimeUnit": "ms"}
 
 
 def write_trace(result: StepResult | dict, path: str | Path) -> None:
