@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast lint install clean
+.PHONY: run test test-fast mutation lint install clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -32,11 +32,15 @@ lint: $(STAMP)
 	$(BIN)/mypy fourd
 
 test: lint
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not mutation" tests
 
 # Everything but the multi-process tests (marked slow).
 test-fast: lint
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not slow" tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not slow and not mutation" tests
+
+# Deliberate mutations of the source, each of which a named test must catch (tests/test_mutations.py).
+mutation: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -v -s -p no:cacheprovider tests/test_mutations.py
 
 clean:
 	rm -rf $(VENV) runs

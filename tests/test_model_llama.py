@@ -18,6 +18,15 @@ def test_small_presets_match_their_formula():
         assert sum(p.numel() for p in model.parameters()) == PRESETS[name].params()
 
 
+def test_flops_per_token_of_the_debug_preset():
+    # 218K parameters, 16,384 of them the input embedding; 4 layers of 46,208 parameters, 4 heads of 16, 256 tokens.
+    # PaLM (Chowdhery et al. 2022, app. B): 6·(217,664 − 16,384) + 12·4·4·16·256 = 1,207,680 + 786,432
+    cfg = PRESETS["debug"]
+    assert cfg.flops_per_token(256) == cfg.flops_per_token(256, "selective") == 1_994_112
+    # full recomputation runs each layer's forward again: 2·4·46,208 + 4·4·4·16·256 = 369,664 + 262,144 more
+    assert cfg.flops_per_token(256, "full") == 1_994_112 + 631_808
+
+
 def test_rope_rotates_pairs_and_keeps_norms():
     cos, sin = rope_table(8, torch.arange(5), 500_000.0)
     assert cos.shape == sin.shape == (5, 4)

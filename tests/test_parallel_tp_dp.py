@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_util import run_ranks
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
 
 from fourd.layout import Layout
 from fourd.model.config import get_preset, with_overrides
@@ -95,6 +96,34 @@ def _four_ranks(rank, world):
     hsdp = build_mesh(Layout(dp=4), hsdp_replicate=2)
     results["dp=4 hsdp 2x2"] = _train(DEBUG, dp_mesh=dp_cp_mesh(hsdp), zero=3, clip_mesh=hsdp)
     return results
+
+
+def _logits_and_targets():
+    gen = torch.Generator().manual_seed(5)
+    # a wide spread of logits: each rank's own row maximum differs from the global one
+    return 8 * torch.randn(3, 5, DEBUG.vocab, generator=gen), torch.randint(0, DEBUG.vocab, (3, 5), generator=gen)
+
+
+def _vocab_parallel_loss(rank, world):
+    logits, targets = _logits_and_targets()
+    local = logits.chunk(world, dim=-1)[rank].clone().requires_grad_()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    loss = loss_fn(DTensor.from_local(local, mesh, [Shard(2)]), targets)
+    loss.backward()
+    return loss.item(), local.grad
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_vocabulary_parallel_loss_and_gradient_equal_cross_entropy():
+    logits, targets = _logits_and_targets()
+    logits.requires_grad_()
+    want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    want.backward()
+    assert targets.lt(DEBUG.vocab // 2).any() and targets.ge(DEBUG.vocab // 2).any()  # targets on both ranks
+    for rank, (loss, grad) in enumerate(run_ranks(_vocab_parallel_loss, 2, timeout=100)):
+        assert loss == pytest.approx(want.item(), rel=1e-6)
+        torch.testing.assert_close(grad, logits.grad.chunk(2, dim=-1)[rank], rtol=1e-5, atol=1e-7)
 
 
 def _rel(a, b):

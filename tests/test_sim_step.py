@@ -38,6 +38,14 @@ def test_no_comm_interleaved_bubble_over_compute_exact():
             assert [Fraction(r.pipeline_span_s - b, b) for b in r.busy_s] == [Fraction(p - 1, v * m)] * p
 
 
+def test_bubble_fraction_is_the_busiest_ranks_idle_share_of_the_span():
+    # GPipe, 2 microbatches, the second stage twice as slow: F0 [0,1] [1,2], F1 [1,3] [3,5], B1 [5,9] [9,13],
+    # B0 [9,11] [13,15]; rank 1 computes 12 of the 15 units, rank 0 only 6
+    r = simulate(build_schedule("gpipe", 2, 2), [UNIT, {k: 2 * t for k, t in UNIT.items()}])
+    assert (r.pipeline_span_s, r.busy_s) == (15, [6, 12])
+    assert r.bubble_fraction == pytest.approx(1 - 12 / 15, abs=1e-15)
+
+
 def test_links_are_shared_equally_and_fractions_count():
     net = Network({"nic": 10.0, "nvl": 100.0})
     done = []

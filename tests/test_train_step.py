@@ -8,6 +8,7 @@ import torch
 from fourd.config import Config, set_value
 from fourd.model.config import get_preset
 from fourd.parallel.apply import build_parallel
+from fourd.parallel.grad import clip_grad_norm
 from fourd.train.step import build_optimizer, param_groups, train_step
 
 
@@ -57,3 +58,18 @@ def test_multi_tensor_adamw_equals_the_per_parameter_one():
         assert a[0] == pytest.approx(b[0], rel=1e-6) and a[1] == pytest.approx(b[1], rel=1e-6)
     for (n, p), q in zip(par.stages[0].named_parameters(), ref_par.stages[0].parameters()):
         assert ((p - q).norm() / q.norm()).item() < 1e-6, n
+
+
+def test_clipping_scales_every_gradient_to_the_bound():
+    _, par = _setup()
+    model = par.stages[0]
+    x = torch.randint(0, 256, (4, 33), generator=torch.Generator().manual_seed(2))
+    torch.nn.functional.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
+    before = [p.grad.clone() for p in model.parameters()]
+    norm = torch.cat([g.flatten() for g in before]).norm().item()
+    assert clip_grad_norm(model.parameters(), 2 * norm) == pytest.approx(norm, rel=1e-6)  # under the bound: untouched
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), before))
+    assert clip_grad_norm(model.parameters(), norm / 4) == pytest.approx(norm, rel=1e-6)
+    for p, g in zip(model.parameters(), before):
+        torch.testing.assert_close(p.grad, g * (norm / 4) / (norm + 1e-6), rtol=1e-6, atol=0)
+    assert torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item() == pytest.approx(norm / 4, rel=1e-5)

@@ -1,0 +1,239 @@
+"""Deliberate mutations of fourd's source, each caught by a named test (`make mutation`; not part of `make test`).
+
+A mutation replaces one exact piece of text in one source file, in a copy of the repository, and runs its named
+tests there with pytest in a fresh process (forked from a server that has imported torch once; PYTHONPATH, sys.path
+and the working directory are the copy, and the run checks that `import fourd` is the mutated copy). It is caught
+when those tests fail. The anchor must occur exactly once: a refactor that removes or
+repeats it fails here by name, never silently disables the mutation. A control first runs every named test on the
+unmutated copy: a test that fails anyway catches nothing.
+
+The table below is the one place that names the tests (`path::name`, as pytest takes them). Only the runs carry
+the `mutation` marker that `make test` leaves out; the check of anchors and test names is part of it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+COPIED = ("fourd", "tests", "configs", "pyproject.toml")
+
+# name: (source file, exact text, its replacement, the tests that must fail)
+MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
+    # pipeline bubbles: the schedule, the two simulators, the planner and the lab
+    "1f1b warm-up one forward too many": (
+        "fourd/schedules.py",
+        '[Action("B", rank, j) for j in range(m)], min(pp - 1 - rank, m)',
+        '[Action("B", rank, j) for j in range(m)], min(pp - rank, m)',
+        ("tests/test_schedules.py::test_small_orders_exactly",),
+    ),
+    "simulated idle fraction misses one action per rank": (
+        "fourd/sim/pipeline.py",
+        "(step - sum(x.end - x.start for x in e)) / step",
+        "(step - sum(x.end - x.start for x in e[1:])) / step",
+        ("tests/test_sim_pipeline.py::test_gpipe_bubble_on_16_ranks",),
+    ),
+    "step simulator's bubble is the least busy rank's": (
+        "fourd/sim/step.py",
+        "return 1 - max(self.busy_s) / span if span > 0 else 0.0",
+        "return 1 - min(self.busy_s) / span if span > 0 else 0.0",
+        ("tests/test_sim_step.py::test_bubble_fraction_is_the_busiest_ranks_idle_share_of_the_span",),
+    ),
+    "planner's 1F1B bubble is p, not p - 1, stage times": (
+        "fourd/plan/perf.py",
+        "return (p - 1) * whole",
+        "return p * whole",
+        ("tests/test_plan_model.py::test_bubble_per_schedule",),
+    ),
+    "lab's bubble readout leaves out rank 0": (
+        "fourd/lab/api.py",
+        '"idle_fraction": sum(idle) / p',
+        '"idle_fraction": sum(idle[1:]) / p',
+        ("tests/test_lab_api.py::test_seed_figures",),
+    ),
+    "ring all-reduce skips its last step": (
+        "fourd/comm/ring.py",
+        "steps, (reducing, recv_of, send_of) = 2 * (n - 1), _schedule(rank, n)",
+        "steps, (reducing, recv_of, send_of) = 2 * (n - 1) - 1, _schedule(rank, n)",
+        ("tests/test_comm_ring.py::test_ring_equals_all_reduce_and_sends_the_lower_bound",),
+    ),
+    "checkpoint verify skips the SHA-256 comparison": (
+        "fourd/ckpt/store.py",
+        'if _sha256_file(path) != want["sha256"]:',
+        "if False:",
+        ("tests/test_ckpt_store.py::test_bit_flip_is_named",),
+    ),
+    "samples addressed one index late": (
+        "fourd/data/dataset.py",
+        "epoch, j = divmod(index, self.windows)",
+        "epoch, j = divmod(index + 1, self.windows)",
+        ("tests/test_data_stream.py::test_an_epoch_visits_every_window_once",),
+    ),
+    "training windows reach into the held-out tail": (
+        "fourd/data/dataset.py",
+        "windows = (train_tokens - 1) // seq_len",
+        "windows = (tokens - 1) // seq_len",
+        ("tests/test_data_stream.py::test_no_training_sample_reaches_the_held_out_tail",),
+    ),
+    "CP mask hides each token from itself": (
+        "fourd/parallel/cp.py",
+        "mask = self.q_pos[:, None] >= self.k_pos[None, :]",
+        "mask = self.q_pos[:, None] > self.k_pos[None, :]",
+        ("tests/test_cp.py::test_cp2_and_cp4_equal_single_process",),
+    ),
+    "CP rank holds the wrong second chunk": (
+        "fourd/parallel/cp.py",
+        "first, second = cp_rank, 2 * cp - 1 - cp_rank",
+        "first, second = cp_rank, cp + cp_rank",
+        ("tests/test_cp.py::test_each_rank_holds_chunks_i_and_mirror",),
+    ),
+    "HF import permutes K's rows as if K had the query heads": (
+        "fourd/hf/convert.py",
+        'cfg.heads if name.endswith("wq.weight") else cfg.kv_heads',
+        "cfg.heads",
+        ("tests/test_hf_convert.py::test_imported_logits_equal_transformers",),
+    ),
+    "MFU's FLOPs drop the attention term": (
+        "fourd/model/config.py",
+        "model = 6 * (self.params() - self.embedding_params()) + 3 * attention",
+        "model = 6 * (self.params() - self.embedding_params())",
+        ("tests/test_foundation_model.py::test_flops_per_token_of_the_debug_preset",),
+    ),
+    "MFU's FLOPs drop the output projection": (
+        "fourd/model/config.py",
+        "model = 6 * (self.params() - self.embedding_params()) + 3 * attention",
+        "model = 6 * (self.params() - 2 * self.embedding_params()) + 3 * attention",
+        ("tests/test_foundation_model.py::test_flops_per_token_of_the_debug_preset",),
+    ),
+    "vocabulary-parallel loss adds every rank's column 0 as the target": (
+        "fourd/parallel/tp.py",
+        "target_logit = shifted.gather(1, local_t[:, None]).squeeze(1) * mine",
+        "target_logit = shifted.gather(1, local_t[:, None]).squeeze(1)",
+        ("tests/test_tp_dp_equivalence.py::test_vocabulary_parallel_loss_and_gradient_equal_cross_entropy",),
+    ),
+    "gradient clipping measures but does not scale": (
+        "fourd/parallel/grad.py",
+        "p.grad.mul_(scale)",
+        "p.grad.mul_(1.0)",
+        ("tests/test_train_step.py::test_clipping_scales_every_gradient_to_the_bound",),
+    ),
+    "weight decay applied to norm weights": (
+        "fourd/train/step.py",
+        '(no_decay if name.endswith("norm.weight") else decay)',
+        '(no_decay if name.endswith("norm.bias") else decay)',
+        ("tests/test_train_step.py::test_norm_weights_and_only_they_skip_weight_decay",),
+    ),
+    "planner shards gradients from ZeRO 1": (
+        "fourd/plan/memory.py",
+        "g / dp if zero >= 2 else g",
+        "g / dp if zero >= 1 else g",
+        ("tests/test_plan_arith.py::test_zero_bytes_per_parameter",),
+    ),
+    "selective recomputation keeps everything": (
+        "fourd/parallel/recompute.py",
+        'for block in stage.layers.values() if mode != "none" else ()',
+        'for block in stage.layers.values() if mode == "full" else ()',
+        ("tests/test_parallel_recompute.py::test_kept_bytes_equal_the_planners_formula",),
+    ),
+    "fault simulator counts planned stops past the horizon": (
+        "fourd/sim/faults.py",
+        "planned = (rng.random((runs, slots)) < lam_p / lam) & happened",
+        "planned = rng.random((runs, slots)) < lam_p / lam",
+        ("tests/test_sim_faults.py::test_54_days_on_16384_gpus_matches_llama3",),
+    ),
+}
+
+
+# What each test run needs loaded, imported once in the server that forks the runs: each then starts in well under
+# a second instead of paying for torch's import again. fourd itself is never imported there.
+PRELOAD = ["numpy", "torch", "torch.distributed.tensor", "torch.distributed.pipelining", "pytest", "hypothesis"]
+PRELOAD += ["transformers"]  # the HF conversion test's
+
+
+def _in_copy(copy: str, tests: list[str], log: str) -> None:
+    """A forked run: pytest on the named tests with the copy as working directory and first on the path."""
+    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.chdir(copy)
+    # no bytecode: a mutated file and its restored original may share a size and a modification second
+    os.environ.update(PYTHONPATH=copy, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
+    sys.dont_write_bytecode = True
+    sys.path[:] = [copy] + [p for p in sys.path if p not in ("", ".", str(ROOT), str(ROOT / "tests"))]
+    import fourd
+
+    if Path(fourd.__file__) != Path(copy, "fourd", "__init__.py"):
+        print(f"the run imports fourd from {fourd.__file__}, not from the copy {copy}", flush=True)
+        os._exit(99)
+    code = pytest.main(["-x", "-q", "-p", "no:cacheprovider", *tests])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(int(code))
+
+
+def _pytest(copy: Path, tests) -> tuple[int, str, float]:
+    """(pytest's exit status, its output, seconds) of the named tests run in `copy` in a fresh process."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    log = copy.parent / f"{copy.name}.log"
+    start = time.perf_counter()
+    run = ctx.Process(target=_in_copy, args=(str(copy), list(tests), str(log)))
+    run.start()
+    run.join(timeout=400)
+    if run.is_alive():
+        run.kill()
+        run.join()
+    return run.exitcode if run.exitcode is not None else -1, log.read_text(), time.perf_counter() - start
+
+
+def test_every_anchor_occurs_once_and_every_named_test_exists():
+    """Part of `make test` (it takes no time): a refactor or a renamed test shows up there, by name."""
+    for name, (path, old, new, tests) in MUTATIONS.items():
+        count = (ROOT / path).read_text().count(old)
+        assert count == 1, f"mutation {name!r}: {path} holds its anchor {old!r} {count} times, not once: update it"
+        assert old != new, name
+        for test in tests:
+            file, _, function = test.partition("::")
+            where = ROOT / file
+            assert where.is_file() and f"def {function.split('[')[0]}(" in where.read_text(), f"{name!r}: no {test}"
+
+
+@pytest.fixture(scope="module")
+def copy(tmp_path_factory):
+    """The repository's source and tests in a fresh folder, on which every named test passes."""
+    root = tmp_path_factory.mktemp("mutant")
+    for name in COPIED:
+        source = ROOT / name
+        if source.is_dir():
+            shutil.copytree(source, root / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        else:
+            shutil.copy2(source, root / name)
+    tests = sorted({t for *_, named in MUTATIONS.values() for t in named})
+    code, out, seconds = _pytest(root, tests)
+    assert code == 0, f"control: the named tests fail on the unmutated copy:\n{out[-3000:]}"
+    print(f"\ncontrol: {len(tests)} named tests pass unmutated ({seconds:.0f} s)")
+    return root
+
+
+@pytest.mark.mutation
+@pytest.mark.parametrize("name", MUTATIONS)
+def test_mutation_is_caught(copy, name):
+    path, old, new, tests = MUTATIONS[name]
+    source = copy / path
+    original = source.read_text()
+    assert original.count(old) == 1, f"mutation {name!r}: its anchor is not once in {path}"
+    source.write_text(original.replace(old, new))
+    try:
+        code, out, seconds = _pytest(copy, tests)
+    finally:
+        source.write_text(original)
+    # 1: tests ran and failed. 2-5 (collection error, usage error, no test) would mean a broken suite, not a catch.
+    assert code == 1, f"mutation {name!r} was NOT caught by {', '.join(tests)} (pytest exit {code}):\n{out[-3000:]}"
+    print(f"\ncaught: {name} ({path}) by {', '.join(tests)} in {seconds:.0f} s")
