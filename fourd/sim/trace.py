@@ -34,7 +34,12 @@ def chrome_trace(result: StepResult) -> dict:
             out += [span(pid, 2 * r, f"{e.kind}{e.stage}.{e.microbatch}", NAMES[e.kind], e.start, e.end - e.start,
                          stage=e.stage, microbatch=e.microbatch) for e in evs]  # fmt: skip
     out += [span(t.replica, 2 * t.rank + 1, t.name, t.kind, t.start, t.end - t.start) for t in result.transfers]
-    return {"traceEvents": out, "displayTimeUnit": "ms"}
+    return document(out)
+
+
+def document(events: list[dict]) -> dict:
+    """A Chrome trace document of these events."""
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
 def write_trace(result: StepResult | dict, path: str | Path) -> None:
