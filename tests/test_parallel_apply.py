@@ -11,7 +11,6 @@ from dist_util import run_ranks
 from torch.distributed.tensor import DTensor
 
 from fourd.config import Config, set_value
-from fourd.model.config import get_preset
 from fourd.parallel.apply import build_parallel
 from fourd.parallel.cp import cp_shard
 from fourd.train.step import build_optimizer, train_step
@@ -133,12 +132,10 @@ def _resume(rank, world, run_dir):
     from fourd.ckpt.dcp_io import Checkpointer
 
     def build(zero):
-        cfg = _config(parallel__layout="dp=2", parallel__zero=zero)
+        cfg = _config(parallel__layout="dp=2", parallel__zero=zero, run__dir=str(run_dir), checkpoint__keep=2)
         par = build_parallel(cfg, torch.device("cpu"), rank, world)
         opt = build_optimizer(par, cfg)
-        ckpt = Checkpointer(
-            run_dir, par.stages, opt, model_cfg=get_preset("debug"), layout="dp=2", contributes=rank == 0, keep=2
-        )
+        ckpt = Checkpointer(cfg, par.stages, opt, layout="dp=2", contributes=rank == 0)
         return cfg, par, opt, ckpt
 
     rows = torch.randint(0, 256, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(3))[rank * 2 : rank * 2 + 2]

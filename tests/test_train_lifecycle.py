@@ -222,4 +222,4 @@ def test_a_workers_failure_is_one_line(corpus, tmp_path):
     (source / "checkpoints").rename(run / "checkpoints")
     code, out, err = run_fourd("train", *common(corpus, 1)[2:], "--layout", "dp=2", "--run-dir", run, "--resume")
     assert code == 2
-    assert err.startswith(f"fourd: error: {run}/checkpoints/step-1 holds another model (") and err.count("\n") == 1
+    assert err.startswith(f"fourd: error: {run}/checkpoints/step-1 holds another model: ") and err.count("\n") == 1

@@ -128,6 +128,8 @@ class _Run:
     def loop(self) -> int | str:
         t, interval = self.cfg.train, self.cfg.checkpoint.interval
         step, sample = self.ckpt.resume() or (0, 0)
+        if step == 0 and self.attempt and self.rank == 0:
+            print(f"fourd: restart {self.attempt}: no checkpoint yet, training again from step 1", flush=True)
         if step == 0 and t.init_from:
             self._init_weights()
         if step > t.steps:
