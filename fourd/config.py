@@ -32,6 +32,7 @@ _MODEL_KEYS = typing.get_type_hints(ModelConfig)
 ModelSection = dataclasses.make_dataclass(
     "ModelSection", [("preset", str, "small")] + [(k, t | None, None) for k, t in _MODEL_KEYS.items() if k != "mlp"]
 )
+ModelSection.__module__ = __name__  # picklable: configs travel to spawned workers
 
 
 @dataclass

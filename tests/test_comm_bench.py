@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from fourd.comm.bench import bus_factor, parse_bytes, sweep_sizes
+from fourd.comm.bench import busbw_factor, parse_bytes, sweep_sizes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]  # gloo ranks
 
@@ -20,9 +20,9 @@ def _fourd(*args):
 def test_sizes_and_factors():
     assert parse_bytes("1K") == 1024 and parse_bytes("64M") == 64 << 20 and parse_bytes("4096") == 4096
     assert sweep_sizes(1 << 10, 256 << 20) == [1 << p for p in range(10, 29)]
-    assert bus_factor("all_reduce", 4) == bus_factor("ring", 4) == 1.5
-    assert bus_factor("all_gather", 8) == bus_factor("reduce_scatter", 8) == bus_factor("all_to_all", 8) == 0.875
-    assert bus_factor("broadcast", 8) == bus_factor("sendrecv", 8) == 1.0
+    assert busbw_factor("all_reduce", 4) == busbw_factor("ring", 4) == 1.5
+    assert busbw_factor("all_gather", 8) == busbw_factor("reduce_scatter", 8) == busbw_factor("all_to_all", 8) == 0.875
+    assert busbw_factor("broadcast", 8) == busbw_factor("sendrecv", 8) == 1.0
 
 
 def test_bad_size_is_one_line_and_exit_2():
@@ -44,6 +44,6 @@ def test_json_rows_for_every_op_over_three_ranks():
     for r in rows:
         assert r["nproc"] == 3 and r["iters"] == 2 and r["backend"] == "gloo" and r["time_s"] > 0
         assert r["algbw_gbps"] == pytest.approx(r["bytes"] / r["time_s"] / 1e9, rel=1e-12)
-        assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * bus_factor(r["op"], 3), rel=1e-12)
+        assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * busbw_factor(r["op"], 3), rel=1e-12)
     ring = [r for r in rows if r["op"] == "ring"]
     assert [(r["steps"], r["bytes_sent_per_rank"]) for r in ring] == [(4, 1360), (4, 2720)]  # 2(n-1)/n of the buffer

@@ -3,12 +3,13 @@ worked out by hand and published formulas."""
 
 import pytest
 
+from fourd.comm import bus_factor
 from fourd.layout import Layout, Parallelism
 from fourd.model.config import ModelConfig, get_preset
 from fourd.plan.block import traffic
 from fourd.plan.cluster import Group, load_cluster
 from fourd.plan.job import Job
-from fourd.plan.kernels import bus_factor, collective_time
+from fourd.plan.kernels import collective_time
 from fourd.plan.memory import in_flight, state_bytes_per_param
 
 H100 = load_cluster("llama3-h100")

@@ -16,18 +16,18 @@ import re
 import statistics
 import time
 
+from fourd.comm import bus_factor
 from fourd.comm.launch import backend, run_workers
 from fourd.errors import FourdError
-from fourd.plan import kernels
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "ring", "sendrecv")
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
-def bus_factor(op: str, n: int) -> float:
-    """nccl-tests' busbw / algbw ratio (fourd.plan.kernels holds the table); `ring` is an all-reduce."""
-    return kernels.bus_factor({"ring": "all_reduce", "sendrecv": "send"}.get(op, op), n)
+def busbw_factor(op: str, n: int) -> float:
+    """nccl-tests' busbw / algbw ratio for a bench op (`ring` is an all-reduce)."""
+    return bus_factor({"ring": "all_reduce", "sendrecv": "send"}.get(op, op), n)
 
 
 def parse_bytes(text: str) -> int:
@@ -99,7 +99,7 @@ def time_op(op: str, nbytes: int, iters: int, warmup: int, group=None) -> dict:
     size = count * 4
     t = statistics.median(times.tolist())
     algbw = size / t / 1e9
-    row = dict(op=op, nproc=n, bytes=size, time_s=t, algbw_gbps=algbw, busbw_gbps=algbw * bus_factor(op, n))
+    row = dict(op=op, nproc=n, bytes=size, time_s=t, algbw_gbps=algbw, busbw_gbps=algbw * busbw_factor(op, n))
     row.update(iters=iters, backend=dist.get_backend(group))
     if op == "ring":
         row.update(steps=result.steps, bytes_sent_per_rank=result.bytes_sent)

@@ -7,6 +7,7 @@ import math
 from collections.abc import Sequence
 from functools import lru_cache
 
+from fourd.comm import bus_factor
 from fourd.plan.cluster import Cluster, Group, group_bandwidth
 
 KERNEL_LAUNCH_S = 4e-6  # CUDA kernel launch and tail, per GEMM on a GPU
@@ -92,19 +93,8 @@ def attention_time(
 # ---- collectives: nccl-tests conventions, the one table of fourd --------------------------------------
 
 # bytes each rank sends = factor · nbytes (nbytes: all-gather's output, reduce-scatter's input), and ring steps
-BUS_FACTOR = {
-    "all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
-    "broadcast": lambda n: 1.0, "send": lambda n: 1.0,
-}  # fmt: skip
 # latency steps: a ring's n−1 (all-reduce 2(n−1)); NCCL's double binary tree all-reduces in 2·log2(n)
 _STEPS = {"all_reduce": lambda n: min(2 * (n - 1), 2 * math.ceil(math.log2(n))), "send": lambda n: 1}
-
-
-def bus_factor(op: str, n: int) -> float:
-    """nccl-tests' busbw / algbw: the share of the buffer each rank's link carries in a ring `op` over n ranks
-    (all-reduce 2(n−1)/n, the lower bound, Patarasuk & Yuan 2009)."""
-    return BUS_FACTOR[op](n) if n > 1 else 0.0
 
 
 @lru_cache(maxsize=65536)

@@ -11,10 +11,11 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from fourd.comm import bus_factor
 from fourd.errors import FourdError
 from fourd.plan.cluster import group_bandwidth, group_level, members_per_node, shard_group
 from fourd.plan.job import Job, stage_layers
-from fourd.plan.kernels import bus_factor, collective_time, optimizer_time
+from fourd.plan.kernels import collective_time, optimizer_time
 from fourd.plan.memory import stage_params
 from fourd.plan.perf import chunk_times
 from fourd.schedules import Action, Schedule, build_schedule, depends_on
