@@ -59,7 +59,7 @@ def test_a_cpu_profile_defaults_to_what_fourd_train_runs_in_every_caller(tmp_pat
         ({"gpus": 8, "zero": 4}, "zero '4': choose one of 0, 1, 2, 3"),
         ({"gpus": 8, "schedule": "2f2b"}, "schedule '2f2b': choose one of gpipe, 1f1b, interleaved, zero-bubble"),
         ({}, "give the number of GPUs or a layout (its product is the number of GPUs)"),
-        ({"layout": "tp=8,pp=2", "virtual_stages": 200}, "pp=2 with 200 virtual stage(s) makes 400 pipeline stages"),
+        ({"layout": "tp=8,pp=2", "virtual_stages": 200}, "pp=2 with 200 virtual stages makes 400 pipeline stages"),
     ],
 )
 def test_bad_requests_name_the_setting(values, message):

@@ -45,8 +45,8 @@ class Job:
     """A training run: `global_seqs` sequences of `seq` tokens per optimizer step, cut as `par` says.
     `precision` None trains in the profile's precision; `compiled` runs the blocks torch.compile'd (fused
     kernels); `attention` is "flash" (a fused kernel) or "materialized" (the s × s scores in memory);
-    `pipeline_comm` "blocking": each pipeline send waits for its receiver and gradients are reduced after the
-    last backward (DeepSpeed's pipeline engine)."""
+    `pipeline_comm` "blocking": each send waits for its receiver, each backward adds its gradients into FP32
+    ones by a pass of its own and they are reduced after the last backward (DeepSpeed's pipeline engine)."""
 
     model: ModelConfig
     cluster: Cluster

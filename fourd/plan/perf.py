@@ -13,6 +13,7 @@ from fourd.plan.kernels import attention_time, collective_time, elementwise_time
 from fourd.plan.memory import max_rank_params, rank_shapes
 
 OVERLAP_SLOWDOWN = 0.1  # compute slowdown while a collective runs beside it (SMs and HBM it takes)
+GRAD_ACCUMULATE_BYTES = 10  # per parameter: the BF16 gradient read, the FP32 sum read and written
 
 
 @dataclass(frozen=True)
@@ -235,6 +236,9 @@ def step_time(job: Job) -> StepTime:
     p, m = lay.pp, par.microbatches
     slow, t = slowest_rank(job.work, p, par.virtual_stages)
     blocking = job.pipeline_comm == "blocking"
+    params = max_rank_params(job.model, p, par.virtual_stages, lay.tp)
+    if blocking:  # DeepSpeed's engine adds each backward's BF16 weight gradients into FP32 ones, a pass of its own
+        t = t + StageTime(0.0, 0.0, elementwise_time(GRAD_ACCUMULATE_BYTES * params, job.cluster), 0.0, 0.0)
     # overlapped, the sends of warm-up and cool-down are on the critical path; blocking, each microbatch after
     # the first also waits for a middle rank's four (two on a two-rank pipeline): docs/planner.md
     p2p = (2 * (p - 1) + blocking * 2 * min(2, p - 1) * (m - 1)) * p2p_time(job) if p > 1 else 0.0
@@ -248,7 +252,6 @@ def step_time(job: Job) -> StepTime:
         # on CPUs collectives run on the cores compute needs; DeepSpeed's engine reduces after the last backward
         exposed = total
     overlap = OVERLAP_SLOWDOWN * (total - exposed)
-    params = max_rank_params(job.model, p, par.virtual_stages, lay.tp)
     owned = params / (shard_group(lay, par.hsdp_replicas).size if par.zero >= 1 else 1)
     optimizer = optimizer_time(owned, job.cluster, job.dtype_bytes)
     step = compute + bubble + p2p + exposed + overlap + optimizer

@@ -9,7 +9,7 @@ import itertools
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from fourd.comm import bus_factor
 from fourd.errors import FourdError
@@ -205,9 +205,8 @@ class _Engine:
         self.pieces: dict[tuple, list[_Piece]] = {}
         self.streams: dict[tuple, deque] = {(c, r, s): deque() for c, r in self.ranks for s in ("ag", "rs") if comm}
         self.rs_keys, self.sizes, self.tokens = dict[tuple, list](), dict[Any, float](), set[Any]()
-        self.transfers: list[Transfer] = []
+        self.transfers, self.order = list[Transfer](), itertools.count()
         self.deliveries: list = []  # (time, order, callback): flows delivered after their latency, FIFO at a tie
-        self.order = itertools.count()
         # collectives finished (their streams move on), collective key -> the streams whose head it is
         self.done_colls, self.waiting, self.busy_streams = dict[Any, Any](), dict[Any, set](), set[tuple]()
         self.pos, self.running, self.started = dict.fromkeys(self.ranks, 0), dict[tuple, tuple](), dict[tuple, float]()
@@ -241,8 +240,7 @@ class _Engine:
     def run(self) -> StepResult:
         events: dict[tuple, list] = {k: [] for k in self.ranks}
         busy, opt = dict[tuple, Any].fromkeys(self.ranks, 0), dict[tuple, Any].fromkeys(self.ranks, 0)
-        t: Any = 0  # ints stay exact with whole-number costs
-        end_time: Any = 0
+        t = end_time = cast(Any, 0)  # ints stay exact with whole-number costs
         while True:
             self._start(t)
             ends = [e for e, _ in self.running.values()] + [self.net.next_finish(t)]
@@ -349,8 +347,7 @@ def simulate_step(job: Job, comm: bool = True, slow_gpu: tuple[int, float] | Non
 def timeline(schedule: Schedule, costs: dict | list[dict] | None = None) -> list[list[Event]]:
     """Per-rank timed events in execution order, times from 0, transfers free (the lab's pipeline bench):
     `costs` seconds by kind (UNIT, the default), or a list of such dicts, one per stage."""
-    costs = UNIT if costs is None else costs
-    return simulate(schedule, costs if isinstance(costs, list) else [costs] * schedule.stages).events
+    return simulate(schedule, costs if isinstance(costs, list) else [costs or UNIT] * schedule.stages).events
 
 
 def idle_fractions(events: list[list[Event]]) -> tuple[float, list[float]]:
