@@ -32,11 +32,11 @@ lint: $(STAMP)
 	$(BIN)/mypy fourd
 
 test: lint
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not mutation" tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not mutation" tests
 
 # Everything but the multi-process tests (marked slow).
 test-fast: lint
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not slow and not mutation" tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not slow and not mutation" tests
 
 # Deliberate mutations of the source, each of which a named test must catch (tests/test_mutations.py).
 mutation: $(STAMP)

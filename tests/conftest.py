@@ -28,3 +28,18 @@ def run_fourd(*args, env=None, timeout=300, cwd=None):
 @pytest.fixture
 def fourd():
     return run_fourd
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under `make test`'s two xdist workers (--dist loadgroup): a module whose tests share a module-scoped
+    fixture runs on one worker, so the fixture is built once (unless the module sets SPREAD = True: its fixture is
+    cheap beside its many tests); every other test goes wherever a worker is free."""
+    for item in items:
+        shared = [
+            d
+            for defs in item._fixtureinfo.name2fixturedefs.values()
+            for d in defs
+            if d.scope != "function" and getattr(d.func, "__module__", "") == item.module.__name__
+        ]
+        if shared and not getattr(item.module, "SPREAD", False):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))

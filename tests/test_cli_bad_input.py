@@ -14,6 +14,7 @@ import pytest
 from conftest import ROOT
 
 pytestmark = pytest.mark.slow  # about 170 processes
+SPREAD = True  # over the xdist workers: the shared checkpoint fixture takes seconds, the cases minutes
 
 DEBUG = ["train", "--model", "debug", "--steps", "1", "--train.global_batch=4"]
 L405 = ["plan", "--model", "llama3-405b", "--cluster", "llama3-h100"]

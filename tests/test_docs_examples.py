@@ -62,10 +62,7 @@ def _runs(line: str) -> bool:
 
 CASES = [(p, [e for e in examples(p) if _runs(e)]) for p in DOCS]
 # Documents of other packages whose examples need what the document does not make (issue 15, item 8).
-NOT_YET = {
-    "hf.md": "a Hugging Face download and the old runs/make-run",
-    "planner.md": "the `local` profile `fourd calibrate` writes",
-}
+NOT_YET = {"planner.md": "the `local` profile `fourd calibrate` writes"}
 
 
 @pytest.mark.timeout(1800)

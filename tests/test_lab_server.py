@@ -22,6 +22,8 @@ import pytest
 
 from fourd.lab.server import MAX_WAITING, STATIC_DIR, WORKERS, LabServer
 
+SPREAD = True  # over the xdist workers: a server starts in milliseconds
+
 
 @pytest.fixture(scope="module")
 def lab():
