@@ -68,12 +68,19 @@ def test_bad_requests_name_the_setting(values, message):
     assert str(e.value).startswith(message)
 
 
-def test_a_batch_the_pinned_replicas_cannot_share_is_refused():
+def test_a_batch_in_tokens_is_planned_at_the_nearest_share_of_the_pinned_replicas(capsys):
     model, values = get_preset("llama3-405b"), {"layout": "tp=8,pp=8,dp=96", "seq": 8192}
-    with pytest.raises(FourdError, match="2048 sequences does not split into dp × microbatches = 96 × 1"):
-        request.resolve(model, load_cluster("dgx-h100"), values)
+    assert request.resolve(model, load_cluster("dgx-h100"), values).base.global_seqs == 2016  # 21 per replica
+    assert capsys.readouterr().err == (
+        "fourd: note: 2048 sequences do not split into 96 equal parts: planned with 2016\n"
+    )
     req = request.resolve(model, load_cluster("dgx-h100"), {**values, "global_batch_tokens": 2016 * 8192})
     assert req.base.global_seqs == 2016 and "global batch" not in " ".join(req.open)
+    assert capsys.readouterr().err == ""
+    few = {"layout": "tp=1,pp=1,dp=16384", "seq": 8192}  # 2048 sequences cannot give 16,384 replicas one each
+    with pytest.raises(FourdError, match="2048 sequences does not split into dp × microbatches = 16384 × 1"):
+        request.resolve(get_preset("llama3-8b"), load_cluster("dgx-h100"), few)
+    # an exact batch in sequences (as fourd train gives it) is never changed
     with pytest.raises(FourdError, match="does not split into dp × microbatches = 96 × 1"):
         request.best_plan(model, "dgx-h100", 6144, 8192, 2048, {"layout": "tp=8,pp=8,dp=96"})
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -165,6 +166,17 @@ def _batch(v: dict, seq: int, cluster: Cluster) -> int:
     return int(tokens // seq)
 
 
+def _even_batch(seqs: int, parts: int) -> int:
+    """A batch given in tokens, to the nearest multiple of the replicas × microbatches that share it (said);
+    fewer sequences than parts stay as they are, for the layout check to refuse."""
+    even = round(seqs / parts) * parts
+    if even and even != seqs:
+        print(
+            f"fourd: note: {seqs} sequences do not split into {parts} equal parts: planned with {even}", file=sys.stderr
+        )
+    return even or seqs
+
+
 def resolve(model: ModelConfig, cluster: Cluster, values: Mapping[str, Any]) -> Request:
     """The one resolver: `values` names any of SETTINGS (text or typed; None or absent: open or defaulted)."""
     v = _values(values)
@@ -187,6 +199,8 @@ def resolve(model: ModelConfig, cluster: Cluster, values: Mapping[str, Any]) -> 
     fixed["hsdp_replicas"] = v["hsdp_replicas"] or 1
     open_ = tuple(name.replace("_", " ") for name in OPEN
                   if fixed[name] is None and (schedule in (None, "interleaved") or name != "virtual_stages"))  # fmt: skip
+    if layout is not None and not v["global_seqs"]:
+        global_seqs = _even_batch(global_seqs, layout.dp * (fixed["microbatches"] or 1))
     if layout is not None:  # name what is wrong with the user's own settings before searching the rest
         zero = 3 * (fixed["hsdp_replicas"] > 1) if fixed["zero"] is None else fixed["zero"]
         mine = Parallelism(layout, schedule or "1f1b", fixed["microbatches"] or 1, fixed["virtual_stages"] or 1, zero,
