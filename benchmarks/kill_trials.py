@@ -107,18 +107,14 @@ def trial(pick: random.Random, run_dir: Path) -> tuple[str, str, str]:
     code = proc.wait(timeout=1800)
     log.close()
     text = run_dir.with_suffix(".log").read_text()
-    starts = text.count("fourd train: ")
+    again = "no checkpoint yet, training again from step 1" in text  # a restart before any checkpoint
     resumed = [
         line.split(" from checkpoint ")[1].split(" at step")[0]
         for line in text.splitlines()
         if "resuming after" in line
     ]
     how = (
-        f"restarted, resumed {Path(resumed[0]).name}"
-        if resumed
-        else "restarted from step 0"
-        if starts > 1
-        else "no restart"
+        f"restarted, resumed {Path(resumed[0]).name}" if resumed else "restarted from step 0" if again else "no restart"
     )
     what = f"kill rank {rank} {phase} step {step}" + ("" if killed else " (missed: the run ended first)")
     return what, how if code == 0 else f"exit {code}: {text.strip().splitlines()[-1][:120]}", digest(run_dir)
