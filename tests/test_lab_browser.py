@@ -28,6 +28,7 @@ pytestmark = pytest.mark.skipif(
 )
 sync_api = pytest.importorskip("playwright.sync_api")
 expect = sync_api.expect
+expect.set_options(timeout=30_000)  # a loaded 2-core machine draws a 16-stage timeline in more than the default 5 s
 
 FLAGS = [
     "--no-sandbox",

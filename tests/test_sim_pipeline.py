@@ -2,6 +2,8 @@
 
 from fractions import Fraction
 
+import pytest
+
 from fourd.schedules import build_schedule
 from fourd.sim.step import idle_fractions, timeline
 
@@ -15,6 +17,7 @@ def idle_times(events):
     return step, [step - sum(x.end - x.start for x in e) for e in events]
 
 
+@pytest.mark.slow  # seconds of exact schedules up to 16 ranks
 def test_gpipe_and_1f1b_idle_fraction_is_p_minus_1_over_m_plus_p_minus_1_on_every_rank():
     for name in ("gpipe", "1f1b"):
         for p in range(1, 17):
@@ -30,6 +33,7 @@ def test_gpipe_bubble_on_16_ranks():
         assert round(idle[0], 3) == want
 
 
+@pytest.mark.slow  # seconds of exact schedules up to 16 ranks
 def test_interleaved_bubble_over_compute_is_p_minus_1_over_v_m():
     for p in range(1, 17):
         for v in (2, 3):
@@ -45,6 +49,7 @@ def test_interleaved_m_not_a_multiple_of_p_keeps_the_bubble():
         assert [Fraction(i, 3 * v * m) for i in idle] == [Fraction(p - 1, v * m)] * p
 
 
+@pytest.mark.slow  # seconds of exact schedules up to 16 ranks
 def test_zero_bubble_h1_idles_a_third_of_1f1b():
     for p in range(1, 17):
         for m in range(p, 65, 3):

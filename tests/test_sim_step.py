@@ -20,6 +20,7 @@ from fourd.sim.step_cli import diurnal_factor
 UNIT = {"F": 1, "B": 2, "I": 1, "W": 1}
 
 
+@pytest.mark.slow  # seconds of exact schedules up to 16 ranks
 def test_no_comm_equal_stages_idle_fraction_exact_gpipe_1f1b():
     for name in ("gpipe", "1f1b"):
         for p in range(1, 17):
@@ -31,6 +32,7 @@ def test_no_comm_equal_stages_idle_fraction_exact_gpipe_1f1b():
                 ] * p
 
 
+@pytest.mark.slow  # seconds of exact schedules up to 16 ranks
 def test_no_comm_interleaved_bubble_over_compute_exact():
     for p, v in [(p, 2) for p in range(2, 17)] + [(4, 4), (8, 4), (16, 4)]:
         for m in range(p, 65, p):
