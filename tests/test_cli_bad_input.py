@@ -153,7 +153,7 @@ CASES = {
         "--seq",
         "8192",
     ],
-    "sim microbatches 3": [*SIM, "--microbatches", "3"],
+    "sim batch below replicas × microbatches": [*SIM, "--microbatches", "3", "--global-batch-tokens", "40960"],
     "sim trace into a missing folder": [*SIM, "--trace", "{d}/missing/x.json"],
     "sim trace at a folder": [*SIM, "--trace", "{d}/dir"],
     "sim slow gpu not a pair": [*SIM, "--slow-gpu", "abc"],

@@ -169,12 +169,12 @@ def _batch(v: dict, seq: int, cluster: Cluster) -> int:
 def _even_batch(seqs: int, parts: int) -> int:
     """A batch given in tokens, to the nearest multiple of the replicas × microbatches that share it (said);
     fewer sequences than parts stay as they are, for the layout check to refuse."""
-    even = round(seqs / parts) * parts
-    if even and even != seqs:
+    even = round(seqs / parts) * parts if seqs >= parts else seqs
+    if even != seqs:
         print(
             f"fourd: note: {seqs} sequences do not split into {parts} equal parts: planned with {even}", file=sys.stderr
         )
-    return even or seqs
+    return even
 
 
 def resolve(model: ModelConfig, cluster: Cluster, values: Mapping[str, Any]) -> Request:
