@@ -2,7 +2,7 @@
 
 The bytes a layer keeps for backward are measured, not counted: every tensor storage created during the forward of
 a stack of blocks and still alive after it (so held by autograd, or by the checkpoint) is summed, per token per
-layer, and compared with fourd.plan.memory.activation_bytes_per_token in FP32."""
+layer, and compared with fourd.plan.block.traffic(work).saved in FP32."""
 
 import pytest
 import torch
@@ -15,9 +15,9 @@ from fourd.model.config import get_preset, with_overrides
 from fourd.model.llama import build_model
 from fourd.parallel.apply import cross_entropy
 from fourd.parallel.recompute import apply_recompute
+from fourd.plan.block import traffic
 from fourd.plan.cluster import load_cluster
 from fourd.plan.job import Job
-from fourd.plan.memory import activation_bytes_per_token
 
 CFG = get_preset("debug")
 
@@ -25,7 +25,7 @@ CFG = get_preset("debug")
 def _planned(cfg, mode):
     """The planner's bytes per token per layer of one rank, FP32, no parallelism."""
     job = Job(cfg, load_cluster("llama3-h100"), Parallelism(Layout(), recompute=mode), 64, 2, precision="fp32")
-    return activation_bytes_per_token(job.work)
+    return traffic(job.work).saved  # what one layer keeps for backward per token
 
 
 class _Alive(TorchDispatchMode):

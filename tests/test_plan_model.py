@@ -204,9 +204,11 @@ def _with_gemm(tmp_path, path, one_worker):
     return out
 
 
-def test_ranks_sharing_cpu_cores_compute_slower(tmp_path):
+def _cpu_profile(tmp_path, extra: str = ""):
+    """A 2-core CPU profile of 8 workers (and `extra` TOML)."""
     path = tmp_path / "cpu.toml"
-    path.write_text("""
+    path.write_text(
+        """
 dtype = "fp32"
 [gpu]
 name = "2-core CPU"
@@ -219,7 +221,14 @@ intra_bw_gbps = 1.0
 concurrent_ranks = 2
 [network]
 nic_bw_gbps = 1.0
-""")
+"""
+        + extra
+    )
+    return path
+
+
+def test_ranks_sharing_cpu_cores_compute_slower(tmp_path):
+    path = _cpu_profile(tmp_path)
     cpu = load_cluster(str(path))
     m = get_preset("debug")
 
@@ -232,6 +241,37 @@ nic_bw_gbps = 1.0
     measured = load_cluster(str(_with_gemm(tmp_path, path, one_worker=0.03)))  # two together 0.05, alone 0.03
     alone, pair = stage(measured, 1), stage(measured, 2)
     assert pair.forward_s == pytest.approx(alone.forward_s * 2 * 0.03 / 0.05)
+
+
+def test_on_a_cpu_profile_collectives_bubbles_and_reductions_follow_the_cores(tmp_path):
+    path = _cpu_profile(
+        tmp_path,
+        """[[collectives]]
+op = "all_reduce"
+nproc = 2
+alpha_s = 0.001
+beta_s_per_byte = 1e-9
+[[collectives]]
+op = "reduce_scatter"
+nproc = 4
+alpha_s = 0.004
+beta_s_per_byte = 2e-9
+""",
+    )
+    cpu = load_cluster(str(path))
+    # measured with 2 (or 4) ranks busy: 4 ranks on 2 cores take turns, 8 take turns twice as long
+    assert collective_time("all_reduce", 1e6, Group(2, 1, 4), cpu) == pytest.approx(2 * 0.002)
+    assert collective_time("all_reduce", 1e6, Group(2, 1, 8), cpu) == pytest.approx(4 * 0.002)
+    assert collective_time("reduce_scatter", 1e6, Group(4, 1, 8), cpu) == pytest.approx(2 * 0.006)
+    # half a pipeline's ranks work through its bubble, on the cores the waiting half leave
+    small = get_preset("small")
+    alone, shared = (step_time(job(small, cpu, Layout(pp=2, dp=dp), 256, 16, "gpipe", 4, 1, 2)) for dp in (1, 2))
+    bubble = bubble_time("gpipe", 2, 4, 1, shared.per_microbatch)
+    assert alone.bubble_s == pytest.approx(bubble_time("gpipe", 2, 4, 1, alone.per_microbatch))
+    assert shared.bubble_s == pytest.approx(bubble / 2)
+    # fourd's FSDP reduce-scatters once a step, after the last microbatch, at any ZeRO 2 microbatch count
+    one, four = (step_time(job(small, cpu, Layout(dp=4), 256, 16, "1f1b", m, 1, 2)).dp_total_s for m in (1, 4))
+    assert four == pytest.approx(one) and one > 0
 
 
 def test_search_finds_at_least_41_percent_for_405b_on_16k():

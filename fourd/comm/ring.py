@@ -31,8 +31,7 @@ class RingStats:
 
 
 def _schedule(rank: int, n: int) -> tuple[list[bool], list[int], list[int]]:
-    """Per ring step: whether it reduces, the chunk received, the chunk sent; what a rank receives at step t it
-    sends at step t + 1."""
+    """Per ring step: whether it reduces, the chunk received, the chunk sent (what arrives at step t leaves at t+1)."""
     reducing = [t < n - 1 for t in range(2 * (n - 1))]
     recv_of = [(rank - t - 1) % n if r else (rank - (t - n + 1)) % n for t, r in enumerate(reducing)]
     send_of = [(rank - t) % n if r else (rank + 1 - (t - n + 1)) % n for t, r in enumerate(reducing)]

@@ -33,8 +33,7 @@ def cp_shard(tensor: torch.Tensor, cp_rank: int, cp: int, dim: int = 1) -> torch
 
 
 class _GatherKV(torch.autograd.Function):
-    """All-gather along a new leading dimension; backward reduce-scatters the gradient (every rank's queries use
-    each rank's K and V)."""
+    """All-gather along a new leading dimension; backward reduce-scatters the gradient (all queries use all K, V)."""
 
     @staticmethod
     def forward(ctx, local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

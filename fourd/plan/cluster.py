@@ -100,6 +100,12 @@ class Cluster:
         """A CPU profile (`fourd calibrate`): ranks share cores; it describes what `fourd train` runs here."""
         return self.node.concurrent_ranks is not None
 
+    def core_share(self, ranks: int) -> float:
+        """How many times slower each rank runs while `ranks` of them are busy on one server (CPU profiles: they
+        take turns on the cores, collectives too, since a CPU copies and reduces their data itself; GPUs: 1)."""
+        slots = self.node.concurrent_ranks
+        return max(1.0, min(ranks, self.node.gpus) / slots) if slots else 1.0
+
 
 def preset_names() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
@@ -210,8 +216,7 @@ def group_levels(group: Group, cluster: Cluster) -> dict[str, int]:
 
 
 def group_level(group: Group, cluster: Cluster) -> str:
-    """The widest part of the topology any of the dimension's groups crosses: they meet in every step, so the
-    slowest sets the pace."""
+    """The widest part of the topology any of the dimension's groups crosses (they meet each step: the slowest rules)."""
     return max(group_levels(group, cluster), key=LEVELS.index, default="single")
 
 

@@ -106,6 +106,7 @@ def collective_time(op: str, nbytes: float, group: Group, cluster: Cluster) -> f
         return 0.0
     for s in cluster.collectives:
         if s.op == op and s.nproc == (2 if op == "send" else n):  # a send pairs two ranks of any group
-            return s.alpha_s + s.beta_s_per_byte * nbytes
+            share = cluster.core_share(group.world) / cluster.core_share(s.nproc)  # measured with s.nproc busy
+            return (s.alpha_s + s.beta_s_per_byte * nbytes) * share
     bw, latency = group_bandwidth(group, cluster, 1 if op == "send" else None)  # a send: one NIC each end
     return _STEPS.get(op, lambda n: n - 1)(n) * latency + bus_factor(op, n) * nbytes / bw

@@ -94,11 +94,6 @@ class Memory:
         return {k: getattr(self, k) / GB for k in names}
 
 
-def activation_bytes_per_token(work) -> float:
-    """Bytes one layer keeps for backward per token on one rank (what fourd.parallel.recompute keeps)."""
-    return traffic(work).saved
-
-
 def rank_memories(job: Job, ranks) -> list[Memory]:
     """Peak memory of one GPU of each pipeline rank in `ranks`."""
     par, lay, work, b, model = job.par, job.layout, job.work, job.dtype_bytes, job.model

@@ -129,11 +129,10 @@ def compute_share(layout, cluster: Cluster) -> float:
     slots = cluster.node.concurrent_ranks
     if not slots:
         return 1.0
-    per_node = min(layout.world, cluster.node.gpus)
     gpu = cluster.gpu
     one = max(s.tflops for s in gpu.gemm) if gpu.gemm else gpu.peak_tflops / slots
-    busy = min(per_node, slots)
-    return max(1.0, per_node / slots) * max(1.0, busy * one / gpu.peak_tflops)
+    busy = min(layout.world, cluster.node.gpus, slots)
+    return cluster.core_share(layout.world) * max(1.0, busy * one / gpu.peak_tflops)
 
 
 @lru_cache(maxsize=16384)
@@ -149,7 +148,7 @@ def stage_time(work: Work, layers: int, first: bool = False, last: bool = False)
         t = t + StageTime(elementwise_time(act, c), elementwise_time(2 * act, c), 0.0, *comm)
     if last:
         t = t + _head_time(work, tp_group)
-    return t.scaled(compute_share(work.layout, c), comm=1.0)
+    return t.scaled(compute_share(work.layout, c), comm=1.0)  # collective_time counts the core share itself
 
 
 def chunk_times(job: Job) -> list[StageTime]:
@@ -219,11 +218,12 @@ def _dp_exposure(job: Job, t: StageTime, bubble: float, layers: int) -> tuple[fl
     ag, rs = ct("all_gather", params * job.dtype_bytes), ct("reduce_scatter", 4 * params)
     across = ct("all_reduce", 4 * params / shard.size, replica_group(lay, par.hsdp_replicas))
     tail, head = t.backward + bubble / 2, t.forward + bubble / 2  # last backward and cool-down; warm-up
+    r = 1 if c.cpu else m  # ZeRO 2, 3 reduce each microbatch's grads; fourd's FSDP (CPU profiles) the last one's
     phases = {
         0: [(ct("all_reduce", 4 * params), tail, 1)],
         1: [(rs, tail, 1), (ag, head, 1)],
-        2: [(m * rs, m * t.backward, m), (ag, head, 1)],
-        3: [(m * ag, m * t.forward, m), (m * (ag + rs + across), m * t.backward, m)],
+        2: [(r * rs, r * t.backward, r), (ag, head, 1)],
+        3: [(m * ag, m * t.forward, m), (m * ag + r * (rs + across), m * t.backward, m)],
     }[par.zero]  # fmt: skip
     total = sum(x for x, _, _ in phases)
     exposed = sum(max(0.0, x - window) + x / (n * k) for x, window, k in phases)
@@ -247,6 +247,8 @@ def step_time(job: Job) -> StepTime:
     redo = 2 if par.recompute == "full" else 1
     compute = m * (t.forward + t.backward)
     bubble = bubble_time(par.schedule, p, m, par.virtual_stages, t) if p > 1 else 0.0
+    # CPU profiles: half the ranks work through warm-up and cool-down, on the cores the waiting half leave
+    bubble *= job.cluster.core_share(lay.world // 2) / job.cluster.core_share(lay.world)
     exposed, total = _dp_exposure(job, t, bubble, layers)
     if job.cluster.cpu or blocking:
         # on CPUs collectives run on the cores compute needs; DeepSpeed's engine reduces after the last backward
