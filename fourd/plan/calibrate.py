@@ -228,7 +228,8 @@ def _layer_overheads(rank: int, nproc: int, rounds: int = 7) -> dict:
         model(x).float().sum().backward()
         return time.perf_counter() - t0
 
-    [one_pass(model) for model in models.values()]  # warm-up
+    for model in models.values():
+        one_pass(model)  # warm-up
     runs = [{key: statistics.median(one_pass(m) for _ in range(5)) for key, m in models.items()} for _ in range(rounds)]
     return {k: statistics.median((r[k, 3] - r[k, 1] - r["plain", 3] + r["plain", 1]) / 2 for r in runs) for k in wraps}
 

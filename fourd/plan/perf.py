@@ -129,9 +129,8 @@ def compute_share(layout, cluster: Cluster) -> float:
     slots = cluster.node.concurrent_ranks
     if not slots:
         return 1.0
-    gpu = cluster.gpu
+    gpu, busy = cluster.gpu, min(layout.world, cluster.node.gpus, slots)
     one = max(s.tflops for s in gpu.gemm) if gpu.gemm else gpu.peak_tflops / slots
-    busy = min(layout.world, cluster.node.gpus, slots)
     return cluster.core_share(layout.world) * max(1.0, busy * one / gpu.peak_tflops)
 
 
@@ -248,7 +247,8 @@ def step_time(job: Job) -> StepTime:
     compute = m * (t.forward + t.backward)
     bubble = bubble_time(par.schedule, p, m, par.virtual_stages, t) if p > 1 else 0.0
     # CPU profiles: half the ranks work through warm-up and cool-down, on the cores the waiting half leave
-    bubble *= job.cluster.core_share(lay.world // 2) / job.cluster.core_share(lay.world)
+    server = min(lay.world, job.cluster.node.gpus)
+    bubble *= job.cluster.core_share(server // 2) / job.cluster.core_share(server)
     exposed, total = _dp_exposure(job, t, bubble, layers)
     if job.cluster.cpu or blocking:
         # on CPUs collectives run on the cores compute needs; DeepSpeed's engine reduces after the last backward
