@@ -34,7 +34,9 @@ def bench(op: str, nproc: int, max_bytes: str) -> list[dict]:
         max_bytes,
         "--json",
     ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1")
+    )
     if done.returncode:
         sys.exit(done.stderr)
     return json.loads(done.stdout)
@@ -58,7 +60,9 @@ def main() -> None:
         ar, ring = median_rows(runs["all_reduce"]), median_rows(runs["ring"])
         print(f"\n### {n} ranks\n\n```json")
         for r in ar + ring:
-            print(json.dumps({k: (round(v, 9) if isinstance(v, float) else v) for k, v in r.items()}))
+            print(
+                json.dumps({k: (round(v, 9) if isinstance(v, float) else v) for k, v in r.items()})
+            )
         print(
             "```\n\n| bytes | all_reduce us | busbw GB/s | ring us | busbw GB/s | ring / all_reduce |\n|---|---|---|---|---|---|"
         )

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from fourd.config import fourd_home
+from fourd.measure.peak import device_peak_flops
 from fourd.model.config import ModelConfig
-from fourd.train.metrics import device_peak_flops
 
 SHAPE = dict(layers=16, dim=2048, ffn=8192, heads=32, kv_heads=8, vocab=128256)
 TINY = dict(layers=2, dim=64, ffn=176, heads=4, kv_heads=2, vocab=512)
@@ -38,9 +38,24 @@ WARMUP = 3  # steps left out of the median: allocation, autotuning and compilati
 def fourd_row(shape: dict, batch: int, seq: int, steps: int, compiled: bool) -> float:
     """Median seconds per step of `fourd train` at this shape."""
     with tempfile.TemporaryDirectory(prefix="gpu-step-") as d:
-        cmd = [sys.executable, "-m", "fourd", "train", "--model", "llama3-8b", "--steps", str(steps), "--run-dir", d]
+        cmd = [
+            sys.executable,
+            "-m",
+            "fourd",
+            "train",
+            "--model",
+            "llama3-8b",
+            "--steps",
+            str(steps),
+            "--run-dir",
+            d,
+        ]
         cmd += [f"--model.{k}={v}" for k, v in shape.items()] + [f"--model.max_seq={seq}"]
-        cmd += [f"--data.seq_len={seq}", f"--train.global_batch={batch}", f"--train.compile={str(compiled).lower()}"]
+        cmd += [
+            f"--data.seq_len={seq}",
+            f"--train.global_batch={batch}",
+            f"--train.compile={str(compiled).lower()}",
+        ]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode:
             sys.exit(f"fourd train failed:\n{done.stderr[-3000:]}")
@@ -48,16 +63,25 @@ def fourd_row(shape: dict, batch: int, seq: int, steps: int, compiled: bool) -> 
     return statistics.median(r["step_time_s"] for r in rows[WARMUP:] or rows)
 
 
-def hf_row(shape: dict, batch: int, seq: int, steps: int, compiled: bool, device: torch.device) -> float:
+def hf_row(
+    shape: dict, batch: int, seq: int, steps: int, compiled: bool, device: torch.device
+) -> float:
     """Median seconds per step of LlamaForCausalLM (SDPA attention) in a plain training loop."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=shape["vocab"], hidden_size=shape["dim"], intermediate_size=shape["ffn"],
-        num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
-        max_position_embeddings=seq, rope_theta=500_000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        vocab_size=shape["vocab"],
+        hidden_size=shape["dim"],
+        intermediate_size=shape["ffn"],
+        num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"],
+        max_position_embeddings=seq,
+        rope_theta=500_000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
         attn_implementation="sdpa",
-    )  # fmt: skip
+    )
     model = LlamaForCausalLM(config).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     forward = torch.compile(model) if compiled else model
@@ -84,7 +108,11 @@ def hf_row(shape: dict, batch: int, seq: int, steps: int, compiled: bool, device
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tiny", action="store_true", help="a tiny shape on CPU, batch 2 x 64 (shows the script runs)")
+    ap.add_argument(
+        "--tiny",
+        action="store_true",
+        help="a tiny shape on CPU, batch 2 x 64 (shows the script runs)",
+    )
     ap.add_argument("--eager", action="store_true", help="leave out the compiled rows")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--json", metavar="PATH", help="write the figures as JSON")
@@ -100,19 +128,34 @@ def main() -> None:
     tokens = batch * seq
     name = torch.cuda.get_device_name() if cuda else "CPU"
     precision = "BF16 autocast over FP32 weights" if cuda else "FP32"
-    print(f"{datetime.date.today()}, torch {torch.__version__}, {name}; {model.params():,} parameters,")
+    print(
+        f"{datetime.date.today()}, torch {torch.__version__}, {name}; {model.params():,} parameters,"
+    )
     print(f"batch {batch} x {seq}, {precision}; peak {peak / 1e12:.1f} TFLOP/s ({source})")
     print("\n| | s/step | tokens/s | MFU |\n|---|---|---|---|")
     labels = {"fourd": "`fourd train`", "hf": "Hugging Face `LlamaForCausalLM` (SDPA)"}
     for (who, mode), step in rows.items():
         mfu = model.flops_per_token(seq) * tokens / step / peak
         print(f"| {labels[who]}, {mode} | {step:.3f} | {tokens / step:,.0f} | {mfu:.1%} |")
-    pairs = [(("fourd", m), ("hf", m)) for m in modes] + [(("fourd", "compiled"), ("fourd", "eager"))] * (not a.eager)
-    ratios = {f"{' '.join(top)} / {' '.join(under)}": rows[under] / rows[top] for top, under in pairs}
+    pairs = [(("fourd", m), ("hf", m)) for m in modes] + [
+        (("fourd", "compiled"), ("fourd", "eager"))
+    ] * (not a.eager)
+    ratios = {
+        f"{' '.join(top)} / {' '.join(under)}": rows[under] / rows[top] for top, under in pairs
+    }
     print("\ntokens/s ratios: " + "; ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
     if a.json:
-        out = {"date": str(datetime.date.today()), "torch": torch.__version__, "device": name, "batch": batch}
-        out |= {"seq": seq, "peak_flops": peak, "step_time_s": {" ".join(k): v for k, v in rows.items()}}
+        out = {
+            "date": str(datetime.date.today()),
+            "torch": torch.__version__,
+            "device": name,
+            "batch": batch,
+        }
+        out |= {
+            "seq": seq,
+            "peak_flops": peak,
+            "step_time_s": {" ".join(k): v for k, v in rows.items()},
+        }
         out["tokens_per_s_ratios"] = ratios
         Path(a.json).write_text(json.dumps(out, indent=1))
 

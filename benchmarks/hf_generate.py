@@ -34,7 +34,9 @@ def main():
     torch.set_num_threads(1)
     cfg = get_preset(args.model)
     model = build_model(cfg, seed=0).eval()
-    prompt = torch.randint(0, cfg.vocab, (args.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
+    prompt = torch.randint(
+        0, cfg.vocab, (args.prompt,), generator=torch.Generator().manual_seed(0)
+    ).tolist()
     t0 = time.perf_counter()
     cached = generate(model, prompt, args.new, greedy=True)
     t1 = time.perf_counter()

@@ -59,10 +59,14 @@ def main():
     for label, target in REQUESTS.items():
         runs = [timed(host, port, target) for _ in range(7)]
         times = [t for t, _ in runs]
-        print(f"| {label} | {1000 * times[0]:.1f} | {1000 * statistics.median(times[1:]):.1f} | {runs[-1][1]:,} |")
+        print(
+            f"| {label} | {1000 * times[0]:.1f} | {1000 * statistics.median(times[1:]):.1f} | {runs[-1][1]:,} |"
+        )
     slow = [socket.create_connection((host, port)) for _ in range(300)]
     for s in slow:
-        s.sendall(f"GET / HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n".encode())  # and never the blank line
+        s.sendall(
+            f"GET / HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n".encode()
+        )  # and never the blank line
     during = [timed(host, port, REQUESTS["bench p=16 m=16 gpipe"])[0] for _ in range(7)]
     print(
         f"\nwith 300 slow clients connected: bench p=16 m=16 gpipe in {1000 * statistics.median(during):.1f} ms "

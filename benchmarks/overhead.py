@@ -58,7 +58,9 @@ def plain_round(model: str, steps: int, threads: int) -> float:
     cfg.model.preset = model
     mcfg, t = model_config(cfg), cfg.train
     net = build_model(mcfg, seed=t.seed)
-    opt = torch.optim.AdamW(param_groups([net], t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), foreach=True)
+    opt = torch.optim.AdamW(
+        param_groups([net], t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), foreach=True
+    )
     stream = SampleStream(prepare("", "byte"), cfg.data.seq_len, t.seed)
     rates = []
     for step in range(steps):
@@ -85,7 +87,9 @@ def main() -> None:
     for r in range(a.rounds):
         fourd.append(fourd_round(a.model, a.steps, a.threads))
         plain.append(plain_round(a.model, a.steps, a.threads))
-        print(f"round {r + 1}: fourd {fourd[-1]:,.0f} tok/s, plain {plain[-1]:,.0f} tok/s", flush=True)
+        print(
+            f"round {r + 1}: fourd {fourd[-1]:,.0f} tok/s, plain {plain[-1]:,.0f} tok/s", flush=True
+        )
     f, p = statistics.median(fourd), statistics.median(plain)
     print(f"median: fourd {f:,.0f} tok/s, plain {p:,.0f} tok/s, ratio {f / p:.3f}")
 

@@ -45,19 +45,25 @@ def search_once() -> tuple[float, float, int, float]:
         "plans = search(resolve(m, c, {'gpus': 16384, 'seq': 8192, 'global_seqs': 2048}))\n"
         "print(time.perf_counter() - t0, time.process_time() - c0, len(plans), plans[0].mfu)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    ).stdout
     t, cpu, n, mfu = out.split()
     return float(t), float(cpu), int(n), float(mfu)
 
 
 def command_once() -> float:
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "fourd", *ARGS], capture_output=True, check=True, cwd=ROOT)
+    subprocess.run(
+        [sys.executable, "-m", "fourd", *ARGS], capture_output=True, check=True, cwd=ROOT
+    )
     return time.perf_counter() - t0
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
     runs = [search_once() for _ in range(args.repeats)]

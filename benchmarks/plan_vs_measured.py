@@ -63,13 +63,23 @@ def measure(model: str, layout: str, schedule: str, m: int, args) -> float:
             f"--parallel.zero={args.zero}",
         ]
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=args.timeout)
+        r = subprocess.run(
+            cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=args.timeout
+        )
         if r.returncode:
-            raise RuntimeError(f"{' '.join(cmd[2:])} failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
-        rows = [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines() if line.strip()]
+            raise RuntimeError(
+                f"{' '.join(cmd[2:])} failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}"
+            )
+        rows = [
+            json.loads(line)
+            for line in Path(run_dir, "metrics.jsonl").read_text().splitlines()
+            if line.strip()
+        ]
     times = [row["step_time_s"] for row in rows[args.warmup :]]
     if not times:
-        raise RuntimeError(f"{layout}: no steps after the {args.warmup} warm-up steps; raise --steps")
+        raise RuntimeError(
+            f"{layout}: no steps after the {args.warmup} warm-up steps; raise --steps"
+        )
     return statistics.median(times)
 
 
@@ -104,25 +114,37 @@ def predict(model: str, layout: str, schedule: str, m: int, args) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="small")
-    p.add_argument("--cluster", default="local", help="profile name or path (default local, from fourd calibrate)")
+    p.add_argument(
+        "--cluster",
+        default="local",
+        help="profile name or path (default local, from fourd calibrate)",
+    )
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--global-batch", type=int, default=16, help="sequences per step")
-    p.add_argument("--zero", type=int, default=2, choices=(0, 1, 2, 3), help="ZeRO stage (default 2)")
+    p.add_argument(
+        "--zero", type=int, default=2, choices=(0, 1, 2, 3), help="ZeRO stage (default 2)"
+    )
     p.add_argument("--only", help="layouts to run, separated by semicolons, e.g. 'dp=2;tp=2,dp=2'")
     p.add_argument("--timeout", type=int, default=600, help="seconds per training run")
     p.add_argument("--save", help="write the measured step times to this JSON file")
-    p.add_argument("--measured", help="take the measured step times from a --save file instead of training")
+    p.add_argument(
+        "--measured", help="take the measured step times from a --save file instead of training"
+    )
     args = p.parse_args()
     chosen = [row for row in LAYOUTS if not args.only or row[0] in args.only.split(";")]
     print(
         f"{args.model}, {args.global_batch} × {args.seq} tokens per step, ZeRO {args.zero}, "
         f"{time.strftime('%Y-%m-%d')}, cluster profile {args.cluster}\n"
     )
-    print("| layout | schedule | m | measured s | predicted s | error | measured / first | predicted / first |")
+    print(
+        "| layout | schedule | m | measured s | predicted s | error | measured / first | predicted / first |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     errors, relative, first = [], [], None
     saved = json.loads(Path(args.measured).read_text()) if args.measured else {}

@@ -38,15 +38,22 @@ def _rank(rank: int, p: int, port: int, ms: list[int], layers: int, steps: int, 
     from fourd.schedules import build_schedule
 
     torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, p, is_master=rank == 0, timeout=datetime.timedelta(seconds=600))
+    store = dist.TCPStore(
+        "127.0.0.1", port, p, is_master=rank == 0, timeout=datetime.timedelta(seconds=600)
+    )
     dist.init_process_group("gloo", store=store, rank=rank, world_size=p)
-    cfg = ModelConfig(layers=layers * p, dim=DIM, ffn=FFN, heads=HEADS, kv_heads=HEADS, vocab=VOCAB, max_seq=SEQ)
+    cfg = ModelConfig(
+        layers=layers * p, dim=DIM, ffn=FFN, heads=HEADS, kv_heads=HEADS, vocab=VOCAB, max_seq=SEQ
+    )
     results = {}
     for m in ms:
         schedule = build_schedule("gpipe", p, m)
         stages = pipeline_split(cfg, rank, schedule, seed=0, fewer_first_last=False)
         runner = PipelineRunner(
-            stages, schedule, dist.group.WORLD, lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten())
+            stages,
+            schedule,
+            dist.group.WORLD,
+            lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten()),
         )
         tokens = torch.randint(0, VOCAB, (m, SEQ + 1), generator=torch.Generator().manual_seed(0))
         bubbles, walls = [], []
@@ -59,31 +66,44 @@ def _rank(rank: int, p: int, port: int, ms: list[int], layers: int, steps: int, 
                 walls.append(runner.wall)
         f = [r.end - r.start for r in runner.records if r.kind == "F"]
         b = [r.end - r.start for r in runner.records if r.kind == "B"]
-        results[m] = (statistics.median(bubbles), statistics.median(walls), statistics.mean(f), statistics.mean(b))
+        results[m] = (
+            statistics.median(bubbles),
+            statistics.median(walls),
+            statistics.mean(f),
+            statistics.mean(b),
+        )
     out.put((rank, results))
     dist.destroy_process_group()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--p", type=int, nargs="+", default=[2], help="pipeline stages (one process each)")
+    ap.add_argument(
+        "--p", type=int, nargs="+", default=[2], help="pipeline stages (one process each)"
+    )
     ap.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8], help="microbatches")
     ap.add_argument("--layers-per-stage", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per (p, m), after one warm-up step")
+    ap.add_argument(
+        "--steps", type=int, default=3, help="timed steps per (p, m), after one warm-up step"
+    )
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
     print(
         f"GPipe, {args.layers_per_stage} blocks of dim {DIM} / FFN {FFN} per stage, microbatch 1 x {SEQ} tokens, "
         f"median of {args.steps} steps"
     )
-    print(f"{'p':>3} {'m':>3} {'formula':>8} {'measured':>9} {'diff':>7}   per rank   F ms   B ms  step s")
+    print(
+        f"{'p':>3} {'m':>3} {'formula':>8} {'measured':>9} {'diff':>7}   per rank   F ms   B ms  step s"
+    )
     for p in args.p:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         out = ctx.Queue()
         procs = [
-            ctx.Process(target=_rank, args=(r, p, port, args.m, args.layers_per_stage, args.steps, out))
+            ctx.Process(
+                target=_rank, args=(r, p, port, args.m, args.layers_per_stage, args.steps, out)
+            )
             for r in range(p)
         ]
         for proc in procs:

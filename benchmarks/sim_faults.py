@@ -31,7 +31,9 @@ def main() -> None:
     print("| interval | minutes | effective training |")
     print("|---|---|---|")
     for k in (0.25, 0.5, 1.0, 1.5, 2.0, 4.0):
-        eff = faults.simulate(16384, 54, runs=args.runs, seed=0, interval_s=k * daly).effective.mean()
+        eff = faults.simulate(
+            16384, 54, runs=args.runs, seed=0, interval_s=k * daly
+        ).effective.mean()
         print(f"| {k:g} x Daly | {k * daly / 60:.1f} | {100 * eff:.2f} % |")
 
 

@@ -31,7 +31,14 @@ def main() -> None:
     for text, seq in ROWS:
         layout = parse_layout(text)
         for schedule in ("interleaved", "1f1b"):
-            plan = best_plan(model, cluster, layout.world, seq, 2**24 // seq, {"layout": layout, "schedule": schedule})
+            plan = best_plan(
+                model,
+                cluster,
+                layout.world,
+                seq,
+                2**24 // seq,
+                {"layout": layout, "schedule": schedule},
+            )
             c = plan.config
             best = float("inf")
             for _ in range(args.repeat):

@@ -46,12 +46,16 @@ def _run(tp=1, dp=1, sp=False, zero=None):
             rank = mesh.get_local_rank("dp")
     else:
         mesh = None
-    groups = param_groups([model], 0.1)  # as the trainer: norm weights apart (plain tensors under TP without SP)
+    groups = param_groups(
+        [model], 0.1
+    )  # as the trainer: norm weights apart (plain tensors under TP without SP)
     if zero == 1:
         opt = ShardedAdamW(groups, dp_cp_mesh(mesh), lr=1e-3, foreach=True)
     else:
         opt = torch.optim.AdamW(groups, lr=1e-3, foreach=True)
-    tokens = torch.randint(0, CFG.vocab, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(
+        0, CFG.vocab, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0)
+    )
     per = BATCH // dp
     x, y = tokens[rank * per : (rank + 1) * per, :-1], tokens[rank * per : (rank + 1) * per, 1:]
     times = []
@@ -62,8 +66,14 @@ def _run(tp=1, dp=1, sp=False, zero=None):
         clip_grad_norm(model.parameters(), 1.0, mesh)
         opt.step()
         times.append(time.perf_counter() - t0)
-    moments = [v for s in opt.state.values() for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")]
-    held = held_bytes(model.parameters()) + held_bytes(p.grad for p in model.parameters()) + held_bytes(moments)
+    moments = [
+        v for s in opt.state.values() for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")
+    ]
+    held = (
+        held_bytes(model.parameters())
+        + held_bytes(p.grad for p in model.parameters())
+        + held_bytes(moments)
+    )
     return statistics.median(times[1:]), held
 
 
@@ -74,7 +84,9 @@ def _ranked(rank, world, kw):
 def main():
     torch.set_num_threads(1)
     base, base_bytes = _run()
-    print(f"small model ({CFG.params() / 1e6:.2f} M parameters), {BATCH} x {SEQ} tokens per step, FP32, gloo")
+    print(
+        f"small model ({CFG.params() / 1e6:.2f} M parameters), {BATCH} x {SEQ} tokens per step, FP32, gloo"
+    )
     print("| layout | step s | vs 1 rank | MB per rank (params + grads + Adam) |")
     print("|---|---|---|---|")
     print(f"| 1 rank | {base:.3f} | 1.00 | {base_bytes / 1e6:.1f} |")

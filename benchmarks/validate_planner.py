@@ -65,7 +65,9 @@ def _cluster(name: str, nic_gbps: float, efficiency: tuple) -> Cluster:
     c = load_cluster(name)
     for gen, names in GENERATIONS.items():
         if name in names and dict(efficiency).get(gen):
-            c = dataclasses.replace(c, gpu=dataclasses.replace(c.gpu, gemm_efficiency=dict(efficiency)[gen]))
+            c = dataclasses.replace(
+                c, gpu=dataclasses.replace(c.gpu, gemm_efficiency=dict(efficiency)[gen])
+            )
     if nic_gbps:
         c = dataclasses.replace(c, network=dataclasses.replace(c.network, nic_bw_gbps=nic_gbps / 8))
     return c
@@ -80,14 +82,24 @@ def predict(run: Run, efficiency: dict[str, float] | None = None):
     """fourd's plan for a row: its settings pinned, the rest the planner's fastest."""
     lay = run.parsed_layout
     values = {
-        "layout": lay, "gpus": run.gpus, "seq": run.seq, "global_seqs": run.global_batch_seqs,
-        "schedule": run.schedule, "zero": run.zero, "recompute": recompute(run), "precision": run.precision,
-        "sequence_parallel": run.sequence_parallel, "compiled": run.compiled, "hsdp_replicas": run.hsdp_replicas,
+        "layout": lay,
+        "gpus": run.gpus,
+        "seq": run.seq,
+        "global_seqs": run.global_batch_seqs,
+        "schedule": run.schedule,
+        "zero": run.zero,
+        "recompute": recompute(run),
+        "precision": run.precision,
+        "sequence_parallel": run.sequence_parallel,
+        "compiled": run.compiled,
+        "hsdp_replicas": run.hsdp_replicas,
         "attention": "materialized" if run.attention_kernel == "materialized" else "flash",
         "pipeline_comm": run.pipeline_comm,
         "virtual_stages": run.virtual_stages or None,
-        "microbatches": run.global_batch_seqs // lay.dp // run.microbatch_seqs if run.microbatch_seqs else None,
-    }  # fmt: skip
+        "microbatches": run.global_batch_seqs // lay.dp // run.microbatch_seqs
+        if run.microbatch_seqs
+        else None,
+    }
     plans = request.plans(request.resolve(run.model_config, cluster_for(run, efficiency), values))
     return max(plans, key=lambda p: p.tokens_per_s)
 
@@ -102,15 +114,30 @@ def evaluate(runs: list[Run], efficiency: dict[str, float] | None = None) -> lis
     out = []
     for run in runs:
         plan = predict(run, efficiency)
-        row = {"id": run.id, "source": run.source, "fit": run.fit, "published_s": run.step_time_s_derived}
-        row.update(predicted_s=plan.step.step_s, error=plan.step.step_s / run.step_time_s_derived - 1)
+        row = {
+            "id": run.id,
+            "source": run.source,
+            "fit": run.fit,
+            "published_s": run.step_time_s_derived,
+        }
+        row.update(
+            predicted_s=plan.step.step_s, error=plan.step.step_s / run.step_time_s_derived - 1
+        )
         if run.mfu:
-            row.update(mfu=run.mfu, predicted_mfu=run.mfu * run.step_time_s_derived / plan.step.step_s)
+            row.update(
+                mfu=run.mfu, predicted_mfu=run.mfu * run.step_time_s_derived / plan.step.step_s
+            )
         if run.memory_gib:
             predicted = memory_gib(plan, run.memory_kind)
-            row.update(memory_gib=run.memory_gib, predicted_gib=predicted, memory_error=predicted / run.memory_gib - 1)
+            row.update(
+                memory_gib=run.memory_gib,
+                predicted_gib=predicted,
+                memory_error=predicted / run.memory_gib - 1,
+            )
         c = plan.config
-        row["config"] = f"{c.schedule} V={c.virtual_stages} m={c.microbatches} ZeRO {c.zero} {c.recompute}"
+        row["config"] = (
+            f"{c.schedule} V={c.virtual_stages} m={c.microbatches} ZeRO {c.zero} {c.recompute}"
+        )
         out.append(row)
     return out
 
@@ -147,11 +174,15 @@ def fit(runs: list[Run]) -> dict:
     fragmentation from the fit rows that publish reserved memory."""
     rows = [r for r in runs if r.fit]
     eff = {gen: load_cluster(names[0]).gpu.gemm_efficiency for gen, names in GENERATIONS.items()}
-    knobs: list = [(eff, gen, 0.04) for gen in eff] + [(vars(mod), name, step) for mod, name, step in CONSTANTS]
+    knobs: list = [(eff, gen, 0.04) for gen in eff] + [
+        (vars(mod), name, step) for mod, name, step in CONSTANTS
+    ]
 
     def loss() -> float:
         _forget()
-        return statistics.mean(abs(math.log(predict(r, eff).step.step_s / r.step_time_s_derived)) for r in rows)
+        return statistics.mean(
+            abs(math.log(predict(r, eff).step.step_s / r.step_time_s_derived)) for r in rows
+        )
 
     best = loss()
     for _ in range(5):
@@ -169,7 +200,9 @@ def fit(runs: list[Run]) -> dict:
     _forget()
     reserved = [r for r in rows if r.memory_kind == "reserved"]
     frag = (
-        statistics.mean(r.memory_gib / (predict(r, eff).memory.total / GIB) - 1 for r in reserved) if reserved else 0.0
+        statistics.mean(r.memory_gib / (predict(r, eff).memory.total / GIB) - 1 for r in reserved)
+        if reserved
+        else 0.0
     )
     out = {f"gemm_efficiency {gen}": round(v, 4) for gen, v in eff.items()}
     out.update({name: round(getattr(mod, name), 4) for mod, name, _ in CONSTANTS})
@@ -199,10 +232,16 @@ def tables(rows: list[dict], s: dict, other: dict[str, float], runs: list[Run]) 
     for r in rows:
         mfu = f"{100 * r['mfu']:.1f} / {100 * r['predicted_mfu']:.1f} %" if "mfu" in r else ""
         mem = (
-            f"{r['memory_gib']:.1f} / {r['predicted_gib']:.1f} ({_pct(r['memory_error'])})" if "memory_gib" in r else ""
+            f"{r['memory_gib']:.1f} / {r['predicted_gib']:.1f} ({_pct(r['memory_error'])})"
+            if "memory_gib" in r
+            else ""
         )
         theirs = other.get(r["id"])
-        la = f"{theirs:.4g} ({_pct(theirs / by_id[r['id']].step_time_s_derived - 1)})" if theirs else ""
+        la = (
+            f"{theirs:.4g} ({_pct(theirs / by_id[r['id']].step_time_s_derived - 1)})"
+            if theirs
+            else ""
+        )
         out.append(
             f"| {r['id']} | {r['source']} | {'fit' if r['fit'] else ''} | {r['published_s']:.4g} | "
             f"{r['predicted_s']:.4g} | {_pct(r['error'])} | {mfu} | {mem} | {la} |"
@@ -219,7 +258,11 @@ def tables(rows: list[dict], s: dict, other: dict[str, float], runs: list[Run]) 
         f"memory rows {100 * (s['memory_mean'] or 0):.1f} % mean abs. error.",
     ]
     if other:
-        errs = [abs(other[r["id"]] / by_id[r["id"]].step_time_s_derived - 1) for r in rows if r["id"] in other]
+        errs = [
+            abs(other[r["id"]] / by_id[r["id"]].step_time_s_derived - 1)
+            for r in rows
+            if r["id"] in other
+        ]
         out.append(
             f"llm-analysis 0.2.2 (its defaults) on the {len(errs)} rows it can express: mean abs. error "
             f"{100 * statistics.mean(errs):.1f} %."
@@ -241,10 +284,16 @@ def write_docs(text: str) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object")
-    ap.add_argument("--write-docs", action="store_true", help="write the tables into docs/planner.md")
-    ap.add_argument("--fit", action="store_true", help="refit the fitted numbers on the fit rows and print them")
+    ap.add_argument(
+        "--write-docs", action="store_true", help="write the tables into docs/planner.md"
+    )
+    ap.add_argument(
+        "--fit", action="store_true", help="refit the fitted numbers on the fit rows and print them"
+    )
     args = ap.parse_args()
     sources, runs = load()
     usable = [r for r in runs if not r.excluded]

@@ -15,8 +15,14 @@ import sys
 from fourd import __version__
 from fourd.errors import FourdError, did_you_mean
 
-GROUPS = {"model": "model presets: dimensions and parameter counts", "bench": "benchmarks: collectives"}
-GROUPS |= {"sim": "simulate one training step, or months of failures", "ckpt": "verify and inspect checkpoints"}
+GROUPS = {
+    "model": "model presets: dimensions and parameter counts",
+    "bench": "benchmarks: collectives",
+}
+GROUPS |= {
+    "sim": "simulate one training step, or months of failures",
+    "ckpt": "verify and inspect checkpoints",
+}
 # A command ("group:sub" for one of a group: `fourd sim step`), the module under fourd that owns it, its help.
 _TABLE = """
 train        train.cli        train a model with 4D parallelism (launches its own workers)
@@ -25,7 +31,7 @@ plan         plan.cli         predict memory, step time and MFU of a layout; --s
 sim:step     sim.step_cli     discrete-event simulation of one training step on a cluster
 sim:faults   sim.faults_cli   Monte-Carlo of interruptions over a long run
 bench:comm   comm.bench       nccl-tests-style collective benchmark
-calibrate    plan.calibrate   measure this machine and write the `local` cluster profile
+calibrate    measure.calibrate measure this machine and write the `local` cluster profile
 ckpt:verify  ckpt.cli_verify  check every file of a checkpoint against its manifest
 ckpt:info    ckpt.cli_info    a checkpoint's step, layout and model digest
 convert      hf.convert       convert checkpoints between Hugging Face and fourd formats
@@ -33,7 +39,8 @@ generate     hf.generate      generate text from a checkpoint (greedy or top-p, 
 lab          lab.server       serve the interactive pipeline bench and cluster view
 """
 COMMANDS = {
-    name: (f"fourd.{mod}", help_) for name, mod, help_ in (r.split(None, 2) for r in _TABLE.strip().splitlines())
+    name: (f"fourd.{mod}", help_)
+    for name, mod, help_ in (r.split(None, 2) for r in _TABLE.strip().splitlines())
 }
 
 
@@ -45,7 +52,8 @@ class _Parser(argparse.ArgumentParser):
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The command table as a parser; only the command `only` gets its arguments (its module is imported)."""
     top = _Parser(
-        prog="fourd", description="fourd: train Llama-style models with 4D parallelism; plan and simulate them."
+        prog="fourd",
+        description="fourd: train Llama-style models with 4D parallelism; plan and simulate them.",
     )
     top.add_argument("--version", action="version", version=f"fourd {__version__}")
     top.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -57,14 +65,18 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         if group:
             if group not in groups:
                 gp = subs.add_parser(group, help=GROUPS[group], description=GROUPS[group])
-                groups[group] = gp.add_subparsers(dest="subcommand", metavar="SUBCOMMAND", parser_class=_Parser)
+                groups[group] = gp.add_subparsers(
+                    dest="subcommand", metavar="SUBCOMMAND", parser_class=_Parser
+                )
             where = groups[group]
         if name != only:
             where.add_parser(sub, help=help_)
             continue
         mod = importlib.import_module(module)
         fmt = argparse.RawDescriptionHelpFormatter
-        p = where.add_parser(sub, help=help_, description=(mod.__doc__ or help_).strip(), formatter_class=fmt)
+        p = where.add_parser(
+            sub, help=help_, description=(mod.__doc__ or help_).strip(), formatter_class=fmt
+        )
         p.add_argument("--debug", action="store_true", help="show tracebacks")
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run, _overrides=getattr(mod, "ACCEPTS_OVERRIDES", False), _parser=p)
@@ -80,7 +92,9 @@ def _which(argv: list[str]) -> str | None:
         return words[0]
     if words[0] not in GROUPS:
         tops = sorted({n.split(":")[0] for n in COMMANDS})
-        raise FourdError(f"unknown command {words[0]!r}{did_you_mean(words[0], tops)}: `fourd --help` lists them")
+        raise FourdError(
+            f"unknown command {words[0]!r}{did_you_mean(words[0], tops)}: `fourd --help` lists them"
+        )
     if len(words) == 1 or f"{words[0]}:{words[1]}" in COMMANDS:
         return f"{words[0]}:{words[1]}" if len(words) > 1 else None
     subs = [n.split(":")[1] for n in COMMANDS if n.startswith(words[0] + ":")]
@@ -106,7 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         if unknown and not getattr(args, "_overrides", False):
             raise _unknown(getattr(args, "_parser", parser), unknown)
         if not getattr(args, "_run", None):
-            parser.parse_args([args.command, "--help"] if getattr(args, "command", None) else ["--help"])
+            parser.parse_args(
+                [args.command, "--help"] if getattr(args, "command", None) else ["--help"]
+            )
         args._unknown = unknown
         return int(args._run(args) or 0)
     except FourdError as e:
@@ -122,5 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # an unexpected failure: one line, the traceback with --debug
         if debug:
             raise
-        print(f"fourd: internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)", file=sys.stderr)
+        print(
+            f"fourd: internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)",
+            file=sys.stderr,
+        )
         return 1

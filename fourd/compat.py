@@ -5,7 +5,11 @@ from __future__ import annotations
 
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining.schedules import _Action, _ComputationType, _PipelineScheduleRuntime
+from torch.distributed.pipelining.schedules import (
+    _Action,
+    _ComputationType,
+    _PipelineScheduleRuntime,
+)
 
 __all__ = ["replicate", "flatten_mesh", "concatenate_meshes", "pipeline_runtime"]
 
@@ -20,11 +24,16 @@ def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
     return DeviceMesh._concatenate(meshes)
 
 
-def pipeline_runtime(stages: list, microbatches: int, loss_fn, actions: dict[int, list[tuple[int, str, int]]]):
+def pipeline_runtime(
+    stages: list, microbatches: int, loss_fn, actions: dict[int, list[tuple[int, str, int]]]
+):
     """torch.distributed.pipelining's runtime running exactly `actions` ({rank: [(stage, kind, microbatch)]}), with the
     sends, receives and FSDP steps it inserts; gradients divided by the microbatch count after the last backward."""
     runtime = _PipelineScheduleRuntime(stages, microbatches, loss_fn=loss_fn, scale_grads=True)
     runtime._prepare_schedule_with_comms(
-        {r: [_Action(s, _ComputationType(kind), mb) for s, kind, mb in acts] for r, acts in actions.items()}
+        {
+            r: [_Action(s, _ComputationType(kind), mb) for s, kind, mb in acts]
+            for r, acts in actions.items()
+        }
     )
     return runtime

@@ -30,7 +30,9 @@ def fourd_home() -> Path:
 # [model]: a preset, and any ModelConfig field but mlp set on top of it (`--model.layers=2`); None: the preset's.
 _MODEL_KEYS = typing.get_type_hints(ModelConfig)
 ModelSection = dataclasses.make_dataclass(
-    "ModelSection", [("preset", str, "small")] + [(k, t | None, None) for k, t in _MODEL_KEYS.items() if k != "mlp"]
+    "ModelSection",
+    [("preset", str, "small")]
+    + [(k, t | None, None) for k, t in _MODEL_KEYS.items() if k != "mlp"],
 )
 ModelSection.__module__ = __name__  # picklable: configs travel to spawned workers
 
@@ -60,8 +62,12 @@ class TrainSection:
     compile: bool | None = None  # torch.compile each transformer block; unset: on CUDA, off on CPU
     fp8: bool = False  # FP8 linears through torchao (the gpu extra), on H100/H200 only
     log_every: int = 1
-    timeout_s: float = 300.0  # collective timeout: a hung rank fails the step instead of the job hanging
-    init_from: str = ""  # a fourd checkpoint or a Hugging Face folder whose weights the run starts from
+    timeout_s: float = (
+        300.0  # collective timeout: a hung rank fails the step instead of the job hanging
+    )
+    init_from: str = (
+        ""  # a fourd checkpoint or a Hugging Face folder whose weights the run starts from
+    )
 
 
 @dataclass
@@ -70,16 +76,22 @@ class ParallelSection:
     schedule: str = "1f1b"
     microbatches: int = 1
     virtual_stages: int = 1
-    zero: int = 2  # ZeRO stage over the dp×cp ranks: 0 replicates (DDP), 1 shards optimizer state, 2 and
+    zero: int = (
+        2  # ZeRO stage over the dp×cp ranks: 0 replicates (DDP), 1 shards optimizer state, 2 and
+    )
     # gradients, 3 and weights
-    hsdp_replicas: int = 1  # more than one (with zero = 3): HSDP, ZeRO 3 inside each of this many groups
+    hsdp_replicas: int = (
+        1  # more than one (with zero = 3): HSDP, ZeRO 3 inside each of this many groups
+    )
     recompute: str = "none"  # none, selective or full: what each layer keeps for backward
     sequence_parallel: bool = False
 
 
 @dataclass
 class CheckpointSection:
-    interval: int = 0  # steps between checkpoints; 0 = only at the end (and when a signal stops the run)
+    interval: int = (
+        0  # steps between checkpoints; 0 = only at the end (and when a signal stops the run)
+    )
     keep: int = 3
     async_save: bool = False
 
@@ -128,12 +140,20 @@ class Config:
         """The whole configuration as TOML (unset model keys left out); `load_toml` reads it back."""
         out = []
         for section, values in self.to_dict().items():
-            out += [f"[{section}]", *(f"{k} = {json.dumps(v)}" for k, v in values.items() if v is not None), ""]
+            out += [
+                f"[{section}]",
+                *(f"{k} = {json.dumps(v)}" for k, v in values.items() if v is not None),
+                "",
+            ]
         return "\n".join(out)
 
 
 CHOICES: dict[str, tuple] = {"model.preset": tuple(PRESETS), "parallel.schedule": SCHEDULES}
-CHOICES |= {"parallel.zero": ZERO_STAGES, "parallel.recompute": RECOMPUTE, "train.dtype": ("auto", *PRECISIONS)}
+CHOICES |= {
+    "parallel.zero": ZERO_STAGES,
+    "parallel.recompute": RECOMPUTE,
+    "train.dtype": ("auto", *PRECISIONS),
+}
 
 
 def _at_least(lo: int):
@@ -141,14 +161,36 @@ def _at_least(lo: int):
 
 
 _POSITIVE, _BETA = (lambda v: v > 0, "positive"), (lambda v: 0 <= v < 1, "in [0, 1)")
-LIMITS = {f"model.{k}": _at_least(1) for k in ("layers", "dim", "ffn", "heads", "kv_heads", "vocab", "max_seq")}
-LIMITS |= {k: _at_least(1) for k in ("train.steps", "train.global_batch", "train.log_every", "checkpoint.keep")}
-LIMITS |= {f"parallel.{k}": _at_least(1) for k in ("microbatches", "virtual_stages", "hsdp_replicas")}
-LIMITS |= {k: _at_least(0) for k in ("train.min_lr", "train.warmup_steps", "train.weight_decay", "run.max_restarts")}
+LIMITS = {
+    f"model.{k}": _at_least(1)
+    for k in ("layers", "dim", "ffn", "heads", "kv_heads", "vocab", "max_seq")
+}
+LIMITS |= {
+    k: _at_least(1)
+    for k in ("train.steps", "train.global_batch", "train.log_every", "checkpoint.keep")
+}
+LIMITS |= {
+    f"parallel.{k}": _at_least(1) for k in ("microbatches", "virtual_stages", "hsdp_replicas")
+}
+LIMITS |= {
+    k: _at_least(0)
+    for k in ("train.min_lr", "train.warmup_steps", "train.weight_decay", "run.max_restarts")
+}
 LIMITS |= {f"fault.{k}": _at_least(-1) for k in ("kill_rank", "at_step", "hang_rank")}
-LIMITS |= dict.fromkeys(("model.norm_eps", "model.rope_theta", "train.lr", "train.grad_clip"), _POSITIVE)
-LIMITS |= {"checkpoint.interval": _at_least(0), "eval.every": _at_least(0), "eval.batches": _at_least(1)}
-LIMITS |= {"model.head_dim": _at_least(2), "data.seq_len": _at_least(2), "train.beta1": _BETA, "train.beta2": _BETA}
+LIMITS |= dict.fromkeys(
+    ("model.norm_eps", "model.rope_theta", "train.lr", "train.grad_clip"), _POSITIVE
+)
+LIMITS |= {
+    "checkpoint.interval": _at_least(0),
+    "eval.every": _at_least(0),
+    "eval.batches": _at_least(1),
+}
+LIMITS |= {
+    "model.head_dim": _at_least(2),
+    "data.seq_len": _at_least(2),
+    "train.beta1": _BETA,
+    "train.beta2": _BETA,
+}
 LIMITS |= {
     "data.holdout_fraction": (lambda v: 0 <= v < 0.5, "in [0, 0.5)"),
     "train.seed": (lambda v: 0 <= v < 2**63, "in 0 .. 2^63 - 1"),
@@ -160,11 +202,24 @@ def _coerce(key: str, value, hint) -> object:
     want = next(t for t in (*typing.get_args(hint), hint) if t is not type(None))
     if value is None and type(None) in typing.get_args(hint):
         return None
-    words = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
+    words = {
+        "true": True,
+        "1": True,
+        "yes": True,
+        "on": True,
+        "false": False,
+        "0": False,
+        "no": False,
+        "off": False,
+    }
     try:
         if want is bool:
             return value if isinstance(value, bool) else words[str(value).lower()]
-        if want is int and not isinstance(value, bool) and not (isinstance(value, float) and not value.is_integer()):
+        if (
+            want is int
+            and not isinstance(value, bool)
+            and not (isinstance(value, float) and not value.is_integer())
+        ):
             return int(value)
         if want is float and not isinstance(value, bool) and math.isfinite(float(value)):
             return float(value)
@@ -194,7 +249,9 @@ def set_value(cfg: Config, key: str, value) -> None:
     allowed = CHOICES.get(key)
     if allowed and value not in allowed:
         hint = did_you_mean(value, allowed)
-        raise FourdError(f"{key} = {value!r}{hint}: allowed values are {', '.join(map(str, allowed))}")
+        raise FourdError(
+            f"{key} = {value!r}{hint}: allowed values are {', '.join(map(str, allowed))}"
+        )
     ok, what = LIMITS.get(key, (None, ""))
     if ok is not None and value is not None and not ok(value):
         raise FourdError(f"{key} = {value!r} must be {what}")
@@ -229,7 +286,9 @@ def parse_overrides(items: list[str], flags=()) -> list[tuple[str, str]]:
     for word in words:
         if not word.startswith("--") or "." not in word.split("=")[0]:
             hint = did_you_mean(word.split("=")[0], flags)
-            raise FourdError(f"unrecognised argument {word!r}{hint}: overrides look like --section.key=value")
+            raise FourdError(
+                f"unrecognised argument {word!r}{hint}: overrides look like --section.key=value"
+            )
         key, eq, value = word[2:].partition("=")
         key = key.replace("-", "_")  # --fault.kill-rank is --fault.kill_rank
         given = value if eq else next(words, None)
@@ -239,7 +298,9 @@ def parse_overrides(items: list[str], flags=()) -> list[tuple[str, str]]:
     return out
 
 
-def build_config(toml: str | None, flags: dict, overrides: list[str], base: dict | None = None, options=()) -> Config:
+def build_config(
+    toml: str | None, flags: dict, overrides: list[str], base: dict | None = None, options=()
+) -> Config:
     """The configuration from its layers (module docstring); `options`: the command's flags, for suggestions."""
     cfg = Config()
     apply(cfg, base or {}, "base configuration")
@@ -263,15 +324,23 @@ def check(cfg: Config) -> None:
     for key in ("kill_rank", "hang_rank"):
         rank = getattr(f, key)
         if rank >= world:
-            raise FourdError(f"fault.{key} = {rank} is not a rank of the {world}-rank layout: choose 0 .. {world - 1}")
+            raise FourdError(
+                f"fault.{key} = {rank} is not a rank of the {world}-rank layout: choose 0 .. {world - 1}"
+            )
         if rank >= 0 and not 1 <= f.at_step <= t.steps:
-            raise FourdError(f"fault.{key} needs fault.at_step, a step in 1 .. {t.steps} (it is {f.at_step})")
+            raise FourdError(
+                f"fault.{key} needs fault.at_step, a step in 1 .. {t.steps} (it is {f.at_step})"
+            )
     if f.at_step >= 0 and f.kill_rank < 0 and f.hang_rank < 0:
-        raise FourdError("fault.at_step is set but neither fault.kill_rank nor fault.hang_rank: set one, or drop it")
+        raise FourdError(
+            "fault.at_step is set but neither fault.kill_rank nor fault.hang_rank: set one, or drop it"
+        )
 
 
 def model_config(cfg: Config) -> ModelConfig:
-    over = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k != "preset" and v is not None}
+    over = {
+        k: v for k, v in dataclasses.asdict(cfg.model).items() if k != "preset" and v is not None
+    }
     model = with_overrides(get_preset(cfg.model.preset), **over)
     if cfg.data.seq_len > model.max_seq:
         raise FourdError(
@@ -284,5 +353,13 @@ def model_config(cfg: Config) -> ModelConfig:
 def parallelism(cfg: Config) -> Parallelism:
     """The run's Parallelism, in the words the planner uses too."""
     p, lay = cfg.parallel, parse_layout(cfg.parallel.layout)
-    cuts = (p.schedule, p.microbatches, p.virtual_stages, p.zero, p.recompute, p.sequence_parallel, p.hsdp_replicas)
+    cuts = (
+        p.schedule,
+        p.microbatches,
+        p.virtual_stages,
+        p.zero,
+        p.recompute,
+        p.sequence_parallel,
+        p.hsdp_replicas,
+    )
     return Parallelism(lay, *cuts)

@@ -26,7 +26,11 @@ def did_you_mean(word: str, choices) -> str:
 
 def plural(n: int, noun: str, many: str | None = None) -> str:
     """'1 microbatch', '4 microbatches', '1,024 ranks'."""
-    word = noun if n == 1 else many or (noun + ("es" if noun.endswith(("s", "sh", "ch", "x")) else "s"))
+    word = (
+        noun
+        if n == 1
+        else many or (noun + ("es" if noun.endswith(("s", "sh", "ch", "x")) else "s"))
+    )
     return f"{n:,} {word}"
 
 

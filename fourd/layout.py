@@ -26,7 +26,9 @@ class Layout:
         for d in DIMS:
             v = getattr(self, d)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise FourdError(f"layout {d}={v!r}: each degree must be a positive integer, e.g. {d}=2")
+                raise FourdError(
+                    f"layout {d}={v!r}: each degree must be a positive integer, e.g. {d}=2"
+                )
 
     @property
     def world(self) -> int:
@@ -46,7 +48,9 @@ class Layout:
         r = 0
         for d in reversed(DIMS):
             if not 0 <= idx[d] < getattr(self, d):
-                raise ValueError(f"{d} index {idx[d]} outside 0..{getattr(self, d) - 1} of layout {self}")
+                raise ValueError(
+                    f"{d} index {idx[d]} outside 0..{getattr(self, d) - 1} of layout {self}"
+                )
             r = r * getattr(self, d) + idx[d]
         return r
 
@@ -62,19 +66,28 @@ def parse_layout(text: str) -> Layout:
             continue
         key, sep, val = (s.strip() for s in part.partition("="))
         if not sep or key not in DIMS:
-            raise FourdError(f"layout {text!r}: bad item {part!r}; write key=value with keys {', '.join(DIMS)}")
+            raise FourdError(
+                f"layout {text!r}: bad item {part!r}; write key=value with keys {', '.join(DIMS)}"
+            )
         if key in values:
             raise FourdError(f"layout {text!r}: {key} is given twice; give each dimension once")
         try:
             values[key] = int(val)
         except ValueError:
-            raise FourdError(f"layout {text!r}: {key}={val!r} must be a positive integer, e.g. {key}=2") from None
+            raise FourdError(
+                f"layout {text!r}: {key}={val!r} must be a positive integer, e.g. {key}=2"
+            ) from None
     return Layout(**values)
 
 
 # Schedule names are fourd.schedules'.
 PRECISIONS = ("bf16", "fp32")  # BF16 autocast over FP32 master weights, or plain FP32
-ZERO_STAGES = (0, 1, 2, 3)  # 0 replicates (DDP); 1 shards optimizer state; 2 and gradients; 3 and weights
+ZERO_STAGES = (
+    0,
+    1,
+    2,
+    3,
+)  # 0 replicates (DDP); 1 shards optimizer state; 2 and gradients; 3 and weights
 # What a layer keeps for backward, lightest recomputation first (fourd.plan.block says what each keeps):
 # selective recomputes cheap ops, per-op also every other matmul (torchtitan's policy), full the whole layer.
 RECOMPUTE = ("none", "selective", "per-op", "full")
@@ -87,11 +100,15 @@ class Parallelism:
     layout: Layout
     schedule: str = "1f1b"
     microbatches: int = 1  # per data-parallel replica per step
-    virtual_stages: int = 1  # pipeline stages per rank; more than one only with the interleaved schedule
+    virtual_stages: int = (
+        1  # pipeline stages per rank; more than one only with the interleaved schedule
+    )
     zero: int = 1
     recompute: str = "none"
     sequence_parallel: bool = False
-    hsdp_replicas: int = 1  # more than one: ZeRO-3 inside each replica group, gradients all-reduced across
+    hsdp_replicas: int = (
+        1  # more than one: ZeRO-3 inside each replica group, gradients all-reduced across
+    )
 
     @property
     def stages(self) -> int:
@@ -144,7 +161,9 @@ def check(model, par: Parallelism, seq: int, global_seqs: int) -> None:
         )
     check_stages(par.schedule, lay.pp, par.microbatches, par.virtual_stages)
     if lay.pp == 1 and par.virtual_stages > 1:
-        raise FourdError(f"{par.virtual_stages} virtual stages need a pipeline: choose pp > 1 or one virtual stage")
+        raise FourdError(
+            f"{par.virtual_stages} virtual stages need a pipeline: choose pp > 1 or one virtual stage"
+        )
     if not split_ok(model.layers, par.stages):
         raise FourdError(
             f"pp={lay.pp} with {plural(par.virtual_stages, 'virtual stage')} makes {par.stages} pipeline stages for "
@@ -166,7 +185,11 @@ def check(model, par: Parallelism, seq: int, global_seqs: int) -> None:
             f"the global batch of {global_seqs} sequences does not split into dp × microbatches = {lay.dp} × "
             f"{par.microbatches} equal parts: choose a global batch that is a multiple of {lay.dp * par.microbatches}"
         )
-    if par.hsdp_replicas < 1 or lay.dp % par.hsdp_replicas or (par.hsdp_replicas > 1 and par.zero != 3):
+    if (
+        par.hsdp_replicas < 1
+        or lay.dp % par.hsdp_replicas
+        or (par.hsdp_replicas > 1 and par.zero != 3)
+    ):
         raise FourdError(
             f"HSDP replicas = {par.hsdp_replicas} with ZeRO stage {par.zero}: HSDP is ZeRO 3 inside each replica "
             f"group, and the replicas must divide dp={lay.dp}: choose among "
@@ -174,7 +197,9 @@ def check(model, par: Parallelism, seq: int, global_seqs: int) -> None:
         )
 
 
-def layer_split(n_layers: int, stages: int, fewer_first_last: bool = True, empty_edges: bool = False) -> list[int]:
+def layer_split(
+    n_layers: int, stages: int, fewer_first_last: bool = True, empty_edges: bool = False
+) -> list[int]:
     """Transformer layers of each pipeline stage, in model order; the trainer's split and the planner's. With
     `fewer_first_last` the first and last stage hold one layer fewer (Llama 3 paper §3.3.2: 126 in 16 are 7, 8,
     ..., 8, 7), unless a stage would be empty: then an even split, or with `empty_edges` edge stages holding only
@@ -193,7 +218,9 @@ def layer_split(n_layers: int, stages: int, fewer_first_last: bool = True, empty
         if min(counts[1:-1], default=1) >= 1 and (min(counts) >= 1 or empty_edges):
             return counts
     if n_layers < stages:
-        raise FourdError(f"{n_layers} layers cannot fill {stages} pipeline stages: lower pp or the virtual stages")
+        raise FourdError(
+            f"{n_layers} layers cannot fill {stages} pipeline stages: lower pp or the virtual stages"
+        )
     base, extra = divmod(n_layers, stages)
     counts = [base] * stages
     for s in [*range(1, stages - 1), 0, stages - 1][:extra]:

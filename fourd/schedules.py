@@ -33,7 +33,9 @@ class Schedule:
     pp: int
     microbatches: int
     virtual_stages: int
-    ranks: tuple[tuple[Action, ...], ...]  # per pipeline rank, its compute actions in execution order
+    ranks: tuple[
+        tuple[Action, ...], ...
+    ]  # per pipeline rank, its compute actions in execution order
 
     @property
     def stages(self) -> int:
@@ -64,7 +66,11 @@ class Schedule:
 
 def check_stages(name: str, pp: int, microbatches: int, virtual_stages: int = 1) -> None:
     """FourdError unless schedule `name` can run pp ranks, this many microbatches and virtual stages."""
-    for what, value in (("pipeline ranks", pp), ("microbatches", microbatches), ("virtual stages", virtual_stages)):
+    for what, value in (
+        ("pipeline ranks", pp),
+        ("microbatches", microbatches),
+        ("virtual stages", virtual_stages),
+    ):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise FourdError(f"{what} = {value!r} must be a positive integer")
     if name not in SCHEDULES:
@@ -79,7 +85,12 @@ def check_stages(name: str, pp: int, microbatches: int, virtual_stages: int = 1)
 def build_schedule(name: str, pp: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
     """The per-rank action lists of schedule `name`; FourdError for impossible combinations."""
     check_stages(name, pp, microbatches, virtual_stages)
-    build = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved": _interleaved, "zero-bubble": _zb_h1}[name]
+    build = {
+        "gpipe": _gpipe,
+        "1f1b": _one_f_one_b,
+        "interleaved": _interleaved,
+        "zero-bubble": _zb_h1,
+    }[name]
     ranks = tuple(tuple(build(r, pp, microbatches, virtual_stages)) for r in range(pp))
     schedule = Schedule(name, pp, microbatches, virtual_stages, ranks)
     validate(schedule)
@@ -94,7 +105,9 @@ def _gpipe(rank, pp, m, v):
 def _one_f_one_b(rank, pp, m, v):
     """PipeDream-Flush (Narayanan et al. 2021): pp−1−rank warm-up forwards, then one F one B; pp−rank in flight."""
     return _warm_steady_cool(
-        [Action("F", rank, j) for j in range(m)], [Action("B", rank, j) for j in range(m)], min(pp - 1 - rank, m)
+        [Action("F", rank, j) for j in range(m)],
+        [Action("B", rank, j) for j in range(m)],
+        min(pp - 1 - rank, m),
     )
 
 
@@ -119,7 +132,9 @@ def _interleaved(rank, pp, m, v):
     backwards in reverse, after a warm-up that lets the last virtual stage's first backward arrive."""
     rounds = _rounds(pp, m)
     forwards = [Action("F", rank + k * pp, j) for r in rounds for k in range(v) for j in r]
-    backwards = [Action("B", rank + k * pp, j) for r in rounds for k in reversed(range(v)) for j in r]
+    backwards = [
+        Action("B", rank + k * pp, j) for r in rounds for k in reversed(range(v)) for j in r
+    ]
     warmup = min((v - 1) * len(rounds[0]) + 2 * (pp - 1 - rank), len(forwards))
     return _warm_steady_cool(forwards, backwards, warmup)
 
@@ -129,7 +144,9 @@ def _zb_h1(rank, pp, m, v):
     microbatches behind its I, so that the deferred W fill the tail where 1F1B idles."""
     order = []
     for a in _warm_steady_cool(
-        [Action("F", rank, j) for j in range(m)], [Action("I", rank, j) for j in range(m)], min(pp - 1 - rank, m)
+        [Action("F", rank, j) for j in range(m)],
+        [Action("I", rank, j) for j in range(m)],
+        min(pp - 1 - rank, m),
     ):
         order.append(a)
         if a.kind == "I" and a.microbatch >= rank:
@@ -212,4 +229,6 @@ def _first_deadlock(schedule: Schedule) -> str:
                 progress = True
     if finished == total:
         return ""
-    return "; ".join(f"rank {r} at {acts[pos[r]]}" for r, acts in enumerate(schedule.ranks) if pos[r] < len(acts))
+    return "; ".join(
+        f"rank {r} at {acts[pos[r]]}" for r, acts in enumerate(schedule.ranks) if pos[r] < len(acts)
+    )

@@ -31,9 +31,19 @@ def run(tmp_path_factory):
     run = tmp_path_factory.mktemp("run")
     sd = build_model(CFG, seed=3).state_dict()
     for step in (4, 8):
-        train = {"step": step, "samples": 16 * step, "seed": 0, "data": {"path": "c.jsonl", "tokens": 5000}}
+        train = {
+            "step": step,
+            "samples": 16 * step,
+            "seed": 0,
+            "data": {"path": "c.jsonl", "tokens": 5000},
+        }
         store.save_model_checkpoint(
-            run / "checkpoints" / f"step-{step}", CFG, sd, step=step, layout="tp=2,pp=2", extra={"train": train}
+            run / "checkpoints" / f"step-{step}",
+            CFG,
+            sd,
+            step=step,
+            layout="tp=2,pp=2",
+            extra={"train": train},
         )
     return run, digest_by_hand(sd)
 
@@ -57,8 +67,18 @@ def test_info_text_and_json(run, capsys):
     assert main(["ckpt", "info", str(ck), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert (info["step"], info["layout"], info["model_digest"]) == (8, "tp=2,pp=2", digest)
-    assert (info["path"], info["files"], info["bytes"], info["model"]) == (str(ck), 2, size, CFG.to_dict())
-    assert info["train"] == {"step": 8, "samples": 128, "seed": 0, "data": {"path": "c.jsonl", "tokens": 5000}}
+    assert (info["path"], info["files"], info["bytes"], info["model"]) == (
+        str(ck),
+        2,
+        size,
+        CFG.to_dict(),
+    )
+    assert info["train"] == {
+        "step": 8,
+        "samples": 128,
+        "seed": 0,
+        "data": {"path": "c.jsonl", "tokens": 5000},
+    }
 
 
 def test_verify_names_the_checkpoint_and_its_digest(run, capsys):
@@ -66,7 +86,10 @@ def test_verify_names_the_checkpoint_and_its_digest(run, capsys):
     ck = run / "checkpoints" / "step-4"
     size = sum(p.stat().st_size for p in ck.iterdir() if p.name != "manifest.json")
     assert main(["ckpt", "verify", str(ck)]) == 0
-    assert capsys.readouterr().out == f"{ck}: OK, step 4, 2 files, {size:,} bytes, model_digest {digest}\n"
+    assert (
+        capsys.readouterr().out
+        == f"{ck}: OK, step 4, 2 files, {size:,} bytes, model_digest {digest}\n"
+    )
 
 
 def test_info_and_verify_say_when_they_skip_a_damaged_newer_checkpoint(run, tmp_path, capsys):
@@ -75,7 +98,10 @@ def test_info_and_verify_say_when_they_skip_a_damaged_newer_checkpoint(run, tmp_
     shutil.copytree(run[0], tmp_path / "run")
     (tmp_path / "run" / "checkpoints" / "step-8" / "manifest.json").write_text('{"step": 8')  # torn
     warning = "fourd: warning: falling back to the previous complete checkpoint step-4 (skipped damaged step-8)\n"
-    for argv in (["ckpt", "info", str(tmp_path / "run"), "--json"], ["ckpt", "verify", str(tmp_path / "run")]):
+    for argv in (
+        ["ckpt", "info", str(tmp_path / "run"), "--json"],
+        ["ckpt", "verify", str(tmp_path / "run")],
+    ):
         assert main(argv) == 0
         captured = capsys.readouterr()
         assert captured.err == warning and "step-4" in captured.out

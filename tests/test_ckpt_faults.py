@@ -14,7 +14,19 @@ from fourd.ckpt import store
 from fourd.config import Config
 
 pytestmark = pytest.mark.slow
-BASE = ("train", "--model", "debug", "--layout", "dp=2", "--seed", 0, "--steps", 6, "--checkpoint.interval", 2)
+BASE = (
+    "train",
+    "--model",
+    "debug",
+    "--layout",
+    "dp=2",
+    "--seed",
+    0,
+    "--steps",
+    6,
+    "--checkpoint.interval",
+    2,
+)
 
 
 def rows(run_dir):
@@ -44,8 +56,14 @@ def test_retention_keeps_the_newest_two(clean):
     m = store.verify(clean / "checkpoints" / "step-6")
     assert m["step"] == 6 and m["layout"] == "tp=1,cp=1,pp=1,dp=2"
     assert (m["train"]["step"], m["train"]["samples"]) == (6, 96)
-    assert m["train"]["config"] == Config.from_dict(tomllib.loads((clean / "config.toml").read_text())).to_dict()
-    assert m["train"]["config"]["train"]["steps"] == 6 and m["train"]["config"]["parallel"]["layout"] == "dp=2"
+    assert (
+        m["train"]["config"]
+        == Config.from_dict(tomllib.loads((clean / "config.toml").read_text())).to_dict()
+    )
+    assert (
+        m["train"]["config"]["train"]["steps"] == 6
+        and m["train"]["config"]["parallel"]["layout"] == "dp=2"
+    )
     data = m["train"]["data"]
     assert (data["path"], data["tokenizer"], data["identity"]) == ("", "byte", "byte")
     assert data["source"].startswith("Python standard library (") and data["tokens"] > 10**6
@@ -59,7 +77,9 @@ def test_kill_during_save_ignores_the_partial_one(clean, tmp_path):
     )
     assert code == 0, err
     assert f"ignoring the incomplete checkpoint {tmp_path}/checkpoints/.step-4.partial" in err
-    assert f"resuming after restart 1 from checkpoint {tmp_path}/checkpoints/step-2 at step 2" in out
+    assert (
+        f"resuming after restart 1 from checkpoint {tmp_path}/checkpoints/step-2 at step 2" in out
+    )
     assert [r["step"] for r in rows(tmp_path)] == [1, 2, 3, 4, 5, 6]
     assert digest(tmp_path, 6) == digest(clean, 6)
     assert ckpts(tmp_path) == ["step-2", "step-4", "step-6"]
@@ -153,13 +173,19 @@ def test_hung_rank_is_named_and_the_job_restarts(tmp_path):
         tmp_path,
     )
     assert code == 0, err
-    assert "rank 0: step 3 failed" in err and "did not begin step 3: rank 1 (last began step 2)" in err
-    assert f"resuming after restart 1 from checkpoint {tmp_path}/checkpoints/step-2 at step 2" in out
+    assert (
+        "rank 0: step 3 failed" in err and "did not begin step 3: rank 1 (last began step 2)" in err
+    )
+    assert (
+        f"resuming after restart 1 from checkpoint {tmp_path}/checkpoints/step-2 at step 2" in out
+    )
     assert [r["step"] for r in rows(tmp_path)] == [1, 2, 3, 4]
 
 
 def test_async_save_writes_the_weights_of_its_step(clean, tmp_path):
-    code, out, err = run_fourd(*BASE, "--checkpoint.keep", 2, "--checkpoint.async_save", "true", "--run-dir", tmp_path)
+    code, out, err = run_fourd(
+        *BASE, "--checkpoint.keep", 2, "--checkpoint.async_save", "true", "--run-dir", tmp_path
+    )
     assert code == 0, err
     assert ckpts(tmp_path) == ["step-4", "step-6"]
     for step in (4, 6):

@@ -22,7 +22,9 @@ def _checkpoint(d: Path) -> dict:
     """A directory with one data file and a valid manifest (no tensors: the schema is all that is read)."""
     d.mkdir(parents=True, exist_ok=True)
     (d / "__0_0.distcp").write_bytes(b"tensor bytes")
-    return store.write_manifest(d, cfg=CFG, digest="ab" * 32, step=7, layout="dp=1", extra={"train": {"seed": 0}})
+    return store.write_manifest(
+        d, cfg=CFG, digest="ab" * 32, step=7, layout="dp=1", extra={"train": {"seed": 0}}
+    )
 
 
 def _rewrite(d: Path, edit) -> None:
@@ -34,7 +36,11 @@ def _rewrite(d: Path, edit) -> None:
 def _fails(capsys, *argv) -> str:
     assert main(list(argv)) == 2
     captured = capsys.readouterr()
-    assert captured.out == "" and captured.err.count("\n") == 1 and captured.err.startswith("fourd: error: ")
+    assert (
+        captured.out == ""
+        and captured.err.count("\n") == 1
+        and captured.err.startswith("fourd: error: ")
+    )
     return captured.err
 
 
@@ -46,23 +52,47 @@ def _fails(capsys, *argv) -> str:
         (lambda m: m.update(step=True), "field 'step' = True is not an integer >= 0"),
         (lambda m: m.update(layout=5), "field 'layout' = 5 is not a string"),
         (lambda m: m.update(model=[1]), "field 'model' = [1] is not an object"),
-        (lambda m: m["model"].update(layers="4"), "field 'model.layers' = '4' is not an integer >= 0"),
-        (lambda m: m["model"].update(norm_eps=None), "field 'model.norm_eps' = None is not a finite number >= 0"),
+        (
+            lambda m: m["model"].update(layers="4"),
+            "field 'model.layers' = '4' is not an integer >= 0",
+        ),
+        (
+            lambda m: m["model"].update(norm_eps=None),
+            "field 'model.norm_eps' = None is not a finite number >= 0",
+        ),
         (lambda m: m["model"].update(colour=1), "field 'model.colour' is not a model setting"),
-        (lambda m: m["model"].update(layers=0), "field 'model' is not a valid model (model.layers = 0 must be"),
-        (lambda m: m["model"].pop("dim"), "field 'model' is not a valid model (ModelConfig.__init__() missing"),
+        (
+            lambda m: m["model"].update(layers=0),
+            "field 'model' is not a valid model (model.layers = 0 must be",
+        ),
+        (
+            lambda m: m["model"].pop("dim"),
+            "field 'model' is not a valid model (ModelConfig.__init__() missing",
+        ),
         (lambda m: m.update(model_digest="xyz"), "field 'model_digest' = 'xyz' is not a SHA-256"),
         (lambda m: m.pop("files"), "missing field 'files'; the checkpoint is damaged"),
-        (lambda m: m.update(files={"__0_0.distcp": 12}), "field \"files['__0_0.distcp']\" = 12 is not an object"),
-        (lambda m: m["files"]["__0_0.distcp"].update(bytes="12"), "field \"files['__0_0.distcp'].bytes\" = '12'"),
+        (
+            lambda m: m.update(files={"__0_0.distcp": 12}),
+            "field \"files['__0_0.distcp']\" = 12 is not an object",
+        ),
+        (
+            lambda m: m["files"]["__0_0.distcp"].update(bytes="12"),
+            "field \"files['__0_0.distcp'].bytes\" = '12'",
+        ),
         (
             lambda m: m["files"]["__0_0.distcp"].update(sha256="00"),
             "field \"files['__0_0.distcp'].sha256\" = '00' is not a SHA-256",
         ),
         (lambda m: m.update(train="x"), "field 'train' = 'x' is not an object"),
-        (lambda m: m["train"].update(data={"tokens": "many"}), "field 'train.data.tokens' = 'many' is not an integer"),
+        (
+            lambda m: m["train"].update(data={"tokens": "many"}),
+            "field 'train.data.tokens' = 'many' is not an integer",
+        ),
         (lambda m: m.update(version=2), "version 2 is not supported (this fourd reads 1)"),
-        (lambda m: m.update(format=None), "format is not 'fourd-checkpoint'; not a fourd checkpoint"),
+        (
+            lambda m: m.update(format=None),
+            "format is not 'fourd-checkpoint'; not a fourd checkpoint",
+        ),
     ],
 )
 def test_wrong_typed_fields_are_one_line_exit_2(tmp_path, capsys, edit, message):
@@ -78,7 +108,10 @@ def test_files_outside_the_checkpoint_are_refused_not_hashed(tmp_path, capsys):
     _checkpoint(d)
     outside = tmp_path / "outside.txt"
     outside.write_bytes(b"not part of any checkpoint")
-    entry = {"bytes": outside.stat().st_size, "sha256": hashlib.sha256(outside.read_bytes()).hexdigest()}
+    entry = {
+        "bytes": outside.stat().st_size,
+        "sha256": hashlib.sha256(outside.read_bytes()).hexdigest(),
+    }
     for rel in ("../../../outside.txt", str(outside), "sub/../../../../outside.txt", "", "."):
         _rewrite(d, lambda m, rel=rel: m.update(files={rel: entry}))
         err = _fails(capsys, "ckpt", "verify", str(d))
@@ -98,11 +131,24 @@ def test_a_valid_manifest_reads_and_verifies(tmp_path):
 
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4)
+    ),
     max_leaves=12,
 )
 KEYS = st.sampled_from(
-    ["format", "version", "step", "layout", "model", "model_digest", "files", "train", "hf_config", "x"]
+    [
+        "format",
+        "version",
+        "step",
+        "layout",
+        "model",
+        "model_digest",
+        "files",
+        "train",
+        "hf_config",
+        "x",
+    ]
 )
 
 
@@ -110,12 +156,23 @@ def _one_line(e: FourdError) -> None:
     assert str(e) and "\n" not in str(e)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(replace=st.dictionaries(KEYS, JSON, max_size=3), model=st.dictionaries(st.text(max_size=9), JSON, max_size=3))
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    replace=st.dictionaries(KEYS, JSON, max_size=3),
+    model=st.dictionaries(st.text(max_size=9), JSON, max_size=3),
+)
 def test_manifest_schema_never_raises_anything_else(tmp_path, replace, model):
     d = tmp_path / "step-7"
     written = _checkpoint(d)
-    _rewrite(d, lambda m: (m.update(replace), m["model"].update(model) if isinstance(m.get("model"), dict) else None))
+    _rewrite(
+        d,
+        lambda m: (
+            m.update(replace),
+            m["model"].update(model) if isinstance(m.get("model"), dict) else None,
+        ),
+    )
     try:
         assert store.verify(d)["step"] >= 0
     except FourdError as e:
@@ -158,10 +215,15 @@ def test_ckpt_modules_import_no_cycle_and_data_imports_no_hf():
 
     graph = imports("ckpt")
     edges = {m: {n for n in names if n in graph and n != m} for m, names in graph.items()}
-    assert edges["fourd.ckpt.store"] == {"fourd.ckpt.safe_reader"} and edges["fourd.ckpt.safe_reader"] == set()
+    assert (
+        edges["fourd.ckpt.store"] == {"fourd.ckpt.safe_reader"}
+        and edges["fourd.ckpt.safe_reader"] == set()
+    )
 
     def reaches(start, goal, seen=()):
-        return any(n == goal or (n not in seen and reaches(n, goal, (*seen, n))) for n in edges[start])
+        return any(
+            n == goal or (n not in seen and reaches(n, goal, (*seen, n))) for n in edges[start]
+        )
 
     assert [m for m in edges if reaches(m, m)] == []
     assert not any(n.startswith("fourd.hf") for names in imports("data").values() for n in names)

@@ -31,7 +31,9 @@ BASE = (
 )
 # Checkpoints at steps 4, 8 and 10: a kill at step 3 restarts from scratch, one at step 7 resumes step-4.
 KILLS = {3: None, 7: 4}
-RANKS = dict(zip(KILLS, random.Random(18).sample(range(8), len(KILLS))))  # seeded: the same ranks every run
+RANKS = dict(
+    zip(KILLS, random.Random(18).sample(range(8), len(KILLS)))
+)  # seeded: the same ranks every run
 
 
 def rows(run_dir):
@@ -56,7 +58,16 @@ def killed(request, tmp_path_factory):
     d = tmp_path_factory.mktemp(f"killed-{step}")
     code, out, err = run_fourd(
         *BASE,
-        *("--layout", "tp=2,pp=2,dp=2", "--max-restarts", 1, "--fault.kill-rank", rank, "--fault.at-step", step),
+        *(
+            "--layout",
+            "tp=2,pp=2,dp=2",
+            "--max-restarts",
+            1,
+            "--fault.kill-rank",
+            rank,
+            "--fault.at-step",
+            step,
+        ),
         *("--run-dir", d),
         timeout=1200,
     )
@@ -78,10 +89,16 @@ def test_killed_rank_restarts_and_ends_with_the_same_model(uninterrupted, killed
     d, out, step = killed
     resumed = KILLS[step]
     if resumed is None:
-        assert "resuming" not in out and "fourd: restart 1: no checkpoint yet, training again from step 1\n" in out
+        assert (
+            "resuming" not in out
+            and "fourd: restart 1: no checkpoint yet, training again from step 1\n" in out
+        )
     else:
         samples = resumed * 16
-        assert f"resuming after restart 1 from checkpoint {d}/checkpoints/step-{resumed} at step {resumed}, " in out
+        assert (
+            f"resuming after restart 1 from checkpoint {d}/checkpoints/step-{resumed} at step {resumed}, "
+            in out
+        )
         assert f"sample {samples}\n" in out
     assert manifest(d, STEPS)["model_digest"] == manifest(uninterrupted, STEPS)["model_digest"]
     assert [r["step"] for r in rows(d)] == list(range(1, STEPS + 1))  # one row per step
@@ -93,7 +110,11 @@ def test_digest_does_not_depend_on_the_saving_layout(uninterrupted):
     final = uninterrupted / "checkpoints" / f"step-{STEPS}"
     m = store.verify(final)
     assert m["layout"] == "tp=2,cp=1,pp=2,dp=2" and m["step"] == STEPS
-    assert sorted(p.name for p in (uninterrupted / "checkpoints").iterdir()) == ["step-10", "step-4", "step-8"]
+    assert sorted(p.name for p in (uninterrupted / "checkpoints").iterdir()) == [
+        "step-10",
+        "step-4",
+        "step-8",
+    ]
     assert sorted(m["files"]) == [".metadata"] + [f"__{r}_0.distcp" for r in range(8)]
     # loaded whole in this one process, the 8 ranks' shards hash to the digest they computed together
     _, sd = store.load_model_checkpoint(final)

@@ -29,7 +29,12 @@ def test_round_trip_is_bit_exact(saved):
     for k in sd:
         assert got[k].dtype == sd[k].dtype and torch.equal(got[k], sd[k]), k
     m = store.read_manifest(d)
-    assert (m["step"], m["layout"], m["format"], m["version"]) == (7, "tp=2,dp=2", "fourd-checkpoint", 1)
+    assert (m["step"], m["layout"], m["format"], m["version"]) == (
+        7,
+        "tp=2,dp=2",
+        "fourd-checkpoint",
+        1,
+    )
     assert m["model_digest"] == store.model_digest(sd)
     assert ".metadata" in m["files"] and any(f.endswith(".distcp") for f in m["files"])
     assert not store.staging_dir(d).exists()
@@ -99,7 +104,9 @@ def test_failed_write_leaves_no_directory(tmp_path):
     store.staging_dir(d).mkdir()  # debris of a crashed earlier attempt
     (store.staging_dir(d) / "junk").write_text("x")
     sd = {"w": torch.ones(3)}
-    with pytest.raises(AttributeError):  # fails after DCP wrote its files, while writing the manifest
+    with pytest.raises(
+        AttributeError
+    ):  # fails after DCP wrote its files, while writing the manifest
         store.save_model_checkpoint(d, None, sd)
     assert list(tmp_path.iterdir()) == []
     store.save_model_checkpoint(d, CFG, sd)
@@ -112,7 +119,9 @@ def test_newest_skips_damaged_checkpoints_and_says_so(tmp_path, capsys):
         store.save_model_checkpoint(tmp_path / "checkpoints" / f"step-{step}", CFG, sd, step=step)
     (tmp_path / "checkpoints" / "step-300" / "manifest.json").write_text("{")  # torn
     (tmp_path / "checkpoints" / "step-900").mkdir()  # no manifest
-    store.staging_dir(tmp_path / "checkpoints" / "step-1000").mkdir()  # a save in progress: not a checkpoint
+    store.staging_dir(
+        tmp_path / "checkpoints" / "step-1000"
+    ).mkdir()  # a save in progress: not a checkpoint
     assert store.newest(tmp_path) == tmp_path / "checkpoints" / "step-40"
     assert capsys.readouterr().err == (
         "fourd: warning: falling back to the previous complete checkpoint step-40 (skipped damaged step-900, step-300)\n"
@@ -123,7 +132,9 @@ def test_newest_skips_damaged_checkpoints_and_says_so(tmp_path, capsys):
     capsys.readouterr()
     for step in (5, 40):
         (tmp_path / "checkpoints" / f"step-{step}" / "manifest.json").unlink()
-    with pytest.raises(FourdError, match="a run directory without a complete checkpoint under checkpoints/"):
+    with pytest.raises(
+        FourdError, match="a run directory without a complete checkpoint under checkpoints/"
+    ):
         store.resolve(tmp_path)
     assert capsys.readouterr().err.count("\n") == 1
 
@@ -137,7 +148,9 @@ def test_load_refuses_a_manifest_model_that_does_not_fit_the_tensors(saved, tmp_
     (d / "manifest.json").unlink()
     bigger = dataclasses.replace(CFG, layers=CFG.layers * 1000)
     store.write_manifest(d, cfg=bigger, digest=m["model_digest"], step=7)
-    with pytest.raises(FourdError, match=f"holds {CFG.params():,} model parameters, its manifest's model has"):
+    with pytest.raises(
+        FourdError, match=f"holds {CFG.params():,} model parameters, its manifest's model has"
+    ):
         store.load_model_checkpoint(d)
     sd = build_model(CFG, seed=1).state_dict()
     sd["norm.bias"] = sd.pop("norm.weight")  # as many parameters, another name
@@ -164,7 +177,9 @@ def test_metadata_pickle_cannot_run_code_even_with_a_matching_manifest(saved, tm
     (d / ".metadata").write_bytes(pickle.dumps(_Payload(str(marker))))
     m = store.read_manifest(d)
     (d / "manifest.json").unlink()
-    store.write_manifest(d, cfg=CFG, digest=m["model_digest"], step=m["step"], layout=m["layout"])  # hashes now match
+    store.write_manifest(
+        d, cfg=CFG, digest=m["model_digest"], step=m["step"], layout=m["layout"]
+    )  # hashes now match
     store.verify(d)
     with pytest.raises(FourdError, match=r"\.metadata: refused \(io\.open is not allowed"):
         store.load_model_checkpoint(d)

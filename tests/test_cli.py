@@ -16,7 +16,9 @@ from fourd.errors import did_you_mean, plural, si
 
 def _seconds(*args) -> float:
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "fourd", *args], cwd=ROOT, capture_output=True, check=True)
+    subprocess.run(
+        [sys.executable, "-m", "fourd", *args], cwd=ROOT, capture_output=True, check=True
+    )
     return time.perf_counter() - t0
 
 
@@ -38,7 +40,9 @@ def test_a_command_parser_imports_no_torch(name):
 
 def test_help_plan_and_sim_faults_import_no_torch():
     _no_torch("from fourd.cli import build_parser\nbuild_parser(None).format_help()")
-    _no_torch("from fourd.cli import main\nassert main(['plan', '--model', 'llama3-8b', '--gpus', '8', '--json']) == 0")
+    _no_torch(
+        "from fourd.cli import main\nassert main(['plan', '--model', 'llama3-8b', '--gpus', '8', '--json']) == 0"
+    )
     _no_torch(
         "from fourd.cli import main\nassert main(['sim', 'faults', '--gpus', '64', '--days', '1', '--runs', '2']) == 0"
     )
@@ -56,7 +60,10 @@ def test_version_and_bare_commands():
     "args,message",
     [
         (["trian"], "unknown command 'trian' (did you mean `train`?): `fourd --help` lists them"),
-        (["sim", "stpe"], "unknown command `fourd sim stpe` (did you mean `step`?): choose step, faults"),
+        (
+            ["sim", "stpe"],
+            "unknown command `fourd sim stpe` (did you mean `step`?): choose step, faults",
+        ),
         (
             ["plan", "--modle", "x"],
             "unrecognised argument '--modle' (did you mean `--model`?) (see `fourd plan --help`)",

@@ -14,12 +14,25 @@ import pytest
 from conftest import ROOT
 
 pytestmark = pytest.mark.slow  # about 170 processes
-SPREAD = True  # over the xdist workers: the shared checkpoint fixture takes seconds, the cases minutes
+SPREAD = (
+    True  # over the xdist workers: the shared checkpoint fixture takes seconds, the cases minutes
+)
 
 DEBUG = ["train", "--model", "debug", "--steps", "1", "--train.global_batch=4"]
 L405 = ["plan", "--model", "llama3-405b", "--cluster", "llama3-h100"]
 TABLE4 = [*L405, "--layout", "tp=8,pp=16,dp=64", "--seq", "8192"]
-SIM = ["sim", "step", "--model", "llama3-8b", "--cluster", "dgx-h100", "--layout", "tp=8,dp=2", "--seq", "8192"]
+SIM = [
+    "sim",
+    "step",
+    "--model",
+    "llama3-8b",
+    "--cluster",
+    "dgx-h100",
+    "--layout",
+    "tp=8,dp=2",
+    "--seq",
+    "8192",
+]
 FAULTS = ["sim", "faults", "--gpus", "16384"]
 GEN = ["generate", "--ckpt", "{run}", "--prompt", "def "]
 
@@ -67,7 +80,13 @@ CASES = {
     "dp not dividing batch": [*DEBUG, "--layout", "dp=3"],
     "zero 5": [*DEBUG, "--parallel.zero=5"],
     "recompute some": [*DEBUG, "--parallel.recompute=some"],
-    "hsdp replicas not dividing dp": [*DEBUG, "--layout", "dp=4", "--parallel.zero=3", "--parallel.hsdp_replicas=3"],
+    "hsdp replicas not dividing dp": [
+        *DEBUG,
+        "--layout",
+        "dp=4",
+        "--parallel.zero=3",
+        "--parallel.hsdp_replicas=3",
+    ],
     "sequence_parallel maybe": [*DEBUG, "--parallel.sequence_parallel=maybe"],
     # flags and keys
     "misspelt flag": ["train", "--modle", "debug"],
@@ -111,10 +130,42 @@ CASES = {
     # fourd plan
     "plan unknown model": ["plan", "--model", "nosuch", "--cluster", "llama3-h100", "--gpus", "8"],
     "plan unknown cluster": ["plan", "--model", "llama3-8b", "--cluster", "nosuch", "--gpus", "8"],
-    "plan cluster not toml": ["plan", "--model", "llama3-8b", "--cluster", "{d}/bad.toml", "--gpus", "8"],
-    "plan cluster file missing": ["plan", "--model", "llama3-8b", "--cluster", "{d}/none.toml", "--gpus", "8"],
-    "plan cluster incomplete": ["plan", "--model", "llama3-8b", "--cluster", "{d}/cluster_nogpu.toml", "--gpus", "8"],
-    "plan cluster negative peak": ["plan", "--model", "llama3-8b", "--cluster", "{d}/cluster_neg.toml", "--gpus", "8"],
+    "plan cluster not toml": [
+        "plan",
+        "--model",
+        "llama3-8b",
+        "--cluster",
+        "{d}/bad.toml",
+        "--gpus",
+        "8",
+    ],
+    "plan cluster file missing": [
+        "plan",
+        "--model",
+        "llama3-8b",
+        "--cluster",
+        "{d}/none.toml",
+        "--gpus",
+        "8",
+    ],
+    "plan cluster incomplete": [
+        "plan",
+        "--model",
+        "llama3-8b",
+        "--cluster",
+        "{d}/cluster_nogpu.toml",
+        "--gpus",
+        "8",
+    ],
+    "plan cluster negative peak": [
+        "plan",
+        "--model",
+        "llama3-8b",
+        "--cluster",
+        "{d}/cluster_neg.toml",
+        "--gpus",
+        "8",
+    ],
     "plan tp 3": [*L405, "--layout", "tp=3,dp=2"],
     "plan seq 0": [*TABLE4, "--seq", "0"],
     "plan seq negative": [*L405, "--gpus", "8192", "--seq", "-5"],
@@ -129,13 +180,47 @@ CASES = {
     "plan gpus 0": [*L405, "--gpus", "0"],
     "plan gpus negative": [*L405, "--gpus", "-8"],
     "plan gpus not the layout's": [*TABLE4, "--gpus", "100"],
-    "plan spec heads 0": ["plan", "--model-spec", "layers=4,dim=64,ffn=176,heads=0,vocab=256", "--gpus", "8"],
-    "plan spec key twice": ["plan", "--model-spec", "layers=4,dim=64,ffn=176,heads=4,heads=8,vocab=256", "--gpus", "8"],
+    "plan spec heads 0": [
+        "plan",
+        "--model-spec",
+        "layers=4,dim=64,ffn=176,heads=0,vocab=256",
+        "--gpus",
+        "8",
+    ],
+    "plan spec key twice": [
+        "plan",
+        "--model-spec",
+        "layers=4,dim=64,ffn=176,heads=4,heads=8,vocab=256",
+        "--gpus",
+        "8",
+    ],
     "plan spec incomplete": ["plan", "--model-spec", "layers=4,dim=64", "--gpus", "8"],
-    "plan spec not a number": ["plan", "--model-spec", "layers=x,dim=64,ffn=176,heads=4,vocab=256", "--gpus", "8"],
-    "plan spec unknown mlp": ["plan", "--model-spec", "layers=4,dim=64,ffn=176,heads=4,vocab=256,mlp=relu"],
-    "plan spec and preset": ["plan", "--model", "debug", "--model-spec", "layers=4,dim=64,ffn=176,heads=4,vocab=256"],
-    "plan virtual stages without interleaving": [*TABLE4, "--schedule", "gpipe", "--virtual-stages", "2"],
+    "plan spec not a number": [
+        "plan",
+        "--model-spec",
+        "layers=x,dim=64,ffn=176,heads=4,vocab=256",
+        "--gpus",
+        "8",
+    ],
+    "plan spec unknown mlp": [
+        "plan",
+        "--model-spec",
+        "layers=4,dim=64,ffn=176,heads=4,vocab=256,mlp=relu",
+    ],
+    "plan spec and preset": [
+        "plan",
+        "--model",
+        "debug",
+        "--model-spec",
+        "layers=4,dim=64,ffn=176,heads=4,vocab=256",
+    ],
+    "plan virtual stages without interleaving": [
+        *TABLE4,
+        "--schedule",
+        "gpipe",
+        "--virtual-stages",
+        "2",
+    ],
     "plan zero 7": [*TABLE4, "--zero", "7"],
     "plan dtype fp16": [*TABLE4, "--dtype", "fp16"],
     "plan recompute some": [*TABLE4, "--recompute", "some"],
@@ -153,7 +238,13 @@ CASES = {
         "--seq",
         "8192",
     ],
-    "sim batch below replicas × microbatches": [*SIM, "--microbatches", "3", "--global-batch-tokens", "40960"],
+    "sim batch below replicas × microbatches": [
+        *SIM,
+        "--microbatches",
+        "3",
+        "--global-batch-tokens",
+        "40960",
+    ],
     "sim trace into a missing folder": [*SIM, "--trace", "{d}/missing/x.json"],
     "sim trace at a folder": [*SIM, "--trace", "{d}/dir"],
     "sim slow gpu not a pair": [*SIM, "--slow-gpu", "abc"],
@@ -197,16 +288,92 @@ CASES = {
     "info manifest not json": ["ckpt", "info", "--json", "{d}/notjson"],
     # fourd convert
     "convert hf missing": ["convert", "--from", "hf", "{d}/missing", "--to", "fourd", "{d}/out1"],
-    "convert hf without config": ["convert", "--from", "hf", "{d}/dir", "--to", "fourd", "{d}/out2"],
-    "convert hf index outside": ["convert", "--from", "hf", "{d}/hfindex", "--to", "fourd", "{d}/out3"],
-    "convert hf config not json": ["convert", "--from", "hf", "{d}/hfconfig", "--to", "fourd", "{d}/out4"],
-    "convert fourd missing": ["convert", "--from", "fourd", "{d}/missing", "--to", "hf", "{d}/out5"],
-    "convert fourd bad manifest": ["convert", "--from", "fourd", "{d}/badtypes", "--to", "hf", "{d}/out6"],
-    "convert shard 0": ["convert", "--from", "fourd", "{run}", "--to", "hf", "{d}/out7", "--shard-mb", "0"],
-    "convert shard negative": ["convert", "--from", "fourd", "{run}", "--to", "hf", "{d}/out8", "--shard-mb", "-5"],
+    "convert hf without config": [
+        "convert",
+        "--from",
+        "hf",
+        "{d}/dir",
+        "--to",
+        "fourd",
+        "{d}/out2",
+    ],
+    "convert hf index outside": [
+        "convert",
+        "--from",
+        "hf",
+        "{d}/hfindex",
+        "--to",
+        "fourd",
+        "{d}/out3",
+    ],
+    "convert hf config not json": [
+        "convert",
+        "--from",
+        "hf",
+        "{d}/hfconfig",
+        "--to",
+        "fourd",
+        "{d}/out4",
+    ],
+    "convert fourd missing": [
+        "convert",
+        "--from",
+        "fourd",
+        "{d}/missing",
+        "--to",
+        "hf",
+        "{d}/out5",
+    ],
+    "convert fourd bad manifest": [
+        "convert",
+        "--from",
+        "fourd",
+        "{d}/badtypes",
+        "--to",
+        "hf",
+        "{d}/out6",
+    ],
+    "convert shard 0": [
+        "convert",
+        "--from",
+        "fourd",
+        "{run}",
+        "--to",
+        "hf",
+        "{d}/out7",
+        "--shard-mb",
+        "0",
+    ],
+    "convert shard negative": [
+        "convert",
+        "--from",
+        "fourd",
+        "{run}",
+        "--to",
+        "hf",
+        "{d}/out8",
+        "--shard-mb",
+        "-5",
+    ],
     "convert same format": ["convert", "--from", "hf", "{d}/dir", "--to", "hf", "{d}/out9"],
-    "convert onto an existing path": ["convert", "--from", "fourd", "{run}", "--to", "hf", "{d}/file.txt"],
-    "convert damaged checkpoint": ["convert", "--from", "fourd", "{damaged}", "--to", "hf", "{d}/out10"],
+    "convert onto an existing path": [
+        "convert",
+        "--from",
+        "fourd",
+        "{run}",
+        "--to",
+        "hf",
+        "{d}/file.txt",
+    ],
+    "convert damaged checkpoint": [
+        "convert",
+        "--from",
+        "fourd",
+        "{damaged}",
+        "--to",
+        "hf",
+        "{d}/out10",
+    ],
     # fourd generate
     "generate missing checkpoint": ["generate", "--ckpt", "{d}/missing", "--prompt", "x"],
     "generate bad manifest": ["generate", "--ckpt", "{d}/badtypes", "--prompt", "x"],
@@ -223,7 +390,15 @@ CASES = {
     "generate no new tokens": [*GEN, "--max-new-tokens", "0"],
     "generate eval file missing": ["generate", "--ckpt", "{run}", "--eval-file", "{d}/missing.txt"],
     "generate eval file fifo": ["generate", "--ckpt", "{run}", "--eval-file", "{d}/fifo"],
-    "generate eval seq 0": ["generate", "--ckpt", "{run}", "--eval-file", "{d}/file.txt", "--eval-seq", "0"],
+    "generate eval seq 0": [
+        "generate",
+        "--ckpt",
+        "{run}",
+        "--eval-file",
+        "{d}/file.txt",
+        "--eval-seq",
+        "0",
+    ],
     "generate tokenizer not one": [*GEN, "--tokenizer", "{d}/file.txt"],
     "generate damaged checkpoint": ["generate", "--ckpt", "{damaged}", "--prompt", "x"],
     # fourd lab, model info, calibrate, the top level
@@ -265,7 +440,9 @@ FILES = {
 
 
 def _manifest(files) -> str:
-    return json.dumps({"format": 1, "step": 1, "layout": "dp=1", "model": {}, "model_digest": "0", "files": files})
+    return json.dumps(
+        {"format": 1, "step": 1, "layout": "dp=1", "model": {}, "model_digest": "0", "files": files}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -278,9 +455,13 @@ def places(tmp_path_factory):
     (d / "emptydir").mkdir()
     os.mkfifo(d / "fifo")
     (d / "badtypes").mkdir()
-    (d / "badtypes" / "manifest.json").write_text(_manifest({"a": "not an object"}).replace('"step": 1', '"step": "x"'))
+    (d / "badtypes" / "manifest.json").write_text(
+        _manifest({"a": "not an object"}).replace('"step": 1', '"step": "x"')
+    )
     (d / "traversal").mkdir()
-    (d / "traversal" / "manifest.json").write_text(_manifest({"../../etc/hostname": {"bytes": 1, "sha256": "0" * 64}}))
+    (d / "traversal" / "manifest.json").write_text(
+        _manifest({"../../etc/hostname": {"bytes": 1, "sha256": "0" * 64}})
+    )
     (d / "hfindex").mkdir()
     (d / "hfindex" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     (d / "hfindex" / "model.safetensors.index.json").write_text(
@@ -289,29 +470,56 @@ def places(tmp_path_factory):
     run = d / "run"
     home = d / "home"
     env = dict(os.environ, OMP_NUM_THREADS="1", FOURD_HOME=str(home))
-    cmd = [sys.executable, "-m", "fourd", *DEBUG, "--train.global_batch=2", "--data.path", str(d / "file.txt")]
-    subprocess.run([*cmd, "--run-dir", str(run)], check=True, capture_output=True, timeout=300, env=env, cwd=ROOT)
+    cmd = [
+        sys.executable,
+        "-m",
+        "fourd",
+        *DEBUG,
+        "--train.global_batch=2",
+        "--data.path",
+        str(d / "file.txt"),
+    ]
+    subprocess.run(
+        [*cmd, "--run-dir", str(run)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+        env=env,
+        cwd=ROOT,
+    )
     damaged = d / "damaged"
-    subprocess.run(["cp", "-r", str(next((run / "checkpoints").glob("step-*"))), str(damaged)], check=True)
+    subprocess.run(
+        ["cp", "-r", str(next((run / "checkpoints").glob("step-*"))), str(damaged)], check=True
+    )
     shard = next(p for p in damaged.iterdir() if p.suffix == ".distcp")
     shard.write_bytes(b"\x00" * shard.stat().st_size)
     return {"d": str(d), "run": str(run), "damaged": str(damaged), "home": str(home)}
 
 
 @pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=pytest.mark.skip("not yet")) if n in NOT_YET else n for n in CASES]
+    "name",
+    [pytest.param(n, marks=pytest.mark.skip("not yet")) if n in NOT_YET else n for n in CASES],
 )
 def test_bad_input_is_one_line_and_exit_2(name, places):
     args = [a.format(**places) for a in CASES[name]]
     env = dict(os.environ, OMP_NUM_THREADS="1", FOURD_HOME=places["home"], PYTHONUNBUFFERED="1")
     try:
         p = subprocess.run(
-            [sys.executable, "-m", "fourd", *args], capture_output=True, text=True, timeout=30, env=env, cwd=places["d"]
+            [sys.executable, "-m", "fourd", *args],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env=env,
+            cwd=places["d"],
         )
     except subprocess.TimeoutExpired:
         pytest.fail(f"{name}: no answer within 30 s (a hang, or bad input accepted)")
     lines = [line for line in p.stderr.splitlines() if line.strip()]
     assert p.returncode == 2, f"{name}: exit {p.returncode}\n{p.stderr[-1500:]}"
     assert "Traceback" not in p.stderr, f"{name}:\n{p.stderr[-1500:]}"
-    assert len(lines) == 1 and lines[0].startswith("fourd: "), f"{name}: {len(lines)} lines\n{p.stderr[-1500:]}"
-    assert not list(Path(places["d"]).glob("out*/*.safetensors")), f"{name}: left a half-written export"
+    assert len(lines) == 1 and lines[0].startswith("fourd: "), (
+        f"{name}: {len(lines)} lines\n{p.stderr[-1500:]}"
+    )
+    assert not list(Path(places["d"]).glob("out*/*.safetensors")), (
+        f"{name}: left a half-written export"
+    )

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from fourd.plan.calibrate import CPU_DEVICES, PLANS, fit_alpha_beta, profile_toml, training_gemms
+from fourd.measure.calibrate import CPU_DEVICES, PLANS, fit_alpha_beta, profile_toml, training_gemms
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # gloo ranks
 
@@ -22,7 +22,9 @@ def test_fit_recovers_alpha_and_beta_exactly():
 
 def test_fit_falls_back_to_an_upper_bound_when_latency_noise_swamps_it():
     # small messages delayed by other work: the slope would come out negative
-    alpha, beta = fit_alpha_beta([(1 << 10, 9e-3), (1 << 14, 8e-3), (1 << 20, 2e-3), (1 << 22, 4e-3)])
+    alpha, beta = fit_alpha_beta(
+        [(1 << 10, 9e-3), (1 << 14, 8e-3), (1 << 20, 2e-3), (1 << 22, 4e-3)]
+    )
     assert alpha == pytest.approx(8.5e-3)
     assert beta == 4e-3 / (1 << 22)
 
@@ -51,7 +53,12 @@ def test_profile_describes_this_machine(local):
     assert local.node.gpus == CPU_DEVICES and local.node.concurrent_ranks == os.cpu_count()
     assert [g.m for g in local.gpu.gemm] == list(PLANS["quick"].squares)
     assert all((g.m, g.n, g.k) == (g.m, g.m, g.m) for g in local.gpu.gemm)
-    for value in (local.gpu.peak_tflops, local.gpu.hbm_bw_gbps, local.gpu.elementwise_gbps, local.gpu.optimizer_gbps):
+    for value in (
+        local.gpu.peak_tflops,
+        local.gpu.hbm_bw_gbps,
+        local.gpu.elementwise_gbps,
+        local.gpu.optimizer_gbps,
+    ):
         assert value > 0
     assert local.gpu.tp_layer_us >= 0 and local.gpu.fsdp_layer_us >= 0
 
@@ -66,7 +73,9 @@ def test_training_shapes_and_attention_are_measured(local):
     shapes = [(g.m, g.n, g.k) for g in local.gpu.gemm_shapes]
     # three per (tokens, in, out); the forward and input-gradient shapes coincide when in and out swap
     assert len(shapes) == 3 * len(sweep.tokens) * len(sweep.dims) ** 2 and set(shapes) == want
-    assert [(a.seq, a.head_dim) for a in local.gpu.attention] == [(s, d) for s in sweep.seqs for d in sweep.head_dims]
+    assert [(a.seq, a.head_dim) for a in local.gpu.attention] == [
+        (s, d) for s in sweep.seqs for d in sweep.head_dims
+    ]
 
 
 def test_collective_fits_cover_every_op_and_group_and_the_planner_uses_them(local):
@@ -80,9 +89,9 @@ def test_collective_fits_cover_every_op_and_group_and_the_planner_uses_them(loca
     assert local.node.intra_bw_gbps == pytest.approx(1 / send.beta_s_per_byte / 1e9, rel=1e-3)
     assert local.node.intra_latency_us == pytest.approx(send.alpha_s * 1e6, rel=1e-3)
     fit = fits[("all_reduce", 4)]
-    assert collective_time("all_reduce", 1 << 20, Group(4, 1, 4), local) == fit.alpha_s + fit.beta_s_per_byte * (
-        1 << 20
-    )
+    assert collective_time(
+        "all_reduce", 1 << 20, Group(4, 1, 4), local
+    ) == fit.alpha_s + fit.beta_s_per_byte * (1 << 20)
 
 
 def test_the_cuda_path_writes_a_gpu_profile_from_the_same_code(tmp_path):
@@ -90,13 +99,38 @@ def test_the_cuda_path_writes_a_gpu_profile_from_the_same_code(tmp_path):
 
     # the training-shape sweep is the code the CUDA path runs, here on the CPU device
     rows = training_gemms([64], [32], device="cpu", seconds=0.001)
-    assert [r[:3] for r in rows] == [(64, 32, 32), (64, 32, 32), (32, 32, 64)] and all(r[3] > 0 for r in rows)
-    m = {"name": "NVIDIA H200", "memory_gb": 150.0, "sms": 132, "devices": 1, "peak_tflops": 989.0, "copy_gbps": 4000.0,
-         "gemm": [(4096, 700.0)], "gemm_shapes": rows, "attention": [(2048, 128, 400.0, 300.0, 200.0, 150.0)],
-         "elementwise_gbps": 2500.0, "optimizer_gbps": 3000.0, "fits": {}}  # fmt: skip
+    assert [r[:3] for r in rows] == [(64, 32, 32), (64, 32, 32), (32, 32, 64)] and all(
+        r[3] > 0 for r in rows
+    )
+    m = {
+        "name": "NVIDIA H200",
+        "memory_gb": 150.0,
+        "sms": 132,
+        "devices": 1,
+        "peak_tflops": 989.0,
+        "copy_gbps": 4000.0,
+        "gemm": [(4096, 700.0)],
+        "gemm_shapes": rows,
+        "attention": [(2048, 128, 400.0, 300.0, 200.0, 150.0)],
+        "elementwise_gbps": 2500.0,
+        "optimizer_gbps": 3000.0,
+        "fits": {},
+    }
     path = tmp_path / "gpu.toml"
     path.write_text(profile_toml(m, "fourd calibrate --device cuda"))
     gpu = load_cluster(str(path))
-    assert (gpu.dtype, gpu.gpu.sms, gpu.gpu.peak_tflops, gpu.node.gpus, gpu.cpu) == ("bf16", 132, 989.0, 1, False)
-    assert (gpu.gpu.elementwise_gbps, gpu.gpu.gemm[0].tflops, gpu.gpu.attention[0].bwd_tflops) == (2500.0, 700.0, 300.0)
-    assert gpu.node.intra_bw_gbps == 4000.0  # no second device: its own copy rate stands in for the links
+    assert (gpu.dtype, gpu.gpu.sms, gpu.gpu.peak_tflops, gpu.node.gpus, gpu.cpu) == (
+        "bf16",
+        132,
+        989.0,
+        1,
+        False,
+    )
+    assert (gpu.gpu.elementwise_gbps, gpu.gpu.gemm[0].tflops, gpu.gpu.attention[0].bwd_tflops) == (
+        2500.0,
+        700.0,
+        300.0,
+    )
+    assert (
+        gpu.node.intra_bw_gbps == 4000.0
+    )  # no second device: its own copy rate stands in for the links

@@ -42,12 +42,16 @@ def _all_cases(rank, world):
     out = {}
     for n, group in groups.items():
         if rank < n:
-            out[n] = [_check(_integers(s, seed=100 * i + rank), group) for i, s in enumerate(_shapes(n))]
+            out[n] = [
+                _check(_integers(s, seed=100 * i + rank), group) for i, s in enumerate(_shapes(n))
+            ]
     if rank in SCATTERED:
         out["scattered"] = _check(_integers((37,), seed=rank), scattered)
     if rank < 4:
         g = torch.Generator().manual_seed(rank)
-        factors = torch.randint(1, 4, (9, 7), generator=g) * (2 * torch.randint(0, 2, (9, 7), generator=g) - 1)
+        factors = torch.randint(1, 4, (9, 7), generator=g) * (
+            2 * torch.randint(0, 2, (9, 7), generator=g) - 1
+        )
         out["product"] = _check(factors.float(), groups[4], dist.ReduceOp.PRODUCT)
         out["min"] = _check(_integers((1001,), seed=rank + 7), groups[4], dist.ReduceOp.MIN)
         strided = _integers((12, 10), seed=rank + 11).t()  # a transposed view: not contiguous
@@ -57,7 +61,9 @@ def _all_cases(rank, world):
         out["strided"] = (torch.equal(strided, want), strided.is_contiguous())
     if rank < 3:
         # 64-byte segments cut each 251-element chunk into 16 uneven pieces, all in flight at once
-        out["segmented_max"] = _check(_integers((751,), seed=rank), groups[3], dist.ReduceOp.MAX, 64)
+        out["segmented_max"] = _check(
+            _integers((751,), seed=rank), groups[3], dist.ReduceOp.MAX, 64
+        )
     return out
 
 
@@ -110,4 +116,6 @@ def test_product_min_and_a_non_contiguous_tensor(results):
     for rank in range(4):
         assert results[rank]["product"][0], rank
         assert results[rank]["min"][0], rank
-        assert results[rank]["strided"] == (True, False), rank  # reduced in place, still the caller's view
+        assert results[rank]["strided"] == (True, False), (
+            rank
+        )  # reduced in place, still the caller's view

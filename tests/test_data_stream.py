@@ -18,7 +18,9 @@ from fourd.errors import FourdError
 def _stream(tmp_path, text="abcdefghij" * 200, seq=16, seed=0, name="c.txt"):
     f = tmp_path / name
     f.write_text(text)
-    return SampleStream(prepare(str(f), "byte", str(tmp_path / "cache")), seq, seed, holdout_fraction=0.1)
+    return SampleStream(
+        prepare(str(f), "byte", str(tmp_path / "cache")), seq, seed, holdout_fraction=0.1
+    )
 
 
 def test_byte_tokens_round_trip_and_cache_is_reused(tmp_path):
@@ -45,7 +47,9 @@ def test_data_order_depends_on_seed_only_not_on_ranks(tmp_path):
             assert np.array_equal(parts, whole)
     again = _stream(tmp_path, text="".join(chr(97 + i % 26) + str(i) for i in range(3000)))
     assert np.array_equal(again.samples(0, 40), s.samples(0, 40))
-    other = SampleStream(prepare(str(tmp_path / "c.txt"), "byte", str(tmp_path / "cache")), 16, 1, 0.1)
+    other = SampleStream(
+        prepare(str(tmp_path / "c.txt"), "byte", str(tmp_path / "cache")), 16, 1, 0.1
+    )
     assert not np.array_equal(other.samples(0, 8), s.samples(0, 8))
 
 
@@ -63,10 +67,16 @@ def _last_position_read(stream, samples):
 def test_an_epoch_visits_every_window_once(tmp_path):
     s = SampleStream(_positions(tmp_path, 1000), 16, seed=0, holdout_fraction=0.1)
     first = [int(s.sample(i)[0]) for i in range(56)]
-    assert sorted(first) == list(range(0, 896, 16))  # 900 training positions hold 56 windows of 16 + 1
+    assert sorted(first) == list(
+        range(0, 896, 16)
+    )  # 900 training positions hold 56 windows of 16 + 1
     second = [int(s.sample(i)[0]) for i in range(56, 112)]
-    assert sorted(second) == sorted(first) and second != first  # the next epoch: the same windows, reshuffled
-    assert all(s.sample(i).tolist() == list(range(start, start + 17)) for i, start in enumerate(first))
+    assert (
+        sorted(second) == sorted(first) and second != first
+    )  # the next epoch: the same windows, reshuffled
+    assert all(
+        s.sample(i).tolist() == list(range(start, start + 17)) for i, start in enumerate(first)
+    )
 
 
 def test_no_training_sample_reaches_the_held_out_tail(tmp_path):
@@ -79,7 +89,9 @@ def test_folder_and_jsonl_sources(tmp_path):
     d = tmp_path / "docs"
     d.mkdir()
     (d / "a.txt").write_text("first")
-    (d / "b.jsonl").write_text(json.dumps({"text": "second"}) + "\n" + json.dumps({"text": "third"}) + "\n")
+    (d / "b.jsonl").write_text(
+        json.dumps({"text": "second"}) + "\n" + json.dumps({"text": "third"}) + "\n"
+    )
     (d / ".hidden").write_text("never")
     c = prepare(str(d), "byte", str(tmp_path / "cache"))
     assert bytes(c.array()) == b"first\n\nsecond\n\nthird"
@@ -100,7 +112,11 @@ NOT_REGULAR = f"is not a regular file (a FIFO, device, socket or system file): {
     "name, setup, message",
     [
         ("data.txt", lambda p: None, f"data path '{{p}}' does not exist: {FIX}"),
-        ("data.txt", lambda p: p.write_text(""), f"data path '{{p}}' holds no text: {FIX} that is not empty"),
+        (
+            "data.txt",
+            lambda p: p.write_text(""),
+            f"data path '{{p}}' holds no text: {FIX} that is not empty",
+        ),
         (
             "data.txt",
             lambda p: p.write_bytes(b"ok\xff\xfe bad"),
@@ -108,13 +124,21 @@ NOT_REGULAR = f"is not a regular file (a FIFO, device, socket or system file): {
         ),
         ("data.txt", os.mkfifo, f"data file '{{p}}' {NOT_REGULAR}"),
         ("data.txt", _socket, f"data file '{{p}}' {NOT_REGULAR}"),
-        ("data.txt", lambda p: p.symlink_to("/dev/zero"), f"data path '{{p}}' lies in a system file system: {FIX}"),
+        (
+            "data.txt",
+            lambda p: p.symlink_to("/dev/zero"),
+            f"data path '{{p}}' lies in a system file system: {FIX}",
+        ),
         (
             "data.txt",
             lambda p: p.symlink_to("/proc/self/status"),
             f"data path '{{p}}' lies in a system file system: {FIX}",
         ),
-        ("dir", lambda p: (p.mkdir(), os.mkfifo(p / "pipe")), f"data file '{{p}}/pipe' {NOT_REGULAR}"),
+        (
+            "dir",
+            lambda p: (p.mkdir(), os.mkfifo(p / "pipe")),
+            f"data file '{{p}}/pipe' {NOT_REGULAR}",
+        ),
         (
             "d.jsonl",
             lambda p: p.write_text('{"text": "fine"}\n{"txt": "no"}\n'),
@@ -141,11 +165,14 @@ def test_too_short_a_corpus_says_how_many_tokens_are_needed(tmp_path):
         "the corpus has 11 tokens, too few for one training sequence: 260 are needed "
         "(data.seq_len 256 + 1, plus the held-out 1%); give more text or a smaller data.seq_len"
     )
-    assert int(260 * 0.99) == 257 > int(259 * 0.99)  # 260 is the fewest that leave 257 training tokens
+    assert (
+        int(260 * 0.99) == 257 > int(259 * 0.99)
+    )  # 260 is the fewest that leave 257 training tokens
 
 
 @pytest.mark.parametrize(
-    "cache_dir, reason", [("file", "File exists"), ("file/sub", "Not a directory"), ("/proc/x", "No such file")]
+    "cache_dir, reason",
+    [("file", "File exists"), ("file/sub", "Not a directory"), ("/proc/x", "No such file")],
 )
 def test_a_cache_dir_that_cannot_hold_the_cache_is_one_line(tmp_path, cache_dir, reason):
     (tmp_path / "file").write_text("x")
@@ -153,7 +180,9 @@ def test_a_cache_dir_that_cannot_hold_the_cache_is_one_line(tmp_path, cache_dir,
     where = cache_dir if cache_dir.startswith("/") else str(tmp_path / cache_dir)
     with pytest.raises(FourdError) as e:
         prepare(str(tmp_path / "c.txt"), "byte", where)
-    assert str(e.value).startswith(f"data.cache_dir '{where}' cannot hold the token cache ({reason}")
+    assert str(e.value).startswith(
+        f"data.cache_dir '{where}' cannot hold the token cache ({reason}"
+    )
     assert str(e.value).endswith("): give a writable folder")
 
 
@@ -166,10 +195,14 @@ def test_a_damaged_cache_entry_is_rebuilt(tmp_path):
     assert again.tokens == 400 and bytes(again.array()) == b"abc " * 100
 
 
-LINES = st.text(max_size=30) | st.sampled_from(['{"text": 1}', "[]", '{"text": "x"}', "[" * 5000, "\x00"])
+LINES = st.text(max_size=30) | st.sampled_from(
+    ['{"text": 1}', "[]", '{"text": "x"}', "[" * 5000, "\x00"]
+)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(lines=st.lists(LINES, max_size=5))
 def test_any_jsonl_ends_in_documents_or_one_line(tmp_path, lines):
     f = tmp_path / "d.jsonl"
@@ -184,18 +217,24 @@ def test_any_jsonl_ends_in_documents_or_one_line(tmp_path, lines):
 def test_config_layers_and_refusals(tmp_path):
     toml = tmp_path / "c.toml"
     toml.write_text('[train]\nsteps = 7\nlr = 0.01\n[parallel]\nlayout = "dp=2"\n')
-    cfg = build_config(str(toml), {"train.steps": 9}, ["--train.lr=0.002", "--parallel.sequence_parallel", "true"])
+    cfg = build_config(
+        str(toml), {"train.steps": 9}, ["--train.lr=0.002", "--parallel.sequence_parallel", "true"]
+    )
     assert (cfg.train.steps, cfg.train.lr, cfg.parallel.layout, cfg.parallel.sequence_parallel) == (
         9,
         0.002,
         "dp=2",
         True,
     )
-    with pytest.raises(FourdError, match=r"unknown config key 'train.lrr'.*allowed keys in \[train\] are steps"):
+    with pytest.raises(
+        FourdError, match=r"unknown config key 'train.lrr'.*allowed keys in \[train\] are steps"
+    ):
         build_config(None, {}, ["--train.lrr=1"])
     with pytest.raises(FourdError, match="train.steps = 'x' is not a valid int"):
         build_config(None, {}, ["--train.steps=x"])
-    with pytest.raises(FourdError, match="allowed values are gpipe, 1f1b, interleaved, zero-bubble"):
+    with pytest.raises(
+        FourdError, match="allowed values are gpipe, 1f1b, interleaved, zero-bubble"
+    ):
         build_config(None, {}, ["--parallel.schedule=fast"])
     with pytest.raises(FourdError, match="train.steps = 0 must be at least 1"):
         build_config(None, {"train.steps": 0}, [])

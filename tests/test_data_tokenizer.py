@@ -31,7 +31,9 @@ def test_tiktoken_file_encodes_with_its_merges(tmp_path):
     assert tok.decode([258, 259, 97, 116]) == "the cat"
     assert tok.vocab_size == 260 + LLAMA3_SPECIAL
     assert tok.decode([260, 261]) == "<|begin_of_text|><|end_of_text|>"
-    assert tok.encode("<|end_of_text|>") == list(b"<|end_of_text|>")  # prompt text never becomes a control token
+    assert tok.encode("<|end_of_text|>") == list(
+        b"<|end_of_text|>"
+    )  # prompt text never becomes a control token
     assert tok.identity().startswith("tiktoken:")
 
 
@@ -80,7 +82,10 @@ def test_fourd_imports_without_the_tokenizer_libraries(tmp_path):
         "try:\n    load_tokenizer(sys.argv[1])\nexcept Exception as e:\n    print(type(e).__name__, e)\n"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code, str(tmp_path / "tokenizer.model")], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", code, str(tmp_path / "tokenizer.model")],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert (
         out.stdout.strip()
@@ -101,13 +106,18 @@ B64 = st.binary(min_size=1, max_size=3).map(lambda b: base64.b64encode(b))
 # all 256 bytes, then any multi-byte tokens: merges that may or may not be reachable
 MERGES = st.lists(st.binary(min_size=2, max_size=4), max_size=6, unique=True).map(
     lambda extra: b"\n".join(
-        base64.b64encode(t) + b" %d" % r for r, t in enumerate([bytes([b]) for b in range(256)] + extra)
+        base64.b64encode(t) + b" %d" % r
+        for r, t in enumerate([bytes([b]) for b in range(256)] + extra)
     )
 )
-LINE = st.tuples(B64 | st.binary(max_size=6), st.integers(-2, 8)).map(lambda t: t[0] + b" " + str(t[1]).encode())
+LINE = st.tuples(B64 | st.binary(max_size=6), st.integers(-2, 8)).map(
+    lambda t: t[0] + b" " + str(t[1]).encode()
+)
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     raw=st.lists(LINE, max_size=8).map(b"\n".join)
     | st.binary(max_size=60)

@@ -69,14 +69,22 @@ NOT_YET = {"planner.md": "the `local` profile `fourd calibrate` writes"}
 @pytest.mark.parametrize(
     "path,commands",
     [
-        pytest.param(p, c, marks=[pytest.mark.xfail(reason=NOT_YET[p.name], strict=False)] if p.name in NOT_YET else [])
+        pytest.param(
+            p,
+            c,
+            marks=[pytest.mark.xfail(reason=NOT_YET[p.name], strict=False)]
+            if p.name in NOT_YET
+            else [],
+        )
         for p, c in CASES
         if c
     ],
     ids=[p.name for p, c in CASES if c],
 )
 def test_examples_run_as_written(path, commands, tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1", FOURD_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT))
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", FOURD_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT)
+    )
     # a fresh FOURD_HOME, but the token cache of this machine's: tokenizing the standard library is no example
     (tmp_path / "home").mkdir()
     (tmp_path / "home" / "cache").symlink_to(fourd_home() / "cache", target_is_directory=True)
@@ -84,7 +92,9 @@ def test_examples_run_as_written(path, commands, tmp_path):
         words = shlex.split(command.split(" #")[0])
         assignments = dict(w.split("=", 1) for w in words if re.fullmatch(r"[A-Z_]+=\S*", w))
         argv = [sys.executable, "-m", *words[len(assignments) :]]
-        done = subprocess.run(argv, cwd=tmp_path, env={**env, **assignments}, capture_output=True, text=True)
+        done = subprocess.run(
+            argv, cwd=tmp_path, env={**env, **assignments}, capture_output=True, text=True
+        )
         assert done.returncode == 0, f"{path.name}: {command}\n{done.stderr[-2000:]}"
 
 

@@ -18,16 +18,23 @@ LAYERS = [
     {"data", "comm"},
     {"ckpt", "parallel"},
     {"hf", "plan"},
-    {"sim"},
+    {"sim", "measure"},
     {"train", "lab"},
     {"cli"},
     {"__main__"},
 ]
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
-# plan/calibrate.py takes the GPU's datasheet peak from train/metrics.py when it runs on CUDA (a lazy import):
-# the one upward edge left, until the peak table moves beside calibrate.
-KNOWN_UPWARD = {("fourd.plan.calibrate", "fourd.train.metrics")}
-TORCH_FREE = ("fourd.plan", "fourd.sim", "fourd.schedules", "fourd.layout", "fourd.config", "fourd.errors", "fourd.cli")
+# No upward edge is left: the measuring code (calibrate, peak FLOP/s, timing) lives in fourd/measure/.
+KNOWN_UPWARD: set[tuple[str, str]] = set()
+TORCH_FREE = (
+    "fourd.plan",
+    "fourd.sim",
+    "fourd.schedules",
+    "fourd.layout",
+    "fourd.config",
+    "fourd.errors",
+    "fourd.cli",
+)
 
 
 def _module(path: Path) -> str:
@@ -56,7 +63,9 @@ SOURCES = {_module(p): ast.parse(p.read_text()) for p in sorted((ROOT / "fourd")
 
 def _edges(top_only: bool) -> dict[str, set[str]]:
     """module -> the fourd modules it imports (a `from fourd.x import y` names fourd.x.y when that is a module)."""
-    return {m: {i for i in _imports(t, top_only) if i in SOURCES and i != m} for m, t in SOURCES.items()}
+    return {
+        m: {i for i in _imports(t, top_only) if i in SOURCES and i != m} for m, t in SOURCES.items()
+    }
 
 
 def _package(module: str) -> str:
@@ -64,7 +73,9 @@ def _package(module: str) -> str:
 
 
 def test_packages_import_only_lower_layers():
-    assert set(LAYER) >= {_package(m) for m in SOURCES} - {"__init__"}, "a new package: give it a layer"
+    assert set(LAYER) >= {_package(m) for m in SOURCES} - {"__init__"}, (
+        "a new package: give it a layer"
+    )
     upward = sorted(
         (m, i)
         for m, imported in _edges(top_only=False).items()
@@ -73,7 +84,10 @@ def test_packages_import_only_lower_layers():
     )
     assert set(upward) == KNOWN_UPWARD, upward
     assert not any(
-        _package(i) == "hf" for m, imported in _edges(False).items() if _package(m) == "data" for i in imported
+        _package(i) == "hf"
+        for m, imported in _edges(False).items()
+        if _package(m) == "data"
+        for i in imported
     )
 
 
@@ -98,13 +112,21 @@ def test_no_module_level_import_cycle():
 @pytest.mark.parametrize("prefix", TORCH_FREE)
 def test_the_planner_side_imports_no_torch(prefix):
     """Statically (the module-level imports, followed through fourd) and for real, in a fresh interpreter."""
-    edges, seen, todo = _edges(top_only=True), set(), [m for m in SOURCES if m == prefix or m.startswith(prefix + ".")]
+    edges, seen, todo = (
+        _edges(top_only=True),
+        set(),
+        [m for m in SOURCES if m == prefix or m.startswith(prefix + ".")],
+    )
     while todo:
         m = todo.pop()
         if m not in seen:
             seen.add(m)
             todo += edges[m]
-    torch = sorted(m for m in seen if any(i.split(".")[0] == "torch" for i in _imports(SOURCES[m], top_only=True)))
+    torch = sorted(
+        m
+        for m in seen
+        if any(i.split(".")[0] == "torch" for i in _imports(SOURCES[m], top_only=True))
+    )
     assert torch == [], f"{prefix} reaches torch at import through {torch}"
     modules = sorted(m for m in SOURCES if m.startswith(prefix) and not m.endswith("__main__"))
     probe = f"import sys\nfor m in {modules!r}: __import__(m)\nassert 'torch' not in sys.modules"

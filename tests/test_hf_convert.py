@@ -69,7 +69,13 @@ def test_names_match_transformers(hf_dir):
 def test_imported_logits_equal_transformers(hf_dir):
     d, m = hf_dir
     model, _ = load_model(d / "fd")
-    assert (model.cfg.kv_heads, model.cfg.heads, model.cfg.rope_theta, model.cfg.norm_eps, model.cfg.max_seq) == (
+    assert (
+        model.cfg.kv_heads,
+        model.cfg.heads,
+        model.cfg.rope_theta,
+        model.cfg.norm_eps,
+        model.cfg.max_seq,
+    ) == (
         2,
         4,
         500000.0,
@@ -86,7 +92,9 @@ def test_imported_logits_equal_transformers(hf_dir):
 def test_greedy_ids_equal_transformers(hf_dir):
     d, m = hf_dir
     model, _ = load_model(d / "fd")
-    want = m.generate(torch.tensor([PROMPT]), max_new_tokens=24, do_sample=False, pad_token_id=0)[0, len(PROMPT) :]
+    want = m.generate(torch.tensor([PROMPT]), max_new_tokens=24, do_sample=False, pad_token_id=0)[
+        0, len(PROMPT) :
+    ]
     assert generate(model, PROMPT, 24, greedy=True, stop_ids=[2]) == want.tolist()
 
 
@@ -96,9 +104,16 @@ def test_export_then_reimport_is_bit_exact(hf_dir, tmp_path):
     a, b = hf_tensors(d / "hf"), hf_tensors(tmp_path / "hf2")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     convert.hf_to_fourd(tmp_path / "hf2", tmp_path / "fd2")
-    assert store.read_manifest(tmp_path / "fd2")["model_digest"] == store.read_manifest(d / "fd")["model_digest"]
+    assert (
+        store.read_manifest(tmp_path / "fd2")["model_digest"]
+        == store.read_manifest(d / "fd")["model_digest"]
+    )
     config = json.loads((tmp_path / "hf2" / "config.json").read_text())
-    assert (config["eos_token_id"], config["num_key_value_heads"], config["rope_theta"]) == (2, 2, 500000.0)
+    assert (config["eos_token_id"], config["num_key_value_heads"], config["rope_theta"]) == (
+        2,
+        2,
+        500000.0,
+    )
 
 
 def test_bf16_stays_bf16_through_sharded_round_trip(tmp_path):
@@ -112,12 +127,17 @@ def test_bf16_stays_bf16_through_sharded_round_trip(tmp_path):
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) == len(list((tmp_path / "hf2").glob("*.safetensors"))) > 2
     assert json.loads((tmp_path / "hf2" / "config.json").read_text())["torch_dtype"] == "bfloat16"
-    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf2")  # reads the sharded index
+    back = transformers.LlamaForCausalLM.from_pretrained(
+        tmp_path / "hf2"
+    )  # reads the sharded index
     assert back.dtype == torch.bfloat16
     a, b = m.state_dict(), back.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     convert.hf_to_fourd(tmp_path / "hf2", tmp_path / "fd2")  # sharded import
-    assert store.read_manifest(tmp_path / "fd2")["model_digest"] == store.read_manifest(tmp_path / "fd")["model_digest"]
+    assert (
+        store.read_manifest(tmp_path / "fd2")["model_digest"]
+        == store.read_manifest(tmp_path / "fd")["model_digest"]
+    )
 
 
 def test_tied_embeddings_import_as_a_copy(tmp_path):
@@ -144,7 +164,12 @@ def test_fourd_checkpoint_loads_in_transformers(tmp_path):
         loss.backward()
         opt.step()
     store.save_model_checkpoint(tmp_path / "fd", cfg, model.state_dict(), step=3)
-    assert main(["convert", "--from", "fourd", str(tmp_path / "fd"), "--to", "hf", str(tmp_path / "hf")]) == 0
+    assert (
+        main(
+            ["convert", "--from", "fourd", str(tmp_path / "fd"), "--to", "hf", str(tmp_path / "hf")]
+        )
+        == 0
+    )
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
     assert hf.config.num_key_value_heads == 2 and not hf.config.tie_word_embeddings
     with torch.no_grad():
@@ -177,8 +202,12 @@ def _broken_copy(hf_dir, tmp_path, edit_config=None, edit_tensors=None):
 
 
 def test_missing_tensor_is_named(hf_dir, tmp_path, capsys):
-    src = _broken_copy(hf_dir, tmp_path, edit_tensors=lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"))
-    assert "tensor model.layers.1.self_attn.k_proj.weight missing" in _convert_fails(capsys, src, tmp_path / "out")
+    src = _broken_copy(
+        hf_dir, tmp_path, edit_tensors=lambda t: t.pop("model.layers.1.self_attn.k_proj.weight")
+    )
+    assert "tensor model.layers.1.self_attn.k_proj.weight missing" in _convert_fails(
+        capsys, src, tmp_path / "out"
+    )
 
 
 def test_wrong_shape_is_named(hf_dir, tmp_path, capsys):
@@ -187,7 +216,10 @@ def test_wrong_shape_is_named(hf_dir, tmp_path, capsys):
 
     src = _broken_copy(hf_dir, tmp_path, edit_tensors=shrink)
     err = _convert_fails(capsys, src, tmp_path / "out")
-    assert "tensor model.layers.2.mlp.up_proj.weight has shape [100, 64]; config.json implies [160, 64]" in err
+    assert (
+        "tensor model.layers.2.mlp.up_proj.weight has shape [100, 64]; config.json implies [160, 64]"
+        in err
+    )
 
 
 def test_unexpected_tensor_is_named(hf_dir, tmp_path, capsys):
@@ -195,7 +227,9 @@ def test_unexpected_tensor_is_named(hf_dir, tmp_path, capsys):
         t["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(64)
 
     src = _broken_copy(hf_dir, tmp_path, edit_tensors=add_bias)
-    assert "tensor model.layers.0.self_attn.q_proj.bias is not part of" in _convert_fails(capsys, src, tmp_path / "out")
+    assert "tensor model.layers.0.self_attn.q_proj.bias is not part of" in _convert_fails(
+        capsys, src, tmp_path / "out"
+    )
 
 
 @pytest.mark.parametrize(
@@ -206,17 +240,28 @@ def test_unexpected_tensor_is_named(hf_dir, tmp_path, capsys):
             "architecture 'MistralForCausalLM' is not supported",
         ),
         (
-            lambda c: c.update(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}),
+            lambda c: c.update(
+                rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}
+            ),
             "field 'rope_parameters' = {'rope_type': 'llama3', 'rope_theta': 500000.0, 'factor': 8.0} is not supported",
         ),
         (
             lambda c: c.update(rope_scaling={"rope_type": "llama3", "factor": 8.0}),
             "field 'rope_scaling' = {'rope_type': 'llama3'",
         ),
-        (lambda c: c.update(rms_norm_eps="small"), "field 'rms_norm_eps' = 'small' is not a positive number"),
+        (
+            lambda c: c.update(rms_norm_eps="small"),
+            "field 'rms_norm_eps' = 'small' is not a positive number",
+        ),
         (lambda c: c.pop("hidden_size"), "field 'hidden_size' = None is not a positive integer"),
-        (lambda c: c.update(num_attention_heads=0), "field 'num_attention_heads' = 0 is not a positive integer"),
-        (lambda c: c.update(num_key_value_heads=3), "model.heads = 4 must be a multiple of model.kv_heads = 3"),
+        (
+            lambda c: c.update(num_attention_heads=0),
+            "field 'num_attention_heads' = 0 is not a positive integer",
+        ),
+        (
+            lambda c: c.update(num_key_value_heads=3),
+            "model.heads = 4 must be a multiple of model.kv_heads = 3",
+        ),
         (lambda c: c.update(hidden_act="gelu"), "field 'hidden_act' = 'gelu' is not supported"),
     ],
 )
@@ -241,14 +286,20 @@ def test_export_of_a_damaged_checkpoint_names_the_file(hf_dir, tmp_path, capsys)
     (src / "__0_0.distcp").write_bytes(b"\0" * 10)
     code = main(["convert", "--from", "fourd", str(src), "--to", "hf", str(tmp_path / "out")])
     err = capsys.readouterr().err
-    assert code == 2 and "__0_0.distcp: 10 bytes, manifest says" in err and not (tmp_path / "out").exists()
+    assert (
+        code == 2
+        and "__0_0.distcp: 10 bytes, manifest says" in err
+        and not (tmp_path / "out").exists()
+    )
 
 
 def test_load_hf_gives_fourd_names_in_float32(tmp_path):
     m = tiny_hf(dtype=torch.bfloat16, seed=3)
     m.save_pretrained(tmp_path / "hf", safe_serialization=True)
     cfg, sd = convert.load_weights(tmp_path / "hf")
-    assert sorted(sd) == sorted(store.shapes(cfg)) and {t.dtype for t in sd.values()} == {torch.float32}
+    assert sorted(sd) == sorted(store.shapes(cfg)) and {t.dtype for t in sd.values()} == {
+        torch.float32
+    }
     convert.hf_to_fourd(tmp_path / "hf", tmp_path / "fd")
     _, kept = store.load_model_checkpoint(tmp_path / "fd")  # the checkpoint keeps bfloat16
     assert all(torch.equal(sd[k], kept[k].float()) for k in sd)
@@ -268,25 +319,72 @@ def test_export_carries_the_runs_tokenizer_file_with_the_usual_mode(hf_dir, tmp_
     store.save_model_checkpoint(tmp_path / "fd", cfg, sd, extra={"train": {"data": data}})
     old = os.umask(0o022)
     try:
-        assert main(["convert", "--from", "fourd", str(tmp_path / "fd"), "--to", "hf", str(tmp_path / "hf")]) == 0
+        assert (
+            main(
+                [
+                    "convert",
+                    "--from",
+                    "fourd",
+                    str(tmp_path / "fd"),
+                    "--to",
+                    "hf",
+                    str(tmp_path / "hf"),
+                ]
+            )
+            == 0
+        )
     finally:
         os.umask(old)
     out = tmp_path / "hf"
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.model"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.model",
+    ]
     assert (out / "tokenizer.model").read_bytes() == bpe.read_bytes()
     assert {oct(p.stat().st_mode & 0o777) for p in out.iterdir()} == {"0o644"}
-    bpe.write_text(bpe.read_text().replace(" 255\n", " 255\n\n"))  # same ranks, other bytes: another file
-    assert main(["convert", "--from", "fourd", str(tmp_path / "fd"), "--to", "hf", str(tmp_path / "hf2")]) == 2
+    bpe.write_text(
+        bpe.read_text().replace(" 255\n", " 255\n\n")
+    )  # same ranks, other bytes: another file
+    assert (
+        main(
+            [
+                "convert",
+                "--from",
+                "fourd",
+                str(tmp_path / "fd"),
+                "--to",
+                "hf",
+                str(tmp_path / "hf2"),
+            ]
+        )
+        == 2
+    )
     assert not (tmp_path / "hf2").exists()
 
 
 @pytest.mark.parametrize("mb", ["0", "-5"])
 def test_shard_mb_below_one_is_refused(hf_dir, tmp_path, capsys, mb):
     assert (
-        main(["convert", "--from", "fourd", str(hf_dir[0] / "fd"), "--to", "hf", str(tmp_path / "o"), "--shard-mb", mb])
+        main(
+            [
+                "convert",
+                "--from",
+                "fourd",
+                str(hf_dir[0] / "fd"),
+                "--to",
+                "hf",
+                str(tmp_path / "o"),
+                "--shard-mb",
+                mb,
+            ]
+        )
         == 2
     )
-    assert capsys.readouterr().err == f"fourd: error: --shard-mb {mb} must be at least 1 (MB per safetensors file)\n"
+    assert (
+        capsys.readouterr().err
+        == f"fourd: error: --shard-mb {mb} must be at least 1 (MB per safetensors file)\n"
+    )
     assert not (tmp_path / "o").exists()
 
 
@@ -295,7 +393,9 @@ def test_an_index_naming_files_outside_the_folder_is_refused(hf_dir, tmp_path, c
     outside = tmp_path / "outside.safetensors"
     (src / "model.safetensors").rename(outside)
     names = sorted(hf_tensors(hf_dir[0] / "hf"))
-    (src / convert.INDEX).write_text(json.dumps({"weight_map": dict.fromkeys(names, "../outside.safetensors")}))
+    (src / convert.INDEX).write_text(
+        json.dumps({"weight_map": dict.fromkeys(names, "../outside.safetensors")})
+    )
     err = _convert_fails(capsys, src, tmp_path / "out")
     assert f"names '../outside.safetensors', which is not a file inside {src}" in err
 
@@ -304,17 +404,36 @@ def test_an_index_naming_files_outside_the_folder_is_refused(hf_dir, tmp_path, c
 
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3)
+    ),
     max_leaves=8,
 )
 HF_KEYS = st.sampled_from(
-    ["architectures", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size"]
-    + ["intermediate_size", "head_dim", "rms_norm_eps", "rope_theta", "rope_parameters", "rope_scaling", "hidden_act"]
+    [
+        "architectures",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "vocab_size",
+    ]
+    + [
+        "intermediate_size",
+        "head_dim",
+        "rms_norm_eps",
+        "rope_theta",
+        "rope_parameters",
+        "rope_scaling",
+        "hidden_act",
+    ]
     + ["max_position_embeddings", "tie_word_embeddings", "attention_bias"]
 )
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(edits=st.dictionaries(HF_KEYS, JSON, max_size=3))
 def test_any_config_json_is_a_model_or_one_line(hf_dir, tmp_path, edits):
     (tmp_path / "config.json").write_text(
@@ -327,8 +446,13 @@ def test_any_config_json_is_a_model_or_one_line(hf_dir, tmp_path, edits):
         assert str(e) and "\n" not in str(e)
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(index=JSON | st.dictionaries(st.just("weight_map"), st.dictionaries(st.text(max_size=8), JSON, max_size=3)))
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    index=JSON
+    | st.dictionaries(st.just("weight_map"), st.dictionaries(st.text(max_size=8), JSON, max_size=3))
+)
 def test_any_index_is_read_or_one_line(tmp_path, index):
     (tmp_path / convert.INDEX).write_text(json.dumps(index))
     (tmp_path / "a.safetensors").write_bytes(b"not safetensors")

@@ -80,16 +80,24 @@ def test_sampling_is_seeded_and_stays_in_the_nucleus():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     draws = [sample(logits, False, 0.7, 1.0, torch.Generator().manual_seed(s)) for s in range(300)]
     assert set(draws) == {0, 1}  # 0.5 + 0.3 reaches 0.7; tokens 2 and 3 lie outside
-    assert draws == [sample(logits, False, 0.7, 1.0, torch.Generator().manual_seed(s)) for s in range(300)]
-    assert {sample(logits, False, 1.0, 1.0, torch.Generator().manual_seed(s)) for s in range(300)} == {0, 1, 2, 3}
-    assert {sample(logits, False, 0.01, 1.0, torch.Generator().manual_seed(s)) for s in range(50)} == {0}
+    assert draws == [
+        sample(logits, False, 0.7, 1.0, torch.Generator().manual_seed(s)) for s in range(300)
+    ]
+    assert {
+        sample(logits, False, 1.0, 1.0, torch.Generator().manual_seed(s)) for s in range(300)
+    } == {0, 1, 2, 3}
+    assert {
+        sample(logits, False, 0.01, 1.0, torch.Generator().manual_seed(s)) for s in range(50)
+    } == {0}
 
 
 @pytest.mark.slow
 def test_tiny_top_p_is_greedy(trained):
     model, _ = load_model(trained[0])
     prompt = list(b"import ")
-    assert generate(model, prompt, 20, greedy=False, top_p=1e-6, seed=3) == generate(model, prompt, 20, greedy=True)
+    assert generate(model, prompt, 20, greedy=False, top_p=1e-6, seed=3) == generate(
+        model, prompt, 20, greedy=True
+    )
     a = generate(model, prompt, 20, greedy=False, top_p=0.95, seed=3)
     assert a == generate(model, prompt, 20, greedy=False, top_p=0.95, seed=3)
     assert a != generate(model, prompt, 20, greedy=False, top_p=0.95, seed=4)
@@ -110,13 +118,42 @@ def test_perplexity_of_trained_model_on_held_out_stdlib(trained):
 def test_generate_cli_json(trained, capsys):
     d, _ = trained
     assert (
-        main(["generate", "--ckpt", str(d), "--prompt", "def f(", "--max-new-tokens", "16", "--greedy", "--json"]) == 0
+        main(
+            [
+                "generate",
+                "--ckpt",
+                str(d),
+                "--prompt",
+                "def f(",
+                "--max-new-tokens",
+                "16",
+                "--greedy",
+                "--json",
+            ]
+        )
+        == 0
     )
     out = json.loads(capsys.readouterr().out)
     model, _ = load_model(d)
-    assert out["ids"] == generate(model, list(b"def f("), 16) and out["prompt_ids"] == list(b"def f(")
+    assert out["ids"] == generate(model, list(b"def f("), 16) and out["prompt_ids"] == list(
+        b"def f("
+    )
     assert out["text"] == bytes(out["ids"]).decode("utf-8", errors="replace")
-    assert main(["generate", "--ckpt", str(d), "--eval-file", str(HELD_OUT), "--eval-seq", "256", "--json"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--ckpt",
+                str(d),
+                "--eval-file",
+                str(HELD_OUT),
+                "--eval-seq",
+                "256",
+                "--json",
+            ]
+        )
+        == 0
+    )
     ev = json.loads(capsys.readouterr().out)
     assert ev["perplexity"] == perplexity(model, list(HELD_OUT.read_bytes()), 256)["perplexity"]
 
@@ -186,10 +223,19 @@ def _trained_on_jsonl(tmp_path, trained, tokenizer="byte"):
     corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     run = tmp_path / "run"
     cfg = Config()
-    cfg.data.path, cfg.data.seq_len, cfg.data.holdout_fraction, cfg.data.tokenizer = str(corpus), 128, 0.1, tokenizer
+    cfg.data.path, cfg.data.seq_len, cfg.data.holdout_fraction, cfg.data.tokenizer = (
+        str(corpus),
+        128,
+        0.1,
+        tokenizer,
+    )
     cfg.model.preset, cfg.run.dir = "debug", str(run)
     cache = prepare(str(corpus), tokenizer)
-    data = {"path": str(corpus), "tokenizer": tokenizer, "identity": load_tokenizer(tokenizer).identity()}
+    data = {
+        "path": str(corpus),
+        "tokenizer": tokenizer,
+        "identity": load_tokenizer(tokenizer).identity(),
+    }
     info = {"data": {**data, "source": cache.source, "tokens": cache.tokens}}
     model, _ = load_model(trained)
     opt = torch.optim.AdamW(model.parameters())
@@ -198,18 +244,36 @@ def _trained_on_jsonl(tmp_path, trained, tokenizer="byte"):
 
 
 @pytest.mark.slow
-def test_eval_holdout_scores_the_runs_own_corpus_with_no_flags(trained, tmp_path, monkeypatch, capsys):
+def test_eval_holdout_scores_the_runs_own_corpus_with_no_flags(
+    trained, tmp_path, monkeypatch, capsys
+):
     monkeypatch.setenv("FOURD_HOME", str(tmp_path / "home"))
     run, raw = _trained_on_jsonl(tmp_path, trained[0])
     capsys.readouterr()
     assert main(["generate", "--ckpt", str(run), "--eval-holdout", "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
-    tail = list(raw[int(len(raw) * 0.9) :])  # the last tenth of the JSONL's documents joined by blank lines
+    tail = list(
+        raw[int(len(raw) * 0.9) :]
+    )  # the last tenth of the JSONL's documents joined by blank lines
     model, _ = load_model(trained[0])
     assert got["tokens"] == len(tail) - 1
     assert got["perplexity"] == perplexity(model, tail, 128)["perplexity"]  # the run's data.seq_len
-    assert main(["generate", "--ckpt", str(run), "--eval-holdout", str(tmp_path / "corpus.jsonl"), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out) == got  # naming the run's own corpus is no contradiction
+    assert (
+        main(
+            [
+                "generate",
+                "--ckpt",
+                str(run),
+                "--eval-holdout",
+                str(tmp_path / "corpus.jsonl"),
+                "--json",
+            ]
+        )
+        == 0
+    )
+    assert (
+        json.loads(capsys.readouterr().out) == got
+    )  # naming the run's own corpus is no contradiction
 
 
 @pytest.mark.slow
@@ -230,7 +294,10 @@ def test_flags_that_contradict_the_run_are_refused(trained, tmp_path, monkeypatc
             ["--eval-holdout", "--holdout-fraction", "0.2"],
             "--holdout-fraction 0.2 differs from the run's 0.1; leave --holdout-fraction out to use the run's",
         ),
-        (["--prompt", "a", "--tokenizer", str(bpe)], f"--tokenizer '{bpe}' is not the run's tokenizer ('byte')"),
+        (
+            ["--prompt", "a", "--tokenizer", str(bpe)],
+            f"--tokenizer '{bpe}' is not the run's tokenizer ('byte')",
+        ),
     ]
     for argv, message in cases:
         capsys.readouterr()
@@ -241,7 +308,10 @@ def test_flags_that_contradict_the_run_are_refused(trained, tmp_path, monkeypatc
     capsys.readouterr()
     assert main(["generate", "--ckpt", str(run), "--eval-holdout"]) == 2
     err = capsys.readouterr().err
-    assert "when the run trained: it changed, so its tail is not the held-out part; use --eval-file" in err
+    assert (
+        "when the run trained: it changed, so its tail is not the held-out part; use --eval-file"
+        in err
+    )
 
 
 @pytest.mark.slow
@@ -275,8 +345,20 @@ def test_generate_says_when_it_skips_a_damaged_newer_checkpoint(trained, tmp_pat
     run = tmp_path / "run"
     shutil.copytree(trained[0], run / "checkpoints" / "step-60")
     (run / "checkpoints" / "step-80").mkdir()
-    (run / "checkpoints" / "step-80" / "manifest.json").write_text('{"format": "fourd-checkpoint"')  # torn
-    argv = ["generate", "--ckpt", str(run), "--prompt", "def ", "--max-new-tokens", "4", "--greedy", "--json"]
+    (run / "checkpoints" / "step-80" / "manifest.json").write_text(
+        '{"format": "fourd-checkpoint"'
+    )  # torn
+    argv = [
+        "generate",
+        "--ckpt",
+        str(run),
+        "--prompt",
+        "def ",
+        "--max-new-tokens",
+        "4",
+        "--greedy",
+        "--json",
+    ]
     assert main(argv) == 0
     captured = capsys.readouterr()
     assert captured.err == (

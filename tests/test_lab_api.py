@@ -57,7 +57,8 @@ def test_zero_bubble_idles_one_forward_per_stage():
 
 
 @pytest.mark.parametrize(
-    "schedule,v,per_rank", [("gpipe", None, 2), ("1f1b", None, 2), ("zero-bubble", None, 3), ("interleaved", 2, 4)]
+    "schedule,v,per_rank",
+    [("gpipe", None, 2), ("1f1b", None, 2), ("zero-bubble", None, 3), ("interleaved", 2, 4)],
 )
 def test_events_are_the_simulators_timeline(schedule, v, per_rank):
     p, m = 4, 8
@@ -67,7 +68,9 @@ def test_events_are_the_simulators_timeline(schedule, v, per_rank):
     expected = timeline(sched, {"F": 1 / scale, "B": 2 / scale, "I": 1 / scale, "W": 1 / scale})
     for r, rank in enumerate(d["ranks"]):
         assert len(rank["events"]) == per_rank * m
-        assert rank["events"] == [[e.kind, e.stage, e.microbatch, e.start, e.end - e.start] for e in expected[r]]
+        assert rank["events"] == [
+            [e.kind, e.stage, e.microbatch, e.start, e.end - e.start] for e in expected[r]
+        ]
         assert rank["peak_in_flight"] == sched.peak_in_flight(r)
 
 
@@ -101,7 +104,11 @@ def test_groups_that_straddle_servers_are_counted_where_they_lie():
     """tp=3 on 8-GPU servers: TP groups [3k, 3k+2]; k = 2 and 13 cross a server inside a rack (6-8, 39-41),
     k = 5 and 10 cross a rack (15-17, 30-32); the other 12 stay inside one server."""
     d = api.cluster({"layout": "tp=3,pp=16"})
-    assert d["spans"]["tp"] == {"size": 3, "groups": 16, "levels": {"nvlink": 12, "rack": 2, "pod": 2}}
+    assert d["spans"]["tp"] == {
+        "size": 3,
+        "groups": 16,
+        "levels": {"nvlink": 12, "rack": 2, "pod": 2},
+    }
     assert [g["server"] for g in d["gpus"][6:9]] == [0, 0, 1]
 
 
@@ -116,24 +123,38 @@ def test_cluster_row_shows_the_first_replica_of_a_large_layout():
 
 def test_cluster_row_takes_any_number_of_gpus():
     # a profile describes a server, a pod and the network, not a size
-    d = api.cluster({"layout": "tp=8,pp=16,dp=256"})  # 32,768 GPUs, more than llama3-h100's 8 pods of 3,072
-    assert (d["world"], len(d["gpus"]), d["spans"]["dp"]["levels"]) == (32768, 128, {"cross-pod": 128})
+    d = api.cluster(
+        {"layout": "tp=8,pp=16,dp=256"}
+    )  # 32,768 GPUs, more than llama3-h100's 8 pods of 3,072
+    assert (d["world"], len(d["gpus"]), d["spans"]["dp"]["levels"]) == (
+        32768,
+        128,
+        {"cross-pod": 128},
+    )
     with pytest.raises(FourdError) as e:
         api.cluster({"layout": "tp=8,pp=16,dp=131072"})
     assert (
-        str(e.value) == "layout=tp=8,cp=1,pp=16,dp=131072 has 16,777,216 GPUs: the cluster row counts at most 1,048,576"
+        str(e.value)
+        == "layout=tp=8,cp=1,pp=16,dp=131072 has 16,777,216 GPUs: the cluster row counts at most 1,048,576"
     )
 
 
 def test_trace_opens_only_chrome_json_under_the_trace_dir(tmp_path):
     (tmp_path / "runs").mkdir()
     events = [{"name": "F0.0", "ph": "X", "ts": 0, "dur": 5, "pid": 0, "tid": 0}]
-    (tmp_path / "runs" / "trace.json").write_text('{{"traceEvents": {}}}'.format(str(events).replace("'", '"')))
-    (tmp_path / "runs" / "list.json").write_text('[{"name": "B0.0", "ph": "X", "ts": 1, "dur": 2, "pid": 1, "tid": 0}]')
+    (tmp_path / "runs" / "trace.json").write_text(
+        '{{"traceEvents": {}}}'.format(str(events).replace("'", '"'))
+    )
+    (tmp_path / "runs" / "list.json").write_text(
+        '[{"name": "B0.0", "ph": "X", "ts": 1, "dur": 2, "pid": 1, "tid": 0}]'
+    )
     (tmp_path / "runs" / "bad.json").write_text("{not json")
     (tmp_path / "runs" / "notes.txt").write_text("x")
     root = tmp_path / "runs"
-    assert api.trace({"path": "trace.json"}, trace_dir=root) == {"path": "trace.json", "traceEvents": events}
+    assert api.trace({"path": "trace.json"}, trace_dir=root) == {
+        "path": "trace.json",
+        "traceEvents": events,
+    }
     assert api.trace({"path": "list.json"}, trace_dir=root)["traceEvents"][0]["name"] == "B0.0"
     with pytest.raises(FourdError, match="is not JSON"):
         api.trace({"path": "bad.json"}, trace_dir=root)
@@ -174,13 +195,21 @@ def test_plan_panel_is_fourd_plan_with_one_memory_bar_per_pipeline_rank():
     d = api.plan(PLAN_405B)
     plan = d["plan"]
     assert plan["layout"] == {"tp": 8, "cp": 1, "pp": 16, "dp": 128}
-    assert (plan["schedule"], plan["microbatches"], plan["micro_batch_seqs"]) == ("interleaved", 16, 1)
+    assert (plan["schedule"], plan["microbatches"], plan["micro_batch_seqs"]) == (
+        "interleaved",
+        16,
+        1,
+    )
     assert plan["chosen_by_planner"] == ["virtual stages", "zero", "recompute", "compile"]
     assert d["gpu_memory_gb"] == 80.0
     assert [b["label"] for b in d["memory"]] == [f"pipeline rank {r}" for r in range(16)]
     # the plan's memory is its fullest GPU's
-    assert max(b["total"] for b in d["memory"]) == pytest.approx(plan["memory_gb"]["total"], abs=1e-3)
-    assert 0 < plan["mfu"] < 1 and d["why"][0].startswith("Pipeline bubble: each replica gets 16 sequences")
+    assert max(b["total"] for b in d["memory"]) == pytest.approx(
+        plan["memory_gb"]["total"], abs=1e-3
+    )
+    assert 0 < plan["mfu"] < 1 and d["why"][0].startswith(
+        "Pipeline bubble: each replica gets 16 sequences"
+    )
 
 
 @pytest.mark.parametrize(
@@ -204,7 +233,10 @@ def test_plan_panel_is_fourd_plan_with_one_memory_bar_per_pipeline_rank():
             "2 virtual stages need the interleaved schedule (gpipe runs one stage per rank): choose the interleaved "
             "schedule or one virtual stage",
         ),
-        ({**PLAN_405B, "cluster": "../x"}, "cluster='../x': give a cluster profile name such as llama3-h100"),
+        (
+            {**PLAN_405B, "cluster": "../x"},
+            "cluster='../x': give a cluster profile name such as llama3-h100",
+        ),
     ],
 )
 def test_plan_panel_refuses_bad_settings(q, message):
@@ -226,7 +258,9 @@ def test_simulated_trace_runs_the_schedules_actions_with_transfers():
     events = api.simtrace(q)["traceEvents"]
     sched = build_schedule("1f1b", 4, 8)
     for r in range(4):
-        compute = sorted((e for e in events if e["ph"] == "X" and e["tid"] == 2 * r), key=lambda e: e["ts"])
+        compute = sorted(
+            (e for e in events if e["ph"] == "X" and e["tid"] == 2 * r), key=lambda e: e["ts"]
+        )
         assert [e["name"] for e in compute] == [str(a) for a in sched.ranks[r]]
         assert all(a["ts"] + a["dur"] <= b["ts"] + 1e-6 for a, b in zip(compute, compute[1:]))
     sends = {e["cat"] for e in events if e["ph"] == "X" and e["tid"] % 2 == 1}

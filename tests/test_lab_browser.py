@@ -28,7 +28,9 @@ pytestmark = pytest.mark.skipif(
 )
 sync_api = pytest.importorskip("playwright.sync_api")
 expect = sync_api.expect
-expect.set_options(timeout=30_000)  # a loaded 2-core machine draws a 16-stage timeline in more than the default 5 s
+expect.set_options(
+    timeout=30_000
+)  # a loaded 2-core machine draws a 16-stage timeline in more than the default 5 s
 
 FLAGS = [
     "--no-sandbox",
@@ -105,7 +107,13 @@ def drawn(page):
 
 @pytest.mark.parametrize(
     "schedule,p,m,v",
-    [("gpipe", 4, 6, 1), ("1f1b", 5, 7, 1), ("interleaved", 4, 8, 2), ("zero-bubble", 4, 6, 1), ("gpipe", 16, 64, 1)],
+    [
+        ("gpipe", 4, 6, 1),
+        ("1f1b", 5, 7, 1),
+        ("interleaved", 4, 8, 2),
+        ("zero-bubble", 4, 6, 1),
+        ("gpipe", 16, 64, 1),
+    ],
 )
 def test_blocks_per_stage_are_the_schedules_actions(page, url, schedule, p, m, v):
     query = f"p={p}&m={m}&schedule={schedule}" + (f"&v={v}" if v > 1 else "")
@@ -118,16 +126,24 @@ def test_blocks_per_stage_are_the_schedules_actions(page, url, schedule, p, m, v
     peaks = page.locator("#timeline text.peak").all_text_contents()
     if v == 1:
         plural = {1: "peak 1 microbatch"}
-        assert peaks == [plural.get(n, f"peak {n} microbatches") for n in map(sched.peak_in_flight, range(p))]
+        assert peaks == [
+            plural.get(n, f"peak {n} microbatches") for n in map(sched.peak_in_flight, range(p))
+        ]
     else:  # each in-flight (stage, microbatch) of an interleaved GPU holds 1/V of a microbatch's activations
-        assert peaks == [f"peak {sched.peak_in_flight(r) / v:g} microbatches' worth" for r in range(p)]
-        assert peaks[0] == "peak 5.5 microbatches' worth"  # 11 stage-microbatches in flight on GPU 0
+        assert peaks == [
+            f"peak {sched.peak_in_flight(r) / v:g} microbatches' worth" for r in range(p)
+        ]
+        assert (
+            peaks[0] == "peak 5.5 microbatches' worth"
+        )  # 11 stage-microbatches in flight on GPU 0
 
 
 def test_the_words_say_what_is_drawn(page, url):
     page.goto(f"{url}?p=4&m=8&schedule=gpipe")
     expect(page.locator("#speedup")).to_have_text("2.91×")
-    expect(page.locator(".readouts").first).to_contain_text("speed-up over one GPU running every stage 2.91×")
+    expect(page.locator(".readouts").first).to_contain_text(
+        "speed-up over one GPU running every stage 2.91×"
+    )
     expect(page.locator("#legend-b")).to_have_text("backward")
     expect(page.locator("#legend-w")).to_be_hidden()
     expect(page.locator("#timeline g.row text").first).to_have_text("GPU 0")
@@ -169,7 +185,9 @@ def test_the_drawing_follows_the_window_width(browser, url):
         expect(page.locator("#timeline g.row")).to_have_count(4)
         wide = page.locator("#timeline svg").bounding_box()["width"]
         page.set_viewport_size({"width": 800, "height": 900})
-        expect(page.locator("#timeline svg")).to_have_attribute("width", "768")  # 800 less the page's margins
+        expect(page.locator("#timeline svg")).to_have_attribute(
+            "width", "768"
+        )  # 800 less the page's margins
         assert wide == 1200  # the page's column
         assert min(page.evaluate(LABEL_PX.replace("SEL", "#timeline"))) >= 11
     finally:
@@ -224,12 +242,16 @@ def test_screenshot_of_the_bench_is_kept(page, url):
     image = Image.open(shot).convert("RGB")
     assert image.size == (1280, page.evaluate("document.documentElement.scrollHeight"))
     svg = page.locator("#timeline svg").bounding_box()
-    drawing = np.asarray(image.crop((svg["x"], svg["y"], svg["x"] + svg["width"], svg["y"] + svg["height"])))
+    drawing = np.asarray(
+        image.crop((svg["x"], svg["y"], svg["x"] + svg["width"], svg["y"] + svg["height"]))
+    )
     boxes = page.evaluate("""['F', 'B'].map((k) => [...document.querySelectorAll(`#timeline rect.blk.${k}`)].map(
         (r) => { const b = r.getBoundingClientRect(); return b.width * b.height; }).reduce((a, b) => a + b, 0))""")
     plot = page.locator("#timeline rect.row-bg").first.bounding_box()
     # Forward is 16 of each row's 93 units and backward 32, on 16 rows.
-    assert boxes == pytest.approx([16 * plot["width"] * plot["height"] * k / 93 for k in (16, 32)], rel=1e-3)
+    assert boxes == pytest.approx(
+        [16 * plot["width"] * plot["height"] * k / 93 for k in (16, 32)], rel=1e-3
+    )
     # The screenshot shows those blocks in their colours, less block edges and the microbatch numbers.
     for area, colour in zip(boxes, ((0x2F, 0x6F, 0xD6), (0x9C, 0xC4, 0xF5))):
         pixels = int((drawing == colour).all(axis=-1).sum())
@@ -238,13 +260,17 @@ def test_screenshot_of_the_bench_is_kept(page, url):
 
 def relative_luminance(rgb) -> float:
     """WCAG 2.x relative luminance of an sRGB colour."""
-    lin = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in (v / 255 for v in rgb)]
+    lin = [
+        c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in (v / 255 for v in rgb)
+    ]
     return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
 
 
 def cielab(rgb) -> tuple[float, float, float]:
     """CIE L*a*b* (D65) of an sRGB colour."""
-    r, g, b = (c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in (v / 255 for v in rgb))
+    r, g, b = (
+        c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in (v / 255 for v in rgb)
+    )
     xyz = (
         (0.4124 * r + 0.3576 * g + 0.1805 * b) / 0.95047,
         relative_luminance(rgb),
@@ -292,7 +318,9 @@ def test_cluster_row_colours_the_groups_of_a_layout(page, url):
     def colours():
         return len(
             set(
-                page.evaluate("[...document.querySelectorAll('#racks .gpu[data-rank]')].map((g) => g.style.background)")
+                page.evaluate(
+                    "[...document.querySelectorAll('#racks .gpu[data-rank]')].map((g) => g.style.background)"
+                )
             )
         )
 
@@ -319,14 +347,26 @@ def test_cluster_row_colours_the_groups_of_a_layout(page, url):
     expect(page.locator("#cluster-error")).to_have_text(
         "layout 'tp=3,zz=1': bad item 'zz=1'; write key=value with keys tp, cp, pp, dp"
     )
-    assert page.lab_errors == ["Failed to load resource: the server responded with a status of 400 (Bad Request)"]
+    assert page.lab_errors == [
+        "Failed to load resource: the server responded with a status of 400 (Bad Request)"
+    ]
     page.lab_errors.clear()
 
 
 def test_a_measured_trace_opens_from_a_file(page, url, tmp_path):
-    events = [{"ph": "M", "name": "thread_name", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}} for r in range(2)]
+    events = [
+        {"ph": "M", "name": "thread_name", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}}
+        for r in range(2)
+    ]
     events += [
-        {"ph": "X", "name": f"{k}0.{j}", "pid": 0, "tid": r, "ts": 1000 * (j + 3 * r + (k == "B")), "dur": 800}
+        {
+            "ph": "X",
+            "name": f"{k}0.{j}",
+            "pid": 0,
+            "tid": r,
+            "ts": 1000 * (j + 3 * r + (k == "B")),
+            "dur": 800,
+        }
         for r in range(2)
         for j in range(3)
         for k in "FB"
@@ -349,7 +389,11 @@ def test_a_measured_trace_opens_from_a_file(page, url, tmp_path):
     expect(page.locator("#measured text.axis")).to_have_text(["0", "5", "10", "15", "20 ms"])
     expect(page.locator("#measured-name")).to_have_text("trace.json · 21 ms")
     # The simulated step of a 2-GPU pipeline is drawn on the same axis, as long as the longer of the two.
-    for field, value in (("#plan-gpus", "2"), ("#plan-layout", "pp=2"), ("#plan-microbatches", "4")):
+    for field, value in (
+        ("#plan-gpus", "2"),
+        ("#plan-layout", "pp=2"),
+        ("#plan-microbatches", "4"),
+    ):
         page.locator(field).fill(value)
     page.locator("#plan-seq").fill("256")
     page.locator("#plan-tokens").fill("4096")
@@ -359,10 +403,16 @@ def test_a_measured_trace_opens_from_a_file(page, url, tmp_path):
     expect(page.locator("#simulated g.row")).to_have_count(4)
     axes = [page.locator(f"#{w} text.axis").all_text_contents() for w in ("measured", "simulated")]
     assert axes[0] == axes[1] and axes[0][-1].endswith(" ms")
-    ticks = "[...document.querySelectorAll('#WHICH line.tick')].map((l) => l.getBoundingClientRect().x)"
-    assert page.evaluate(ticks.replace("WHICH", "measured")) == page.evaluate(ticks.replace("WHICH", "simulated"))
+    ticks = (
+        "[...document.querySelectorAll('#WHICH line.tick')].map((l) => l.getBoundingClientRect().x)"
+    )
+    assert page.evaluate(ticks.replace("WHICH", "measured")) == page.evaluate(
+        ticks.replace("WHICH", "simulated")
+    )
     simulated_ms = float(
-        re.search(r"· ([\d.,]+) ms$", page.locator("#simulated-name").text_content())[1].replace(",", "")
+        re.search(r"· ([\d.,]+) ms$", page.locator("#simulated-name").text_content())[1].replace(
+            ",", ""
+        )
     )
     spans = [max(21, simulated_ms)] * 2
     assert float(axes[0][-1].split()[0].replace(",", "")) <= spans[0]
@@ -454,13 +504,19 @@ def test_a_trace_opens_by_path_under_the_trace_dir(page, tmp_path):
         page.locator("#trace-path").fill("step.json")
         page.locator("#trace-form button[type=submit]").click()
         expect(page.locator("#measured g.row")).to_have_count(4)  # 2 pipeline ranks: compute, sends
-        expect(page.locator("#measured-name")).to_have_text(re.compile(r"^step\.json · [0-9.]+ ms$"))
-        blocks = page.evaluate("document.querySelector('#measured g.row').querySelectorAll('rect.blk').length")
+        expect(page.locator("#measured-name")).to_have_text(
+            re.compile(r"^step\.json · [0-9.]+ ms$")
+        )
+        blocks = page.evaluate(
+            "document.querySelector('#measured g.row').querySelectorAll('rect.blk').length"
+        )
         assert blocks == 8  # GPipe on rank 0: 4 forwards, 4 backwards
         page.locator("#trace-path").fill("../step.json")
         page.locator("#trace-form button[type=submit]").click()
         expect(page.locator("#trace-error")).to_contain_text("is outside the lab's --trace-dir")
-        assert page.lab_errors == ["Failed to load resource: the server responded with a status of 400 (Bad Request)"]
+        assert page.lab_errors == [
+            "Failed to load resource: the server responded with a status of 400 (Bad Request)"
+        ]
         page.lab_errors.clear()
     finally:
         server.shutdown()

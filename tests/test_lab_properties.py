@@ -27,13 +27,62 @@ PARAMS = {
     "options": [],
 }
 VALUES = [
-    "0", "1", "2", "3", "4", "7", "8", "16", "64", "128", "256", "8192", "16384", "-1", "1e3", "nan", "inf",
-    "99999999999999999999", "16M", "4096", "1T", "-5T", "0.5M", "tp=8,pp=16", "tp=3", "pp=2,dp=2", "pp=4",
-    "tp=1,pp=1,dp=16384", "tp=8,pp=16,dp=128", "cp=2,pp=2", "tp=0", "dp=99999999", "tp=8,tp=8", "gpipe", "1f1b",
-    "interleaved", "zero-bubble", "debug", "llama3-8b", "llama3-405b", "llama3-h100", "../x", "trace.json",
-    "../../etc/passwd", "a" * 300 + ".json", "none", "selective", "full", "", " ", "\x00", "é",
-]  # fmt: skip
-value = st.one_of(st.sampled_from(VALUES), st.integers(-(10**12), 10**12).map(str), st.text(max_size=12))
+    "0",
+    "1",
+    "2",
+    "3",
+    "4",
+    "7",
+    "8",
+    "16",
+    "64",
+    "128",
+    "256",
+    "8192",
+    "16384",
+    "-1",
+    "1e3",
+    "nan",
+    "inf",
+    "99999999999999999999",
+    "16M",
+    "4096",
+    "1T",
+    "-5T",
+    "0.5M",
+    "tp=8,pp=16",
+    "tp=3",
+    "pp=2,dp=2",
+    "pp=4",
+    "tp=1,pp=1,dp=16384",
+    "tp=8,pp=16,dp=128",
+    "cp=2,pp=2",
+    "tp=0",
+    "dp=99999999",
+    "tp=8,tp=8",
+    "gpipe",
+    "1f1b",
+    "interleaved",
+    "zero-bubble",
+    "debug",
+    "llama3-8b",
+    "llama3-405b",
+    "llama3-h100",
+    "../x",
+    "trace.json",
+    "../../etc/passwd",
+    "a" * 300 + ".json",
+    "none",
+    "selective",
+    "full",
+    "",
+    " ",
+    "\x00",
+    "é",
+]
+value = st.one_of(
+    st.sampled_from(VALUES), st.integers(-(10**12), 10**12).map(str), st.text(max_size=12)
+)
 layouts = st.lists(
     st.tuples(st.sampled_from(DIMS), st.sampled_from([1, 2, 3, 4, 8, 16, 128, 16384])),
     max_size=4,
@@ -76,7 +125,13 @@ def requests(draw) -> tuple[str, str]:
         q = [(k, v) for k, v in q if k not in ("layout", "gpus")] + [("layout", layout_text(items))]
         q.append(("gpus", str(math.prod(n for _, n in items))))
     if not draw(often):
-        q += draw(st.lists(st.tuples(st.sampled_from(["p", "gpus", "path", "V", ""]) | st.text(max_size=4), value)))
+        q += draw(
+            st.lists(
+                st.tuples(
+                    st.sampled_from(["p", "gpus", "path", "V", ""]) | st.text(max_size=4), value
+                )
+            )
+        )
     return endpoint, urlencode(draw(st.permutations(q)))
 
 
@@ -88,7 +143,9 @@ odd_query = st.text(max_size=60).map(lambda t: quote(t, safe="=&%+;/?:@,$!*'()")
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
     root = tmp_path_factory.mktemp("traces")
-    (root / "trace.json").write_text(json.dumps({"traceEvents": [{"ph": "X", "name": "F0.0", "ts": 0, "dur": 1}]}))
+    (root / "trace.json").write_text(
+        json.dumps({"traceEvents": [{"ph": "X", "name": "F0.0", "ts": 0, "dur": 1}]})
+    )
     server = LabServer("127.0.0.1", 0, trace_dir=root)
     yield server
     server.server_close()
@@ -104,7 +161,9 @@ def answer(lab, endpoint: str, q: str) -> tuple[int, dict]:
 
 def check(lab, endpoint: str, q: str) -> None:
     status, doc = answer(lab, endpoint, q)
-    assert status == 200 or (400 <= status < 500 and list(doc) == ["error"] and "\n" not in doc["error"]), (
+    assert status == 200 or (
+        400 <= status < 500 and list(doc) == ["error"] and "\n" not in doc["error"]
+    ), (
         endpoint,
         q,
         status,

@@ -53,9 +53,16 @@ def test_index_and_assets_are_served_with_their_types(lab):
     assert body == (STATIC_DIR / "index.html").read_bytes()
     assert headers["Content-Type"] == "text/html; charset=utf-8"
     assert "default-src 'self'" in headers["Content-Security-Policy"]
-    for name, ctype in (("app.js", "text/javascript; charset=utf-8"), ("style.css", "text/css; charset=utf-8")):
+    for name, ctype in (
+        ("app.js", "text/javascript; charset=utf-8"),
+        ("style.css", "text/css; charset=utf-8"),
+    ):
         status, headers, body = request(lab, "GET", f"/{name}")
-        assert (status, headers["Content-Type"], body) == (200, ctype, (STATIC_DIR / name).read_bytes())
+        assert (status, headers["Content-Type"], body) == (
+            200,
+            ctype,
+            (STATIC_DIR / name).read_bytes(),
+        )
 
 
 def test_page_loads_nothing_from_elsewhere():
@@ -122,13 +129,18 @@ def test_symlinks_and_subfolders_in_the_static_folder_are_not_served(tmp_path):
         server.server_close()
 
 
-@pytest.mark.parametrize("method", ["POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "PROPFIND", "FOO"])
+@pytest.mark.parametrize(
+    "method", ["POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "PROPFIND", "FOO"]
+)
 def test_only_get_and_head(lab, method):
     for target in ("/", "/api/schedule?p=4&m=4"):
         status, headers, body = request(lab, method, target)
         assert status == 405
         assert headers["Allow"] == "GET, HEAD"
-        assert json.loads(body)["error"] == f"method {method} not allowed: the lab answers GET and HEAD only"
+        assert (
+            json.loads(body)["error"]
+            == f"method {method} not allowed: the lab answers GET and HEAD only"
+        )
 
 
 def test_head_sends_the_length_of_get_without_a_body(lab):
@@ -150,7 +162,14 @@ def test_requests_for_another_host_name_are_refused(lab):
     """A page elsewhere that points its own name at 127.0.0.1 (DNS rebinding) sends that name: 400."""
     port = lab.server_address[1]
     suggestion = f"127.0.0.1:{port} or localhost:{port}"
-    for host in ("attacker.example:80", f"attacker.example:{port}", "localhost", "127.0.0.1", "127.0.0.1:1", ""):
+    for host in (
+        "attacker.example:80",
+        f"attacker.example:{port}",
+        "localhost",
+        "127.0.0.1",
+        "127.0.0.1:1",
+        "",
+    ):
         assert error_of(request(lab, "GET", "/api/options", {"Host": host})) == (
             400,
             f"Host {host!r} is not this lab: address it as {suggestion}",
@@ -190,7 +209,9 @@ def test_exactly_one_host_header(lab):
     )
 
 
-@pytest.mark.parametrize("target", ["http://127.0.0.1/../../../../etc/passwd", "http://other.example/", "*"])
+@pytest.mark.parametrize(
+    "target", ["http://127.0.0.1/../../../../etc/passwd", "http://other.example/", "*"]
+)
 def test_only_origin_form_targets(lab, target):
     """An absolute-form target would let a proxy-style request name another host: refused."""
     assert error_of(request(lab, "GET", target)) == (
@@ -232,7 +253,10 @@ BAD = [
         "/api/schedule?p=4&m=4&schedule=pipedream",
         "schedule='pipedream': choose one of gpipe, 1f1b, interleaved, zero-bubble",
     ),
-    ("/api/schedule?p=4&m=4&v=9&schedule=interleaved", "v=9 is out of range: give an integer from 1 to 8"),
+    (
+        "/api/schedule?p=4&m=4&v=9&schedule=interleaved",
+        "v=9 is out of range: give an integer from 1 to 8",
+    ),
     (
         "/api/schedule?p=4&m=4&v=2&schedule=gpipe",
         "2 virtual stages need the interleaved schedule (gpipe runs one stage per rank): choose the interleaved "
@@ -240,8 +264,14 @@ BAD = [
     ),
     ("/api/schedule?p=4&m=4&q=1", "unknown parameter 'q'; this endpoint takes p, m, schedule, v"),
     ("/api/schedule?p=4&p=5&m=4", "parameter 'p' is given twice; give it once"),
-    ("/api/cluster?layout=tp%3D0", "layout tp=0: each degree must be a positive integer, e.g. tp=2"),
-    ("/api/cluster?layout=xx%3D2", "layout 'xx=2': bad item 'xx=2'; write key=value with keys tp, cp, pp, dp"),
+    (
+        "/api/cluster?layout=tp%3D0",
+        "layout tp=0: each degree must be a positive integer, e.g. tp=2",
+    ),
+    (
+        "/api/cluster?layout=xx%3D2",
+        "layout 'xx=2': bad item 'xx=2'; write key=value with keys tp, cp, pp, dp",
+    ),
     (
         "/api/cluster?layout=tp%3D8&cluster=..%2F..%2Fetc%2Fpasswd",
         "cluster='../../etc/passwd': give a cluster profile name such as llama3-h100",
@@ -252,7 +282,10 @@ BAD = [
     ),
     ("/api/trace?path=..%2F..%2F..%2Fetc%2Fpasswd", None),
     ("/api/trace?path=%2Fetc%2Fpasswd", None),
-    ("/api/trace?path=missing.json", "path='missing.json': no such file under the lab's --trace-dir"),
+    (
+        "/api/trace?path=missing.json",
+        "path='missing.json': no such file under the lab's --trace-dir",
+    ),
     ("/api/trace", "missing parameter path: name a trace file under the lab's --trace-dir"),
     (
         "/api/trace?path=" + "a" * 300 + ".json",
@@ -275,7 +308,8 @@ def test_unknown_endpoint_is_404_naming_the_known_ones(lab):
     status, _, body = request(lab, "GET", "/api/nope")
     assert status == 404
     assert (
-        json.loads(body)["error"] == "no API endpoint 'nope'; known: cluster, options, plan, schedule, simtrace, trace"
+        json.loads(body)["error"]
+        == "no API endpoint 'nope'; known: cluster, options, plan, schedule, simtrace, trace"
     )
 
 
@@ -291,11 +325,16 @@ def _listening_address(port: int) -> str:
 
 def test_cli_binds_loopback_by_default_and_prints_its_url():
     proc = subprocess.Popen(
-        [sys.executable, "-m", "fourd", "lab", "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-m", "fourd", "lab", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         line = proc.stdout.readline()
-        m = re.fullmatch(r"fourd lab: serving http://127\.0\.0\.1:(\d+)/ \(Ctrl-C to stop\)\n", line)
+        m = re.fullmatch(
+            r"fourd lab: serving http://127\.0\.0\.1:(\d+)/ \(Ctrl-C to stop\)\n", line
+        )
         assert m, line
         port = int(m.group(1))
         assert _listening_address(port) == "127.0.0.1"
@@ -327,7 +366,10 @@ def test_cli_names_a_busy_port_in_one_line():
         busy.listen()
         port = busy.getsockname()[1]
         done = subprocess.run(
-            [sys.executable, "-m", "fourd", "lab", "--port", str(port)], capture_output=True, text=True, timeout=60
+            [sys.executable, "-m", "fourd", "lab", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
     assert done.returncode == 2
     assert done.stderr == (
@@ -391,7 +433,10 @@ def test_a_client_that_drips_its_request_is_cut_off_at_the_deadline(quick):
             s.sendall(bytes([byte]))
         answer = s.recv(65536)
     assert 0.9 < time.monotonic() - t < 2
-    assert status_and_error(answer) == (408, "the request did not arrive within 1 s: send it at once")
+    assert status_and_error(answer) == (
+        408,
+        "the request did not arrive within 1 s: send it at once",
+    )
 
 
 def open_slow_clients(server, n: int) -> list[socket.socket]:
@@ -422,7 +467,9 @@ def test_300_slow_clients_hold_no_threads_and_others_are_answered(quick):
 
 
 def test_beyond_the_waiting_limit_the_oldest_connection_is_closed():
-    server = LabServer("127.0.0.1", 0, timeout=60.0)  # long enough to open them all on a busy machine
+    server = LabServer(
+        "127.0.0.1", 0, timeout=60.0
+    )  # long enough to open them all on a busy machine
     server.serve_in_thread()
     clients = open_slow_clients(server, MAX_WAITING + 1)
     try:
@@ -442,10 +489,26 @@ def test_beyond_the_waiting_limit_the_oldest_connection_is_closed():
 HOSTILE = [
     (b"GET /\r\n\r\n", 400, "request line b'GET /' is not METHOD TARGET HTTP/1.1"),
     (b"\r\n\r\n", 400, "request line b'' is not METHOD TARGET HTTP/1.1"),
-    (b"GET / HTTP/2.0\r\n\r\n", 400, "request line b'GET / HTTP/2.0' is not METHOD TARGET HTTP/1.1"),
-    (b"GET / HTTP/1.1 extra\r\n\r\n", 400, "request line b'GET / HTTP/1.1 extra' is not METHOD TARGET HTTP/1.1"),
-    (b"\xff\xfe / HTTP/1.1\r\n\r\n", 405, "method \xff\xfe not allowed: the lab answers GET and HEAD only"),
-    (b"GET / HTTP/1.1\r\n" + b"X: y\r\n" * 101 + b"\r\n", 400, "more than 100 header lines: send fewer"),
+    (
+        b"GET / HTTP/2.0\r\n\r\n",
+        400,
+        "request line b'GET / HTTP/2.0' is not METHOD TARGET HTTP/1.1",
+    ),
+    (
+        b"GET / HTTP/1.1 extra\r\n\r\n",
+        400,
+        "request line b'GET / HTTP/1.1 extra' is not METHOD TARGET HTTP/1.1",
+    ),
+    (
+        b"\xff\xfe / HTTP/1.1\r\n\r\n",
+        405,
+        "method \xff\xfe not allowed: the lab answers GET and HEAD only",
+    ),
+    (
+        b"GET / HTTP/1.1\r\n" + b"X: y\r\n" * 101 + b"\r\n",
+        400,
+        "more than 100 header lines: send fewer",
+    ),
     (b"GET /" + b"a" * 20000 + b" HTTP/1.1\r\n\r\n", 431, "the request head is over 16 KiB"),
     (b"GET http://evil.example/ HTTP/1.1\r\nHost: HOST\r\n\r\n", 400, None),
     (b"GET /api/schedule?p=4&m=4&%ff=%00 HTTP/1.1\r\nHost: HOST\r\n\r\n", 400, None),
@@ -467,10 +530,14 @@ def test_no_hostile_request_gets_a_500_or_stops_the_lab(quick):
     clients = open_slow_clients(quick, 100)
     try:
         with ThreadPoolExecutor(8) as pool:
-            answers = list(pool.map(lambda case: raw(quick, case[0].replace(b"HOST", host)), HOSTILE))
+            answers = list(
+                pool.map(lambda case: raw(quick, case[0].replace(b"HOST", host)), HOSTILE)
+            )
         for (data, status, message), answer in zip(HOSTILE, answers):
             if data.startswith(b"HEAD"):
-                assert answer.startswith(b"HTTP/1.1 404 Not Found\r\n") and answer.endswith(b"\r\n\r\n")
+                assert answer.startswith(b"HTTP/1.1 404 Not Found\r\n") and answer.endswith(
+                    b"\r\n\r\n"
+                )
                 continue
             if status == 200:
                 assert answer.startswith(b"HTTP/1.1 200 OK\r\n"), data

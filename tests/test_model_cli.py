@@ -6,7 +6,11 @@ import pytest
 from conftest import run_fourd
 
 # Total parameters of Meta's released checkpoints (the Hugging Face model cards' safetensors totals).
-RELEASED = {"llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496, "llama3-405b": 405_853_388_800}
+RELEASED = {
+    "llama3-8b": 8_030_261_248,
+    "llama3-70b": 70_553_706_496,
+    "llama3-405b": 405_853_388_800,
+}
 
 
 @pytest.mark.parametrize("preset", sorted(RELEASED))
@@ -15,9 +19,22 @@ def test_parameter_counts_equal_the_released_models(preset):
     assert code == 0 and err == ""
     info = json.loads(out)
     assert list(info) == [
-        "preset", "params", "layers", "dim", "ffn", "heads", "kv_heads", "vocab", "head_dim", "norm_eps",
-        "rope_theta", "max_seq", "mlp", "non_embedding_params", "flops_per_token_at_max_seq",
-    ]  # fmt: skip
+        "preset",
+        "params",
+        "layers",
+        "dim",
+        "ffn",
+        "heads",
+        "kv_heads",
+        "vocab",
+        "head_dim",
+        "norm_eps",
+        "rope_theta",
+        "max_seq",
+        "mlp",
+        "non_embedding_params",
+        "flops_per_token_at_max_seq",
+    ]
     assert info["params"] == RELEASED[preset]
     embeddings = info["vocab"] * info["dim"]  # input and output, untied
     assert info["non_embedding_params"] == RELEASED[preset] - 2 * embeddings

@@ -5,7 +5,11 @@ from fourd.model.llama import Attention, apply_rope, build_model, rope_table
 
 
 def test_preset_parameter_counts_on_meta():
-    want = {"llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496, "llama3-405b": 405_853_388_800}
+    want = {
+        "llama3-8b": 8_030_261_248,
+        "llama3-70b": 70_553_706_496,
+        "llama3-405b": 405_853_388_800,
+    }
     for name, n in want.items():
         model = build_model(PRESETS[name], device="meta")
         assert sum(p.numel() for p in model.parameters()) == n
@@ -37,7 +41,9 @@ def test_rope_rotates_pairs_and_keeps_norms():
     torch.testing.assert_close(y[:, 0], x[:, 0])  # position 0 is not rotated
     # the first pair turns by exactly position × θ^0 = position radians
     a, b = x[0, 3, 0, 0], x[0, 3, 0, 1]
-    torch.testing.assert_close(y[0, 3, 0, 0], a * torch.cos(torch.tensor(3.0)) - b * torch.sin(torch.tensor(3.0)))
+    torch.testing.assert_close(
+        y[0, 3, 0, 0], a * torch.cos(torch.tensor(3.0)) - b * torch.sin(torch.tensor(3.0))
+    )
 
 
 def test_rope_is_relative():
@@ -55,7 +61,11 @@ def test_rope_is_relative():
 def test_gqa_shapes_and_equivalence_to_repeated_heads():
     cfg = ModelConfig(layers=1, dim=32, ffn=64, heads=4, kv_heads=2, vocab=16)
     att = Attention(cfg)
-    assert att.wq.weight.shape == (32, 32) and att.wk.weight.shape == (16, 32) and att.wv.weight.shape == (16, 32)
+    assert (
+        att.wq.weight.shape == (32, 32)
+        and att.wk.weight.shape == (16, 32)
+        and att.wv.weight.shape == (16, 32)
+    )
     x = torch.randn(2, 6, 32)
     cos, sin = rope_table(8, torch.arange(6), 500_000.0)
     out = att(x, cos, sin)
@@ -80,10 +90,15 @@ def test_causality_and_deterministic_init():
     x = torch.randint(0, 256, (1, 12))
     y = x.clone()
     y[0, 8:] = (y[0, 8:] + 1) % 256
-    torch.testing.assert_close(m1(x)[0, :8], m1(y)[0, :8])  # changing later tokens never changes earlier logits
+    torch.testing.assert_close(
+        m1(x)[0, :8], m1(y)[0, :8]
+    )  # changing later tokens never changes earlier logits
 
 
 def test_model_spec_parsing():
     cfg = parse_model_spec("layers=2,dim=64,ffn=128,heads=4,kv_heads=2,vocab=100,mlp=gelu")
     assert (cfg.layers, cfg.head_dim, cfg.mlp) == (2, 16, "gelu")
-    assert cfg.params() == 2 * (64 * 64 * 2 + 2 * 64 * 32 + 2 * 64 * 128 + 4 * 64) + 2 * 100 * 64 + 2 * 64
+    assert (
+        cfg.params()
+        == 2 * (64 * 64 * 2 + 2 * 64 * 32 + 2 * 64 * 128 + 4 * 64) + 2 * 100 * 64 + 2 * 64
+    )

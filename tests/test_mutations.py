@@ -30,8 +30,8 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
     # pipeline bubbles: the schedule, the two simulators, the planner and the lab
     "1f1b warm-up one forward too many": (
         "fourd/schedules.py",
-        '[Action("B", rank, j) for j in range(m)], min(pp - 1 - rank, m)',
-        '[Action("B", rank, j) for j in range(m)], min(pp - rank, m)',
+        '[Action("B", rank, j) for j in range(m)],\n        min(pp - 1 - rank, m),',
+        '[Action("B", rank, j) for j in range(m)],\n        min(pp - rank, m),',
         ("tests/test_schedules.py::test_small_orders_exactly",),
     ),
     "simulated idle fraction misses one action per rank": (
@@ -44,7 +44,9 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
         "fourd/sim/step.py",
         "return 1 - max(self.busy_s) / self.pipeline_span_s if self.pipeline_span_s > 0 else 0.0",
         "return 1 - min(self.busy_s) / self.pipeline_span_s if self.pipeline_span_s > 0 else 0.0",
-        ("tests/test_sim_step.py::test_bubble_fraction_is_the_busiest_ranks_idle_share_of_the_span",),
+        (
+            "tests/test_sim_step.py::test_bubble_fraction_is_the_busiest_ranks_idle_share_of_the_span",
+        ),
     ),
     "planner's 1F1B bubble is p, not p - 1, stage times": (
         "fourd/plan/perf.py",
@@ -116,7 +118,9 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
         "fourd/parallel/tp.py",
         "target_logit = shifted.gather(1, local_t[:, None]).squeeze(1) * mine",
         "target_logit = shifted.gather(1, local_t[:, None]).squeeze(1)",
-        ("tests/test_parallel_tp_dp.py::test_vocabulary_parallel_loss_and_gradient_equal_cross_entropy",),
+        (
+            "tests/test_parallel_tp_dp.py::test_vocabulary_parallel_loss_and_gradient_equal_cross_entropy",
+        ),
     ),
     "gradient clipping measures but does not scale": (
         "fourd/parallel/grad.py",
@@ -153,7 +157,14 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
 
 # What each test run needs loaded, imported once in the server that forks the runs: each then starts in well under
 # a second instead of paying for torch's import again. fourd itself is never imported there.
-PRELOAD = ["numpy", "torch", "torch.distributed.tensor", "torch.distributed.pipelining", "pytest", "hypothesis"]
+PRELOAD = [
+    "numpy",
+    "torch",
+    "torch.distributed.tensor",
+    "torch.distributed.pipelining",
+    "pytest",
+    "hypothesis",
+]
 PRELOAD += ["transformers"]  # the HF conversion test's
 
 
@@ -166,7 +177,9 @@ def _in_copy(copy: str, tests: list[str], log: str) -> None:
     # no bytecode: a mutated file and its restored original may share a size and a modification second
     os.environ.update(PYTHONPATH=copy, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
     sys.dont_write_bytecode = True
-    sys.path[:] = [copy] + [p for p in sys.path if p not in ("", ".", str(ROOT), str(ROOT / "tests"))]
+    sys.path[:] = [copy] + [
+        p for p in sys.path if p not in ("", ".", str(ROOT), str(ROOT / "tests"))
+    ]
     import fourd
 
     if Path(fourd.__file__) != Path(copy, "fourd", "__init__.py"):
@@ -190,19 +203,27 @@ def _pytest(copy: Path, tests) -> tuple[int, str, float]:
     if run.is_alive():
         run.kill()
         run.join()
-    return run.exitcode if run.exitcode is not None else -1, log.read_text(), time.perf_counter() - start
+    return (
+        run.exitcode if run.exitcode is not None else -1,
+        log.read_text(),
+        time.perf_counter() - start,
+    )
 
 
 def test_every_anchor_occurs_once_and_every_named_test_exists():
     """Part of `make test` (it takes no time): a refactor or a renamed test shows up there, by name."""
     for name, (path, old, new, tests) in MUTATIONS.items():
         count = (ROOT / path).read_text().count(old)
-        assert count == 1, f"mutation {name!r}: {path} holds its anchor {old!r} {count} times, not once: update it"
+        assert count == 1, (
+            f"mutation {name!r}: {path} holds its anchor {old!r} {count} times, not once: update it"
+        )
         assert old != new, name
         for test in tests:
             file, _, function = test.partition("::")
             where = ROOT / file
-            assert where.is_file() and f"def {function.split('[')[0]}(" in where.read_text(), f"{name!r}: no {test}"
+            assert where.is_file() and f"def {function.split('[')[0]}(" in where.read_text(), (
+                f"{name!r}: no {test}"
+            )
 
 
 @pytest.fixture(scope="module")
@@ -212,7 +233,9 @@ def copy(tmp_path_factory):
     for name in COPIED:
         source = ROOT / name
         if source.is_dir():
-            shutil.copytree(source, root / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+            shutil.copytree(
+                source, root / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
+            )
         else:
             shutil.copy2(source, root / name)
     tests = sorted({t for *_, named in MUTATIONS.values() for t in named})
@@ -235,5 +258,7 @@ def test_mutation_is_caught(copy, name):
     finally:
         source.write_text(original)
     # 1: tests ran and failed. 2-5 (collection error, usage error, no test) would mean a broken suite, not a catch.
-    assert code == 1, f"mutation {name!r} was NOT caught by {', '.join(tests)} (pytest exit {code}):\n{out[-3000:]}"
+    assert code == 1, (
+        f"mutation {name!r} was NOT caught by {', '.join(tests)} (pytest exit {code}):\n{out[-3000:]}"
+    )
     print(f"\ncaught: {name} ({path}) by {', '.join(tests)} in {seconds:.0f} s")

@@ -68,7 +68,9 @@ def _merged(per_rank, name):
     return params
 
 
-FOUR_D = dict(parallel__layout="tp=2,pp=2,dp=2", parallel__microbatches=2, parallel__sequence_parallel=True)
+FOUR_D = dict(
+    parallel__layout="tp=2,pp=2,dp=2", parallel__microbatches=2, parallel__sequence_parallel=True
+)
 
 
 @pytest.mark.slow
@@ -77,7 +79,8 @@ def test_recompute_and_zero1_at_tp2_pp2_dp2_equal_none_and_one_process():
     ref = trainer_run(0, 1, _config(parallel__microbatches=2))
     assert ref[0][-1] < ref[0][0], "the reference run must learn"
     configs = {
-        mode: _config(**FOUR_D, parallel__recompute=mode, parallel__zero=2) for mode in ("none", "selective", "full")
+        mode: _config(**FOUR_D, parallel__recompute=mode, parallel__zero=2)
+        for mode in ("none", "selective", "full")
     }
     configs["zero 1"] = _config(**FOUR_D, parallel__zero=1)
     per_rank = run_ranks(_each, 8, configs, timeout=380)
@@ -86,11 +89,15 @@ def test_recompute_and_zero1_at_tp2_pp2_dp2_equal_none_and_one_process():
         for rank, results in enumerate(per_rank):
             _assert_same(f"{name} rank {rank}", results[name], ref, 1e-5)
             if name in ("selective", "full"):
-                _assert_same(f"{name} rank {rank} against none", results[name], results["none"], 1e-6)
+                _assert_same(
+                    f"{name} rank {rank} against none", results[name], results["none"], 1e-6
+                )
 
 
 FOUR_RANKS = {
-    "pp=4 over 2 layers": _config(parallel__layout="pp=4", parallel__microbatches=2, model__layers=2),
+    "pp=4 over 2 layers": _config(
+        parallel__layout="pp=4", parallel__microbatches=2, model__layers=2
+    ),
     "dp=4 zero 0": _config(parallel__layout="dp=4", parallel__zero=0),
     "dp=4 zero 1": _config(parallel__layout="dp=4", parallel__zero=1),
     "tp=2,dp=2 zero 1 selective": _config(
@@ -99,9 +106,14 @@ FOUR_RANKS = {
     "cp=2,dp=2 zero 1 selective": _config(
         parallel__layout="cp=2,dp=2", parallel__zero=1, parallel__recompute="selective"
     ),
-    "tp=2,pp=2 compiled": _config(parallel__layout="tp=2,pp=2", parallel__microbatches=2, train__compile=True),
+    "tp=2,pp=2 compiled": _config(
+        parallel__layout="tp=2,pp=2", parallel__microbatches=2, train__compile=True
+    ),
     "cp=2,pp=2 zero 3 full": _config(
-        parallel__layout="cp=2,pp=2", parallel__zero=3, parallel__recompute="full", parallel__microbatches=2
+        parallel__layout="cp=2,pp=2",
+        parallel__zero=3,
+        parallel__recompute="full",
+        parallel__microbatches=2,
     ),
 }
 
@@ -109,7 +121,10 @@ FOUR_RANKS = {
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_layers_plus_two_stages_zero1_recompute_under_cp_and_compile_equal_one_process():
-    refs = {"2 layers": trainer_run(0, 1, _config(model__layers=2)), "4 layers": trainer_run(0, 1, _config())}
+    refs = {
+        "2 layers": trainer_run(0, 1, _config(model__layers=2)),
+        "4 layers": trainer_run(0, 1, _config()),
+    }
     per_rank = run_ranks(_each, 4, FOUR_RANKS, timeout=280)
     for name in FOUR_RANKS:
         ref = refs["2 layers" if "2 layers" in name else "4 layers"]
@@ -124,7 +139,12 @@ def test_layers_plus_two_stages_zero1_recompute_under_cp_and_compile_equal_one_p
         ["norm.weight", "output.weight"],
     ]
     for rank, results in enumerate(per_rank):
-        _assert_same(f"zero 1 against zero 0, rank {rank}", results["dp=4 zero 1"], results["dp=4 zero 0"], 1e-6)
+        _assert_same(
+            f"zero 1 against zero 0, rank {rank}",
+            results["dp=4 zero 1"],
+            results["dp=4 zero 0"],
+            1e-6,
+        )
 
 
 def _resume(rank, world, run_dir):
@@ -132,13 +152,17 @@ def _resume(rank, world, run_dir):
     from fourd.ckpt.dcp_io import Checkpointer
 
     def build(zero):
-        cfg = _config(parallel__layout="dp=2", parallel__zero=zero, run__dir=str(run_dir), checkpoint__keep=2)
+        cfg = _config(
+            parallel__layout="dp=2", parallel__zero=zero, run__dir=str(run_dir), checkpoint__keep=2
+        )
         par = build_parallel(cfg, torch.device("cpu"), rank, world)
         opt = build_optimizer(par, cfg)
         ckpt = Checkpointer(cfg, par.stages, opt, layout="dp=2", contributes=rank == 0)
         return cfg, par, opt, ckpt
 
-    rows = torch.randint(0, 256, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(3))[rank * 2 : rank * 2 + 2]
+    rows = torch.randint(0, 256, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(3))[
+        rank * 2 : rank * 2 + 2
+    ]
 
     def step(cfg, par, opt):
         return train_step(par, opt, rows[:, :-1], rows[:, 1:], cfg.train.lr, cfg, nullcontext)[0]

@@ -33,7 +33,9 @@ def _block_comms(tp_mesh, sp):
     model = build_model(cfg, seed=0)
     apply_tp(model, tp_mesh, sequence_parallel=sp)
     x = torch.randn(2, SEQ // tp_mesh.size() if sp else SEQ, cfg.dim, requires_grad=True)
-    h = DTensor.from_local(x, tp_mesh, [Shard(1)]) if sp else x  # under SP the residual stream is seq-sharded
+    h = (
+        DTensor.from_local(x, tp_mesh, [Shard(1)]) if sp else x
+    )  # under SP the residual stream is seq-sharded
     cos, sin = model.rope(SEQ)
     with CommDebugMode() as fwd:
         y = model.layers["0"](h, cos, sin)
@@ -60,7 +62,12 @@ def _memory(mode):
     params_peak = held_bytes(at_rest + list(model.parameters()))
     loss_fn(logits, x[:, 1:]).backward()
     opt.step()
-    moments = [v for state in opt.state.values() for k, v in state.items() if k in ("exp_avg", "exp_avg_sq")]
+    moments = [
+        v
+        for state in opt.state.values()
+        for k, v in state.items()
+        if k in ("exp_avg", "exp_avg_sq")
+    ]
     owned = [n for n, p in model.named_parameters() if zero != 1 or p in opt.mine]
     return {
         "owned": owned,
@@ -75,7 +82,9 @@ def _four_ranks(rank, world):
     pairs = build_mesh(Layout(tp=2, dp=2))
     return {
         "comm": {sp: _block_comms(pairs["tp"], sp) for sp in (False, True)},
-        "memory": {mode: _memory(mode) for mode in ("zero 0", "zero 1", "zero 2", "zero 3", "hsdp")},
+        "memory": {
+            mode: _memory(mode) for mode in ("zero 0", "zero 1", "zero 2", "zero 3", "hsdp")
+        },
     }
 
 
@@ -90,9 +99,13 @@ def test_tp_block_collectives(measured):
         fwd, bwd = m["comm"][False]
         assert fwd == {"all_reduce": 2} and bwd == {"all_reduce": 2}, f"rank {rank}: {fwd}, {bwd}"
         fwd, bwd = m["comm"][True]
-        assert fwd == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}, f"rank {rank}: {fwd}"
+        assert fwd == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}, (
+            f"rank {rank}: {fwd}"
+        )
         # Backward mirrors forward; the 2 all-reduces sum the two norm weights' partial gradients.
-        assert bwd == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2, "all_reduce": 2}, f"rank {rank}"
+        assert bwd == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2, "all_reduce": 2}, (
+            f"rank {rank}"
+        )
 
 
 def _expected(mode, rank, owned):
@@ -105,18 +118,26 @@ def _expected(mode, rank, owned):
         # FSDP2's replicate gathers a working copy for forward and backward: 4Ψ more than DDP's 16Ψ at peak.
         # ZeRO 1 keeps the AdamW moments of the parameters the rank owns only.
         adam = 8 * sum(
-            p.numel() for n, p in build_model(ODD, seed=None, device="meta").named_parameters() if n in owned
+            p.numel()
+            for n, p in build_model(ODD, seed=None, device="meta").named_parameters()
+            if n in owned
         )
         return {"params_at_rest": 4 * psi, "params_peak": 8 * psi, "grads": 4 * psi, "adam": adam}
     n = 2 if mode == "hsdp" else 4
     shard_rank = rank % n
     padded = sum(math.ceil(s[0] / n) * math.prod(s[1:]) for s in shapes)
     local = sum(
-        min(max(s[0] - shard_rank * math.ceil(s[0] / n), 0), math.ceil(s[0] / n)) * math.prod(s[1:]) for s in shapes
+        min(max(s[0] - shard_rank * math.ceil(s[0] / n), 0), math.ceil(s[0] / n)) * math.prod(s[1:])
+        for s in shapes
     )
     # ZeRO 2 keeps the gathered (padded) parameters from forward to backward; ZeRO 3 and HSDP re-shard.
     peak = 4 * padded + 4 * n * padded if mode == "zero 2" else 4 * padded
-    return {"params_at_rest": 4 * padded, "params_peak": peak, "grads": 4 * padded, "adam": 8 * local}
+    return {
+        "params_at_rest": 4 * padded,
+        "params_peak": peak,
+        "grads": 4 * padded,
+        "adam": 8 * local,
+    }
 
 
 @pytest.mark.timeout(180)
@@ -132,7 +153,11 @@ def test_bytes_per_rank_follow_the_zero_formulas(measured):
         n for n, _ in build_model(ODD, seed=None, device="meta").named_parameters()
     )
     loads = [
-        sum(p.numel() for n, p in build_model(ODD, seed=None, device="meta").named_parameters() if n in o)
+        sum(
+            p.numel()
+            for n, p in build_model(ODD, seed=None, device="meta").named_parameters()
+            if n in o
+        )
         for o in owners
     ]
     assert sum(loads) == ODD.params() and max(loads) - min(loads) <= ODD.vocab * ODD.dim, loads
@@ -142,12 +167,16 @@ def test_bytes_per_rank_follow_the_zero_formulas(measured):
     ranks = measured
     total = lambda r, mode: sum(r["memory"][mode][k] for k in ("params_at_rest", "grads", "adam"))  # noqa: E731
     assert [total(r, "zero 0") for r in ranks] == [16 * psi] * 4
-    assert sum(r["memory"]["zero 3"]["adam"] for r in ranks) == 8 * psi  # the moments are split, no padding
+    assert (
+        sum(r["memory"]["zero 3"]["adam"] for r in ranks) == 8 * psi
+    )  # the moments are split, no padding
     assert sum(r["memory"]["zero 1"]["adam"] for r in ranks) == 8 * psi
     for r in ranks:
         assert abs(total(r, "zero 3") / (16 * psi / 4) - 1) < 0.03
         assert abs(total(r, "hsdp") / (16 * psi / 2) - 1) < 0.03
         zero2_peak = (
-            r["memory"]["zero 2"]["params_peak"] + r["memory"]["zero 2"]["grads"] + r["memory"]["zero 2"]["adam"]
+            r["memory"]["zero 2"]["params_peak"]
+            + r["memory"]["zero 2"]["grads"]
+            + r["memory"]["zero 2"]["adam"]
         )
         assert abs(zero2_peak / ((4 + 16 / 4) * psi) - 1) < 0.03

@@ -36,7 +36,9 @@ CASES = {
 
 
 def _batch(size):
-    tokens = torch.randint(0, CFG.vocab, (STEPS, size, SEQ + 1), generator=torch.Generator().manual_seed(5))
+    tokens = torch.randint(
+        0, CFG.vocab, (STEPS, size, SEQ + 1), generator=torch.Generator().manual_seed(5)
+    )
     return tokens[..., :-1], tokens[..., 1:]
 
 
@@ -120,9 +122,13 @@ def test_pp_and_cp_compose_with_tp_and_fsdp():
         for rank, results in enumerate(per_rank):
             losses, norms, params = results[name]
             for a, b in zip(losses + norms, r_losses + r_norms):
-                assert abs(a - b) <= 1e-5 * abs(b), f"{name} rank {rank}: {losses}, {norms} vs {r_losses}, {r_norms}"
+                assert abs(a - b) <= 1e-5 * abs(b), (
+                    f"{name} rank {rank}: {losses}, {norms} vs {r_losses}, {r_norms}"
+                )
             for n, p in params.items():
-                assert _rel(p, r_params[n]) <= 1e-5, f"{name} rank {rank} {n}: {_rel(p, r_params[n]):.2e}"
+                assert _rel(p, r_params[n]) <= 1e-5, (
+                    f"{name} rank {rank} {n}: {_rel(p, r_params[n]):.2e}"
+                )
             merged.update(params)
         assert merged.keys() == r_params.keys(), name
 
@@ -141,7 +147,9 @@ def test_all_four_dimensions_on_sixteen_ranks():
     merged = {}
     for rank, (losses, norms, params) in enumerate(run_ranks(_sixteen_ranks, 16, timeout=230)):
         for a, b in zip(losses + norms, r_losses + r_norms):
-            assert abs(a - b) <= 1e-5 * abs(b), f"rank {rank}: {losses}, {norms} vs {r_losses}, {r_norms}"
+            assert abs(a - b) <= 1e-5 * abs(b), (
+                f"rank {rank}: {losses}, {norms} vs {r_losses}, {r_norms}"
+            )
         for n, p in params.items():
             assert _rel(p, r_params[n]) <= 1e-5, f"rank {rank} {n}: {_rel(p, r_params[n]):.2e}"
         merged.update(params)

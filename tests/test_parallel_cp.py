@@ -62,7 +62,9 @@ def _cp_run(rank, cp, group):
     with torch.no_grad():
         logits = cp_unshard(model(cp_shard(xs[0], r, cp)), group)
     traffic = [layer.attention.core.gathered_elements for layer in model.layers.values()]
-    losses, params = _train(model, cp_shard(xs, r, cp, dim=2), cp_shard(ys, r, cp, dim=2), average_over_cp)
+    losses, params = _train(
+        model, cp_shard(xs, r, cp, dim=2), cp_shard(ys, r, cp, dim=2), average_over_cp
+    )
     return {"cp": cp, "logits": logits, "traffic": traffic, "losses": losses, "params": params}
 
 

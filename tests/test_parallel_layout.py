@@ -151,9 +151,12 @@ def test_sequence_parallelism_needs_whole_token_shards():
 def test_ffn_and_vocab_must_split_evenly():
     odd_ffn = ModelConfig(layers=2, dim=64, ffn=170, heads=4, kv_heads=4, vocab=256)
     with pytest.raises(
-        FourdError, match=r"FFN width \(170\) and vocabulary \(256\) into equal parts: choose tp among 1, 2$"
+        FourdError,
+        match=r"FFN width \(170\) and vocabulary \(256\) into equal parts: choose tp among 1, 2$",
     ):
         check(odd_ffn, Parallelism(Layout(tp=4)), seq=8, global_seqs=1)
     odd = ModelConfig(layers=2, dim=64, ffn=176, heads=4, kv_heads=4, vocab=257)
-    with pytest.raises(FourdError, match=r"vocabulary \(257\) into equal parts: choose tp among 1$"):
+    with pytest.raises(
+        FourdError, match=r"vocabulary \(257\) into equal parts: choose tp among 1$"
+    ):
         check(odd, Parallelism(Layout(tp=2)), seq=8, global_seqs=1)

@@ -77,7 +77,10 @@ def _eight_ranks(rank, world):
     rows = slice(c["dp"] * BATCH // 2, (c["dp"] + 1) * BATCH // 2)
     _stage_loss(model, c["pp"], rows, tp=2, tp_rank=c["tp"]).backward()
     norm = clip_grad_norm(model.parameters(), MAX_NORM, mesh)
-    grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) for n, p in model.named_parameters()}
+    grads = {
+        n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
+        for n, p in model.named_parameters()
+    }
     refusals = []
     hsdp = build_mesh(Layout(tp=2, dp=4), hsdp_replicate=2)
     for dp_mesh, zero in ((dp_cp_mesh(hsdp), 2), (dp_cp_mesh(mesh), 4)):
@@ -114,11 +117,16 @@ def test_mesh_ranks_and_global_grad_norm():
             for dim in ("tp", "cp", "pp", "dp"):
                 members = [lay.rank(**(c | {dim: i})) for i in range(getattr(lay, dim))]
                 assert got["groups"][dim] == members, f"{lay} rank {rank} {dim}"
-            assert got["dp_cp"] == [lay.rank(**(c | {"dp": d, "cp": k})) for d in range(lay.dp) for k in range(lay.cp)]
+            assert got["dp_cp"] == [
+                lay.rank(**(c | {"dp": d, "cp": k})) for d in range(lay.dp) for k in range(lay.cp)
+            ]
         hsdp = meshes[-1]
         assert hsdp["names"] == ("dp_replicate", "dp_shard", "pp", "cp", "tp")
         # rank = tp + 2·dp, dp = 2·replicate + shard: the shard groups are the nearer ranks.
-        assert hsdp["groups"]["dp_shard"] == [rank % 2 + 4 * (rank // 4), rank % 2 + 4 * (rank // 4) + 2]
+        assert hsdp["groups"]["dp_shard"] == [
+            rank % 2 + 4 * (rank // 4),
+            rank % 2 + 4 * (rank // 4) + 2,
+        ]
         assert hsdp["dp_cp"] == [[rank % 2 + 4 * r + 2 * s for s in range(2)] for r in range(2)]
 
         assert abs(norm - ref_norm) <= 1e-5 * ref_norm, f"rank {rank}: norm {norm} vs {ref_norm}"

@@ -24,7 +24,14 @@ CFG = get_preset("debug")
 
 def _planned(cfg, mode):
     """The planner's bytes per token per layer of one rank, FP32, no parallelism."""
-    job = Job(cfg, load_cluster("llama3-h100"), Parallelism(Layout(), recompute=mode), 64, 2, precision="fp32")
+    job = Job(
+        cfg,
+        load_cluster("llama3-h100"),
+        Parallelism(Layout(), recompute=mode),
+        64,
+        2,
+        precision="fp32",
+    )
     return traffic(job.work).saved  # what one layer keeps for backward per token
 
 
@@ -62,7 +69,9 @@ def _kept_per_token_per_layer(cfg, mode, batch=2, seq=64):
     return kept / (batch * seq * cfg.layers)
 
 
-@pytest.mark.parametrize("cfg", [CFG, with_overrides(CFG, ffn=96, kv_heads=1)], ids=["debug", "ffn96-mqa"])
+@pytest.mark.parametrize(
+    "cfg", [CFG, with_overrides(CFG, ffn=96, kv_heads=1)], ids=["debug", "ffn96-mqa"]
+)
 def test_kept_bytes_equal_the_planners_formula(cfg):
     for mode in ("selective", "full"):
         want = _planned(cfg, mode)
@@ -79,11 +88,18 @@ def test_kept_bytes_equal_the_planners_formula(cfg):
 def test_recompute_changes_no_loss_or_gradient():
     x = torch.randint(0, CFG.vocab, (2, 33), generator=torch.Generator().manual_seed(0))
     grads = {}
-    for mode in ("none", "selective", "per-op", "full"):  # per-op: torchtitan's policy, for the planner's coming word
+    for mode in (
+        "none",
+        "selective",
+        "per-op",
+        "full",
+    ):  # per-op: torchtitan's policy, for the planner's coming word
         model = apply_recompute(build_model(CFG, seed=0), mode)
         loss = cross_entropy(model(x[:, :-1]), x[:, 1:])
         loss.backward()
         grads[mode] = [loss.detach()] + [p.grad for p in model.parameters()]
-        assert [n for n, _ in model.named_parameters()] == [n for n, _ in build_model(CFG).named_parameters()]
+        assert [n for n, _ in model.named_parameters()] == [
+            n for n, _ in build_model(CFG).named_parameters()
+        ]
     for mode in ("selective", "per-op", "full"):
         assert all(torch.equal(a, b) for a, b in zip(grads[mode], grads["none"])), mode

@@ -26,7 +26,9 @@ DEBUG_KV4 = with_overrides(DEBUG, kv_heads=4)
 
 
 def _batch(cfg):
-    tokens = torch.randint(0, cfg.vocab, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(7))
+    tokens = torch.randint(
+        0, cfg.vocab, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(7)
+    )
     return tokens[:, :-1], tokens[:, 1:]
 
 
@@ -40,7 +42,9 @@ def _train(cfg, tp_mesh=None, dp_mesh=None, zero=None, sp=False, clip_mesh=None,
     if dp_mesh is not None:
         apply_dp(model, dp_mesh, zero)
         dp, dp_rank = dp_mesh.size(), _flat_coordinate(dp_mesh)
-        dp_group = dp_mesh.get_group() if dp_mesh.ndim == 1 else dp_mesh._flatten("dp_all").get_group()
+        dp_group = (
+            dp_mesh.get_group() if dp_mesh.ndim == 1 else dp_mesh._flatten("dp_all").get_group()
+        )
     opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
     x, y = _batch(cfg)
     per = BATCH // dp
@@ -62,7 +66,10 @@ def _train(cfg, tp_mesh=None, dp_mesh=None, zero=None, sp=False, clip_mesh=None,
             dist.all_reduce(reported, group=dp_group)
             reported /= dp
         losses.append(reported.item())
-    full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
+    full = {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for n, p in model.named_parameters()
+    }
     return losses, norms, full
 
 
@@ -88,7 +95,9 @@ def _four_ranks(rank, world):
         results["dp=2 ddp M=2"] = _train(DEBUG, dp_mesh=dp_pairs, zero=0, microbatches=2)
     else:
         results["dp=2 zero2"] = _train(DEBUG, dp_mesh=dp_pairs, zero=2)
-    results["tp=2,dp=2 zero3"] = _train(DEBUG, tp_mesh=pairs, dp_mesh=dp_pairs, zero=3, clip_mesh=mesh)
+    results["tp=2,dp=2 zero3"] = _train(
+        DEBUG, tp_mesh=pairs, dp_mesh=dp_pairs, zero=3, clip_mesh=mesh
+    )
     results["tp=2,dp=2 sp zero2 M=2"] = _train(
         DEBUG, tp_mesh=pairs, dp_mesh=dp_pairs, zero=2, sp=True, clip_mesh=mesh, microbatches=2
     )
@@ -101,7 +110,9 @@ def _four_ranks(rank, world):
 def _logits_and_targets():
     gen = torch.Generator().manual_seed(5)
     # a wide spread of logits: each rank's own row maximum differs from the global one
-    return 8 * torch.randn(3, 5, DEBUG.vocab, generator=gen), torch.randint(0, DEBUG.vocab, (3, 5), generator=gen)
+    return 8 * torch.randn(3, 5, DEBUG.vocab, generator=gen), torch.randint(
+        0, DEBUG.vocab, (3, 5), generator=gen
+    )
 
 
 def _vocab_parallel_loss(rank, world):
@@ -120,7 +131,9 @@ def test_vocabulary_parallel_loss_and_gradient_equal_cross_entropy():
     logits.requires_grad_()
     want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
     want.backward()
-    assert targets.lt(DEBUG.vocab // 2).any() and targets.ge(DEBUG.vocab // 2).any()  # targets on both ranks
+    assert (
+        targets.lt(DEBUG.vocab // 2).any() and targets.ge(DEBUG.vocab // 2).any()
+    )  # targets on both ranks
     for rank, (loss, grad) in enumerate(run_ranks(_vocab_parallel_loss, 2, timeout=100)):
         assert loss == pytest.approx(want.item(), rel=1e-6)
         torch.testing.assert_close(grad, logits.grad.chunk(2, dim=-1)[rank], rtol=1e-5, atol=1e-7)
@@ -134,7 +147,9 @@ def _rel(a, b):
 def test_tp_and_dp_match_one_process():
     torch.manual_seed(0)
     ref = {cfg: _train(cfg) for cfg in (DEBUG, DEBUG_KV4)}
-    assert ref[DEBUG][0][-1] < ref[DEBUG][0][0] - 0.05, "the reference run must learn for the test to mean anything"
+    assert ref[DEBUG][0][-1] < ref[DEBUG][0][0] - 0.05, (
+        "the reference run must learn for the test to mean anything"
+    )
     assert ref[DEBUG][1][0] > MAX_NORM, "clipping must be active"
     per_rank = run_ranks(_four_ranks, 4, timeout=200)
     ran = {}
@@ -144,7 +159,9 @@ def test_tp_and_dp_match_one_process():
         for name, (losses, norms, params) in results.items():
             r_losses, r_norms, r_params = ref[DEBUG_KV4 if name == "tp=4" else DEBUG]
             for a, b in zip(losses + norms, r_losses + r_norms):
-                assert abs(a - b) <= 1e-5 * abs(b), f"{name} rank {rank}: {losses}, {norms} vs {r_losses}, {r_norms}"
+                assert abs(a - b) <= 1e-5 * abs(b), (
+                    f"{name} rank {rank}: {losses}, {norms} vs {r_losses}, {r_norms}"
+                )
             assert params.keys() == r_params.keys()
             worst = max(_rel(params[n], r_params[n]) for n in params)
             assert worst <= 1e-5, f"{name} rank {rank}: parameters differ by {worst:.2e} relative"

@@ -53,7 +53,9 @@ gpus_per_pod = 1024
 
 def test_ring_over_network_and_over_nvlink_through_collective_time(tmp_path):
     network = _ideal_cluster(tmp_path, 1)
-    assert collective_time("all_reduce", 10e9, Group(128, 1, 128), network) == pytest.approx(0.396875)
+    assert collective_time("all_reduce", 10e9, Group(128, 1, 128), network) == pytest.approx(
+        0.396875
+    )
     nvlink = _ideal_cluster(tmp_path, 128)
     assert round(collective_time("all_reduce", 10e9, Group(128, 1, 128), nvlink), 3) == 0.044
 
@@ -64,7 +66,9 @@ def test_zero_bytes_per_parameter():
     assert sum(state_bytes_per_param(1, n)) == 4 + 12 / n
     assert sum(state_bytes_per_param(2, n)) == 2 + 14 / n
     assert sum(state_bytes_per_param(3, n)) == 16 / n
-    assert sum(state_bytes_per_param(0, n, dtype_bytes=4)) == 16  # FP32: weights, grads, Adam m and v
+    assert (
+        sum(state_bytes_per_param(0, n, dtype_bytes=4)) == 16
+    )  # FP32: weights, grads, Adam m and v
 
 
 def test_1f1b_holds_p_microbatches_gpipe_holds_m():
@@ -84,7 +88,9 @@ def test_a_megatron_gpt_block_keeps_korthikantis_34_sbh_and_5_as2b():
     for t in (1, 8):
         ours = s * traffic(work(gpt, t, sp=False, attention="materialized")).saved
         theirs = s * h * (10 + 24 / t) + 5 * a * s * s / t if t > 1 else s * h * 34 + 5 * a * s * s
-        assert ours == pytest.approx(theirs - 2 * s * h + s * 4 * a / t)  # the two dropout masks are not cut by TP
+        assert ours == pytest.approx(
+            theirs - 2 * s * h + s * 4 * a / t
+        )  # the two dropout masks are not cut by TP
     # with sequence parallelism everything is cut by t (their eq. 4): sbh/t·34
     ours = s * traffic(work(gpt, 8, sp=True, attention="materialized")).saved
     assert ours == pytest.approx(s * h / 8 * 34 + 5 * a * s * s / 8 - 2 * s * h / 8 + s * 4 * a / 8)
@@ -92,7 +98,9 @@ def test_a_megatron_gpt_block_keeps_korthikantis_34_sbh_and_5_as2b():
 
 def test_recomputation_keeps_less():
     m = get_preset("llama3-405b")
-    none, sel, per_op, full = (traffic(work(m, 8, rc)).saved for rc in ("none", "selective", "per-op", "full"))
+    none, sel, per_op, full = (
+        traffic(work(m, 8, rc)).saved for rc in ("none", "selective", "per-op", "full")
+    )
     assert full == m.dim * 2 / 8  # the layer's input, its sequence-parallel shard
     assert none > sel > per_op > full
     # per-op keeps the input, the outputs of wq, wv, w1 and w2 (every other matmul) and attention's output

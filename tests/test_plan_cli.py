@@ -40,7 +40,11 @@ sys.exit(code)
 def plan(*args, home=None):
     env = dict(os.environ, FOURD_HOME=str(home or "/nonexistent-fourd-home"))
     return subprocess.run(
-        [sys.executable, "-c", _RUNNER, "plan", *args], capture_output=True, text=True, env=env, timeout=60
+        [sys.executable, "-c", _RUNNER, "plan", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
     )
 
 
@@ -53,13 +57,26 @@ def test_json_plan_has_the_documented_keys_and_never_imports_torch():
     assert d["schedule"] == "interleaved" and d["microbatches"] == 32 and d["virtual_stages"] == 8
     assert set(d["memory_gb"]) >= {"params", "grads", "optimizer", "activations", "total"}
     assert d["fits"] is True
-    for key in ("step_time_s", "tokens_per_s", "tflops_per_gpu", "hw_tflops_per_gpu", "mfu", "bubble_fraction"):
+    for key in (
+        "step_time_s",
+        "tokens_per_s",
+        "tflops_per_gpu",
+        "hw_tflops_per_gpu",
+        "mfu",
+        "bubble_fraction",
+    ):
         assert isinstance(d[key], float)
     assert abs(d["mfu"] - 0.43) <= 0.02
     assert d["tokens_per_s"] == pytest.approx(16777216 / d["step_time_s"])
     assert d["mfu"] == pytest.approx(d["tflops_per_gpu"] / 989.0)
     assert d["placement"] == {"tp": "nvlink", "cp": "single", "pp": "pod", "dp": "cross-pod"}
-    assert d["chosen_by_planner"] == ["virtual stages", "microbatches", "zero", "recompute", "compile"]
+    assert d["chosen_by_planner"] == [
+        "virtual stages",
+        "microbatches",
+        "zero",
+        "recompute",
+        "compile",
+    ]
 
 
 def test_training_days_from_a_token_budget():
@@ -78,11 +95,28 @@ def test_readable_report_explains_the_drop_from_43_to_41():
 
 
 def test_small_models_and_single_microbatches_read_right():
-    r = plan("--model", "debug", "--cluster", "dgx-h100", "--layout", "pp=2", "--microbatches", "1", "--seq", "256",
-             "--global-batch-tokens", "512", "--pipeline-comm", "blocking")  # fmt: skip
+    r = plan(
+        "--model",
+        "debug",
+        "--cluster",
+        "dgx-h100",
+        "--layout",
+        "pp=2",
+        "--microbatches",
+        "1",
+        "--seq",
+        "256",
+        "--global-batch-tokens",
+        "512",
+        "--pipeline-comm",
+        "blocking",
+    )
     assert r.returncode == 0, r.stderr
     n = get_preset("debug").params()
-    assert f"model with {n / 1e3:.3g}K parameters" in r.stdout and " · 1 microbatch of 2 × 256 tokens · " in r.stdout
+    assert (
+        f"model with {n / 1e3:.3g}K parameters" in r.stdout
+        and " · 1 microbatch of 2 × 256 tokens · " in r.stdout
+    )
     assert "each replica gets 2 sequences, so 1 microbatch;" in r.stdout
 
 
@@ -117,7 +151,14 @@ def test_search_json_best_and_candidates():
 
     h100 = load_cluster("llama3-h100")
     for c in d["candidates"]:
-        keys = ("schedule", "microbatches", "virtual_stages", "zero", "recompute", "sequence_parallel")
+        keys = (
+            "schedule",
+            "microbatches",
+            "virtual_stages",
+            "zero",
+            "recompute",
+            "sequence_parallel",
+        )
         par = Parallelism(Layout(**c["layout"]), **{k: c[k] for k in keys})
         job = Job(get_preset("llama3-405b"), h100, par, 8192, 2048, compiled=c["compiled"])
         assert c["step_time_s"] == evaluate(job).step.step_s and par.layout.world == 16384
@@ -126,8 +167,14 @@ def test_search_json_best_and_candidates():
 @pytest.mark.parametrize(
     "args,needle",
     [
-        (["--layout", "tp=3,dp=2"], "tp=3 cannot cut the model's heads (128), KV heads (8), FFN width (53248)"),
-        (["--layout", "tp=8,pp=16,dp=64", "--gpus", "100"], "make the product of the degrees equal 100"),
+        (
+            ["--layout", "tp=3,dp=2"],
+            "tp=3 cannot cut the model's heads (128), KV heads (8), FFN width (53248)",
+        ),
+        (
+            ["--layout", "tp=8,pp=16,dp=64", "--gpus", "100"],
+            "make the product of the degrees equal 100",
+        ),
         (
             ["--layout", "tp=8,pp=16,dp=64", "--global-batch-tokens", "1000"],
             "a global batch of 1000 tokens is not a whole number of 8192-token sequences: use a multiple of 8192",
@@ -139,7 +186,10 @@ def test_search_json_best_and_candidates():
         ),
         (["--cluster", "nowhere"], "unknown cluster 'nowhere':"),
         (["--cluster", "dgx-h10"], "unknown cluster 'dgx-h10' (did you mean `dgx-h100`?)"),
-        (["--gpus", "8", "--pipeline-comm", "async"], "argument --pipeline-comm: 'async': choose one of overlapped"),
+        (
+            ["--gpus", "8", "--pipeline-comm", "async"],
+            "argument --pipeline-comm: 'async': choose one of overlapped",
+        ),
         (["--cluster", "local"], "run `fourd calibrate` to write it"),
         (
             ["--gpus", "8", "--seq", "0"],
@@ -153,11 +203,23 @@ def test_search_json_best_and_candidates():
             ["--gpus", "8", "--virtual-stages", "0"],
             "argument --virtual-stages: 0 is out of range: give a whole number from 1",
         ),
-        (["--gpus", "8", "--top", "-1"], "argument --top: -1 is out of range: give a whole number from 1 to 10,000"),
-        (["--gpus", "8", "--train-tokens=-5T"], "argument --train-tokens: '-5T' must be a positive finite count"),
-        (["--gpus", "8", "--global-batch-tokens", "nan"], "argument --global-batch-tokens: 'nan' must be a positive"),
+        (
+            ["--gpus", "8", "--top", "-1"],
+            "argument --top: -1 is out of range: give a whole number from 1 to 10,000",
+        ),
+        (
+            ["--gpus", "8", "--train-tokens=-5T"],
+            "argument --train-tokens: '-5T' must be a positive finite count",
+        ),
+        (
+            ["--gpus", "8", "--global-batch-tokens", "nan"],
+            "argument --global-batch-tokens: 'nan' must be a positive",
+        ),
         (["--gpus", "nan"], "argument --gpus: 'nan' is not a whole number"),
-        (["--gpus", "8", "--sequence-parallel", "yes"], "argument --sequence-parallel: 'yes': choose on or off"),
+        (
+            ["--gpus", "8", "--sequence-parallel", "yes"],
+            "argument --sequence-parallel: 'yes': choose on or off",
+        ),
         (
             ["--gpus", "8", "--schedule", "1f1b", "--virtual-stages", "2"],
             "2 virtual stages need the interleaved schedule (1f1b runs one stage per rank): choose the interleaved "
@@ -175,8 +237,14 @@ def test_bad_input_is_one_line_and_exit_2(args, needle):
 @pytest.mark.parametrize(
     "spec,needle",
     [
-        ("layers=2,dim=64,ffn=128,heads=0,vocab=256", "--model-spec: heads=0 must be a positive integer"),
-        ("layers=2,dim=64,ffn=128,heads=4,heads=8,vocab=256", "--model-spec: heads is given twice; give each key once"),
+        (
+            "layers=2,dim=64,ffn=128,heads=0,vocab=256",
+            "--model-spec: heads=0 must be a positive integer",
+        ),
+        (
+            "layers=2,dim=64,ffn=128,heads=4,heads=8,vocab=256",
+            "--model-spec: heads is given twice; give each key once",
+        ),
         ("layers=2,dim=64,ffn=128,heads=4", "--model-spec lacks vocab"),
         ("layers=2,dim=64,ffn=128,heads=4,vocab=256,depth=3", "--model-spec: bad item 'depth=3'"),
     ],
@@ -184,14 +252,29 @@ def test_bad_input_is_one_line_and_exit_2(args, needle):
 def test_bad_model_spec_is_one_line(spec, needle):
     r = plan("--model-spec", spec, "--gpus", "1")
     lines = [ln for ln in r.stderr.splitlines() if ln not in ("NO_TORCH", "TORCH_LOADED")]
-    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("fourd: error: --model-spec")
+    assert (
+        r.returncode == 2 and len(lines) == 1 and lines[0].startswith("fourd: error: --model-spec")
+    )
     assert needle in lines[0]
 
 
 def test_any_gpu_count_on_a_preset_and_interleaving_with_fewer_microbatches_than_stages():
     # a profile describes a server, a pod and the network, not a size: 6,144 GPUs are six pods of dgx-h100
-    r = plan("--model", "llama3-405b", "--cluster", "dgx-h100", "--gpus", "6144", "--layout", "tp=8,pp=8,dp=96",
-             "--seq", "8192", "--global-batch-tokens", str(2016 * 8192), "--json")  # fmt: skip
+    r = plan(
+        "--model",
+        "llama3-405b",
+        "--cluster",
+        "dgx-h100",
+        "--gpus",
+        "6144",
+        "--layout",
+        "tp=8,pp=8,dp=96",
+        "--seq",
+        "8192",
+        "--global-batch-tokens",
+        str(2016 * 8192),
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["placement"]["dp"] == "cross-pod"
     # 8 microbatches on 16 pipeline ranks: each of the V rounds waits for microbatch 0 to come round
@@ -207,7 +290,9 @@ def test_user_profile_wins_over_the_preset_and_paths_work(tmp_path):
     from fourd.plan.job import Job
     from fourd.plan.search import evaluate
 
-    preset = Path(__file__).resolve().parents[1] / "fourd" / "plan" / "clusters" / "llama3-h100.toml"
+    preset = (
+        Path(__file__).resolve().parents[1] / "fourd" / "plan" / "clusters" / "llama3-h100.toml"
+    )
     (tmp_path / "clusters").mkdir()
     # the same cluster with twice the peak: a user profile of that name must change the prediction
     faster = preset.read_text().replace("peak_tflops = 989.0", "peak_tflops = 1978.0")
@@ -216,10 +301,24 @@ def test_user_profile_wins_over_the_preset_and_paths_work(tmp_path):
     mine = json.loads(plan(*ROW1, "--json", home=tmp_path).stdout)
     path = tmp_path / "elsewhere.toml"
     path.write_text(faster)
-    par = Parallelism(Layout(8, 1, 16, 64), "interleaved", base["microbatches"], base["virtual_stages"], base["zero"],
-                      base["recompute"], sequence_parallel=True)  # fmt: skip
-    want = evaluate(Job(get_preset("llama3-405b"), load_cluster(str(path)), par, 8192, 2048, compiled=True)).step.step_s
-    assert (mine["microbatches"], mine["virtual_stages"], mine["zero"], mine["recompute"]) == (32, 8, 1, "selective")
+    par = Parallelism(
+        Layout(8, 1, 16, 64),
+        "interleaved",
+        base["microbatches"],
+        base["virtual_stages"],
+        base["zero"],
+        base["recompute"],
+        sequence_parallel=True,
+    )
+    want = evaluate(
+        Job(get_preset("llama3-405b"), load_cluster(str(path)), par, 8192, 2048, compiled=True)
+    ).step.step_s
+    assert (mine["microbatches"], mine["virtual_stages"], mine["zero"], mine["recompute"]) == (
+        32,
+        8,
+        1,
+        "selective",
+    )
     assert mine["step_time_s"] == want and base["step_time_s"] != want
     args = [a if a != "llama3-h100" else str(path) for a in ROW1]
     assert json.loads(plan(*args, "--json").stdout)["step_time_s"] == want
@@ -315,7 +414,9 @@ def test_a_cpu_profile_defaults_to_what_fourd_train_runs(tmp_path):
         'dtype = "fp32"\n[gpu]\nname = "CPU"\npeak_tflops = 0.05\nmemory_gb = 16.0\nhbm_bw_gbps = 10.0\n'
         "[node]\ngpus = 8\nintra_bw_gbps = 1.0\nconcurrent_ranks = 2\n[network]\nnic_bw_gbps = 1.0\n"
     )
-    d = json.loads(plan("--model", "small", "--cluster", str(path), "--layout", "tp=2", "--json").stdout)
+    d = json.loads(
+        plan("--model", "small", "--cluster", str(path), "--layout", "tp=2", "--json").stdout
+    )
     assert d["seq"] == DataSection().seq_len
     assert d["global_batch_tokens"] == TrainSection().global_batch * DataSection().seq_len
     assert d["sequence_parallel"] is False and d["dtype"] == "fp32"
@@ -350,5 +451,7 @@ def test_a_gpt_block_by_model_spec():
     assert d["stage_layers"] == [6] * 16
     layer = 4 * 12288**2 + 2 * 12288 * 49152 + 4 * 12288
     # the fullest GPU is pipeline rank 0: 6 layers and the input embedding, BF16 weights cut by TP
-    assert d["memory_gb"]["params"] == pytest.approx((6 * layer + 51200 * 12288) / 8 * 2 / 1e9, abs=1e-3)
+    assert d["memory_gb"]["params"] == pytest.approx(
+        (6 * layer + 51200 * 12288) / 8 * 2 / 1e9, abs=1e-3
+    )
     assert 0 < d["mfu"] < 1

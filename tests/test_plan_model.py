@@ -19,7 +19,13 @@ from fourd.plan.cluster import (
     placement,
 )
 from fourd.plan.job import Job, stage_layers
-from fourd.plan.kernels import GEMM_K_OVERHEAD, HBM_EFFICIENCY, KERNEL_LAUNCH_S, collective_time, gemm_time
+from fourd.plan.kernels import (
+    GEMM_K_OVERHEAD,
+    HBM_EFFICIENCY,
+    KERNEL_LAUNCH_S,
+    collective_time,
+    gemm_time,
+)
 from fourd.plan.memory import in_flight, max_rank_params
 from fourd.plan.perf import StageTime, bubble_time, chunk_times, layer_comm, stage_time, step_time
 from fourd.plan.report import why
@@ -29,17 +35,25 @@ from fourd.sim.step import simulate, simulate_step
 
 H100 = load_cluster("llama3-h100")
 L405 = get_preset("llama3-405b")
-TABLE4 = [(Layout(8, 1, 16, 64), 8192, 0.43), (Layout(8, 1, 16, 128), 8192, 0.41), (Layout(8, 16, 16, 8), 131072, 0.38)]
+TABLE4 = [
+    (Layout(8, 1, 16, 64), 8192, 0.43),
+    (Layout(8, 1, 16, 128), 8192, 0.41),
+    (Layout(8, 16, 16, 8), 131072, 0.38),
+]
 
 
 def job(model, cluster, layout, seq, global_seqs, *settings, sp=True):
     """A Job with Parallelism(layout, schedule, microbatches, virtual_stages, zero, recompute) from `settings`."""
-    return Job(model, cluster, Parallelism(layout, *settings, sequence_parallel=sp), seq, global_seqs)
+    return Job(
+        model, cluster, Parallelism(layout, *settings, sequence_parallel=sp), seq, global_seqs
+    )
 
 
 def _table4(layout, seq):
     """Table 4 as `fourd plan --schedule interleaved` asks it: the rest (V, m, ZeRO, recompute, compile) chosen."""
-    return request.best_plan(L405, H100, layout.world, seq, 2**24 // seq, {"layout": layout, "schedule": "interleaved"})
+    return request.best_plan(
+        L405, H100, layout.world, seq, 2**24 // seq, {"layout": layout, "schedule": "interleaved"}
+    )
 
 
 @pytest.mark.parametrize("layout,seq,mfu", TABLE4)
@@ -64,18 +78,24 @@ def test_gemm_waves_tiles_and_roofline():
     peak = H100.gpu.peak_tflops * 1e12 * H100.gpu.gemm_efficiency
     m, n, k = 12 * 128, 11 * 128, 8192  # 132 output tiles of 128x128: every SM busy once
     tile = k / (k + GEMM_K_OVERHEAD)  # each tile's prologue and epilogue
-    assert gemm_time(m, n, k, H100) == pytest.approx(2 * m * n * k / (peak * tile) + KERNEL_LAUNCH_S)
+    assert gemm_time(m, n, k, H100) == pytest.approx(
+        2 * m * n * k / (peak * tile) + KERNEL_LAUNCH_S
+    )
     # one row more needs a second wave: as slow as twice the work
     assert gemm_time(m + 1, n, k, H100) == pytest.approx(gemm_time(2 * m, n, k, H100))
     # a matrix-vector product is bound by HBM bandwidth
     n = k = 16384
-    assert gemm_time(1, n, k, H100) == pytest.approx(2 * (k + n * k + n) / (3350e9 * HBM_EFFICIENCY) + KERNEL_LAUNCH_S)
+    assert gemm_time(1, n, k, H100) == pytest.approx(
+        2 * (k + n * k + n) / (3350e9 * HBM_EFFICIENCY) + KERNEL_LAUNCH_S
+    )
 
 
 def test_placement_of_table4_groups():
     levels = {d: group_level(g, H100) for d, g in placement(Layout(8, 1, 16, 128)).items()}
     assert levels == {"tp": "nvlink", "cp": "single", "pp": "pod", "dp": "cross-pod"}
-    assert {d: group_level(g, H100) for d, g in placement(Layout(8, 16, 16, 8)).items()}["cp"] == "pod"
+    assert {d: group_level(g, H100) for d, g in placement(Layout(8, 16, 16, 8)).items()}[
+        "cp"
+    ] == "pod"
     assert group_level(Group(2, 8, 16), H100) == "rack"
 
 
@@ -89,24 +109,36 @@ def test_groups_that_straddle_servers_are_charged_at_the_nics():
     # tp=6: pieces of 2 and 4 on two servers; the pair's two NICs carry the ring
     assert members_per_node(Group(6, 1, 48), H100) == 2
     # regular groups keep every member per server: 16 ranks on two servers drive 8 NICs each
-    assert (group_level(Group(16, 1, 32), H100), members_per_node(Group(16, 1, 32), H100)) == ("rack", 8)
+    assert (group_level(Group(16, 1, 32), H100), members_per_node(Group(16, 1, 32), H100)) == (
+        "rack",
+        8,
+    )
     lay = Layout(3, 1, 1, 8)
     straddled = job(get_preset("small"), H100, lay, 1024, 8, "1f1b", 1, 1, 1, "none", sp=False)
-    inside = job(get_preset("small"), H100, Layout(2, 1, 1, 8), 1024, 8, "1f1b", 1, 1, 1, "none", sp=False)
+    inside = job(
+        get_preset("small"), H100, Layout(2, 1, 1, 8), 1024, 8, "1f1b", 1, 1, 1, "none", sp=False
+    )
     assert layer_comm(straddled.work)[0] > 3 * layer_comm(inside.work)[0]
 
 
 def test_blocking_pipeline_comm_waits_for_every_send_and_the_gradient_reduction():
     base = job(L405, H100, Layout(8, 1, 16, 8), 8192, 128, "1f1b", 16, 1, 1, "none")
-    overlapped, blocking = step_time(base), step_time(dataclasses.replace(base, pipeline_comm="blocking"))
+    overlapped, blocking = (
+        step_time(base),
+        step_time(dataclasses.replace(base, pipeline_comm="blocking")),
+    )
     # every backward also adds its BF16 weight gradients into FP32 ones (2 + 4 + 4 B per parameter of the rank),
     # a pass over HBM of its own: 16 microbatches in the compute, 15 stage times in the bubble
-    accumulate = 10 * max_rank_params(L405, 16, 1, 8) / (H100.gpu.hbm_bw_gbps * HBM_EFFICIENCY * 1e9)
+    accumulate = (
+        10 * max_rank_params(L405, 16, 1, 8) / (H100.gpu.hbm_bw_gbps * HBM_EFFICIENCY * 1e9)
+    )
     assert blocking.compute_s == pytest.approx(overlapped.compute_s + 16 * accumulate)
     assert blocking.bubble_s == pytest.approx(overlapped.bubble_s + 15 * accumulate)
     # the 2(p−1) sends of warm-up and cool-down, and a middle rank's four for each microbatch after the first
     one = overlapped.p2p_s / (2 * 15)
-    assert blocking.p2p_s == pytest.approx((2 * 15 + 4 * 15) * one)  # with SP each TP rank sends its shard alike
+    assert blocking.p2p_s == pytest.approx(
+        (2 * 15 + 4 * 15) * one
+    )  # with SP each TP rank sends its shard alike
     assert blocking.dp_exposed_s == blocking.dp_total_s > overlapped.dp_exposed_s
     with pytest.raises(FourdError, match="overlapped pipeline communication only"):
         simulate_step(dataclasses.replace(base, pipeline_comm="blocking"))
@@ -145,7 +177,9 @@ def test_bubble_per_schedule():
     assert bubble_time("gpipe", 4, 8, 1, t) == 9.0
     assert bubble_time("1f1b", 4, 8, 1, t) == 9.0
     assert bubble_time("interleaved", 4, 8, 3, t) == 3.0
-    assert bubble_time("zero-bubble", 4, 8, 1, t) == 3.0  # (p−1)(T_F + T_I − T_W), a third of 1F1B's
+    assert (
+        bubble_time("zero-bubble", 4, 8, 1, t) == 3.0
+    )  # (p−1)(T_F + T_I − T_W), a third of 1F1B's
 
 
 def test_interleaved_bubble_is_exact_for_every_microbatch_count_fewer_than_p_included():
@@ -154,12 +188,23 @@ def test_interleaved_bubble_is_exact_for_every_microbatch_count_fewer_than_p_inc
         for v in (2, 3, 4):
             for m in range(1, 2 * p + 2):
                 r = simulate(build_schedule("interleaved", p, m, v), [{"F": 1, "B": 2}] * (p * v))
-                whole = StageTime(Fraction(v), Fraction(2 * v), Fraction(0), Fraction(0), Fraction(0))
-                assert r.step_time_s - 3 * v * m == bubble_time("interleaved", p, m, v, whole), (p, v, m)
+                whole = StageTime(
+                    Fraction(v), Fraction(2 * v), Fraction(0), Fraction(0), Fraction(0)
+                )
+                assert r.step_time_s - 3 * v * m == bubble_time("interleaved", p, m, v, whole), (
+                    p,
+                    v,
+                    m,
+                )
 
 
 def test_closed_forms_agree_with_the_schedule_action_lists():
-    for name, vs in (("gpipe", (1,)), ("1f1b", (1,)), ("zero-bubble", (1,)), ("interleaved", (2, 3, 4))):
+    for name, vs in (
+        ("gpipe", (1,)),
+        ("1f1b", (1,)),
+        ("zero-bubble", (1,)),
+        ("interleaved", (2, 3, 4)),
+    ):
         for pp in (2, 3, 4, 8):
             for m in (1, pp - 1, pp, pp + 1, 2 * pp, 3 * pp + 2):
                 for v in vs:
@@ -176,7 +221,9 @@ def test_stage_split_gives_the_ends_one_layer_fewer():
     assert stage_layers(96, 16) == [6] * 16
     assert stage_layers(30, 4) == [7, 8, 8, 7]
     assert stage_layers(5, 4) == [1, 2, 1, 1]  # one fewer would empty the ends: split evenly
-    assert stage_layers(126, 16, 8) == [0] + [1] * 126 + [0]  # the planner's extension: embedding and output alone
+    assert stage_layers(126, 16, 8) == [0] + [1] * 126 + [
+        0
+    ]  # the planner's extension: embedding and output alone
     for layers in range(1, 33):
         for stages in range(1, layers + 1):
             split = stage_layers(layers, stages)
@@ -193,12 +240,16 @@ def test_stage_time_is_the_sum_of_its_layers_and_ends():
         chunks[0].forward > 7 * one.forward
         and chunks[-1].forward > 7 * one.forward + chunks[0].forward - 7 * one.forward
     )
-    full = stage_time(dataclasses.replace(j, par=dataclasses.replace(j.par, recompute="full")).work, 1)
+    full = stage_time(
+        dataclasses.replace(j, par=dataclasses.replace(j.par, recompute="full")).work, 1
+    )
     assert full.input_grad_s == pytest.approx(one.input_grad_s + one.forward_s)
 
 
 def _with_gemm(tmp_path, path, one_worker):
-    text = path.read_text().replace("[node]", f"[[gpu.gemm]]\nm = 512\nn = 512\nk = 512\ntflops = {one_worker}\n[node]")
+    text = path.read_text().replace(
+        "[node]", f"[[gpu.gemm]]\nm = 512\nn = 512\nk = 512\ntflops = {one_worker}\n[node]"
+    )
     out = tmp_path / "measured.toml"
     out.write_text(text)
     return out
@@ -237,8 +288,12 @@ def test_ranks_sharing_cpu_cores_compute_slower(tmp_path):
 
     one, two, four = stage(cpu, 1), stage(cpu, 2), stage(cpu, 4)
     assert four.forward_s == pytest.approx(2 * two.forward_s)
-    assert two.forward_s == pytest.approx(one.forward_s)  # no one-worker figure: two cores, twice the work
-    measured = load_cluster(str(_with_gemm(tmp_path, path, one_worker=0.03)))  # two together 0.05, alone 0.03
+    assert two.forward_s == pytest.approx(
+        one.forward_s
+    )  # no one-worker figure: two cores, twice the work
+    measured = load_cluster(
+        str(_with_gemm(tmp_path, path, one_worker=0.03))
+    )  # two together 0.05, alone 0.03
     alone, pair = stage(measured, 1), stage(measured, 2)
     assert pair.forward_s == pytest.approx(alone.forward_s * 2 * 0.03 / 0.05)
 
@@ -265,12 +320,17 @@ beta_s_per_byte = 2e-9
     assert collective_time("reduce_scatter", 1e6, Group(4, 1, 8), cpu) == pytest.approx(2 * 0.006)
     # half a pipeline's ranks work through its bubble, on the cores the waiting half leave
     small = get_preset("small")
-    alone, shared = (step_time(job(small, cpu, Layout(pp=2, dp=dp), 256, 16, "gpipe", 4, 1, 2)) for dp in (1, 2))
+    alone, shared = (
+        step_time(job(small, cpu, Layout(pp=2, dp=dp), 256, 16, "gpipe", 4, 1, 2)) for dp in (1, 2)
+    )
     bubble = bubble_time("gpipe", 2, 4, 1, shared.per_microbatch)
     assert alone.bubble_s == pytest.approx(bubble_time("gpipe", 2, 4, 1, alone.per_microbatch))
     assert shared.bubble_s == pytest.approx(bubble / 2)
     # fourd's FSDP reduce-scatters once a step, after the last microbatch, at any ZeRO 2 microbatch count
-    one, four = (step_time(job(small, cpu, Layout(dp=4), 256, 16, "1f1b", m, 1, 2)).dp_total_s for m in (1, 4))
+    one, four = (
+        step_time(job(small, cpu, Layout(dp=4), 256, 16, "1f1b", m, 1, 2)).dp_total_s
+        for m in (1, 4)
+    )
     assert four == pytest.approx(one) and one > 0
 
 
@@ -286,7 +346,9 @@ def test_search_finds_at_least_41_percent_for_405b_on_16k():
 def test_step_time_adds_up():
     j = job(L405, H100, Layout(8, 1, 16, 64), 8192, 2048, "1f1b", 32, 1, 1, "selective")
     s = step_time(j)
-    assert s.step_s == pytest.approx(s.compute_s + s.bubble_s + s.p2p_s + s.dp_exposed_s + s.overlap_s + s.optimizer_s)
+    assert s.step_s == pytest.approx(
+        s.compute_s + s.bubble_s + s.p2p_s + s.dp_exposed_s + s.overlap_s + s.optimizer_s
+    )
     assert s.bubble_s == pytest.approx(15 * (s.per_microbatch.forward + s.per_microbatch.backward))
     z3 = step_time(dataclasses.replace(j, par=dataclasses.replace(j.par, zero=3)))
     assert z3.dp_total_s > 30 * s.dp_total_s  # stage 3 gathers weights for every microbatch
@@ -310,7 +372,11 @@ def test_without_sequence_parallelism_tp_all_reduces_and_norms_run_on_every_toke
     sp = job(L405, H100, Layout(tp=8), 8192, 1, "1f1b", 1)
     sp_f, sp_b, _, _ = layer_comm(sp.work)
     assert sp_f == pytest.approx(
-        2 * (collective_time("all_gather", act, g["tp"], H100) + collective_time("reduce_scatter", act, g["tp"], H100))
+        2
+        * (
+            collective_time("all_gather", act, g["tp"], H100)
+            + collective_time("reduce_scatter", act, g["tp"], H100)
+        )
     )
     assert sp_b > sp_f  # the weight gradients gather the saved input shards again
     # what a layer keeps of the residual stream's size: both norms' FP32 inputs and results and the BF16 inputs
@@ -320,7 +386,9 @@ def test_without_sequence_parallelism_tp_all_reduces_and_norms_run_on_every_toke
 
 
 def test_zero_shards_over_dp_and_cp():
-    plan = evaluate(job(L405, H100, Layout(8, 16, 16, 8), 131072, 128, "interleaved", 16, 8, 1, "selective"))
+    plan = evaluate(
+        job(L405, H100, Layout(8, 16, 16, 8), 131072, 128, "interleaved", 16, 8, 1, "selective")
+    )
     per_gpu = plan.memory.params / 2  # BF16 weights
     assert plan.memory.optimizer == pytest.approx(per_gpu * 12 / 128)
 
@@ -356,11 +424,17 @@ beta_s_per_byte = 2e-9
 """)
     c = load_cluster(str(path))
     assert gemm_time(1024, 1024, 1024, c) == pytest.approx(2 * 1024**3 / 0.06e12)
-    assert gemm_time(4096, 4096, 4096, c) == pytest.approx(2 * 4096**3 / 0.06e12)  # flat beyond the samples
-    assert gemm_time(512, 512, 512, c) == pytest.approx(2 * 512**3 / 0.04e12)  # halfway in log(FLOPs)
+    assert gemm_time(4096, 4096, 4096, c) == pytest.approx(
+        2 * 4096**3 / 0.06e12
+    )  # flat beyond the samples
+    assert gemm_time(512, 512, 512, c) == pytest.approx(
+        2 * 512**3 / 0.04e12
+    )  # halfway in log(FLOPs)
     assert collective_time("all_reduce", 1e6, Group(2, 1, 2), c) == pytest.approx(1e-4 + 2e-3)
     # no fit for 4 ranks: the ring model on the node's 1 GB/s, a tree's 2·log2(4) steps of 5 us
-    assert collective_time("all_reduce", 1e6, Group(4, 1, 4), c) == pytest.approx(4 * 5e-6 + 1.5e6 / 1e9)
+    assert collective_time("all_reduce", 1e6, Group(4, 1, 4), c) == pytest.approx(
+        4 * 5e-6 + 1.5e6 / 1e9
+    )
 
 
 def test_training_shape_gemms_attention_and_eager_rates_replace_the_models(tmp_path):
@@ -408,9 +482,13 @@ nic_bw_gbps = 1.0
 """)
     c = load_cluster(str(path))
     flops = 2 * 4096 * 256 * 256
-    assert gemm_time(4096, 256, 256, c) == pytest.approx(flops / 0.09e12)  # two orientations measured there
+    assert gemm_time(4096, 256, 256, c) == pytest.approx(
+        flops / 0.09e12
+    )  # two orientations measured there
     assert gemm_time(256, 256, 4096, c) == pytest.approx(flops / 0.05e12)
-    assert gemm_time(256, 256, 16384, c) == pytest.approx(4 * flops / 0.05e12)  # flat beyond the samples
+    assert gemm_time(256, 256, 16384, c) == pytest.approx(
+        4 * flops / 0.05e12
+    )  # flat beyond the samples
     # equally far (in log2) from both points: the mean of the three samples
     assert gemm_time(1024, 256, 1024, c) == pytest.approx(flops / (0.23e12 / 3))
     pairs = 4096 * 256 / 2
@@ -453,5 +531,7 @@ nic_bw_gbps = 1.0
     s = step_time(job(get_preset("small"), cpu, Layout(dp=2), 256, 16, "1f1b", 1, 1, 2))
     assert s.dp_exposed_s == s.dp_total_s > 0 and s.overlap_s == 0
     path.write_text(text.format(cores=""))
-    gpu_like = step_time(job(get_preset("small"), load_cluster(str(path)), Layout(dp=2), 256, 16, "1f1b", 1, 1, 2))
+    gpu_like = step_time(
+        job(get_preset("small"), load_cluster(str(path)), Layout(dp=2), 256, 16, "1f1b", 1, 1, 2)
+    )
     assert gpu_like.dp_exposed_s < gpu_like.dp_total_s

@@ -17,10 +17,13 @@ from fourd.plan.cluster import load_cluster
 from fourd.sim import faults
 from fourd.sim.step import simulate_step
 
-SETTINGS = settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(
+    max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
 H100 = load_cluster("dgx-h100")
 TEXT = st.one_of(
-    st.integers(-3, 70000).map(str), st.sampled_from(["", "nan", "inf", "-5T", "16M", "1e3", "x", "0", "2.5", "1K"])
+    st.integers(-3, 70000).map(str),
+    st.sampled_from(["", "nan", "inf", "-5T", "16M", "1e3", "x", "0", "2.5", "1K"]),
 )
 LAYOUT = st.builds(
     lambda d: ",".join(f"{k}={v}" for k, v in zip(("tp", "cp", "pp", "dp"), d) if v is not None),
@@ -92,11 +95,31 @@ def test_any_fault_run_simulates_or_refuses_in_one_line(gpus, days, runs, interv
     assert 0 <= s["effective_training_fraction"] <= 1
 
 
-@pytest.mark.parametrize("command", [["plan", "--model", "debug"], ["sim", "step", "--model", "debug"]])
+@pytest.mark.parametrize(
+    "command", [["plan", "--model", "debug"], ["sim", "step", "--model", "debug"]]
+)
 @SETTINGS
-@given(flags=st.lists(st.tuples(st.sampled_from(["--seq", "--microbatches", "--gpus", "--top", "--virtual-stages",
-                                                 "--train-tokens", "--global-batch-tokens", "--zero"]), TEXT),
-                      min_size=1, max_size=3))  # fmt: skip
+@given(
+    flags=st.lists(
+        st.tuples(
+            st.sampled_from(
+                [
+                    "--seq",
+                    "--microbatches",
+                    "--gpus",
+                    "--top",
+                    "--virtual-stages",
+                    "--train-tokens",
+                    "--global-batch-tokens",
+                    "--zero",
+                ]
+            ),
+            TEXT,
+        ),
+        min_size=1,
+        max_size=3,
+    )
+)
 def test_any_flags_answer_or_exit_2_with_one_line(command, flags):
     argv = [*command, "--json"] + [x for flag, value in flags for x in (flag, value)]
     if "--gpus" not in argv:
@@ -105,4 +128,6 @@ def test_any_flags_answer_or_exit_2_with_one_line(command, flags):
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = main(argv)
     text = err.getvalue()
-    assert (code, text) == (0, "") or (code == 2 and text.count("\n") == 1 and text.startswith("fourd: error: "))
+    assert (code, text) == (0, "") or (
+        code == 2 and text.count("\n") == 1 and text.startswith("fourd: error: ")
+    )

@@ -16,7 +16,9 @@ DATA = ROOT / "benchmarks" / "validation" / "runs.toml"
 OUT_OF_SAMPLE_MEAN = 0.06783088070755833  # benchmarks/validate_planner.py --json, 2026-11-30
 MEMORY_MEAN = 0.05472446813976739
 
-pytestmark = pytest.mark.skipif(not DATA.is_file(), reason="benchmarks/validation/runs.toml is not in this checkout")
+pytestmark = pytest.mark.skipif(
+    not DATA.is_file(), reason="benchmarks/validation/runs.toml is not in this checkout"
+)
 
 
 def _harness():
@@ -28,11 +30,18 @@ def _harness():
 
 def test_out_of_sample_error_is_pinned_and_within_the_targets():
     done = subprocess.run(
-        [sys.executable, str(HARNESS), "--json"], capture_output=True, text=True, timeout=300, cwd=ROOT
+        [sys.executable, str(HARNESS), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
     )
     assert done.returncode == 0, done.stderr
     d = json.loads(done.stdout)
-    assert d["out_of_sample_mean"] == pytest.approx(OUT_OF_SAMPLE_MEAN, abs=1e-9) and d["out_of_sample_mean"] <= 0.10
+    assert (
+        d["out_of_sample_mean"] == pytest.approx(OUT_OF_SAMPLE_MEAN, abs=1e-9)
+        and d["out_of_sample_mean"] <= 0.10
+    )
     assert d["memory_mean"] == pytest.approx(MEMORY_MEAN, abs=1e-9) and d["memory_mean"] <= 0.10
     assert d["rows"] >= 30 and d["sources"] >= 6 and 3 * d["fit_rows"] <= d["rows"]
     assert set(d) >= {
@@ -59,6 +68,9 @@ def test_the_harness_pins_what_a_row_publishes_and_leaves_the_rest_open():
         "none",
         False,
     )
-    assert (c.virtual_stages, c.microbatches) == (8, 16)  # the planner's fastest where the paper is silent
+    assert (c.virtual_stages, c.microbatches) == (
+        8,
+        16,
+    )  # the planner's fastest where the paper is silent
     assert abs(plan.mfu - row.mfu) <= 0.02  # Llama 3 Table 4 within 2 MFU points
     assert v.cluster_for(row).network.nic_bw_gbps == 50.0  # the row's 400 Gb/s per GPU

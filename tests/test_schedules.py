@@ -61,7 +61,9 @@ def test_peak_in_flight():
             one = build_schedule("1f1b", p, m)
             assert [one.peak_in_flight(r) for r in range(p)] == [min(p - r, m) for r in range(p)]
             zb = build_schedule("zero-bubble", p, m)
-            assert max(zb.peak_in_flight(r) for r in range(p)) == min(p, m)  # 1F1B's peak (rank 0's)
+            assert max(zb.peak_in_flight(r) for r in range(p)) == min(
+                p, m
+            )  # 1F1B's peak (rank 0's)
     # interleaved, p = 4, V = 2, m = 8: warm-up of 4 + 2·(3 − rank) forwards, one more in steady state
     s = build_schedule("interleaved", 4, 8, 2)
     assert [s.peak_in_flight(r) for r in range(4)] == [11, 9, 7, 5]
@@ -80,7 +82,9 @@ def test_validate_catches_deadlock_missing_and_misplaced_actions():
             (Action("F", 1, 1), Action("F", 1, 0), Action("B", 1, 0), Action("B", 1, 1)),
         ),
     )
-    with pytest.raises(FourdError, match="deadlocks: every rank waits .rank 0 at B0.0; rank 1 at F1.1"):
+    with pytest.raises(
+        FourdError, match="deadlocks: every rank waits .rank 0 at B0.0; rank 1 at F1.1"
+    ):
         validate(swapped)
     with pytest.raises(FourdError, match="stage 1 microbatch 1 needs exactly one F"):
         validate(Schedule("x", 2, 2, 1, (good.ranks[0], good.ranks[1][:-1])))
@@ -92,7 +96,9 @@ def test_validate_catches_deadlock_missing_and_misplaced_actions():
 
 
 def test_impossible_combinations_name_the_fix():
-    with pytest.raises(FourdError, match=r"^2 virtual stages need the interleaved schedule \(1f1b runs one stage"):
+    with pytest.raises(
+        FourdError, match=r"^2 virtual stages need the interleaved schedule \(1f1b runs one stage"
+    ):
         build_schedule("1f1b", 4, 8, 2)
     with pytest.raises(FourdError, match="unknown schedule 'pipedream'"):
         build_schedule("pipedream", 4, 8)

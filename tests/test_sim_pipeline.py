@@ -21,10 +21,20 @@ def idle_times(events):
 def test_gpipe_and_1f1b_idle_fraction_is_p_minus_1_over_m_plus_p_minus_1_on_every_rank():
     for name in ("gpipe", "1f1b"):
         for p in range(1, 17):
-            for m in [*range(1, 17), 31, 32, 63, 64]:  # every m ≤ 64 runs through the step simulator's test
+            for m in [
+                *range(1, 17),
+                31,
+                32,
+                63,
+                64,
+            ]:  # every m ≤ 64 runs through the step simulator's test
                 step, idle = idle_times(timeline(build_schedule(name, p, m), UNIT))
                 assert step == 3 * (m + p - 1)
-                assert [Fraction(i, step) for i in idle] == [Fraction(p - 1, m + p - 1)] * p, (name, p, m)
+                assert [Fraction(i, step) for i in idle] == [Fraction(p - 1, m + p - 1)] * p, (
+                    name,
+                    p,
+                    m,
+                )
 
 
 def test_gpipe_bubble_on_16_ranks():
@@ -40,7 +50,11 @@ def test_interleaved_bubble_over_compute_is_p_minus_1_over_v_m():
             for m in range(p, 65, p):
                 # a rank's layers cut into V equal stages: compute per rank 3·V·m units
                 step, idle = idle_times(timeline(build_schedule("interleaved", p, m, v), UNIT))
-                assert [Fraction(i, 3 * v * m) for i in idle] == [Fraction(p - 1, v * m)] * p, (p, v, m)
+                assert [Fraction(i, 3 * v * m) for i in idle] == [Fraction(p - 1, v * m)] * p, (
+                    p,
+                    v,
+                    m,
+                )
 
 
 def test_interleaved_m_not_a_multiple_of_p_keeps_the_bubble():

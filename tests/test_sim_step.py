@@ -37,7 +37,9 @@ def test_no_comm_interleaved_bubble_over_compute_exact():
     for p, v in [(p, 2) for p in range(2, 17)] + [(4, 4), (8, 4), (16, 4)]:
         for m in range(p, 65, p):
             r = simulate(build_schedule("interleaved", p, m, v), [UNIT] * (p * v))
-            assert [Fraction(r.pipeline_span_s - b, b) for b in r.busy_s] == [Fraction(p - 1, v * m)] * p
+            assert [Fraction(r.pipeline_span_s - b, b) for b in r.busy_s] == [
+                Fraction(p - 1, v * m)
+            ] * p
 
 
 def test_bubble_fraction_is_the_busiest_ranks_idle_share_of_the_span():
@@ -63,7 +65,13 @@ def test_links_are_shared_equally_and_fractions_count():
 
 def _plan(model, cluster, layout, seq, tokens, schedule, **fixed):
     cluster = load_cluster(cluster) if isinstance(cluster, str) else cluster
-    values = {"layout": layout, "seq": seq, "global_batch_tokens": tokens, "schedule": schedule, **fixed}
+    values = {
+        "layout": layout,
+        "seq": seq,
+        "global_batch_tokens": tokens,
+        "schedule": schedule,
+        **fixed,
+    }
     return request.plans(request.resolve(get_preset(model), cluster, values))[0]
 
 
@@ -72,7 +80,8 @@ def _sim(plan, **kw):
 
 
 @pytest.mark.parametrize(
-    "layout,seq", [("tp=8,pp=16,dp=64", 8192), ("tp=8,pp=16,dp=128", 8192), ("tp=8,cp=16,pp=16,dp=8", 131072)]
+    "layout,seq",
+    [("tp=8,pp=16,dp=64", 8192), ("tp=8,pp=16,dp=128", 8192), ("tp=8,cp=16,pp=16,dp=8", 131072)],
 )
 def test_table4_layouts_agree_with_the_planner_within_10_percent(layout, seq):
     plan = _plan("llama3-405b", "llama3-h100", layout, seq, 2**24, "interleaved")
@@ -110,25 +119,45 @@ def test_dp_group_over_two_pods_is_seven_times_slower(tmp_path):
     dp_time, step = {}, {}
     for pod in (8, 16):
         plan = _plan(
-            "llama3-8b", _two_pod_cluster(tmp_path, pod), "tp=8,dp=2", 8192, 8 * 8192, "1f1b", microbatches=4, zero=0
+            "llama3-8b",
+            _two_pod_cluster(tmp_path, pod),
+            "tp=8,dp=2",
+            8192,
+            8 * 8192,
+            "1f1b",
+            microbatches=4,
+            zero=0,
         )
         r = _sim(plan)
         buckets = [t for t in r.transfers if t.kind == "ar"]
         # each bucket pays 2 ring steps of 10 µs latency on top of its bytes
         dp_time[pod] = sum(t.end - t.start for t in buckets) - len(buckets) * 2 * 10e-6
         step[pod] = r.step_time_s
-    assert dp_time[8] / dp_time[16] == pytest.approx(7.0, rel=1e-6)  # bandwidth-bound: the 1:7 factor
+    assert dp_time[8] / dp_time[16] == pytest.approx(
+        7.0, rel=1e-6
+    )  # bandwidth-bound: the 1:7 factor
     assert step[8] > step[16] * 1.05
 
 
 def test_nic_shared_by_pipeline_and_gradient_traffic_slows_both(tmp_path):
-    plan = _plan("llama3-8b", "llama3-h100", "tp=8,pp=4,dp=4", 8192, 64 * 8192, "1f1b", microbatches=16, zero=2)
+    plan = _plan(
+        "llama3-8b",
+        "llama3-h100",
+        "tp=8,pp=4,dp=4",
+        8192,
+        64 * 8192,
+        "1f1b",
+        microbatches=16,
+        zero=2,
+    )
     r = _sim(plan)
     # ZeRO-2 reduce-scatters every microbatch's gradients while activations and gradients cross the same NICs
     pp = [t for t in r.transfers if t.kind == "pp"]
     rs = [t for t in r.transfers if t.kind == "rs"]
     fastest = min(t.end - t.start for t in pp)
-    beside = [t for t in pp if any(u.rank == t.rank and u.start < t.end and t.start < u.end for u in rs)]
+    beside = [
+        t for t in pp if any(u.rank == t.rank and u.start < t.end and t.start < u.end for u in rs)
+    ]
     assert len(beside) > 10
     assert sum(t.end - t.start for t in beside) / len(beside) > 1.3 * fastest
 
@@ -136,11 +165,22 @@ def test_nic_shared_by_pipeline_and_gradient_traffic_slows_both(tmp_path):
 def test_straggler_sets_the_pace_and_the_others_wait():
     s = build_schedule("1f1b", 4, 8)
     slow = simulate(s, [UNIT] * 4, slow=(2, 2), dp=4)
-    alone = timeline(s, [{k: t * (2 if st == 2 else 1) for k, t in UNIT.items()} for st in range(4)])
+    alone = timeline(
+        s, [{k: t * (2 if st == 2 else 1) for k, t in UNIT.items()} for st in range(4)]
+    )
     assert slow.slow_events == alone
     # the healthy replicas run at full speed (no collectives here): their timeline is the plain one
     assert slow.events == timeline(s, UNIT)
-    plan = _plan("llama3-8b", "llama3-h100", "tp=8,pp=4,dp=4", 8192, 64 * 8192, "1f1b", microbatches=16, zero=1)
+    plan = _plan(
+        "llama3-8b",
+        "llama3-h100",
+        "tp=8,pp=4,dp=4",
+        8192,
+        64 * 8192,
+        "1f1b",
+        microbatches=16,
+        zero=1,
+    )
     base, straggled = _sim(plan), _sim(plan, slow_gpu=(8 * 2 + 3, 1.3))
     assert straggled.step_time_s > base.step_time_s * 1.05
     # every replica waits for the slow one in the gradient collectives: the healthy ones idle more
@@ -151,8 +191,12 @@ def test_diurnal_throttle_scales_compute():
     assert diurnal_factor(2.0, 15) == pytest.approx(1.02)
     assert diurnal_factor(2.0, 3) == 1.0
     assert diurnal_factor(2.0, 9) == pytest.approx(1.01)
-    plan = _plan("llama3-8b", "llama3-h100", "tp=8,pp=4,dp=4", 8192, 64 * 8192, "1f1b", microbatches=16)
-    assert _sim(plan, comm=False, throttle=1.02).step_time_s == pytest.approx(1.02 * _sim(plan, comm=False).step_time_s)
+    plan = _plan(
+        "llama3-8b", "llama3-h100", "tp=8,pp=4,dp=4", 8192, 64 * 8192, "1f1b", microbatches=16
+    )
+    assert _sim(plan, comm=False, throttle=1.02).step_time_s == pytest.approx(
+        1.02 * _sim(plan, comm=False).step_time_s
+    )
 
 
 def test_cli_json_trace_and_the_big_step(tmp_path):
@@ -188,7 +232,11 @@ def test_cli_json_trace_and_the_big_step(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     d = json.loads(out.stdout)
-    assert len(d["per_rank_idle_fraction"]) == 16 and d["microbatches"] == 16 and d["schedule"] == "1f1b"
+    assert (
+        len(d["per_rank_idle_fraction"]) == 16
+        and d["microbatches"] == 16
+        and d["schedule"] == "1f1b"
+    )
     assert abs(d["step_time_s"] / d["planner_step_time_s"] - 1) < 0.10
     events = json.loads(trace.read_text())["traceEvents"]
     compute = [e for e in events if e["ph"] == "X" and e["cat"] in ("forward", "backward")]
@@ -211,7 +259,10 @@ def test_cli_json_trace_and_the_big_step(tmp_path):
         text=True,
         timeout=60,
     )
-    assert bad.returncode == 2 and "slow GPU 99:1.5: give a rank in 0..15 of layout tp=8,cp=1,pp=1,dp=2" in bad.stderr
+    assert (
+        bad.returncode == 2
+        and "slow GPU 99:1.5: give a rank in 0..15 of layout tp=8,cp=1,pp=1,dp=2" in bad.stderr
+    )
 
 
 def test_cli_search_ranks_the_planners_candidates_by_simulated_time():
@@ -245,7 +296,9 @@ def test_cli_search_ranks_the_planners_candidates_by_simulated_time():
     assert len(times) == 3 and times == sorted(times) and d["best"]["step_time_s"] == times[0]
     # each candidate's time is the simulated step of its own configuration, and it is the planner's top three
     req = request.resolve(
-        get_preset("llama3-8b"), load_cluster("llama3-h100"), {"gpus": 64, "seq": 8192, "global_batch_tokens": 2**20}
+        get_preset("llama3-8b"),
+        load_cluster("llama3-h100"),
+        {"gpus": 64, "seq": 8192, "global_batch_tokens": 2**20},
     )
     top = [p for p in request.plans(req) if p.fits][:3]
     key = ("layout", "schedule", "microbatches", "virtual_stages", "zero", "recompute")
@@ -253,12 +306,20 @@ def test_cli_search_ranks_the_planners_candidates_by_simulated_time():
     assert len(top) == 3
     for p in top:
         lay = p.config.layout
-        k = (str({"tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp}), p.config.schedule, str(p.config.microbatches),
-             str(p.config.virtual_stages), str(p.config.zero), p.config.recompute)  # fmt: skip
+        k = (
+            str({"tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp}),
+            p.config.schedule,
+            str(p.config.microbatches),
+            str(p.config.virtual_stages),
+            str(p.config.zero),
+            p.config.recompute,
+        )
         assert mine[k] == simulate_step(p.job).step_time_s
 
 
-@pytest.mark.parametrize("where,message", [("missing/step.json", "which is not a folder"), (".", "is a folder")])
+@pytest.mark.parametrize(
+    "where,message", [("missing/step.json", "which is not a folder"), (".", "is a folder")]
+)
 def test_trace_path_is_checked_before_simulating(tmp_path, where, message):
     bad = subprocess.run(
         [
@@ -279,7 +340,12 @@ def test_trace_path_is_checked_before_simulating(tmp_path, where, message):
         timeout=60,
     )
     lines = bad.stderr.strip().splitlines()
-    assert bad.returncode == 2 and len(lines) == 1 and "argument --trace" in lines[0] and message in lines[0]
+    assert (
+        bad.returncode == 2
+        and len(lines) == 1
+        and "argument --trace" in lines[0]
+        and message in lines[0]
+    )
 
 
 def test_one_sequence_per_replica_on_16384_gpus_simulates():
@@ -287,10 +353,15 @@ def test_one_sequence_per_replica_on_16384_gpus_simulates():
     from fourd.lab import api
 
     query = {"gpus": "16384", "layout": "tp=1,pp=1,dp=16384", "seq": "8192"}
-    with pytest.raises(FourdError, match="2048 sequences does not split into dp × microbatches = 16384 × 1"):
+    with pytest.raises(
+        FourdError, match="2048 sequences does not split into dp × microbatches = 16384 × 1"
+    ):
         api.simtrace(query)
     query["global_batch_tokens"] = str(16384 * 8192)
     trace = api.simtrace(query)
-    assert [e["name"] for e in trace["traceEvents"] if e["ph"] == "X" and e["tid"] == 0] == ["F0.0", "B0.0"]
+    assert [e["name"] for e in trace["traceEvents"] if e["ph"] == "X" and e["tid"] == 0] == [
+        "F0.0",
+        "B0.0",
+    ]
     plan = api.plan(query)["plan"]
     assert plan["global_batch_tokens"] == 16384 * 8192 and plan["microbatches"] == 1

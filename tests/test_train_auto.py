@@ -36,22 +36,59 @@ def rows(run_dir):
 @pytest.mark.timeout(600)
 def test_the_planners_search_result_runs_as_given_and_auto_chooses_it(fourd, tmp_path, home):
     code, out, err = fourd(
-        "plan", "--model", "debug", "--cluster", "local", "--gpus", 2, "--search", "--json", env=home, timeout=120
+        "plan",
+        "--model",
+        "debug",
+        "--cluster",
+        "local",
+        "--gpus",
+        2,
+        "--search",
+        "--json",
+        env=home,
+        timeout=120,
     )
     assert code == 0, err
     best = json.loads(out)["best"]
     lay = ",".join(f"{d}={best['layout'][d]}" for d in ("tp", "cp", "pp", "dp"))
     flags = [
-        f"--parallel.{k}={best[k]}" for k in ("schedule", "microbatches", "virtual_stages", "zero", "recompute")
-    ] + [f"--parallel.sequence_parallel={best['sequence_parallel']}", f"--data.seq_len={best['seq']}"]
+        f"--parallel.{k}={best[k]}"
+        for k in ("schedule", "microbatches", "virtual_stages", "zero", "recompute")
+    ] + [
+        f"--parallel.sequence_parallel={best['sequence_parallel']}",
+        f"--data.seq_len={best['seq']}",
+    ]
     flags.append(f"--train.global_batch={best['global_batch_tokens'] // best['seq']}")
-    code, out, err = fourd("train", "--model", "debug", "--steps", 2, "--layout", lay, *flags, "--run-dir",
-                           tmp_path / "given", env=home, timeout=300)  # fmt: skip
+    code, out, err = fourd(
+        "train",
+        "--model",
+        "debug",
+        "--steps",
+        2,
+        "--layout",
+        lay,
+        *flags,
+        "--run-dir",
+        tmp_path / "given",
+        env=home,
+        timeout=300,
+    )
     assert code == 0, err[-2000:]
     given = rows(tmp_path / "given")
     assert [r["step"] for r in given] == [1, 2]
-    code, out, err = fourd("train", "--model", "debug", "--steps", 2, "--layout", "auto", "--run-dir",
-                           tmp_path / "auto", env=home, timeout=300)  # fmt: skip
+    code, out, err = fourd(
+        "train",
+        "--model",
+        "debug",
+        "--steps",
+        2,
+        "--layout",
+        "auto",
+        "--run-dir",
+        tmp_path / "auto",
+        env=home,
+        timeout=300,
+    )
     assert code == 0, err[-2000:]
     chose = [line for line in out.splitlines() if "--layout auto" in line]
     assert len(chose) == 1 and f"local (2 devices): {lay}, {best['schedule']}" in chose[0], out
@@ -66,10 +103,14 @@ def test_the_planners_search_result_runs_as_given_and_auto_chooses_it(fourd, tmp
 @pytest.mark.slow
 def test_a_model_too_big_for_this_machine_is_refused_in_seconds(fourd, tmp_path):
     start = time.monotonic()
-    code, out, err = fourd("train", "--model", "llama3-8b", "--steps", 1, "--run-dir", tmp_path / "r", timeout=60)
+    code, out, err = fourd(
+        "train", "--model", "llama3-8b", "--steps", 1, "--run-dir", tmp_path / "r", timeout=60
+    )
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
-    assert lines[0].startswith("fourd: error: memory: llama3-8b at layout tp=1,cp=1,pp=1,dp=1 needs about 1"), lines
+    assert lines[0].startswith(
+        "fourd: error: memory: llama3-8b at layout tp=1,cp=1,pp=1,dp=1 needs about 1"
+    ), lines
     assert "GB" in lines[0] and "no layout of 1 device fits" in lines[0]
     assert time.monotonic() - start < 15
     assert not (tmp_path / "r").exists()
@@ -84,20 +125,33 @@ def test_the_memory_check_names_recomputation_a_smaller_batch_or_none():
     from fourd.train.auto import check_memory
 
     cfg = Config()
-    for key, value in {"model.preset": "small", "data.seq_len": 1024, "train.global_batch": 16}.items():
+    for key, value in {
+        "model.preset": "small",
+        "data.seq_len": 1024,
+        "train.global_batch": 16,
+    }.items():
         set_value(cfg, key, value)
     gpu = load_cluster("llama3-h100")  # a GPU profile: the capacity is one rank's
 
     def need(recompute="none", seqs=16):
         return (
-            rank_peak_memory_gb(get_preset("small"), gpu, Parallelism(Layout(), recompute=recompute), 1024, seqs) * 1e9
+            rank_peak_memory_gb(
+                get_preset("small"), gpu, Parallelism(Layout(), recompute=recompute), 1024, seqs
+            )
+            * 1e9
         )
 
     assert need("full") < need("none") and need(seqs=1) < need("full")
     check_memory(cfg, gpu, int(need()) + 1)  # fits: no error
     for capacity, fix in [
-        ((need() + need("full")) / 2, "recompute each layer in backward (--parallel.recompute=full)"),
-        ((need("full") + need(seqs=1)) / 2, "train on a smaller global batch (--train.global_batch=1)"),
+        (
+            (need() + need("full")) / 2,
+            "recompute each layer in backward (--parallel.recompute=full)",
+        ),
+        (
+            (need("full") + need(seqs=1)) / 2,
+            "train on a smaller global batch (--train.global_batch=1)",
+        ),
         (need(seqs=1) / 2, "no layout of 1 device fits: train a smaller model, or on more devices"),
     ]:
         with pytest.raises(FourdError) as e:
@@ -111,7 +165,16 @@ def test_the_memory_check_names_recomputation_a_smaller_batch_or_none():
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_hfu_counts_full_recomputation(fourd, tmp_path):
-    code, _, err = fourd("train", "--model", "debug", "--steps", 2, "--parallel.recompute=full", "--run-dir", tmp_path)
+    code, _, err = fourd(
+        "train",
+        "--model",
+        "debug",
+        "--steps",
+        2,
+        "--parallel.recompute=full",
+        "--run-dir",
+        tmp_path,
+    )
     assert code == 0, err
     cfg = get_preset("debug")
     ratio = cfg.flops_per_token(256, "full") / cfg.flops_per_token(256)
@@ -123,7 +186,9 @@ def test_hfu_counts_full_recomputation(fourd, tmp_path):
 
 @pytest.mark.slow
 def test_fp8_is_refused_with_one_line_off_an_h100_or_h200(fourd, tmp_path):
-    code, out, err = fourd("train", "--model", "debug", "--steps", 1, "--train.fp8=true", "--run-dir", tmp_path / "r")
+    code, out, err = fourd(
+        "train", "--model", "debug", "--steps", 1, "--train.fp8=true", "--run-dir", tmp_path / "r"
+    )
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and lines == [
         "fourd: error: train.fp8 needs a CUDA H100 or H200 training in bf16, found no CUDA device: drop train.fp8"
@@ -133,8 +198,12 @@ def test_fp8_is_refused_with_one_line_off_an_h100_or_h200(fourd, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_model_vocabulary_larger_than_the_tokenizers_is_padding_said_once(fourd, tmp_path):
-    code, out, err = fourd("train", "--model", "debug", "--model.vocab=384", "--steps", 2, "--run-dir", tmp_path)
+    code, out, err = fourd(
+        "train", "--model", "debug", "--model.vocab=384", "--steps", 2, "--run-dir", tmp_path
+    )
     assert code == 0, err
     note = "fourd train: note: the model's vocabulary (384) is larger than the tokenizer's (256 ids); the other rows"
-    assert [line for line in out.splitlines() if "note:" in line] == [note + " are padding, never a target"]
+    assert [line for line in out.splitlines() if "note:" in line] == [
+        note + " are padding, never a target"
+    ]
     assert len(rows(tmp_path)) == 2

@@ -56,11 +56,24 @@ def test_debug_loss_falls_below_bound(debug_runs):
     d, stdout = debug_runs[0]
     r = rows(d)
     assert [x["step"] for x in r] == list(range(1, 31))
-    keys = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mfu", "hfu", "peak_mem_gb", "tokens"}
+    keys = {
+        "step",
+        "loss",
+        "lr",
+        "grad_norm",
+        "tokens_per_s",
+        "step_time_s",
+        "mfu",
+        "hfu",
+        "peak_mem_gb",
+        "tokens",
+    }
     assert set(r[0]) == keys
     assert 5.4 < r[0]["loss"] < 5.8  # ≈ ln 256 = 5.55 nats per byte at initialisation
     assert r[-1]["loss"] < 4.0  # measured 3.53 at step 30 (seed 0)
-    assert stdout.splitlines()[0].startswith(f"fourd train: {d}: debug model, 218K parameters, layout ")
+    assert stdout.splitlines()[0].startswith(
+        f"fourd train: {d}: debug model, 218K parameters, layout "
+    )
     assert "MFU peak      989.000 TFLOP/s, the `fourd calibrate` profile of this machine" in stdout
     assert (d / "tensorboard").is_dir() and any((d / "tensorboard").iterdir())
 
@@ -100,29 +113,71 @@ PRESETS = "debug, small, llama3-8b, llama3-70b, llama3-405b"
 SECTIONS = "model, data, train, parallel, checkpoint, eval, fault, run"
 REFUSALS = [
     (["--model", "no-such-model"], f"model.preset = 'no-such-model': allowed values are {PRESETS}"),
-    (["--model", "smal"], f"model.preset = 'smal' (did you mean `small`?): allowed values are {PRESETS}"),
-    (["--modle", "debug"], "unrecognised argument '--modle' (did you mean `--model`?): overrides look like --section.key=value"),
+    (
+        ["--model", "smal"],
+        f"model.preset = 'smal' (did you mean `small`?): allowed values are {PRESETS}",
+    ),
+    (
+        ["--modle", "debug"],
+        "unrecognised argument '--modle' (did you mean `--model`?): overrides look like --section.key=value",
+    ),
     (["--train.lr=abc"], "train.lr = 'abc' is not a valid finite number"),
     (["--train.lr=nan"], "train.lr = 'nan' is not a valid finite number"),
     (["--train.lr=-inf"], "train.lr = '-inf' is not a valid finite number"),
     (["--train.lr=0"], "train.lr = 0.0 must be positive"),
-    (["--trian.lr=1"], f"unknown config key 'trian.lr' (did you mean `train`?): sections are {SECTIONS} (use section.key)"),
+    (
+        ["--trian.lr=1"],
+        f"unknown config key 'trian.lr' (did you mean `train`?): sections are {SECTIONS} (use section.key)",
+    ),
     (["--train.beta1=1.5"], "train.beta1 = 1.5 must be in [0, 1)"),
     (["--train.timeout_s=0"], "train.timeout_s = 0.0 must be in (0, 1e6] seconds"),
-    (["--seed", "99999999999999999999999"], "train.seed = 99999999999999999999999 must be in 0 .. 2^63 - 1"),
+    (
+        ["--seed", "99999999999999999999999"],
+        "train.seed = 99999999999999999999999 must be in 0 .. 2^63 - 1",
+    ),
     (["--model.heads=0"], "model.heads = 0 must be at least 1"),
-    (["--fault.kill_rank=7", "--fault.at_step=1"], "fault.kill_rank = 7 is not a rank of the 1-rank layout: choose 0 .. 0"),
-    (["--fault.at_step=1"], "fault.at_step is set but neither fault.kill_rank nor fault.hang_rank: set one, or drop it"),
-    (["--data.seq_len=100000"], "data.seq_len = 100000 is longer than the model's max_seq = 256: raise --model.max_seq or shorten data.seq_len"),
-    (["--data.path=/no/such/corpus"], "data path '/no/such/corpus' does not exist: give a text file, a folder of text files or a .jsonl file"),
-    (["--data.path=TMP/tiny.txt"], "the corpus has 11 tokens, too few for one training sequence: 260 are needed (data.seq_len 256 + 1, plus the held-out 1%); give more text or a smaller data.seq_len"),
-    (["--eval.every=5", "--data.holdout_fraction=0"], "eval.every: the held-out tail has 0 tokens, less than one batch of 16 x 257: raise data.holdout_fraction or set eval.every = 0"),
-    (["--run-dir", ""], "--run-dir '' is empty: give a directory, or leave --run-dir out for a fresh one"),
-    (["--run-dir", "TMP/tiny.txt"], "run directory TMP/tiny.txt: TMP/tiny.txt is a file, not a directory: choose another --run-dir"),
-    (["--run-dir", "TMP/tiny.txt/sub"], "run directory TMP/tiny.txt/sub: TMP/tiny.txt is a file, not a directory: choose another --run-dir"),
+    (
+        ["--fault.kill_rank=7", "--fault.at_step=1"],
+        "fault.kill_rank = 7 is not a rank of the 1-rank layout: choose 0 .. 0",
+    ),
+    (
+        ["--fault.at_step=1"],
+        "fault.at_step is set but neither fault.kill_rank nor fault.hang_rank: set one, or drop it",
+    ),
+    (
+        ["--data.seq_len=100000"],
+        "data.seq_len = 100000 is longer than the model's max_seq = 256: raise --model.max_seq or shorten data.seq_len",
+    ),
+    (
+        ["--data.path=/no/such/corpus"],
+        "data path '/no/such/corpus' does not exist: give a text file, a folder of text files or a .jsonl file",
+    ),
+    (
+        ["--data.path=TMP/tiny.txt"],
+        "the corpus has 11 tokens, too few for one training sequence: 260 are needed (data.seq_len 256 + 1, plus the held-out 1%); give more text or a smaller data.seq_len",
+    ),
+    (
+        ["--eval.every=5", "--data.holdout_fraction=0"],
+        "eval.every: the held-out tail has 0 tokens, less than one batch of 16 x 257: raise data.holdout_fraction or set eval.every = 0",
+    ),
+    (
+        ["--run-dir", ""],
+        "--run-dir '' is empty: give a directory, or leave --run-dir out for a fresh one",
+    ),
+    (
+        ["--run-dir", "TMP/tiny.txt"],
+        "run directory TMP/tiny.txt: TMP/tiny.txt is a file, not a directory: choose another --run-dir",
+    ),
+    (
+        ["--run-dir", "TMP/tiny.txt/sub"],
+        "run directory TMP/tiny.txt/sub: TMP/tiny.txt is a file, not a directory: choose another --run-dir",
+    ),
     (["--resume"], "--resume needs the run: --resume DIR, or --run-dir DIR --resume"),
-    (["--resume", "TMP/nothing"], "--resume TMP/nothing: no such run directory; `ls runs/` lists the runs"),
-]  # fmt: skip
+    (
+        ["--resume", "TMP/nothing"],
+        "--resume TMP/nothing: no such run directory; `ls runs/` lists the runs",
+    ),
+]
 
 
 @pytest.mark.slow
@@ -152,10 +207,20 @@ def test_two_node_launch_equals_one_agent(home, tmp_path):
     code, _, err = train(home, *args, "--run-dir", tmp_path / "one")
     assert code == 0, err
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
-    cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "two-nodes"]
+    cmd += [
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+        "--rdzv-id",
+        "two-nodes",
+    ]
     cmd += ["-m", "fourd", "train", *map(str, args), "--run-dir", str(tmp_path / "two"), CACHE]
     env = dict(os.environ, OMP_NUM_THREADS="1", FOURD_HOME=str(home), PYTHONPATH=str(ROOT))
-    agents = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in "ab"]
+    agents = [
+        subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for _ in "ab"
+    ]
     outs = [a.communicate(timeout=300)[0] for a in agents]
     assert [a.returncode for a in agents] == [0, 0], outs
     one, two = rows(tmp_path / "one"), rows(tmp_path / "two")

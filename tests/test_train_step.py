@@ -14,7 +14,9 @@ from fourd.train.step import build_optimizer, param_groups, train_step
 
 def _setup(**over):
     cfg = Config()
-    for key, value in ({"model.preset": "debug", "data.seq_len": 32, "train.global_batch": 4} | over).items():
+    for key, value in (
+        {"model.preset": "debug", "data.seq_len": 32, "train.global_batch": 4} | over
+    ).items():
         set_value(cfg, key, value)
     par = build_parallel(cfg, torch.device("cpu"), 0, 1)
     return cfg, par
@@ -26,7 +28,8 @@ def test_norm_weights_and_only_they_skip_weight_decay():
     names = {id(p): n for n, p in par.stages[0].named_parameters()}
     layers = get_preset("debug").layers
     assert sorted(names[id(p)] for p in no_decay["params"]) == sorted(
-        [f"layers.{i}.{n}.weight" for i in range(layers) for n in ("attention_norm", "ffn_norm")] + ["norm.weight"]
+        [f"layers.{i}.{n}.weight" for i in range(layers) for n in ("attention_norm", "ffn_norm")]
+        + ["norm.weight"]
     )
     assert no_decay["weight_decay"] == 0.0 and decay["weight_decay"] == 0.1
     assert len(decay["params"]) == 2 + 7 * layers  # embedding, output, and 7 matrices per layer
@@ -49,7 +52,11 @@ def test_multi_tensor_adamw_equals_the_per_parameter_one():
     _, ref_par = _setup()
     t = cfg.train
     ref = torch.optim.AdamW(
-        param_groups(ref_par.stages, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, foreach=False
+        param_groups(ref_par.stages, t.weight_decay),
+        lr=t.lr,
+        betas=(t.beta1, t.beta2),
+        eps=1e-8,
+        foreach=False,
     )
     x = torch.randint(0, 256, (4, 33), generator=torch.Generator().manual_seed(1))
     for step in range(1, 6):
@@ -67,9 +74,13 @@ def test_clipping_scales_every_gradient_to_the_bound():
     torch.nn.functional.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
     before = [p.grad.clone() for p in model.parameters()]
     norm = torch.cat([g.flatten() for g in before]).norm().item()
-    assert clip_grad_norm(model.parameters(), 2 * norm) == pytest.approx(norm, rel=1e-6)  # under the bound: untouched
+    assert clip_grad_norm(model.parameters(), 2 * norm) == pytest.approx(
+        norm, rel=1e-6
+    )  # under the bound: untouched
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), before))
     assert clip_grad_norm(model.parameters(), norm / 4) == pytest.approx(norm, rel=1e-6)
     for p, g in zip(model.parameters(), before):
         torch.testing.assert_close(p.grad, g * (norm / 4) / (norm + 1e-6), rtol=1e-6, atol=0)
-    assert torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item() == pytest.approx(norm / 4, rel=1e-5)
+    assert torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item() == pytest.approx(
+        norm / 4, rel=1e-5
+    )

@@ -17,14 +17,24 @@ import logging
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: this folder's parent and the repository root on the path
-    sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2])]
+if __package__ in (
+    None,
+    "",
+):  # run as a script: this folder's parent and the repository root on the path
+    sys.path[:0] = [
+        str(Path(__file__).resolve().parents[1]),
+        str(Path(__file__).resolve().parents[2]),
+    ]
     from validation.runs import Run, load
 else:
     from .runs import Run, load
 
 # Ours -> llm-analysis's GPU config names; the H200 and Grand Teton's 96 GB H100 have none there.
-GPU_NAMES = {"A100-SXM-40GB": "a100-sxm-40gb", "A100-SXM-80GB": "a100-sxm-80gb", "H100-SXM-80GB": "h100-sxm-80gb"}
+GPU_NAMES = {
+    "A100-SXM-40GB": "a100-sxm-40gb",
+    "A100-SXM-80GB": "a100-sxm-80gb",
+    "H100-SXM-80GB": "h100-sxm-80gb",
+}
 RECOMPUTE = {"none": 0, "selective": 1, "full": 2}  # llm-analysis's ActivationRecomputation
 
 
@@ -37,7 +47,9 @@ def _import():
     try:
         from llm_analysis.logger import logger
 
-        logger.setLevel(logging.ERROR)  # before its config module warns that transformers is missing
+        logger.setLevel(
+            logging.ERROR
+        )  # before its config module warns that transformers is missing
         from llm_analysis import analysis, config
     finally:
         if blocked:
@@ -68,12 +80,17 @@ def _step_time(analysis, config, run: Run, flops_efficiency: float | None) -> fl
         expansion_ratio=m.ffn / m.dim,
     )
     par = config.ParallelismConfig(
-        tp_size=lay.tp, pp_size=lay.pp, dp_size=lay.dp, sp_size=lay.tp if run.sequence_parallel else 1
+        tp_size=lay.tp,
+        pp_size=lay.pp,
+        dp_size=lay.dp,
+        sp_size=lay.tp if run.sequence_parallel else 1,
     )
     gpu = config.get_gpu_config_by_name(GPU_NAMES[run.gpu])
     dtype = config.get_dtype_config_by_name("w16a16e16")
     llm = analysis.LLMAnalysis(model, gpu, dtype, par, flops_efficiency=flops_efficiency)
-    micro = run.microbatch_seqs or 1  # the FLOP count is linear in tokens: the split does not change the time
+    micro = (
+        run.microbatch_seqs or 1
+    )  # the FLOP count is linear in tokens: the split does not change the time
     summary = llm.training(
         batch_size_per_gpu=micro,
         global_batch_size=run.global_batch_seqs,
@@ -98,12 +115,16 @@ def predict(runs: list[Run], flops_efficiency: float | None = None) -> dict[str,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--flops-efficiency", type=float, help="llm-analysis's flops_efficiency (its default: 1.0)")
+    ap.add_argument(
+        "--flops-efficiency", type=float, help="llm-analysis's flops_efficiency (its default: 1.0)"
+    )
     a = ap.parse_args()
     _, runs = load()
     pred = predict(runs, a.flops_efficiency)
     if not pred:
-        sys.exit("llm-analysis is not installed: pip install --no-deps llm-analysis==0.2.2 fire==0.5.0 six termcolor")
+        sys.exit(
+            "llm-analysis is not installed: pip install --no-deps llm-analysis==0.2.2 fire==0.5.0 six termcolor"
+        )
     print(f"{'row':34} {'published s':>12} {'llm-analysis s':>15} {'error':>8}")
     errors = []
     for run in runs:

@@ -22,7 +22,15 @@ if __package__ in (None, ""):  # run as a script: make `fourd` importable from t
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from fourd.errors import FourdError
-from fourd.layout import PRECISIONS, RECOMPUTE, ZERO_STAGES, Layout, Parallelism, check, parse_layout
+from fourd.layout import (
+    PRECISIONS,
+    RECOMPUTE,
+    ZERO_STAGES,
+    Layout,
+    Parallelism,
+    check,
+    parse_layout,
+)
 from fourd.model.config import ModelConfig, get_preset, parse_model_spec
 from fourd.plan.job import PIPELINE_COMM
 from fourd.schedules import SCHEDULES
@@ -31,7 +39,11 @@ PATH = Path(__file__).with_name("runs.toml")
 # The GPUs of the published runs. H100-HBM2e-96GB is the 500 W, 96 GB HBM2e H100 of Meta's Grand Teton hosts
 # (torchtitan's benchmark files): neither the 80 GB SXM part nor the NVL part (README.md, "GPUs").
 GPUS = ("A100-SXM-40GB", "A100-SXM-80GB", "H100-SXM-80GB", "H100-HBM2e-96GB", "H200-SXM-141GB")
-ATTENTION_KERNELS = ("flash", "materialized", "unknown")  # fused (FlashAttention family) or the s x s scores in memory
+ATTENTION_KERNELS = (
+    "flash",
+    "materialized",
+    "unknown",
+)  # fused (FlashAttention family) or the s x s scores in memory
 MEMORY_KINDS = ("allocated", "reserved")  # torch.cuda.max_memory_allocated / max_memory_reserved
 
 
@@ -67,9 +79,13 @@ class Run:
     model_spec: str = ""  # fourd's --model-spec syntax
     step_time_s_derived: float = 0.0  # seconds per optimizer step; required unless excluded
     hsdp_replicas: int = 1
-    recompute_detail: str = ""  # what the source's recomputation keeps, where it differs from fourd's mode
+    recompute_detail: str = (
+        ""  # what the source's recomputation keeps, where it differs from fourd's mode
+    )
     grad_reduce_dtype: str = ""
-    nic_gbps_per_gpu: float = 0.0  # inter-node bandwidth per GPU as the source states it; 0: not stated
+    nic_gbps_per_gpu: float = (
+        0.0  # inter-node bandwidth per GPU as the source states it; 0: not stated
+    )
     interconnect: str = ""
     mfu: float = 0.0  # published metrics, in the source's own terms (0: not published)
     hfu: float = 0.0
@@ -78,9 +94,13 @@ class Run:
     step_time_s: float = 0.0
     memory_gib: float = 0.0  # peak per GPU
     memory_kind: str = ""
-    pipeline_comm: str = "overlapped"  # "blocking": DeepSpeed's pipeline engine (sends wait; gradients reduced last)
+    pipeline_comm: str = (
+        "overlapped"  # "blocking": DeepSpeed's pipeline engine (sends wait; gradients reduced last)
+    )
     fit: bool = False
-    unstated: list[str] = field(default_factory=list)  # settings the source does not publish (values: best reading)
+    unstated: list[str] = field(
+        default_factory=list
+    )  # settings the source does not publish (values: best reading)
     excluded: str = ""  # why the planner cannot be judged on this row
 
     @property
@@ -96,21 +116,31 @@ def _typed(cls, table: dict, what: str):
     hints = typing.get_type_hints(cls)
     known = {f.name: f for f in fields(cls)}
     unknown = sorted(set(table) - set(known))
-    missing = [n for n, f in known.items() if n not in table and f.default is MISSING and f.default_factory is MISSING]
+    missing = [
+        n
+        for n, f in known.items()
+        if n not in table and f.default is MISSING and f.default_factory is MISSING
+    ]
     if unknown or missing:
         problem = f"unknown keys {unknown}" if unknown else f"missing keys {missing}"
-        raise FourdError(f"runs.toml {what}: {problem}: the keys are those of the schema in README.md")
+        raise FourdError(
+            f"runs.toml {what}: {problem}: the keys are those of the schema in README.md"
+        )
     for name, value in table.items():
         want = typing.get_origin(hints[name]) or hints[name]
         ok = isinstance(value, (int, float)) if want is float else isinstance(value, want)
         if not ok or (want in (int, float) and isinstance(value, bool)):
-            raise FourdError(f"runs.toml {what}: {name} = {value!r} must be of type {want.__name__}")
+            raise FourdError(
+                f"runs.toml {what}: {name} = {value!r} must be of type {want.__name__}"
+            )
     return cls(**table)
 
 
 def _choose(run: Run, name: str, allowed) -> None:
     if getattr(run, name) not in allowed:
-        raise FourdError(f"runs.toml run {run.id!r}: {name} = {getattr(run, name)!r}: choose one of {list(allowed)}")
+        raise FourdError(
+            f"runs.toml run {run.id!r}: {name} = {getattr(run, name)!r}: choose one of {list(allowed)}"
+        )
 
 
 def _check_run(run: Run, sources: dict[str, Source]) -> None:
@@ -135,17 +165,25 @@ def _check_run(run: Run, sources: dict[str, Source]) -> None:
         raise FourdError(f"{what}: unstated names unknown settings {sorted(bad)}")
     lay = run.parsed_layout
     if lay.world != run.gpus:
-        raise FourdError(f"{what}: layout {run.layout} spans {lay.world} GPUs, not gpus = {run.gpus}")
+        raise FourdError(
+            f"{what}: layout {run.layout} spans {lay.world} GPUs, not gpus = {run.gpus}"
+        )
     if lay.pp == 1 and (run.schedule != "1f1b" or run.virtual_stages > 1):
-        raise FourdError(f'{what}: without a pipeline write schedule = "1f1b" and virtual_stages = 0')
+        raise FourdError(
+            f'{what}: without a pipeline write schedule = "1f1b" and virtual_stages = 0'
+        )
     if run.excluded:
         return
     if run.step_time_s_derived <= 0:
-        raise FourdError(f"{what}: step_time_s_derived must be positive (or the row excluded, with the reason)")
+        raise FourdError(
+            f"{what}: step_time_s_derived must be positive (or the row excluded, with the reason)"
+        )
     per_replica = run.global_batch_seqs // lay.dp
     micro = run.microbatch_seqs or 1
     if run.global_batch_seqs % lay.dp or per_replica % micro:
-        raise FourdError(f"{what}: {run.global_batch_seqs} sequences do not split into dp={lay.dp} x microbatches")
+        raise FourdError(
+            f"{what}: {run.global_batch_seqs} sequences do not split into dp={lay.dp} x microbatches"
+        )
     par = Parallelism(
         lay,
         run.schedule,
@@ -167,15 +205,22 @@ def load(path: Path = PATH) -> tuple[dict[str, Source], list[Run]]:
     data = tomllib.loads(Path(path).read_text())
     extra = set(data) - {"source", "run"}
     if extra:
-        raise FourdError(f"runs.toml: unknown top-level keys {sorted(extra)}: only [[source]] and [[run]] tables")
+        raise FourdError(
+            f"runs.toml: unknown top-level keys {sorted(extra)}: only [[source]] and [[run]] tables"
+        )
     sources = {}
     for i, table in enumerate(data.get("source", [])):
         src = _typed(Source, table, f"source #{i + 1}")
         sources[src.id] = src
-    runs = [_typed(Run, table, f"run {table.get('id', i + 1)!r}") for i, table in enumerate(data.get("run", []))]
+    runs = [
+        _typed(Run, table, f"run {table.get('id', i + 1)!r}")
+        for i, table in enumerate(data.get("run", []))
+    ]
     twice = [k for k, n in Counter(r.id for r in runs).items() if n > 1]
     if twice or len(sources) != len(data.get("source", [])):
-        raise FourdError(f"runs.toml: ids given twice: {twice or 'a source id'}; make each id unique")
+        raise FourdError(
+            f"runs.toml: ids given twice: {twice or 'a source id'}; make each id unique"
+        )
     for run in runs:
         _check_run(run, sources)
     usable = [r for r in runs if not r.excluded]
@@ -197,9 +242,13 @@ def main() -> None:
     for key in ("source", "gpu", "recompute", "zero", "schedule"):
         print(
             f"  {key}: "
-            + ", ".join(f"{k} {n}" for k, n in sorted(Counter(str(getattr(r, key)) for r in usable).items()))
+            + ", ".join(
+                f"{k} {n}" for k, n in sorted(Counter(str(getattr(r, key)) for r in usable).items())
+            )
         )
-    dims = Counter(d for r in usable for d in ("tp", "cp", "pp", "dp") if getattr(r.parsed_layout, d) > 1)
+    dims = Counter(
+        d for r in usable for d in ("tp", "cp", "pp", "dp") if getattr(r.parsed_layout, d) > 1
+    )
     print("  parallel dims > 1: " + ", ".join(f"{d} {dims[d]}" for d in ("tp", "cp", "pp", "dp")))
     sizes = [r.model_config.params() / 1e9 for r in usable]
     print(

@@ -16,7 +16,11 @@ from fourd.ckpt import store
 
 
 def add_arguments(p) -> None:
-    p.add_argument("dir", metavar="DIR", help="a checkpoint directory, or a run directory (its newest checkpoint)")
+    p.add_argument(
+        "dir",
+        metavar="DIR",
+        help="a checkpoint directory, or a run directory (its newest checkpoint)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -24,15 +28,25 @@ def run(args) -> int:
     directory = store.resolve(args.dir)
     manifest = store.read_manifest(directory)
     files = manifest["files"].values()
-    info = {**manifest, "path": str(directory), "files": len(files), "bytes": sum(f["bytes"] for f in files)}
+    info = {
+        **manifest,
+        "path": str(directory),
+        "files": len(files),
+        "bytes": sum(f["bytes"] for f in files),
+    }
     if args.json:
         print(json.dumps(info, indent=1, sort_keys=True))
         return 0
     m, train = store.model_config(str(directory), manifest["model"]), manifest.get("train", {})
     rows = {"path": directory, "step": manifest["step"], "layout": manifest["layout"]}
     rows["model"] = f"{m.layers} layers, dim {m.dim}, heads {m.heads}/{m.kv_heads}, vocab {m.vocab}"
-    rows |= {"model_digest": manifest["model_digest"], "files": f"{info['files']} ({info['bytes']:,} bytes)"}
-    rows["train"] = ", ".join(f"{k} {v}" for k, v in sorted(train.items()) if not isinstance(v, dict))
+    rows |= {
+        "model_digest": manifest["model_digest"],
+        "files": f"{info['files']} ({info['bytes']:,} bytes)",
+    }
+    rows["train"] = ", ".join(
+        f"{k} {v}" for k, v in sorted(train.items()) if not isinstance(v, dict)
+    )
     rows["data"] = ", ".join(f"{k} {v}" for k, v in sorted(train.get("data", {}).items()))
     print("\n".join(f"{k:<12}   {v}" for k, v in rows.items() if v != ""))
     return 0

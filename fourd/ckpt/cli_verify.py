@@ -12,7 +12,11 @@ from fourd.ckpt import store
 
 
 def add_arguments(p) -> None:
-    p.add_argument("dir", metavar="DIR", help="a checkpoint directory, or a run directory (its newest checkpoint)")
+    p.add_argument(
+        "dir",
+        metavar="DIR",
+        help="a checkpoint directory, or a run directory (its newest checkpoint)",
+    )
 
 
 def run(args) -> int:

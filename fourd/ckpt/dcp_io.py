@@ -42,7 +42,15 @@ class Checkpointer:
     """This rank's stages and optimizer, saved under cfg.run.dir with `cfg` and `info`; methods are collectives."""
 
     def __init__(
-        self, cfg: Config, stages: list[nn.Module], optimizer, *, layout: str, contributes: bool, attempt=0, info=None
+        self,
+        cfg: Config,
+        stages: list[nn.Module],
+        optimizer,
+        *,
+        layout: str,
+        contributes: bool,
+        attempt=0,
+        info=None,
     ):
         self.run_dir = Path(cfg.run.dir)
         self.root = self.run_dir / store.CHECKPOINTS
@@ -50,14 +58,22 @@ class Checkpointer:
         self.module = nn.ModuleDict({str(i): s for i, s in enumerate(stages)})
         self.optimizer, self.layout, self.contributes = optimizer, layout, contributes
         self.model_cfg = model_config(cfg)
-        self.keep, self.async_save, self.attempt = cfg.checkpoint.keep, cfg.checkpoint.async_save, attempt
+        self.keep, self.async_save, self.attempt = (
+            cfg.checkpoint.keep,
+            cfg.checkpoint.async_save,
+            attempt,
+        )
         self.info = {"config": cfg.to_dict(), **(info or {})}
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.options = StateDictOptions(flatten_optimizer_state_dict=True)
         # Asynchronous saves run their collectives on their own gloo group, never interleaved with a step's.
-        self.async_group = dist.new_group(backend="gloo") if self.async_save and dist.is_initialized() else None
-        self.pending: tuple | None = None  # (future, (step, final dir, staging dir, digest, manifest extra))
+        self.async_group = (
+            dist.new_group(backend="gloo") if self.async_save and dist.is_initialized() else None
+        )
+        self.pending: tuple | None = (
+            None  # (future, (step, final dir, staging dir, digest, manifest extra))
+        )
 
     def _state(self) -> tuple[dict, dict, dict, dict]:
         msd, osd = get_state_dict(self.module, self.optimizer, options=self.options)
@@ -84,11 +100,17 @@ class Checkpointer:
             dist.barrier()
         model, optim, _, _ = self._state()
         train = {"step": torch.tensor(step), "samples": torch.tensor(samples)}
-        state = {"model": model, "optim": optim, "train": {**train, f"rng_rank{self.rank}": torch.get_rng_state()}}
+        state = {
+            "model": model,
+            "optim": optim,
+            "train": {**train, f"rng_rank{self.rank}": torch.get_rng_state()},
+        }
         extra = {"train": {"step": step, "samples": samples, **self.info, **(extra or {})}}
         pending = (step, final, tmp, gathered_digest(model, self.contributes), extra)
         writer, future = dcp.FileSystemWriter(str(tmp)), []
-        save = partial(dcp.async_save, process_group=self.async_group) if self.async_save else dcp.save
+        save = (
+            partial(dcp.async_save, process_group=self.async_group) if self.async_save else dcp.save
+        )
         error = _error_of(lambda: future.append(save(state, storage_writer=writer)))
         if self.async_save and error is None:
             self.pending, self.blocked = (future[0], pending), time.perf_counter() - self.started
@@ -117,7 +139,9 @@ class Checkpointer:
             os.kill(os.getpid(), signal.SIGKILL)
         if self.rank == 0 and error is None:
             try:
-                written = store.write_manifest(tmp, self.model_cfg, digest, step, self.layout, extra)
+                written = store.write_manifest(
+                    tmp, self.model_cfg, digest, step, self.layout, extra
+                )
                 store.commit(tmp, final)
             except (OSError, FourdError) as e:
                 error = _describe(e)
@@ -126,19 +150,30 @@ class Checkpointer:
             kept = "see rank 0" if self.rank else "there is no earlier checkpoint"
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
-                previous = next(iter(store.checkpoints(self.run_dir)), None)  # the failed one is gone
+                previous = next(
+                    iter(store.checkpoints(self.run_dir)), None
+                )  # the failed one is gone
                 error += f" ({_storage_state(self.root)})"
-                kept = f"the newest complete checkpoint, {previous[1].name}, is intact" if previous else kept
+                kept = (
+                    f"the newest complete checkpoint, {previous[1].name}, is intact"
+                    if previous
+                    else kept
+                )
             raise FourdError(
                 f"checkpoint step-{step} was not saved: {error}; {kept}; "
                 f"free space under {self.root} (or lower checkpoint.keep) and run again to resume"
             )
         if self.rank == 0:
-            size, took = sum(f["bytes"] for f in written["files"].values()) / 1e6, time.perf_counter() - self.started
+            size, took = (
+                sum(f["bytes"] for f in written["files"].values()) / 1e6,
+                time.perf_counter() - self.started,
+            )
             how = f"{took:.2f} s"
             if self.blocked is not None:
                 how = f"asynchronous: committed {took:.2f} s after it began, training waited {self.blocked:.2f} s"
-            print(f"fourd: checkpoint {final} saved (step {step}, {size:.1f} MB, {how})", flush=True)
+            print(
+                f"fourd: checkpoint {final} saved (step {step}, {size:.1f} MB, {how})", flush=True
+            )
             for _step, path in store.checkpoints(self.run_dir)[self.keep :]:
                 shutil.rmtree(path, ignore_errors=True)
 
@@ -163,8 +198,13 @@ class Checkpointer:
         if missing:
             raise FourdError(f"{directory}: has no tensor {missing[0]}; it holds another model")
         rng_key, saved_layout = f"rng_rank{self.rank}", store.read_manifest(directory)["layout"]
-        train = {"step": torch.zeros((), dtype=torch.int64), "samples": torch.zeros((), dtype=torch.int64)}
-        if saved_layout == self.layout and f"train.{rng_key}" in saved:  # RNG states only at the same layout
+        train = {
+            "step": torch.zeros((), dtype=torch.int64),
+            "samples": torch.zeros((), dtype=torch.int64),
+        }
+        if (
+            saved_layout == self.layout and f"train.{rng_key}" in saved
+        ):  # RNG states only at the same layout
             train[rng_key] = torch.get_rng_state()
         dcp.load({"model": model, "optim": optim, "train": train}, storage_reader=reader)
         self._restore(model, optim, msd, osd)
@@ -174,7 +214,9 @@ class Checkpointer:
         if self.rank == 0:
             after = f" after restart {self.attempt}" if self.attempt else ""
             where = (
-                "" if saved_layout == self.layout else f" (saved at layout {saved_layout}, resharded to {self.layout})"
+                ""
+                if saved_layout == self.layout
+                else f" (saved at layout {saved_layout}, resharded to {self.layout})"
             )
             line = f"fourd: resuming{after} from checkpoint {directory} at step {step}, sample {samples}{where}"
             print(line, flush=True)
@@ -187,13 +229,19 @@ class Checkpointer:
         osd.update({f"state.{name(k)}.{k.rsplit('.', 1)[1]}": v for k, v in optim.items()})
         model_sd = {prefixed[k]: v for k, v in model.items()}
         set_state_dict(
-            self.module, self.optimizer, model_state_dict=model_sd, optim_state_dict=osd, options=self.options
+            self.module,
+            self.optimizer,
+            model_state_dict=model_sd,
+            optim_state_dict=osd,
+            options=self.options,
         )
 
     def _choose(self) -> str | None:
         """Rank 0: the newest checkpoint that verifies; partial and damaged ones are set aside loudly."""
         for staged in sorted(self.root.glob(".step-*.partial")):
-            store.warn(f"ignoring the incomplete checkpoint {staged} (a save was interrupted); removing it")
+            store.warn(
+                f"ignoring the incomplete checkpoint {staged} (a save was interrupted); removing it"
+            )
             shutil.rmtree(staged, ignore_errors=True)
 
         def set_aside(path: Path, e: FourdError) -> None:
@@ -214,7 +262,11 @@ def _storage_state(root: Path) -> str:
     """What a failed write may have run into: a full file system or a file-size limit."""
     state = f"{shutil.disk_usage(root).free / 2**30:.2f} GiB free there"
     soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
-    return state + (f", a file-size limit of {soft:,} bytes (ulimit -f)" if soft != resource.RLIM_INFINITY else "")
+    return state + (
+        f", a file-size limit of {soft:,} bytes (ulimit -f)"
+        if soft != resource.RLIM_INFINITY
+        else ""
+    )
 
 
 def _error_of(fn) -> str | None:

@@ -19,9 +19,13 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if module in _DCP_MODULES:
             found = super().find_class(module, name)
-            if isinstance(found, type):  # DCP's metadata dataclasses and enums, nothing callable else
+            if isinstance(
+                found, type
+            ):  # DCP's metadata dataclasses and enums, nothing callable else
                 return found
-        elif module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format)):
+        elif module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.memory_format)
+        ):
             return getattr(torch, name)
         elif (module, name) in _ALLOWED:
             return super().find_class(module, name)
@@ -38,7 +42,14 @@ class SafeReader(dcp.FileSystemReader):
                 metadata = _MetadataUnpickler(f).load()
             if not isinstance(getattr(metadata, "state_dict_metadata", None), dict):
                 raise pickle.UnpicklingError("not DCP metadata")
-        except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError, TypeError) as e:
+        except (
+            pickle.UnpicklingError,
+            EOFError,
+            AttributeError,
+            ImportError,
+            ValueError,
+            TypeError,
+        ) as e:
             raise FourdError(f"{path}: refused ({e}); load only checkpoints fourd wrote") from None
         if getattr(metadata, "storage_meta", None) is None:
             from torch.distributed.checkpoint.metadata import StorageMeta

@@ -30,14 +30,42 @@ VERSION = 1
 MANIFEST = "manifest.json"
 CHECKPOINTS = "checkpoints"
 _SHA = "sha256"  # a kind: 64 lowercase hexadecimal digits
-_KINDS = {int: "an integer >= 0", float: "a finite number >= 0", str: "a string", dict: "an object", _SHA: "a SHA-256"}
+_KINDS = {
+    int: "an integer >= 0",
+    float: "a finite number >= 0",
+    str: "a string",
+    dict: "an object",
+    _SHA: "a SHA-256",
+}
 # The manifest's schema: field -> kind. Keys it does not name are kept, unchecked.
-_TOP = {"format": str, "version": int, "step": int, "layout": str, "model": dict, "model_digest": _SHA, "files": dict}
+_TOP = {
+    "format": str,
+    "version": int,
+    "step": int,
+    "layout": str,
+    "model": dict,
+    "model_digest": _SHA,
+    "files": dict,
+}
 _TOP |= {"train": dict, "hf_config": dict}
 _FILE = {"bytes": int, "sha256": _SHA}
-_TRAIN = {"step": int, "samples": int, "seed": int, "global_batch": int, "steps": int, "config": dict, "data": dict}
+_TRAIN = {
+    "step": int,
+    "samples": int,
+    "seed": int,
+    "global_batch": int,
+    "steps": int,
+    "config": dict,
+    "data": dict,
+}
 _DATA = {"path": str, "tokenizer": str, "identity": str, "source": str, "tokens": int}
-_CONFIG_DATA = {"path": str, "tokenizer": str, "seq_len": int, "cache_dir": str, "holdout_fraction": float}
+_CONFIG_DATA = {
+    "path": str,
+    "tokenizer": str,
+    "seq_len": int,
+    "cache_dir": str,
+    "holdout_fraction": float,
+}
 
 
 def warn(message: str) -> None:
@@ -48,12 +76,23 @@ def _typed(where: str, name: str, value, kind):
     if kind == _SHA:
         ok = isinstance(value, str) and len(value) == 64 and set(value) <= set("0123456789abcdef")
     elif kind is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+        ok = (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and math.isfinite(value)
+            and value >= 0
+        )
     else:
-        ok = isinstance(value, kind) and not isinstance(value, bool) and (not isinstance(value, int) or value >= 0)
+        ok = (
+            isinstance(value, kind)
+            and not isinstance(value, bool)
+            and (not isinstance(value, int) or value >= 0)
+        )
     if not ok:
         shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
-        raise FourdError(f"{where}: field {name!r} = {shown} is not {_KINDS[kind]}; the checkpoint is damaged")
+        raise FourdError(
+            f"{where}: field {name!r} = {shown} is not {_KINDS[kind]}; the checkpoint is damaged"
+        )
     return value
 
 
@@ -68,15 +107,21 @@ def _check(where: str, prefix: str, obj: dict, spec: dict, required=()) -> None:
 
 def model_config(where: str, spec: dict) -> ModelConfig:
     """The ModelConfig a manifest records; any wrong key or type is one FourdError naming the field."""
-    kinds = {f.name: {"int": int, "float": float, "str": str}[str(f.type)] for f in fields(ModelConfig)}
+    kinds = {
+        f.name: {"int": int, "float": float, "str": str}[str(f.type)] for f in fields(ModelConfig)
+    }
     for key, value in spec.items():
         if key not in kinds:
-            raise FourdError(f"{where}: field 'model.{key}' is not a model setting; the checkpoint is damaged")
+            raise FourdError(
+                f"{where}: field 'model.{key}' is not a model setting; the checkpoint is damaged"
+            )
         _typed(where, f"model.{key}", value, kinds[key])
     try:
         return ModelConfig(**spec)
     except (TypeError, FourdError) as e:
-        raise FourdError(f"{where}: field 'model' is not a valid model ({e}); the checkpoint is damaged") from None
+        raise FourdError(
+            f"{where}: field 'model' is not a valid model ({e}); the checkpoint is damaged"
+        ) from None
 
 
 def inside(folder: str | os.PathLike, rel: object, source: str) -> Path:
@@ -86,7 +131,9 @@ def inside(folder: str | os.PathLike, rel: object, source: str) -> Path:
         with contextlib.suppress(OSError, ValueError):
             path = (root / rel).resolve()
     if path is None or path == root or not path.is_relative_to(root):
-        raise FourdError(f"{source} names {rel!r}, which is not a file inside {folder}; the file is damaged or forged")
+        raise FourdError(
+            f"{source} names {rel!r}, which is not a file inside {folder}; the file is damaged or forged"
+        )
     return path
 
 
@@ -94,21 +141,33 @@ def read_manifest(directory: str | os.PathLike) -> dict:
     """manifest.json, checked against its schema: any missing or wrong-typed field is one FourdError."""
     path = Path(directory) / MANIFEST
     if not path.is_file():
-        raise FourdError(f"{directory}: no {MANIFEST}; not a fourd checkpoint (or an incomplete one)")
+        raise FourdError(
+            f"{directory}: no {MANIFEST}; not a fourd checkpoint (or an incomplete one)"
+        )
     try:
         manifest = json.loads(path.read_bytes())
     except (ValueError, RecursionError) as e:
-        raise FourdError(f"{path}: not valid JSON ({str(e)[:80]}); the checkpoint is damaged") from None
+        raise FourdError(
+            f"{path}: not valid JSON ({str(e)[:80]}); the checkpoint is damaged"
+        ) from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise FourdError(f"{path}: format is not {FORMAT!r}; not a fourd checkpoint")
     if manifest.get("version") != VERSION:
-        raise FourdError(f"{path}: version {manifest.get('version')!r} is not supported (this fourd reads {VERSION})")
+        raise FourdError(
+            f"{path}: version {manifest.get('version')!r} is not supported (this fourd reads {VERSION})"
+        )
     where = str(path)
     _check(where, "", manifest, _TOP, required=("step", "layout", "model", "model_digest", "files"))
     model_config(where, manifest["model"])
     for rel, entry in manifest["files"].items():
         inside(directory, rel, where)
-        _check(where, f"files[{rel!r}].", _typed(where, f"files[{rel!r}]", entry, dict), _FILE, required=_FILE)
+        _check(
+            where,
+            f"files[{rel!r}].",
+            _typed(where, f"files[{rel!r}]", entry, dict),
+            _FILE,
+            required=_FILE,
+        )
     train = manifest.get("train", {})
     _check(where, "train.", train, _TRAIN)
     _check(where, "train.data.", train.get("data", {}), _DATA)
@@ -133,9 +192,13 @@ def verify(directory: str | os.PathLike) -> dict:
     for rel, want in sorted(manifest["files"].items()):
         path = Path(directory) / rel
         if not os.path.isfile(path):
-            raise FourdError(f"{path}: missing (listed in {MANIFEST}); the checkpoint is incomplete")
+            raise FourdError(
+                f"{path}: missing (listed in {MANIFEST}); the checkpoint is incomplete"
+            )
         if path.stat().st_size != want["bytes"]:
-            raise FourdError(f"{path}: {path.stat().st_size} bytes, manifest says {want['bytes']}; the file is damaged")
+            raise FourdError(
+                f"{path}: {path.stat().st_size} bytes, manifest says {want['bytes']}; the file is damaged"
+            )
         if _sha256_file(path) != want["sha256"]:
             raise FourdError(f"{path}: SHA-256 differs from {MANIFEST}; the file is damaged")
     return manifest
@@ -162,16 +225,24 @@ def newest(run_dir: str | os.PathLike, check=read_manifest, on_damaged=None) -> 
                 on_damaged(path, e)
     damaged = f"skipped damaged {', '.join(skipped)}"
     if skipped:
-        warn(f"falling back to the previous complete checkpoint {found.name} ({damaged})" if found else damaged)
+        warn(
+            f"falling back to the previous complete checkpoint {found.name} ({damaged})"
+            if found
+            else damaged
+        )
     return found
 
 
 def check_model(directory: str | os.PathLike, cfg: ModelConfig) -> None:
     """Refuse a checkpoint of another model than `cfg`, naming the settings that differ."""
     saved, wanted = read_manifest(directory)["model"], cfg.to_dict()
-    diff = ", ".join(f"{k} {saved.get(k)} (this run: {v})" for k, v in wanted.items() if saved.get(k) != v)
+    diff = ", ".join(
+        f"{k} {saved.get(k)} (this run: {v})" for k, v in wanted.items() if saved.get(k) != v
+    )
     if diff:
-        raise FourdError(f"{directory} holds another model: {diff}; use another run directory or the same model")
+        raise FourdError(
+            f"{directory} holds another model: {diff}; use another run directory or the same model"
+        )
 
 
 def resolve(path: str | os.PathLike) -> Path:
@@ -181,7 +252,9 @@ def resolve(path: str | os.PathLike) -> Path:
         return path
     found = newest(path)
     if found is None:
-        raise FourdError(f"{path}: a run directory without a complete checkpoint under {CHECKPOINTS}/")
+        raise FourdError(
+            f"{path}: a run directory without a complete checkpoint under {CHECKPOINTS}/"
+        )
     return found
 
 
@@ -196,12 +269,23 @@ def staging_dir(final_dir: str | os.PathLike) -> Path:
     return Path(final_dir).with_name(f".{Path(final_dir).name}.partial")
 
 
-def write_manifest(directory, cfg: ModelConfig, digest: str, step: int = 0, layout: str = "dp=1", extra=None) -> dict:
+def write_manifest(
+    directory, cfg: ModelConfig, digest: str, step: int = 0, layout: str = "dp=1", extra=None
+) -> dict:
     """Hash every file already in `directory` and write manifest.json; call it after the last data file."""
     directory = Path(directory)
     data = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
-    files = {p.relative_to(directory).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256_file(p)} for p in data}
-    top = {"format": FORMAT, "version": VERSION, "step": int(step), "layout": str(layout), "model": cfg.to_dict()}
+    files = {
+        p.relative_to(directory).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256_file(p)}
+        for p in data
+    }
+    top = {
+        "format": FORMAT,
+        "version": VERSION,
+        "step": int(step),
+        "layout": str(layout),
+        "model": cfg.to_dict(),
+    }
     manifest = {**top, "model_digest": digest, **(extra or {}), "files": files}
     with open(directory / MANIFEST, "w") as f:
         json.dump(manifest, f, indent=1, sort_keys=True)
@@ -263,7 +347,9 @@ def staged(final: str | os.PathLike) -> Iterator[Path]:
         raise
 
 
-def save_model_checkpoint(directory, cfg: ModelConfig, state_dict, step: int = 0, layout="dp=1", extra=None) -> Path:
+def save_model_checkpoint(
+    directory, cfg: ModelConfig, state_dict, step: int = 0, layout="dp=1", extra=None
+) -> Path:
     """One process, full tensors: the checkpoint `fourd convert` writes and tests build."""
     import torch.distributed.checkpoint as dcp
 
@@ -274,7 +360,9 @@ def save_model_checkpoint(directory, cfg: ModelConfig, state_dict, step: int = 0
         return commit(tmp, directory)
 
 
-def load_model_checkpoint(directory: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_model_checkpoint(
+    directory: str | os.PathLike,
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Verify, then load the full model state_dict on the CPU, whatever layout saved it."""
     import torch
     import torch.distributed.checkpoint as dcp
@@ -284,7 +372,9 @@ def load_model_checkpoint(directory: str | os.PathLike) -> tuple[ModelConfig, di
     manifest = verify(directory)
     cfg = ModelConfig(**manifest["model"])
     if cfg.mlp != "swiglu":  # the GPT-style MLP is the planner's only
-        raise FourdError(f"{directory}: model.mlp = {cfg.mlp!r}; a checkpoint holds a Llama (swiglu) model")
+        raise FourdError(
+            f"{directory}: model.mlp = {cfg.mlp!r}; a checkpoint holds a Llama (swiglu) model"
+        )
     reader = SafeReader(str(directory))
     sd = {}
     for key, meta in reader.read_metadata().state_dict_metadata.items():
@@ -292,12 +382,18 @@ def load_model_checkpoint(directory: str | os.PathLike) -> tuple[ModelConfig, di
             sd[key.removeprefix("model.")] = torch.empty(meta.size, dtype=meta.properties.dtype)
     held = sum(t.numel() for t in sd.values())
     if held != cfg.params():  # checked before any model of cfg's size is built
-        raise FourdError(f"{directory}: holds {held:,} model parameters, its manifest's model has {cfg.params():,}")
+        raise FourdError(
+            f"{directory}: holds {held:,} model parameters, its manifest's model has {cfg.params():,}"
+        )
     want = shapes(cfg)
     bad = sorted(set(want) ^ set(sd)) or sorted(k for k in sd if tuple(sd[k].shape) != want[k])
     if bad:
-        raise FourdError(f"{directory}: tensor {bad[0]} does not fit its manifest's model (names or shapes differ)")
+        raise FourdError(
+            f"{directory}: tensor {bad[0]} does not fit its manifest's model (names or shapes differ)"
+        )
     dcp.load({"model": sd}, storage_reader=reader, no_dist=True)
     if model_digest(sd) != manifest["model_digest"]:
-        raise FourdError(f"{directory}: the loaded tensors' model_digest differs from {MANIFEST}; it is damaged")
+        raise FourdError(
+            f"{directory}: the loaded tensors' model_digest differs from {MANIFEST}; it is damaged"
+        )
     return cfg, sd

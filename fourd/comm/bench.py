@@ -20,7 +20,15 @@ from fourd.comm import bus_factor
 from fourd.comm.launch import backend, run_workers
 from fourd.errors import FourdError
 
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "ring", "sendrecv")
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "broadcast",
+    "all_to_all",
+    "ring",
+    "sendrecv",
+)
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -33,7 +41,9 @@ def busbw_factor(op: str, n: int) -> float:
 def parse_bytes(text: str) -> int:
     m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)B?\s*", str(text).upper())
     if not m or int(m.group(1)) <= 0:
-        raise FourdError(f"bad size {text!r}: give a positive byte count such as 4096, 64K, 16M or 1G")
+        raise FourdError(
+            f"bad size {text!r}: give a positive byte count such as 4096, 64K, 16M or 1G"
+        )
     return int(m.group(1)) * _UNITS[m.group(2)]
 
 
@@ -80,7 +90,11 @@ def time_op(op: str, nbytes: int, iters: int, warmup: int, group=None) -> dict:
     import torch
     import torch.distributed as dist
 
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     fn, count = _prepare(op, nbytes, group, device)
     for _ in range(warmup):
@@ -99,7 +113,14 @@ def time_op(op: str, nbytes: int, iters: int, warmup: int, group=None) -> dict:
     size = count * 4
     t = statistics.median(times.tolist())
     algbw = size / t / 1e9
-    row = dict(op=op, nproc=n, bytes=size, time_s=t, algbw_gbps=algbw, busbw_gbps=algbw * busbw_factor(op, n))
+    row = dict(
+        op=op,
+        nproc=n,
+        bytes=size,
+        time_s=t,
+        algbw_gbps=algbw,
+        busbw_gbps=algbw * busbw_factor(op, n),
+    )
     row.update(iters=iters, backend=dist.get_backend(group))
     if op == "ring":
         row.update(steps=result.steps, bytes_sent_per_rank=result.bytes_sent)
@@ -112,36 +133,61 @@ def _sweep(rank: int, nproc: int, ops, sizes, iters, warmup) -> list[dict]:
 
 def add_arguments(p):
     ops = COLLECTIVES + ("all",)
-    p.add_argument("--op", default="all_reduce", choices=ops, help="collective to time (default all_reduce; all: each)")
-    p.add_argument("--nproc", type=int, default=None, help="ranks to launch (default: the GPUs, or 2 on CPU)")
+    p.add_argument(
+        "--op",
+        default="all_reduce",
+        choices=ops,
+        help="collective to time (default all_reduce; all: each)",
+    )
+    p.add_argument(
+        "--nproc", type=int, default=None, help="ranks to launch (default: the GPUs, or 2 on CPU)"
+    )
     p.add_argument("--min-bytes", default="1K", help="smallest message (default 1K)")
-    p.add_argument("--max-bytes", default=None, help="largest message (default 256M on GPUs, 64M on CPU)")
+    p.add_argument(
+        "--max-bytes", default=None, help="largest message (default 256M on GPUs, 64M on CPU)"
+    )
     p.add_argument("--iters", type=int, default=10, help="timed iterations per size (default 10)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed iterations per size first (default 2)")
+    p.add_argument(
+        "--warmup", type=int, default=2, help="untimed iterations per size first (default 2)"
+    )
     p.add_argument("--json", action="store_true", help="print a JSON list of rows")
 
 
 def run(args) -> int:
     lo, (iters, warmup) = parse_bytes(args.min_bytes), (args.iters, args.warmup)
     if iters < 1 or warmup < 0:
-        raise FourdError(f"--iters {iters} --warmup {warmup}: need at least 1 timed iteration and no negative warm-up")
+        raise FourdError(
+            f"--iters {iters} --warmup {warmup}: need at least 1 timed iteration and no negative warm-up"
+        )
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     hi = parse_bytes(args.max_bytes or ("256M" if gpus else "64M"))
     if hi < lo:
-        raise FourdError(f"--max-bytes {args.max_bytes} is below --min-bytes {args.min_bytes}: raise --max-bytes")
+        raise FourdError(
+            f"--max-bytes {args.max_bytes} is below --min-bytes {args.min_bytes}: raise --max-bytes"
+        )
     nproc = args.nproc if args.nproc is not None else (gpus or 2)
-    most = gpus or 8 * (os.cpu_count() or 1)  # CPU ranks share the cores: beyond a few per core, only waiting
+    most = gpus or 8 * (
+        os.cpu_count() or 1
+    )  # CPU ranks share the cores: beyond a few per core, only waiting
     if not 2 <= nproc <= most:
-        raise FourdError(f"--nproc {nproc}: a collective needs 2 ranks or more, and this machine runs at most {most}")
+        raise FourdError(
+            f"--nproc {nproc}: a collective needs 2 ranks or more, and this machine runs at most {most}"
+        )
     ops = list(COLLECTIVES) if args.op == "all" else [args.op]
     rows = run_workers(_sweep, nproc, (ops, sweep_sizes(lo, hi), iters, warmup))[0]
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
-    print(f"# {backend()}, {nproc} ranks, float32, median of {iters} timed iterations after {warmup} warm-up")
-    print(f"{'op':>14} {'size':>8} {'bytes':>11} {'time (us)':>11} {'algbw GB/s':>11} {'busbw GB/s':>11}")
+    print(
+        f"# {backend()}, {nproc} ranks, float32, median of {iters} timed iterations after {warmup} warm-up"
+    )
+    print(
+        f"{'op':>14} {'size':>8} {'bytes':>11} {'time (us)':>11} {'algbw GB/s':>11} {'busbw GB/s':>11}"
+    )
     line = "{op:>14} {size:>8} {bytes:>11} {us:>11.1f} {algbw_gbps:>11.3f} {busbw_gbps:>11.3f}"
-    print("\n".join(line.format(**r, size=fmt_bytes(r["bytes"]), us=r["time_s"] * 1e6) for r in rows))
+    print(
+        "\n".join(line.format(**r, size=fmt_bytes(r["bytes"]), us=r["time_s"] * 1e6) for r in rows)
+    )
     return 0

@@ -16,7 +16,10 @@ import time
 import traceback
 from typing import Any
 
-_PRELOAD = [f"torch{m}" for m in ("", ".distributed.tensor.parallel", ".distributed.fsdp", ".distributed.pipelining")]
+_PRELOAD = [
+    f"torch{m}"
+    for m in ("", ".distributed.tensor.parallel", ".distributed.fsdp", ".distributed.pipelining")
+]
 
 
 def free_port() -> int:
@@ -59,9 +62,13 @@ def _collect(results, procs, timeout: float) -> dict[int, object]:
         try:
             rank, ok, payload = results.get(timeout=0.2)
         except queue.Empty:
-            dead = [r for r, p in enumerate(procs) if r not in got and r not in failed and p.exitcode]
+            dead = [
+                r for r, p in enumerate(procs) if r not in got and r not in failed and p.exitcode
+            ]
             if dead and not failed:
-                raise RuntimeError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
+                raise RuntimeError(
+                    f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}"
+                ) from None
             if time.monotonic() > deadline:
                 if failed:
                     break
@@ -76,7 +83,9 @@ def _collect(results, procs, timeout: float) -> dict[int, object]:
         failed[rank] = (ok, payload)
     if failed:
         first = min(failed, key=lambda r: failed[r][0])
-        also = f" (then ranks {sorted(set(failed) - {first})} failed too)" if len(failed) > 1 else ""
+        also = (
+            f" (then ranks {sorted(set(failed) - {first})} failed too)" if len(failed) > 1 else ""
+        )
         raise RuntimeError(f"rank {first} failed{also}:\n{failed[first][1]}")
     return got
 
@@ -86,13 +95,19 @@ def run_workers(fn, nproc: int, args: tuple = (), timeout_s: float = 300.0) -> l
     import torch.distributed as dist
 
     be = backend()
-    ctx: Any = mp.get_context("spawn" if be == "nccl" else "forkserver")  # CUDA cannot be forked into
+    ctx: Any = mp.get_context(
+        "spawn" if be == "nccl" else "forkserver"
+    )  # CUDA cannot be forked into
     if be == "gloo":
         ctx.set_forkserver_preload(_PRELOAD)
     store = dist.TCPStore("127.0.0.1", 0, nproc + 1, is_master=True, wait_for_workers=False)
     results = ctx.Queue()
     procs = [
-        ctx.Process(target=_worker, args=(fn, r, nproc, store.port, timeout_s, args, results, be), daemon=True)
+        ctx.Process(
+            target=_worker,
+            args=(fn, r, nproc, store.port, timeout_s, args, results, be),
+            daemon=True,
+        )
         for r in range(nproc)
     ]
     for p in procs:

@@ -33,12 +33,18 @@ class RingStats:
 def _schedule(rank: int, n: int) -> tuple[list[bool], list[int], list[int]]:
     """Per ring step: whether it reduces, the chunk received, the chunk sent (what arrives at step t leaves at t+1)."""
     reducing = [t < n - 1 for t in range(2 * (n - 1))]
-    recv_of = [(rank - t - 1) % n if r else (rank - (t - n + 1)) % n for t, r in enumerate(reducing)]
-    send_of = [(rank - t) % n if r else (rank + 1 - (t - n + 1)) % n for t, r in enumerate(reducing)]
+    recv_of = [
+        (rank - t - 1) % n if r else (rank - (t - n + 1)) % n for t, r in enumerate(reducing)
+    ]
+    send_of = [
+        (rank - t) % n if r else (rank + 1 - (t - n + 1)) % n for t, r in enumerate(reducing)
+    ]
     return reducing, recv_of, send_of
 
 
-def ring_all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM, segment_bytes=SEGMENT_BYTES) -> RingStats:
+def ring_all_reduce(
+    tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM, segment_bytes=SEGMENT_BYTES
+) -> RingStats:
     """Reduce `tensor` in place across `group` (default: the world), like `dist.all_reduce`."""
     if op not in _COMBINE:
         raise ValueError(f"ring_all_reduce supports SUM, PRODUCT, MAX and MIN, not {op}")
@@ -65,7 +71,9 @@ def ring_all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM, segm
         lo, hi = bounds[j], bounds[j + 1]
         seg = chunks[send_of[t], lo:hi]
         target = incoming[lo:hi] if reducing[t] else chunks[recv_of[t], lo:hi]
-        tag = t * n_seg + j  # one tag per message: segments in flight at once never match the wrong receive
+        tag = (
+            t * n_seg + j
+        )  # one tag per message: segments in flight at once never match the wrong receive
         stats.bytes_sent += seg.numel() * seg.element_size()
         stats.messages += 1
         return (

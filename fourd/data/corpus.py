@@ -19,20 +19,30 @@ _PSEUDO = ("proc", "sys", "dev")  # kernel file systems: their files have no fix
 def stdlib_files() -> list[Path]:
     """Every .py file of the standard library (its test suite included), site-packages excluded."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts)
+    return sorted(
+        p
+        for p in root.rglob("*.py")
+        if "site-packages" not in p.parts and "dist-packages" not in p.parts
+    )
 
 
 def read_regular(path: str | os.PathLike, what: str, fix: str) -> bytes:
     """The bytes of a regular file; a FIFO, device, socket or pseudo-file is refused without blocking."""
-    not_regular = f"{what} {str(path)!r} is not a regular file (a FIFO, device, socket or system file): {fix}"
+    not_regular = (
+        f"{what} {str(path)!r} is not a regular file (a FIFO, device, socket or system file): {fix}"
+    )
     try:
-        if not stat.S_ISREG(os.stat(path).st_mode):  # checked before opening: opening a FIFO waits for a writer
+        if not stat.S_ISREG(
+            os.stat(path).st_mode
+        ):  # checked before opening: opening a FIFO waits for a writer
             raise FourdError(not_regular)
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             data = f.read(size + 1)
     except (OSError, ValueError) as e:
-        raise FourdError(f"{what} {str(path)!r} cannot be read ({getattr(e, 'strerror', None) or e}): {fix}") from None
+        raise FourdError(
+            f"{what} {str(path)!r} cannot be read ({getattr(e, 'strerror', None) or e}): {fix}"
+        ) from None
     if len(data) > size:  # it reads past its size: a /proc or /sys file
         raise FourdError(not_regular)
     return data
@@ -61,7 +71,9 @@ def _jsonl_docs(path: Path) -> list[str]:
                 f'{path}:{n}: not valid JSON ({str(e)[:60]}); each line must be an object with a "text" field'
             ) from None
         if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-            raise FourdError(f'{path}:{n}: no string field "text"; each line must be an object with a "text" field')
+            raise FourdError(
+                f'{path}:{n}: no string field "text"; each line must be an object with a "text" field'
+            )
         docs.append(obj["text"])
     return docs
 
@@ -83,7 +95,9 @@ def read_documents(path: str) -> tuple[list[str], str]:
         raise FourdError(f"data path {path!r} lies in a system file system: {_FIX}")
     if p.is_dir():
         files = sorted(
-            f for f in p.rglob("*") if not f.is_dir() and not any(s[0] == "." for s in f.relative_to(p).parts)
+            f
+            for f in p.rglob("*")
+            if not f.is_dir() and not any(s[0] == "." for s in f.relative_to(p).parts)
         )
         docs = [d for f in files for d in _docs(f)]
         where = f"{path} ({len(files)} files)"

@@ -71,9 +71,20 @@ def prepare(data_path: str, tokenizer_spec: str, cache_dir: str = "") -> TokenCa
     found = _cached(bin_path, meta_path, source)
     if found is not None:
         return found
-    dtype = _DTYPES[0] if tok.vocab_size <= 256 else _DTYPES[1] if tok.vocab_size <= 65536 else _DTYPES[2]
+    dtype = (
+        _DTYPES[0]
+        if tok.vocab_size <= 256
+        else _DTYPES[1]
+        if tok.vocab_size <= 65536
+        else _DTYPES[2]
+    )
     arr = _encode(tok, docs, dtype)
-    meta = {"tokens": int(arr.size), "vocab_size": tok.vocab_size, "dtype": dtype, "tokenizer": tok.identity()}
+    meta = {
+        "tokens": int(arr.size),
+        "vocab_size": tok.vocab_size,
+        "dtype": dtype,
+        "tokenizer": tok.identity(),
+    }
     # Written under temporary names and renamed: a crash never leaves a cache that looks complete.
     tmp = root / f".tokens-{key}.{os.getpid()}.tmp"
     try:

@@ -29,7 +29,9 @@ def load_tokenizer(spec: str):
     """ "byte", or a local file: a Hugging Face tokenizer.json (a JSON object) or else a tiktoken BPE file."""
     if spec in ("", "byte"):
         return ByteTokenizer()
-    raw = read_regular(spec, "tokenizer", "give 'byte' or the path of a tokenizer.json or tiktoken BPE file")
+    raw = read_regular(
+        spec, "tokenizer", "give 'byte' or the path of a tokenizer.json or tiktoken BPE file"
+    )
     return HFTokenizer(spec, raw) if raw.lstrip()[:1] == b"{" else TiktokenTokenizer(spec, raw)
 
 
@@ -46,7 +48,9 @@ def _require(module: str):
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise FourdError(f"reading this tokenizer file needs the {module!r} package: pip install 'fourd[hf]'") from None
+        raise FourdError(
+            f"reading this tokenizer file needs the {module!r} package: pip install 'fourd[hf]'"
+        ) from None
 
 
 class HFTokenizer:
@@ -59,7 +63,9 @@ class HFTokenizer:
         try:
             self._tok = tokenizers.Tokenizer.from_str(raw.decode("utf-8"))
         except Exception as e:  # the library raises a plain Exception for malformed files
-            raise FourdError(f"{path}: not a valid Hugging Face tokenizer.json ({str(e)[:80]})") from None
+            raise FourdError(
+                f"{path}: not a valid Hugging Face tokenizer.json ({str(e)[:80]})"
+            ) from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.raw, self._identity = raw, f"hf:{hashlib.sha256(raw).hexdigest()}"
 
@@ -85,9 +91,14 @@ class TiktokenTokenizer:
         specials = ["<|begin_of_text|>", "<|end_of_text|>"]
         specials += [f"<|reserved_special_token_{i}|>" for i in range(LLAMA3_SPECIAL - 2)]
         special = {s: n + i for i, s in enumerate(specials)}
-        self._enc = tiktoken.Encoding(name="bpe", pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=special)
+        self._enc = tiktoken.Encoding(
+            name="bpe", pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=special
+        )
         self.vocab_size = n + LLAMA3_SPECIAL
-        self.raw, self._identity = raw, f"tiktoken:{hashlib.sha256(raw).hexdigest()}"  # raw: the file's bytes
+        self.raw, self._identity = (
+            raw,
+            f"tiktoken:{hashlib.sha256(raw).hexdigest()}",
+        )  # raw: the file's bytes
 
     def encode(self, text: str) -> list[int]:
         # Special-token text in the input is encoded as ordinary text, never as control tokens.
@@ -109,12 +120,18 @@ def read_bpe_ranks(path: str, raw: bytes) -> dict[bytes, int]:
             token, rank = line.split()
             ranks[base64.b64decode(token, validate=True)] = int(rank)
         except ValueError:
-            raise FourdError(f"{path}:{n}: not a tiktoken BPE line ('<base64 token> <rank>')") from None
+            raise FourdError(
+                f"{path}:{n}: not a tiktoken BPE line ('<base64 token> <rank>')"
+            ) from None
     if not ranks:
         raise FourdError(f"{path}: no BPE ranks; not a tiktoken BPE file")
     if sorted(ranks.values()) != list(range(len(ranks))):
-        raise FourdError(f"{path}: ranks are not 0..{len(ranks) - 1} each once; the file is damaged")
+        raise FourdError(
+            f"{path}: ranks are not 0..{len(ranks) - 1} each once; the file is damaged"
+        )
     missing = next((b for b in range(256) if bytes([b]) not in ranks), None)
     if missing is not None:  # tiktoken would abort on a text holding that byte
-        raise FourdError(f"{path}: byte {missing} has no rank; a tiktoken BPE file ranks all 256 single bytes")
+        raise FourdError(
+            f"{path}: byte {missing} has no rank; a tiktoken BPE file ranks all 256 single bytes"
+        )
     return ranks

@@ -30,20 +30,49 @@ if TYPE_CHECKING:
 ARCHITECTURE = "LlamaForCausalLM"
 INDEX = "model.safetensors.index.json"
 # config.json key -> ModelConfig field, both ways; LlamaConfig's defaults for keys a config.json omits.
-_CONFIG = {"num_hidden_layers": "layers", "hidden_size": "dim", "intermediate_size": "ffn", "vocab_size": "vocab"}
-_CONFIG |= {"num_attention_heads": "heads", "num_key_value_heads": "kv_heads", "head_dim": "head_dim"}
-_CONFIG |= {"rms_norm_eps": "norm_eps", "rope_theta": "rope_theta", "max_position_embeddings": "max_seq"}
+_CONFIG = {
+    "num_hidden_layers": "layers",
+    "hidden_size": "dim",
+    "intermediate_size": "ffn",
+    "vocab_size": "vocab",
+}
+_CONFIG |= {
+    "num_attention_heads": "heads",
+    "num_key_value_heads": "kv_heads",
+    "head_dim": "head_dim",
+}
+_CONFIG |= {
+    "rms_norm_eps": "norm_eps",
+    "rope_theta": "rope_theta",
+    "max_position_embeddings": "max_seq",
+}
 _HF_DEFAULTS = {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 2048}
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # tensors some checkpoints carry that are recomputed, not learned
-_TOKENIZER_FILES = {"tokenizer.json": "tokenizer.json", "tiktoken": "tokenizer.model"}  # kind -> usual file name
+_IGNORED_SUFFIXES = (
+    "rotary_emb.inv_freq",
+)  # tensors some checkpoints carry that are recomputed, not learned
+_TOKENIZER_FILES = {
+    "tokenizer.json": "tokenizer.json",
+    "tiktoken": "tokenizer.model",
+}  # kind -> usual file name
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--from", dest="src_format", required=True, choices=("hf", "fourd"), help="format of SRC")
-    p.add_argument("src", metavar="SRC", help="directory to read (fourd: a checkpoint or a run directory)")
-    p.add_argument("--to", dest="dst_format", required=True, choices=("hf", "fourd"), help="format of DST")
+    p.add_argument(
+        "--from", dest="src_format", required=True, choices=("hf", "fourd"), help="format of SRC"
+    )
+    p.add_argument(
+        "src", metavar="SRC", help="directory to read (fourd: a checkpoint or a run directory)"
+    )
+    p.add_argument(
+        "--to", dest="dst_format", required=True, choices=("hf", "fourd"), help="format of DST"
+    )
     p.add_argument("dst", metavar="DST", help="directory to create (must not exist)")
-    p.add_argument("--shard-mb", type=int, default=5000, help="export: largest safetensors file in MB (default 5000)")
+    p.add_argument(
+        "--shard-mb",
+        type=int,
+        default=5000,
+        help="export: largest safetensors file in MB (default 5000)",
+    )
 
 
 def run(args) -> int:
@@ -54,8 +83,12 @@ def run(args) -> int:
     elif (args.src_format, args.dst_format) == ("fourd", "hf"):
         cfg = fourd_to_hf(args.src, args.dst, shard_bytes=args.shard_mb * 1_000_000)
     else:
-        raise FourdError(f"--from {args.src_format} --to {args.dst_format}: convert between hf and fourd, one each way")
-    print(f"wrote {args.dst} ({args.dst_format}): {cfg.layers} layers, dim {cfg.dim}, {cfg.params():,} parameters")
+        raise FourdError(
+            f"--from {args.src_format} --to {args.dst_format}: convert between hf and fourd, one each way"
+        )
+    print(
+        f"wrote {args.dst} ({args.dst_format}): {cfg.layers} layers, dim {cfg.dim}, {cfg.params():,} parameters"
+    )
     return 0
 
 
@@ -63,7 +96,11 @@ _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "mo
 _TOP["output.weight"] = "lm_head.weight"
 _BLOCK = {"attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
 _BLOCK |= {f"attention.w{x}": f"self_attn.{x}_proj" for x in "qkvo"}
-_BLOCK |= {"feed_forward.w1": "mlp.gate_proj", "feed_forward.w2": "mlp.down_proj", "feed_forward.w3": "mlp.up_proj"}
+_BLOCK |= {
+    "feed_forward.w1": "mlp.gate_proj",
+    "feed_forward.w2": "mlp.down_proj",
+    "feed_forward.w3": "mlp.up_proj",
+}
 
 
 def hf_name(name: str) -> str:
@@ -77,13 +114,17 @@ def hf_name(name: str) -> str:
 def interleaved_to_halves(w: torch.Tensor, heads: int, inverse: bool = False) -> torch.Tensor:
     """Rows of a q or k projection, per head, from pairs (2i, 2i+1) to halves (i, i + d/2) (docs/hf.md)."""
     rows, cols = w.shape
-    pairs = (heads, 2, rows // heads // 2, cols) if inverse else (heads, rows // heads // 2, 2, cols)
+    pairs = (
+        (heads, 2, rows // heads // 2, cols) if inverse else (heads, rows // heads // 2, 2, cols)
+    )
     return w.reshape(pairs).transpose(1, 2).reshape(rows, cols).contiguous()
 
 
 def _rotary(cfg: ModelConfig, name: str, w: torch.Tensor, inverse: bool) -> torch.Tensor:
     if name.endswith(("wq.weight", "wk.weight")):
-        return interleaved_to_halves(w, cfg.heads if name.endswith("wq.weight") else cfg.kv_heads, inverse)
+        return interleaved_to_halves(
+            w, cfg.heads if name.endswith("wq.weight") else cfg.kv_heads, inverse
+        )
     return w
 
 
@@ -113,18 +154,36 @@ def read_hf_config(src: Path) -> tuple[ModelConfig, dict]:
     arch = hf.get("architectures") or [hf.get("model_type")]
     if not isinstance(arch, list) or not arch or (ARCHITECTURE not in arch and arch != ["llama"]):
         shown = arch[0] if isinstance(arch, list) and arch else arch
-        raise FourdError(f"{path}: architecture {shown!r} is not supported; fourd converts {ARCHITECTURE} only")
+        raise FourdError(
+            f"{path}: architecture {shown!r} is not supported; fourd converts {ARCHITECTURE} only"
+        )
     for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
         if hf.get(key, want) != want:
-            raise FourdError(f"{path}: field {key!r} = {hf[key]!r} is not supported (fourd's Llama has {want!r})")
+            raise FourdError(
+                f"{path}: field {key!r} = {hf[key]!r} is not supported (fourd's Llama has {want!r})"
+            )
     rope = hf.get("rope_parameters") or {}
-    if hf.get("rope_scaling") or not isinstance(rope, dict) or rope.get("rope_type", "default") != "default":
-        what = f"'rope_scaling' = {hf['rope_scaling']!r}" if hf.get("rope_scaling") else f"'rope_parameters' = {rope!r}"
+    if (
+        hf.get("rope_scaling")
+        or not isinstance(rope, dict)
+        or rope.get("rope_type", "default") != "default"
+    ):
+        what = (
+            f"'rope_scaling' = {hf['rope_scaling']!r}"
+            if hf.get("rope_scaling")
+            else f"'rope_parameters' = {rope!r}"
+        )
         raise FourdError(f"{path}: field {what} is not supported; fourd implements plain RoPE")
     given = {**hf, **rope}  # newer configs keep rope_theta in rope_parameters
     defaults = {**_HF_DEFAULTS, "num_key_value_heads": given.get("num_attention_heads")}
     values = {
-        field: _field(path, given, key, defaults.get(key), float if field in ("norm_eps", "rope_theta") else int)
+        field: _field(
+            path,
+            given,
+            key,
+            defaults.get(key),
+            float if field in ("norm_eps", "rope_theta") else int,
+        )
         for key, field in _CONFIG.items()
         if key != "head_dim" or given.get(key) is not None  # else dim // heads
     }
@@ -134,7 +193,9 @@ def read_hf_config(src: Path) -> tuple[ModelConfig, dict]:
 def _safetensors_files(src: Path) -> list[Path]:
     if (src / INDEX).is_file():
         names = _json_object(src / INDEX, INDEX).get("weight_map")
-        if not (isinstance(names, dict) and names and all(isinstance(f, str) for f in names.values())):
+        if not (
+            isinstance(names, dict) and names and all(isinstance(f, str) for f in names.values())
+        ):
             raise FourdError(f"{src / INDEX}: no valid 'weight_map'; the index is damaged")
         files = [store.inside(src, f, str(src / INDEX)) for f in sorted(set(names.values()))]
     else:
@@ -165,21 +226,35 @@ def read_hf_tensors(src: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def hf_to_fourd_state_dict(cfg: ModelConfig, hf: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def hf_to_fourd_state_dict(
+    cfg: ModelConfig, hf: dict, tensors: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     tensors = {k: v for k, v in tensors.items() if not k.endswith(_IGNORED_SUFFIXES)}
-    if hf.get("tie_word_embeddings") and "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
+    if (
+        hf.get("tie_word_embeddings")
+        and "lm_head.weight" not in tensors
+        and "model.embed_tokens.weight" in tensors
+    ):
         # Tied models (Llama 3.2 1B/3B) store one matrix; fourd's output projection gets its own copy.
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
-    if cfg.layers > len(tensors):  # checked before a model of that depth is built, even on the meta device
-        raise FourdError(f"config.json says {cfg.layers} layers; the safetensors files hold {len(tensors)} tensors")
+    if cfg.layers > len(
+        tensors
+    ):  # checked before a model of that depth is built, even on the meta device
+        raise FourdError(
+            f"config.json says {cfg.layers} layers; the safetensors files hold {len(tensors)} tensors"
+        )
     sd = {}
     for name, shape in store.shapes(cfg).items():
         hname = hf_name(name)
         if hname not in tensors:
-            raise FourdError(f"tensor {hname} missing from the safetensors files (config.json implies it)")
+            raise FourdError(
+                f"tensor {hname} missing from the safetensors files (config.json implies it)"
+            )
         w = tensors.pop(hname)
         if tuple(w.shape) != shape:
-            raise FourdError(f"tensor {hname} has shape {list(w.shape)}; config.json implies {list(shape)}")
+            raise FourdError(
+                f"tensor {hname} has shape {list(w.shape)}; config.json implies {list(shape)}"
+            )
         sd[name] = _rotary(cfg, name, w, inverse=True)
     if extra := sorted(tensors):
         raise FourdError(
@@ -197,14 +272,18 @@ def read_hf(src: str | os.PathLike) -> tuple[ModelConfig, dict, dict[str, torch.
     return cfg, hf, hf_to_fourd_state_dict(cfg, hf, read_hf_tensors(src))
 
 
-def load_weights(path: str | os.PathLike, weights: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_weights(
+    path: str | os.PathLike, weights: bool = True
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """A Hugging Face folder, a fourd checkpoint or a run directory (its newest): its ModelConfig and, with
     `weights`, its full state dict in fourd's names, float32 on the CPU (else {})."""
     p = Path(path)
     if (p / "config.json").is_file():
         cfg, _, sd = read_hf(p) if weights else (*read_hf_config(p), {})
     elif not p.is_dir():
-        raise FourdError(f"{path}: no such directory; give a fourd checkpoint, a run or a Hugging Face model directory")
+        raise FourdError(
+            f"{path}: no such directory; give a fourd checkpoint, a run or a Hugging Face model directory"
+        )
     elif weights:
         cfg, sd = store.load_model_checkpoint(store.resolve(p))
     else:
@@ -212,7 +291,9 @@ def load_weights(path: str | os.PathLike, weights: bool = True) -> tuple[ModelCo
     return cfg, {k: v.float() for k, v in sd.items()}
 
 
-def hf_to_fourd(src: str | os.PathLike, dst: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def hf_to_fourd(
+    src: str | os.PathLike, dst: str | os.PathLike
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     cfg, hf, sd = read_hf(src)
     store.save_model_checkpoint(dst, cfg, sd, extra={"hf_config": hf})
     return cfg, sd
@@ -223,8 +304,18 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype, base: dict | None = None) ->
     dtype_name = str(dtype).removeprefix("torch.")
     out = dict(base or {"bos_token_id": None, "eos_token_id": None})
     out.pop("rope_scaling", None)
-    out |= {"architectures": [ARCHITECTURE], "model_type": "llama", "hidden_act": "silu", "attention_bias": False}
-    out |= {"mlp_bias": False, "tie_word_embeddings": False, "torch_dtype": dtype_name, "dtype": dtype_name}
+    out |= {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "attention_bias": False,
+    }
+    out |= {
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": dtype_name,
+        "dtype": dtype_name,
+    }
     out |= {key: getattr(cfg, field) for key, field in _CONFIG.items()}
     # Older readers take rope_theta at the top (above), newer ones from rope_parameters.
     out["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
@@ -252,8 +343,12 @@ def run_tokenizer(manifest: dict, given: str | None):
     tok = load_tokenizer(tokenizer_spec(given, data))
     if "identity" in data and tok.identity() != data["identity"]:
         if given is None:
-            raise FourdError(f"tokenizer {data.get('tokenizer')!r} changed since the run trained with it; restore it")
-        raise FourdError(f"--tokenizer {given!r} is not the run's tokenizer ({data.get('tokenizer')!r}); leave it out")
+            raise FourdError(
+                f"tokenizer {data.get('tokenizer')!r} changed since the run trained with it; restore it"
+            )
+        raise FourdError(
+            f"--tokenizer {given!r} is not the run's tokenizer ({data.get('tokenizer')!r}); leave it out"
+        )
     return tok
 
 
@@ -263,7 +358,9 @@ def _tokenizer_file(manifest: dict) -> dict[str, bytes]:
     return {} if tok.name == "byte" else {_TOKENIZER_FILES[tok.name]: tok.raw}
 
 
-def write_hf(dst: Path, config: dict, tensors: dict[str, torch.Tensor], shard_bytes: int, extra=None) -> None:
+def write_hf(
+    dst: Path, config: dict, tensors: dict[str, torch.Tensor], shard_bytes: int, extra=None
+) -> None:
     """config.json, safetensors (sharded with an index past `shard_bytes`) and `extra` {name: bytes}, renamed
     into place at the end; every file gets the mode the umask gives (safetensors alone writes 0600)."""
     from safetensors.torch import save_file
@@ -271,7 +368,10 @@ def write_hf(dst: Path, config: dict, tensors: dict[str, torch.Tensor], shard_by
     shards = _shard(tensors, shard_bytes)
     names = [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
     names = names if len(shards) > 1 else ["model.safetensors"]
-    files = {**(extra or {}), "config.json": (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()}
+    files = {
+        **(extra or {}),
+        "config.json": (json.dumps(config, indent=2, sort_keys=True) + "\n").encode(),
+    }
     if len(shards) > 1:
         index = {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())}
         weight_map = {k: name for name, shard in zip(names, shards) for k in shard}
@@ -288,7 +388,9 @@ def write_hf(dst: Path, config: dict, tensors: dict[str, torch.Tensor], shard_by
         os.rename(tmp, dst)
 
 
-def fourd_to_hf(src: str | os.PathLike, dst: str | os.PathLike, shard_bytes: int = 5_000_000_000) -> ModelConfig:
+def fourd_to_hf(
+    src: str | os.PathLike, dst: str | os.PathLike, shard_bytes: int = 5_000_000_000
+) -> ModelConfig:
     src = store.resolve(src)
     cfg, sd = store.load_model_checkpoint(src)
     manifest = store.read_manifest(src)

@@ -27,22 +27,56 @@ from fourd.hf.convert import run_tokenizer, tokenizer_spec
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--ckpt", required=True, metavar="DIR", help="a checkpoint, or a run directory (its newest one)")
+    p.add_argument(
+        "--ckpt",
+        required=True,
+        metavar="DIR",
+        help="a checkpoint, or a run directory (its newest one)",
+    )
     what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--prompt", metavar="TEXT", help="prompt text, encoded with the run's tokenizer")
+    what.add_argument(
+        "--prompt", metavar="TEXT", help="prompt text, encoded with the run's tokenizer"
+    )
     what.add_argument("--prompt-ids", metavar="IDS", help="prompt token ids, comma separated")
-    what.add_argument("--eval-file", metavar="FILE", help="score this text file instead: per-token NLL and perplexity")
-    what.add_argument("--eval-holdout", nargs="?", const="", metavar="CORPUS", help="score the run's held-out tail")
+    what.add_argument(
+        "--eval-file",
+        metavar="FILE",
+        help="score this text file instead: per-token NLL and perplexity",
+    )
+    what.add_argument(
+        "--eval-holdout",
+        nargs="?",
+        const="",
+        metavar="CORPUS",
+        help="score the run's held-out tail",
+    )
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--greedy", action="store_true", help="always take the most likely token")
-    p.add_argument("--top-p", type=float, default=0.9, help="sample from the most likely tokens holding this mass")
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=0.9,
+        help="sample from the most likely tokens holding this mass",
+    )
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--stop-id", type=int, action="append", metavar="ID", help="stop after this id (repeatable)")
-    p.add_argument("--tokenizer", metavar="PATH", help="'byte', tokenizer.json or tiktoken BPE (default: the run's)")
-    p.add_argument("--eval-seq", type=int, help="tokens per scored window (default: the run's data.seq_len)")
-    p.add_argument("--eval-tokens", type=int, default=65536, help="--eval-holdout: the first N tokens (0: all)")
-    p.add_argument("--holdout-fraction", type=float, help="--eval-holdout: the run's data.holdout_fraction")
+    p.add_argument(
+        "--stop-id", type=int, action="append", metavar="ID", help="stop after this id (repeatable)"
+    )
+    p.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help="'byte', tokenizer.json or tiktoken BPE (default: the run's)",
+    )
+    p.add_argument(
+        "--eval-seq", type=int, help="tokens per scored window (default: the run's data.seq_len)"
+    )
+    p.add_argument(
+        "--eval-tokens", type=int, default=65536, help="--eval-holdout: the first N tokens (0: all)"
+    )
+    p.add_argument(
+        "--holdout-fraction", type=float, help="--eval-holdout: the run's data.holdout_fraction"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -53,46 +87,85 @@ def _refuse_if(wrong: bool, message: str) -> None:
 
 def _check_ids(ids: list, vocab: int, what: str) -> None:
     bad = [i for i in ids if not isinstance(i, int) or not 0 <= i < vocab]
-    _refuse_if(bool(bad), f"{what} {bad[0] if bad else ''} is outside the model's vocabulary 0..{vocab - 1}")
+    _refuse_if(
+        bool(bad),
+        f"{what} {bad[0] if bad else ''} is outside the model's vocabulary 0..{vocab - 1}",
+    )
 
 
 def run(args) -> int:
     from fourd.hf.inference import generate, load_model
 
-    _refuse_if(args.max_new_tokens < 1, f"--max-new-tokens {args.max_new_tokens} must be at least 1")
+    _refuse_if(
+        args.max_new_tokens < 1, f"--max-new-tokens {args.max_new_tokens} must be at least 1"
+    )
     _refuse_if(not 0 < args.top_p <= 1, f"--top-p {args.top_p} must be in (0, 1]")
-    _refuse_if(not 0 < args.temperature < math.inf, f"--temperature {args.temperature} must be a finite number > 0")
+    _refuse_if(
+        not 0 < args.temperature < math.inf,
+        f"--temperature {args.temperature} must be a finite number > 0",
+    )
     _refuse_if(args.eval_tokens < 0, f"--eval-tokens {args.eval_tokens} must be >= 0 (0: all)")
-    _refuse_if(args.eval_seq is not None and args.eval_seq < 1, f"--eval-seq {args.eval_seq} must be at least 1")
+    _refuse_if(
+        args.eval_seq is not None and args.eval_seq < 1,
+        f"--eval-seq {args.eval_seq} must be at least 1",
+    )
     model, manifest = load_model(args.ckpt)
     tok, cfg = run_tokenizer(manifest, args.tokenizer), model.cfg
     if args.eval_file is not None or args.eval_holdout is not None:
         return _run_eval(args, model, tok, manifest)
     try:
         ids = args.prompt_ids
-        prompt = [int(x) for x in ids.split(",") if x.strip()] if ids is not None else tok.encode(args.prompt)
+        prompt = (
+            [int(x) for x in ids.split(",") if x.strip()]
+            if ids is not None
+            else tok.encode(args.prompt)
+        )
     except ValueError:
-        raise FourdError(f"--prompt-ids {args.prompt_ids!r}: give integers separated by commas, e.g. 5,17,42") from None
+        raise FourdError(
+            f"--prompt-ids {args.prompt_ids!r}: give integers separated by commas, e.g. 5,17,42"
+        ) from None
     _refuse_if(not prompt, "the prompt is empty: give --prompt text or --prompt-ids")
     eos = manifest.get("hf_config", {}).get("eos_token_id")  # a model converted from Hugging Face
-    stop = args.stop_id if args.stop_id is not None else [eos] if isinstance(eos, int) else eos or []
-    _refuse_if(not isinstance(stop, list), f"manifest.json: hf_config.eos_token_id = {eos!r} is not token ids")
+    stop = (
+        args.stop_id if args.stop_id is not None else [eos] if isinstance(eos, int) else eos or []
+    )
+    _refuse_if(
+        not isinstance(stop, list),
+        f"manifest.json: hf_config.eos_token_id = {eos!r} is not token ids",
+    )
     _check_ids(prompt, cfg.vocab, "prompt id")
     _check_ids(stop, cfg.vocab, "--stop-id" if args.stop_id else "eos_token_id")
     total = f"prompt ({len(prompt)}) + --max-new-tokens ({args.max_new_tokens})"
     too_long = f"{total} exceeds the model's max_seq {cfg.max_seq}; shorten one of them"
     _refuse_if(len(prompt) + args.max_new_tokens > cfg.max_seq, too_long)
     t0 = time.perf_counter()
-    ids = generate(model, prompt, args.max_new_tokens, args.greedy, args.top_p, args.temperature, args.seed, stop)
+    ids = generate(
+        model,
+        prompt,
+        args.max_new_tokens,
+        args.greedy,
+        args.top_p,
+        args.temperature,
+        args.seed,
+        stop,
+    )
     rate = len(ids) / max(time.perf_counter() - t0, 1e-9)
     text = tok.decode([i for i in ids if i < tok.vocab_size])
-    out = {"ids": ids, "prompt_ids": prompt, "text": text, "new_tokens": len(ids), "tokens_per_s": rate}
+    out = {
+        "ids": ids,
+        "prompt_ids": prompt,
+        "text": text,
+        "new_tokens": len(ids),
+        "tokens_per_s": rate,
+    }
     print(json.dumps(out) if args.json else text)
     return 0
 
 
 def _same(given: Any, recorded: Any, flag: str) -> Any:
-    message = f"{flag} {given!r} differs from the run's {recorded!r}; leave {flag} out to use the run's"
+    message = (
+        f"{flag} {given!r} differs from the run's {recorded!r}; leave {flag} out to use the run's"
+    )
     _refuse_if(given is not None and recorded is not None and given != recorded, message)
     return recorded if recorded is not None else given
 
@@ -101,9 +174,15 @@ def holdout_ids(args, manifest: dict) -> list[int]:
     """The tail of the run's corpus that `fourd train` kept out of training (today's defaults for runs that
     recorded no data: the standard library, 1 %)."""
     data = manifest.get("train", {}).get("data", {})
-    recorded = manifest.get("train", {}).get("config", {}).get("data", {})  # typed by the manifest's schema
+    recorded = (
+        manifest.get("train", {}).get("config", {}).get("data", {})
+    )  # typed by the manifest's schema
     given = str(Path(args.eval_holdout).expanduser().resolve()) if args.eval_holdout else None
-    path = (str(Path(data["path"]).expanduser().resolve()) if data["path"] else "") if "path" in data else None
+    path = (
+        (str(Path(data["path"]).expanduser().resolve()) if data["path"] else "")
+        if "path" in data
+        else None
+    )
     corpus = _same(given, path, "--eval-holdout") or ""
     fraction = _same(args.holdout_fraction, recorded.get("holdout_fraction"), "--holdout-fraction")
     cache = prepare(corpus, tokenizer_spec(args.tokenizer, data), recorded.get("cache_dir", ""))
@@ -122,12 +201,24 @@ def _run_eval(args, model, tok, manifest: dict) -> int:
         ids = holdout_ids(args, manifest)
     else:
         try:
-            ids = tok.encode(read_regular(args.eval_file, "--eval-file", "give a UTF-8 text file").decode("utf-8"))
+            ids = tok.encode(
+                read_regular(args.eval_file, "--eval-file", "give a UTF-8 text file").decode(
+                    "utf-8"
+                )
+            )
         except UnicodeDecodeError as e:
-            raise FourdError(f"--eval-file {args.eval_file!r} is not UTF-8 text (byte {e.start})") from None
+            raise FourdError(
+                f"--eval-file {args.eval_file!r} is not UTF-8 text (byte {e.start})"
+            ) from None
     recorded = manifest.get("train", {}).get("config", {}).get("data", {})
-    seq = args.eval_seq if args.eval_seq is not None else recorded.get("seq_len") or min(model.cfg.max_seq, 1024)
-    _refuse_if(seq > model.cfg.max_seq, f"--eval-seq {seq} exceeds the model's max_seq {model.cfg.max_seq}")
+    seq = (
+        args.eval_seq
+        if args.eval_seq is not None
+        else recorded.get("seq_len") or min(model.cfg.max_seq, 1024)
+    )
+    _refuse_if(
+        seq > model.cfg.max_seq, f"--eval-seq {seq} exceeds the model's max_seq {model.cfg.max_seq}"
+    )
     _refuse_if(len(ids) < 2, "the evaluation text has fewer than 2 tokens; give a longer text")
     _check_ids(ids, model.cfg.vocab, "token id")
     r = perplexity(model, ids, seq)

@@ -39,7 +39,9 @@ class KVCache(nn.Module):
         # new query i sits at position total - new + i and sees every key up to there
         mask = torch.arange(total)[None, :] <= torch.arange(total - new, total)[:, None]
         qt, kt, vt = (t.transpose(1, 2) for t in (q, self.k, self.v))
-        return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, enable_gqa=True).transpose(1, 2)
+        return F.scaled_dot_product_attention(
+            qt, kt, vt, attn_mask=mask, enable_gqa=True
+        ).transpose(1, 2)
 
 
 class ShiftedRope(nn.Module):
@@ -81,18 +83,29 @@ class Cached:
         return logits
 
 
-def sample(logits: torch.Tensor, greedy: bool, top_p: float, temperature: float, gen: torch.Generator) -> int:
+def sample(
+    logits: torch.Tensor, greedy: bool, top_p: float, temperature: float, gen: torch.Generator
+) -> int:
     """Nucleus sampling (Holtzman et al. 2020): from the fewest most likely tokens holding top_p."""
     if greedy:
         return int(logits.argmax())
     probs = torch.softmax(logits.double() / temperature, dim=-1)
     p, idx = probs.sort(descending=True)
-    keep = (p.cumsum(0) - p) < top_p  # the mass before a token is short of top_p: it is in the nucleus
+    keep = (
+        p.cumsum(0) - p
+    ) < top_p  # the mass before a token is short of top_p: it is in the nucleus
     return int(idx[torch.multinomial(p * keep, 1, generator=gen)])
 
 
 def generate(
-    model, prompt: list[int], max_new_tokens: int, greedy=True, top_p=1.0, temperature=1.0, seed=0, stop_ids=()
+    model,
+    prompt: list[int],
+    max_new_tokens: int,
+    greedy=True,
+    top_p=1.0,
+    temperature=1.0,
+    seed=0,
+    stop_ids=(),
 ):
     """The generated ids (the prompt not included); the caller checks ids and lengths against model.cfg."""
     gen = torch.Generator().manual_seed(seed)
@@ -114,7 +127,10 @@ def perplexity(model, ids: list[int], seq: int, batch: int = 8) -> dict:
     data = torch.tensor(ids, dtype=torch.long)
     starts = list(range(0, len(ids) - 1, seq))
     full = [s for s in starts if s + seq + 1 <= len(ids)]
-    groups = [torch.stack([data[s : s + seq + 1] for s in full[i : i + batch]]) for i in range(0, len(full), batch)]
+    groups = [
+        torch.stack([data[s : s + seq + 1] for s in full[i : i + batch]])
+        for i in range(0, len(full), batch)
+    ]
     if len(full) < len(starts):  # the shorter last window
         groups.append(data[starts[-1] :][None])
     total, count = 0.0, 0

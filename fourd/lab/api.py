@@ -23,7 +23,9 @@ P_RANGE, M_RANGE, V_RANGE = (1, 16), (1, 64), (1, 8)  # the bench's sliders
 # One Llama 3 405B replica, tp=8 × pp=16 (Llama 3 paper, Table 4), drawn as 8 racks of 2 servers of 8 GPUs.
 REPLICA_GPUS = 128
 TRACE_MAX_BYTES = 64 << 20
-MAX_ROW_GPUS = 1 << 20  # the row counts every group of every dimension; bounded so a request stays quick
+MAX_ROW_GPUS = (
+    1 << 20
+)  # the row counts every group of every dimension; bounded so a request stays quick
 
 
 def single_values(pairs: list[tuple[str, str]]) -> dict[str, str]:
@@ -48,7 +50,9 @@ def _int(q: dict[str, str], name: str, lo: int, hi: int, default: int | None = N
             raise FourdError(f"missing parameter {name}: give an integer from {lo} to {hi}")
         return default
     if not re.fullmatch(r"[0-9]{1,9}", text):
-        raise FourdError(f"{name}={text[:40]!r} is not a whole number: give an integer from {lo} to {hi}")
+        raise FourdError(
+            f"{name}={text[:40]!r} is not a whole number: give an integer from {lo} to {hi}"
+        )
     value = int(text)
     if not lo <= value <= hi:
         raise FourdError(f"{name}={value} is out of range: give an integer from {lo} to {hi}")
@@ -69,22 +73,41 @@ def schedule(q: dict[str, str], **_) -> dict:
     _known(q, "p", "m", "schedule", "v")
     name = _choice(q, "schedule", SCHEDULES, default="gpipe")
     p, m = _int(q, "p", *P_RANGE), _int(q, "m", *M_RANGE)
-    return _bench(name, p, m, _int(q, "v", *V_RANGE, default=1))  # build_schedule checks V against the schedule
+    return _bench(
+        name, p, m, _int(q, "v", *V_RANGE, default=1)
+    )  # build_schedule checks V against the schedule
 
 
-@functools.lru_cache(maxsize=256)  # a slider dragged back and forth asks for the same settings again
+@functools.lru_cache(
+    maxsize=256
+)  # a slider dragged back and forth asks for the same settings again
 def _bench(name: str, p: int, m: int, v: int) -> dict:
     sched = build_schedule(name, p, m, v)
     events = timeline(sched, {k: t / v for k, t in UNIT.items()})
     step, idle = idle_fractions(events)
     busy = sum(e.end - e.start for rank in events for e in rank)
     ranks = [
-        dict(rank=r, stages=sched.stages_of_rank(r), idle_fraction=idle[r], peak_in_flight=sched.peak_in_flight(r))
+        dict(
+            rank=r,
+            stages=sched.stages_of_rank(r),
+            idle_fraction=idle[r],
+            peak_in_flight=sched.peak_in_flight(r),
+        )
         | {"events": [[e.kind, e.stage, e.microbatch, e.start, e.end - e.start] for e in events[r]]}
         for r in range(p)
     ]
-    out = {"p": p, "m": m, "schedule": name, "v": v, "makespan": step, "idle_fraction": sum(idle) / p}
-    return out | {"speedup": busy / step, "ranks": ranks}  # speedup: one GPU would take the whole busy time
+    out = {
+        "p": p,
+        "m": m,
+        "schedule": name,
+        "v": v,
+        "makespan": step,
+        "idle_fraction": sum(idle) / p,
+    }
+    return out | {
+        "speedup": busy / step,
+        "ranks": ranks,
+    }  # speedup: one GPU would take the whole busy time
 
 
 def cluster(q: dict[str, str], **_) -> dict:
@@ -94,7 +117,9 @@ def cluster(q: dict[str, str], **_) -> dict:
     layout = parse_layout(q.get("layout") or "tp=8,pp=16")
     profile = clusters.load_cluster(_profile_name(q.get("cluster") or "llama3-h100"))
     if layout.world > MAX_ROW_GPUS:
-        raise FourdError(f"layout={layout} has {layout.world:,} GPUs: the cluster row counts at most {MAX_ROW_GPUS:,}")
+        raise FourdError(
+            f"layout={layout} has {layout.world:,} GPUs: the cluster row counts at most {MAX_ROW_GPUS:,}"
+        )
     per_server, per_rack = profile.node.gpus, profile.network.gpus_per_rack
     gpus = [
         {"rank": r, "server": r // per_server, "rack": r // per_rack, "coords": c}
@@ -102,15 +127,34 @@ def cluster(q: dict[str, str], **_) -> dict:
         for r, c in ((r, layout.coords(r)) for r in range(min(layout.world, REPLICA_GPUS)))
     ]
     spans = {
-        d: {"size": g.size, "groups": g.world // g.size, "levels": clusters.group_levels(g, profile)}
+        d: {
+            "size": g.size,
+            "groups": g.world // g.size,
+            "levels": clusters.group_levels(g, profile),
+        }
         for d, g in clusters.placement(layout).items()
     }
     shape = {"racks": REPLICA_GPUS // per_rack, "servers_per_rack": per_rack // per_server}
-    out = {"layout": str(layout), "world": layout.world, "cluster": profile.name, "gpus": gpus, "spans": spans}
+    out = {
+        "layout": str(layout),
+        "world": layout.world,
+        "cluster": profile.name,
+        "gpus": gpus,
+        "spans": spans,
+    }
     return out | shape | {"gpus_per_server": per_server}
 
 
-PLAN_PARAMS: tuple[str, ...] = ("model", "cluster", "gpus", "layout", "schedule", "microbatches", "v", "seq")
+PLAN_PARAMS: tuple[str, ...] = (
+    "model",
+    "cluster",
+    "gpus",
+    "layout",
+    "schedule",
+    "microbatches",
+    "v",
+    "seq",
+)
 PLAN_PARAMS += ("global_batch_tokens", "zero", "recompute")
 
 
@@ -120,7 +164,11 @@ def _best_plan(q: dict[str, str]):
     _known(q, *PLAN_PARAMS)
     model = get_preset(_choice(q, "model", list(PRESETS), request.DEFAULT_MODEL))
     cluster = clusters.load_cluster(_profile_name(q.get("cluster") or request.DEFAULT_CLUSTER))
-    values = {"virtual_stages" if k == "v" else k: v for k, v in q.items() if k not in ("model", "cluster")}
+    values = {
+        "virtual_stages" if k == "v" else k: v
+        for k, v in q.items()
+        if k not in ("model", "cluster")
+    }
     return request.plans(request.resolve(model, cluster, values))[0]
 
 
@@ -128,8 +176,16 @@ def plan(q: dict[str, str], **_) -> dict:
     """The planner panel: the plan, memory per GPU of each pipeline rank, and the report's explanations."""
     best = _best_plan(q)
     ranks = range(best.config.layout.pp)
-    bars = [{"label": f"pipeline rank {r}", **m.gb()} for r, m in zip(ranks, rank_memories(best.job, ranks))]
-    return {"plan": best.to_json(), "memory": bars, "gpu_memory_gb": best.cluster.gpu.memory_gb, "why": why(best)}
+    bars = [
+        {"label": f"pipeline rank {r}", **m.gb()}
+        for r, m in zip(ranks, rank_memories(best.job, ranks))
+    ]
+    return {
+        "plan": best.to_json(),
+        "memory": bars,
+        "gpu_memory_gb": best.cluster.gpu.memory_gb,
+        "why": why(best),
+    }
 
 
 def simtrace(q: dict[str, str], **_) -> dict:
@@ -156,16 +212,22 @@ def trace(q: dict[str, str], *, trace_dir: Path, **_) -> dict:
     try:
         path = (root / text).resolve()
         if not path.is_relative_to(root):
-            raise FourdError(f"path={shown} is outside the lab's --trace-dir; start `fourd lab --trace-dir` above it")
+            raise FourdError(
+                f"path={shown} is outside the lab's --trace-dir; start `fourd lab --trace-dir` above it"
+            )
         if path.suffix != ".json":
             raise FourdError(f"path={shown}: a trace is a Chrome trace .json file")
         if not path.is_file():
             raise FourdError(f"path={shown}: no such file under the lab's --trace-dir")
         if path.stat().st_size > TRACE_MAX_BYTES:
-            raise FourdError(f"path={shown} is larger than {TRACE_MAX_BYTES >> 20} MiB; open a shorter trace")
+            raise FourdError(
+                f"path={shown} is larger than {TRACE_MAX_BYTES >> 20} MiB; open a shorter trace"
+            )
         doc = json.loads(path.read_bytes())
     except OSError as e:
-        raise FourdError(f"path={shown} cannot be read ({e.strerror}): name a trace file under --trace-dir") from None
+        raise FourdError(
+            f"path={shown} cannot be read ({e.strerror}): name a trace file under --trace-dir"
+        ) from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise FourdError(f"path={shown} is not JSON ({e}); a trace is Chrome trace JSON") from None
     events = doc.get("traceEvents") if isinstance(doc, dict) else doc
@@ -177,7 +239,11 @@ def trace(q: dict[str, str], *, trace_dir: Path, **_) -> dict:
 def options(q: dict[str, str], **_) -> dict:
     """What the page's selectors offer: model presets, cluster profiles, schedules and the bench's ranges."""
     _known(q)
-    names = {"models": list(PRESETS), "clusters": clusters.preset_names(), "schedules": list(SCHEDULES)}
+    names = {
+        "models": list(PRESETS),
+        "clusters": clusters.preset_names(),
+        "schedules": list(SCHEDULES),
+    }
     return names | {"ranges": {"p": P_RANGE, "m": M_RANGE, "v": V_RANGE}}
 
 

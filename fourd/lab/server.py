@@ -31,7 +31,11 @@ from fourd.lab import api
 
 STATIC_DIR = Path(__file__).with_name("static")
 # Fixed here rather than guessed from the system's MIME table, which differs between machines.
-CONTENT_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css"}  # all sent as UTF-8
+CONTENT_TYPES = {
+    ".html": "text/html",
+    ".js": "text/javascript",
+    ".css": "text/css",
+}  # all sent as UTF-8
 JSON = "application/json"
 TIMEOUT_S = 5.0  # to send the request line and headers, and again to take the answer
 WORKERS = 8  # threads that answer complete requests; clients still sending hold no thread
@@ -41,13 +45,26 @@ MAX_HEAD = 16 << 10
 # Content-Security-Policy keeps the page from loading anything that is not served here (no CDN).
 _CSP = "default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; connect-src 'self'"
 _HEADERS = {"Cache-Control": "no-store", "Connection": "close", "X-Content-Type-Options": "nosniff"}
-_HEADERS |= {"Content-Security-Policy": _CSP + "; frame-ancestors 'none'", "Referrer-Policy": "no-referrer"}
+_HEADERS |= {
+    "Content-Security-Policy": _CSP + "; frame-ancestors 'none'",
+    "Referrer-Policy": "no-referrer",
+}
 
 
 def add_arguments(p):
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
-    p.add_argument("--trace-dir", default=".", help="folder whose trace files the page may open (default: here)")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1: this machine only)",
+    )
+    p.add_argument(
+        "--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)"
+    )
+    p.add_argument(
+        "--trace-dir",
+        default=".",
+        help="folder whose trace files the page may open (default: here)",
+    )
 
 
 def run(args) -> int:
@@ -69,7 +86,15 @@ class LabServer:
     """One thread reads every connection's request, WORKERS threads answer complete ones: a client that sends
     slowly costs a socket for `timeout` seconds, never a thread (docs/lab.md). One request per connection."""
 
-    def __init__(self, host="127.0.0.1", port=0, *, static_dir=STATIC_DIR, trace_dir=Path("."), timeout=TIMEOUT_S):
+    def __init__(
+        self,
+        host="127.0.0.1",
+        port=0,
+        *,
+        static_dir=STATIC_DIR,
+        trace_dir=Path("."),
+        timeout=TIMEOUT_S,
+    ):
         self.socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -86,9 +111,17 @@ class LabServer:
         self.url = f"http://[{name}]:{port}/" if ":" in name else f"http://{name}:{port}/"
         self.static = load_static(static_dir)
         self.trace_dir, self.timeout = trace_dir.resolve(), timeout
-        self.any_name = host in ("0.0.0.0", "::", "")  # other machines may connect, under whatever name they use
-        names = ["127.0.0.1", "localhost"] + ([] if self.any_name else [f"[{host}]" if ":" in host else host.lower()])
-        self.hosts = [f"{n}:{port}" for n in dict.fromkeys(names)] + (names if port == 80 else [])  # first: suggested
+        self.any_name = host in (
+            "0.0.0.0",
+            "::",
+            "",
+        )  # other machines may connect, under whatever name they use
+        names = ["127.0.0.1", "localhost"] + (
+            [] if self.any_name else [f"[{host}]" if ":" in host else host.lower()]
+        )
+        self.hosts = [f"{n}:{port}" for n in dict.fromkeys(names)] + (
+            names if port == 80 else []
+        )  # first: suggested
         self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="fourd-lab")
         self._slots = threading.BoundedSemaphore(WORKERS + MAX_QUEUED)
         self._stop, self._stopped = threading.Event(), threading.Event()
@@ -108,7 +141,10 @@ class LabServer:
                         self._read(key.fileobj, key.data[1])  # type: ignore[arg-type]
                 now = time.monotonic()
                 for key in [k for k in sel.get_map().values() if k.data and k.data[0] < now]:
-                    late = _error(408, f"the request did not arrive within {self.timeout:g} s: send it at once")
+                    late = _error(
+                        408,
+                        f"the request did not arrive within {self.timeout:g} s: send it at once",
+                    )
                     self._drop(key.fileobj, late if key.data[1] else b"")  # type: ignore[arg-type]
         finally:
             for key in [k for k in sel.get_map().values() if k.data]:
@@ -137,7 +173,9 @@ class LabServer:
         if len(waiting) >= MAX_WAITING:
             self._drop(waiting[0])  # type: ignore[arg-type]
         conn.setblocking(False)
-        self._sel.register(conn, selectors.EVENT_READ, (time.monotonic() + self.timeout, bytearray()))
+        self._sel.register(
+            conn, selectors.EVENT_READ, (time.monotonic() + self.timeout, bytearray())
+        )
 
     def _read(self, conn: socket.socket, head: bytearray) -> None:
         try:
@@ -150,12 +188,17 @@ class LabServer:
         if chunk and len(head) <= MAX_HEAD and b"\r\n\r\n" not in head and b"\n\n" not in head:
             return  # more to come
         if not chunk or len(head) > MAX_HEAD:
-            return self._drop(conn, _error(431, f"the request head is over {MAX_HEAD >> 10} KiB") if chunk else b"")
+            return self._drop(
+                conn,
+                _error(431, f"the request head is over {MAX_HEAD >> 10} KiB") if chunk else b"",
+            )
         self._sel.unregister(conn)
         if self._slots.acquire(blocking=False):
             self._pool.submit(self._answer, conn, bytes(head))
         else:
-            _close(conn, _error(503, "the lab is busy answering other requests: try again in a moment"))
+            _close(
+                conn, _error(503, "the lab is busy answering other requests: try again in a moment")
+            )
 
     def _drop(self, conn: socket.socket, answer: bytes = b"") -> None:
         self._sel.unregister(conn)
@@ -185,34 +228,57 @@ class LabServer:
         head_only = method == "HEAD"
         if method not in ("GET", "HEAD"):
             allow = {"Allow": "GET, HEAD"}
-            return _error(405, f"method {method} not allowed: the lab answers GET and HEAD only", extra=allow)
+            return _error(
+                405, f"method {method} not allowed: the lab answers GET and HEAD only", extra=allow
+            )
         self._check_host(headers.get_all("Host") or [])
         if not target.startswith("/"):
-            raise FourdError(f"request target {target[:60]!r} is not a path: send origin-form, such as GET / HTTP/1.1")
+            raise FourdError(
+                f"request target {target[:60]!r} is not a path: send origin-form, such as GET / HTTP/1.1"
+            )
         parts = urlsplit(target)
         if parts.path.startswith("/api/"):
             endpoint = api.ENDPOINTS.get(parts.path[len("/api/") :])
             if endpoint is None:
                 known = ", ".join(sorted(api.ENDPOINTS))
-                return _error(404, f"no API endpoint {parts.path[5:60]!r}; known: {known}", head_only)
-            return _response(200, _json(endpoint(self._query(parts.query), trace_dir=self.trace_dir)), JSON, head_only)
+                return _error(
+                    404, f"no API endpoint {parts.path[5:60]!r}; known: {known}", head_only
+                )
+            return _response(
+                200,
+                _json(endpoint(self._query(parts.query), trace_dir=self.trace_dir)),
+                JSON,
+                head_only,
+            )
         entry = self.static.get("index.html" if parts.path == "/" else parts.path[1:])
-        return _response(200, entry[0], entry[1], head_only) if entry else _error(404, "not found", head_only)
+        return (
+            _response(200, entry[0], entry[1], head_only)
+            if entry
+            else _error(404, "not found", head_only)
+        )
 
     def _check_host(self, values: list[str]) -> None:
         if len(values) != 1:
-            raise FourdError(f"the request has {len(values)} Host headers: send exactly one, such as {self.hosts[0]}")
+            raise FourdError(
+                f"the request has {len(values)} Host headers: send exactly one, such as {self.hosts[0]}"
+            )
         value = values[0].strip().lower()
         # A page elsewhere could point its own name at 127.0.0.1 (DNS rebinding); it would send that name.
-        if value not in self.hosts and not (self.any_name and value.endswith(f":{self.server_address[1]}")):
-            raise FourdError(f"Host {values[0][:60]!r} is not this lab: address it as {' or '.join(self.hosts)}")
+        if value not in self.hosts and not (
+            self.any_name and value.endswith(f":{self.server_address[1]}")
+        ):
+            raise FourdError(
+                f"Host {values[0][:60]!r} is not this lab: address it as {' or '.join(self.hosts)}"
+            )
 
     @staticmethod
     def _query(text: str) -> dict[str, str]:
         try:
             return api.single_values(parse_qsl(text, keep_blank_values=True, max_num_fields=32))
         except ValueError:
-            raise FourdError("more than 32 query parameters: give each of the endpoint's parameters once") from None
+            raise FourdError(
+                "more than 32 query parameters: give each of the endpoint's parameters once"
+            ) from None
 
 
 def load_static(folder: Path) -> dict[str, tuple[bytes, str]]:
@@ -238,9 +304,14 @@ def _parse_head(head: bytes):
     return words[0], words[1], headers
 
 
-def _response(status: int, body: bytes, ctype: str, head_only: bool = False, extra: dict | None = None) -> bytes:
+def _response(
+    status: int, body: bytes, ctype: str, head_only: bool = False, extra: dict | None = None
+) -> bytes:
     fields = {"Content-Type": ctype, "Content-Length": str(len(body)), **_HEADERS, **(extra or {})}
-    lines = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}", *(f"{k}: {v}" for k, v in fields.items())]
+    lines = [
+        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}",
+        *(f"{k}: {v}" for k, v in fields.items()),
+    ]
     return "\r\n".join(lines).encode("latin-1") + b"\r\n\r\n" + (b"" if head_only else body)
 
 

@@ -30,7 +30,9 @@ class ModelConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise FourdError(f"model.{f} = {value!r} must be a positive integer")
         if self.heads % self.kv_heads:
-            raise FourdError(f"model.heads = {self.heads} must be a multiple of model.kv_heads = {self.kv_heads}")
+            raise FourdError(
+                f"model.heads = {self.heads} must be a multiple of model.kv_heads = {self.kv_heads}"
+            )
         if self.head_dim % 2:
             raise FourdError(f"model head_dim = {self.head_dim} must be even for RoPE")
         if self.mlp not in ("swiglu", "gelu"):
@@ -46,7 +48,9 @@ class ModelConfig:
         return q + kv + o + mats * self.dim * self.ffn + norms
 
     def embedding_params(self) -> int:
-        return self.vocab * self.dim  # input embedding; the output projection is the same size (untied)
+        return (
+            self.vocab * self.dim
+        )  # input embedding; the output projection is the same size (untied)
 
     def params(self) -> int:
         final_norm = self.dim if self.mlp == "swiglu" else 2 * self.dim
@@ -60,7 +64,9 @@ class ModelConfig:
         with `recompute` "full" the hardware's for HFU, one more forward per layer (docs/parallelism.md)."""
         attention = 4 * self.layers * self.heads * self.head_dim * seq
         model = 6 * (self.params() - self.embedding_params()) + 3 * attention
-        return model + (2 * self.layers * self.layer_params() + attention if recompute == "full" else 0)
+        return model + (
+            2 * self.layers * self.layer_params() + attention if recompute == "full" else 0
+        )
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -74,7 +80,9 @@ PRESETS: dict[str, ModelConfig] = {
     # Llama 3 paper, Table 3, and the released configs.
     "llama3-8b": ModelConfig(layers=32, dim=4096, ffn=14336, heads=32, kv_heads=8, vocab=128256),
     "llama3-70b": ModelConfig(layers=80, dim=8192, ffn=28672, heads=64, kv_heads=8, vocab=128256),
-    "llama3-405b": ModelConfig(layers=126, dim=16384, ffn=53248, heads=128, kv_heads=8, vocab=128256),
+    "llama3-405b": ModelConfig(
+        layers=126, dim=16384, ffn=53248, heads=128, kv_heads=8, vocab=128256
+    ),
 }
 
 
@@ -93,7 +101,9 @@ def parse_model_spec(spec: str) -> ModelConfig:
     for part in filter(None, (p.strip() for p in spec.split(","))):
         key, sep, val = part.partition("=")
         if not sep or key not in _SPEC_KEYS:
-            raise FourdError(f"--model-spec: bad item {part!r}; keys are {', '.join(sorted(_SPEC_KEYS))} as key=value")
+            raise FourdError(
+                f"--model-spec: bad item {part!r}; keys are {', '.join(sorted(_SPEC_KEYS))} as key=value"
+            )
         if key in values:
             raise FourdError(f"--model-spec: {key} is given twice; give each key once")
         if key == "mlp":

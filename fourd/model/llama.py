@@ -24,7 +24,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(
+            x
+        ) * self.weight
 
 
 class Rope(nn.Module):
@@ -41,7 +43,9 @@ class Rope(nn.Module):
         return self.cos[:seqlen], self.sin[:seqlen]
 
 
-def rope_table(head_dim: int, positions: torch.Tensor, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_table(
+    head_dim: int, positions: torch.Tensor, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
     return angles.cos().float(), angles.sin().float()
@@ -61,7 +65,9 @@ class CausalAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [b, s, hq, d], k, v: [b, s, hkv, d]; SDPA's grouped-query path shares each KV head without copies.
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(
+            1, 2
+        )
 
 
 class Attention(nn.Module):
@@ -140,7 +146,9 @@ class Llama(nn.Module):
             p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * s)
 
 
-def build_model(cfg: ModelConfig, seed: int | None = 0, device: str | torch.device = "cpu") -> Llama:
+def build_model(
+    cfg: ModelConfig, seed: int | None = 0, device: str | torch.device = "cpu"
+) -> Llama:
     """The full model; on the meta device (no memory) when device == "meta"."""
     with torch.device(device):
         model = Llama(cfg)

@@ -18,7 +18,9 @@ from fourd.parallel.mesh import build_mesh, dp_cp_mesh
 from fourd.parallel.pp import PipelineRunner, pipeline_split
 from fourd.parallel.recompute import apply_recompute
 from fourd.parallel.tp import apply_tp
-from fourd.parallel.tp import loss_fn as cross_entropy  # logits plain, or sharded on the vocabulary by TP
+from fourd.parallel.tp import (
+    loss_fn as cross_entropy,
+)  # logits plain, or sharded on the vocabulary by TP
 from fourd.schedules import build_schedule
 
 
@@ -50,7 +52,9 @@ def build_parallel(cfg: Config, device: torch.device, rank: int, world: int) -> 
     coords, schedule = layout.coords(rank), None
     mesh: Any = None  # one rank needs no mesh: every degree is 1
     if world > 1:
-        mesh = build_mesh(layout, device.type, hsdp_replicate=par.hsdp_replicas if par.hsdp else None)
+        mesh = build_mesh(
+            layout, device.type, hsdp_replicate=par.hsdp_replicas if par.hsdp else None
+        )
     if layout.pp > 1:
         schedule = build_schedule(par.schedule, layout.pp, par.microbatches, par.virtual_stages)
         stages = pipeline_split(mcfg, coords["pp"], schedule, seed=seed, device=device)
@@ -92,13 +96,19 @@ def check_fp8(cfg: Config) -> None:
         return
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
     if not any(g in name for g in ("H100", "H200")) or cfg.train.dtype == "fp32":
-        raise FourdError(f"train.fp8 needs a CUDA H100 or H200 training in bf16, found {name}: drop train.fp8")
+        raise FourdError(
+            f"train.fp8 needs a CUDA H100 or H200 training in bf16, found {name}: drop train.fp8"
+        )
     if parallelism(cfg).layout.tp > 1:
-        raise FourdError("train.fp8 with tensor parallelism is not implemented: use tp=1 or drop train.fp8")
+        raise FourdError(
+            "train.fp8 with tensor parallelism is not implemented: use tp=1 or drop train.fp8"
+        )
     try:
         import torchao.float8  # noqa: F401
     except ImportError:
-        raise FourdError("train.fp8 needs torchao: install fourd's gpu extra (pip install 'fourd[gpu]')") from None
+        raise FourdError(
+            "train.fp8 needs torchao: install fourd's gpu extra (pip install 'fourd[gpu]')"
+        ) from None
 
 
 def _fp8(stage: torch.nn.Module) -> None:

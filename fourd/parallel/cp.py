@@ -16,11 +16,16 @@ from fourd.model.llama import rope_table
 def cp_positions(seq_len: int, cp_rank: int, cp: int) -> torch.Tensor:
     """True positions of the tokens rank `cp_rank` holds, in the order it holds them."""
     if seq_len % (2 * cp):
-        raise FourdError(f"sequence length {seq_len} must be a multiple of 2·cp = {2 * cp}: choose it accordingly")
+        raise FourdError(
+            f"sequence length {seq_len} must be a multiple of 2·cp = {2 * cp}: choose it accordingly"
+        )
     chunk = seq_len // (2 * cp)
     first, second = cp_rank, 2 * cp - 1 - cp_rank
     return torch.cat(
-        (torch.arange(first * chunk, (first + 1) * chunk), torch.arange(second * chunk, (second + 1) * chunk))
+        (
+            torch.arange(first * chunk, (first + 1) * chunk),
+            torch.arange(second * chunk, (second + 1) * chunk),
+        )
     )
 
 
@@ -61,7 +66,9 @@ class ContextParallelAttention(nn.Module):
         self.cp = cp
         self.register_buffer("q_pos", cp_positions(seq_len, rank, cp), persistent=False)
         # Keys arrive in rank order, each rank's two chunks together: their true positions in that order.
-        self.register_buffer("k_pos", torch.cat([cp_positions(seq_len, r, cp) for r in range(cp)]), persistent=False)
+        self.register_buffer(
+            "k_pos", torch.cat([cp_positions(seq_len, r, cp) for r in range(cp)]), persistent=False
+        )
         self.gathered_elements = 0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -71,9 +78,13 @@ class ContextParallelAttention(nn.Module):
         k_all, v_all = (kv[:, i].transpose(0, 1).flatten(1, 2) for i in (0, 1))  # [b, s, hkv, d]
         q, k_all, v_all = (t.transpose(1, 2) for t in (q, k_all, v_all))
         if q.is_cuda:  # CUDA's kernels that take a mask do not take shared KV heads: they would fall back to math
-            k_all, v_all = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k_all, v_all))
+            k_all, v_all = (
+                t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k_all, v_all)
+            )
         mask = self.q_pos[:, None] >= self.k_pos[None, :]
-        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=True).transpose(1, 2)
+        return F.scaled_dot_product_attention(
+            q, k_all, v_all, attn_mask=mask, enable_gqa=True
+        ).transpose(1, 2)
 
 
 def apply_cp(stage: nn.Module, cp_mesh, seq_len: int) -> nn.Module:
@@ -85,7 +96,9 @@ def apply_cp(stage: nn.Module, cp_mesh, seq_len: int) -> nn.Module:
         return stage
     cfg = stage.cfg
     if seq_len > cfg.max_seq:
-        raise FourdError(f"sequence length {seq_len} exceeds the model's max_seq {cfg.max_seq}: shorten it")
+        raise FourdError(
+            f"sequence length {seq_len} exceeds the model's max_seq {cfg.max_seq}: shorten it"
+        )
     positions = cp_positions(seq_len, rank, cp)
     device = stage.rope.cos.device
     cos, sin = rope_table(cfg.head_dim, positions, cfg.rope_theta)

@@ -24,7 +24,9 @@ def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, zero: int = 3) -> nn.Module:
     if zero not in ZERO_STAGES or isinstance(zero, bool):
         raise FourdError(f"ZeRO stage {zero!r}: choose one of {', '.join(map(str, ZERO_STAGES))}")
     if dp_mesh.ndim == 2 and zero != 3:
-        raise FourdError(f"a 2-D (HSDP) data-parallel mesh takes ZeRO stage 3, not {zero}: build a 1-D mesh")
+        raise FourdError(
+            f"a 2-D (HSDP) data-parallel mesh takes ZeRO stage 3, not {zero}: build a 1-D mesh"
+        )
     if dp_mesh.size() == 1:
         return model
     if dp_mesh.device_type == "cuda":
@@ -62,7 +64,9 @@ class ShardedAdamW(torch.optim.AdamW):
         # The state exists from the start, as torch.distributed.checkpoint wants to load into it; never empty, even on
         # a rank that owns nothing, or it would call step() (here a collective) on that rank alone to create it.
         for group in self.param_groups:
-            self.state.update({p: self._zeros(p, group) if p in self.mine else {} for p in group["params"]})
+            self.state.update(
+                {p: self._zeros(p, group) if p in self.mine else {} for p in group["params"]}
+            )
 
     def _zeros(self, p: torch.Tensor, group: dict) -> dict:
         """AdamW's state of p before its first step, as torch.optim.AdamW creates it."""

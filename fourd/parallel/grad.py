@@ -23,7 +23,9 @@ def grad_norm(params, mesh: DeviceMesh | None = None) -> torch.Tensor:
             total = total + g.float().pow(2).sum()
             continue
         if any(pl.is_partial() for pl in g.placements):
-            g = g.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in g.placements])
+            g = g.redistribute(
+                placements=[Replicate() if pl.is_partial() else pl for pl in g.placements]
+            )
         key = (g.device_mesh, g.placements)
         sq = g.to_local().float().pow(2).sum()
         groups[key] = groups[key] + sq if key in groups else sq

@@ -80,7 +80,9 @@ class _TimedStage(PipelineStage):
     def _timed(self, kind, mb, fn, *args, **kwargs):
         start = perf_counter()
         out = fn(mb, *args, **kwargs)
-        self.log.append(ActionRecord(kind, self.stage_index, mb, start - self.t0, perf_counter() - self.t0))
+        self.log.append(
+            ActionRecord(kind, self.stage_index, mb, start - self.t0, perf_counter() - self.t0)
+        )
         return out
 
     def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
@@ -88,7 +90,9 @@ class _TimedStage(PipelineStage):
 
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
         kind = "B" if full_backward else "I"
-        return self._timed(kind, bwd_chunk_id, super().backward_one_chunk, loss, full_backward, last_backward)
+        return self._timed(
+            kind, bwd_chunk_id, super().backward_one_chunk, loss, full_backward, last_backward
+        )
 
     def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
         return self._timed("W", bwd_chunk_id, super().backward_weight_one_chunk, last_backward)
@@ -103,21 +107,35 @@ class PipelineRunner:
         self.schedule = schedule
         self.rank = dist.get_rank(self.group)
         indices = schedule.stages_of_rank(self.rank)
-        assert dist.get_world_size(self.group) == schedule.pp and len(stages) == len(indices), "use pipeline_split"
+        assert dist.get_world_size(self.group) == schedule.pp and len(stages) == len(indices), (
+            "use pipeline_split"
+        )
         self.records: list[ActionRecord] = []
         self.wall = self.bubble_fraction = 0.0
         self._loss_fn = loss_fn
         device = torch.device(device) if device is not None else None
         self._stages = [
-            _TimedStage(module, s, schedule.stages, device or _device_of(module), group=self.group, log=self.records)
+            _TimedStage(
+                module,
+                s,
+                schedule.stages,
+                device or _device_of(module),
+                group=self.group,
+                log=self.records,
+            )
             for module, s in zip(stages, indices)
         ]
         self._has_first = 0 in indices
         self._has_last = schedule.stages - 1 in indices
         # Each microbatch's mean loss counts 1/M: the runtime divides the gradients by M once all
         # backwards are done (after FSDP's reduction), which is the same as backpropagating loss / M.
-        actions = {r: [(a.stage, a.kind, a.microbatch) for a in acts] for r, acts in enumerate(schedule.ranks)}
-        self._runtime = pipeline_runtime(self._stages, schedule.microbatches, self._timed_loss, actions)
+        actions = {
+            r: [(a.stage, a.kind, a.microbatch) for a in acts]
+            for r, acts in enumerate(schedule.ranks)
+        }
+        self._runtime = pipeline_runtime(
+            self._stages, schedule.microbatches, self._timed_loss, actions
+        )
 
     def _timed_loss(self, output, target):
         start = perf_counter()
@@ -125,7 +143,9 @@ class PipelineRunner:
         # The loss belongs to the forward action that produced `output`, which was just recorded
         # (no record yet when the runtime infers shapes before the first step).
         if self.records:
-            self.records[-1] = replace(self.records[-1], end=self.records[-1].end + perf_counter() - start)
+            self.records[-1] = replace(
+                self.records[-1], end=self.records[-1].end + perf_counter() - start
+            )
         return loss
 
     def step(self, x: torch.Tensor | None, y: torch.Tensor | None) -> torch.Tensor:
@@ -141,10 +161,16 @@ class PipelineRunner:
             stage.t0 = t0
         losses: list[torch.Tensor] = []
         first = (x,) if self._has_first else ()
-        self._runtime.step(*first, target=y if self._has_last else None, losses=losses, return_outputs=False)
+        self._runtime.step(
+            *first, target=y if self._has_last else None, losses=losses, return_outputs=False
+        )
         device = self._stages[0].device
         # Only the last stage's rank has losses; the others add zero, and everyone waits for the last rank.
-        loss = torch.stack([x.detach().float() for x in losses]).mean() if losses else torch.zeros((), device=device)
+        loss = (
+            torch.stack([x.detach().float() for x in losses]).mean()
+            if losses
+            else torch.zeros((), device=device)
+        )
         dist.all_reduce(loss, group=self.group)
         self.wall = perf_counter() - t0
         busy = sum(r.end - r.start for r in self.records)

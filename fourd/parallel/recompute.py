@@ -7,7 +7,11 @@ from functools import partial
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 _aten, _c10d = torch.ops.aten, torch.ops._c10d_functional
 KEEP = {
@@ -42,6 +46,8 @@ def apply_recompute(stage: nn.Module, mode: str) -> nn.Module:
     for block in stage.layers.values() if mode != "none" else ():
         kw = {}
         if mode != "full":
-            kw["context_fn"] = partial(_contexts, sum(isinstance(m, nn.Linear) for m in block.modules()), mode)
+            kw["context_fn"] = partial(
+                _contexts, sum(isinstance(m, nn.Linear) for m in block.modules()), mode
+            )
         block.forward = partial(checkpoint, block.forward, use_reentrant=False, **kw)
     return stage

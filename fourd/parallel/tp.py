@@ -35,21 +35,35 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = Fa
         # One conversion per branch input, so that the gradients of q, k, v (or w1, w3) add up as
         # partial sums and cross the network in one all-reduce, not three.
         plan[f"{block}.attention"] = PrepareModuleInput(
-            input_layouts=(stream, None, None), desired_input_layouts=(Replicate(), None, None), use_local_output=False
+            input_layouts=(stream, None, None),
+            desired_input_layouts=(Replicate(), None, None),
+            use_local_output=False,
         )
         plan[f"{block}.feed_forward"] = PrepareModuleInput(
             input_layouts=(stream,), desired_input_layouts=(Replicate(),), use_local_output=False
         )
-        for linear in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
+        for linear in (
+            "attention.wq",
+            "attention.wk",
+            "attention.wv",
+            "feed_forward.w1",
+            "feed_forward.w3",
+        ):
             plan[f"{block}.{linear}"] = ColwiseParallel()
         for linear in ("attention.wo", "feed_forward.w2"):
-            plan[f"{block}.{linear}"] = RowwiseParallel(output_layouts=stream, use_local_output=not sequence_parallel)
+            plan[f"{block}.{linear}"] = RowwiseParallel(
+                output_layouts=stream, use_local_output=not sequence_parallel
+            )
         if sequence_parallel:
-            plan |= {f"{block}.{norm}": SequenceParallel() for norm in ("attention_norm", "ffn_norm")}
+            plan |= {
+                f"{block}.{norm}": SequenceParallel() for norm in ("attention_norm", "ffn_norm")
+            }
     if model.norm is not None and sequence_parallel:
         plan["norm"] = SequenceParallel()
     if model.output is not None:
-        plan["output"] = ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=False)
+        plan["output"] = ColwiseParallel(
+            input_layouts=stream, output_layouts=Shard(-1), use_local_output=False
+        )
     parallelize_module(model, tp_mesh, plan)
     if model.tok_embeddings is not None and not sequence_parallel:
         # Its all-reduce returns an AsyncCollectiveTensor, which a compiled block cannot take as input (the gradient
@@ -63,10 +77,14 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = Fa
             if name.endswith("norm.weight"):
                 p.register_post_accumulate_grad_hook(_sum_partial_grad)
         if model.tok_embeddings is None:
-            io = PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(stream,), use_local_output=False)
+            io = PrepareModuleInput(
+                input_layouts=(stream,), desired_input_layouts=(stream,), use_local_output=False
+            )
             parallelize_module(model, tp_mesh, io)
         if model.output is None:
-            io = PrepareModuleOutput(output_layouts=(stream,), desired_output_layouts=(stream,), use_local_output=True)
+            io = PrepareModuleOutput(
+                output_layouts=(stream,), desired_output_layouts=(stream,), use_local_output=True
+            )
             parallelize_module(model, tp_mesh, io)
     return model
 
@@ -81,11 +99,17 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     gathered), against targets [b, s]; a plain scalar tensor."""
     if not isinstance(logits, DTensor):
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-    (tp_dim,) = [i for i, p in enumerate(logits.placements) if p.is_shard() and p.dim in (-1, logits.ndim - 1)]
+    (tp_dim,) = [
+        i
+        for i, p in enumerate(logits.placements)
+        if p.is_shard() and p.dim in (-1, logits.ndim - 1)
+    ]
     mesh = logits.device_mesh
     local = logits.to_local().flatten(0, 1).float()
     vocab_start = mesh.get_local_rank(tp_dim) * local.shape[-1]
-    per_token = _VocabParallelCrossEntropy.apply(local, targets.flatten(), vocab_start, mesh.get_group(tp_dim))
+    per_token = _VocabParallelCrossEntropy.apply(
+        local, targets.flatten(), vocab_start, mesh.get_group(tp_dim)
+    )
     return per_token.mean()
 
 
@@ -94,7 +118,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     [tokens] numbers only (row max; row sum of exp with the target logit); backward needs no communication."""
 
     @staticmethod
-    def forward(ctx, local: torch.Tensor, targets: torch.Tensor, vocab_start: int, group) -> torch.Tensor:
+    def forward(
+        ctx, local: torch.Tensor, targets: torch.Tensor, vocab_start: int, group
+    ) -> torch.Tensor:
         row_max = local.max(dim=-1).values
         dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
         shifted = local - row_max[:, None]

@@ -23,7 +23,9 @@ class Sizes:
     h: int
     q: int
     kv: int
-    kv_used: int  # K and V as attention reads them: repeated to every query head in fourd's GQA code
+    kv_used: (
+        int  # K and V as attention reads them: repeated to every query head in fourd's GQA code
+    )
     f: int
     heads: int  # local query heads
     b: int  # activation bytes
@@ -37,8 +39,18 @@ def sizes(work: Work) -> Sizes:
     b = work.dtype_bytes
     r = F32 if work.autocast else b
     eager_gqa = work.attention == "flash" and heads != kv
-    return Sizes(m.dim / (tp if work.sequence_parallel else 1), m.dim, heads * m.head_dim, kv * m.head_dim,
-                 (heads if eager_gqa else kv) * m.head_dim, m.ffn // tp, heads, b, r, int(r != b))  # fmt: skip
+    return Sizes(
+        m.dim / (tp if work.sequence_parallel else 1),
+        m.dim,
+        heads * m.head_dim,
+        kv * m.head_dim,
+        (heads if eager_gqa else kv) * m.head_dim,
+        m.ffn // tp,
+        heads,
+        b,
+        r,
+        int(r != b),
+    )
 
 
 def matmuls(work: Work) -> list[tuple[int, int]]:
@@ -46,14 +58,24 @@ def matmuls(work: Work) -> list[tuple[int, int]]:
     wv, wo, w1, w3, w2; GPT blocks fuse Q, K and V (Megatron)."""
     s = sizes(work)
     if work.model.mlp == "swiglu":
-        return [(s.q, s.h), (s.kv, s.h), (s.kv, s.h), (s.h, s.q), (s.f, s.h), (s.f, s.h), (s.h, s.f)]
+        return [
+            (s.q, s.h),
+            (s.kv, s.h),
+            (s.kv, s.h),
+            (s.h, s.q),
+            (s.f, s.h),
+            (s.f, s.h),
+            (s.h, s.f),
+        ]
     return [(s.q + 2 * s.kv, s.h), (s.h, s.q), (s.f, s.h), (s.h, s.f)]
 
 
 @dataclass(frozen=True)
 class Traffic:
     forward: float  # HBM bytes of the memory-bound kernels, forward
-    backward: float  # and backward (each op's backward reads its output's gradient and saved inputs)
+    backward: (
+        float  # and backward (each op's backward reads its output's gradient and saved inputs)
+    )
     saved: float  # activation bytes kept for backward with this recomputation
     redo: float  # memory-bound bytes the recomputation redoes in backward (besides `full`'s whole forward)
 
@@ -75,10 +97,16 @@ def traffic(work: Work) -> Traffic:
     recomputation (docs/planner.md's recomputation row says what each keeps)."""
     s, swiglu = sizes(work), work.model.mlp == "swiglu"
     b, r, eager = s.b, s.r, not work.compiled
-    repeat = 2 * b * (s.kv + s.kv_used) * (s.kv_used != s.kv)  # GQA: K and V copied to every query head
+    repeat = (
+        2 * b * (s.kv + s.kv_used) * (s.kv_used != s.kv)
+    )  # GQA: K and V copied to every query head
     if swiglu and eager:
-        norms = 2 * _norm_eager(s) + 2 * (2 * r + b) * s.norm + 5 * s.casts * (r + b) * s.h  # and adds, casts
-        attn = _rope_eager(s.q, b) + _rope_eager(s.kv, b) + repeat + 2 * b * s.q  # and the heads' reshape
+        norms = (
+            2 * _norm_eager(s) + 2 * (2 * r + b) * s.norm + 5 * s.casts * (r + b) * s.h
+        )  # and adds, casts
+        attn = (
+            _rope_eager(s.q, b) + _rope_eager(s.kv, b) + repeat + 2 * b * s.q
+        )  # and the heads' reshape
         act = 5 * b * s.f  # silu, then the product
         # the norms' FP32 results and each linear's input (with sequence parallelism its shard, gathered
         # again in backward); besides them the norms' FP32 inputs, RoPE's FP32 copies, attention's inputs
@@ -89,7 +117,9 @@ def traffic(work: Work) -> Traffic:
         # a fused add-and-norm reads the stream and the branch and writes both; eager GPT blocks run
         # native LayerNorm (one kernel) and the adds apart
         norms = (4 * (r + b) if not eager else 2 * (r + b) + 2 * (2 * r + b)) * s.norm
-        attn = 2 * b * (s.q + s.kv) * swiglu + repeat  # RoPE; GPT blocks add their biases inside the GEMMs
+        attn = (
+            2 * b * (s.q + s.kv) * swiglu + repeat
+        )  # RoPE; GPT blocks add their biases inside the GEMMs
         act = (3 if swiglu else 2) * b * s.f
         outputs = 2 * b * s.norm
         kept = 2 * r * s.norm + b * (2 * s.q + 2 * s.kv_used) + (3 if swiglu else 2) * b * s.f
@@ -99,14 +129,24 @@ def traffic(work: Work) -> Traffic:
     if work.recompute == "full":
         return Traffic(forward, backward, r * s.norm, 0.0)
     if work.recompute == "per-op":
-        saved = sum(s.norm if n == s.h else n for n, _ in matmuls(work)[::2]) + s.q  # row-parallel outputs: SP shards
+        saved = (
+            sum(s.norm if n == s.h else n for n, _ in matmuls(work)[::2]) + s.q
+        )  # row-parallel outputs: SP shards
         return Traffic(forward, backward, r * s.norm + b * saved + F32 * s.heads, forward)
-    if work.recompute == "selective" and work.attention == "flash":  # fourd's policy (fourd.parallel.recompute)
-        out = (3, 6) if swiglu else (1, 3)  # wo and w2 feed the residual stream: backward needs neither
-        saved = sum(n for i, (n, _) in enumerate(matmuls(work)) if i not in out) + s.q  # and attention's output
+    if (
+        work.recompute == "selective" and work.attention == "flash"
+    ):  # fourd's policy (fourd.parallel.recompute)
+        out = (
+            (3, 6) if swiglu else (1, 3)
+        )  # wo and w2 feed the residual stream: backward needs neither
+        saved = (
+            sum(n for i, (n, _) in enumerate(matmuls(work)) if i not in out) + s.q
+        )  # and attention's output
         return Traffic(forward, backward, 2 * r * s.norm + b * saved + F32 * s.heads, forward)
     if work.attention == "materialized" and work.recompute == "none":
-        kept += 5 * s.heads * work.seq  # softmax output, dropout mask and output (Korthikanti et al. 2022 §4)
+        kept += (
+            5 * s.heads * work.seq
+        )  # softmax output, dropout mask and output (Korthikanti et al. 2022 §4)
     return Traffic(forward, backward, kept, 0.0)
 
 

@@ -27,8 +27,15 @@ def run(args) -> int:
     req = resolve_inputs(args)
     found = plans(req)
     if args.search and args.json:
-        top, fitting = [p.to_json(req.train_tokens) for p in found[: args.top]], sum(p.fits for p in found)
-        print(json.dumps({"best": top[0], "candidates": top, "searched": len(found), "fitting": fitting}))
+        top, fitting = (
+            [p.to_json(req.train_tokens) for p in found[: args.top]],
+            sum(p.fits for p in found),
+        )
+        print(
+            json.dumps(
+                {"best": top[0], "candidates": top, "searched": len(found), "fitting": fitting}
+            )
+        )
     elif args.search:
         print(search_report(found, args.top, req.train_tokens))
     elif args.json:

@@ -53,15 +53,25 @@ class GPU:
     hbm_bw_gbps: float
     sms: int | None = None  # streaming multiprocessors, for wave quantization; None on CPUs
     gemm_efficiency: float = 0.7  # sustained fraction of peak on large GEMMs
-    attention_fwd_efficiency: float | None = None  # fused attention kernels; None: as GEMMs of that shape
+    attention_fwd_efficiency: float | None = (
+        None  # fused attention kernels; None: as GEMMs of that shape
+    )
     attention_bwd_efficiency: float | None = None
     memory_reserve_gb: float = 0.0  # the runtime's own: CUDA context, NCCL's buffers
     gemm: tuple[GemmSample, ...] = ()  # measured square GEMMs
-    gemm_shapes: tuple[GemmSample, ...] = ()  # measured at training shapes (m, n, k as the planner names them)
+    gemm_shapes: tuple[
+        GemmSample, ...
+    ] = ()  # measured at training shapes (m, n, k as the planner names them)
     attention: tuple[AttentionSample, ...] = ()
-    elementwise_gbps: float | None = None  # measured eager block ops, in fourd.plan.block's counted bytes/s
-    optimizer_gbps: float | None = None  # measured AdamW, one parameter at a time: planner-counted bytes/s
-    tp_layer_us: float = 0.0  # measured: CPU time tensor parallelism adds to a layer's forward and backward
+    elementwise_gbps: float | None = (
+        None  # measured eager block ops, in fourd.plan.block's counted bytes/s
+    )
+    optimizer_gbps: float | None = (
+        None  # measured AdamW, one parameter at a time: planner-counted bytes/s
+    )
+    tp_layer_us: float = (
+        0.0  # measured: CPU time tensor parallelism adds to a layer's forward and backward
+    )
     fsdp_layer_us: float = 0.0  # measured: CPU time FSDP adds to a layer's forward and backward
 
 
@@ -71,7 +81,9 @@ class Node:
     intra_bw_gbps: float
     intra_latency_us: float = 5.0
     intra_efficiency: float = 1.0  # fraction of the link rate a collective reaches
-    concurrent_ranks: int | None = None  # ranks that compute at full speed at once (CPU cores); None: all
+    concurrent_ranks: int | None = (
+        None  # ranks that compute at full speed at once (CPU cores); None: all
+    )
 
 
 @dataclass(frozen=True)
@@ -84,7 +96,9 @@ class Network:
     cross_pod_oversubscription: float = 1.0  # a pod's NICs over its uplinks to other pods
 
 
-@dataclass(frozen=True, eq=False)  # identity hash: the time model caches on it, and hashing every field is slow
+@dataclass(
+    frozen=True, eq=False
+)  # identity hash: the time model caches on it, and hashing every field is slow
 class Cluster:
     name: str
     description: str
@@ -114,7 +128,9 @@ def preset_names() -> list[str]:
 def _find(name_or_path: str) -> Path:
     if name_or_path.endswith(".toml") or os.sep in name_or_path:
         if not Path(name_or_path).is_file():
-            raise FourdError(f"cluster {name_or_path}: no such file; give a preset name or a path to a .toml profile")
+            raise FourdError(
+                f"cluster {name_or_path}: no such file; give a preset name or a path to a .toml profile"
+            )
         return Path(name_or_path)
     for folder in (fourd_home() / "clusters", PRESET_DIR):
         if (folder / f"{name_or_path}.toml").is_file():
@@ -127,7 +143,14 @@ def _find(name_or_path: str) -> Path:
 
 
 # Numbers that may be zero (every other one must be above zero), each of its field's type.
-MAY_BE_ZERO = {"alpha_s", "memory_reserve_gb", "tp_layer_us", "fsdp_layer_us", "intra_latency_us", "latency_us"}
+MAY_BE_ZERO = {
+    "alpha_s",
+    "memory_reserve_gb",
+    "tp_layer_us",
+    "fsdp_layer_us",
+    "intra_latency_us",
+    "latency_us",
+}
 _TYPES = {"int": (int,), "float": (int, float), "str": (str,)}
 
 
@@ -137,18 +160,32 @@ def _section(cls, data, where: str, path: Path):
         raise FourdError(f"{path}: [{where}] must be a table; see docs/planner.md for the schema")
     fields = cls.__dataclass_fields__
     if bad := ", ".join(sorted(set(data) - set(fields))):
-        raise FourdError(f"{path}: unknown key(s) {bad} in [{where}]; allowed: {', '.join(sorted(fields))}")
+        raise FourdError(
+            f"{path}: unknown key(s) {bad} in [{where}]; allowed: {', '.join(sorted(fields))}"
+        )
     for key, value in data.items():
-        kind = _TYPES.get(str(fields[key].type).split(" ")[0])  # None: the tuples of samples, read apart
+        kind = _TYPES.get(
+            str(fields[key].type).split(" ")[0]
+        )  # None: the tuples of samples, read apart
         if kind and (isinstance(value, bool) or not isinstance(value, kind)):
-            raise FourdError(f"{path}: {where}.{key} = {value!r} must be of type {kind[-1].__name__}")
+            raise FourdError(
+                f"{path}: {where}.{key} = {value!r} must be of type {kind[-1].__name__}"
+            )
         zero = key in MAY_BE_ZERO
-        if kind and kind != (str,) and not (math.isfinite(value) and (value >= 0 if zero else value > 0)):
-            raise FourdError(f"{path}: {where}.{key} = {value} must be finite, {'at least' * zero or 'above'} 0")
+        if (
+            kind
+            and kind != (str,)
+            and not (math.isfinite(value) and (value >= 0 if zero else value > 0))
+        ):
+            raise FourdError(
+                f"{path}: {where}.{key} = {value} must be finite, {'at least' * zero or 'above'} 0"
+            )
     try:
         return cls(**data)
     except TypeError as e:
-        raise FourdError(f"{path}: [{where}] is incomplete ({e}); see docs/planner.md for the schema") from None
+        raise FourdError(
+            f"{path}: [{where}] is incomplete ({e}); see docs/planner.md for the schema"
+        ) from None
 
 
 def load_cluster(name_or_path: str) -> Cluster:
@@ -157,19 +194,36 @@ def load_cluster(name_or_path: str) -> Cluster:
     try:
         data = tomllib.loads(path.read_text())
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
-        raise FourdError(f"{path}: not a readable TOML profile ({e}); fix it or rerun `fourd calibrate`") from None
+        raise FourdError(
+            f"{path}: not a readable TOML profile ({e}); fix it or rerun `fourd calibrate`"
+        ) from None
     for key in ("gpu", "node", "network"):
         if not isinstance(data.get(key), dict):
-            raise FourdError(f"{path}: missing the [{key}] table; see docs/planner.md for the schema")
+            raise FourdError(
+                f"{path}: missing the [{key}] table; see docs/planner.md for the schema"
+            )
     gpu = dict(data["gpu"])
-    for key, cls in (("gemm", GemmSample), ("gemm_shapes", GemmSample), ("attention", AttentionSample)):
+    for key, cls in (
+        ("gemm", GemmSample),
+        ("gemm_shapes", GemmSample),
+        ("attention", AttentionSample),
+    ):
         gpu[key] = tuple(_section(cls, g, f"gpu.{key}", path) for g in gpu.get(key, ()))
     if data.get("dtype", "bf16") not in DTYPE_BYTES:
         raise FourdError(f"{path}: dtype = {data['dtype']!r}; allowed: {', '.join(DTYPE_BYTES)}")
-    collectives = tuple(_section(CollectiveSample, c, "collectives", path) for c in data.get("collectives", ()))
-    return Cluster(str(data.get("name", path.stem)), str(data.get("description", "")), _section(GPU, gpu, "gpu", path),
-                   _section(Node, data["node"], "node", path), _section(Network, data["network"], "network", path),
-                   data.get("dtype", "bf16"), collectives, str(path))  # fmt: skip
+    collectives = tuple(
+        _section(CollectiveSample, c, "collectives", path) for c in data.get("collectives", ())
+    )
+    return Cluster(
+        str(data.get("name", path.stem)),
+        str(data.get("description", "")),
+        _section(GPU, gpu, "gpu", path),
+        _section(Node, data["node"], "node", path),
+        _section(Network, data["network"], "network", path),
+        data.get("dtype", "bf16"),
+        collectives,
+        str(path),
+    )
 
 
 # ---- where a parallel group lands ----------------------------------------------------------------------
@@ -200,10 +254,17 @@ def _spread(group: Group, cluster: Cluster) -> tuple[dict[str, int], int]:
     fewest = group.size
     for k in range(min(groups, cycle) if group.size > 1 else 0):
         for o in range(min(group.stride, period)):
-            r, times = k * span + o, ((groups - 1 - k) // cycle + 1) * ((group.stride - 1 - o) // period + 1)
-            level = next((lv for lv, b in zip(LEVELS[1:], sizes) if r // b == (r + reach) // b), "cross-pod")
+            r, times = (
+                k * span + o,
+                ((groups - 1 - k) // cycle + 1) * ((group.stride - 1 - o) // period + 1),
+            )
+            level = next(
+                (lv for lv, b in zip(LEVELS[1:], sizes) if r // b == (r + reach) // b), "cross-pod"
+            )
             counts[level] = counts.get(level, 0) + times
-            if level != "nvlink" and group.stride < n:  # members on its first and on its last server
+            if (
+                level != "nvlink" and group.stride < n
+            ):  # members on its first and on its last server
                 last = -(-((r + reach) // n * n - r) // group.stride)
                 fewest = min(fewest, -(-((r // n + 1) * n - r) // group.stride), group.size - last)
     return counts, 1 if group.stride >= n else fewest
@@ -225,7 +286,9 @@ def members_per_node(group: Group, cluster: Cluster) -> int:
     return _spread(group, cluster)[1]
 
 
-def group_bandwidth(group: Group, cluster: Cluster, channels: int | None = None) -> tuple[float, float]:
+def group_bandwidth(
+    group: Group, cluster: Cluster, channels: int | None = None
+) -> tuple[float, float]:
     """(bus bandwidth in bytes/s, per-step latency in s) of a ring over the group: NVLink inside a server;
     across servers each of the k members per server drives its own NIC (one ring channel each, as NCCL
     does; `channels` k if given), k·NIC capped by NVLink; across pods all crossing channels share the uplinks."""
@@ -234,9 +297,16 @@ def group_bandwidth(group: Group, cluster: Cluster, channels: int | None = None)
     level = group_level(group, cluster)
     if level in ("single", "nvlink"):
         return intra, node.intra_latency_us * 1e-6
-    k, nic = channels or members_per_node(group, cluster), net.nic_bw_gbps * 1e9 * net.nic_efficiency
+    k, nic = (
+        channels or members_per_node(group, cluster),
+        net.nic_bw_gbps * 1e9 * net.nic_efficiency,
+    )
     if level == "cross-pod":
-        crossing = min(group.world, net.gpus_per_pod) / max(1, min(group.size, net.gpus_per_pod // group.stride)) * k
+        crossing = (
+            min(group.world, net.gpus_per_pod)
+            / max(1, min(group.size, net.gpus_per_pod // group.stride))
+            * k
+        )
         nic = min(nic, net.gpus_per_pod * nic / net.cross_pod_oversubscription / crossing)
     return min(intra, k * nic), net.latency_us * 1e-6
 

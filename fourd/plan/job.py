@@ -10,8 +10,14 @@ from fourd.layout import Layout, Parallelism, layer_split
 from fourd.model.config import ModelConfig
 from fourd.plan.cluster import DTYPE_BYTES, Cluster
 
-ATTENTION = ("flash", "materialized")  # a fused kernel, or the s × s scores written to memory (Megatron 2021-22)
-PIPELINE_COMM = ("overlapped", "blocking")  # beside compute (Megatron, torchtitan, fourd), or waited for (DeepSpeed)
+ATTENTION = (
+    "flash",
+    "materialized",
+)  # a fused kernel, or the s × s scores written to memory (Megatron 2021-22)
+PIPELINE_COMM = (
+    "overlapped",
+    "blocking",
+)  # beside compute (Megatron, torchtitan, fourd), or waited for (DeepSpeed)
 
 
 @dataclass(frozen=True)
@@ -78,9 +84,19 @@ class Job:
         # copies of them (FSDP's and DDP's mixed precision, as torchtitan, llm-foundry and Megatron do)
         autocast = self.dtype_bytes == 2 and p.layout.cp * p.layout.dp == 1
         return Work(
-            self.model, self.cluster, p.layout, self.seq, self.micro_seqs, p.recompute, p.sequence_parallel,
-            self.dtype_bytes, self.compiled, self.attention, autocast, p.zero >= 1 and p.shard_ranks > 1,
-        )  # fmt: skip
+            self.model,
+            self.cluster,
+            p.layout,
+            self.seq,
+            self.micro_seqs,
+            p.recompute,
+            p.sequence_parallel,
+            self.dtype_bytes,
+            self.compiled,
+            self.attention,
+            autocast,
+            p.zero >= 1 and p.shard_ranks > 1,
+        )
 
     def __hash__(self) -> int:
         return _hash(self)

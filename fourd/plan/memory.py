@@ -35,12 +35,16 @@ def stage_params(model, counts: list[int], stage: int) -> int:
 
 
 @lru_cache(maxsize=4096)
-def rank_shapes(model, pp: int, virtual_stages: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+def rank_shapes(
+    model, pp: int, virtual_stages: int
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """(layers per pipeline rank, parameters per pipeline rank before TP, the ranks that can peak in memory:
     in-flight microbatches fall with the rank, so besides the last (logits) the first with each layer count)."""
     counts = stage_layers(model.layers, pp, virtual_stages)
     layers = tuple(sum(counts[s] for s in range(r, len(counts), pp)) for r in range(pp))
-    params = tuple(sum(stage_params(model, counts, s) for s in range(r, len(counts), pp)) for r in range(pp))
+    params = tuple(
+        sum(stage_params(model, counts, s) for s in range(r, len(counts), pp)) for r in range(pp)
+    )
     first_with = {n: r for r, n in reversed(list(enumerate(layers)))}
     return layers, params, tuple(sorted({0, pp - 1, *first_with.values()}))
 
@@ -90,7 +94,16 @@ class Memory:
         return self.total + self.reserve <= capacity
 
     def gb(self) -> dict:
-        names = ("params", "grads", "optimizer", "activations", "other", "fragmentation", "reserve", "total")
+        names = (
+            "params",
+            "grads",
+            "optimizer",
+            "activations",
+            "other",
+            "fragmentation",
+            "reserve",
+            "total",
+        )
         return {k: getattr(self, k) / GB for k in names}
 
 
@@ -98,21 +111,37 @@ def rank_memories(job: Job, ranks) -> list[Memory]:
     """Peak memory of one GPU of each pipeline rank in `ranks`."""
     par, lay, work, b, model = job.par, job.layout, job.work, job.dtype_bytes, job.model
     layers, params, _ = rank_shapes(model, lay.pp, par.virtual_stages)
-    w, g, o = state_bytes_per_param(par.zero, par.shard_ranks, b)  # FSDP shards over dp×cp (or an HSDP group)
+    w, g, o = state_bytes_per_param(
+        par.zero, par.shard_ranks, b
+    )  # FSDP shards over dp×cp (or an HSDP group)
     per_layer = work.tokens * traffic(work).saved
     # while a layer is recomputed it holds all its activations for one microbatch
-    common = work.tokens * traffic(replace(work, recompute="none")).saved if par.recompute == "full" else 0.0
-    logits = loss_bytes(b)[2] * work.tokens * model.vocab / lay.tp  # the loss's, for one microbatch: the last rank
+    common = (
+        work.tokens * traffic(replace(work, recompute="none")).saved
+        if par.recompute == "full"
+        else 0.0
+    )
+    logits = (
+        loss_bytes(b)[2] * work.tokens * model.vocab / lay.tp
+    )  # the loss's, for one microbatch: the last rank
     layer = model.layer_params()
     gathered = 2 * layer / lay.tp * b * (par.zero == 3)  # FSDP's gathered layer and the next
-    edge = 2 * max(0, model.embedding_params() - layer) / lay.tp * b * (par.zero == 3)  # embedding, output
+    edge = (
+        2 * max(0, model.embedding_params() - layer) / lay.tp * b * (par.zero == 3)
+    )  # embedding, output
     out: list[Memory] = []
     reserve = job.cluster.gpu.memory_reserve_gb * GB
     for r in ranks:
         mine = params[r] / lay.tp
-        acts = in_flight(par.schedule, lay.pp, par.microbatches, par.virtual_stages, r) * layers[r] * per_layer
+        acts = (
+            in_flight(par.schedule, lay.pp, par.microbatches, par.virtual_stages, r)
+            * layers[r]
+            * per_layer
+        )
         other = common + logits * (r == lay.pp - 1) + gathered + edge * (r in (0, lay.pp - 1))
-        cache = ALLOCATOR_FRAGMENTATION * (mine * (w + g + o) + acts + other) * (not job.cluster.cpu)
+        cache = (
+            ALLOCATOR_FRAGMENTATION * (mine * (w + g + o) + acts + other) * (not job.cluster.cpu)
+        )
         out.append(Memory(mine * w, mine * g, mine * o, acts, other, cache, reserve))
     return out
 

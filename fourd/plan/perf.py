@@ -9,7 +9,13 @@ from functools import lru_cache
 from fourd.plan.block import loss_bytes, matmuls, traffic
 from fourd.plan.cluster import Cluster, Group, placement, replica_group, shard_group
 from fourd.plan.job import Job, Work, stage_layers
-from fourd.plan.kernels import attention_time, collective_time, elementwise_time, gemm_time, optimizer_time
+from fourd.plan.kernels import (
+    attention_time,
+    collective_time,
+    elementwise_time,
+    gemm_time,
+    optimizer_time,
+)
 from fourd.plan.memory import max_rank_params, rank_shapes
 
 OVERLAP_SLOWDOWN = 0.1  # compute slowdown while a collective runs beside it (SMs and HBM it takes)
@@ -35,8 +41,13 @@ class StageTime:
     def scaled(self, k: float, comm: float | None = None) -> StageTime:
         """Compute times k times, communication `comm` times (default k)."""
         c = k if comm is None else comm
-        return StageTime(self.forward_s * k, self.input_grad_s * k, self.weight_grad_s * k,
-                         self.forward_comm_s * c, self.backward_comm_s * c)  # fmt: skip
+        return StageTime(
+            self.forward_s * k,
+            self.input_grad_s * k,
+            self.weight_grad_s * k,
+            self.forward_comm_s * c,
+            self.backward_comm_s * c,
+        )
 
 
 @lru_cache(maxsize=8192)
@@ -73,7 +84,13 @@ def materialized_attention(work: Work) -> tuple[float, float]:
 @lru_cache(maxsize=8192)
 def layer_time(work: Work) -> StageTime:
     """One transformer layer, one microbatch, on one rank of a (tp, cp) group."""
-    model, cluster, tp, b, tokens = work.model, work.cluster, work.layout.tp, work.dtype_bytes, work.tokens
+    model, cluster, tp, b, tokens = (
+        work.model,
+        work.cluster,
+        work.layout.tp,
+        work.dtype_bytes,
+        work.tokens,
+    )
     fwd = wgrad = dgrad = 0.0
     for i, (n, k) in enumerate(matmuls(work)):
         fwd += gemm_time(tokens, n, k, cluster, b)
@@ -87,7 +104,9 @@ def layer_time(work: Work) -> StageTime:
         # CP ranks hold chunks i and 2·CP−1−i: causal, tokens·seq/2 pairs (Llama 3 §3.3.2); on a CPU profile
         # the chunks take torch's explicit-mask kernel, which computes all pairs
         all_pairs = work.layout.cp > 1 and bool(cluster.gpu.attention)
-        a_fwd, a_bwd = attention_time(tokens, work.seq, model.heads // tp, model.head_dim, cluster, not all_pairs)
+        a_fwd, a_bwd = attention_time(
+            tokens, work.seq, model.heads // tp, model.head_dim, cluster, not all_pairs
+        )
     t = traffic(work)
     fwd += a_fwd + elementwise_time(tokens * t.forward, cluster)
     dgrad += a_bwd + elementwise_time(tokens * (t.backward + t.redo), cluster)
@@ -100,7 +119,9 @@ def layer_time(work: Work) -> StageTime:
         dgrad += fwd
         bwd_comm += fwd_comm
     elif work.recompute == "selective" and work.attention == "materialized":
-        dgrad += a_fwd  # the attention core, recomputed from Q, K and V (Korthikanti et al. 2022 §5)
+        dgrad += (
+            a_fwd  # the attention core, recomputed from Q, K and V (Korthikanti et al. 2022 §5)
+        )
     return StageTime(fwd, dgrad, wgrad, fwd_comm, bwd_comm)
 
 
@@ -110,17 +131,25 @@ def _head_time(work: Work, tp_group: Group) -> StageTime:
     dim, v, sp = work.model.dim, work.model.vocab // tp, work.sequence_parallel
     norm = 4 * dim * b * tokens / (tp if sp else 1)
     loss_f, loss_b, _ = loss_bytes(b)
-    fwd = gemm_time(tokens, v, dim, cluster, b) + elementwise_time(norm + loss_f * tokens * v, cluster)
-    dgrad = gemm_time(tokens, dim, v, cluster, b) + elementwise_time(2 * norm + loss_b * tokens * v, cluster)
+    fwd = gemm_time(tokens, v, dim, cluster, b) + elementwise_time(
+        norm + loss_f * tokens * v, cluster
+    )
+    dgrad = gemm_time(tokens, dim, v, cluster, b) + elementwise_time(
+        2 * norm + loss_b * tokens * v, cluster
+    )
     wgrad = gemm_time(dim, v, tokens, cluster, b)
     act = tokens * dim * b
     # the vocabulary-parallel loss all-reduces max, sum and target logit; SP gathers the input first and
     # reduce-scatters its gradient, plain TP all-reduces the gradient
     loss = collective_time("all_reduce", 3 * 4 * tokens, tp_group, cluster)
     if not sp:
-        return StageTime(fwd, dgrad, wgrad, loss, collective_time("all_reduce", act, tp_group, cluster))
+        return StageTime(
+            fwd, dgrad, wgrad, loss, collective_time("all_reduce", act, tp_group, cluster)
+        )
     comm_f = collective_time("all_gather", act, tp_group, cluster) + loss
-    return StageTime(fwd, dgrad, wgrad, comm_f, collective_time("reduce_scatter", act, tp_group, cluster))
+    return StageTime(
+        fwd, dgrad, wgrad, comm_f, collective_time("reduce_scatter", act, tp_group, cluster)
+    )
 
 
 def compute_share(layout, cluster: Cluster) -> float:
@@ -147,7 +176,9 @@ def stage_time(work: Work, layers: int, first: bool = False, last: bool = False)
         t = t + StageTime(elementwise_time(act, c), elementwise_time(2 * act, c), 0.0, *comm)
     if last:
         t = t + _head_time(work, tp_group)
-    return t.scaled(compute_share(work.layout, c), comm=1.0)  # collective_time counts the core share itself
+    return t.scaled(
+        compute_share(work.layout, c), comm=1.0
+    )  # collective_time counts the core share itself
 
 
 def chunk_times(job: Job) -> list[StageTime]:
@@ -159,7 +190,9 @@ def chunk_times(job: Job) -> list[StageTime]:
 @lru_cache(maxsize=16384)
 def slowest_rank(work: Work, p: int, virtual_stages: int) -> tuple[int, StageTime]:
     """The pipeline rank with the most work per microbatch (embedding and head included), and that work."""
-    per_rank, _, kinds = rank_shapes(work.model, p, virtual_stages)  # equal layers, equal time: one of each kind
+    per_rank, _, kinds = rank_shapes(
+        work.model, p, virtual_stages
+    )  # equal layers, equal time: one of each kind
     times = {r: stage_time(work, per_rank[r], r == 0, r == p - 1) for r in kinds}
     r = max(times, key=lambda r: times[r].forward + times[r].backward)
     return r, times[r]
@@ -172,11 +205,18 @@ def p2p_time(job: Job) -> float:
     work, lay = job.work, job.layout
     full = work.tokens * work.model.dim * work.dtype_bytes
     split = work.sequence_parallel or job.pipeline_comm == "blocking"
-    gather = collective_time("all_gather", full, placement(lay)["tp"], job.cluster) * (split > work.sequence_parallel)
-    return collective_time("send", full / (lay.tp if split else 1), placement(lay)["pp"], job.cluster) + gather
+    gather = collective_time("all_gather", full, placement(lay)["tp"], job.cluster) * (
+        split > work.sequence_parallel
+    )
+    return (
+        collective_time("send", full / (lay.tp if split else 1), placement(lay)["pp"], job.cluster)
+        + gather
+    )
 
 
-def bubble_time(schedule: str, pp: int, microbatches: int, virtual_stages: int, stage: StageTime) -> float:
+def bubble_time(
+    schedule: str, pp: int, microbatches: int, virtual_stages: int, stage: StageTime
+) -> float:
     """Idle time of a pipeline rank per step for per-microbatch times `stage` (all its layers): the closed forms
     of fourd.schedules' lists (docs/simulators.md)."""
     p, v = pp, virtual_stages
@@ -185,7 +225,9 @@ def bubble_time(schedule: str, pp: int, microbatches: int, virtual_stages: int, 
         return (p - 1) * whole
     if schedule == "interleaved":
         return ((p - 1) * v - (v - 1) * (min(microbatches, p) - 1)) * whole / v
-    return (p - 1) * max(0.0, stage.forward + stage.input_grad_s + stage.backward_comm_s - stage.weight_grad_s)
+    return (p - 1) * max(
+        0.0, stage.forward + stage.input_grad_s + stage.backward_comm_s - stage.weight_grad_s
+    )
 
 
 @dataclass(frozen=True)
@@ -216,14 +258,19 @@ def _dp_exposure(job: Job, t: StageTime, bubble: float, layers: int) -> tuple[fl
 
     ag, rs = ct("all_gather", params * job.dtype_bytes), ct("reduce_scatter", 4 * params)
     across = ct("all_reduce", 4 * params / shard.size, replica_group(lay, par.hsdp_replicas))
-    tail, head = t.backward + bubble / 2, t.forward + bubble / 2  # last backward and cool-down; warm-up
-    r = 1 if c.cpu else m  # ZeRO 2, 3 reduce each microbatch's grads; fourd's FSDP (CPU profiles) the last one's
+    tail, head = (
+        t.backward + bubble / 2,
+        t.forward + bubble / 2,
+    )  # last backward and cool-down; warm-up
+    r = (
+        1 if c.cpu else m
+    )  # ZeRO 2, 3 reduce each microbatch's grads; fourd's FSDP (CPU profiles) the last one's
     phases = {
         0: [(ct("all_reduce", 4 * params), tail, 1)],
         1: [(rs, tail, 1), (ag, head, 1)],
         2: [(r * rs, r * t.backward, r), (ag, head, 1)],
         3: [(m * ag, m * t.forward, m), (m * ag + r * (rs + across), m * t.backward, m)],
-    }[par.zero]  # fmt: skip
+    }[par.zero]
     total = sum(x for x, _, _ in phases)
     exposed = sum(max(0.0, x - window) + x / (n * k) for x, window, k in phases)
     return min(exposed, total), total
@@ -237,7 +284,9 @@ def step_time(job: Job) -> StepTime:
     blocking = job.pipeline_comm == "blocking"
     params = max_rank_params(job.model, p, par.virtual_stages, lay.tp)
     if blocking:  # DeepSpeed's engine adds each backward's BF16 weight gradients into FP32 ones, a pass of its own
-        t = t + StageTime(0.0, 0.0, elementwise_time(GRAD_ACCUMULATE_BYTES * params, job.cluster), 0.0, 0.0)
+        t = t + StageTime(
+            0.0, 0.0, elementwise_time(GRAD_ACCUMULATE_BYTES * params, job.cluster), 0.0, 0.0
+        )
     # overlapped, the sends of warm-up and cool-down are on the critical path; blocking, each microbatch after
     # the first also waits for a middle rank's four (two on a two-rank pipeline): docs/planner.md
     p2p = (2 * (p - 1) + blocking * 2 * min(2, p - 1) * (m - 1)) * p2p_time(job) if p > 1 else 0.0
@@ -258,4 +307,6 @@ def step_time(job: Job) -> StepTime:
     optimizer = optimizer_time(owned, job.cluster, job.dtype_bytes)
     step = compute + bubble + p2p + exposed + overlap + optimizer
     tp_comm, cp_comm = m * layers * (tp_f * redo + tp_b), m * layers * (cp_f * redo + cp_b)
-    return StepTime(step, compute, bubble, p2p, exposed, total, overlap, optimizer, tp_comm, cp_comm, slow, t)
+    return StepTime(
+        step, compute, bubble, p2p, exposed, total, overlap, optimizer, tp_comm, cp_comm, slow, t
+    )

@@ -9,10 +9,21 @@ from fourd.layout import Layout
 from fourd.plan.cluster import group_level, placement
 from fourd.plan.search import Plan, evaluate
 
-WHERE = {"single": "-", "nvlink": "NVLink, inside one server", "rack": "NICs, inside one rack switch",
-         "pod": "NICs, inside one pod (full bisection)", "cross-pod": "NICs, across pods (shared uplinks)"}  # fmt: skip
-MEMORY = (("params", "weights"), ("grads", "gradients"), ("optimizer", "optimizer state"), ("activations", "activations"),
-          ("other", "the loss's logits, gathered ZeRO-3 layers"), ("reserve", "runtime: CUDA context, NCCL"))  # fmt: skip
+WHERE = {
+    "single": "-",
+    "nvlink": "NVLink, inside one server",
+    "rack": "NICs, inside one rack switch",
+    "pod": "NICs, inside one pod (full bisection)",
+    "cross-pod": "NICs, across pods (shared uplinks)",
+}
+MEMORY = (
+    ("params", "weights"),
+    ("grads", "gradients"),
+    ("optimizer", "optimizer state"),
+    ("activations", "activations"),
+    ("other", "the loss's logits, gathered ZeRO-3 layers"),
+    ("reserve", "runtime: CUDA context, NCCL"),
+)
 
 
 def _pct(x: float) -> str:
@@ -24,7 +35,11 @@ def _bubble_shape(p: int, m: int, v: int, schedule: str) -> str:
         return "(p−1)·(t_f + t_i − t_w)/(m·(t_f + t_b))"
     if schedule != "interleaved" or v == 1:
         return f"(p−1)/m = {p - 1}/{m}"
-    return f"(p−1)/(V·m) = {p - 1}/({v}·{m})" if m >= p else f"(p−1−(V−1)(m−1)/V)/m = ({p - 1}−{v - 1}·{m - 1}/{v})/{m}"
+    return (
+        f"(p−1)/(V·m) = {p - 1}/({v}·{m})"
+        if m >= p
+        else f"(p−1−(V−1)(m−1)/V)/m = ({p - 1}−{v - 1}·{m - 1}/{v})/{m}"
+    )
 
 
 def why(plan: Plan) -> list[str]:
@@ -37,16 +52,23 @@ def why(plan: Plan) -> list[str]:
             f"{c.schedule} schedule idles {_bubble_shape(lay.pp, c.microbatches, c.virtual_stages, c.schedule)} = "
             f"{_pct(s.bubble_s / s.compute_s)} of compute ({_pct(plan.bubble_fraction)} of the step)."
         )
-    if lay.pp > 1 and lay.dp % 2 == 0:  # the same global batch on half the replicas, each twice the sequences
+    if (
+        lay.pp > 1 and lay.dp % 2 == 0
+    ):  # the same global batch on half the replicas, each twice the sequences
         half = Layout(lay.tp, lay.cp, lay.pp, lay.dp // 2)
-        other = evaluate(replace(plan.job, par=replace(c, layout=half, microbatches=2 * c.microbatches)))
+        other = evaluate(
+            replace(plan.job, par=replace(c, layout=half, microbatches=2 * c.microbatches))
+        )
         lines.append(
             f"With half the replicas (dp={half.dp}, {2 * per_replica} sequences and {other.config.microbatches} "
             f"microbatches each, same global batch on {other.gpus:,} GPUs) the bubble would be "
             f"{_pct(other.step.bubble_s / other.step.compute_s)} of compute and MFU {_pct(other.mfu)} instead of "
             f"{_pct(plan.mfu)}: fewer sequences per replica mean fewer microbatches to fill the pipeline."
         )
-    for part, what in ((s.tp_comm_s, "TP collectives (not overlapped)"), (s.cp_comm_s, "CP all-gathers of K and V")):
+    for part, what in (
+        (s.tp_comm_s, "TP collectives (not overlapped)"),
+        (s.cp_comm_s, "CP all-gathers of K and V"),
+    ):
         lines += [f"{what} take {_pct(part / s.step_s)} of the step."] if part else []
     if s.dp_total_s:
         lines.append(
@@ -67,37 +89,74 @@ def plan_report(plan: Plan, train_tokens: float | None = None) -> str:
         f"{c.zero} · recompute {c.recompute} · {'compiled' if plan.job.compiled else 'eager'}"
         f"{' · blocking pipeline sends' if plan.job.pipeline_comm == 'blocking' else ''}",
     ]
-    out += [f"  chosen by the planner (fastest that fits): {', '.join(plan.chosen)}"] if plan.chosen else []
+    out += (
+        [f"  chosen by the planner (fastest that fits): {', '.join(plan.chosen)}"]
+        if plan.chosen
+        else []
+    )
     out += ["", "Placement (ranks innermost first: TP, CP, PP, DP)"]
-    out += [f"  {d}={getattr(c.layout, d):<6} {WHERE[group_level(g, cl)]}" for d, g in placement(c.layout).items()]
+    out += [
+        f"  {d}={getattr(c.layout, d):<6} {WHERE[group_level(g, cl)]}"
+        for d, g in placement(c.layout).items()
+    ]
     g = mem.gb()
     out += ["", "Memory per GPU (the fullest pipeline rank)        GB"]
     out += [f"  {label:<44} {g[key]:>7.1f}" for key, label in MEMORY]
     total = f"total of {cl.gpu.memory_gb:.0f} GB"
-    out.append(f"  {total:<44} {g['total'] + g['reserve']:>7.1f}  {'fits' if plan.fits else 'DOES NOT FIT'}")
+    out.append(
+        f"  {total:<44} {g['total'] + g['reserve']:>7.1f}  {'fits' if plan.fits else 'DOES NOT FIT'}"
+    )
     out.append(f"  {'and the allocator cache (freed when short)':<44} {g['fragmentation']:>7.1f}")
-    rows = [("compute (TP and CP collectives included)", s.compute_s), ("  of which TP collectives", s.tp_comm_s),
-            ("  of which CP collectives", s.cp_comm_s), ("pipeline bubble", s.bubble_s),
-            ("pipeline sends on the critical path", s.p2p_s), ("data-parallel collectives, exposed", s.dp_exposed_s),
-            ("compute slowed by overlapped collectives", s.overlap_s), ("optimizer update", s.optimizer_s)]  # fmt: skip
+    rows = [
+        ("compute (TP and CP collectives included)", s.compute_s),
+        ("  of which TP collectives", s.tp_comm_s),
+        ("  of which CP collectives", s.cp_comm_s),
+        ("pipeline bubble", s.bubble_s),
+        ("pipeline sends on the critical path", s.p2p_s),
+        ("data-parallel collectives, exposed", s.dp_exposed_s),
+        ("compute slowed by overlapped collectives", s.overlap_s),
+        ("optimizer update", s.optimizer_s),
+    ]
     out += ["", "Step time                                          s      share"]
-    out += [f"  {a:<44} {v:>9.3f}  {_pct(v / s.step_s):>7}" for a, v in rows if v or not a.startswith("  ")]
+    out += [
+        f"  {a:<44} {v:>9.3f}  {_pct(v / s.step_s):>7}"
+        for a, v in rows
+        if v or not a.startswith("  ")
+    ]
     out += [f"  {'step':<44} {s.step_s:>9.3f}", "", "Throughput"]
-    out += [f"  {a:<43}{v:>14}" for a, v in (
-        ("tokens/s", f"{plan.tokens_per_s:,.0f}"), ("model TFLOP/s per GPU", f"{plan.tflops_per_gpu:.1f}"),
-        ("hardware TFLOP/s per GPU (recomputation)", f"{plan.hw_tflops_per_gpu:.1f}"),
-        (f"MFU (of {cl.gpu.peak_tflops:g} TFLOP/s peak)", _pct(plan.mfu)),
-        ("bubble fraction of the step", _pct(plan.bubble_fraction)),
-        *([(f"days for {train_tokens:.3g} tokens", f"{train_tokens / plan.tokens_per_s / 86400:.1f}")] if train_tokens else []),
-    )]  # fmt: skip
+    out += [
+        f"  {a:<43}{v:>14}"
+        for a, v in (
+            ("tokens/s", f"{plan.tokens_per_s:,.0f}"),
+            ("model TFLOP/s per GPU", f"{plan.tflops_per_gpu:.1f}"),
+            ("hardware TFLOP/s per GPU (recomputation)", f"{plan.hw_tflops_per_gpu:.1f}"),
+            (f"MFU (of {cl.gpu.peak_tflops:g} TFLOP/s peak)", _pct(plan.mfu)),
+            ("bubble fraction of the step", _pct(plan.bubble_fraction)),
+            *(
+                [
+                    (
+                        f"days for {train_tokens:.3g} tokens",
+                        f"{train_tokens / plan.tokens_per_s / 86400:.1f}",
+                    )
+                ]
+                if train_tokens
+                else []
+            ),
+        )
+    ]
     return "\n".join(out + ["", "Why"] + [f"  - {line}" for line in why(plan)])
 
 
 def search_report(plans: list[Plan], top: int, train_tokens: float | None = None) -> str:
-    head = f"  {'layout':<26} {'schedule':<14} {'m':>4} {'mbs':>4} {'zero':>4} {'recompute':<9} {'GB':>6} {'step s':>8} "  # fmt: skip
-    out = [f"searched {len(plans):,} configurations, {sum(p.fits for p in plans):,} fit in memory; the best:", "",
-           plan_report(plans[0], train_tokens), "", f"Top {min(top, len(plans))} (fitting first, by tokens/s)",
-           head + f"{'tokens/s':>12} {'MFU':>7}"]  # fmt: skip
+    head = f"  {'layout':<26} {'schedule':<14} {'m':>4} {'mbs':>4} {'zero':>4} {'recompute':<9} {'GB':>6} {'step s':>8} "
+    out = [
+        f"searched {len(plans):,} configurations, {sum(p.fits for p in plans):,} fit in memory; the best:",
+        "",
+        plan_report(plans[0], train_tokens),
+        "",
+        f"Top {min(top, len(plans))} (fitting first, by tokens/s)",
+        head + f"{'tokens/s':>12} {'MFU':>7}",
+    ]
     for p in plans[:top]:
         c = p.config
         sched = c.schedule + (f" V={c.virtual_stages}" if c.schedule == "interleaved" else "")
@@ -107,5 +166,7 @@ def search_report(plans: list[Plan], top: int, train_tokens: float | None = None
             f"{p.tokens_per_s:>12,.0f} {_pct(p.mfu):>7}"
         )
     if not plans[0].fits:
-        out.append("  (!: does not fit; no configuration fits: add GPUs, shorten sequences or use a bigger GPU)")
+        out.append(
+            "  (!: does not fit; no configuration fits: add GPUs, shorten sequences or use a bigger GPU)"
+        )
     return "\n".join(out)

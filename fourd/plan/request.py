@@ -39,7 +39,9 @@ def bounded(kind: type, lo: float, hi: float = math.inf, what: str = ""):
         try:
             value = kind(text)
         except (TypeError, ValueError):
-            raise BadValue(f"{str(text)[:40]!r} is not {'a number' if kind is float else 'a whole number'}") from None
+            raise BadValue(
+                f"{str(text)[:40]!r} is not {'a number' if kind is float else 'a whole number'}"
+            ) from None
         if not (math.isfinite(value) and lo <= value <= hi):
             top = "" if hi == math.inf else f" to {hi:,}" if kind is int else f" to {hi:.10g}"
             raise BadValue(f"{value} is out of range: give {what} from {lo:.10g}{top}")
@@ -68,7 +70,9 @@ def count(text) -> float:
     """A positive amount: `16777216`, `16M` (K, M, G binary: 16M = 2^24), `15.6T` (B, T decimal), `4e6`."""
     t = str(text).strip()
     try:
-        value = float(t[:-1]) * _SUFFIX[t[-1].upper()] if t and t[-1].upper() in _SUFFIX else float(t)
+        value = (
+            float(t[:-1]) * _SUFFIX[t[-1].upper()] if t and t[-1].upper() in _SUFFIX else float(t)
+        )
     except ValueError:
         raise BadValue(f"{t[:40]!r} is not a count: write e.g. 16777216, 16M or 15.6T") from None
     if not (math.isfinite(value) and value > 0):
@@ -85,21 +89,39 @@ def on_off(text) -> bool:
 ALLOWED[on_off] = ("on", "off")
 # Every setting a request takes: its parser (for text and typed values alike) and its --help; None pins nothing.
 SETTINGS: dict[str, tuple[Any, str]] = {
-    "gpus": (bounded(int, 1, MAX_GPUS), "number of GPUs, any count (default: the layout's product)"),
+    "gpus": (
+        bounded(int, 1, MAX_GPUS),
+        "number of GPUs, any count (default: the layout's product)",
+    ),
     "layout": (parse_layout, "tp=8,cp=1,pp=16,dp=64 (omitted dimensions are 1; default: searched)"),
     "schedule": (choice(SCHEDULES), "pipeline schedule"),
     "microbatches": (bounded(int, 1, 1 << 30), "microbatches per data-parallel replica per step"),
     "virtual_stages": (bounded(int, 1, 1 << 16), "pipeline stages per rank (interleaved schedule)"),
-    "seq": (bounded(int, 2, 1 << 24, "a sequence length"), "tokens per sequence (default: the model's max_seq)"),
+    "seq": (
+        bounded(int, 2, 1 << 24, "a sequence length"),
+        "tokens per sequence (default: the model's max_seq)",
+    ),
     "global_batch_tokens": (count, "tokens per optimizer step (default 16M = 2^24, Llama 3's)"),
     "recompute": (choice(RECOMPUTE), "activation recomputation (docs/planner.md: what each keeps)"),
     "zero": (choice(ZERO_STAGES, int), "ZeRO stage of the data-parallel sharding"),
-    "hsdp_replicas": (bounded(int, 1, MAX_GPUS), "HSDP: ZeRO 3 inside each of this many replica groups"),
+    "hsdp_replicas": (
+        bounded(int, 1, MAX_GPUS),
+        "HSDP: ZeRO 3 inside each of this many replica groups",
+    ),
     "sequence_parallel": (on_off, "sequence parallelism with TP (default on)"),
     "precision": (choice(PRECISIONS), "training precision (default: the cluster profile's)"),
-    "compiled": (on_off, "the blocks torch.compile'd (default: the planner's choice, on; on a CPU profile off)"),
-    "attention": (choice(ATTENTION), "flash (fused, default) or materialized (s x s scores, Megatron 2021-22)"),
-    "pipeline_comm": (choice(PIPELINE_COMM), "overlapped (default) or blocking (DeepSpeed's pipeline engine)"),
+    "compiled": (
+        on_off,
+        "the blocks torch.compile'd (default: the planner's choice, on; on a CPU profile off)",
+    ),
+    "attention": (
+        choice(ATTENTION),
+        "flash (fused, default) or materialized (s x s scores, Megatron 2021-22)",
+    ),
+    "pipeline_comm": (
+        choice(PIPELINE_COMM),
+        "overlapped (default) or blocking (DeepSpeed's pipeline engine)",
+    ),
     "train_tokens": (count, "token budget of the whole run, e.g. 15.6T, for training_days"),
     "global_seqs": (bounded(int, 1, 1 << 40), ""),  # the trainer's exact batch, in sequences
 }
@@ -110,14 +132,40 @@ def add_arguments(p) -> None:
     """`fourd plan`'s flags; `fourd sim step` takes them too. On a CPU profile (`fourd calibrate` writes one)
     --seq, --global-batch-tokens and --sequence-parallel default to what `fourd train` runs."""
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--model", help=f"preset: debug, small, llama3-8b, llama3-70b, llama3-405b (default {DEFAULT_MODEL})")  # fmt: skip
-    g.add_argument("--model-spec", type=parse_model_spec, help="layers=,dim=,ffn=,heads=,kv_heads=,vocab=[,head_dim=][,mlp=gelu]")  # fmt: skip
-    p.add_argument("--cluster", help=f"cluster profile name or .toml path (default {DEFAULT_CLUSTER})")
+    g.add_argument(
+        "--model",
+        help=f"preset: debug, small, llama3-8b, llama3-70b, llama3-405b (default {DEFAULT_MODEL})",
+    )
+    g.add_argument(
+        "--model-spec",
+        type=parse_model_spec,
+        help="layers=,dim=,ffn=,heads=,kv_heads=,vocab=[,head_dim=][,mlp=gelu]",
+    )
+    p.add_argument(
+        "--cluster", help=f"cluster profile name or .toml path (default {DEFAULT_CLUSTER})"
+    )
     for key, (parse, text) in ((k, v) for k, v in SETTINGS.items() if v[1]):
-        metavar = "{" + ",".join(map(str, ALLOWED[parse])) + "}" if parse in ALLOWED else key.upper()
-        p.add_argument(FLAGS.get(key, "--" + key.replace("_", "-")), dest=key, type=parse, metavar=metavar, help=text)
-    p.add_argument("--search", action="store_true", help="rank every valid configuration; report the best and the top")
-    p.add_argument("--top", type=bounded(int, 1, 10_000), default=10, help="candidates listed by --search (default 10)")
+        metavar = (
+            "{" + ",".join(map(str, ALLOWED[parse])) + "}" if parse in ALLOWED else key.upper()
+        )
+        p.add_argument(
+            FLAGS.get(key, "--" + key.replace("_", "-")),
+            dest=key,
+            type=parse,
+            metavar=metavar,
+            help=text,
+        )
+    p.add_argument(
+        "--search",
+        action="store_true",
+        help="rank every valid configuration; report the best and the top",
+    )
+    p.add_argument(
+        "--top",
+        type=bounded(int, 1, 10_000),
+        default=10,
+        help="candidates listed by --search (default 10)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -128,7 +176,9 @@ class Request:
 
     base: Job
     gpus: int
-    fixed: dict  # the settings pinned, by Parallelism's field names (fourd.plan.search.OPEN and more)
+    fixed: (
+        dict  # the settings pinned, by Parallelism's field names (fourd.plan.search.OPEN and more)
+    )
     open: tuple[str, ...]
     train_tokens: float | None = None
 
@@ -159,10 +209,14 @@ def _batch(v: dict, seq: int, cluster: Cluster) -> int:
         return v["global_seqs"]
     if cluster.cpu:
         from fourd.config import TrainSection
-    tokens = v["global_batch_tokens"] or (TrainSection().global_batch * seq if cluster.cpu else DEFAULT_BATCH_TOKENS)
+    tokens = v["global_batch_tokens"] or (
+        TrainSection().global_batch * seq if cluster.cpu else DEFAULT_BATCH_TOKENS
+    )
     if tokens % seq:
-        raise FourdError(f"a global batch of {tokens:g} tokens is not a whole number of {seq}-token sequences: "
-                         f"use a multiple of {seq}")  # fmt: skip
+        raise FourdError(
+            f"a global batch of {tokens:g} tokens is not a whole number of {seq}-token sequences: "
+            f"use a multiple of {seq}"
+        )
     return int(tokens // seq)
 
 
@@ -172,7 +226,8 @@ def _even_batch(seqs: int, parts: int) -> int:
     even = round(seqs / parts) * parts if seqs >= parts else seqs
     if even != seqs:
         print(
-            f"fourd: note: {seqs} sequences do not split into {parts} equal parts: planned with {even}", file=sys.stderr
+            f"fourd: note: {seqs} sequences do not split into {parts} equal parts: planned with {even}",
+            file=sys.stderr,
         )
     return even
 
@@ -194,23 +249,48 @@ def resolve(model: ModelConfig, cluster: Cluster, values: Mapping[str, Any]) -> 
             f"layout {layout} uses {layout.world} GPUs but {gpus} are asked: make the product of the degrees equal {gpus}"
         )
     schedule = v["schedule"] or ("interleaved" if (v["virtual_stages"] or 1) > 1 else None)
-    check_stages(schedule or "interleaved", 2, 1, v["virtual_stages"] or 1)  # with or without a layout
+    check_stages(
+        schedule or "interleaved", 2, 1, v["virtual_stages"] or 1
+    )  # with or without a layout
     fixed = {k: v[k] for k in OPEN} | {"schedule": schedule, "sequence_parallel": sp}
     fixed["hsdp_replicas"] = v["hsdp_replicas"] or 1
-    open_ = tuple(name.replace("_", " ") for name in OPEN
-                  if fixed[name] is None and (schedule in (None, "interleaved") or name != "virtual_stages"))  # fmt: skip
+    open_ = tuple(
+        name.replace("_", " ")
+        for name in OPEN
+        if fixed[name] is None and (schedule in (None, "interleaved") or name != "virtual_stages")
+    )
     if layout is not None and not v["global_seqs"]:
         global_seqs = _even_batch(global_seqs, layout.dp * (fixed["microbatches"] or 1))
-    if layout is not None:  # name what is wrong with the user's own settings before searching the rest
+    if (
+        layout is not None
+    ):  # name what is wrong with the user's own settings before searching the rest
         zero = 3 * (fixed["hsdp_replicas"] > 1) if fixed["zero"] is None else fixed["zero"]
-        mine = Parallelism(layout, schedule or "1f1b", fixed["microbatches"] or 1, fixed["virtual_stages"] or 1, zero,
-                           fixed["recompute"] or "none", sp, fixed["hsdp_replicas"])  # fmt: skip
+        mine = Parallelism(
+            layout,
+            schedule or "1f1b",
+            fixed["microbatches"] or 1,
+            fixed["virtual_stages"] or 1,
+            zero,
+            fixed["recompute"] or "none",
+            sp,
+            fixed["hsdp_replicas"],
+        )
         layout_check(model, mine, seq, global_seqs)
     # compiled blocks are faster and keep less; a CPU profile predicts fourd train, which runs eager
     compiled = (not cluster.cpu) if v["compiled"] is None else v["compiled"]
     open_ += ("compile",) * (v["compiled"] is None and not cluster.cpu)
     attention, comm = v["attention"] or "flash", v["pipeline_comm"] or "overlapped"
-    base = Job(model, cluster, Parallelism(Layout()), seq, global_seqs, v["precision"], compiled, attention, comm)
+    base = Job(
+        model,
+        cluster,
+        Parallelism(Layout()),
+        seq,
+        global_seqs,
+        v["precision"],
+        compiled,
+        attention,
+        comm,
+    )
     return Request(base, gpus, fixed, open_, v["train_tokens"])
 
 
@@ -227,14 +307,22 @@ def plans(req: Request) -> list[Plan]:
     return found
 
 
-def best_plan(model: ModelConfig, cluster: Cluster | str, gpus: int, seq: int, global_seqs: int, fixed=None) -> Plan:
+def best_plan(
+    model: ModelConfig, cluster: Cluster | str, gpus: int, seq: int, global_seqs: int, fixed=None
+) -> Plan:
     """The fastest plan that fits (the smallest if none does) for `gpus` GPUs; `fixed` pins settings by their
     SETTINGS names (a layout as a Layout or its text), the rest are searched."""
     cluster = load_cluster(cluster) if isinstance(cluster, str) else cluster
-    return plans(resolve(model, cluster, {**(fixed or {}), "gpus": gpus, "seq": seq, "global_seqs": global_seqs}))[0]
+    return plans(
+        resolve(
+            model, cluster, {**(fixed or {}), "gpus": gpus, "seq": seq, "global_seqs": global_seqs}
+        )
+    )[0]
 
 
-def rank_peak_memory_gb(model: ModelConfig, cluster: Cluster | str, par: Parallelism, seq: int, global_seqs: int):
+def rank_peak_memory_gb(
+    model: ModelConfig, cluster: Cluster | str, par: Parallelism, seq: int, global_seqs: int
+):
     """GB (10^9 bytes) the fullest GPU holds at its peak: tensors, the allocator's cache and the runtime's
     reserve; FourdError if the configuration cannot run."""
     from fourd.plan.memory import GB, peak_memory

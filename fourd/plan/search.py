@@ -17,7 +17,9 @@ from fourd.plan.perf import StepTime, step_time
 from fourd.schedules import SCHEDULES
 
 MICRO_SEQS = (1, 2, 4, 8, 16)  # sequences per microbatch the search tries
-MIN_CP_TOKENS = 1024  # the search splits a sequence over CP ranks only down to this many tokens each
+MIN_CP_TOKENS = (
+    1024  # the search splits a sequence over CP ranks only down to this many tokens each
+)
 
 
 # The settings a user pinned, by Parallelism's field names; None leaves one to the planner (fastest that fits).
@@ -29,7 +31,9 @@ class Plan:
     job: Job
     step: StepTime
     memory: Memory
-    chosen: tuple[str, ...] = field(default=())  # settings the planner chose because the user left them open
+    chosen: tuple[str, ...] = field(
+        default=()
+    )  # settings the planner chose because the user left them open
 
     config = property(lambda self: self.job.par)
     model = property(lambda self: self.job.model)
@@ -56,7 +60,9 @@ class Plan:
     def hw_tflops_per_gpu(self) -> float:
         """Model FLOPs and the recomputed forward's (docs/planner.md says what each mode redoes)."""
         m, work, rc = self.model, self.job.work, self.config.recompute
-        attention = 4 * m.layers * m.heads * m.head_dim * self.seq  # Q·Kᵀ and P·V forward, per token
+        attention = (
+            4 * m.layers * m.heads * m.head_dim * self.seq
+        )  # Q·Kᵀ and P·V forward, per token
         mm = [2 * n * k * work.layout.tp * m.layers for n, k in matmuls(work)]
         extra = {"full": sum(mm) + attention, "per-op": sum(mm[1::2])}.get(rc, 0.0)
         extra += attention * (rc == "selective" and work.attention == "materialized")
@@ -65,22 +71,56 @@ class Plan:
     def to_json(self, train_tokens: float | None = None) -> dict:
         c, s, lay, job = self.config, self.step, self.config.layout, self.job
         out = {"model": self.model.to_dict(), "cluster": self.cluster.name, "gpus": self.gpus}
-        out |= {"dtype": job.precision or self.cluster.dtype, "compiled": job.compiled, "attention": job.attention}
-        out |= {"pipeline_comm": job.pipeline_comm, "layout": {d: getattr(lay, d) for d in ("tp", "cp", "pp", "dp")}}
-        out |= {k: getattr(c, k) for k in ("schedule", "microbatches", "virtual_stages", "zero", "recompute")}
+        out |= {
+            "dtype": job.precision or self.cluster.dtype,
+            "compiled": job.compiled,
+            "attention": job.attention,
+        }
+        out |= {
+            "pipeline_comm": job.pipeline_comm,
+            "layout": {d: getattr(lay, d) for d in ("tp", "cp", "pp", "dp")},
+        }
+        out |= {
+            k: getattr(c, k)
+            for k in ("schedule", "microbatches", "virtual_stages", "zero", "recompute")
+        }
         out |= {"sequence_parallel": c.sequence_parallel}
-        out |= {"hsdp_replicas": c.hsdp_replicas, "micro_batch_seqs": self.micro_seqs, "seq": self.seq}
-        out |= {"global_batch_tokens": self.global_seqs * self.seq, "fits": self.fits, "step_time_s": s.step_s}
+        out |= {
+            "hsdp_replicas": c.hsdp_replicas,
+            "micro_batch_seqs": self.micro_seqs,
+            "seq": self.seq,
+        }
+        out |= {
+            "global_batch_tokens": self.global_seqs * self.seq,
+            "fits": self.fits,
+            "step_time_s": s.step_s,
+        }
         out |= {"memory_gb": {k: round(v, 3) for k, v in self.memory.gb().items()}}
         out |= {"memory_capacity_gb": self.cluster.gpu.memory_gb, "tokens_per_s": self.tokens_per_s}
-        out |= {k: getattr(self, k) for k in ("tflops_per_gpu", "hw_tflops_per_gpu", "mfu", "bubble_fraction")}
-        parts = ("compute", "tp_comm", "cp_comm", "bubble", "p2p", "dp_exposed", "dp_total", "overlap", "optimizer")
+        out |= {
+            k: getattr(self, k)
+            for k in ("tflops_per_gpu", "hw_tflops_per_gpu", "mfu", "bubble_fraction")
+        }
+        parts = (
+            "compute",
+            "tp_comm",
+            "cp_comm",
+            "bubble",
+            "p2p",
+            "dp_exposed",
+            "dp_total",
+            "overlap",
+            "optimizer",
+        )
         out["breakdown_s"] = {k: getattr(s, f"{k}_s") for k in parts}
         out["placement"] = {d: group_level(g, self.cluster) for d, g in placement(lay).items()}
         out["stage_layers"] = stage_layers(self.model.layers, lay.pp, c.virtual_stages)
         out["chosen_by_planner"] = list(self.chosen)
         if train_tokens:
-            out |= {"train_tokens": train_tokens, "training_days": train_tokens / self.tokens_per_s / 86400}
+            out |= {
+                "train_tokens": train_tokens,
+                "training_days": train_tokens / self.tokens_per_s / 86400,
+            }
         return out
 
 
@@ -101,7 +141,11 @@ def layouts(model, gpus: int, seq: int, global_seqs: int) -> list[Layout]:
     """Every (tp, cp, pp, dp) with tp·cp·pp·dp = gpus that splits the model, the sequence and the batch."""
     out = []
     for tp in (t for t in _divisors(gpus) if tp_ok(model, t)):
-        for cp in (c for c in _divisors(gpus // tp) if seq % (2 * c) == 0 and (c == 1 or seq // c >= MIN_CP_TOKENS)):
+        for cp in (
+            c
+            for c in _divisors(gpus // tp)
+            if seq % (2 * c) == 0 and (c == 1 or seq // c >= MIN_CP_TOKENS)
+        ):
             for pp in (p for p in _divisors(gpus // (tp * cp)) if split_ok(model.layers, p)):
                 if global_seqs % (gpus // (tp * cp * pp)) == 0:
                     out.append(Layout(tp, cp, pp, gpus // (tp * cp * pp)))
@@ -111,7 +155,11 @@ def layouts(model, gpus: int, seq: int, global_seqs: int) -> list[Layout]:
 def _virtual_stages(layers: int, pp: int) -> list[int]:
     """V values that split the layers cleanly: every stage the same, or first and last one fewer."""
     top = (layers + 2) // pp + 1
-    return [v for v in range(2, top) if split_ok(layers, pp * v) and 0 in (layers % (pp * v), (layers + 2) % (pp * v))]
+    return [
+        v
+        for v in range(2, top)
+        if split_ok(layers, pp * v) and 0 in (layers % (pp * v), (layers + 2) % (pp * v))
+    ]
 
 
 def configs(model, gpus: int, seq: int, global_seqs: int, fixed: dict):
@@ -124,7 +172,13 @@ def configs(model, gpus: int, seq: int, global_seqs: int, fixed: dict):
             counts = [fixed["microbatches"]] if per_replica % fixed["microbatches"] == 0 else []
         # left open, GPipe is never chosen (1F1B's bubble, more memory), nor ZeRO 0 where data parallelism
         # shards (ZeRO 1 moves fewer bytes and shards the optimizer); unsharded every ZeRO stage is the same
-        zeros = [fixed["zero"]] if fixed["zero"] is not None else [0] if lay.cp * lay.dp == 1 else ZERO_STAGES[1:]
+        zeros = (
+            [fixed["zero"]]
+            if fixed["zero"] is not None
+            else [0]
+            if lay.cp * lay.dp == 1
+            else ZERO_STAGES[1:]
+        )
         for sched in [fixed["schedule"]] if fixed["schedule"] else SCHEDULES:
             if (sp and (seq // lay.cp) % lay.tp) or (
                 fixed["schedule"] is None and sched != "1f1b" and (lay.pp == 1 or sched == "gpipe")
@@ -132,12 +186,21 @@ def configs(model, gpus: int, seq: int, global_seqs: int, fixed: dict):
                 continue  # without a pipeline every schedule is the same
             vs = [fixed["virtual_stages"] or 1] if lay.pp == 1 else [1]
             if sched == "interleaved" and lay.pp > 1:
-                vs = [fixed["virtual_stages"]] if fixed["virtual_stages"] else _virtual_stages(model.layers, lay.pp)
+                vs = (
+                    [fixed["virtual_stages"]]
+                    if fixed["virtual_stages"]
+                    else _virtual_stages(model.layers, lay.pp)
+                )
             # interleaving fewer microbatches than ranks idles most of the time: only when nothing else is left
             few = sched == "interleaved" and max(counts, default=0) >= lay.pp
             ms = [m for m in counts if m >= lay.pp or not few]
             hsdp = fixed["hsdp_replicas"]
-            yield from (Parallelism(lay, sched, m, v, z, "none", sp, hsdp) for v in vs for m in ms for z in zeros)
+            yield from (
+                Parallelism(lay, sched, m, v, z, "none", sp, hsdp)
+                for v in vs
+                for m in ms
+                for z in zeros
+            )
 
 
 def valid(job: Job) -> bool:
@@ -154,7 +217,9 @@ def search(base: Job, gpus: int, fixed: dict, chosen=()) -> list[Plan]:
     Parallelism is ignored), fitting ones first, fastest first. Recomputation, when left open, is the
     lightest that fits (RECOMPUTE's order): each costs time and saves memory."""
     plans, capacity = [], base.cluster.gpu.memory_gb * GB
-    pinned = any(fixed[k] is not None for k in OPEN) or fixed["hsdp_replicas"] > 1  # else every config is valid
+    pinned = (
+        any(fixed[k] is not None for k in OPEN) or fixed["hsdp_replicas"] > 1
+    )  # else every config is valid
     for par in configs(base.model, gpus, base.seq, base.global_seqs, fixed):
         job = replace(base, par=par)
         if pinned and not valid(job):

@@ -15,16 +15,31 @@ from fourd.errors import FourdError
 # Llama 3 Table 5 (Dubey et al. 2024 §3.3.4): unexpected interruptions in 54 days on 16,384 GPUs per component,
 # and whether it is hardware (the paper's "~78 % hardware").
 TABLE5 = {
-    "faulty GPU": (148, True), "GPU HBM3 memory": (72, True), "software bug": (54, False),
-    "network switch/cable": (35, True), "host maintenance": (32, False), "GPU SRAM memory": (19, True),
-    "GPU system processor": (17, True), "NIC": (7, True), "NCCL watchdog timeouts": (7, False),
-    "silent data corruption": (6, True), "GPU thermal interface + sensor": (6, True), "SSD": (3, True),
-    "power supply": (3, True), "server chassis": (2, True), "IO expansion board": (2, True),
-    "dependency": (2, False), "CPU": (2, True), "system memory": (2, True),
-}  # fmt: skip
+    "faulty GPU": (148, True),
+    "GPU HBM3 memory": (72, True),
+    "software bug": (54, False),
+    "network switch/cable": (35, True),
+    "host maintenance": (32, False),
+    "GPU SRAM memory": (19, True),
+    "GPU system processor": (17, True),
+    "NIC": (7, True),
+    "NCCL watchdog timeouts": (7, False),
+    "silent data corruption": (6, True),
+    "GPU thermal interface + sensor": (6, True),
+    "SSD": (3, True),
+    "power supply": (3, True),
+    "server chassis": (2, True),
+    "IO expansion board": (2, True),
+    "dependency": (2, False),
+    "CPU": (2, True),
+    "system memory": (2, True),
+}
 TABLE5_GPUS, TABLE5_DAYS, TABLE5_PLANNED = 16_384, 54, 47
 
-CHECKPOINT_S, RESTART_S = 10.0, 300.0  # assumed save and restart times (docs/simulators.md: Llama 3 §3.3.1)
+CHECKPOINT_S, RESTART_S = (
+    10.0,
+    300.0,
+)  # assumed save and restart times (docs/simulators.md: Llama 3 §3.3.1)
 BYTES_PER_SLOT = 160  # peak NumPy memory of `simulate` per run and slot: 111 B measured (tracemalloc), and a margin
 DAY_S = 86_400.0
 
@@ -90,8 +105,15 @@ def _check_size(runs: int, slots: int) -> None:
         )
 
 
-def simulate(gpus: int, days: float, runs: int = 1000, seed: int = 0, interval_s: float | None = None,
-             checkpoint_s: float = CHECKPOINT_S, restart_s: float = RESTART_S) -> FaultResult:  # fmt: skip
+def simulate(
+    gpus: int,
+    days: float,
+    runs: int = 1000,
+    seed: int = 0,
+    interval_s: float | None = None,
+    checkpoint_s: float = CHECKPOINT_S,
+    restart_s: float = RESTART_S,
+) -> FaultResult:
     """`runs` independent runs of `days` days; the checkpoint interval defaults to Daly's optimum."""
     positive = (gpus, runs, days, 1.0 if interval_s is None else interval_s)
     finite = math.isfinite(sum(positive) + checkpoint_s + restart_s)
@@ -104,7 +126,9 @@ def simulate(gpus: int, days: float, runs: int = 1000, seed: int = 0, interval_s
     rates = unexpected_per_day(gpus)
     lam_p, horizon = planned_per_day() / DAY_S, days * DAY_S
     lam = sum(rates.values()) / DAY_S + lam_p
-    mean = lam * horizon  # enough arrival slots that running out has probability ~1e-15 (mean + 8 sigma)
+    mean = (
+        lam * horizon
+    )  # enough arrival slots that running out has probability ~1e-15 (mean + 8 sigma)
     slots = int(mean + 8 * math.sqrt(mean) + 16)
     _check_size(runs, slots)
     rng = np.random.default_rng(seed)
@@ -112,18 +136,34 @@ def simulate(gpus: int, days: float, runs: int = 1000, seed: int = 0, interval_s
     happened = arrivals < horizon
     planned = (rng.random((runs, slots)) < lam_p / lam) & happened
     unexpected = happened & ~planned
-    useful, lost, downtime, ckpt, live = _spans(arrivals, happened, planned, horizon, (tau, checkpoint_s, restart_s))
+    useful, lost, downtime, ckpt, live = _spans(
+        arrivals, happened, planned, horizon, (tau, checkpoint_s, restart_s)
+    )
     n_unexpected, names = unexpected.sum(axis=1), list(rates)
-    probs, total_u = np.array([rates[c] for c in names]) / sum(rates.values()), int(n_unexpected.sum())
+    probs, total_u = (
+        np.array([rates[c] for c in names]) / sum(rates.values()),
+        int(n_unexpected.sum()),
+    )
     counts = rng.multinomial(total_u, probs) if total_u else np.zeros(len(names), dtype=int)
 
     def per_run(x):
         return np.where(live, x, 0.0).sum(axis=1)
 
     return FaultResult(
-        gpus, days, runs, tau, checkpoint_s, restart_s, n_unexpected, planned.sum(axis=1),
-        {c: counts[i] / runs for i, c in enumerate(names)}, per_run(useful), per_run(lost), per_run(downtime), per_run(ckpt),
-    )  # fmt: skip
+        gpus,
+        days,
+        runs,
+        tau,
+        checkpoint_s,
+        restart_s,
+        n_unexpected,
+        planned.sum(axis=1),
+        {c: counts[i] / runs for i, c in enumerate(names)},
+        per_run(useful),
+        per_run(lost),
+        per_run(downtime),
+        per_run(ckpt),
+    )
 
 
 def _spans(arrivals, happened, planned, horizon: float, times: tuple[float, float, float]):
@@ -152,13 +192,22 @@ def summary(r: FaultResult) -> dict:
     m, eff, comp = mtbf_s(r.gpus), r.effective, r.by_component
     hardware, total = sum(v for c, v in comp.items() if TABLE5[c][1]), sum(comp.values())
     return {
-        "unexpected_interruptions": float(r.unexpected.mean()), "planned_interruptions": float(r.planned.mean()),
-        "effective_training_fraction": float(eff.mean()), "checkpoint_interval_min": r.interval_s / 60,
+        "unexpected_interruptions": float(r.unexpected.mean()),
+        "planned_interruptions": float(r.planned.mean()),
+        "effective_training_fraction": float(eff.mean()),
+        "checkpoint_interval_min": r.interval_s / 60,
         "optimal_checkpoint_interval_min": daly_interval(r.checkpoint_s, m) / 60,
-        "young_interval_min": young_interval(r.checkpoint_s, m) / 60, "mtbf_h": m / 3600,
+        "young_interval_min": young_interval(r.checkpoint_s, m) / 60,
+        "mtbf_h": m / 3600,
         **{f"effective_training_fraction_p{q}": float(np.percentile(eff, q)) for q in (5, 95)},
-        "gpus": r.gpus, "days": r.days, "runs": r.runs, "checkpoint_save_s": r.checkpoint_s, "restart_s": r.restart_s,
-        "lost_work_h": float(r.lost_s.mean()) / 3600, "restart_h": float(r.restart_total_s.mean()) / 3600,
+        "gpus": r.gpus,
+        "days": r.days,
+        "runs": r.runs,
+        "checkpoint_save_s": r.checkpoint_s,
+        "restart_s": r.restart_s,
+        "lost_work_h": float(r.lost_s.mean()) / 3600,
+        "restart_h": float(r.restart_total_s.mean()) / 3600,
         "checkpointing_h": float(r.checkpoint_total_s.mean()) / 3600,
-        "hardware_share": hardware / total if total else 0.0, "components": comp,
-    }  # fmt: skip
+        "hardware_share": hardware / total if total else 0.0,
+        "components": comp,
+    }

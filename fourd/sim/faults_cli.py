@@ -20,20 +20,50 @@ def add_arguments(p):
     flags = (
         ("--gpus", bounded(int, 1, 1 << 24), None, "GPUs in the job"),
         ("--days", bounded(float, 1e-6, 1e6), None, "length of the run in days"),
-        ("--checkpoint-interval-min", bounded(float, 1e-6, 1e9), None, "training minutes between checkpoints (default: Daly's optimum)"),
-        ("--checkpoint-s", bounded(float, 0, 1e9), faults.CHECKPOINT_S, f"seconds a checkpoint save pauses the job (default {faults.CHECKPOINT_S:g})"),
-        ("--restart-min", bounded(float, 0, 1e9), faults.RESTART_S / 60, f"minutes from an interruption to training again (default {faults.RESTART_S / 60:g})"),
-        ("--runs", bounded(int, 1, 1 << 40), 1000, "Monte-Carlo runs (default 1000; refused beyond this machine's memory)"),
+        (
+            "--checkpoint-interval-min",
+            bounded(float, 1e-6, 1e9),
+            None,
+            "training minutes between checkpoints (default: Daly's optimum)",
+        ),
+        (
+            "--checkpoint-s",
+            bounded(float, 0, 1e9),
+            faults.CHECKPOINT_S,
+            f"seconds a checkpoint save pauses the job (default {faults.CHECKPOINT_S:g})",
+        ),
+        (
+            "--restart-min",
+            bounded(float, 0, 1e9),
+            faults.RESTART_S / 60,
+            f"minutes from an interruption to training again (default {faults.RESTART_S / 60:g})",
+        ),
+        (
+            "--runs",
+            bounded(int, 1, 1 << 40),
+            1000,
+            "Monte-Carlo runs (default 1000; refused beyond this machine's memory)",
+        ),
         ("--seed", bounded(int, 0, 2**63 - 1), 0, "random seed (default 0)"),
-    )  # fmt: skip
+    )
     for flag, parse, default, text in flags:
-        p.add_argument(flag, type=parse, default=default, required=flag in ("--gpus", "--days"), help=text)
+        p.add_argument(
+            flag, type=parse, default=default, required=flag in ("--gpus", "--days"), help=text
+        )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def run(args) -> int:
     interval = None if args.checkpoint_interval_min is None else args.checkpoint_interval_min * 60
-    r = faults.simulate(args.gpus, args.days, args.runs, args.seed, interval, args.checkpoint_s, args.restart_min * 60)
+    r = faults.simulate(
+        args.gpus,
+        args.days,
+        args.runs,
+        args.seed,
+        interval,
+        args.checkpoint_s,
+        args.restart_min * 60,
+    )
     s = faults.summary(r)
     if args.json:
         print(json.dumps(s))

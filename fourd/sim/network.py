@@ -31,7 +31,9 @@ class Network:
     def _rates(self) -> None:
         users = Counter(link for f in self.flows for link, _ in f.links)
         for f in self.flows:
-            f.rate = min([f.cap] + [self.capacity[link[0]] / users[link] / share for link, share in f.links])
+            f.rate = min(
+                [f.cap] + [self.capacity[link[0]] / users[link] / share for link, share in f.links]
+            )
         self.dirty = False
 
     def next_finish(self, now: float) -> float:
@@ -45,7 +47,9 @@ class Network:
             self._rates()
         for f in self.flows:
             f.size -= f.rate * dt
-        finished = [f for f in self.flows if f.size <= 1e-3]  # bytes below that: float noise, not data
+        finished = [
+            f for f in self.flows if f.size <= 1e-3
+        ]  # bytes below that: float noise, not data
         if finished:
             self.flows, self.dirty = [f for f in self.flows if f.size > 1e-3], True
         return finished

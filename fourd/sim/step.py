@@ -39,8 +39,14 @@ class Event:
 def stage_costs(job: Job, comm: bool = True) -> list[dict[str, float]]:
     """Seconds of each action kind ("F", "B", "I", "W") per global stage from the planner's cost model; TP and
     CP collectives are part of F, B and I unless `comm` is False."""
-    times = [(t.forward_s + t.forward_comm_s * comm, t.input_grad_s + t.backward_comm_s * comm, t.weight_grad_s)
-             for t in chunk_times(job)]  # fmt: skip
+    times = [
+        (
+            t.forward_s + t.forward_comm_s * comm,
+            t.input_grad_s + t.backward_comm_s * comm,
+            t.weight_grad_s,
+        )
+        for t in chunk_times(job)
+    ]
     return [{"F": f, "I": i, "W": w, "B": i + w} for f, i, w in times]
 
 
@@ -92,12 +98,22 @@ class Comm:
 def build_comm(job: Job) -> Comm:
     """Links and transfer costs of the job's layout on its cluster."""
     cluster, lay, node, net = job.cluster, job.layout, job.cluster.node, job.cluster.network
-    nic, nvl = net.nic_bw_gbps * 1e9 * net.nic_efficiency, node.intra_bw_gbps * 1e9 * node.intra_efficiency
+    nic, nvl = (
+        net.nic_bw_gbps * 1e9 * net.nic_efficiency,
+        node.intra_bw_gbps * 1e9 * node.intra_efficiency,
+    )
     # each TP rank sends its sequence-parallel shard; without SP every TP rank holds (and sends) it all
-    p2p_bytes = job.work.tokens * job.model.dim * job.dtype_bytes / (lay.tp if job.par.sequence_parallel else 1)
+    p2p_bytes = (
+        job.work.tokens
+        * job.model.dim
+        * job.dtype_bytes
+        / (lay.tp if job.par.sequence_parallel else 1)
+    )
     server = [lay.rank(pp=r) // node.gpus for r in range(lay.pp)]
-    link = {True: (("nvl_out", "nvl_in"), nvl, node.intra_latency_us * 1e-6),
-            False: (("nic_out", "nic_in"), nic, net.latency_us * 1e-6)}  # fmt: skip
+    link = {
+        True: (("nvl_out", "nvl_in"), nvl, node.intra_latency_us * 1e-6),
+        False: (("nic_out", "nic_in"), nic, net.latency_us * 1e-6),
+    }
     p2p = {(a, b): link[server[a] == server[b]] for a in range(lay.pp) for b in range(lay.pp)}
     group, nvlink = shard_group(lay), (("nvl_out", 1.0), ("nvl_in", 1.0))
     # k members per server drive k NICs (one ring channel each): 1/k of the bytes through this GPU's NIC, all
@@ -105,8 +121,18 @@ def build_comm(job: Job) -> Comm:
     k = members_per_node(group, cluster)
     nic_links = (("nic_out", 1 / k), ("nic_in", 1 / k)) + nvlink * (k > 1)
     dp_links = nvlink if group_level(group, cluster) == "nvlink" else nic_links
-    return Comm(cluster, job.par.zero, {"nic_out": nic, "nic_in": nic, "nvl_out": nvl, "nvl_in": nvl}, p2p_bytes, p2p,
-                group, group_bandwidth(group, cluster)[0], dp_links, stage_params_on_gpu(job), job.dtype_bytes)  # fmt: skip
+    return Comm(
+        cluster,
+        job.par.zero,
+        {"nic_out": nic, "nic_in": nic, "nvl_out": nvl, "nvl_in": nvl},
+        p2p_bytes,
+        p2p,
+        group,
+        group_bandwidth(group, cluster)[0],
+        dp_links,
+        stage_params_on_gpu(job),
+        job.dtype_bytes,
+    )
 
 
 def stage_params_on_gpu(job: Job) -> list[float]:
@@ -125,9 +151,16 @@ class _Piece:
     after: list  # effects when it ends: ("token", t) | ("send", dst, token) | ("enqueue", stream, key, bytes)
 
 
-def simulate(schedule: Schedule, costs: list[dict[str, float]], *, layers: list[int] | None = None,
-             comm: Comm | None = None, optimizer_s: list[float] | None = None, slow: tuple[int, float] | None = None,
-             dp: int = 1) -> StepResult:  # fmt: skip
+def simulate(
+    schedule: Schedule,
+    costs: list[dict[str, float]],
+    *,
+    layers: list[int] | None = None,
+    comm: Comm | None = None,
+    optimizer_s: list[float] | None = None,
+    slow: tuple[int, float] | None = None,
+    dp: int = 1,
+) -> StepResult:
     """Run one step: `costs[stage][kind]` compute seconds, `layers[stage]` DP buckets per stage, `comm` None:
     transfers free, no DP collectives; `slow = (pipeline rank, factor)` slows it in one of `dp` replicas."""
     p = schedule.pp
@@ -142,19 +175,26 @@ def simulate(schedule: Schedule, costs: list[dict[str, float]], *, layers: list[
             factor = straggler[1] if straggler and straggler[0] == r else 1
             sim.pieces[(c, r)] = _rank_pieces(sim, (c, r), costs, layers, factor, zero)
             needs = tuple((c, "coll", key) for key in sim.rs_keys[(c, r)])
-            sim.pieces[(c, r)].append(_Piece(Action("O", r, 0), 0, 1, optimizer_s[r] * factor, needs, []))
+            sim.pieces[(c, r)].append(
+                _Piece(Action("O", r, 0), 0, 1, optimizer_s[r] * factor, needs, [])
+            )
     return sim.run()
 
 
 def _check_size(pieces: int) -> None:
     if pieces > MAX_PIECES:
-        raise FourdError(f"this step has {pieces:,} compute pieces to simulate, more than {MAX_PIECES:,}: use "
-                         "fewer microbatches, virtual stages or pipeline ranks")  # fmt: skip
+        raise FourdError(
+            f"this step has {pieces:,} compute pieces to simulate, more than {MAX_PIECES:,}: use "
+            "fewer microbatches, virtual stages or pipeline ranks"
+        )
 
 
 def _needs(a: Action, c: int, stages: int) -> list:
     """Tokens an action waits for (fourd.schedules.depends_on): deliveries are "act" and "gin" tokens."""
-    return [(c, "act" if a.kind == "F" else "gin" if k == "grad" else k, s, j) for k, s, j in depends_on(a, stages)]
+    return [
+        (c, "act" if a.kind == "F" else "gin" if k == "grad" else k, s, j)
+        for k, s, j in depends_on(a, stages)
+    ]
 
 
 def _rank_pieces(sim: _Engine, who: tuple[int, int], costs, layers, factor, zero):
@@ -162,9 +202,14 @@ def _rank_pieces(sim: _Engine, who: tuple[int, int], costs, layers, factor, zero
     c, r = who
     schedule, comm, actions = sim.schedule, sim.comm, sim.schedule.ranks[r]
     params = comm.dp_params if comm else []
-    weights, grads = [n * comm.weight_bytes for n in params] if comm else [], [4 * n for n in params]
+    weights, grads = (
+        [n * comm.weight_bytes for n in params] if comm else [],
+        [4 * n for n in params],
+    )
     last_grad = {a.stage: i for i, a in enumerate(actions) if a.kind in ("B", "W")}
-    first_f = {a.stage: i for i, a in reversed(list(enumerate(actions))) if a.kind == "F"}  # the first wins
+    first_f = {
+        a.stage: i for i, a in reversed(list(enumerate(actions))) if a.kind == "F"
+    }  # the first wins
     pieces, rs_keys = [], sim.rs_keys.setdefault(who, [])
     if zero in (1, 2):
         for s in sorted(first_f, key=lambda s: first_f[s]):
@@ -172,16 +217,22 @@ def _rank_pieces(sim: _Engine, who: tuple[int, int], costs, layers, factor, zero
                 sim.enqueue((c, r, "ag"), ("ag", s, 0, i), weights[s] / layers[s])
     for idx, a in enumerate(actions):
         s, j = a.stage, a.microbatch
-        gather = zero is not None and ((zero in (1, 2) and idx == first_f.get(s)) or (zero == 3 and a.kind != "W"))
+        gather = zero is not None and (
+            (zero in (1, 2) and idx == first_f.get(s)) or (zero == 3 and a.kind != "W")
+        )
         reduce = zero is not None and a.kind in ("B", "W") and (zero >= 2 or idx == last_grad[s])
         parts = layers[s] if (gather or reduce) else 1
-        dur = costs[s][a.kind] * factor / parts if parts > 1 else costs[s][a.kind] * factor  # ints stay exact
+        dur = (
+            costs[s][a.kind] * factor / parts if parts > 1 else costs[s][a.kind] * factor
+        )  # ints stay exact
         for i in range(parts):
             if zero == 3 and gather:
                 sim.enqueue((c, r, "ag"), ("ag", s, j, a.kind, i), weights[s] / parts)
             need = tuple(_needs(a, c, schedule.stages)) if i == 0 else ()
             if gather:
-                need += ((c, "coll", ("ag", s, 0, i) if zero in (1, 2) else ("ag", s, j, a.kind, i)),)
+                need += (
+                    (c, "coll", ("ag", s, 0, i) if zero in (1, 2) else ("ag", s, j, a.kind, i)),
+                )
             after: list = []
             if reduce:
                 key = ("rs" if zero else "ar", s, j if zero >= 2 else 0, i)
@@ -203,13 +254,23 @@ class _Engine:
         self.net = Network(comm.capacity if comm else {})
         self.ranks = [(c, r) for c in range(n_classes) for r in range(schedule.pp)]
         self.pieces: dict[tuple, list[_Piece]] = {}
-        self.streams: dict[tuple, deque] = {(c, r, s): deque() for c, r in self.ranks for s in ("ag", "rs") if comm}
+        self.streams: dict[tuple, deque] = {
+            (c, r, s): deque() for c, r in self.ranks for s in ("ag", "rs") if comm
+        }
         self.rs_keys, self.sizes, self.tokens = dict[tuple, list](), dict[Any, float](), set[Any]()
         self.transfers, self.order = list[Transfer](), itertools.count()
         self.deliveries: list = []  # (time, order, callback): flows delivered after their latency, FIFO at a tie
         # collectives finished (their streams move on), collective key -> the streams whose head it is
-        self.done_colls, self.waiting, self.busy_streams = dict[Any, Any](), dict[Any, set](), set[tuple]()
-        self.pos, self.running, self.started = dict.fromkeys(self.ranks, 0), dict[tuple, tuple](), dict[tuple, float]()
+        self.done_colls, self.waiting, self.busy_streams = (
+            dict[Any, Any](),
+            dict[Any, set](),
+            set[tuple](),
+        )
+        self.pos, self.running, self.started = (
+            dict.fromkeys(self.ranks, 0),
+            dict[tuple, tuple](),
+            dict[tuple, float](),
+        )
 
     def enqueue(self, stream, key, nbytes, ready: float = 0.0):
         self.streams[stream].append((key, ready))
@@ -239,7 +300,10 @@ class _Engine:
 
     def run(self) -> StepResult:
         events: dict[tuple, list] = {k: [] for k in self.ranks}
-        busy, opt = dict[tuple, Any].fromkeys(self.ranks, 0), dict[tuple, Any].fromkeys(self.ranks, 0)
+        busy, opt = (
+            dict[tuple, Any].fromkeys(self.ranks, 0),
+            dict[tuple, Any].fromkeys(self.ranks, 0),
+        )
         t = end_time = cast(Any, 0)  # ints stay exact with whole-number costs
         while True:
             self._start(t)
@@ -269,14 +333,18 @@ class _Engine:
             self.done_colls.clear()
         stuck = [k for k in self.ranks if self.pos[k] < len(self.pieces[k])]
         if stuck:
-            raise RuntimeError(f"simulation stalled at {stuck[0]}: {self.pieces[stuck[0]][self.pos[stuck[0]]]}")
+            raise RuntimeError(
+                f"simulation stalled at {stuck[0]}: {self.pieces[stuck[0]][self.pos[stuck[0]]]}"
+            )
         p = self.schedule.pp
         rep = [events[(0, r)] for r in range(p)]
         starts, ends = [e[0].start for e in rep if e], [e[-1].end for e in rep if e]
         slow = [events[(1, r)] for r in range(p)] if self.n_classes > 1 else None
         span = max(ends) - min(starts) if starts else 0.0
         mine = [(busy[(0, r)], opt[(0, r)]) for r in range(p)]
-        return StepResult(end_time, rep, self.transfers, [b for b, _ in mine], [o for _, o in mine], span, slow)
+        return StepResult(
+            end_time, rep, self.transfers, [b for b, _ in mine], [o for _, o in mine], span, slow
+        )
 
     def _effect(self, k, eff, t):
         c, r = k
@@ -306,7 +374,9 @@ class _Engine:
         op = {"ag": "all_gather", "rs": "reduce_scatter", "ar": "all_reduce"}[key[0]]
         nbytes, n = self.sizes[key], comm.dp_group.size
         volume = bus_factor(op, n) * nbytes
-        latency = max(0.0, collective_time(op, nbytes, comm.dp_group, comm.cluster) - volume / comm.dp_bw)
+        latency = max(
+            0.0, collective_time(op, nbytes, comm.dp_group, comm.cluster) - volume / comm.dp_bw
+        )
         pending = {"n": len(streams)}
         name = f"{op} stage {key[1]} layer {key[-1]}"
 
@@ -320,34 +390,53 @@ class _Engine:
 
         for stream in streams:
             links = tuple(((port, stream[0], stream[1]), share) for port, share in comm.dp_links)
-            self.net.add(Flow(volume, links, comm.dp_bw, latency, lambda when, s=stream: done(when, s)), t)
+            self.net.add(
+                Flow(volume, links, comm.dp_bw, latency, lambda when, s=stream: done(when, s)), t
+            )
 
 
-def simulate_step(job: Job, comm: bool = True, slow_gpu: tuple[int, float] | None = None, throttle: float = 1.0):
+def simulate_step(
+    job: Job, comm: bool = True, slow_gpu: tuple[int, float] | None = None, throttle: float = 1.0
+):
     """One step of `job` (a StepResult). `slow_gpu = (global rank, factor)`: that GPU, and with it its TP/CP
     group, computes factor× slower; `throttle` ≥ 1 slows every GPU alike."""
     lay, par = job.layout, job.par
     if job.pipeline_comm != "overlapped":
-        raise FourdError("the step simulator runs overlapped pipeline communication only; the planner models blocking")
+        raise FourdError(
+            "the step simulator runs overlapped pipeline communication only; the planner models blocking"
+        )
     layers = [max(1, n) for n in stage_layers(job.model.layers, lay.pp, par.virtual_stages)]
-    _check_size(par.microbatches * sum(layers) * (3 if par.schedule == "zero-bubble" else 2))  # before building
+    _check_size(
+        par.microbatches * sum(layers) * (3 if par.schedule == "zero-bubble" else 2)
+    )  # before building
     schedule = build_schedule(par.schedule, lay.pp, par.microbatches, par.virtual_stages)
     costs = [{k: t * throttle for k, t in c.items()} for c in stage_costs(job, comm)]
     g, factor = slow_gpu or (0, 1.0)
     if not (0 <= g < lay.world and 0 < factor < math.inf):
-        raise FourdError(f"slow GPU {g}:{factor}: give a rank in 0..{lay.world - 1} of layout {lay} and a factor > 0")
+        raise FourdError(
+            f"slow GPU {g}:{factor}: give a rank in 0..{lay.world - 1} of layout {lay} and a factor > 0"
+        )
     slow = None if slow_gpu is None else (lay.coords(g)["pp"], factor)
     net = build_comm(job) if comm else None
     params, owned = stage_params_on_gpu(job), shard_group(lay).size if par.zero >= 1 else 1
-    optimizer = [optimizer_time(sum(params[s] for s in schedule.stages_of_rank(r)) / owned, job.cluster,
-                                job.dtype_bytes) * throttle for r in range(lay.pp)]  # fmt: skip
-    return simulate(schedule, costs, layers=layers, comm=net, optimizer_s=optimizer, slow=slow, dp=lay.dp)
+    optimizer = [
+        optimizer_time(
+            sum(params[s] for s in schedule.stages_of_rank(r)) / owned, job.cluster, job.dtype_bytes
+        )
+        * throttle
+        for r in range(lay.pp)
+    ]
+    return simulate(
+        schedule, costs, layers=layers, comm=net, optimizer_s=optimizer, slow=slow, dp=lay.dp
+    )
 
 
 def timeline(schedule: Schedule, costs: dict | list[dict] | None = None) -> list[list[Event]]:
     """Per-rank timed events in execution order, times from 0, transfers free (the lab's pipeline bench):
     `costs` seconds by kind (UNIT, the default), or a list of such dicts, one per stage."""
-    return simulate(schedule, costs if isinstance(costs, list) else [costs or UNIT] * schedule.stages).events
+    return simulate(
+        schedule, costs if isinstance(costs, list) else [costs or UNIT] * schedule.stages
+    ).events
 
 
 def idle_fractions(events: list[list[Event]]) -> tuple[float, list[float]]:

@@ -9,13 +9,17 @@ from dataclasses import replace
 from fourd.config import Config, fourd_home, model_config, parallelism
 from fourd.errors import FourdError, plural
 from fourd.layout import Parallelism
+from fourd.measure.peak import device_peak_flops
 from fourd.plan.cluster import GPU, Cluster, Network, Node, load_cluster
 from fourd.plan.job import Job
 from fourd.plan.request import best_plan, rank_peak_memory_gb
 from fourd.plan.search import evaluate
-from fourd.train.metrics import device_peak_flops
 
-GPU_PRESETS = {"H200": "dgx-h200", "H100": "dgx-h100", "A100": "selene-a100"}  # the first name found wins
+GPU_PRESETS = {
+    "H200": "dgx-h200",
+    "H100": "dgx-h100",
+    "A100": "selene-a100",
+}  # the first name found wins
 
 
 def use_cuda(cfg: Config) -> bool:
@@ -31,23 +35,43 @@ def machine(cfg: Config):
     if use_cuda(cfg):
         name = torch.cuda.get_device_name()
         preset = next((p for key, p in GPU_PRESETS.items() if key in name), "dgx-h100")
-        return load_cluster(preset), torch.cuda.device_count(), torch.cuda.get_device_properties(0).total_memory
+        return (
+            load_cluster(preset),
+            torch.cuda.device_count(),
+            torch.cuda.get_device_properties(0).total_memory,
+        )
     with open("/proc/meminfo") as f:
         ram = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     cores = os.cpu_count() or 1
     try:
         cluster = load_cluster("local")
-    except FourdError:  # not calibrated: the measured matmul peak, and the planner's rates for the rest
+    except (
+        FourdError
+    ):  # not calibrated: the measured matmul peak, and the planner's rates for the rest
         peak_tflops = device_peak_flops("cpu", fourd_home())[0] / 1e12
         gpu = GPU("CPU worker (estimate; `fourd calibrate` measures)", peak_tflops, ram / 1e9, 10.0)
-        cluster = Cluster("cpu", "this machine", gpu, Node(cores, 1.0, concurrent_ranks=cores), Network(1.0), "fp32")
+        cluster = Cluster(
+            "cpu",
+            "this machine",
+            gpu,
+            Node(cores, 1.0, concurrent_ranks=cores),
+            Network(1.0),
+            "fp32",
+        )
     return cluster, cores, ram
 
 
 def choose(cfg: Config, cluster, devices: int) -> None:
     """Set cfg.parallel to the planner's fastest plan that fits `devices` devices, and say what it chose."""
     c, step_s = _best(cfg, cluster, devices)
-    for key in ("schedule", "microbatches", "virtual_stages", "zero", "recompute", "sequence_parallel"):
+    for key in (
+        "schedule",
+        "microbatches",
+        "virtual_stages",
+        "zero",
+        "recompute",
+        "sequence_parallel",
+    ):
         setattr(cfg.parallel, key, getattr(c, key))
     cfg.parallel.layout, cfg.parallel.hsdp_replicas = str(c.layout), c.hsdp_replicas
     print(
@@ -99,8 +123,16 @@ def predict(cfg: Config, peak_flops: float, world: int, device_type: str) -> dic
 
     cluster, _, _ = machine(cfg)
     mcfg, seq, seqs = model_config(cfg), cfg.data.seq_len, cfg.train.global_batch
-    plan = evaluate(Job(mcfg, cluster, parallelism(cfg), seq, seqs, compiled=compiles(cfg, device_type)))
+    plan = evaluate(
+        Job(mcfg, cluster, parallelism(cfg), seq, seqs, compiled=compiles(cfg, device_type))
+    )
     step = plan.step.step_s
-    mfu = mcfg.flops_per_token(seq) * seqs * seq / step / (peak_flops * (world if device_type == "cuda" else 1))
+    mfu = (
+        mcfg.flops_per_token(seq)
+        * seqs
+        * seq
+        / step
+        / (peak_flops * (world if device_type == "cuda" else 1))
+    )
     memory = {"peak_mem_gb": (plan.memory.total + plan.memory.reserve) / 2**30}
     return {"step_time_s": step, "tokens_per_s": seqs * seq / step, "mfu": mfu} | memory

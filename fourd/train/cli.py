@@ -35,41 +35,88 @@ from fourd.data.tokenizer import load_tokenizer
 from fourd.errors import FourdError, plural, si
 from fourd.hf.convert import load_weights
 from fourd.layout import DIMS, check, parse_layout
+from fourd.measure.peak import device_peak_flops
 from fourd.train.auto import check_memory, choose, machine, use_cuda
 from fourd.train.launch import attempt, launch_local, outcome, under_torchrun
-from fourd.train.metrics import device_peak_flops
 
 # short flag -> config key
-FLAGS = {"model": "model.preset", "steps": "train.steps", "seed": "train.seed", "init_from": "train.init_from"}
+FLAGS = {
+    "model": "model.preset",
+    "steps": "train.steps",
+    "seed": "train.seed",
+    "init_from": "train.init_from",
+}
 FLAGS |= {k: f"parallel.{k}" for k in ("layout", "schedule", "microbatches", "virtual_stages")}
 FLAGS |= {"run_dir": "run.dir", "max_restarts": "run.max_restarts"}
 # What a resumed run keeps: the model, its data and the order of its samples.
-KEPT = ("data.path", "data.tokenizer", "data.seq_len", "data.holdout_fraction", "train.global_batch", "train.seed")
+KEPT = (
+    "data.path",
+    "data.tokenizer",
+    "data.seq_len",
+    "data.holdout_fraction",
+    "train.global_batch",
+    "train.seed",
+)
 # `--section.key=value` words reach run() as args._unknown (see fourd.cli).
 ACCEPTS_OVERRIDES = True
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.description = (p.description or "") + "".join(f"\n  [{s}] {', '.join(v)}" for s, v in Config().to_dict().items())
+    p.description = (p.description or "") + "".join(
+        f"\n  [{s}] {', '.join(v)}" for s, v in Config().to_dict().items()
+    )
     p.add_argument("--config", metavar="FILE.toml", help="a TOML file of [section] keys")
-    p.add_argument("--model", metavar="PRESET", help="debug, small, llama3-8b, llama3-70b, llama3-405b")
     p.add_argument(
-        "--layout", help="e.g. tp=2,cp=1,pp=2,dp=2 (omitted dimensions are 1), or auto: the planner's choice"
+        "--model", metavar="PRESET", help="debug, small, llama3-8b, llama3-70b, llama3-405b"
+    )
+    p.add_argument(
+        "--layout",
+        help="e.g. tp=2,cp=1,pp=2,dp=2 (omitted dimensions are 1), or auto: the planner's choice",
     )
     p.add_argument("--schedule", help="pipeline schedule: gpipe, 1f1b, interleaved, zero-bubble")
     p.add_argument("--microbatches", type=int, metavar="M", help="microbatches per step")
-    p.add_argument("--virtual-stages", dest="virtual_stages", type=int, metavar="V", help="stages per pipeline rank")
+    p.add_argument(
+        "--virtual-stages",
+        dest="virtual_stages",
+        type=int,
+        metavar="V",
+        help="stages per pipeline rank",
+    )
     p.add_argument("--steps", type=int, metavar="N", help="the step to train up to")
     p.add_argument("--seed", type=int, metavar="S")
-    p.add_argument("--run-dir", dest="run_dir", metavar="DIR", help="default: a fresh runs/<model>-<layout>-<time>")
-    p.add_argument("--resume", nargs="?", const=True, metavar="DIR", help="continue the run in DIR (or --run-dir)")
-    p.add_argument("--init-from", dest="init_from", metavar="PATH", help="start from a fourd or HF checkpoint")
-    p.add_argument("--max-restarts", dest="max_restarts", type=int, metavar="R", help="restart failed workers R times")
+    p.add_argument(
+        "--run-dir",
+        dest="run_dir",
+        metavar="DIR",
+        help="default: a fresh runs/<model>-<layout>-<time>",
+    )
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const=True,
+        metavar="DIR",
+        help="continue the run in DIR (or --run-dir)",
+    )
+    p.add_argument(
+        "--init-from", dest="init_from", metavar="PATH", help="start from a fourd or HF checkpoint"
+    )
+    p.add_argument(
+        "--max-restarts",
+        dest="max_restarts",
+        type=int,
+        metavar="R",
+        help="restart failed workers R times",
+    )
 
 
 def _absolute(cfg) -> None:
     """Paths as absolute paths, so that the recorded configuration works from any directory."""
-    for section, key in (("data", "path"), ("data", "cache_dir"), ("train", "init_from"), ("data", "tokenizer")):
+    for section, key in (
+        ("data", "path"),
+        ("data", "cache_dir"),
+        ("train", "init_from"),
+        ("data", "tokenizer"),
+    ):
         value = getattr(getattr(cfg, section), key)
         if value and (key != "tokenizer" or Path(value).expanduser().is_file()):
             setattr(getattr(cfg, section), key, str(Path(value).expanduser().resolve()))
@@ -79,8 +126,14 @@ def _resuming(args) -> tuple[Path | None, dict]:
     """(the run directory --resume names, its recorded configuration); (None, {}) for a new run."""
     if args.resume is None:
         return None, {}
-    if args.resume is not True and args.run_dir is not None and Path(args.resume) != Path(args.run_dir):
-        raise FourdError(f"--resume {args.resume} and --run-dir {args.run_dir} name two runs: give one of them")
+    if (
+        args.resume is not True
+        and args.run_dir is not None
+        and Path(args.resume) != Path(args.run_dir)
+    ):
+        raise FourdError(
+            f"--resume {args.resume} and --run-dir {args.run_dir} name two runs: give one of them"
+        )
     where = args.run_dir if args.resume is True else args.resume
     if not where or not Path(where).is_dir():
         raise FourdError(
@@ -90,7 +143,9 @@ def _resuming(args) -> tuple[Path | None, dict]:
         )
     run, record = Path(where), Path(where, "config.toml")
     if not record.is_file() and not checkpoints(run):
-        raise FourdError(f"--resume {where}: nothing to resume there (no config.toml, no checkpoint): drop --resume")
+        raise FourdError(
+            f"--resume {where}: nothing to resume there (no config.toml, no checkpoint): drop --resume"
+        )
     return run, load_toml(record) if record.is_file() else {}
 
 
@@ -102,7 +157,9 @@ def _changes(have, asked) -> str:
 
 def _check_kept(saved, cfg, mcfg, run_dir: Path) -> None:
     if model_config(saved) != mcfg:
-        raise FourdError(f"--resume: the model differs from the run's ({_changes(model_config(saved), mcfg)})")
+        raise FourdError(
+            f"--resume: the model differs from the run's ({_changes(model_config(saved), mcfg)})"
+        )
     for key in KEPT:
         old, new = (getattr(getattr(c, key.split(".")[0]), key.split(".")[1]) for c in (saved, cfg))
         if old != new:
@@ -119,7 +176,9 @@ def _model_name(cfg) -> str:
 def _check_run_dir(cfg, given: str | None) -> None:
     """Refuse a run directory that cannot be one or that holds another run (a fresh one is made at start)."""
     if given == "":
-        raise FourdError("--run-dir '' is empty: give a directory, or leave --run-dir out for a fresh one")
+        raise FourdError(
+            "--run-dir '' is empty: give a directory, or leave --run-dir out for a fresh one"
+        )
     if not cfg.run.dir:
         if "TORCHELASTIC_RUN_ID" in os.environ:
             raise FourdError("under torchrun, give --run-dir DIR: a directory every node can reach")
@@ -127,7 +186,9 @@ def _check_run_dir(cfg, given: str | None) -> None:
     d = Path(cfg.run.dir)
     blocker = next((p for p in (d, *d.parents) if p.exists() and not p.is_dir()), None)
     if blocker is not None:
-        raise FourdError(f"run directory {d}: {blocker} is a file, not a directory: choose another --run-dir")
+        raise FourdError(
+            f"run directory {d}: {blocker} is a file, not a directory: choose another --run-dir"
+        )
     if (d / "checkpoints").exists() or (d / "metrics.jsonl").exists():
         raise FourdError(
             f"run directory {d} already holds a run: continue it with `fourd train --resume {d}`, or choose "
@@ -141,13 +202,20 @@ def _configure(args):
     flags = {FLAGS[k]: getattr(args, k) for k in FLAGS}
     if resumed is not None:
         flags["run.dir"] = str(resumed)
-    overrides, options = list(args._unknown), [s for a in args._parser._actions for s in a.option_strings]
+    overrides, options = (
+        list(args._unknown),
+        [s for a in args._parser._actions for s in a.option_strings],
+    )
     cfg = build_config(args.config, flags, overrides, saved, options)
     _absolute(cfg)
     source = None
     if cfg.train.init_from and resumed is None:
         source = load_weights(cfg.train.init_from, weights=False)[0]
-    said = args.model or any(w.startswith("--model.") for w in overrides) or "model" in load_toml(args.config or "")
+    said = (
+        args.model
+        or any(w.startswith("--model.") for w in overrides)
+        or "model" in load_toml(args.config or "")
+    )
     if source is not None and not said:  # nothing said about the model: the source's
         dims = {k: v for k, v in source.to_dict().items() if k != "mlp"}
         cfg = build_config(args.config, flags, overrides, {"model": dims}, options)
@@ -169,7 +237,9 @@ def prepare(args):
     from fourd.data.dataset import prepare as prepare_data
 
     cfg, mcfg, resumed = _configure(args)
-    here = machine(cfg) if cfg.parallel.layout == "auto" else None  # (profile, devices, bytes per device)
+    here = (
+        machine(cfg) if cfg.parallel.layout == "auto" else None
+    )  # (profile, devices, bytes per device)
     if here:
         choose(cfg, here[0], here[1])
         check_config(cfg)
@@ -185,7 +255,9 @@ def prepare(args):
         _check_run_dir(cfg, args.run_dir)
     d = cfg.data
     cache = prepare_data(d.path, d.tokenizer, d.cache_dir)
-    held = len(SampleStream(cache, d.seq_len, cfg.train.seed, d.holdout_fraction).holdout())  # refused before launch
+    held = len(
+        SampleStream(cache, d.seq_len, cfg.train.seed, d.holdout_fraction).holdout()
+    )  # refused before launch
     if cache.vocab_size > mcfg.vocab:
         raise FourdError(
             f"the tokenizer has {cache.vocab_size} ids but the model's vocabulary is {mcfg.vocab}: "
@@ -199,7 +271,11 @@ def prepare(args):
             f"eval.every: the held-out tail has {plural(held, 'token')}, less than one batch of "
             f"{cfg.train.global_batch} x {d.seq_len + 1}: raise data.holdout_fraction or set eval.every = 0"
         )
-    data = {"path": d.path, "tokenizer": d.tokenizer, "identity": load_tokenizer(d.tokenizer).identity()}
+    data = {
+        "path": d.path,
+        "tokenizer": d.tokenizer,
+        "identity": load_tokenizer(d.tokenizer).identity(),
+    }
     return cfg, par.layout, cache, {**data, "source": cache.source, "tokens": cache.tokens}
 
 
@@ -220,7 +296,9 @@ def _start(cfg) -> None:
         tmp.write_text(cfg.to_toml())
         os.replace(tmp, Path(cfg.run.dir, "config.toml"))
     except OSError as e:
-        raise FourdError(f"run directory {cfg.run.dir}: {e.strerror}: choose another --run-dir") from None
+        raise FourdError(
+            f"run directory {cfg.run.dir}: {e.strerror}: choose another --run-dir"
+        ) from None
 
 
 def run(args) -> int:
@@ -234,7 +312,12 @@ def run(args) -> int:
         model = f"{_model_name(cfg)} model, {si(model_config(cfg).params())} parameters"
         per_step = f"{cfg.train.global_batch} x {cfg.data.seq_len} tokens per step"
         where = f"layout {layout} ({plural(layout.world, 'rank')}, {device})"
-        print(f"fourd train: {cfg.run.dir}: {model}, {where}, {per_step}, data: {cache.source}", flush=True)
+        print(
+            f"fourd train: {cfg.run.dir}: {model}, {where}, {per_step}, data: {cache.source}",
+            flush=True,
+        )
     if under_torchrun():
         return outcome([worker_entry(cfg.to_dict(), cache, data, peak)])
-    return launch_local(layout.world, cfg.run.max_restarts, worker_entry, cfg.to_dict(), cache, data, peak)
+    return launch_local(
+        layout.world, cfg.run.max_restarts, worker_entry, cfg.to_dict(), cache, data, peak
+    )

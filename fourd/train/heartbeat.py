@@ -25,7 +25,9 @@ class Heartbeat:
             return where
         try:  # each rank's last begun step, 0 for none yet
             keys = {r: f"fourd/began/{r}" for r in range(self.world)}
-            began = {r: int(self.store.get(k)) if self.store.check([k]) else 0 for r, k in keys.items()}
+            began = {
+                r: int(self.store.get(k)) if self.store.check([k]) else 0 for r, k in keys.items()
+            }
         except Exception as e:  # noqa: BLE001 - the store itself is gone: say what we know
             return f"{where}; the rendezvous store is unreachable ({e})"
         behind = sorted(r for r, s in began.items() if s < self.step)

@@ -67,11 +67,15 @@ def _failure(e, folder: Path, max_restarts: int) -> FourdError:
     reports = [json.loads(p.read_text()) for p in folder.glob("rank-*.json")]
     if reports:
         last = [r for r in reports if r["attempt"] == max(r["attempt"] for r in reports)]
-        refused = [r for r in last if r["code"] == 2]  # bad input: every rank says it, rank 0 with the most context
+        refused = [
+            r for r in last if r["code"] == 2
+        ]  # bad input: every rank says it, rank 0 with the most context
         if refused:
             return FourdError(min(refused, key=lambda r: r["rank"])["message"])
         first = min(last, key=lambda r: r["time"])  # a failure: the rank that met it first
-        return RunFailed(f"{first['message']} (after {plural(max_restarts, 'restart')}; --debug shows the traceback)")
+        return RunFailed(
+            f"{first['message']} (after {plural(max_restarts, 'restart')}; --debug shows the traceback)"
+        )
     rank, failure = min(e.failures.items())
     why = f"signal {-failure.exitcode}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
     return RunFailed(
@@ -88,21 +92,38 @@ def launch_local(nproc: int, max_restarts: int, entrypoint, *args) -> int:
 
     if not os.environ.get("FOURD_DEBUG"):
         for name in list(logging.root.manager.loggerDict):
-            if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")):
+            if name.startswith(
+                ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+            ):
                 logging.getLogger(name).setLevel(logging.CRITICAL)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    with tempfile.TemporaryDirectory(prefix="fourd-elastic-") as tmp, _signals_to_file(Path(tmp)) as got:
+    with (
+        tempfile.TemporaryDirectory(prefix="fourd-elastic-") as tmp,
+        _signals_to_file(Path(tmp)) as got,
+    ):
         os.environ[LAUNCH_DIR_ENV] = tmp
-        kw = dict(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"fourd-{uuid.uuid4().hex[:8]}")
-        kw |= dict(rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", rdzv_configs={"timeout": 120})
+        kw = dict(
+            min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"fourd-{uuid.uuid4().hex[:8]}"
+        )
+        kw |= dict(
+            rdzv_backend="c10d",
+            rdzv_endpoint=f"127.0.0.1:{free_port()}",
+            rdzv_configs={"timeout": 120},
+        )
         kw |= dict(max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn")
         # not SIGINT and SIGTERM: the agent would turn them into an exception that kills unsaved workers
-        kw |= dict(signals_to_handle="SIGHUP,SIGQUIT", logs_specs=DefaultLogsSpecs(log_dir=os.path.join(tmp, "logs")))
+        kw |= dict(
+            signals_to_handle="SIGHUP,SIGQUIT",
+            logs_specs=DefaultLogsSpecs(log_dir=os.path.join(tmp, "logs")),
+        )
         try:
             results = elastic_launch(LaunchConfig(**kw), entrypoint)(*args)
         except ChildFailedError as e:
             if got:
-                print(f"fourd: stopped by {signal.Signals(got[0]).name} before a checkpoint", file=sys.stderr)
+                print(
+                    f"fourd: stopped by {signal.Signals(got[0]).name} before a checkpoint",
+                    file=sys.stderr,
+                )
                 return 128 + got[0]
             raise _failure(e, Path(tmp), max_restarts) from None
     return outcome(list(results.values()))

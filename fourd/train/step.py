@@ -25,8 +25,13 @@ def lr_at(step: int, cfg: Config) -> float:
 def param_groups(stages, weight_decay: float):
     """AdamW's groups: norm weights (gains, no decay toward 0) and the rest (with weight_decay)."""
     named = [(n, p) for s in stages for n, p in s.named_parameters()]
-    decay, no_decay = ([p for n, p in named if n.endswith("norm.weight") == norm] for norm in (False, True))
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    decay, no_decay = (
+        [p for n, p in named if n.endswith("norm.weight") == norm] for norm in (False, True)
+    )
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
 
 
 def build_optimizer(par: Parallel, cfg: Config) -> torch.optim.Optimizer:
@@ -40,7 +45,9 @@ def build_optimizer(par: Parallel, cfg: Config) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, **kw)
 
 
-def _forward(par: Parallel, x: torch.Tensor, y: torch.Tensor, microbatches: int, amp, backward: bool):
+def _forward(
+    par: Parallel, x: torch.Tensor, y: torch.Tensor, microbatches: int, amp, backward: bool
+):
     """The rank's mean loss over its microbatches; with `backward` each one's loss / M is backpropagated. A
     pipeline runs its whole schedule, backward included, either way."""
     if par.runner is not None:
@@ -74,7 +81,9 @@ def train_step(par: Parallel, opt, x: torch.Tensor, y: torch.Tensor, lr: float, 
     for g in opt.param_groups:
         g["lr"] = lr
     loss = _forward(par, x, y, cfg.parallel.microbatches, amp, backward=True)
-    grad_norm = clip_grad_norm([p for s in par.stages for p in s.parameters()], cfg.train.grad_clip, par.mesh)
+    grad_norm = clip_grad_norm(
+        [p for s in par.stages for p in s.parameters()], cfg.train.grad_clip, par.mesh
+    )
     opt.step()
     opt.zero_grad(set_to_none=True)
     return _global_mean(loss), grad_norm

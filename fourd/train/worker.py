@@ -26,19 +26,22 @@ from fourd.config import Config, model_config
 from fourd.data.dataset import SampleStream, TokenCache
 from fourd.errors import FourdError, RunFailed, plural
 from fourd.hf.convert import load_weights
+from fourd.measure.peak import peak_memory_gb
 from fourd.parallel.apply import build_parallel
 from fourd.parallel.cp import cp_shard
 from fourd.sim.trace import document, label, span, write_trace
 from fourd.train.auto import predict, use_cuda
 from fourd.train.heartbeat import Heartbeat
 from fourd.train.launch import LAUNCH_DIR_ENV, attempt
-from fourd.train.metrics import MetricsWriter, peak_memory_gb, summary_table
+from fourd.train.metrics import MetricsWriter, summary_table
 from fourd.train.step import build_optimizer, eval_step, lr_at, train_step
 
 _STOP = [0]  # the signal that asked this worker to stop; 0: none
 
 
-def worker_entry(cfg_dict: dict, cache: TokenCache, data: dict, peak: tuple[float, str]) -> int | str:
+def worker_entry(
+    cfg_dict: dict, cache: TokenCache, data: dict, peak: tuple[float, str]
+) -> int | str:
     """What each launched process runs: 0 when the run ended, the signal that stopped it, or the message of
     a failure every rank met at once (a diverged loss: no restart can help). Other failures exit non-zero."""
     for s in (signal.SIGINT, signal.SIGTERM):
@@ -58,7 +61,11 @@ def _report(e: Exception, cfg: Config) -> None:
         traceback.print_exc()
     folder = os.environ.get(LAUNCH_DIR_ENV)
     if attempt() < cfg.run.max_restarts and type(e) is not FourdError:
-        print(f"fourd: warning: {message}; the job restarts from the newest checkpoint", file=sys.stderr, flush=True)
+        print(
+            f"fourd: warning: {message}; the job restarts from the newest checkpoint",
+            file=sys.stderr,
+            flush=True,
+        )
     elif folder is None:
         print(f"fourd: error: {message}", file=sys.stderr, flush=True)
     if folder is not None:
@@ -68,7 +75,9 @@ def _report(e: Exception, cfg: Config) -> None:
 
 
 def run_worker(cfg: Config, cache: TokenCache, data: dict, peak: tuple[float, str]) -> int | str:
-    rank, world, local = (int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
+    rank, world, local = (
+        int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0))
+    )
     device = torch.device("cuda", local) if use_cuda(cfg) else torch.device("cpu")
     cuda = {"device_id": device} if device.type == "cuda" else {}
     if cuda:
@@ -78,9 +87,13 @@ def run_worker(cfg: Config, cache: TokenCache, data: dict, peak: tuple[float, st
     timeout = timedelta(seconds=cfg.train.timeout_s)
     # The elastic agent keeps one TCP store for all restarts of the job: without a key prefix per
     # attempt, a restarted worker would read its peers' addresses from the failed attempt and hang.
-    store = dist.PrefixStore(f"fourd/attempt{attempt()}", next(dist.rendezvous("env://", timeout=timeout))[0])
+    store = dist.PrefixStore(
+        f"fourd/attempt{attempt()}", next(dist.rendezvous("env://", timeout=timeout))[0]
+    )
     backend = "nccl" if cuda else "gloo"
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **cuda)
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world, timeout=timeout, **cuda
+    )
     # The digest gathers 2-D-sharded parameters once per checkpoint; DTensor's advice on merging those
     # all-gathers is about throughput, not correctness, and would flood every rank's log.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
@@ -99,24 +112,42 @@ def run_worker(cfg: Config, cache: TokenCache, data: dict, peak: tuple[float, st
 class _Run:
     """A worker's run: its part of the model, the optimizer, data, checkpointer and outputs; `loop` trains."""
 
-    def __init__(self, cfg: Config, cache: TokenCache, data: dict, peak: tuple[float, str], device, beats):
+    def __init__(
+        self, cfg: Config, cache: TokenCache, data: dict, peak: tuple[float, str], device, beats
+    ):
         self.cfg, self.device, self.beats, self.peak = cfg, device, beats, peak
         self.rank, self.world, self.attempt = dist.get_rank(), dist.get_world_size(), attempt()
         torch.manual_seed(cfg.train.seed)
         self.par = build_parallel(cfg, device, self.rank, self.world)
         self.opt = build_optimizer(self.par, cfg)
         cuda = device.type == "cuda"
-        self.amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
-        self.stream = SampleStream(cache, cfg.data.seq_len, cfg.train.seed, cfg.data.holdout_fraction)
+        self.amp = (
+            (lambda: torch.autocast("cuda", dtype=torch.bfloat16))
+            if cuda
+            else contextlib.nullcontext
+        )
+        self.stream = SampleStream(
+            cache, cfg.data.seq_len, cfg.train.seed, cfg.data.holdout_fraction
+        )
         self.dir = Path(cfg.run.dir)
-        first = all(self.par.coords[d] == 0 for d in ("tp", "cp", "dp"))  # one rank per stage sends its weights
+        first = all(
+            self.par.coords[d] == 0 for d in ("tp", "cp", "dp")
+        )  # one rank per stage sends its weights
         lay, info = str(self.par.layout), {"data": data}
         self.ckpt = Checkpointer(
-            cfg, self.par.stages, self.opt, layout=lay, contributes=first, attempt=self.attempt, info=info
+            cfg,
+            self.par.stages,
+            self.opt,
+            layout=lay,
+            contributes=first,
+            attempt=self.attempt,
+            info=info,
         )
         self.writer: MetricsWriter | None = None
         self.per_dp = cfg.train.global_batch // self.par.layout.dp
-        self.offset = self.par.coords["dp"] * self.per_dp  # this rank's first sample in a global batch: any dp
+        self.offset = (
+            self.par.coords["dp"] * self.per_dp
+        )  # this rank's first sample in a global batch: any dp
         self.tokens = cfg.train.global_batch * cfg.data.seq_len
         flops = model_config(cfg).flops_per_token
         # the model's FLOPs (MFU), and the hardware's with what recomputation repeats (HFU)
@@ -129,7 +160,10 @@ class _Run:
         t, interval = self.cfg.train, self.cfg.checkpoint.interval
         step, sample = self.ckpt.resume() or (0, 0)
         if step == 0 and self.attempt and self.rank == 0:
-            print(f"fourd: restart {self.attempt}: no checkpoint yet, training again from step 1", flush=True)
+            print(
+                f"fourd: restart {self.attempt}: no checkpoint yet, training again from step 1",
+                flush=True,
+            )
         if step == 0 and t.init_from:
             self._init_weights()
         if step > t.steps:
@@ -156,10 +190,14 @@ class _Run:
                 saved_at = f"checkpoint {self.dir}/checkpoints/step-{step} saved"
                 resume = f"continue with `fourd train --resume {self.dir}`"
                 return self._end(
-                    stop, f"stopped by {signal.Signals(stop).name} after step {step}; {saved_at}; {resume}"
+                    stop,
+                    f"stopped by {signal.Signals(stop).name} after step {step}; {saved_at}; {resume}",
                 )
         lay, flops, source = self.par.layout, *self.peak
-        facts = {"layout": f"{lay} on {plural(self.world, self.device.type + ' rank')}", "run dir": str(self.dir)}
+        facts = {
+            "layout": f"{lay} on {plural(self.world, self.device.type + ' rank')}",
+            "run dir": str(self.dir),
+        }
         facts["MFU peak"] = f"{flops / 1e12:.3f} TFLOP/s, {source}"
         if self.writer is None:
             return self._end(0)
@@ -176,7 +214,11 @@ class _Run:
 
     def _diverged(self, row: dict) -> str:
         last = newest(self.dir)
-        kept = f"the newest checkpoint, {last}, is kept" if last else "no checkpoint was saved before it"
+        kept = (
+            f"the newest checkpoint, {last}, is kept"
+            if last
+            else "no checkpoint was saved before it"
+        )
         return (
             f"step {row['step']}: the loss is {row['loss']} and the gradient norm {row['grad_norm']}: training "
             f"diverged; {kept}, and nothing of this step was saved: lower train.lr (it is {self.cfg.train.lr:g})"
@@ -198,8 +240,14 @@ class _Run:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
-        row = dict(step=step, loss=loss, lr=lr, grad_norm=float(grad_norm), tokens_per_s=self.tokens / dt)
-        row |= dict(step_time_s=dt, mfu=self.flops_per_step / dt / self.peak_total, tokens=step * self.tokens)
+        row = dict(
+            step=step, loss=loss, lr=lr, grad_norm=float(grad_norm), tokens_per_s=self.tokens / dt
+        )
+        row |= dict(
+            step_time_s=dt,
+            mfu=self.flops_per_step / dt / self.peak_total,
+            tokens=step * self.tokens,
+        )
         row["hfu"] = self.hw_flops_per_step / dt / self.peak_total
         row["peak_mem_gb"] = peak_memory_gb(self.device.type)
         if self.par.runner is not None:
@@ -228,7 +276,9 @@ class _Run:
         total = 0.0
         for b in range(n):
             first = b * big + self.offset
-            rows = np.stack([tail[(first + k) * seq : (first + k + 1) * seq + 1] for k in range(self.per_dp)])
+            rows = np.stack(
+                [tail[(first + k) * seq : (first + k + 1) * seq + 1] for k in range(self.per_dp)]
+            )
             x, y = self._inputs(rows)
             total += eval_step(self.par, self.opt, x, y, self.cfg, self.amp)
         return {"val_loss": total / n, "val_ppl": math.exp(min(total / n, 700.0))}
@@ -258,7 +308,10 @@ class _Run:
         c, r = self.par.coords, self.rank
         events = [label(r, None, f"rank {r} (pp={c['pp']} tp={c['tp']} cp={c['cp']} dp={c['dp']})")]
         for a in self.par.runner.records:
-            name, args = f"{a.kind}{a.stage}.{a.microbatch}", {"stage": a.stage, "microbatch": a.microbatch}
+            name, args = (
+                f"{a.kind}{a.stage}.{a.microbatch}",
+                {"stage": a.stage, "microbatch": a.microbatch},
+            )
             events.append(span(r, 0, name, a.kind, a.start, a.end - a.start, **args))
         gathered: list | None = [None] * self.world if r == 0 else None
         dist.gather_object(events, gathered, dst=0)

@@ -18,10 +18,14 @@ from collections import namedtuple
 from pathlib import Path
 
 from fourd.errors import FourdError
+from fourd.measure.timing import best_seconds, gemm_tflops, torch_for
 
 CPU_DEVICES = 8  # CPU worker processes taken as one node
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
-SMALL_MESSAGE, LARGE_MESSAGE = 1 << 14, 1 << 18  # at most: latency (alpha); at least: mostly bandwidth (beta)
+SMALL_MESSAGE, LARGE_MESSAGE = (
+    1 << 14,
+    1 << 18,
+)  # at most: latency (alpha); at least: mostly bandwidth (beta)
 
 
 # square matmul sizes, collective group sizes and message bytes, iterations, training-shape GEMMs' tokens and
@@ -29,67 +33,49 @@ SMALL_MESSAGE, LARGE_MESSAGE = 1 << 14, 1 << 18  # at most: latency (alpha); at 
 Sweep = namedtuple("Sweep", "squares groups messages iters tokens dims seqs head_dims")
 
 PLANS = {
-    "full": Sweep((16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048), (2, 4, 8),
-                  tuple(1 << e for e in range(10, 26, 2)), 10, (256, 1024, 4096), (64, 256, 1024), (64, 256, 1024),
-                  (16, 32, 64, 128)),
-    "quick": Sweep((16, 32, 64, 128, 256), (2, 4), (1 << 10, 1 << 14, 1 << 20, 1 << 22), 4, (256, 1024), (64, 256),
-                   (128, 256), (32,)),
-}  # fmt: skip
+    "full": Sweep(
+        (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048),
+        (2, 4, 8),
+        tuple(1 << e for e in range(10, 26, 2)),
+        10,
+        (256, 1024, 4096),
+        (64, 256, 1024),
+        (64, 256, 1024),
+        (16, 32, 64, 128),
+    ),
+    "quick": Sweep(
+        (16, 32, 64, 128, 256),
+        (2, 4),
+        (1 << 10, 1 << 14, 1 << 20, 1 << 22),
+        4,
+        (256, 1024),
+        (64, 256),
+        (128, 256),
+        (32,),
+    ),
+}
 GPU_SCALE = 8  # on a GPU the training shapes are this many times larger (tokens and widths)
 SAMPLE_S = 0.03  # timed per training-shape sample (best of batches)
-
-
-def _torch(device: str):
-    """torch, the compute dtype of `device` and a function that waits for it."""
-    import torch
-
-    cuda = device == "cuda"
-    return torch, torch.bfloat16 if cuda else torch.float32, torch.cuda.synchronize if cuda else (lambda: None)
-
-
-def best_seconds(fn, seconds: float, device: str = "cpu") -> float:
-    """Best time of one call of `fn` over timed batches of about 2 ms, for at least `seconds` and 4 batches."""
-    _, _, sync = _torch(device)
-    for _ in range(2):  # a warm-up call, then one timed
-        t0 = time.perf_counter()
-        fn()
-        sync()
-    reps, best, start = max(1, int(2e-3 / max(time.perf_counter() - t0, 1e-7))), float("inf"), time.perf_counter()
-    for batch in range(1000):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        sync()
-        best = min(best, (time.perf_counter() - t0) / reps)
-        if batch >= 3 and time.perf_counter() - start > seconds:
-            break
-    return best
-
-
-def gemm_tflops(n: int, threads: int = 1, seconds: float = 0.1, device: str = "cpu") -> float:
-    """Best throughput of an n×n×n matmul in the device's compute dtype."""
-    torch, dtype, _ = _torch(device)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        a, b, c = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(3))
-        return 2 * n**3 / best_seconds(lambda: torch.mm(a, b, out=c), seconds, device) / 1e12
-    finally:
-        torch.set_num_threads(before)
 
 
 def training_gemms(tokens, dims, device: str = "cpu", seconds: float = SAMPLE_S) -> list[tuple]:
     """(m, n, k, TFLOP/s) of a linear layer's three GEMMs as autograd runs them for every token count and (in,
     out): forward (tokens, out, in), input gradient (tokens, in, out), weight gradient (in, out, tokens)."""
-    torch, dtype, _ = _torch(device)
+    torch, dtype, _ = torch_for(device)
     out = []
     for t in tokens:
         for d_in in dims:
             for d_out in dims:
-                x, w, dy = (torch.randn(*s, dtype=dtype, device=device) for s in ((t, d_in), (d_out, d_in), (t, d_out)))
+                x, w, dy = (
+                    torch.randn(*s, dtype=dtype, device=device)
+                    for s in ((t, d_in), (d_out, d_in), (t, d_out))
+                )
                 flops = 2 * t * d_in * d_out / 1e12
-                for shape, fn in (((t, d_out, d_in), lambda: x @ w.t()), ((t, d_in, d_out), lambda: dy @ w),
-                                  ((d_in, d_out, t), lambda: dy.t() @ x)):  # fmt: skip
+                for shape, fn in (
+                    ((t, d_out, d_in), lambda: x @ w.t()),
+                    ((t, d_in, d_out), lambda: dy @ w),
+                    ((d_in, d_out, t), lambda: dy.t() @ x),
+                ):
                     out.append((*shape, flops / best_seconds(fn, seconds, device)))
     return out
 
@@ -97,23 +83,35 @@ def training_gemms(tokens, dims, device: str = "cpu", seconds: float = SAMPLE_S)
 def attention_rates(seqs, head_dims, device: str = "cpu", seconds: float = SAMPLE_S) -> list[tuple]:
     """(seq, head_dim, forward and backward TFLOP/s with is_causal, the same with an explicit causal mask) of
     torch's SDPA in the planner's FLOPs (is_causal: seq²/2 pairs; an explicit mask computes all seq²)."""
-    torch, dtype, _ = _torch(device)
+    torch, dtype, _ = torch_for(device)
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
     out = []
     for seq in seqs:
         for hd in head_dims:
-            heads = max(1, (1 << 22) // (seq * seq))  # about 4M query-key pairs per call, a microbatch's
+            heads = max(
+                1, (1 << 22) // (seq * seq)
+            )  # about 4M query-key pairs per call, a microbatch's
             q, k, v = (
-                torch.randn(1, seq, heads, hd, dtype=dtype, device=device).transpose(1, 2).requires_grad_()
+                torch.randn(1, seq, heads, hd, dtype=dtype, device=device)
+                .transpose(1, 2)
+                .requires_grad_()
                 for _ in range(3)
             )
-            grad, mask = torch.randn_like(q), torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
+            grad, mask = (
+                torch.randn_like(q),
+                torch.ones(seq, seq, dtype=torch.bool, device=device).tril(),
+            )
             rates = []
-            for kw, pairs in (({"is_causal": True}, seq * seq / 2), ({"attn_mask": mask}, seq * seq)):
+            for kw, pairs in (
+                ({"is_causal": True}, seq * seq / 2),
+                ({"attn_mask": mask}, seq * seq),
+            ):
                 flops = 4 * pairs * hd * heads / 1e12
                 fwd = best_seconds(lambda kw=kw: sdpa(q, k, v, **kw), seconds, device)
-                both = best_seconds(lambda kw=kw: sdpa(q, k, v, **kw).backward(grad), seconds, device)
+                both = best_seconds(
+                    lambda kw=kw: sdpa(q, k, v, **kw).backward(grad), seconds, device
+                )
                 rates += [flops / fwd, 2.5 * flops / max(both - fwd, 1e-9)]
             out.append((seq, hd, *rates))
     return out
@@ -122,7 +120,7 @@ def attention_rates(seqs, head_dims, device: str = "cpu", seconds: float = SAMPL
 def elementwise_rate(device: str = "cpu", tokens: int = 4096, seconds: float = 0.1) -> float:
     """GB/s, in fourd.plan.block's counted bytes, of a `small` layer's memory-bound ops run as the model does:
     two RMSNorms, RoPE on q and k, the GQA repeat of k and v, SiLU·mul, two residual adds, forward and backward."""
-    torch, dtype, _ = _torch(device)
+    torch, dtype, _ = torch_for(device)
     import torch.nn.functional as F
 
     from fourd.layout import Layout, Parallelism
@@ -140,8 +138,18 @@ def elementwise_rate(device: str = "cpu", tokens: int = 4096, seconds: float = 0
     def leaf(*shape):
         return torch.randn(tokens // seq, seq, *shape, dtype=dtype, device=device).requires_grad_()
 
-    x, attn, ff, gate, up = leaf(cfg.dim), leaf(cfg.dim), leaf(cfg.dim), leaf(cfg.ffn), leaf(cfg.ffn)
-    q, k, v = leaf(cfg.heads, cfg.head_dim), leaf(cfg.kv_heads, cfg.head_dim), leaf(cfg.kv_heads, cfg.head_dim)
+    x, attn, ff, gate, up = (
+        leaf(cfg.dim),
+        leaf(cfg.dim),
+        leaf(cfg.dim),
+        leaf(cfg.ffn),
+        leaf(cfg.ffn),
+    )
+    q, k, v = (
+        leaf(cfg.heads, cfg.head_dim),
+        leaf(cfg.kv_heads, cfg.head_dim),
+        leaf(cfg.kv_heads, cfg.head_dim),
+    )
 
     def forward():
         h, rep = x + attn, cfg.heads // cfg.kv_heads
@@ -151,14 +159,16 @@ def elementwise_rate(device: str = "cpu", tokens: int = 4096, seconds: float = 0
     grads = [torch.randn_like(t) for t in forward()]
     total = best_seconds(lambda: torch.autograd.backward(forward(), grads), seconds, device)
     precision = "bf16" if device == "cuda" else "fp32"
-    t = traffic(Job(cfg, load_cluster("dgx-h100"), Parallelism(Layout(dp=2)), seq, 2, precision).work)
+    t = traffic(
+        Job(cfg, load_cluster("dgx-h100"), Parallelism(Layout(dp=2)), seq, 2, precision).work
+    )
     return tokens * (t.forward + t.backward) / total / 1e9
 
 
 def optimizer_rate(device: str = "cpu", seconds: float = 0.1) -> float:
     """GB/s, in the planner's 32 bytes per FP32 parameter, of torch's AdamW on the `small` model: one tensor at a
     time on CPUs (foreach=False, as the trainer), fused on CUDA (as benchmarks/gpu_step.py)."""
-    torch, _, _ = _torch(device)
+    torch, _, _ = torch_for(device)
     from fourd.model.config import get_preset
     from fourd.model.llama import build_model
     from fourd.plan.kernels import ADAM_BYTES
@@ -167,12 +177,17 @@ def optimizer_rate(device: str = "cpu", seconds: float = 0.1) -> float:
     for p in params:
         p.grad = torch.randn_like(p)
     opt = torch.optim.AdamW(params, lr=1e-4, foreach=False, fused=device == "cuda")
-    return sum(p.numel() for p in params) * ADAM_BYTES[4] / best_seconds(opt.step, seconds, device) / 1e9
+    return (
+        sum(p.numel() for p in params)
+        * ADAM_BYTES[4]
+        / best_seconds(opt.step, seconds, device)
+        / 1e9
+    )
 
 
 def copy_gbps(device: str = "cpu", nbytes: int = 64 << 20) -> float:
     """Memory bandwidth of one thread copying a large tensor: bytes read plus bytes written, per second."""
-    torch, _, _ = _torch(device)
+    torch, _, _ = torch_for(device)
     src, dst = torch.ones(nbytes // 4, device=device), torch.empty(nbytes // 4, device=device)
     return 2 * nbytes / best_seconds(lambda: dst.copy_(src), 0.05, device) / 1e9
 
@@ -201,7 +216,10 @@ def _workers(rank: int, nproc: int, cores: int, sweep: Sweep) -> dict:
         if rank < g:
             rows += [time_op(op, s, sweep.iters, 1, group) for op in OPS for s in sweep.messages]
     if rank < 2:
-        rows += [dict(time_op("sendrecv", s, sweep.iters, 1, groups[2]), op="send") for s in sweep.messages]
+        rows += [
+            dict(time_op("sendrecv", s, sweep.iters, 1, groups[2]), op="send")
+            for s in sweep.messages
+        ]
     dist.barrier()
     return {"rows": rows, "concurrent_tflops": concurrent}
 
@@ -219,19 +237,35 @@ def _layer_overheads(rank: int, nproc: int, rounds: int = 7) -> dict:
     from fourd.parallel.tp import apply_tp
 
     mesh, x = init_device_mesh("cpu", (2,)), torch.randint(0, 64, (1, 16))
-    wraps = {"plain": lambda m: m, "tp": lambda m: apply_tp(m, mesh), "fsdp": lambda m: apply_dp(m, mesh, 3)}
+    wraps = {
+        "plain": lambda m: m,
+        "tp": lambda m: apply_tp(m, mesh),
+        "fsdp": lambda m: apply_dp(m, mesh, 3),
+    }
     config: dict = dict(dim=64, ffn=128, heads=4, kv_heads=2, vocab=64)
-    models = {(k, n): w(build_model(ModelConfig(layers=n, **config), 0)) for k, w in wraps.items() for n in (1, 3)}
+    models = {
+        (k, n): w(build_model(ModelConfig(layers=n, **config), 0))
+        for k, w in wraps.items()
+        for n in (1, 3)
+    }
 
-    def one_pass(model) -> float:  # both ranks run the same passes: each meets the other in the collectives
+    def one_pass(
+        model,
+    ) -> float:  # both ranks run the same passes: each meets the other in the collectives
         t0 = time.perf_counter()
         model(x).float().sum().backward()
         return time.perf_counter() - t0
 
     for model in models.values():
         one_pass(model)  # warm-up
-    runs = [{key: statistics.median(one_pass(m) for _ in range(5)) for key, m in models.items()} for _ in range(rounds)]
-    return {k: statistics.median((r[k, 3] - r[k, 1] - r["plain", 3] + r["plain", 1]) / 2 for r in runs) for k in wraps}
+    runs = [
+        {key: statistics.median(one_pass(m) for _ in range(5)) for key, m in models.items()}
+        for _ in range(rounds)
+    ]
+    return {
+        k: statistics.median((r[k, 3] - r[k, 1] - r["plain", 3] + r["plain", 1]) / 2 for r in runs)
+        for k in wraps
+    }
 
 
 def _machine(device: str) -> dict:
@@ -239,19 +273,35 @@ def _machine(device: str) -> dict:
     import torch
 
     from fourd.config import fourd_home
-    from fourd.train.metrics import device_peak_flops
+    from fourd.measure.peak import device_peak_flops
 
     if device == "cuda":
         props = torch.cuda.get_device_properties(0)
         peak = device_peak_flops("cuda", fourd_home())[0] / 1e12
-        return {"name": props.name, "memory_gb": props.total_memory / 1e9, "sms": props.multi_processor_count,
-                "devices": torch.cuda.device_count(), "peak_tflops": peak}  # fmt: skip
+        return {
+            "name": props.name,
+            "memory_gb": props.total_memory / 1e9,
+            "sms": props.multi_processor_count,
+            "devices": torch.cuda.device_count(),
+            "peak_tflops": peak,
+        }
     with open("/proc/meminfo") as f:
         total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
-    name = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                 if ln.startswith("model name")), platform.machine())  # fmt: skip
-    return {"name": f"{name}, one worker process", "memory_gb": total / 1e9 / CPU_DEVICES, "sms": None,
-            "devices": CPU_DEVICES, "cores": os.cpu_count() or 1}  # fmt: skip
+    name = next(
+        (
+            ln.split(":", 1)[1].strip()
+            for ln in Path("/proc/cpuinfo").read_text().splitlines()
+            if ln.startswith("model name")
+        ),
+        platform.machine(),
+    )
+    return {
+        "name": f"{name}, one worker process",
+        "memory_gb": total / 1e9 / CPU_DEVICES,
+        "sms": None,
+        "devices": CPU_DEVICES,
+        "cores": os.cpu_count() or 1,
+    }
 
 
 def measure(plan: str, device: str = "cpu") -> dict:
@@ -265,17 +315,33 @@ def measure(plan: str, device: str = "cpu") -> dict:
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        m.update(gemm=[(n, gemm_tflops(n, device=device)) for n in sweep.squares],
-                 gemm_shapes=training_gemms([t * scale for t in sweep.tokens], [d * scale for d in sweep.dims], device),
-                 attention=attention_rates(sweep.seqs, sweep.head_dims, device), copy_gbps=copy_gbps(device),
-                 elementwise_gbps=elementwise_rate(device), optimizer_gbps=optimizer_rate(device))  # fmt: skip
+        m.update(
+            gemm=[(n, gemm_tflops(n, device=device)) for n in sweep.squares],
+            gemm_shapes=training_gemms(
+                [t * scale for t in sweep.tokens], [d * scale for d in sweep.dims], device
+            ),
+            attention=attention_rates(sweep.seqs, sweep.head_dims, device),
+            copy_gbps=copy_gbps(device),
+            elementwise_gbps=elementwise_rate(device),
+            optimizer_gbps=optimizer_rate(device),
+        )
     finally:
         torch.set_num_threads(before)
     nproc = min(max(sweep.groups), m["devices"])
-    workers = run_workers(_workers, nproc, (m.get("cores", 0), sweep), timeout_s=600) if nproc >= 2 else []
+    workers = (
+        run_workers(_workers, nproc, (m.get("cores", 0), sweep), timeout_s=600)
+        if nproc >= 2
+        else []
+    )
     rows = workers[0]["rows"] if workers else []
-    m["fits"] = {(op, g): fit_alpha_beta([(r["bytes"], r["time_s"]) for r in rows if (r["op"], r["nproc"]) == (op, g)])
-                 for op in (*OPS, "send") for g in sweep.groups if g <= nproc and (op != "send" or g == 2)}  # fmt: skip
+    m["fits"] = {
+        (op, g): fit_alpha_beta(
+            [(r["bytes"], r["time_s"]) for r in rows if (r["op"], r["nproc"]) == (op, g)]
+        )
+        for op in (*OPS, "send")
+        for g in sweep.groups
+        if g <= nproc and (op != "send" or g == 2)
+    }
     if device == "cpu":
         # One worker per core, as `fourd train` runs, keeps every core busy even when other work delays one;
         # a threaded matmul waits for its slowest thread, so on a busy machine it can fall below that sum.
@@ -287,50 +353,99 @@ def measure(plan: str, device: str = "cpu") -> dict:
         # twice backward; ZeRO 3 gathers a layer forward and backward and reduce-scatters its gradients
         alpha = {op: m["fits"][(op, 2)][0] for op in OPS}
         m["tp_layer_s"] = max(0.0, over["tp"] - 4 * alpha["all_reduce"])
-        m["fsdp_layer_s"] = max(0.0, over["fsdp"] - 2 * alpha["all_gather"] - alpha["reduce_scatter"])
+        m["fsdp_layer_s"] = max(
+            0.0, over["fsdp"] - 2 * alpha["all_gather"] - alpha["reduce_scatter"]
+        )
     return m
 
 
 def _samples(m: dict) -> list[str]:
-    out, att = [], ("seq", "head_dim", "fwd_tflops", "bwd_tflops", "masked_fwd_tflops", "masked_bwd_tflops")
-    for table, keys, rows in (("gpu.gemm", ("m", "n", "k", "tflops"), [(n, n, n, t) for n, t in m["gemm"]]),
-                              ("gpu.gemm_shapes", ("m", "n", "k", "tflops"), m["gemm_shapes"]),
-                              ("gpu.attention", att, m["attention"]),
-                              ("collectives", ("op", "nproc", "alpha_s", "beta_s_per_byte"),
-                               [(op, g, a, b) for (op, g), (a, b) in m["fits"].items()])):  # fmt: skip
+    out, att = (
+        [],
+        ("seq", "head_dim", "fwd_tflops", "bwd_tflops", "masked_fwd_tflops", "masked_bwd_tflops"),
+    )
+    for table, keys, rows in (
+        ("gpu.gemm", ("m", "n", "k", "tflops"), [(n, n, n, t) for n, t in m["gemm"]]),
+        ("gpu.gemm_shapes", ("m", "n", "k", "tflops"), m["gemm_shapes"]),
+        ("gpu.attention", att, m["attention"]),
+        (
+            "collectives",
+            ("op", "nproc", "alpha_s", "beta_s_per_byte"),
+            [(op, g, a, b) for (op, g), (a, b) in m["fits"].items()],
+        ),
+    ):
         for row in rows:
-            out += [f"[[{table}]]", *(f"{k} = {v!r}" if isinstance(v, str) else f"{k} = {v:.6g}"
-                                      for k, v in zip(keys, row)), ""]  # fmt: skip
+            out += [
+                f"[[{table}]]",
+                *(
+                    f"{k} = {v!r}" if isinstance(v, str) else f"{k} = {v:.6g}"
+                    for k, v in zip(keys, row)
+                ),
+                "",
+            ]
     return out
 
 
 def profile_toml(m: dict, command: str) -> str:
     """The `local` cluster profile in the planner's schema (fourd.plan.cluster) from `measure`'s figures."""
     cpu, today = m["sms"] is None, datetime.date.today().isoformat()
-    alpha, beta = m["fits"].get(("send", 2), (5e-6, 1 / (m["copy_gbps"] * 1e9)))  # one device: its own copies
+    alpha, beta = m["fits"].get(
+        ("send", 2), (5e-6, 1 / (m["copy_gbps"] * 1e9))
+    )  # one device: its own copies
     link = f"{1 / beta / 1e9:.4g}   # {'send/recv between two workers' if ('send', 2) in m['fits'] else 'no second device'}"
-    out = ['# Written by `fourd calibrate`; rerun it to refresh.', 'name = "local"',
-           f'description = "{m["name"]} x {m["devices"]}, measured on {today}"', f'dtype = "{"fp32" if cpu else "bf16"}"', "",
-           "[gpu]", f'name = "{m["name"]}"', f"peak_tflops = {m['peak_tflops']:.6g}   # {'best FP32 matmul, all cores' if cpu else 'datasheet dense BF16'}",
-           f"memory_gb = {m['memory_gb']:.4g}", f"hbm_bw_gbps = {m['copy_gbps']:.4g}   # a 64 MB copy, read and write",
-           f"elementwise_gbps = {m['elementwise_gbps']:.4g}   # fourd's eager block ops, in fourd.plan.block's bytes",
-           f"optimizer_gbps = {m['optimizer_gbps']:.4g}   # AdamW, in the planner's 32 bytes per parameter"]  # fmt: skip
+    out = [
+        "# Written by `fourd calibrate`; rerun it to refresh.",
+        'name = "local"',
+        f'description = "{m["name"]} x {m["devices"]}, measured on {today}"',
+        f'dtype = "{"fp32" if cpu else "bf16"}"',
+        "",
+        "[gpu]",
+        f'name = "{m["name"]}"',
+        f"peak_tflops = {m['peak_tflops']:.6g}   # {'best FP32 matmul, all cores' if cpu else 'datasheet dense BF16'}",
+        f"memory_gb = {m['memory_gb']:.4g}",
+        f"hbm_bw_gbps = {m['copy_gbps']:.4g}   # a 64 MB copy, read and write",
+        f"elementwise_gbps = {m['elementwise_gbps']:.4g}   # fourd's eager block ops, in fourd.plan.block's bytes",
+        f"optimizer_gbps = {m['optimizer_gbps']:.4g}   # AdamW, in the planner's 32 bytes per parameter",
+    ]
     if cpu:
-        out += [f"tp_layer_us = {m['tp_layer_s'] * 1e6:.4g}", f"fsdp_layer_us = {m['fsdp_layer_s'] * 1e6:.4g}"]
+        out += [
+            f"tp_layer_us = {m['tp_layer_s'] * 1e6:.4g}",
+            f"fsdp_layer_us = {m['fsdp_layer_s'] * 1e6:.4g}",
+        ]
     else:
         out += [f"sms = {m['sms']}", "memory_reserve_gb = 1.0   # the CUDA context"]
-    out += ["", "[node]", f"gpus = {m['devices']}", f"intra_bw_gbps = {link}", f"intra_latency_us = {alpha * 1e6:.4g}"]
+    out += [
+        "",
+        "[node]",
+        f"gpus = {m['devices']}",
+        f"intra_bw_gbps = {link}",
+        f"intra_latency_us = {alpha * 1e6:.4g}",
+    ]
     out += [f"concurrent_ranks = {m['cores']}   # workers beyond this share cores"] if cpu else []
-    out += ["", "[network]   # not measured: the node's own figures", f"nic_bw_gbps = {1 / beta / 1e9:.4g}",
-            f"latency_us = {alpha * 1e6:.4g}", f"gpus_per_rack = {m['devices']}", f"gpus_per_pod = {m['devices']}", "",
-            "[calibration]", f'date = "{today}"', f'command = "{command}"', ""]  # fmt: skip
+    out += [
+        "",
+        "[network]   # not measured: the node's own figures",
+        f"nic_bw_gbps = {1 / beta / 1e9:.4g}",
+        f"latency_us = {alpha * 1e6:.4g}",
+        f"gpus_per_rack = {m['devices']}",
+        f"gpus_per_pod = {m['devices']}",
+        "",
+        "[calibration]",
+        f'date = "{today}"',
+        f'command = "{command}"',
+        "",
+    ]
     return "\n".join(out + _samples(m))
 
 
 def add_arguments(p):
-    p.add_argument("--out", help="where to write the profile (default $FOURD_HOME/clusters/local.toml)")
+    p.add_argument(
+        "--out", help="where to write the profile (default $FOURD_HOME/clusters/local.toml)"
+    )
     p.add_argument("--quick", action="store_true", help="a coarser, smaller sweep (seconds)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: CUDA if present")
+    p.add_argument(
+        "--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: CUDA if present"
+    )
 
 
 def run(args) -> int:
@@ -339,27 +454,41 @@ def run(args) -> int:
     from fourd.config import fourd_home
     from fourd.plan.cluster import load_cluster
 
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    device = (
+        ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    )
     if device == "cuda" and not torch.cuda.is_available():
         raise FourdError("--device cuda: no CUDA device is visible to torch here; use --device cpu")
     out = Path(args.out) if args.out else fourd_home() / "clusters" / "local.toml"
     if out.suffix != ".toml" or out.is_dir():
-        raise FourdError(f"--out {out}: the planner reads .toml profile files; give a file path ending in .toml")
+        raise FourdError(
+            f"--out {out}: the planner reads .toml profile files; give a file path ending in .toml"
+        )
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise FourdError(f"--out {out}: cannot create {out.parent} ({e.strerror}); choose a writable path") from None
+        raise FourdError(
+            f"--out {out}: cannot create {out.parent} ({e.strerror}); choose a writable path"
+        ) from None
     m = measure("quick" if args.quick else "full", device)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    tmp.write_text(profile_toml(m, f"fourd calibrate{' --quick' if args.quick else ''} --device {device}"))
+    tmp.write_text(
+        profile_toml(m, f"fourd calibrate{' --quick' if args.quick else ''} --device {device}")
+    )
     os.replace(tmp, out)
     c = load_cluster(str(out))
     rates = sorted(g.tflops for g in c.gpu.gemm_shapes)
-    print(f"wrote {out}\n  {c.gpu.name}: peak {c.gpu.peak_tflops * 1e3:.1f} GFLOP/s; training-shape GEMMs {rates[0] * 1e3:.1f} "
-          f"to {rates[-1] * 1e3:.1f} GFLOP/s over {len(rates)} shapes; copy {c.gpu.hbm_bw_gbps:.2f} GB/s, eager block "
-          f"ops {c.gpu.elementwise_gbps:.2f} GB/s, AdamW {c.gpu.optimizer_gbps:.2f} GB/s")  # fmt: skip
+    print(
+        f"wrote {out}\n  {c.gpu.name}: peak {c.gpu.peak_tflops * 1e3:.1f} GFLOP/s; training-shape GEMMs {rates[0] * 1e3:.1f} "
+        f"to {rates[-1] * 1e3:.1f} GFLOP/s over {len(rates)} shapes; copy {c.gpu.hbm_bw_gbps:.2f} GB/s, eager block "
+        f"ops {c.gpu.elementwise_gbps:.2f} GB/s, AdamW {c.gpu.optimizer_gbps:.2f} GB/s"
+    )
     for s in c.collectives:
-        print(f"  {s.op:>14} x{s.nproc}: alpha {s.alpha_s * 1e6:8.1f} us  1/beta {1 / s.beta_s_per_byte / 1e9:6.3f} GB/s")  # fmt: skip
+        print(
+            f"  {s.op:>14} x{s.nproc}: alpha {s.alpha_s * 1e6:8.1f} us  1/beta {1 / s.beta_s_per_byte / 1e9:6.3f} GB/s"
+        )
     if c.cpu:
-        print(f"  CPU time per layer: tensor parallelism {c.gpu.tp_layer_us:.0f} us, FSDP {c.gpu.fsdp_layer_us:.0f} us")
+        print(
+            f"  CPU time per layer: tensor parallelism {c.gpu.tp_layer_us:.0f} us, FSDP {c.gpu.fsdp_layer_us:.0f} us"
+        )
     return 0
