@@ -45,6 +45,8 @@ ATTENTION_KERNELS = (
     "unknown",
 )  # fused (FlashAttention family) or the s x s scores in memory
 MEMORY_KINDS = ("allocated", "reserved")  # torch.cuda.max_memory_allocated / max_memory_reserved
+# The software that ran a row (README.md, "Stacks"); rows with a first prediction must name theirs.
+STACKS = ("fourd", "megatron-core", "megatron-lm", "deepspeed", "fsdp", "paddle", "jax-xla")
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,7 @@ class Source:
     id: str
     title: str
     where: str
+    first_prediction: str = ""  # "YYYY-MM-DD, commit abcdef0": when its rows were first predicted
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,8 @@ class Run:
         "overlapped"  # "blocking": DeepSpeed's pipeline engine (sends wait; gradients reduced last)
     )
     fit: bool = False
+    stack: str = ""  # one of STACKS
+    first_prediction_s: float = 0.0  # the planner's step time before any change for this source
     unstated: list[str] = field(
         default_factory=list
     )  # settings the source does not publish (values: best reading)
@@ -160,6 +165,14 @@ def _check_run(run: Run, sources: dict[str, Source]) -> None:
     ):
         _choose(run, name, allowed)
     _choose(run, "memory_kind", MEMORY_KINDS if run.memory_gib else ("",))
+    _choose(run, "stack", STACKS if run.stack or run.first_prediction_s else ("",))
+    if run.first_prediction_s and (run.fit or run.excluded):
+        raise FourdError(f"{what}: a first prediction is recorded on held-out usable rows only")
+    if run.first_prediction_s and not sources[run.source].first_prediction:
+        raise FourdError(
+            f"{what}: first_prediction_s needs the source's first_prediction "
+            '("YYYY-MM-DD, commit abcdef0")'
+        )
     bad = set(run.unstated) - {f.name for f in fields(Run)}
     if bad:
         raise FourdError(f"{what}: unstated names unknown settings {sorted(bad)}")
