@@ -274,6 +274,49 @@ def tables(rows: list[dict], s: dict, other: dict[str, float], runs: list[Run]) 
     return "\n".join(out)
 
 
+def first_predictions(runs: list[Run], now: dict[str, float]) -> dict:
+    """The pre-registered first predictions (docs/planner.md, "First predictions (pre-registered)"): the
+    mean of |first_prediction_s / step_time_s_derived - 1| over every row that records one and per source,
+    first_prediction_s being the step time the planner gave before it changed for that source; and, for the
+    same rows, the mean abs. error of the model as it is now (`now`: each row's error)."""
+    then: dict[str, list[float]] = {}
+    later: dict[str, list[float]] = {}
+    for run in runs:
+        if run.first_prediction_s:
+            error = run.first_prediction_s / run.step_time_s_derived - 1
+            then.setdefault(run.source, []).append(abs(error))
+            later.setdefault(run.source, []).append(abs(now[run.id]))
+    every = [e for errors in then.values() for e in errors]
+    return {
+        "first_prediction_mean": statistics.mean(every) if every else None,
+        "first_prediction_rows": len(every),
+        "first_prediction_per_source": {src: statistics.mean(v) for src, v in then.items()},
+        "first_prediction_rows_now": {src: statistics.mean(v) for src, v in later.items()},
+        "first_prediction_source_rows": {src: len(v) for src, v in then.items()},
+    }
+
+
+def first_prediction_text(first: dict, sources: dict) -> str:
+    """The first predictions per source beside the model as it is now, for the text output."""
+    out = [
+        "",
+        "| pre-registered source | rows | first predicted | first prediction | now |",
+        "|---|---|---|---|---|",
+    ]
+    for src, then in first["first_prediction_per_source"].items():
+        out.append(
+            f"| {src} | {first['first_prediction_source_rows'][src]} | "
+            f"{sources[src].first_prediction} | {100 * then:.1f} % | "
+            f"{100 * first['first_prediction_rows_now'][src]:.1f} % |"
+        )
+    if first["first_prediction_rows"]:
+        out.append(
+            f"\nFirst predictions on {first['first_prediction_rows']} rows: mean abs. error "
+            f"{100 * first['first_prediction_mean']:.1f} %."
+        )
+    return "\n".join(out)
+
+
 def write_docs(text: str) -> None:
     doc = DOCS.read_text()
     head, _, rest = doc.partition(MARKERS[0])
@@ -303,13 +346,16 @@ def main() -> None:
     rows = evaluate(usable)
     s = summary(rows, len({r.source for r in usable}))
     other = llm_analysis(usable)
+    first = first_predictions(usable, {r["id"]: r["error"] for r in rows})
     if args.json:
+        s.update(first)
         s["llm_analysis"] = other
         s["row_errors"] = {r["id"]: r["error"] for r in rows}
         print(json.dumps(s))
         return
     text = tables(rows, s, other, usable)
     print(text)
+    print(first_prediction_text(first, sources))
     if args.write_docs:
         write_docs(text)
 

@@ -1,0 +1,80 @@
+"""The pre-registered first predictions (docs/planner.md, "First predictions (pre-registered)"): the figures
+recorded in benchmarks/validation/runs.toml before the model changed for their sources are pinned, every
+source with one carries its date and commit, and the loader still checks the whole file strictly."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fourd.errors import FourdError
+
+ROOT = Path(__file__).resolve().parents[1]
+HARNESS = ROOT / "benchmarks" / "validate_planner.py"
+DATA = ROOT / "benchmarks" / "validation" / "runs.toml"
+# mean |first_prediction_s / step_time_s_derived - 1| over the rows recorded on 2026-12-01 at 8afd7a1
+FIRST_PREDICTION_MEAN = 0.0886647172164341
+FIRST_PREDICTION_ROWS = 41
+
+pytestmark = pytest.mark.skipif(
+    not DATA.is_file(), reason="benchmarks/validation/runs.toml is not in this checkout"
+)
+
+
+def _load(path: Path = DATA):
+    """benchmarks/validation/runs.py's loader, imported as the harness imports it."""
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+    from validation.runs import load
+
+    return load(path)
+
+
+def test_the_harness_reports_the_pinned_first_prediction_mean():
+    out = subprocess.run(
+        [sys.executable, str(HARNESS), "--json"], check=True, capture_output=True, timeout=300
+    ).stdout
+    d = json.loads(out)
+    assert d["first_prediction_mean"] == pytest.approx(FIRST_PREDICTION_MEAN, abs=1e-12)
+    assert d["first_prediction_rows"] == FIRST_PREDICTION_ROWS
+    assert sum(d["first_prediction_source_rows"].values()) == FIRST_PREDICTION_ROWS
+    assert len(d["first_prediction_per_source"]) >= 3
+    assert set(d["first_prediction_rows_now"]) == set(d["first_prediction_per_source"])
+
+
+def test_every_source_with_first_predictions_records_its_date_and_commit():
+    sources, runs = _load()
+    first = [r for r in runs if r.first_prediction_s]
+    assert len(first) == FIRST_PREDICTION_ROWS
+    errors = [abs(r.first_prediction_s / r.step_time_s_derived - 1) for r in first]
+    assert sum(errors) / len(errors) == pytest.approx(FIRST_PREDICTION_MEAN, abs=1e-12)
+    for src in {r.source for r in first}:
+        assert re.fullmatch(
+            r"\d{4}-\d{2}-\d{2}, commit [0-9a-f]{7,40}", sources[src].first_prediction
+        ), src
+    assert all(not r.fit and not r.excluded and r.stack for r in first)
+
+
+def test_the_loader_checks_the_whole_file_and_refuses_a_bad_first_prediction(tmp_path):
+    sources, runs = _load()
+    assert len(runs) >= 128 and len(sources) >= 17
+    text = DATA.read_text()
+    # A first prediction on a source without its date/commit record is refused, naming the row.
+    stamp = 'first_prediction = "2026-12-01, commit 8afd7a1"\n'
+    bad = tmp_path / "no_stamp.toml"
+    bad.write_text(text.replace(stamp, "", 1))
+    with pytest.raises(FourdError, match="first_prediction_s needs the source's"):
+        _load(bad)
+    # A stack outside the vocabulary is refused with the choices.
+    bad.write_text(text.replace('stack = "paddle"', 'stack = "paddlepaddle"', 1))
+    with pytest.raises(FourdError, match="stack = 'paddlepaddle': choose one of"):
+        _load(bad)
+    # The script form checks the file and prints its coverage.
+    script = ROOT / "benchmarks" / "validation" / "runs.py"
+    coverage = subprocess.run(
+        [sys.executable, str(script)], check=True, capture_output=True, text=True, timeout=120
+    ).stdout
+    assert coverage.startswith("128 rows (105 usable, 23 excluded) from 17 sources")
