@@ -22,24 +22,33 @@ __all__ = ["add_arguments", "run"]
 
 
 def run(args) -> int:
+    from fourd.plan import intervals
     from fourd.plan.report import plan_report, search_report
 
+    if args.anchor:  # anchored predictions: fourd.plan.anchor
+        from fourd.plan.anchor import run_plan
+
+        return run_plan(args)
     req = resolve_inputs(args)
     found = plans(req)
     if args.search and args.json:
         top, fitting = (
-            [p.to_json(req.train_tokens) for p in found[: args.top]],
+            [p.to_json(req.train_tokens) | intervals.json_keys(p) for p in found[: args.top]],
             sum(p.fits for p in found),
         )
+        close = intervals.too_close(found)
         print(
             json.dumps(
                 {"best": top[0], "candidates": top, "searched": len(found), "fitting": fitting}
+                | {"too_close_to_call": close}
             )
         )
     elif args.search:
         print(search_report(found, args.top, req.train_tokens))
+        print("\n".join(intervals.search_lines(found[: args.top])))
     elif args.json:
-        print(json.dumps(found[0].to_json(req.train_tokens)))
+        print(json.dumps(found[0].to_json(req.train_tokens) | intervals.json_keys(found[0])))
     else:
         print(plan_report(found[0], req.train_tokens))
+        print("\n".join(intervals.report_lines(found[0])))
     return 0
