@@ -76,7 +76,8 @@ def _positive(path: str, data: dict, key: str) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise _fail(path, f"{key} = {value!r} must be a positive number of {key.split('_')[-1]}")
+        unit = "GB" if key.endswith("_gb") else "seconds"
+        raise _fail(path, f"{key} = {value!r} must be a positive number ({unit})")
     if not math.isfinite(value):
         raise _fail(path, f"{key} = {value!r} must be finite")
     return float(value)
