@@ -10,6 +10,7 @@ import time
 
 import pytest
 from conftest import ROOT, run_fourd
+from test_train_auto import LOCAL as LOCAL_CPU
 
 from fourd.cli import main
 
@@ -219,23 +220,11 @@ def test_anchored_plans_are_fast(tmp_path, capsys):
     assert _cpu_seconds(search) < 1.0  # the whole command: interpreter, imports, search
 
 
-LOCAL_CPU = "\n".join(
-    [
-        'name = "local"',
-        'dtype = "fp32"',
-        'gpu = {name = "CPU worker", peak_tflops = 0.1, memory_gb = 4.0, hbm_bw_gbps = 10.0, '
-        "gemm = [{m = 1024, n = 1024, k = 1024, tflops = 0.05}]}",
-        "node = {gpus = 8, intra_bw_gbps = 1.0, concurrent_ranks = 2}",
-        "network = {nic_bw_gbps = 1.0}",
-    ]
-)
-
-
 @pytest.mark.slow
 def test_a_training_run_leaves_an_anchor_that_plans_its_own_step(tmp_path):
     home, run = tmp_path / "home", tmp_path / "run"
     (home / "clusters").mkdir(parents=True)
-    (home / "clusters" / "local.toml").write_text(LOCAL_CPU)
+    (home / "clusters" / "local.toml").write_text(LOCAL_CPU)  # a 2-core CPU profile
     from fourd.config import fourd_home
 
     env = {"FOURD_HOME": str(home)}
