@@ -119,3 +119,12 @@ def test_the_committed_table_is_the_suites():
     for new, old in zip(fresh, committed):
         assert old.half_width == pytest.approx(new.half_width, abs=1e-5)
     assert all(isinstance(g, Group) for g in committed)
+
+
+def test_the_labs_planner_panel_carries_the_intervals():
+    from fourd.lab import api
+
+    query = {"model": "llama3-8b", "cluster": "dgx-h100", "gpus": "8", "seq": "8192"}
+    plan = api.plan(query | {"global_batch_tokens": "1M"})["plan"]
+    low, high = plan["step_time_s_interval"]
+    assert low < plan["step_time_s"] < high and plan["mfu_interval"][0] < plan["mfu"]
