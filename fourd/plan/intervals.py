@@ -17,7 +17,7 @@ import tomllib
 TABLE = Path(__file__).with_name("intervals.toml")
 LEVEL = 0.8  # the intervals' coverage
 # A group smaller than this falls back to a wider one: below 8 rows the conformal rank at 80 % is the
-# group's largest residual, which one odd row sets (chosen on the suite: 6 and 10 cover 81 % and 83 %).
+# group's largest residual, which one odd row sets (chosen on the suite: docs/planner.md, Intervals).
 MIN_ROWS = 8
 FEWEST = (
     3  # the widest group (all rows of a quantity) serves down to this many rows: memory has few
