@@ -332,7 +332,12 @@ def target_request(args, anchor: Anchor) -> request.Request:
             f"cluster {cluster.name} has {cluster.gpu.name} GPUs but the anchor ({anchor.path}) ran on "
             f"{anchor.cluster.gpu.name}: an anchor pins one GPU's rate; plan on a profile of that GPU"
         )
-    given = {k: getattr(args, k) for k in request.SETTINGS if k != "global_seqs"}
+    if getattr(args, "stack", None) and str(args.stack) != anchor.stack:
+        raise FourdError(
+            f"--stack {args.stack} differs from the anchor's stack {anchor.stack} ({anchor.path}): an "
+            "anchor pins one stack's rate; leave out --stack or measure an anchor on that stack"
+        )
+    given = {k: getattr(args, k, None) for k in request.SETTINGS if k != "global_seqs"}
     inherit = INHERITED if args.gpus or args.layout else INHERITED + OWN_LAYOUT
     values = {k: v for k, v in given.items() if v is not None}
     values |= {k: anchor.values[k] for k in inherit if k not in values and k in anchor.values}
