@@ -58,7 +58,8 @@ def chip(run: Run) -> str:
 
 
 def stack(run: Run) -> str:
-    return STACKS.get(run.source, run.source)
+    """The row's stack: its own `stack` where runs.toml names one, else its source's."""
+    return getattr(run, "stack", "") or STACKS.get(run.source, run.source)
 
 
 def series(runs: list[Run]) -> list[list[Run]]:
