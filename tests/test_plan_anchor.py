@@ -248,3 +248,15 @@ def test_a_training_run_leaves_an_anchor_that_plans_its_own_step(tmp_path):
     )
     assert code == 0, err
     assert json.loads(out)["layout"]["dp"] == 2
+
+
+def test_search_from_an_anchor_ranks_the_anchored_candidates(tmp_path, capsys):
+    out = fourd_json(capsys, "plan", "--anchor", write(tmp_path), "--search", "--top=3", "--json")
+    assert out["best"]["gpus"] == 8192 and out["searched"] > 100  # every layout of its GPU count
+    times = [c["step_time_s"] for c in out["candidates"]]
+    assert times == sorted(times)
+    a, b = (
+        out["candidates"][0]["step_time_s_interval"],
+        out["candidates"][1]["step_time_s_interval"],
+    )
+    assert out["too_close_to_call"] == (a[0] <= b[1] and b[0] <= a[1])

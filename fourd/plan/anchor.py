@@ -317,7 +317,7 @@ def terms(pinned: Pinned) -> tuple[list[str], list[str]]:
 
 def target_request(args, anchor: Anchor) -> request.Request:
     """The target of `fourd plan --anchor`: the flags given, the rest from the anchor (INHERITED; with
-    neither --gpus nor --layout, the anchor's own layout too). The same model as the anchor and a cluster
+    neither --gpus nor --layout, the anchor's own layout too, or with --search its GPU count). The same model as the anchor and a cluster
     of the same GPU chip, or FourdError."""
     if args.model or args.model_spec:
         model = args.model_spec or get_preset(args.model)
@@ -339,6 +339,8 @@ def target_request(args, anchor: Anchor) -> request.Request:
         )
     given = {k: getattr(args, k, None) for k in request.SETTINGS if k != "global_seqs"}
     inherit = INHERITED if args.gpus or args.layout else INHERITED + OWN_LAYOUT
+    if args.search and not (args.gpus or args.layout):
+        inherit = INHERITED + ("gpus",)  # every layout of the anchor's GPU count
     values = {k: v for k, v in given.items() if v is not None}
     values |= {k: anchor.values[k] for k in inherit if k not in values and k in anchor.values}
     return request.resolve(anchor.model, cluster, _with_stack(values, anchor.stack))
