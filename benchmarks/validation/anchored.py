@@ -66,21 +66,21 @@ def series(runs: list[Run]) -> list[list[Run]]:
     """Rows that differ only in their GPU count (and so in layout and microbatches), smallest first; only
     groups with at least two GPU counts."""
     groups: dict[tuple, list[Run]] = {}
-    for r in runs:
+    for run in runs:
         key = (
-            r.model or r.model_spec,
-            chip(r),
-            FAMILIES.get(r.source, r.source),
-            r.seq,
-            recompute(r),
-            r.zero,
-            r.compiled,
-            r.precision,
-            r.attention_kernel,
-            r.pipeline_comm,
-            r.sequence_parallel,
+            run.model or run.model_spec,
+            chip(run),
+            FAMILIES.get(run.source, run.source),
+            run.seq,
+            recompute(run),
+            run.zero,
+            run.compiled,
+            run.precision,
+            run.attention_kernel,
+            run.pipeline_comm,
+            run.sequence_parallel,
         )
-        groups.setdefault(key, []).append(r)
+        groups.setdefault(key, []).append(run)
     out = [sorted(g, key=lambda r: r.gpus) for g in groups.values()]
     return [g for g in out if len({r.gpus for r in g}) > 1]
 
@@ -219,17 +219,17 @@ def write_intervals(runs: list[Run]) -> list[Group]:
         "# half_width: natural log, the interval is point * exp(+-half_width); '*' matches any value.",
         f"level = {intervals.LEVEL}",
     ]
-    for g in groups:
+    for group in groups:
         lines += [
             "",
             "[[group]]",
-            f'quantity = "{g.quantity}"',
-            f"anchored = {'true' if g.anchored else 'false'}",
-            f'generation = "{g.generation}"',
-            f'stack = "{g.stack}"',
-            f'scale = "{g.scale}"',
-            f"rows = {g.rows}",
-            f"half_width = {g.half_width:.5f}",
+            f'quantity = "{group.quantity}"',
+            f"anchored = {'true' if group.anchored else 'false'}",
+            f'generation = "{group.generation}"',
+            f'stack = "{group.stack}"',
+            f'scale = "{group.scale}"',
+            f"rows = {group.rows}",
+            f"half_width = {group.half_width:.5f}",
         ]
     intervals.TABLE.write_text("\n".join(lines) + "\n")
     intervals.table.cache_clear()

@@ -187,10 +187,11 @@ def split(plan: Plan) -> Split:
     microbatches of that same mix, so its compute-bound part is bubble_s × compute/compute_s; scale-out is
     everything else of step_s (TP, CP, the bubble's collectives, p2p, exposed DP, overlap, and any term the
     model adds later, which stays the model's)."""
-    s = plan.step
-    compute = max(0.0, s.compute_s - s.tp_comm_s - s.cp_comm_s)
-    bubble = s.bubble_s * compute / s.compute_s if s.compute_s else 0.0
-    return Split(compute, bubble, s.optimizer_s, s.step_s - compute - bubble - s.optimizer_s)
+    times = plan.step
+    compute = max(0.0, times.compute_s - times.tp_comm_s - times.cp_comm_s)
+    bubble = times.bubble_s * compute / times.compute_s if times.compute_s else 0.0
+    rest = times.step_s - compute - bubble - times.optimizer_s
+    return Split(compute, bubble, times.optimizer_s, rest)
 
 
 @dataclass(frozen=True)
@@ -200,9 +201,8 @@ class Pinned:
     the memory the model misses per GPU."""
 
     rate: float
-    step_cost_s: (
-        float | None
-    )  # measured per-step local cost (optimizer, launches, syncs), at the anchor
+    # measured per-step local cost (optimizer, launches, syncs) at the anchor; None: rate·optimizer
+    step_cost_s: float | None
     anchor_optimizer_s: float
     memory_overhead_gb: float | None
     measured_s: float
@@ -232,12 +232,13 @@ def pin(anchor: Anchor, plan: Plan) -> Pinned:
     microbatch size cannot tell a fixed per-microbatch cost from a slower rate, so the two stay one figure,
     measured at the anchor's microbatch shape. A step_cost below zero (microbatches measured alone slower
     than inside the step) is kept at 0."""
-    parts, s = split(plan), plan.step
+    parts, times = split(plan), plan.step
     measured = anchor.step_time_s
-    m = plan.config.microbatches
+    microbatches = plan.config.microbatches
     step_cost = None
     if anchor.forward_backward_s is not None and parts.compute > 0:
-        rate = (anchor.forward_backward_s - (s.tp_comm_s + s.cp_comm_s) / m) / (parts.compute / m)
+        comm = (times.tp_comm_s + times.cp_comm_s) / microbatches
+        rate = (anchor.forward_backward_s - comm) / (parts.compute / microbatches)
         step_cost = max(0.0, measured - rate * (parts.compute + parts.bubble) - parts.scale_out)
     else:
         rate = (measured - parts.scale_out) / parts.local if parts.local > 0 else 0.0
@@ -253,10 +254,10 @@ def pin(anchor: Anchor, plan: Plan) -> Pinned:
     return Pinned(
         rate=rate,
         step_cost_s=step_cost,
-        anchor_optimizer_s=s.optimizer_s,
+        anchor_optimizer_s=times.optimizer_s,
         memory_overhead_gb=overhead,
         measured_s=measured,
-        modelled_s=s.step_s,
+        modelled_s=times.step_s,
     )
 
 
@@ -275,19 +276,19 @@ def predict(plan: Plan, pinned: Pinned) -> Plan:
     per-step cost, scaled by how the target's optimizer work compares with the anchor's (ZeRO shards it
     over more ranks: optimizer_target / optimizer_anchor). The memory overhead is added per GPU to the
     runtime's reserve: what the model misses (allocator, runtime, buffers) does not shrink with the shard."""
-    parts, s = split(plan), plan.step
+    parts, times = split(plan), plan.step
     if pinned.step_cost_s is None:
         optimizer = pinned.rate * parts.optimizer
     else:
         ratio = parts.optimizer / pinned.anchor_optimizer_s if pinned.anchor_optimizer_s else 1.0
         optimizer = pinned.step_cost_s * ratio
     compute = pinned.rate * parts.compute
-    bubble = pinned.rate * parts.bubble + (s.bubble_s - parts.bubble)
+    bubble = pinned.rate * parts.bubble + (times.bubble_s - parts.bubble)
     step = compute + pinned.rate * parts.bubble + optimizer + parts.scale_out
     new_step = replace(
-        s,
+        times,
         step_s=step,
-        compute_s=compute + s.tp_comm_s + s.cp_comm_s,
+        compute_s=compute + times.tp_comm_s + times.cp_comm_s,
         bubble_s=bubble,
         optimizer_s=optimizer,
     )
@@ -338,9 +339,11 @@ def target_request(args, anchor: Anchor) -> request.Request:
             "anchor pins one stack's rate; leave out --stack or measure an anchor on that stack"
         )
     given = {k: getattr(args, k, None) for k in request.SETTINGS if k != "global_seqs"}
-    inherit = INHERITED if args.gpus or args.layout else INHERITED + OWN_LAYOUT
+    inherit: tuple[str, ...] = INHERITED
     if args.search and not (args.gpus or args.layout):
-        inherit = INHERITED + ("gpus",)  # every layout of the anchor's GPU count
+        inherit += ("gpus",)  # every layout of the anchor's GPU count
+    elif not (args.gpus or args.layout):
+        inherit += OWN_LAYOUT
     values = {k: v for k, v in given.items() if v is not None}
     values |= {k: anchor.values[k] for k in inherit if k not in values and k in anchor.values}
     return request.resolve(anchor.model, cluster, _with_stack(values, anchor.stack))
