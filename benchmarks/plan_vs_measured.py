@@ -9,7 +9,9 @@ allocator and thread-pool warm-up) are dropped and the median of the rest is the
 Prints a markdown table and the median absolute error; also each layout's step time relative to the first
 layout's (1 rank), measured and predicted, which other load on a shared machine disturbs less.
 `--save FILE` keeps the measured step times (JSON); `--measured FILE` predicts against them again
-without training, e.g. after recalibrating.
+without training, e.g. after recalibrating. `--anchor` anchors every prediction on the first layout's run
+(the 1-rank run's anchor.json, with its median step time: `fourd plan --anchor`, fourd.plan.anchor) and
+judges the other layouts, what an anchored prediction is for: the multi-rank layouts from a 1-rank step.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ LAYOUTS = [
 ]
 
 
-def measure(model: str, layout: str, schedule: str, m: int, args) -> float:
+def measure(model: str, layout: str, schedule: str, m: int, args) -> tuple[float, dict]:
+    """(the median step time after the warm-up, the run's anchor.json with that median)."""
     with tempfile.TemporaryDirectory(prefix="fourd-pvm-") as run_dir:
         cmd = [
             *FOURD,
@@ -75,18 +78,20 @@ def measure(model: str, layout: str, schedule: str, m: int, args) -> float:
             for line in Path(run_dir, "metrics.jsonl").read_text().splitlines()
             if line.strip()
         ]
+        anchor = json.loads(Path(run_dir, "anchor.json").read_text())
     times = [row["step_time_s"] for row in rows[args.warmup :]]
     if not times:
         raise RuntimeError(
             f"{layout}: no steps after the {args.warmup} warm-up steps; raise --steps"
         )
-    return statistics.median(times)
+    return statistics.median(times), anchor | {"step_time_s": statistics.median(times)}
 
 
-def predict(model: str, layout: str, schedule: str, m: int, args) -> dict:
+def predict(model: str, layout: str, schedule: str, m: int, args, anchor: str = "") -> dict:
     cmd = [
         *FOURD,
         "plan",
+        *(["--anchor", anchor] if anchor else []),
         "--model",
         model,
         "--cluster",
@@ -136,6 +141,9 @@ def main() -> None:
     p.add_argument(
         "--measured", help="take the measured step times from a --save file instead of training"
     )
+    p.add_argument(
+        "--anchor", action="store_true", help="anchor the predictions on the first layout's run"
+    )
     args = p.parse_args()
     chosen = [row for row in LAYOUTS if not args.only or row[0] in args.only.split(";")]
     print(
@@ -148,18 +156,26 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     errors, relative, first = [], [], None
     saved = json.loads(Path(args.measured).read_text()) if args.measured else {}
+    anchor_file = Path(tempfile.mkdtemp(prefix="fourd-pvm-anchor-")) / "anchor.json"
     for layout, schedule, m in chosen:
-        predicted = predict(args.model, layout, schedule, m, args)["step_time_s"]
         key = f"{args.model} {layout} {schedule} m={m} seq={args.seq} batch={args.global_batch} zero{args.zero}"
         if args.measured and key not in saved:
             continue
-        measured = saved[key] if args.measured else measure(args.model, layout, schedule, m, args)
+        if args.measured:
+            measured = saved[key]
+        else:
+            measured, saved[f"{key} anchor"] = measure(args.model, layout, schedule, m, args)
         saved[key] = measured
         if args.save:
             Path(args.save).write_text(json.dumps(saved, indent=1) + "\n")
-        first = first or (measured, predicted)
+        if args.anchor and first is None:  # the first layout's run anchors the rest
+            anchor_file.write_text(json.dumps(saved[f"{key} anchor"]))
+        anchored = str(anchor_file) if args.anchor else ""
+        predicted = predict(args.model, layout, schedule, m, args, anchored)["step_time_s"]
         err = predicted / measured - 1
-        errors.append(abs(err))
+        if first is not None or not args.anchor:  # anchored, the first is its own measurement
+            errors.append(abs(err))
+        first = first or (measured, predicted)
         rel_m, rel_p = measured / first[0], predicted / first[1]
         relative.append(abs(rel_p / rel_m - 1))
         print(
@@ -167,8 +183,10 @@ def main() -> None:
             f"{rel_m:.2f} | {rel_p:.2f} |",
             flush=True,
         )
+    worst = max(errors, default=0.0)
     print(
-        f"\nmedian absolute error {100 * statistics.median(errors):.0f} % over {len(errors)} layouts; "
+        f"\nmedian absolute error {100 * statistics.median(errors):.0f} % (worst {100 * worst:.0f} %) "
+        f"over {len(errors)} layouts{', anchored on the first' if args.anchor else ''}; "
         f"of the step times relative to the first layout's: {100 * statistics.median(relative[1:] or [0]):.0f} %"
     )
 

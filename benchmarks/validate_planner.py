@@ -351,6 +351,10 @@ def main() -> None:
         s.update(first)
         s["llm_analysis"] = other
         s["row_errors"] = {r["id"]: r["error"] for r in rows}
+        # anchored predictions and interval coverage (validation/anchored.py)
+        from validation.anchored import summary as anchored_summary
+
+        s |= anchored_summary(usable)
         print(json.dumps(s))
         return
     text = tables(rows, s, other, usable)

@@ -12,7 +12,7 @@ from fourd.errors import FourdError
 from fourd.layout import DIMS, parse_layout
 from fourd.model.config import PRESETS, get_preset
 from fourd.plan import cluster as clusters
-from fourd.plan import request
+from fourd.plan import intervals, request
 from fourd.plan.memory import rank_memories
 from fourd.plan.report import why
 from fourd.schedules import SCHEDULES, build_schedule
@@ -181,7 +181,8 @@ def plan(q: dict[str, str], **_) -> dict:
         for r, m in zip(ranks, rank_memories(best.job, ranks))
     ]
     return {
-        "plan": best.to_json(),
+        "plan": best.to_json()
+        | intervals.json_keys(best),  # and its intervals (fourd.plan.intervals)
         "memory": bars,
         "gpu_memory_gb": best.cluster.gpu.memory_gb,
         "why": why(best),

@@ -10,6 +10,7 @@ examples:
   fourd plan --model llama3-405b --cluster llama3-h100 --gpus 16384 --seq 8192 --search --json
   fourd plan --model-spec layers=96,dim=12288,ffn=49152,heads=96,vocab=51200,mlp=gelu --cluster selene-a100 \\
              --layout tp=8,pp=16,dp=8 --seq 2048 --global-batch-tokens 3M --pipeline-comm blocking
+  fourd plan --anchor runs/X/anchor.json --layout tp=2,dp=2     # from a measured step (docs/planner.md)
 """
 
 from __future__ import annotations
@@ -22,24 +23,33 @@ __all__ = ["add_arguments", "run"]
 
 
 def run(args) -> int:
+    from fourd.plan import intervals
     from fourd.plan.report import plan_report, search_report
 
+    if args.anchor:  # anchored predictions: fourd.plan.anchor
+        from fourd.plan.anchor import run_plan
+
+        return run_plan(args)
     req = resolve_inputs(args)
     found = plans(req)
     if args.search and args.json:
         top, fitting = (
-            [p.to_json(req.train_tokens) for p in found[: args.top]],
+            [p.to_json(req.train_tokens) | intervals.json_keys(p) for p in found[: args.top]],
             sum(p.fits for p in found),
         )
+        close = intervals.too_close(found)
         print(
             json.dumps(
                 {"best": top[0], "candidates": top, "searched": len(found), "fitting": fitting}
+                | {"too_close_to_call": close}
             )
         )
     elif args.search:
         print(search_report(found, args.top, req.train_tokens))
+        print("\n".join(intervals.search_lines(found[: args.top])))
     elif args.json:
-        print(json.dumps(found[0].to_json(req.train_tokens)))
+        print(json.dumps(found[0].to_json(req.train_tokens) | intervals.json_keys(found[0])))
     else:
         print(plan_report(found[0], req.train_tokens))
+        print("\n".join(intervals.report_lines(found[0])))
     return 0

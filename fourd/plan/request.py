@@ -167,6 +167,8 @@ def add_arguments(p) -> None:
         help="candidates listed by --search (default 10)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    # anchored predictions (fourd.plan.anchor): a measured step pins the stack's rate
+    p.add_argument("--anchor", metavar="FILE", help="a measured step (anchor.json) to predict from")
 
 
 @dataclass(frozen=True)

@@ -130,7 +130,12 @@ def simulate_plan(plan, args, train_tokens: float | None = None):
     result = simulate_step(
         plan.job, not args.no_comm, args.slow_gpu, diurnal_factor(args.diurnal, args.hour)
     )
-    return result, report(plan, result, not args.no_comm, time.perf_counter() - start, train_tokens)
+    out = report(plan, result, not args.no_comm, time.perf_counter() - start, train_tokens)
+    if getattr(args, "anchor", None):  # on the anchor's rate (fourd.plan.anchor)
+        from fourd.plan.anchor import anchor_sim
+
+        out = anchor_sim(out, plan)
+    return result, out
 
 
 def _line(r: dict) -> str:
@@ -144,8 +149,14 @@ def _line(r: dict) -> str:
 def run(args) -> int:
     from fourd.plan.request import plans, resolve_inputs
 
-    req = resolve_inputs(args)
-    found = plans(req)
+    if args.anchor:  # the anchor's pinned terms on the planner's times (fourd.plan.anchor)
+        from fourd.plan.anchor import anchored_plans
+
+        result = anchored_plans(args)
+        req, found = result.request, result.plans
+    else:
+        req = resolve_inputs(args)
+        found = plans(req)
     if args.search:  # the planner's best candidates that fit, ranked again by simulated step time
         fitting = [p for p in found if p.fits][: args.top] or found[:1]
         rows = sorted(

@@ -30,6 +30,7 @@ from fourd.measure.peak import peak_memory_gb
 from fourd.parallel.apply import build_parallel
 from fourd.parallel.cp import cp_shard
 from fourd.sim.trace import document, label, span, write_trace
+from fourd.train.anchor_file import write_anchor
 from fourd.train.auto import predict, use_cuda
 from fourd.train.heartbeat import Heartbeat
 from fourd.train.launch import LAUNCH_DIR_ENV, attempt
@@ -201,6 +202,7 @@ class _Run:
         facts["MFU peak"] = f"{flops / 1e12:.3f} TFLOP/s, {source}"
         if self.writer is None:
             return self._end(0)
+        write_anchor(self.dir, self.cfg, self.writer.rows, self.device.type)  # fourd plan --anchor
         predicted = predict(self.cfg, flops, self.world, self.device.type)
         return self._end(0, summary_table(self.writer.rows, facts, predicted))
 

@@ -275,6 +275,9 @@ async function updatePlan() {
   const plan = data.plan;
   $("plan-mfu").textContent = percent(plan.mfu);
   $("plan-step").textContent = `${plan.step_time_s.toFixed(2)} s`;
+  const [low, high] = plan.step_time_s_interval || [], [mfuLow, mfuHigh] = plan.mfu_interval || [];
+  $("plan-interval").textContent = low === undefined ? "–" // the suite's residuals (docs/planner.md)
+    : `${low.toFixed(2)} – ${high.toFixed(2)} s, MFU ${percent(mfuLow)} – ${percent(mfuHigh)}`;
   $("plan-tflops").textContent = `${plan.tflops_per_gpu.toFixed(0)} TFLOP/s`;
   $("plan-fits").textContent = plan.fits ? "fits" : "does not fit";
   const lay = Object.entries(plan.layout).map(([k, v]) => `${k}=${v}`).join(",");

@@ -1,0 +1,262 @@
+"""`fourd plan --anchor FILE` and `fourd sim step --anchor FILE`: a measured step reproduced exactly, a second
+configuration predicted by the documented formula from the unanchored plans' own breakdowns, the refusals,
+the speed, and a real `fourd train` run's anchor.json read back."""
+
+import json
+import resource
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import ROOT, run_fourd
+from test_train_auto import LOCAL as LOCAL_CPU
+
+from fourd.cli import main
+
+ANCHOR = {
+    "model": "llama3-405b",
+    "cluster": "llama3-h100",
+    "gpus": 8192,
+    "layout": "tp=8,cp=1,pp=16,dp=64",
+    "schedule": "interleaved",
+    "virtual_stages": 8,
+    "microbatches": 32,
+    "seq": 8192,
+    "global_batch_tokens": 16777216,
+    "recompute": "none",
+    "zero": 1,
+    "sequence_parallel": True,
+    "stack": "meta-llama3",
+    "step_time_s": 12.504,  # Llama 3 Table 4, row 1 (430 TFLOP/s per GPU)
+    "peak_memory_gb": 70.0,
+    "an_unknown_key": "ignored",
+}
+# The same run's settings as `fourd plan` flags, without the anchor.
+OWN = [
+    "--model=llama3-405b",
+    "--cluster=llama3-h100",
+    "--gpus=8192",
+    "--layout=tp=8,cp=1,pp=16,dp=64",
+    "--schedule=interleaved",
+    "--virtual-stages=8",
+    "--microbatches=32",
+    "--seq=8192",
+    "--global-batch-tokens=16777216",
+    "--recompute=none",
+    "--zero=1",
+    "--sequence-parallel=on",
+]
+TARGET = ["--gpus=16384", "--layout=tp=8,pp=16,dp=128", "--microbatches=16", "--virtual-stages=8"]
+
+
+def write(tmp_path, name="anchor.json", **changes):
+    data = {k: v for k, v in (ANCHOR | changes).items() if v is not None}
+    path = tmp_path / name
+    path.write_text(json.dumps(data))
+    return path
+
+
+def fourd_json(capsys, *argv) -> dict:
+    assert main(list(map(str, argv))) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def refusal(capsys, *argv) -> str:
+    assert main(list(map(str, argv))) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    return err[0]
+
+
+def local_terms(plan: dict) -> tuple[float, float]:
+    """(local, scale-out) seconds of an unanchored `fourd plan --json`, by fourd.plan.anchor.split's rule."""
+    b = plan["breakdown_s"]
+    compute = b["compute"] - b["tp_comm"] - b["cp_comm"]
+    local = compute + b["bubble"] * compute / b["compute"] + b["optimizer"]
+    return local, plan["step_time_s"] - local
+
+
+def test_the_anchors_own_configuration_is_its_measurement(tmp_path, capsys):
+    out = fourd_json(capsys, "plan", "--anchor", write(tmp_path), "--json")
+    assert out["step_time_s"] == pytest.approx(12.504, rel=1e-12)
+    assert out["peak_memory_gb"] == pytest.approx(70.0, rel=1e-12)
+    assert out["layout"] == {"tp": 8, "cp": 1, "pp": 16, "dp": 64} and out["microbatches"] == 32
+    assert out["anchor"]["measured_step_time_s"] == 12.504
+    assert out["anchored_terms"] == [
+        "compute",
+        "bubble (compute-bound part)",
+        "optimizer",
+        "memory overhead",
+    ]
+    assert "dp_exposed" in out["modelled_terms"] and "tp_comm" in out["modelled_terms"]
+    low, high = out["step_time_s_interval"]
+    assert low < 12.504 < high
+
+
+def test_a_second_configuration_follows_the_documented_formula(tmp_path, capsys):
+    own = fourd_json(capsys, "plan", *OWN, "--json")
+    target = fourd_json(capsys, "plan", *OWN[:2], *OWN[4:], *TARGET, "--json")
+    local_a, out_a = local_terms(own)
+    local_t, out_t = local_terms(target)
+    rate = (12.504 - out_a) / local_a  # the stack's rate against the model
+    got = fourd_json(capsys, "plan", "--anchor", write(tmp_path), *TARGET, "--json")
+    assert got["anchor"]["compute_rate_ratio"] == pytest.approx(rate, rel=1e-9)
+    assert got["step_time_s"] == pytest.approx(rate * local_t + out_t, rel=1e-9)
+    assert got["breakdown_s"]["dp_exposed"] == target["breakdown_s"]["dp_exposed"]  # modelled
+    overhead = 70.0 - own["peak_memory_gb"]
+    assert got["peak_memory_gb"] == pytest.approx(target["peak_memory_gb"] + overhead, rel=1e-9)
+
+
+def test_a_forward_backward_time_pins_the_microbatch_and_the_per_step_cost(tmp_path, capsys):
+    own = fourd_json(capsys, "plan", *OWN, "--json")
+    b, m = own["breakdown_s"], 32
+    compute = b["compute"] - b["tp_comm"] - b["cp_comm"]
+    bubble = b["bubble"] * compute / b["compute"]
+    scale_out = own["step_time_s"] - compute - bubble - b["optimizer"]
+    fb = 0.3
+    rate = (fb - (b["tp_comm"] + b["cp_comm"]) / m) / (compute / m)
+    cost = 12.504 - rate * (compute + bubble) - scale_out
+    got = fourd_json(capsys, "plan", "--anchor", write(tmp_path, forward_backward_s=fb), "--json")
+    assert got["step_time_s"] == pytest.approx(12.504, rel=1e-12)
+    assert got["anchor"]["compute_rate_ratio"] == pytest.approx(rate, rel=1e-9)
+    assert got["anchor"]["per_step_cost_s"] == pytest.approx(cost, rel=1e-9)
+    assert "optimizer and per-step cost" in got["anchored_terms"]
+
+
+def test_the_text_report_names_where_each_term_came_from(tmp_path, capsys):
+    assert main(["plan", "--anchor", str(write(tmp_path)), *TARGET]) == 0
+    text = capsys.readouterr().out
+    assert "Intervals (80 %, from the validation suite's anchored out-of-sample rows)" in text
+    assert "measured 12.5 s per step" in text
+    assert (
+        "  from the anchor: compute, bubble (compute-bound part), optimizer, memory overhead"
+        in text
+    )
+    assert "  from the model: tp_comm, cp_comm, bubble (communication part), p2p" in text
+
+
+def test_sim_step_carries_the_anchor(tmp_path, capsys):
+    out = fourd_json(capsys, "sim", "step", "--anchor", write(tmp_path), "--json")
+    assert out["anchored"] is True
+    # the simulated step on the anchor's rate: times the anchored planner's step over the modelled one
+    modelled = fourd_json(capsys, "plan", *OWN, "--json")["step_time_s"]
+    assert out["step_time_s"] == pytest.approx(
+        out["unanchored_step_time_s"] * 12.504 / modelled, rel=1e-9
+    )
+
+
+REFUSALS = {
+    "missing": (
+        {"seq": None, "step_time_s": None},
+        [],
+        "anchor {f}: missing required key(s) seq, step_time_s",
+    ),
+    "bad value": ({"zero": 7}, [], "anchor {f}: zero '7': choose one of 0, 1, 2, 3"),
+    "negative time": (
+        {"step_time_s": -1},
+        [],
+        "anchor {f}: step_time_s = -1 must be a positive number (seconds)",
+    ),
+    "too short": (
+        {"step_time_s": 0.01},
+        [],
+        "anchor {f}: step_time_s = 0.01 s is shorter than the planner's modelled communication",
+    ),
+    "model": (
+        {},
+        ["--model", "llama3-70b"],
+        "the model asked differs from the anchor's ({f}): an anchor pins one model's rate",
+    ),
+    "cluster": (
+        {},
+        ["--cluster", "selene-a100"],
+        "cluster selene-a100 has A100 SXM 80GB GPUs but the anchor ({f}) ran on H100 SXM 80GB",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", REFUSALS)
+def test_bad_anchors_are_refused_in_one_line(tmp_path, capsys, case):
+    changes, flags, line = REFUSALS[case]
+    path = write(tmp_path, **changes)
+    got = refusal(capsys, "plan", "--anchor", path, *flags)
+    assert got.startswith("fourd: error: " + line.format(f=path))
+
+
+def test_a_file_that_is_not_an_anchor_is_refused(tmp_path, capsys):
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "bad.json").write_text("{oops")
+    assert refusal(capsys, "plan", "--anchor", tmp_path / "list.json") == (
+        f"fourd: error: anchor {tmp_path / 'list.json'}: must be one JSON object "
+        "(keys as `fourd plan --json` writes them)"
+    )
+    assert refusal(capsys, "plan", "--anchor", tmp_path / "bad.json").startswith(
+        f"fourd: error: anchor {tmp_path / 'bad.json'}: is not JSON"
+    )
+    assert refusal(capsys, "plan", "--anchor", tmp_path / "none.json") == (
+        f"fourd: error: anchor {tmp_path / 'none.json'}: cannot be read (No such file or "
+        "directory): give the anchor.json of a run"
+    )
+
+
+def _cpu_seconds(argv: list[str]) -> float:
+    """CPU seconds (user and system) of the whole `fourd ...` process."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    subprocess.run(
+        [sys.executable, "-m", "fourd", *argv], check=True, capture_output=True, cwd=ROOT
+    )
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+
+
+def test_anchored_plans_are_fast(tmp_path, capsys):
+    path = str(write(tmp_path))
+    start = time.process_time()
+    assert main(["plan", "--anchor", path, *TARGET, "--json"]) == 0
+    assert time.process_time() - start < 0.5
+    capsys.readouterr()
+    search = ["plan", "--anchor", path, "--gpus", "16384", "--search", "--json"]
+    assert _cpu_seconds(search) < 1.0  # the whole command: interpreter, imports, search
+
+
+@pytest.mark.slow
+def test_a_training_run_leaves_an_anchor_that_plans_its_own_step(tmp_path):
+    home, run = tmp_path / "home", tmp_path / "run"
+    (home / "clusters").mkdir(parents=True)
+    (home / "clusters" / "local.toml").write_text(LOCAL_CPU)  # a 2-core CPU profile
+    from fourd.config import fourd_home
+
+    env = {"FOURD_HOME": str(home)}
+    cache = f"--data.cache_dir={fourd_home() / 'cache'}"
+    code, _, err = run_fourd(
+        "train", "--model", "debug", "--steps", 3, "--run-dir", run, cache, env=env
+    )
+    assert code == 0, err
+    anchor = json.loads((run / "anchor.json").read_text())
+    assert anchor["cluster"] == "local" and anchor["stack"] == "fourd"
+    assert anchor["layout"] == "tp=1,cp=1,pp=1,dp=1" and anchor["gpus"] == 1
+    assert anchor["seq"] == 256 and anchor["global_batch_tokens"] == 16 * 256
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert anchor["step_time_s"] == rows[-1]["step_time_s"]  # the median of the one step kept
+    code, out, err = run_fourd("plan", "--anchor", run / "anchor.json", "--json", env=env)
+    assert code == 0, err
+    got = json.loads(out)
+    assert got["step_time_s"] == pytest.approx(anchor["step_time_s"], rel=0.03)
+    code, out, err = run_fourd(
+        "plan", "--anchor", run / "anchor.json", "--layout", "dp=2", "--json", env=env
+    )
+    assert code == 0, err
+    assert json.loads(out)["layout"]["dp"] == 2
+
+
+def test_search_from_an_anchor_ranks_the_anchored_candidates(tmp_path, capsys):
+    out = fourd_json(capsys, "plan", "--anchor", write(tmp_path), "--search", "--top=3", "--json")
+    assert out["best"]["gpus"] == 8192 and out["searched"] > 100  # every layout of its GPU count
+    times = [c["step_time_s"] for c in out["candidates"]]
+    assert times == sorted(times)
+    a, b = (
+        out["candidates"][0]["step_time_s_interval"],
+        out["candidates"][1]["step_time_s_interval"],
+    )
+    assert out["too_close_to_call"] == (a[0] <= b[1] and b[0] <= a[1])
