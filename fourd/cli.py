@@ -1,8 +1,9 @@
-"""The `fourd` command line: one table of commands, each implemented in the module that owns the concept.
+"""The `fourd` command line: one table of commands, each implemented in the module that owns the
+concept.
 
-Each command module exposes `add_arguments(parser)` and `run(args) -> int`. `fourd --help` is built from the
-table alone, and a command's module is imported only when that command is used, so that start-up and help
-import no torch.
+Each command module exposes `add_arguments(parser)` and `run(args) -> int`. `fourd --help` is built
+from the table alone, and a command's module is imported only when that command is used, so that
+start-up and help import no torch.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ GROUPS |= {
     "sim": "simulate one training step, or months of failures",
     "ckpt": "verify and inspect checkpoints",
 }
-# A command ("group:sub" for one of a group: `fourd sim step`), the module under fourd that owns it, its help.
+# A command ("group:sub" for one of a group: `fourd sim step`), the module under fourd that owns it,
+# its help.
 _TABLE = """
 train        train.cli        train a model with 4D parallelism (launches its own workers)
 model:info   model.cli        a model preset's dimensions and parameter count
@@ -50,7 +52,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    """The command table as a parser; only the command `only` gets its arguments (its module is imported)."""
+    """The command table as a parser; only the command `only` gets its arguments (its module is
+    imported)."""
     top = _Parser(
         prog="fourd",
         description="fourd: train Llama-style models with 4D parallelism; plan and simulate them.",
@@ -84,7 +87,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 
 def _which(argv: list[str]) -> str | None:
-    """The command `argv` names ("sim:step"), None for none or a bare group; FourdError for an unknown one."""
+    """The command `argv` names ("sim:step"), None for none or a bare group; FourdError for an
+    unknown one."""
     words = [a for a in argv if not a.startswith("-")][:2]
     if not words:
         return None
@@ -99,7 +103,8 @@ def _which(argv: list[str]) -> str | None:
         return f"{words[0]}:{words[1]}" if len(words) > 1 else None
     subs = [n.split(":")[1] for n in COMMANDS if n.startswith(words[0] + ":")]
     raise FourdError(
-        f"unknown command `fourd {words[0]} {words[1]}`{did_you_mean(words[1], subs)}: choose {', '.join(subs)}"
+        f"unknown command `fourd {words[0]} {words[1]}`{did_you_mean(words[1], subs)}: "
+        f"choose {', '.join(subs)}"
     )
 
 
@@ -139,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             raise
         print(
-            f"fourd: internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)",
+            f"fourd: internal error: {type(e).__name__}: {e} (rerun with "
+            "--debug for the traceback)",
             file=sys.stderr,
         )
         return 1

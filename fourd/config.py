@@ -1,8 +1,9 @@
 """Training configuration: dataclasses, TOML files, and `--section.key=value` overrides.
 
-Precedence, lowest first: the defaults, a base (a resumed run's config.toml, or an --init-from model), the TOML
-file (`--config`), the short flags (`--model`, `--layout`, ...), then overrides. Every value is checked where it
-is set: unknown keys, wrong types, numbers not finite or out of range (LIMITS), names not in CHOICES."""
+Precedence, lowest first: the defaults, a base (a resumed run's config.toml, or an --init-from
+model), the TOML file (`--config`), the short flags (`--model`, `--layout`, ...), then overrides.
+Every value is checked where it is set: unknown keys, wrong types, numbers not finite or out of
+range (LIMITS), names not in CHOICES."""
 
 from __future__ import annotations
 
@@ -23,11 +24,13 @@ from fourd.schedules import SCHEDULES
 
 
 def fourd_home() -> Path:
-    """$FOURD_HOME (unset or empty: ~/.fourd): the token cache, measured profiles, user cluster profiles."""
+    """$FOURD_HOME (unset or empty: ~/.fourd): the token cache, measured profiles, user cluster
+    profiles."""
     return Path(os.environ.get("FOURD_HOME") or "~/.fourd").expanduser()
 
 
-# [model]: a preset, and any ModelConfig field but mlp set on top of it (`--model.layers=2`); None: the preset's.
+# [model]: a preset, and any ModelConfig field but mlp set on top of it (`--model.layers=2`); None:
+# the preset's.
 _MODEL_KEYS = typing.get_type_hints(ModelConfig)
 ModelSection = dataclasses.make_dataclass(
     "ModelSection",
@@ -113,7 +116,8 @@ class FaultSection:
 class RunSection:
     dir: str = ""  # empty: a fresh runs/<model>-<layout>-<time>
     max_restarts: int = 0
-    trace: bool = True  # with a pipeline: DIR/trace.json, the last step's actions on every rank (Chrome trace)
+    # with a pipeline: DIR/trace.json, the last step's actions on every rank (Chrome trace)
+    trace: bool = True
 
 
 @dataclass
@@ -137,7 +141,8 @@ class Config:
         return cfg
 
     def to_toml(self) -> str:
-        """The whole configuration as TOML (unset model keys left out); `load_toml` reads it back."""
+        """The whole configuration as TOML (unset model keys left out); `load_toml` reads it
+        back."""
         out = []
         for section, values in self.to_dict().items():
             out += [
@@ -243,7 +248,8 @@ def set_value(cfg: Config, key: str, value) -> None:
     if name not in hints:
         keys = [f"{section_name}.{k}" for k in hints]
         raise FourdError(
-            f"unknown config key {key!r}{did_you_mean(key, keys)}: allowed keys in [{section_name}] are {', '.join(hints)}"
+            f"unknown config key {key!r}{did_you_mean(key, keys)}: allowed keys in "
+            f"[{section_name}] are {', '.join(hints)}"
         )
     value = _coerce(key, value, hints[name])
     allowed = CHOICES.get(key)
@@ -281,7 +287,8 @@ def load_toml(path: str | Path) -> dict:
 
 
 def parse_overrides(items: list[str], flags=()) -> list[tuple[str, str]]:
-    """`--section.key=value` or `--section.key value` words → (key, value) pairs; `flags` for suggestions."""
+    """`--section.key=value` or `--section.key value` words → (key, value) pairs; `flags` for
+    suggestions."""
     out, words = [], iter(items)
     for word in words:
         if not word.startswith("--") or "." not in word.split("=")[0]:
@@ -301,7 +308,8 @@ def parse_overrides(items: list[str], flags=()) -> list[tuple[str, str]]:
 def build_config(
     toml: str | None, flags: dict, overrides: list[str], base: dict | None = None, options=()
 ) -> Config:
-    """The configuration from its layers (module docstring); `options`: the command's flags, for suggestions."""
+    """The configuration from its layers (module docstring); `options`: the command's flags, for
+    suggestions."""
     cfg = Config()
     apply(cfg, base or {}, "base configuration")
     apply(cfg, load_toml(toml or ""), f"config file {toml!r}")
@@ -325,7 +333,8 @@ def check(cfg: Config) -> None:
         rank = getattr(f, key)
         if rank >= world:
             raise FourdError(
-                f"fault.{key} = {rank} is not a rank of the {world}-rank layout: choose 0 .. {world - 1}"
+                f"fault.{key} = {rank} is not a rank of the {world}-rank layout: "
+                f"choose 0 .. {world - 1}"
             )
         if rank >= 0 and not 1 <= f.at_step <= t.steps:
             raise FourdError(
@@ -333,7 +342,8 @@ def check(cfg: Config) -> None:
             )
     if f.at_step >= 0 and f.kill_rank < 0 and f.hang_rank < 0:
         raise FourdError(
-            "fault.at_step is set but neither fault.kill_rank nor fault.hang_rank: set one, or drop it"
+            "fault.at_step is set but neither fault.kill_rank nor "
+            "fault.hang_rank: set one, or drop it"
         )
 
 
@@ -344,8 +354,8 @@ def model_config(cfg: Config) -> ModelConfig:
     model = with_overrides(get_preset(cfg.model.preset), **over)
     if cfg.data.seq_len > model.max_seq:
         raise FourdError(
-            f"data.seq_len = {cfg.data.seq_len} is longer than the model's max_seq = {model.max_seq}: "
-            f"raise --model.max_seq or shorten data.seq_len"
+            f"data.seq_len = {cfg.data.seq_len} is longer than the model's max_seq = "
+            f"{model.max_seq}: raise --model.max_seq or shorten data.seq_len"
         )
     return model
 

@@ -1,4 +1,5 @@
-"""What fourd says to a user: the one exception they can meet, close-match suggestions, counts in words."""
+"""What fourd says to a user: the one exception they can meet, close-match suggestions, counts in
+words."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import difflib
 
 
 class FourdError(Exception):
-    """Bad input (config, layout, data, checkpoint, request): the message names the bad value and the fix."""
+    """Bad input (config, layout, data, checkpoint, request): the message names the bad value and
+    the fix."""
 
     exit_code = 2
 

@@ -1,9 +1,10 @@
-"""Pipeline schedules as plain data, written once: for each pipeline rank, its compute actions in execution order.
-The trainer runs these lists, the simulator times them, the lab draws them (docs/simulators.md).
+"""Pipeline schedules as plain data, written once: for each pipeline rank, its compute actions in
+execution order. The trainer runs these lists, the simulator times them, the lab draws them
+(docs/simulators.md).
 
-Stage s of pp·V (model order) lives on rank s % pp (Narayanan et al. 2021). Actions: "F" forward, "B" full
-backward, or "I" (input gradient, which the previous stage waits for) and "W" (weight gradients, which fill
-bubbles; Qi et al. 2023, zero bubble).
+Stage s of pp·V (model order) lives on rank s % pp (Narayanan et al. 2021). Actions: "F" forward,
+"B" full backward, or "I" (input gradient, which the previous stage waits for) and "W" (weight
+gradients, which fill bubbles; Qi et al. 2023, zero bubble).
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ class Schedule:
         return [rank + k * self.pp for k in range(self.virtual_stages)]
 
     def peak_in_flight(self, rank: int) -> int:
-        """Most (stage, microbatch) activation sets the rank holds at once, each from its F until its B or W;
-        with V > 1 a set is one virtual stage, 1/V of the rank's layers."""
+        """Most (stage, microbatch) activation sets the rank holds at once, each from its F until
+        its B or W; with V > 1 a set is one virtual stage, 1/V of the rank's layers."""
         held = peak = 0
         for a in self.ranks[rank]:
             if a.kind == "F":
@@ -65,7 +66,8 @@ class Schedule:
 
 
 def check_stages(name: str, pp: int, microbatches: int, virtual_stages: int = 1) -> None:
-    """FourdError unless schedule `name` can run pp ranks, this many microbatches and virtual stages."""
+    """FourdError unless schedule `name` can run pp ranks, this many microbatches and virtual
+    stages."""
     for what, value in (
         ("pipeline ranks", pp),
         ("microbatches", microbatches),
@@ -77,8 +79,8 @@ def check_stages(name: str, pp: int, microbatches: int, virtual_stages: int = 1)
         raise FourdError(f"unknown schedule {name!r}: choose one of {', '.join(SCHEDULES)}")
     if name != "interleaved" and virtual_stages != 1:
         raise FourdError(
-            f"{virtual_stages} virtual stages need the interleaved schedule ({name} runs one stage per rank): "
-            "choose the interleaved schedule or one virtual stage"
+            f"{virtual_stages} virtual stages need the interleaved schedule ({name} runs one stage "
+            "per rank): choose the interleaved schedule or one virtual stage"
         )
 
 
@@ -103,7 +105,8 @@ def _gpipe(rank, pp, m, v):
 
 
 def _one_f_one_b(rank, pp, m, v):
-    """PipeDream-Flush (Narayanan et al. 2021): pp−1−rank warm-up forwards, then one F one B; pp−rank in flight."""
+    """PipeDream-Flush (Narayanan et al. 2021): pp−1−rank warm-up forwards, then one F one B;
+    pp−rank in flight."""
     return _warm_steady_cool(
         [Action("F", rank, j) for j in range(m)],
         [Action("B", rank, j) for j in range(m)],
@@ -119,8 +122,9 @@ def _warm_steady_cool(forwards, backwards, warmup):
 
 
 def _rounds(pp: int, m: int) -> list[range]:
-    """Microbatches in rounds of at least pp (one when m < pp), as even as possible: a rank cycles through its
-    V stages once per round. Uneven rounds let m be any count, as Llama 3 needed (§3.3.2)."""
+    """Microbatches in rounds of at least pp (one when m < pp), as even as possible: a rank cycles
+    through its V stages once per round. Uneven rounds let m be any count, as Llama 3 needed
+    (§3.3.2)."""
     n = max(1, m // pp)
     sizes = [m // n + (1 if i < m % n else 0) for i in range(n)]
     starts = [sum(sizes[:i]) for i in range(n)]
@@ -128,8 +132,9 @@ def _rounds(pp: int, m: int) -> list[range]:
 
 
 def _interleaved(rank, pp, m, v):
-    """Interleaved 1F1B (Narayanan et al. 2021): per round, forwards through the rank's stages in model order,
-    backwards in reverse, after a warm-up that lets the last virtual stage's first backward arrive."""
+    """Interleaved 1F1B (Narayanan et al. 2021): per round, forwards through the rank's stages in
+    model order, backwards in reverse, after a warm-up that lets the last virtual stage's first
+    backward arrive."""
     rounds = _rounds(pp, m)
     forwards = [Action("F", rank + k * pp, j) for r in rounds for k in range(v) for j in r]
     backwards = [
@@ -140,8 +145,8 @@ def _interleaved(rank, pp, m, v):
 
 
 def _zb_h1(rank, pp, m, v):
-    """ZB-H1 (Qi et al. 2023): 1F1B's order with each backward split into I and W, rank r's W held back r
-    microbatches behind its I, so that the deferred W fill the tail where 1F1B idles."""
+    """ZB-H1 (Qi et al. 2023): 1F1B's order with each backward split into I and W, rank r's W held
+    back r microbatches behind its I, so that the deferred W fill the tail where 1F1B idles."""
     order = []
     for a in _warm_steady_cool(
         [Action("F", rank, j) for j in range(m)],
@@ -156,8 +161,9 @@ def _zb_h1(rank, pp, m, v):
 
 
 def validate(schedule: Schedule) -> None:
-    """FourdError unless every (stage, microbatch) has one F and one B (or one I and one W) on the stage's rank,
-    and the lists, run in order with the dependencies of `depends_on`, all complete."""
+    """FourdError unless every (stage, microbatch) has one F and one B (or one I and one W) on the
+    stage's rank, and the lists, run in order with the dependencies of `depends_on`, all
+    complete."""
     p, m, n = schedule.pp, schedule.microbatches, schedule.stages
     if len(schedule.ranks) != p:
         raise FourdError(f"schedule {schedule.name}: {len(schedule.ranks)} rank lists for pp = {p}")
@@ -182,7 +188,8 @@ def validate(schedule: Schedule) -> None:
         full, split = ("B", s, j) in seen, (("I", s, j) in seen, ("W", s, j) in seen)
         if ("F", s, j) not in seen or full == any(split) or split[0] != split[1]:
             raise FourdError(
-                f"schedule {schedule.name}: stage {s} microbatch {j} needs exactly one F and either one B or one I and one W"
+                f"schedule {schedule.name}: stage {s} microbatch {j} needs exactly one F and "
+                "either one B or one I and one W"
             )
     stuck = _first_deadlock(schedule)
     if stuck:
@@ -190,7 +197,8 @@ def validate(schedule: Schedule) -> None:
 
 
 def depends_on(a: Action, stages: int) -> list[tuple[str, int, int]]:
-    """The actions `a` waits for, as (kind, stage, microbatch); "grad" is the next stage's B or I."""
+    """The actions `a` waits for, as (kind, stage, microbatch); "grad" is the next stage's B or
+    I."""
     if a.kind == "F":
         return [("F", a.stage - 1, a.microbatch)] if a.stage > 0 else []
     if a.kind == "W":
@@ -210,7 +218,8 @@ def _keys(a: Action) -> list[tuple[str, int, int]]:
 
 
 def _first_deadlock(schedule: Schedule) -> str:
-    """Execute the lists in order with dependencies only; '' when all complete, else the blocked heads."""
+    """Execute the lists in order with dependencies only; '' when all complete, else the blocked
+    heads."""
     done: set[tuple[str, int, int]] = set()
     pos = [0] * schedule.pp
     total = schedule.actions()

@@ -1,7 +1,7 @@
 """A checkpoint's step, layout, model and model digest, from its manifest (nothing is loaded).
 
-model_digest hashes the full model tensors, the same whatever layout saved them. --json prints the manifest's
-fields with `path`, `files` (a count) and `bytes`.
+model_digest hashes the full model tensors, the same whatever layout saved them. --json prints the
+manifest's fields with `path`, `files` (a count) and `bytes`.
 
 examples:
   fourd ckpt info runs/demo/checkpoints/step-20     # after the run on docs/hf.md

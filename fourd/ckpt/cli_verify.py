@@ -1,5 +1,6 @@
-"""Check every file of a checkpoint against the sizes and SHA-256 sums in its manifest (nothing is loaded);
-exit status 2 names the first missing, truncated or altered file, or what is wrong with the manifest.
+"""Check every file of a checkpoint against the sizes and SHA-256 sums in its manifest (nothing is
+loaded); exit status 2 names the first missing, truncated or altered file, or what is wrong with the
+manifest.
 
 examples:
   fourd ckpt verify runs/demo/checkpoints/step-20     # after the run on docs/hf.md
@@ -24,6 +25,7 @@ def run(args) -> int:
     m = store.verify(directory)
     total = sum(f["bytes"] for f in m["files"].values())
     print(
-        f"{directory}: OK, step {m['step']}, {len(m['files'])} files, {total:,} bytes, model_digest {m['model_digest']}"
+        f"{directory}: OK, step {m['step']}, {len(m['files'])} files, {total:,} bytes, "
+        f"model_digest {m['model_digest']}"
     )
     return 0

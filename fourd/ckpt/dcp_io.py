@@ -23,12 +23,14 @@ from fourd.ckpt.safe_reader import SafeReader
 from fourd.config import Config, model_config
 from fourd.errors import FourdError
 
-# Fault injection: "RANK@STEP" SIGKILLs RANK in the save of STEP, after the data files, before the manifest.
+# Fault injection: "RANK@STEP" SIGKILLs RANK in the save of STEP, after the data files, before the
+# manifest.
 KILL_IN_SAVE_ENV = "FOURD_FAULT_KILL_IN_SAVE"
 
 
 def gathered_digest(model_sd: dict[str, torch.Tensor], contributes: bool) -> str | None:
-    """The whole model's digest on rank 0 (None elsewhere); one rank per stage (`contributes`) sends its part."""
+    """The whole model's digest on rank 0 (None elsewhere); one rank per stage (`contributes`) sends
+    its part."""
     full = {name: store.full(model_sd[name]) for name in sorted(model_sd)}
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return store.model_digest(full)
@@ -39,7 +41,8 @@ def gathered_digest(model_sd: dict[str, torch.Tensor], contributes: bool) -> str
 
 
 class Checkpointer:
-    """This rank's stages and optimizer, saved under cfg.run.dir with `cfg` and `info`; methods are collectives."""
+    """This rank's stages and optimizer, saved under cfg.run.dir with `cfg` and `info`; methods are
+    collectives."""
 
     def __init__(
         self,
@@ -54,7 +57,8 @@ class Checkpointer:
     ):
         self.run_dir = Path(cfg.run.dir)
         self.root = self.run_dir / store.CHECKPOINTS
-        # Stages under "0.", "1.", ... so one optimizer maps to names; saved under the names without the prefix.
+        # Stages under "0.", "1.", ... so one optimizer maps to names; saved under the names without
+        # the prefix.
         self.module = nn.ModuleDict({str(i): s for i, s in enumerate(stages)})
         self.optimizer, self.layout, self.contributes = optimizer, layout, contributes
         self.model_cfg = model_config(cfg)
@@ -67,7 +71,8 @@ class Checkpointer:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.options = StateDictOptions(flatten_optimizer_state_dict=True)
-        # Asynchronous saves run their collectives on their own gloo group, never interleaved with a step's.
+        # Asynchronous saves run their collectives on their own gloo group, never interleaved with a
+        # step's.
         self.async_group = (
             dist.new_group(backend="gloo") if self.async_save and dist.is_initialized() else None
         )
@@ -237,7 +242,8 @@ class Checkpointer:
         )
 
     def _choose(self) -> str | None:
-        """Rank 0: the newest checkpoint that verifies; partial and damaged ones are set aside loudly."""
+        """Rank 0: the newest checkpoint that verifies; partial and damaged ones are set aside
+        loudly."""
         for staged in sorted(self.root.glob(".step-*.partial")):
             store.warn(
                 f"ignoring the incomplete checkpoint {staged} (a save was interrupted); removing it"
@@ -270,7 +276,8 @@ def _storage_state(root: Path) -> str:
 
 
 def _error_of(fn) -> str | None:
-    """None when fn() succeeds, else its error in one line (DCP raises the same error on every rank)."""
+    """None when fn() succeeds, else its error in one line (DCP raises the same error on every
+    rank)."""
     try:
         fn()
     except (Exception, CheckpointException) as e:

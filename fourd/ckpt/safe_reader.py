@@ -1,4 +1,5 @@
-"""Reading DCP's `.metadata` (a pickle) with an unpickler that builds only DCP's metadata classes."""
+"""Reading DCP's `.metadata` (a pickle) with an unpickler that builds only DCP's metadata
+classes."""
 
 from __future__ import annotations
 

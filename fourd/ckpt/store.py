@@ -1,5 +1,5 @@
-"""Checkpoint storage: DCP files and a manifest.json with a typed schema, written atomically (format and
-trust boundary: docs/fault-tolerance.md). Only loading and saving tensors imports torch."""
+"""Checkpoint storage: DCP files and a manifest.json with a typed schema, written atomically (format
+and trust boundary: docs/fault-tolerance.md). Only loading and saving tensors imports torch."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ from fourd.model.config import ModelConfig
 if TYPE_CHECKING:
     import torch
 
-# DCP warns when it runs without a process group; fourd's single-process saves and loads do so on purpose.
+# DCP warns when it runs without a process group; fourd's single-process saves and loads do so on
+# purpose.
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 
 FORMAT = "fourd-checkpoint"
@@ -106,7 +107,8 @@ def _check(where: str, prefix: str, obj: dict, spec: dict, required=()) -> None:
 
 
 def model_config(where: str, spec: dict) -> ModelConfig:
-    """The ModelConfig a manifest records; any wrong key or type is one FourdError naming the field."""
+    """The ModelConfig a manifest records; any wrong key or type is one FourdError naming the
+    field."""
     kinds = {
         f.name: {"int": int, "float": float, "str": str}[str(f.type)] for f in fields(ModelConfig)
     }
@@ -132,13 +134,15 @@ def inside(folder: str | os.PathLike, rel: object, source: str) -> Path:
             path = (root / rel).resolve()
     if path is None or path == root or not path.is_relative_to(root):
         raise FourdError(
-            f"{source} names {rel!r}, which is not a file inside {folder}; the file is damaged or forged"
+            f"{source} names {rel!r}, which is not a file inside {folder}; the file "
+            "is damaged or forged"
         )
     return path
 
 
 def read_manifest(directory: str | os.PathLike) -> dict:
-    """manifest.json, checked against its schema: any missing or wrong-typed field is one FourdError."""
+    """manifest.json, checked against its schema: any missing or wrong-typed field is one
+    FourdError."""
     path = Path(directory) / MANIFEST
     if not path.is_file():
         raise FourdError(
@@ -154,7 +158,8 @@ def read_manifest(directory: str | os.PathLike) -> dict:
         raise FourdError(f"{path}: format is not {FORMAT!r}; not a fourd checkpoint")
     if manifest.get("version") != VERSION:
         raise FourdError(
-            f"{path}: version {manifest.get('version')!r} is not supported (this fourd reads {VERSION})"
+            f"{path}: version {manifest.get('version')!r} is not supported (this "
+            f"fourd reads {VERSION})"
         )
     where = str(path)
     _check(where, "", manifest, _TOP, required=("step", "layout", "model", "model_digest", "files"))
@@ -197,7 +202,8 @@ def verify(directory: str | os.PathLike) -> dict:
             )
         if path.stat().st_size != want["bytes"]:
             raise FourdError(
-                f"{path}: {path.stat().st_size} bytes, manifest says {want['bytes']}; the file is damaged"
+                f"{path}: {path.stat().st_size} bytes, manifest says "
+                f"{want['bytes']}; the file is damaged"
             )
         if _sha256_file(path) != want["sha256"]:
             raise FourdError(f"{path}: SHA-256 differs from {MANIFEST}; the file is damaged")
@@ -211,7 +217,8 @@ def checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
 
 
 def newest(run_dir: str | os.PathLike, check=read_manifest, on_damaged=None) -> Path | None:
-    """The newest checkpoint passing `check`; says in one line which damaged newer ones it skipped."""
+    """The newest checkpoint passing `check`; says in one line which damaged newer ones it
+    skipped."""
     skipped: list[str] = []
     found: Path | None = None
     for _step, path in checkpoints(run_dir):
@@ -272,7 +279,8 @@ def staging_dir(final_dir: str | os.PathLike) -> Path:
 def write_manifest(
     directory, cfg: ModelConfig, digest: str, step: int = 0, layout: str = "dp=1", extra=None
 ) -> dict:
-    """Hash every file already in `directory` and write manifest.json; call it after the last data file."""
+    """Hash every file already in `directory` and write manifest.json; call it after the last data
+    file."""
     directory = Path(directory)
     data = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
     files = {
@@ -313,8 +321,8 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 
 def model_digest(state_dict: dict[str, torch.Tensor]) -> str:
-    """SHA-256 over the tensors in name order: name, dtype, shape (NUL-separated), raw bytes; DTensors are
-    gathered (a collective: every rank calls it)."""
+    """SHA-256 over the tensors in name order: name, dtype, shape (NUL-separated), raw bytes;
+    DTensors are gathered (a collective: every rank calls it)."""
     import torch
 
     h = hashlib.sha256()
@@ -334,7 +342,8 @@ def shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 @contextlib.contextmanager
 def staged(final: str | os.PathLike) -> Iterator[Path]:
-    """A fresh staging directory for `final` (which must not exist), removed again if the block fails."""
+    """A fresh staging directory for `final` (which must not exist), removed again if the block
+    fails."""
     if Path(final).exists():
         raise FourdError(f"{final} already exists; remove it or choose another destination")
     tmp = staging_dir(final)
@@ -383,13 +392,15 @@ def load_model_checkpoint(
     held = sum(t.numel() for t in sd.values())
     if held != cfg.params():  # checked before any model of cfg's size is built
         raise FourdError(
-            f"{directory}: holds {held:,} model parameters, its manifest's model has {cfg.params():,}"
+            f"{directory}: holds {held:,} model parameters, its manifest's model "
+            f"has {cfg.params():,}"
         )
     want = shapes(cfg)
     bad = sorted(set(want) ^ set(sd)) or sorted(k for k in sd if tuple(sd[k].shape) != want[k])
     if bad:
         raise FourdError(
-            f"{directory}: tensor {bad[0]} does not fit its manifest's model (names or shapes differ)"
+            f"{directory}: tensor {bad[0]} does not fit its manifest's model "
+            "(names or shapes differ)"
         )
     dcp.load({"model": sd}, storage_reader=reader, no_dist=True)
     if model_digest(sd) != manifest["model_digest"]:

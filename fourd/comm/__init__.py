@@ -11,6 +11,6 @@ BUS_FACTOR = {
 
 
 def bus_factor(op: str, n: int) -> float:
-    """nccl-tests' busbw / algbw: the share of the buffer each rank's link carries in a ring `op` over n ranks
-    (all-reduce 2(n−1)/n, the lower bound, Patarasuk & Yuan 2009)."""
+    """nccl-tests' busbw / algbw: the share of the buffer each rank's link carries in a ring `op`
+    over n ranks (all-reduce 2(n−1)/n, the lower bound, Patarasuk & Yuan 2009)."""
     return BUS_FACTOR[op](n) if n > 1 else 0.0

@@ -1,6 +1,7 @@
-"""Benchmark collectives as nccl-tests does (docs/comm.md): message sizes doubling from --min-bytes to --max-bytes,
-each row the median over iterations of the slowest rank's time, algbw = size / time, busbw = algbw × bus factor.
-`ring` is fourd's own ring all-reduce; `sendrecv`: every rank sends to the next, receives from the previous.
+"""Benchmark collectives as nccl-tests does (docs/comm.md): message sizes doubling from --min-bytes
+to --max-bytes, each row the median over iterations of the slowest rank's time, algbw = size / time,
+busbw = algbw × bus factor. `ring` is fourd's own ring all-reduce; `sendrecv`: every rank sends to
+the next, receives from the previous.
 
 examples:
   fourd bench comm --op all_reduce --nproc 4
@@ -86,7 +87,8 @@ def _prepare(op: str, nbytes: int, group, device):
 
 
 def time_op(op: str, nbytes: int, iters: int, warmup: int, group=None) -> dict:
-    """One row: median over `iters` timed runs of the slowest rank in `group` (all its ranks call this)."""
+    """One row: median over `iters` timed runs of the slowest rank in `group` (all its ranks call
+    this)."""
     import torch
     import torch.distributed as dist
 
@@ -157,7 +159,8 @@ def run(args) -> int:
     lo, (iters, warmup) = parse_bytes(args.min_bytes), (args.iters, args.warmup)
     if iters < 1 or warmup < 0:
         raise FourdError(
-            f"--iters {iters} --warmup {warmup}: need at least 1 timed iteration and no negative warm-up"
+            f"--iters {iters} --warmup {warmup}: need at least 1 timed iteration "
+            "and no negative warm-up"
         )
     import torch
 
@@ -173,7 +176,8 @@ def run(args) -> int:
     )  # CPU ranks share the cores: beyond a few per core, only waiting
     if not 2 <= nproc <= most:
         raise FourdError(
-            f"--nproc {nproc}: a collective needs 2 ranks or more, and this machine runs at most {most}"
+            f"--nproc {nproc}: a collective needs 2 ranks or more, and this "
+            f"machine runs at most {most}"
         )
     ops = list(COLLECTIVES) if args.op == "all" else [args.op]
     rows = run_workers(_sweep, nproc, (ops, sweep_sizes(lo, hi), iters, warmup))[0]
@@ -181,10 +185,12 @@ def run(args) -> int:
         print(json.dumps(rows, indent=1))
         return 0
     print(
-        f"# {backend()}, {nproc} ranks, float32, median of {iters} timed iterations after {warmup} warm-up"
+        f"# {backend()}, {nproc} ranks, float32, median of {iters} timed iterations "
+        f"after {warmup} warm-up"
     )
     print(
-        f"{'op':>14} {'size':>8} {'bytes':>11} {'time (us)':>11} {'algbw GB/s':>11} {'busbw GB/s':>11}"
+        f"{'op':>14} {'size':>8} {'bytes':>11} {'time (us)':>11} "
+        f"{'algbw GB/s':>11} {'busbw GB/s':>11}"
     )
     line = "{op:>14} {size:>8} {bytes:>11} {us:>11.1f} {algbw_gbps:>11.3f} {busbw_gbps:>11.3f}"
     print(

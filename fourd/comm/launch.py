@@ -1,7 +1,8 @@
-"""Run a module-level fn(rank, nproc, *args) on nproc fresh local processes joined in one process group and
-collect what each returns: the launcher of the comm benchmark, calibration and the multi-rank tests (training
-has its own, elastic one). gloo ranks fork from a forkserver that has imported torch; NCCL ranks are spawned.
-When a rank raises, dies or outlasts the timeout, every rank is killed and RuntimeError carries its traceback.
+"""Run a module-level fn(rank, nproc, *args) on nproc fresh local processes joined in one process
+group and collect what each returns: the launcher of the comm benchmark, calibration and the
+multi-rank tests (training has its own, elastic one). gloo ranks fork from a forkserver that has
+imported torch; NCCL ranks are spawned. When a rank raises, dies or outlasts the timeout, every rank
+is killed and RuntimeError carries its traceback.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""Ring all-reduce on point-to-point send/recv, with its own accounting (docs/comm.md): N−1 reduce-scatter and N−1
-all-gather steps over N chunks, each rank sending 2(N−1)/N of the tensor, the lower bound for all-reduce
-(Patarasuk & Yuan 2009, Theorem 1); chunks travel in segments so that receiving and forwarding overlap."""
+"""Ring all-reduce on point-to-point send/recv, with its own accounting (docs/comm.md): N−1
+reduce-scatter and N−1 all-gather steps over N chunks, each rank sending 2(N−1)/N of the tensor, the
+lower bound for all-reduce (Patarasuk & Yuan 2009, Theorem 1); chunks travel in segments so that
+receiving and forwarding overlap."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ class RingStats:
 
 
 def _schedule(rank: int, n: int) -> tuple[list[bool], list[int], list[int]]:
-    """Per ring step: whether it reduces, the chunk received, the chunk sent (what arrives at step t leaves at t+1)."""
+    """Per ring step: whether it reduces, the chunk received, the chunk sent (what arrives at step t
+    leaves at t+1)."""
     reducing = [t < n - 1 for t in range(2 * (n - 1))]
     recv_of = [
         (rank - t - 1) % n if r else (rank - (t - n + 1)) % n for t, r in enumerate(reducing)

@@ -1,13 +1,14 @@
 """Convert Llama checkpoints between Hugging Face (config.json + safetensors) and fourd's format.
 
-Tensors keep their dtype; q and k rows are permuted between Meta's interleaved rotary pairs and Hugging
-Face's halves, exactly. Only safetensors are read. An export carries the run's tokenizer file.
+Tensors keep their dtype; q and k rows are permuted between Meta's interleaved rotary pairs and
+Hugging Face's halves, exactly. Only safetensors are read. An export carries the run's tokenizer
+file.
 
 examples:
-  fourd train --model debug --steps 20 --train.global_batch=4 --run-dir runs/demo     # a run to convert
-  fourd convert --from fourd runs/demo --to hf runs/demo-hf     # a run directory: its newest checkpoint
-  fourd convert --from fourd runs/demo/checkpoints/step-20 --to hf runs/demo-hf-shards --shard-mb 1
-  fourd convert --from hf runs/demo-hf --to fourd runs/demo-back
+  fourd train --model debug --steps 20 --train.global_batch=4 --run-dir runs/demo     # a run to
+  convert fourd convert --from fourd runs/demo --to hf runs/demo-hf     # a run directory: its
+  newest checkpoint fourd convert --from fourd runs/demo/checkpoints/step-20 --to hf
+  runs/demo-hf-shards --shard-mb 1 fourd convert --from hf runs/demo-hf --to fourd runs/demo-back
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ if TYPE_CHECKING:
 
 ARCHITECTURE = "LlamaForCausalLM"
 INDEX = "model.safetensors.index.json"
-# config.json key -> ModelConfig field, both ways; LlamaConfig's defaults for keys a config.json omits.
+# config.json key -> ModelConfig field, both ways; LlamaConfig's defaults for keys a config.json
+# omits.
 _CONFIG = {
     "num_hidden_layers": "layers",
     "hidden_size": "dim",
@@ -84,10 +86,12 @@ def run(args) -> int:
         cfg = fourd_to_hf(args.src, args.dst, shard_bytes=args.shard_mb * 1_000_000)
     else:
         raise FourdError(
-            f"--from {args.src_format} --to {args.dst_format}: convert between hf and fourd, one each way"
+            f"--from {args.src_format} --to {args.dst_format}: convert between hf "
+            "and fourd, one each way"
         )
     print(
-        f"wrote {args.dst} ({args.dst_format}): {cfg.layers} layers, dim {cfg.dim}, {cfg.params():,} parameters"
+        f"wrote {args.dst} ({args.dst_format}): {cfg.layers} layers, dim {cfg.dim}, "
+        f"{cfg.params():,} parameters"
     )
     return 0
 
@@ -104,7 +108,8 @@ _BLOCK |= {
 
 
 def hf_name(name: str) -> str:
-    """fourd's (Meta's) parameter name -> Hugging Face's: layers.3.feed_forward.w1.weight -> model.layers.3.mlp..."""
+    """fourd's (Meta's) parameter name -> Hugging Face's: layers.3.feed_forward.w1.weight ->
+    model.layers.3.mlp..."""
     if name in _TOP:
         return _TOP[name]
     _, i, rest = name.split(".", 2)
@@ -112,7 +117,8 @@ def hf_name(name: str) -> str:
 
 
 def interleaved_to_halves(w: torch.Tensor, heads: int, inverse: bool = False) -> torch.Tensor:
-    """Rows of a q or k projection, per head, from pairs (2i, 2i+1) to halves (i, i + d/2) (docs/hf.md)."""
+    """Rows of a q or k projection, per head, from pairs (2i, 2i+1) to halves (i, i + d/2)
+    (docs/hf.md)."""
     rows, cols = w.shape
     pairs = (
         (heads, 2, rows // heads // 2, cols) if inverse else (heads, rows // heads // 2, 2, cols)
@@ -143,7 +149,8 @@ def _field(path: Path, hf: dict, key: str, default, kind: type):
     ok = isinstance(value, kind if kind is int else (int, float)) and not isinstance(value, bool)
     if not ok or not math.isfinite(value) or value <= 0:
         raise FourdError(
-            f"{path}: field {key!r} = {value!r} is not a positive {'integer' if kind is int else 'number'}"
+            f"{path}: field {key!r} = {value!r} is not a positive "
+            f"{'integer' if kind is int else 'number'}"
         )
     return kind(value)
 
@@ -235,13 +242,15 @@ def hf_to_fourd_state_dict(
         and "lm_head.weight" not in tensors
         and "model.embed_tokens.weight" in tensors
     ):
-        # Tied models (Llama 3.2 1B/3B) store one matrix; fourd's output projection gets its own copy.
+        # Tied models (Llama 3.2 1B/3B) store one matrix; fourd's output projection gets its own
+        # copy.
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
     if cfg.layers > len(
         tensors
     ):  # checked before a model of that depth is built, even on the meta device
         raise FourdError(
-            f"config.json says {cfg.layers} layers; the safetensors files hold {len(tensors)} tensors"
+            f"config.json says {cfg.layers} layers; the safetensors files hold "
+            f"{len(tensors)} tensors"
         )
     sd = {}
     for name, shape in store.shapes(cfg).items():
@@ -258,13 +267,15 @@ def hf_to_fourd_state_dict(
         sd[name] = _rotary(cfg, name, w, inverse=True)
     if extra := sorted(tensors):
         raise FourdError(
-            f"tensor {extra[0]} is not part of a {ARCHITECTURE} ({len(extra)} unexpected); fourd would drop it"
+            f"tensor {extra[0]} is not part of a {ARCHITECTURE} ({len(extra)} "
+            "unexpected); fourd would drop it"
         )
     return sd
 
 
 def read_hf(src: str | os.PathLike) -> tuple[ModelConfig, dict, dict[str, torch.Tensor]]:
-    """A Hugging Face Llama directory: its ModelConfig, config.json, and tensors under fourd's names."""
+    """A Hugging Face Llama directory: its ModelConfig, config.json, and tensors under fourd's
+    names."""
     src = Path(src)
     if not src.is_dir():
         raise FourdError(f"{src}: not a directory; give a Hugging Face model directory")
@@ -275,14 +286,15 @@ def read_hf(src: str | os.PathLike) -> tuple[ModelConfig, dict, dict[str, torch.
 def load_weights(
     path: str | os.PathLike, weights: bool = True
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """A Hugging Face folder, a fourd checkpoint or a run directory (its newest): its ModelConfig and, with
-    `weights`, its full state dict in fourd's names, float32 on the CPU (else {})."""
+    """A Hugging Face folder, a fourd checkpoint or a run directory (its newest): its ModelConfig
+    and, with `weights`, its full state dict in fourd's names, float32 on the CPU (else {})."""
     p = Path(path)
     if (p / "config.json").is_file():
         cfg, _, sd = read_hf(p) if weights else (*read_hf_config(p), {})
     elif not p.is_dir():
         raise FourdError(
-            f"{path}: no such directory; give a fourd checkpoint, a run or a Hugging Face model directory"
+            f"{path}: no such directory; give a fourd checkpoint, a run or a Hugging "
+            "Face model directory"
         )
     elif weights:
         cfg, sd = store.load_model_checkpoint(store.resolve(p))
@@ -300,7 +312,8 @@ def hf_to_fourd(
 
 
 def hf_config(cfg: ModelConfig, dtype: torch.dtype, base: dict | None = None) -> dict:
-    """config.json for `cfg`; `base` (the imported model's own config) keeps its other keys, e.g. token ids."""
+    """config.json for `cfg`; `base` (the imported model's own config) keeps its other keys, e.g.
+    token ids."""
     dtype_name = str(dtype).removeprefix("torch.")
     out = dict(base or {"bos_token_id": None, "eos_token_id": None})
     out.pop("rope_scaling", None)
@@ -338,22 +351,26 @@ def tokenizer_spec(given: str | None, data: dict) -> str:
 
 
 def run_tokenizer(manifest: dict, given: str | None):
-    """The tokenizer the run trained with (byte-level when unrecorded); `given` must be the same one."""
+    """The tokenizer the run trained with (byte-level when unrecorded); `given` must be the same
+    one."""
     data = manifest.get("train", {}).get("data", {})
     tok = load_tokenizer(tokenizer_spec(given, data))
     if "identity" in data and tok.identity() != data["identity"]:
         if given is None:
             raise FourdError(
-                f"tokenizer {data.get('tokenizer')!r} changed since the run trained with it; restore it"
+                f"tokenizer {data.get('tokenizer')!r} changed since the run "
+                "trained with it; restore it"
             )
         raise FourdError(
-            f"--tokenizer {given!r} is not the run's tokenizer ({data.get('tokenizer')!r}); leave it out"
+            f"--tokenizer {given!r} is not the run's tokenizer "
+            f"({data.get('tokenizer')!r}); leave it out"
         )
     return tok
 
 
 def _tokenizer_file(manifest: dict) -> dict[str, bytes]:
-    """{file name: bytes} of the tokenizer file the run trained with; {} for byte-level or unrecorded runs."""
+    """{file name: bytes} of the tokenizer file the run trained with; {} for byte-level or
+    unrecorded runs."""
     tok = run_tokenizer(manifest, None)
     return {} if tok.name == "byte" else {_TOKENIZER_FILES[tok.name]: tok.raw}
 
@@ -361,8 +378,9 @@ def _tokenizer_file(manifest: dict) -> dict[str, bytes]:
 def write_hf(
     dst: Path, config: dict, tensors: dict[str, torch.Tensor], shard_bytes: int, extra=None
 ) -> None:
-    """config.json, safetensors (sharded with an index past `shard_bytes`) and `extra` {name: bytes}, renamed
-    into place at the end; every file gets the mode the umask gives (safetensors alone writes 0600)."""
+    """config.json, safetensors (sharded with an index past `shard_bytes`) and `extra` {name:
+    bytes}, renamed into place at the end; every file gets the mode the umask gives (safetensors
+    alone writes 0600)."""
     from safetensors.torch import save_file
 
     shards = _shard(tensors, shard_bytes)

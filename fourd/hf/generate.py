@@ -1,15 +1,16 @@
 """Generate tokens from a checkpoint (greedy or top-p sampling, with a KV cache), or score text.
 
-The tokenizer, corpus, sequence length and held-out fraction come from the run the checkpoint records:
-no flag is repeated, and a flag that contradicts the run is refused.
+The tokenizer, corpus, sequence length and held-out fraction come from the run the checkpoint
+records: no flag is repeated, and a flag that contradicts the run is refused.
 
 examples:
   fourd train --model debug --steps 20 --train.global_batch=4 --run-dir runs/demo     # a run to try
-  fourd generate --ckpt runs/demo --prompt "def main(" --max-new-tokens 64     # a run's newest checkpoint
-  fourd generate --ckpt runs/demo --prompt-ids 5,17,42 --greedy --json         # {"ids": [...], ...}
-  fourd generate --ckpt runs/demo --prompt "import " --top-p 0.9 --temperature 0.8 --seed 1
-  fourd generate --ckpt runs/demo --eval-holdout --json     # the tail of the run's corpus it never trained on
-  fourd generate --ckpt runs/demo --eval-file README.md --json                 # nll_per_token, perplexity
+  fourd generate --ckpt runs/demo --prompt "def main(" --max-new-tokens 64     # a run's newest
+  checkpoint fourd generate --ckpt runs/demo --prompt-ids 5,17,42 --greedy --json         # {"ids":
+  [...], ...} fourd generate --ckpt runs/demo --prompt "import " --top-p 0.9 --temperature 0.8
+  --seed 1 fourd generate --ckpt runs/demo --eval-holdout --json     # the tail of the run's corpus
+  it never trained on fourd generate --ckpt runs/demo --eval-file README.md --json                 #
+  nll_per_token, perplexity
 """
 
 from __future__ import annotations
@@ -171,8 +172,8 @@ def _same(given: Any, recorded: Any, flag: str) -> Any:
 
 
 def holdout_ids(args, manifest: dict) -> list[int]:
-    """The tail of the run's corpus that `fourd train` kept out of training (today's defaults for runs that
-    recorded no data: the standard library, 1 %)."""
+    """The tail of the run's corpus that `fourd train` kept out of training (today's defaults for
+    runs that recorded no data: the standard library, 1 %)."""
     data = manifest.get("train", {}).get("data", {})
     recorded = (
         manifest.get("train", {}).get("config", {}).get("data", {})

@@ -1,4 +1,5 @@
-"""Generation with a KV cache added from outside the model, nucleus sampling, and perplexity (docs/hf.md)."""
+"""Generation with a KV cache added from outside the model, nucleus sampling, and perplexity
+(docs/hf.md)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from fourd.model.llama import build_model
 
 
 def load_model(ckpt) -> tuple[nn.Module, dict]:
-    """The model of a checkpoint (or a run's newest) in float32 on the CPU in eval mode, and its manifest."""
+    """The model of a checkpoint (or a run's newest) in float32 on the CPU in eval mode, and its
+    manifest."""
     path = store.resolve(ckpt)
     cfg, sd = store.load_model_checkpoint(path)
     model = build_model(cfg, seed=None)
@@ -22,7 +24,8 @@ def load_model(ckpt) -> tuple[nn.Module, dict]:
 
 
 class KVCache(nn.Module):
-    """Takes the place of `Attention.core`: keeps the keys and values of every position seen so far."""
+    """Takes the place of `Attention.core`: keeps the keys and values of every position seen so
+    far."""
 
     def __init__(self, core: nn.Module):
         super().__init__()
@@ -45,7 +48,8 @@ class KVCache(nn.Module):
 
 
 class ShiftedRope(nn.Module):
-    """Takes the place of `Llama.rope`: the rotation rows of positions offset .. offset + seqlen - 1."""
+    """Takes the place of `Llama.rope`: the rotation rows of positions offset .. offset + seqlen -
+    1."""
 
     def __init__(self, rope: nn.Module):
         super().__init__()
@@ -58,7 +62,8 @@ class ShiftedRope(nn.Module):
 
 
 class Cached:
-    """The model with a KV cache in every attention layer, restored on exit; `step(ids)` returns their logits."""
+    """The model with a KV cache in every attention layer, restored on exit; `step(ids)` returns
+    their logits."""
 
     def __init__(self, model):
         self.model = model
@@ -107,7 +112,8 @@ def generate(
     seed=0,
     stop_ids=(),
 ):
-    """The generated ids (the prompt not included); the caller checks ids and lengths against model.cfg."""
+    """The generated ids (the prompt not included); the caller checks ids and lengths against
+    model.cfg."""
     gen = torch.Generator().manual_seed(seed)
     out: list[int] = []
     with Cached(model) as cache:
@@ -123,7 +129,8 @@ def generate(
 
 @torch.no_grad()
 def perplexity(model, ids: list[int], seq: int, batch: int = 8) -> dict:
-    """Mean NLL per token over non-overlapping windows of `seq` tokens: each but the first predicted once."""
+    """Mean NLL per token over non-overlapping windows of `seq` tokens: each but the first predicted
+    once."""
     data = torch.tensor(ids, dtype=torch.long)
     starts = list(range(0, len(ids) - 1, seq))
     full = [s for s in starts if s + seq + 1 <= len(ids)]

@@ -1,6 +1,6 @@
-"""Measure this machine and write its cluster profile, `local` (`fourd plan --cluster local`): on a CUDA device
-one GPU in BF16, on CPUs one worker process of `fourd train` in FP32 (what is measured: docs/planner.md).
-Under a minute on CPUs; --quick: a coarser sweep in seconds.
+"""Measure this machine and write its cluster profile, `local` (`fourd plan --cluster local`): on a
+CUDA device one GPU in BF16, on CPUs one worker process of `fourd train` in FP32 (what is measured:
+docs/planner.md). Under a minute on CPUs; --quick: a coarser sweep in seconds.
 
 examples:
   fourd calibrate
@@ -28,8 +28,8 @@ SMALL_MESSAGE, LARGE_MESSAGE = (
 )  # at most: latency (alpha); at least: mostly bandwidth (beta)
 
 
-# square matmul sizes, collective group sizes and message bytes, iterations, training-shape GEMMs' tokens and
-# widths (in, out), attention's sequence lengths and head sizes
+# square matmul sizes, collective group sizes and message bytes, iterations, training-shape GEMMs'
+# tokens and widths (in, out), attention's sequence lengths and head sizes
 Sweep = namedtuple("Sweep", "squares groups messages iters tokens dims seqs head_dims")
 
 PLANS = {
@@ -59,8 +59,9 @@ SAMPLE_S = 0.03  # timed per training-shape sample (best of batches)
 
 
 def training_gemms(tokens, dims, device: str = "cpu", seconds: float = SAMPLE_S) -> list[tuple]:
-    """(m, n, k, TFLOP/s) of a linear layer's three GEMMs as autograd runs them for every token count and (in,
-    out): forward (tokens, out, in), input gradient (tokens, in, out), weight gradient (in, out, tokens)."""
+    """(m, n, k, TFLOP/s) of a linear layer's three GEMMs as autograd runs them for every token
+    count and (in, out): forward (tokens, out, in), input gradient (tokens, in, out), weight
+    gradient (in, out, tokens)."""
     torch, dtype, _ = torch_for(device)
     out = []
     for t in tokens:
@@ -81,8 +82,9 @@ def training_gemms(tokens, dims, device: str = "cpu", seconds: float = SAMPLE_S)
 
 
 def attention_rates(seqs, head_dims, device: str = "cpu", seconds: float = SAMPLE_S) -> list[tuple]:
-    """(seq, head_dim, forward and backward TFLOP/s with is_causal, the same with an explicit causal mask) of
-    torch's SDPA in the planner's FLOPs (is_causal: seq²/2 pairs; an explicit mask computes all seq²)."""
+    """(seq, head_dim, forward and backward TFLOP/s with is_causal, the same with an explicit causal
+    mask) of torch's SDPA in the planner's FLOPs (is_causal: seq²/2 pairs; an explicit mask computes
+    all seq²)."""
     torch, dtype, _ = torch_for(device)
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
@@ -118,8 +120,9 @@ def attention_rates(seqs, head_dims, device: str = "cpu", seconds: float = SAMPL
 
 
 def elementwise_rate(device: str = "cpu", tokens: int = 4096, seconds: float = 0.1) -> float:
-    """GB/s, in fourd.plan.block's counted bytes, of a `small` layer's memory-bound ops run as the model does:
-    two RMSNorms, RoPE on q and k, the GQA repeat of k and v, SiLU·mul, two residual adds, forward and backward."""
+    """GB/s, in fourd.plan.block's counted bytes, of a `small` layer's memory-bound ops run as the
+    model does: two RMSNorms, RoPE on q and k, the GQA repeat of k and v, SiLU·mul, two residual
+    adds, forward and backward."""
     torch, dtype, _ = torch_for(device)
     import torch.nn.functional as F
 
@@ -166,8 +169,9 @@ def elementwise_rate(device: str = "cpu", tokens: int = 4096, seconds: float = 0
 
 
 def optimizer_rate(device: str = "cpu", seconds: float = 0.1) -> float:
-    """GB/s, in the planner's 32 bytes per FP32 parameter, of torch's AdamW on the `small` model: one tensor at a
-    time on CPUs (foreach=False, as the trainer), fused on CUDA (as benchmarks/gpu_step.py)."""
+    """GB/s, in the planner's 32 bytes per FP32 parameter, of torch's AdamW on the `small` model:
+    one tensor at a time on CPUs (foreach=False, as the trainer), fused on CUDA (as
+    benchmarks/gpu_step.py)."""
     torch, _, _ = torch_for(device)
     from fourd.model.config import get_preset
     from fourd.model.llama import build_model
@@ -186,15 +190,17 @@ def optimizer_rate(device: str = "cpu", seconds: float = 0.1) -> float:
 
 
 def copy_gbps(device: str = "cpu", nbytes: int = 64 << 20) -> float:
-    """Memory bandwidth of one thread copying a large tensor: bytes read plus bytes written, per second."""
+    """Memory bandwidth of one thread copying a large tensor: bytes read plus bytes written, per
+    second."""
     torch, _, _ = torch_for(device)
     src, dst = torch.ones(nbytes // 4, device=device), torch.empty(nbytes // 4, device=device)
     return 2 * nbytes / best_seconds(lambda: dst.copy_(src), 0.05, device) / 1e9
 
 
 def fit_alpha_beta(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """(alpha s, beta s/byte) of t = alpha + beta·bytes: alpha the median of small messages, beta the slope over
-    the large ones (or, when other work inflates the small ones, the largest message's time per byte)."""
+    """(alpha s, beta s/byte) of t = alpha + beta·bytes: alpha the median of small messages, beta
+    the slope over the large ones (or, when other work inflates the small ones, the largest
+    message's time per byte)."""
     alpha = statistics.median(t for s, t in points if s <= SMALL_MESSAGE)
     large = [(s, t - alpha) for s, t in points if s >= LARGE_MESSAGE]
     beta = sum(s * t for s, t in large) / sum(s * s for s, _ in large)
@@ -202,7 +208,8 @@ def fit_alpha_beta(points: list[tuple[int, float]]) -> tuple[float, float]:
 
 
 def _workers(rank: int, nproc: int, cores: int, sweep: Sweep) -> dict:
-    """One worker's share: on CPUs the matmul rate while one worker per core does the same, then collectives."""
+    """One worker's share: on CPUs the matmul rate while one worker per core does the same, then
+    collectives."""
     import torch.distributed as dist
 
     from fourd.comm.bench import time_op
@@ -225,9 +232,10 @@ def _workers(rank: int, nproc: int, cores: int, sweep: Sweep) -> dict:
 
 
 def _layer_overheads(rank: int, nproc: int, rounds: int = 7) -> dict:
-    """Seconds fourd's TP and FSDP add to a tiny layer's forward and backward on 2 ranks (models of 1 and 3
-    layers). A step adds up every layer's time, so its typical cost counts, not the luckiest: the models take
-    turns over `rounds` rounds (machine noise falls on all alike) and the median round is kept."""
+    """Seconds fourd's TP and FSDP add to a tiny layer's forward and backward on 2 ranks (models of
+    1 and 3 layers). A step adds up every layer's time, so its typical cost counts, not the
+    luckiest: the models take turns over `rounds` rounds (machine noise falls on all alike) and the
+    median round is kept."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -269,7 +277,8 @@ def _layer_overheads(rank: int, nproc: int, rounds: int = 7) -> dict:
 
 
 def _machine(device: str) -> dict:
-    """What is read, not measured: the device's name, memory and SMs, the devices per node, the peak."""
+    """What is read, not measured: the device's name, memory and SMs, the devices per node, the
+    peak."""
     import torch
 
     from fourd.config import fourd_home
@@ -343,14 +352,16 @@ def measure(plan: str, device: str = "cpu") -> dict:
         if g <= nproc and (op != "send" or g == 2)
     }
     if device == "cpu":
-        # One worker per core, as `fourd train` runs, keeps every core busy even when other work delays one;
-        # a threaded matmul waits for its slowest thread, so on a busy machine it can fall below that sum.
+        # One worker per core, as `fourd train` runs, keeps every core busy even when other work
+        # delays one; a threaded matmul waits for its slowest thread, so on a busy machine it can
+        # fall below that sum.
         threaded = [gemm_tflops(n, threads=m["cores"], seconds=0.3) for n in (512, 1024, 2048)]
         m["concurrent_tflops"] = sum(w["concurrent_tflops"] for w in workers)
         m["peak_tflops"] = max(threaded + [m["concurrent_tflops"]] + [t for _, t in m["gemm"]])
         over = run_workers(_layer_overheads, 2, (), timeout_s=300)[0]
-        # beyond the collectives' latency, which the planner counts apart: TP all-reduces twice forward and
-        # twice backward; ZeRO 3 gathers a layer forward and backward and reduce-scatters its gradients
+        # beyond the collectives' latency, which the planner counts apart: TP all-reduces twice
+        # forward and twice backward; ZeRO 3 gathers a layer forward and backward and
+        # reduce-scatters its gradients
         alpha = {op: m["fits"][(op, 2)][0] for op in OPS}
         m["tp_layer_s"] = max(0.0, over["tp"] - 4 * alpha["all_reduce"])
         m["fsdp_layer_s"] = max(
@@ -387,7 +398,8 @@ def _samples(m: dict) -> list[str]:
 
 
 def profile_toml(m: dict, command: str) -> str:
-    """The `local` cluster profile in the planner's schema (fourd.plan.cluster) from `measure`'s figures."""
+    """The `local` cluster profile in the planner's schema (fourd.plan.cluster) from `measure`'s
+    figures."""
     cpu, today = m["sms"] is None, datetime.date.today().isoformat()
     alpha, beta = m["fits"].get(
         ("send", 2), (5e-6, 1 / (m["copy_gbps"] * 1e9))
@@ -401,11 +413,14 @@ def profile_toml(m: dict, command: str) -> str:
         "",
         "[gpu]",
         f'name = "{m["name"]}"',
-        f"peak_tflops = {m['peak_tflops']:.6g}   # {'best FP32 matmul, all cores' if cpu else 'datasheet dense BF16'}",
+        f"peak_tflops = {m['peak_tflops']:.6g}   # "
+        f"{'best FP32 matmul, all cores' if cpu else 'datasheet dense BF16'}",
         f"memory_gb = {m['memory_gb']:.4g}",
         f"hbm_bw_gbps = {m['copy_gbps']:.4g}   # a 64 MB copy, read and write",
-        f"elementwise_gbps = {m['elementwise_gbps']:.4g}   # fourd's eager block ops, in fourd.plan.block's bytes",
-        f"optimizer_gbps = {m['optimizer_gbps']:.4g}   # AdamW, in the planner's 32 bytes per parameter",
+        f"elementwise_gbps = {m['elementwise_gbps']:.4g}   # fourd's eager block ops, in "
+        "fourd.plan.block's bytes",
+        f"optimizer_gbps = {m['optimizer_gbps']:.4g}   # AdamW, in the planner's "
+        "32 bytes per parameter",
     ]
     if cpu:
         out += [
@@ -479,16 +494,19 @@ def run(args) -> int:
     c = load_cluster(str(out))
     rates = sorted(g.tflops for g in c.gpu.gemm_shapes)
     print(
-        f"wrote {out}\n  {c.gpu.name}: peak {c.gpu.peak_tflops * 1e3:.1f} GFLOP/s; training-shape GEMMs {rates[0] * 1e3:.1f} "
-        f"to {rates[-1] * 1e3:.1f} GFLOP/s over {len(rates)} shapes; copy {c.gpu.hbm_bw_gbps:.2f} GB/s, eager block "
-        f"ops {c.gpu.elementwise_gbps:.2f} GB/s, AdamW {c.gpu.optimizer_gbps:.2f} GB/s"
+        f"wrote {out}\n  {c.gpu.name}: peak {c.gpu.peak_tflops * 1e3:.1f} GFLOP/s; training-shape "
+        f"GEMMs {rates[0] * 1e3:.1f} to {rates[-1] * 1e3:.1f} GFLOP/s over {len(rates)} shapes; "
+        f"copy {c.gpu.hbm_bw_gbps:.2f} GB/s, eager block ops {c.gpu.elementwise_gbps:.2f} GB/s, "
+        f"AdamW {c.gpu.optimizer_gbps:.2f} GB/s"
     )
     for s in c.collectives:
         print(
-            f"  {s.op:>14} x{s.nproc}: alpha {s.alpha_s * 1e6:8.1f} us  1/beta {1 / s.beta_s_per_byte / 1e9:6.3f} GB/s"
+            f"  {s.op:>14} x{s.nproc}: alpha {s.alpha_s * 1e6:8.1f} us  1/beta "
+            f"{1 / s.beta_s_per_byte / 1e9:6.3f} GB/s"
         )
     if c.cpu:
         print(
-            f"  CPU time per layer: tensor parallelism {c.gpu.tp_layer_us:.0f} us, FSDP {c.gpu.fsdp_layer_us:.0f} us"
+            f"  CPU time per layer: tensor parallelism {c.gpu.tp_layer_us:.0f} us, FSDP "
+            f"{c.gpu.fsdp_layer_us:.0f} us"
         )
     return 0

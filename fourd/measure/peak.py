@@ -30,8 +30,9 @@ GPU_PEAK_TFLOPS = {
 
 
 def cpu_peak_flops(cache_dir: Path) -> tuple[float, str]:
-    """The best all-core FP32 matmul rate of this machine and where it comes from. Measured once and kept
-    (per CPU model and core count) only when the machine was quiet: on a busy one it reads low, and MFU high."""
+    """The best all-core FP32 matmul rate of this machine and where it comes from. Measured once and
+    kept (per CPU model and core count) only when the machine was quiet: on a busy one it reads low,
+    and MFU high."""
     key = f"{platform.processor() or platform.machine()}-{os.cpu_count()}"
     path = cache_dir / "cpu_peak.json"
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):

@@ -1,5 +1,5 @@
-"""Timing on a device: the best time of a call, a square matmul's throughput (`fourd calibrate` and the
-trainer's peak FLOP/s both use these)."""
+"""Timing on a device: the best time of a call, a square matmul's throughput (`fourd calibrate` and
+the trainer's peak FLOP/s both use these)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ def torch_for(device: str):
 
 
 def best_seconds(fn, seconds: float, device: str = "cpu") -> float:
-    """Best time of one call of `fn` over timed batches of about 2 ms, for at least `seconds` and 4 batches."""
+    """Best time of one call of `fn` over timed batches of about 2 ms, for at least `seconds` and 4
+    batches."""
     _, _, sync = torch_for(device)
     for _ in range(2):  # a warm-up call, then one timed
         t0 = time.perf_counter()

@@ -1,5 +1,5 @@
-"""Show a model preset's dimensions and parameter count (counted as the torch model allocates them, which the
-tests check on the meta device; nothing is built).
+"""Show a model preset's dimensions and parameter count (counted as the torch model allocates them,
+which the tests check on the meta device; nothing is built).
 
 examples:
   fourd model info llama3-405b

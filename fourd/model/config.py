@@ -38,7 +38,8 @@ class ModelConfig:
         if self.mlp not in ("swiglu", "gelu"):
             raise FourdError(f"model.mlp = {self.mlp!r}: allowed values are swiglu, gelu")
 
-    # Parameter counts, exactly as the torch model allocates them (tested against it on the meta device).
+    # Parameter counts, exactly as the torch model allocates them (tested against it on the meta
+    # device).
     def layer_params(self) -> int:
         q = self.dim * self.heads * self.head_dim
         kv = 2 * self.dim * self.kv_heads * self.head_dim
@@ -60,8 +61,9 @@ class ModelConfig:
         return self.params() - 2 * self.embedding_params()
 
     def flops_per_token(self, seq: int, recompute: str = "none") -> float:
-        """FLOPs per trained token for MFU, 6·(N − input embedding) + 12·L·H·Q·T (PaLM, Chowdhery et al. 2022, app. B);
-        with `recompute` "full" the hardware's for HFU, one more forward per layer (docs/parallelism.md)."""
+        """FLOPs per trained token for MFU, 6·(N − input embedding) + 12·L·H·Q·T (PaLM, Chowdhery et
+        al. 2022, app. B); with `recompute` "full" the hardware's for HFU, one more forward per
+        layer (docs/parallelism.md)."""
         attention = 4 * self.layers * self.heads * self.head_dim * seq
         model = 6 * (self.params() - self.embedding_params()) + 3 * attention
         return model + (
@@ -102,7 +104,8 @@ def parse_model_spec(spec: str) -> ModelConfig:
         key, sep, val = part.partition("=")
         if not sep or key not in _SPEC_KEYS:
             raise FourdError(
-                f"--model-spec: bad item {part!r}; keys are {', '.join(sorted(_SPEC_KEYS))} as key=value"
+                f"--model-spec: bad item {part!r}; keys are "
+                f"{', '.join(sorted(_SPEC_KEYS))} as key=value"
             )
         if key in values:
             raise FourdError(f"--model-spec: {key} is given twice; give each key once")

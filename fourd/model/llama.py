@@ -1,7 +1,8 @@
-"""Llama 3 in one file: RMSNorm, RoPE (θ = 500,000), grouped-query attention, SwiGLU, untied embeddings. No
-parallelism lives here; its seams (docs/parallelism.md): `layers` a ModuleDict keyed by the global layer index, and
-`tok_embeddings`, `norm`, `output` may be None (a pipeline stage); `rope` holds the rows of the tokens the module
-sees; `Attention.core` is the attention kernel, a module that context parallelism swaps.
+"""Llama 3 in one file: RMSNorm, RoPE (θ = 500,000), grouped-query attention, SwiGLU, untied
+embeddings. No parallelism lives here; its seams (docs/parallelism.md): `layers` a ModuleDict keyed
+by the global layer index, and `tok_embeddings`, `norm`, `output` may be None (a pipeline stage);
+`rope` holds the rows of the tokens the module sees; `Attention.core` is the attention kernel, a
+module that context parallelism swaps.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ class RMSNorm(nn.Module):
 
 
 class Rope(nn.Module):
-    """cos and sin of each position's angles, [positions, head_dim // 2]; pairs (x[2i], x[2i+1]) as in Meta's
-    released weights (Hugging Face rotates halves; fourd.hf converts)."""
+    """cos and sin of each position's angles, [positions, head_dim // 2]; pairs (x[2i], x[2i+1]) as
+    in Meta's released weights (Hugging Face rotates halves; fourd.hf converts)."""
 
     def __init__(self, head_dim: int, max_seq: int, theta: float):
         super().__init__()
@@ -63,7 +64,8 @@ class CausalAttention(nn.Module):
     """softmax(q kᵀ / √d + causal mask) v on local heads; k and v carry the KV heads (GQA)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q: [b, s, hq, d], k, v: [b, s, hkv, d]; SDPA's grouped-query path shares each KV head without copies.
+        # q: [b, s, hq, d], k, v: [b, s, hkv, d]; SDPA's grouped-query path shares each KV head
+        # without copies.
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(
             1, 2
@@ -123,7 +125,8 @@ class Llama(nn.Module):
         self.rope = Rope(cfg.head_dim, cfg.max_seq, cfg.rope_theta)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Token ids [b, s] → logits [b, s, vocab]; a pipeline stage passes hidden states through."""
+        """Token ids [b, s] → logits [b, s, vocab]; a pipeline stage passes hidden states
+        through."""
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
         cos, sin = self.rope(h.shape[1])
         for layer in self.layers.values():
@@ -133,8 +136,9 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """From the seed and each parameter's name alone, so every layout and pipeline stage starts from the same
-        weights; each residual branch's output projection scaled by 1/√(2·layers) (GPT-2's depth scaling)."""
+        """From the seed and each parameter's name alone, so every layout and pipeline stage starts
+        from the same weights; each residual branch's output projection scaled by 1/√(2·layers)
+        (GPT-2's depth scaling)."""
         std, depth_std = 0.02, 0.02 / math.sqrt(2 * self.cfg.layers)
         for name, p in self.named_parameters():
             leaf = name.rsplit(".", 2)[-2] if name.count(".") else name

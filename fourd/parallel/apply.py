@@ -1,5 +1,5 @@
-"""The run's parallelism applied from outside to the unmodified model, in the one order this module writes:
-pipeline split → (FP8) → TP → CP → recomputation → compilation → DP (FSDP over dp×cp)."""
+"""The run's parallelism applied from outside to the unmodified model, in the one order this module
+writes: pipeline split → (FP8) → TP → CP → recomputation → compilation → DP (FSDP over dp×cp)."""
 
 from __future__ import annotations
 
@@ -78,7 +78,8 @@ def build_parallel(cfg: Config, device: torch.device, rank: int, world: int) -> 
 
 
 def _per_block(cfg: Config, stage: torch.nn.Module, par: Parallelism, device: torch.device) -> None:
-    """Recomputation, then compilation of each block in place, as torchtitan does (parameter names unchanged)."""
+    """Recomputation, then compilation of each block in place, as torchtitan does (parameter names
+    unchanged)."""
     apply_recompute(stage, par.recompute)
     if compiles(cfg, device.type):
         for block in stage.layers.values():
@@ -91,7 +92,8 @@ def compiles(cfg: Config, device_type: str) -> bool:
 
 
 def check_fp8(cfg: Config) -> None:
-    """FourdError unless FP8 training (torchao's float8 linears) can run here: a CUDA H100 or H200, no TP."""
+    """FourdError unless FP8 training (torchao's float8 linears) can run here: a CUDA H100 or H200,
+    no TP."""
     if not cfg.train.fp8:
         return
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
@@ -114,5 +116,6 @@ def check_fp8(cfg: Config) -> None:
 def _fp8(stage: torch.nn.Module) -> None:
     from torchao.float8 import convert_to_float8_training
 
-    # The output projection stays in BF16: its FP8 error reaches the loss directly (torchtitan does the same).
+    # The output projection stays in BF16: its FP8 error reaches the loss directly (torchtitan does
+    # the same).
     convert_to_float8_training(stage, module_filter_fn=lambda module, fqn: fqn != "output")

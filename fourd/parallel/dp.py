@@ -1,5 +1,5 @@
-"""Data parallelism over the dp×cp ranks by ZeRO stage (Rajbhandari et al. 2020), on FSDP2; the stages, their
-memory and the ZeRO 1 optimizer are described in docs/parallelism.md."""
+"""Data parallelism over the dp×cp ranks by ZeRO stage (Rajbhandari et al. 2020), on FSDP2; the
+stages, their memory and the ZeRO 1 optimizer are described in docs/parallelism.md."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from fourd.layout import ZERO_STAGES
 
 
 def apply_dp(model: nn.Module, dp_mesh: DeviceMesh, zero: int = 3) -> nn.Module:
-    """Wrap a Llama or a pipeline stage in place, per block and then whole: ZeRO 0 and 1 replicate (ZeRO 1's optimizer
-    is ShardedAdamW), 2 and 3 fully_shard; a 2-D dp_mesh (HSDP, from mesh.dp_cp_mesh) takes ZeRO 3. On CUDA,
-    compute in BF16 and gradient reduction in FP32."""
+    """Wrap a Llama or a pipeline stage in place, per block and then whole: ZeRO 0 and 1 replicate
+    (ZeRO 1's optimizer is ShardedAdamW), 2 and 3 fully_shard; a 2-D dp_mesh (HSDP, from
+    mesh.dp_cp_mesh) takes ZeRO 3. On CUDA, compute in BF16 and gradient reduction in FP32."""
     if zero not in ZERO_STAGES or isinstance(zero, bool):
         raise FourdError(f"ZeRO stage {zero!r}: choose one of {', '.join(map(str, ZERO_STAGES))}")
     if dp_mesh.ndim == 2 and zero != 3:
@@ -48,9 +48,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class ShardedAdamW(torch.optim.AdamW):
-    """ZeRO 1 over replicated parameters: each parameter's AdamW state lives on one owner rank (largest first, to the
-    least loaded), which updates and broadcasts it. state_dict() gathers every state (a collective): checkpoints
-    equal ZeRO 0's; load_state_dict() keeps the owned."""
+    """ZeRO 1 over replicated parameters: each parameter's AdamW state lives on one owner rank
+    (largest first, to the least loaded), which updates and broadcasts it. state_dict() gathers
+    every state (a collective): checkpoints equal ZeRO 0's; load_state_dict() keeps the owned."""
 
     def __init__(self, params, mesh: DeviceMesh, **kwargs):
         super().__init__(params, **kwargs)
@@ -61,8 +61,9 @@ class ShardedAdamW(torch.optim.AdamW):
             loads[self.owner[p]] += p.numel()
         self.mine = {p for p, r in self.owner.items() if r == rank}
         self.steps = 0
-        # The state exists from the start, as torch.distributed.checkpoint wants to load into it; never empty, even on
-        # a rank that owns nothing, or it would call step() (here a collective) on that rank alone to create it.
+        # The state exists from the start, as torch.distributed.checkpoint wants to load into it;
+        # never empty, even on a rank that owns nothing, or it would call step() (here a collective)
+        # on that rank alone to create it.
         for group in self.param_groups:
             self.state.update(
                 {p: self._zeros(p, group) if p in self.mine else {} for p in group["params"]}
@@ -82,7 +83,8 @@ class ShardedAdamW(torch.optim.AdamW):
         others = [p for p in self._params() if p not in self.mine]
         grads = [p.grad for p in others]
         for p in others:
-            p.grad = None  # AdamW skips a parameter without gradient: it neither creates nor updates its state
+            # AdamW skips a parameter without gradient: it neither creates nor updates its state
+            p.grad = None
         try:
             super().step()
         finally:
@@ -112,7 +114,8 @@ class ShardedAdamW(torch.optim.AdamW):
 
 
 def held_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind these tensors' local shards (FSDP's padded): what this rank holds."""
+    """Bytes of the distinct storages behind these tensors' local shards (FSDP's padded): what this
+    rank holds."""
     storages = {}
     for t in tensors:
         s = _local(t).untyped_storage()

@@ -1,4 +1,5 @@
-"""The global gradient norm and clipping, over gradients sharded every way the layout shards them."""
+"""The global gradient norm and clipping, over gradients sharded every way the layout shards
+them."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ from torch.distributed.tensor import DTensor, Replicate
 
 @torch.no_grad()
 def grad_norm(params, mesh: DeviceMesh | None = None) -> torch.Tensor:
-    """‖g‖₂ over every gradient of the model, identical on every rank (an FP32 scalar tensor): a DTensor's local
-    squares summed over the mesh dimensions that shard it, once over those that replicate it; stages add over pp."""
-    # Sums of squares of the local shards, one per (mesh, placements), in first-seen order: every rank of
-    # a stage holds the same parameters in the same order, so they agree on the reductions below.
+    """‖g‖₂ over every gradient of the model, identical on every rank (an FP32 scalar tensor): a
+    DTensor's local squares summed over the mesh dimensions that shard it, once over those that
+    replicate it; stages add over pp."""
+    # Sums of squares of the local shards, one per (mesh, placements), in first-seen order: every
+    # rank of a stage holds the same parameters in the same order, so they agree on the reductions
+    # below.
     groups: dict[tuple, torch.Tensor] = {}
     grads = [p.grad for p in params if p.grad is not None]
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]

@@ -1,5 +1,6 @@
-"""Pipeline parallelism: split the model into stages by layer count and run a `fourd.schedules` schedule, its
-per-rank action lists unchanged, on torch.distributed.pipelining's action runtime (docs/pipeline-context.md)."""
+"""Pipeline parallelism: split the model into stages by layer count and run a `fourd.schedules`
+schedule, its per-rank action lists unchanged, on torch.distributed.pipelining's action runtime
+(docs/pipeline-context.md)."""
 
 from __future__ import annotations
 
@@ -27,8 +28,9 @@ def pipeline_split(
     device: str | torch.device = "cpu",
     fewer_first_last: bool = True,
 ) -> list[Llama]:
-    """Pipeline rank `pp_rank`'s stages (Llama with only their layers, global keys) in schedule order: sharing a
-    built model's modules, or built alone from `seed` (the full model's weights: init is per parameter name)."""
+    """Pipeline rank `pp_rank`'s stages (Llama with only their layers, global keys) in schedule
+    order: sharing a built model's modules, or built alone from `seed` (the full model's weights:
+    init is per parameter name)."""
     cfg = model_or_cfg.cfg if isinstance(model_or_cfg, Llama) else model_or_cfg
     counts = layer_split(cfg.layers, schedule.stages, fewer_first_last, empty_edges=True)
     starts = [sum(counts[:s]) for s in range(schedule.stages)]
@@ -99,8 +101,8 @@ class _TimedStage(PipelineStage):
 
 
 class PipelineRunner:
-    """Runs one training step of `schedule` over this rank's `stages`; after it, `records` (its compute actions),
-    `wall` (the step's seconds) and `bubble_fraction` = 1 − busy / wall."""
+    """Runs one training step of `schedule` over this rank's `stages`; after it, `records` (its
+    compute actions), `wall` (the step's seconds) and `bubble_fraction` = 1 − busy / wall."""
 
     def __init__(self, stages: list[nn.Module], schedule: Schedule, pp_mesh, loss_fn, device=None):
         self.group = pp_mesh.get_group() if hasattr(pp_mesh, "get_group") else pp_mesh
@@ -128,7 +130,8 @@ class PipelineRunner:
         self._has_first = 0 in indices
         self._has_last = schedule.stages - 1 in indices
         # Each microbatch's mean loss counts 1/M: the runtime divides the gradients by M once all
-        # backwards are done (after FSDP's reduction), which is the same as backpropagating loss / M.
+        # backwards are done (after FSDP's reduction), which is the same as backpropagating loss /
+        # M.
         actions = {
             r: [(a.stage, a.kind, a.microbatch) for a in acts]
             for r, acts in enumerate(schedule.ranks)
@@ -149,12 +152,13 @@ class PipelineRunner:
         return loss
 
     def step(self, x: torch.Tensor | None, y: torch.Tensor | None) -> torch.Tensor:
-        """Forward and backward of every microbatch of x, y ([batch, seq], a multiple of the microbatches; read on
-        the first / last stage's rank only); returns the mean loss (detached FP32, the same on every rank)."""
+        """Forward and backward of every microbatch of x, y ([batch, seq], a multiple of the
+        microbatches; read on the first / last stage's rank only); returns the mean loss (detached
+        FP32, the same on every rank)."""
         self.records.clear()
-        # The step is one window for the whole pipeline: from all ranks starting together to the last one
-        # finishing. A rank's own window would hide the fill (later stages wait before their first F) or
-        # the drain (the last stage is done before the first stage's final B).
+        # The step is one window for the whole pipeline: from all ranks starting together to the
+        # last one finishing. A rank's own window would hide the fill (later stages wait before
+        # their first F) or the drain (the last stage is done before the first stage's final B).
         dist.barrier(group=self.group)
         t0 = perf_counter()
         for stage in self._stages:
@@ -165,7 +169,8 @@ class PipelineRunner:
             *first, target=y if self._has_last else None, losses=losses, return_outputs=False
         )
         device = self._stages[0].device
-        # Only the last stage's rank has losses; the others add zero, and everyone waits for the last rank.
+        # Only the last stage's rank has losses; the others add zero, and everyone waits for the
+        # last rank.
         loss = (
             torch.stack([x.detach().float() for x in losses]).mean()
             if losses

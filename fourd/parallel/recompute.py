@@ -1,5 +1,6 @@
-"""Activation recomputation per transformer block, applied from outside (docs/parallelism.md): "selective"
-recomputes no matmul, attention or reduction, "per-op" (torchtitan's) every other matmul, "full" the whole block."""
+"""Activation recomputation per transformer block, applied from outside (docs/parallelism.md):
+"selective" recomputes no matmul, attention or reduction, "per-op" (torchtitan's) every other
+matmul, "full" the whole block."""
 
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ KEEP = {
 
 
 def _contexts(matmuls: int, mode: str):
-    """Fresh contexts for one block call. Selective does not keep the last matmul's (w2) output, which backward
-    never needs; per-op keeps the 1st, 3rd, ... matmul's."""
+    """Fresh contexts for one block call. Selective does not keep the last matmul's (w2) output,
+    which backward never needs; per-op keeps the 1st, 3rd, ... matmul's."""
     seen = {False: 0, True: 0}  # matmuls so far in the forward and in the recomputation
 
     def policy(ctx, op, *args, **kwargs):
@@ -42,7 +43,8 @@ def _contexts(matmuls: int, mode: str):
 
 
 def apply_recompute(stage: nn.Module, mode: str) -> nn.Module:
-    """Wrap each block's forward in place (parameter names unchanged): mode is one of fourd.layout.RECOMPUTE."""
+    """Wrap each block's forward in place (parameter names unchanged): mode is one of
+    fourd.layout.RECOMPUTE."""
     for block in stage.layers.values() if mode != "none" else ():
         kw = {}
         if mode != "full":

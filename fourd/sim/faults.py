@@ -1,5 +1,6 @@
-"""Monte-Carlo of a long training run on N GPUs: interruptions (Llama 3 Table 5's rates, unexpected ones
-scaled with the GPUs), checkpoints, restarts and lost work, vectorised over runs (docs/simulators.md)."""
+"""Monte-Carlo of a long training run on N GPUs: interruptions (Llama 3 Table 5's rates, unexpected
+ones scaled with the GPUs), checkpoints, restarts and lost work, vectorised over runs
+(docs/simulators.md)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import numpy as np
 
 from fourd.errors import FourdError
 
-# Llama 3 Table 5 (Dubey et al. 2024 §3.3.4): unexpected interruptions in 54 days on 16,384 GPUs per component,
-# and whether it is hardware (the paper's "~78 % hardware").
+# Llama 3 Table 5 (Dubey et al. 2024 §3.3.4): unexpected interruptions in 54 days on 16,384 GPUs per
+# component, and whether it is hardware (the paper's "~78 % hardware").
 TABLE5 = {
     "faulty GPU": (148, True),
     "GPU HBM3 memory": (72, True),
@@ -40,7 +41,8 @@ CHECKPOINT_S, RESTART_S = (
     10.0,
     300.0,
 )  # assumed save and restart times (docs/simulators.md: Llama 3 §3.3.1)
-BYTES_PER_SLOT = 160  # peak NumPy memory of `simulate` per run and slot: 111 B measured (tracemalloc), and a margin
+# peak NumPy memory of `simulate` per run and slot: 111 B measured (tracemalloc), and a margin
+BYTES_PER_SLOT = 160
 DAY_S = 86_400.0
 
 
@@ -91,7 +93,8 @@ class FaultResult:
 
 
 def _check_size(runs: int, slots: int) -> None:
-    """Refuse a simulation whose arrays would not fit in half the memory this machine can give now."""
+    """Refuse a simulation whose arrays would not fit in half the memory this machine can give
+    now."""
     try:
         lines = Path("/proc/meminfo").read_text().splitlines()
         free = next(int(ln.split()[1]) * 1024 for ln in lines if ln.startswith("MemAvailable:"))
@@ -100,8 +103,9 @@ def _check_size(runs: int, slots: int) -> None:
     need, limit = runs * slots * BYTES_PER_SLOT, free // 2
     if need > limit:
         raise FourdError(
-            f"{runs:,} runs of {slots:,} interruption slots each need about {need / 2**30:,.1f} GiB, more than "
-            f"the {limit / 2**30:,.1f} GiB this machine can give: use fewer runs or fewer days"
+            f"{runs:,} runs of {slots:,} interruption slots each need about {need / 2**30:,.1f} "
+            f"GiB, more than the {limit / 2**30:,.1f} GiB this machine can give: use "
+            "fewer runs or fewer days"
         )
 
 
@@ -114,13 +118,15 @@ def simulate(
     checkpoint_s: float = CHECKPOINT_S,
     restart_s: float = RESTART_S,
 ) -> FaultResult:
-    """`runs` independent runs of `days` days; the checkpoint interval defaults to Daly's optimum."""
+    """`runs` independent runs of `days` days; the checkpoint interval defaults to Daly's
+    optimum."""
     positive = (gpus, runs, days, 1.0 if interval_s is None else interval_s)
     finite = math.isfinite(sum(positive) + checkpoint_s + restart_s)
     if not (finite and min(positive) > 0 and min(checkpoint_s, restart_s) >= 0):
         raise FourdError(
-            f"{gpus} GPUs, {days} days, {runs} runs, checkpoint interval {interval_s} s, checkpoint {checkpoint_s} s,"
-            f" restart {restart_s} s: each must be finite, and positive (the last two may be 0)"
+            f"{gpus} GPUs, {days} days, {runs} runs, checkpoint interval {interval_s} s, "
+            f"checkpoint {checkpoint_s} s, restart {restart_s} s: each must be finite, and "
+            "positive (the last two may be 0)"
         )
     tau = daly_interval(checkpoint_s, mtbf_s(gpus)) if interval_s is None else interval_s
     rates = unexpected_per_day(gpus)
@@ -167,8 +173,8 @@ def simulate(
 
 
 def _spans(arrivals, happened, planned, horizon: float, times: tuple[float, float, float]):
-    """(useful, lost, downtime, checkpointing, live) per gap between interruptions; each gap runs from one
-    restart to the next interruption (the last one to the horizon)."""
+    """(useful, lost, downtime, checkpointing, live) per gap between interruptions; each gap runs
+    from one restart to the next interruption (the last one to the horizon)."""
     tau, checkpoint_s, restart_s = times
     starts = np.concatenate([np.zeros((arrivals.shape[0], 1)), arrivals[:, :-1]], axis=1)
     live = starts < horizon

@@ -1,6 +1,7 @@
-"""Monte-Carlo of interruptions over a long run at Llama 3 Table 5's rates (scaled with the GPUs): checkpoints,
-restarts and lost work; the effective training fraction and the Young and Daly checkpoint intervals. Assumed
-times (docs/simulators.md): checkpoint save 10 s, restart 5 min (--checkpoint-s, --restart-min).
+"""Monte-Carlo of interruptions over a long run at Llama 3 Table 5's rates (scaled with the GPUs):
+checkpoints, restarts and lost work; the effective training fraction and the Young and Daly
+checkpoint intervals. Assumed times (docs/simulators.md): checkpoint save 10 s, restart 5 min
+(--checkpoint-s, --restart-min).
 
 examples:
   fourd sim faults --gpus 16384 --days 54

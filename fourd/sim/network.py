@@ -1,5 +1,6 @@
-"""Transfers as fluid flows sharing links equally, each capped by its own bandwidth; a link may carry a fraction
-of a flow's bytes (a ring with k members per server: 1/k through each NIC). Delivered `latency` after the end."""
+"""Transfers as fluid flows sharing links equally, each capped by its own bandwidth; a link may
+carry a fraction of a flow's bytes (a ring with k members per server: 1/k through each NIC).
+Delivered `latency` after the end."""
 
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ class Network:
         return min((now + f.size / f.rate for f in self.flows), default=float("inf"))
 
     def advance(self, now: float, dt: float) -> list[Flow]:
-        """Move every flow dt seconds forward; return the flows that finished (their bytes all sent)."""
+        """Move every flow dt seconds forward; return the flows that finished (their bytes all
+        sent)."""
         if self.dirty:
             self._rates()
         for f in self.flows:

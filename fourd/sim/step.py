@@ -1,6 +1,7 @@
-"""Discrete-event simulation of one training step: each pipeline rank runs its `fourd.schedules` actions with
-the planner's compute times; activations, gradients and per-layer data-parallel buckets move as flows sharing
-the links (fourd.sim.network). One GPU per pipeline rank stands for its replicas (docs/simulators.md)."""
+"""Discrete-event simulation of one training step: each pipeline rank runs its `fourd.schedules`
+actions with the planner's compute times; activations, gradients and per-layer data-parallel buckets
+move as flows sharing the links (fourd.sim.network). One GPU per pipeline rank stands for its
+replicas (docs/simulators.md)."""
 
 from __future__ import annotations
 
@@ -37,8 +38,8 @@ class Event:
 
 
 def stage_costs(job: Job, comm: bool = True) -> list[dict[str, float]]:
-    """Seconds of each action kind ("F", "B", "I", "W") per global stage from the planner's cost model; TP and
-    CP collectives are part of F, B and I unless `comm` is False."""
+    """Seconds of each action kind ("F", "B", "I", "W") per global stage from the planner's cost
+    model; TP and CP collectives are part of F, B and I unless `comm` is False."""
     times = [
         (
             t.forward_s + t.forward_comm_s * comm,
@@ -54,7 +55,8 @@ def stage_costs(job: Job, comm: bool = True) -> list[dict[str, float]]:
 class Transfer:
     replica: int  # 0: the replicas that stand for all (or the only one); 1: the straggler's replica
     rank: int  # pipeline rank of the GPU that sends
-    kind: str  # "pp" (activation or gradient to a neighbour stage) or "ag", "rs", "ar" (data parallel)
+    # "pp" (activation or gradient to a neighbour stage) or "ag", "rs", "ar" (data parallel)
+    kind: str
     name: str
     start: float
     end: float
@@ -81,7 +83,8 @@ class StepResult:
 
 @dataclass(frozen=True)
 class Comm:
-    """What transfers cost on a cluster for one job: links, and each transfer's bytes, cap and latency."""
+    """What transfers cost on a cluster for one job: links, and each transfer's bytes, cap and
+    latency."""
 
     cluster: Any
     zero: int
@@ -102,7 +105,8 @@ def build_comm(job: Job) -> Comm:
         net.nic_bw_gbps * 1e9 * net.nic_efficiency,
         node.intra_bw_gbps * 1e9 * node.intra_efficiency,
     )
-    # each TP rank sends its sequence-parallel shard; without SP every TP rank holds (and sends) it all
+    # each TP rank sends its sequence-parallel shard; without SP every TP rank holds (and sends) it
+    # all
     p2p_bytes = (
         job.work.tokens
         * job.model.dim
@@ -116,8 +120,8 @@ def build_comm(job: Job) -> Comm:
     }
     p2p = {(a, b): link[server[a] == server[b]] for a in range(lay.pp) for b in range(lay.pp)}
     group, nvlink = shard_group(lay), (("nvl_out", 1.0), ("nvl_in", 1.0))
-    # k members per server drive k NICs (one ring channel each): 1/k of the bytes through this GPU's NIC, all
-    # of them over its NVLink port to the server's other members
+    # k members per server drive k NICs (one ring channel each): 1/k of the bytes through this GPU's
+    # NIC, all of them over its NVLink port to the server's other members
     k = members_per_node(group, cluster)
     nic_links = (("nic_out", 1 / k), ("nic_in", 1 / k)) + nvlink * (k > 1)
     dp_links = nvlink if group_level(group, cluster) == "nvlink" else nic_links
@@ -148,7 +152,8 @@ class _Piece:
     parts: int
     dur: float
     needs: tuple
-    after: list  # effects when it ends: ("token", t) | ("send", dst, token) | ("enqueue", stream, key, bytes)
+    # effects when it ends: ("token", t) | ("send", dst, token) | ("enqueue", stream, key, bytes)
+    after: list
 
 
 def simulate(
@@ -161,8 +166,9 @@ def simulate(
     slow: tuple[int, float] | None = None,
     dp: int = 1,
 ) -> StepResult:
-    """Run one step: `costs[stage][kind]` compute seconds, `layers[stage]` DP buckets per stage, `comm` None:
-    transfers free, no DP collectives; `slow = (pipeline rank, factor)` slows it in one of `dp` replicas."""
+    """Run one step: `costs[stage][kind]` compute seconds, `layers[stage]` DP buckets per stage,
+    `comm` None: transfers free, no DP collectives; `slow = (pipeline rank, factor)` slows it in one
+    of `dp` replicas."""
     p = schedule.pp
     layers = layers or [1] * schedule.stages
     optimizer_s = optimizer_s or [0] * p
@@ -190,7 +196,8 @@ def _check_size(pieces: int) -> None:
 
 
 def _needs(a: Action, c: int, stages: int) -> list:
-    """Tokens an action waits for (fourd.schedules.depends_on): deliveries are "act" and "gin" tokens."""
+    """Tokens an action waits for (fourd.schedules.depends_on): deliveries are "act" and "gin"
+    tokens."""
     return [
         (c, "act" if a.kind == "F" else "gin" if k == "grad" else k, s, j)
         for k, s, j in depends_on(a, stages)
@@ -259,8 +266,10 @@ class _Engine:
         }
         self.rs_keys, self.sizes, self.tokens = dict[tuple, list](), dict[Any, float](), set[Any]()
         self.transfers, self.order = list[Transfer](), itertools.count()
-        self.deliveries: list = []  # (time, order, callback): flows delivered after their latency, FIFO at a tie
-        # collectives finished (their streams move on), collective key -> the streams whose head it is
+        # (time, order, callback): flows delivered after their latency, FIFO at a tie
+        self.deliveries: list = []
+        # collectives finished (their streams move on), collective key -> the streams whose head it
+        # is
         self.done_colls, self.waiting, self.busy_streams = (
             dict[Any, Any](),
             dict[Any, set](),
@@ -277,7 +286,8 @@ class _Engine:
         self.sizes[key] = nbytes
 
     def _start(self, t: float) -> None:
-        """Start every piece whose inputs are there and every collective at the head of all its streams."""
+        """Start every piece whose inputs are there and every collective at the head of all its
+        streams."""
         moved = True
         while moved:
             moved = False
@@ -367,8 +377,8 @@ class _Engine:
             self.net.add(Flow(self.comm.p2p_bytes, links, bw, latency, done), t)
 
     def _launch(self, key, streams, t):
-        """Every participant has the collective at the head of its stream: move its bytes (a ring over the
-        DP group; alone it takes exactly the planner's collective_time)."""
+        """Every participant has the collective at the head of its stream: move its bytes (a ring
+        over the DP group; alone it takes exactly the planner's collective_time)."""
         comm = self.comm
         assert comm is not None
         op = {"ag": "all_gather", "rs": "reduce_scatter", "ar": "all_reduce"}[key[0]]
@@ -398,12 +408,13 @@ class _Engine:
 def simulate_step(
     job: Job, comm: bool = True, slow_gpu: tuple[int, float] | None = None, throttle: float = 1.0
 ):
-    """One step of `job` (a StepResult). `slow_gpu = (global rank, factor)`: that GPU, and with it its TP/CP
-    group, computes factor× slower; `throttle` ≥ 1 slows every GPU alike."""
+    """One step of `job` (a StepResult). `slow_gpu = (global rank, factor)`: that GPU, and with it
+    its TP/CP group, computes factor× slower; `throttle` ≥ 1 slows every GPU alike."""
     lay, par = job.layout, job.par
     if job.pipeline_comm != "overlapped":
         raise FourdError(
-            "the step simulator runs overlapped pipeline communication only; the planner models blocking"
+            "the step simulator runs overlapped pipeline communication only; the "
+            "planner models blocking"
         )
     layers = [max(1, n) for n in stage_layers(job.model.layers, lay.pp, par.virtual_stages)]
     _check_size(
@@ -414,7 +425,8 @@ def simulate_step(
     g, factor = slow_gpu or (0, 1.0)
     if not (0 <= g < lay.world and 0 < factor < math.inf):
         raise FourdError(
-            f"slow GPU {g}:{factor}: give a rank in 0..{lay.world - 1} of layout {lay} and a factor > 0"
+            f"slow GPU {g}:{factor}: give a rank in 0..{lay.world - 1} of layout "
+            f"{lay} and a factor > 0"
         )
     slow = None if slow_gpu is None else (lay.coords(g)["pp"], factor)
     net = build_comm(job) if comm else None
@@ -432,8 +444,8 @@ def simulate_step(
 
 
 def timeline(schedule: Schedule, costs: dict | list[dict] | None = None) -> list[list[Event]]:
-    """Per-rank timed events in execution order, times from 0, transfers free (the lab's pipeline bench):
-    `costs` seconds by kind (UNIT, the default), or a list of such dicts, one per stage."""
+    """Per-rank timed events in execution order, times from 0, transfers free (the lab's pipeline
+    bench): `costs` seconds by kind (UNIT, the default), or a list of such dicts, one per stage."""
     return simulate(
         schedule, costs if isinstance(costs, list) else [costs or UNIT] * schedule.stages
     ).events

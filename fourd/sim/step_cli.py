@@ -1,11 +1,14 @@
-"""Simulate one training step event by event: the schedule's action lists with the planner's compute times,
-pipeline sends and data-parallel buckets sharing the cluster's links (docs/simulators.md). Flags as `fourd
-plan`, settings left out the planner's choice; --search ranks the planner's best candidates by simulated time.
+"""Simulate one training step event by event: the schedule's action lists with the planner's compute
+times, pipeline sends and data-parallel buckets sharing the cluster's links (docs/simulators.md).
+Flags as `fourd plan`, settings left out the planner's choice; --search ranks the planner's best
+candidates by simulated time.
 
 examples:
-  fourd sim step --model llama3-405b --cluster llama3-h100 --gpus 16384 --layout tp=8,pp=16,dp=128 \\
+  fourd sim step --model llama3-405b --cluster llama3-h100 --gpus 16384 --layout tp=8,pp=16,dp=128
+  \\
                  --seq 8192 --global-batch-tokens 16M --schedule interleaved
-  fourd sim step --model llama3-70b --gpus 512 --layout tp=8,pp=4,dp=16 --seq 8192 --global-batch-tokens 4M \\
+  fourd sim step --model llama3-70b --gpus 512 --layout tp=8,pp=4,dp=16 --seq 8192
+  --global-batch-tokens 4M \\
                  --schedule 1f1b --slow-gpu 40:1.2 --trace step.json
   fourd sim step --model llama3-8b --gpus 64 --seq 8192 --global-batch-tokens 1M --search --top 5
 """
@@ -75,7 +78,8 @@ def add_arguments(p):
 
 
 def diurnal_factor(pct: float, hour: float) -> float:
-    """Compute slowdown at `hour`: 1 at 03:00, 1 + pct/100 at 15:00, a cosine between (Llama 3 §3.3.4)."""
+    """Compute slowdown at `hour`: 1 at 03:00, 1 + pct/100 at 15:00, a cosine between (Llama 3
+    §3.3.4)."""
     return 1 + pct / 100 * (1 - math.cos(2 * math.pi * (hour - 3) / 24)) / 2
 
 
@@ -123,7 +127,8 @@ def report(plan, result, comm: bool, wall: float, train_tokens: float | None = N
 
 
 def simulate_plan(plan, args, train_tokens: float | None = None):
-    """(the StepResult, its report) of the planner's `plan` with the straggler and throttle flags of `args`."""
+    """(the StepResult, its report) of the planner's `plan` with the straggler and throttle flags of
+    `args`."""
     from fourd.sim.step import simulate_step
 
     start = time.perf_counter()
@@ -136,8 +141,9 @@ def simulate_plan(plan, args, train_tokens: float | None = None):
 def _line(r: dict) -> str:
     lay = ",".join(f"{d}={r['layout'][d]}" for d in ("tp", "cp", "pp", "dp"))
     return (
-        f"{r['step_time_s']:.4g} s (planner {r['planner_step_time_s']:.4g} s)  {lay} {r['schedule']}"
-        f" V={r['virtual_stages']} m={r['microbatches']} ZeRO {r['zero']} recompute {r['recompute']}"
+        f"{r['step_time_s']:.4g} s (planner {r['planner_step_time_s']:.4g} s)  {lay} "
+        f"{r['schedule']} V={r['virtual_stages']} m={r['microbatches']} ZeRO {r['zero']} "
+        f"recompute {r['recompute']}"
     )
 
 
@@ -171,11 +177,15 @@ def run(args) -> int:
     v = f" V={c.virtual_stages}" if c.virtual_stages > 1 else ""
     idle = " ".join(f"{100 * x:.1f}" for x in out["per_rank_idle_fraction"])
     lines = [
-        f"{plan.gpus:,} GPUs, layout {c.layout}, {c.schedule}{v}, {plural(c.microbatches, 'microbatch')} of "
-        f"{plan.micro_seqs} x {plan.seq} tokens, ZeRO {c.zero}, recompute {c.recompute}{'' if out['comm'] else ', transfers free'}",
-        f"  step time        {out['step_time_s']:.4g} s   (planner {out['planner_step_time_s']:.4g} s)",
-        f"  throughput       {out['tokens_per_s']:,.0f} tokens/s, {out['tflops_per_gpu']:.0f} TFLOP/s per GPU, MFU {100 * out['mfu']:.1f} %",
-        f"  bubble           {100 * out['bubble_fraction']:.1f} % of the pipeline span ({out['pipeline_span_s']:.4g} s) on the busiest rank",
+        f"{plan.gpus:,} GPUs, layout {c.layout}, {c.schedule}{v}, "
+        f"{plural(c.microbatches, 'microbatch')} of {plan.micro_seqs} x {plan.seq} tokens, ZeRO "
+        f"{c.zero}, recompute {c.recompute}{'' if out['comm'] else ', transfers free'}",
+        f"  step time        {out['step_time_s']:.4g} s   (planner "
+        f"{out['planner_step_time_s']:.4g} s)",
+        f"  throughput       {out['tokens_per_s']:,.0f} tokens/s, {out['tflops_per_gpu']:.0f} "
+        f"TFLOP/s per GPU, MFU {100 * out['mfu']:.1f} %",
+        f"  bubble           {100 * out['bubble_fraction']:.1f} % of the pipeline span "
+        f"({out['pipeline_span_s']:.4g} s) on the busiest rank",
         f"  idle per rank    {idle}  (% of the step)",
         *(
             [f"  straggler        GPU {args.slow_gpu[0]} at {args.slow_gpu[1]:g}x"]
@@ -184,7 +194,8 @@ def run(args) -> int:
         ),
         *(
             [
-                f"  training         {out['training_days']:.1f} days for {req.train_tokens:.3g} tokens"
+                f"  training         {out['training_days']:.1f} days for "
+                f"{req.train_tokens:.3g} tokens"
             ]
             if req.train_tokens
             else []

@@ -1,5 +1,6 @@
-"""Chrome trace JSON (Perfetto, chrome://tracing), the one writer of fourd's traces: a simulated step has one
-process per class of replica (all alike, a straggler's) and per pipeline rank a compute and a sends track."""
+"""Chrome trace JSON (Perfetto, chrome://tracing), the one writer of fourd's traces: a simulated
+step has one process per class of replica (all alike, a straggler's) and per pipeline rank a compute
+and a sends track."""
 
 from __future__ import annotations
 
@@ -74,7 +75,8 @@ def document(events: list[dict]) -> dict:
 
 
 def write_trace(result: StepResult | dict, path: str | Path) -> None:
-    """Write a step's trace (or a ready trace document) atomically: a reader never sees half a file."""
+    """Write a step's trace (or a ready trace document) atomically: a reader never sees half a
+    file."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(result if isinstance(result, dict) else chrome_trace(result)))
