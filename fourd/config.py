@@ -362,14 +362,14 @@ def model_config(cfg: Config) -> ModelConfig:
 
 def parallelism(cfg: Config) -> Parallelism:
     """The run's Parallelism, in the words the planner uses too."""
-    p, lay = cfg.parallel, parse_layout(cfg.parallel.layout)
-    cuts = (
-        p.schedule,
-        p.microbatches,
-        p.virtual_stages,
-        p.zero,
-        p.recompute,
-        p.sequence_parallel,
-        p.hsdp_replicas,
+    settings = cfg.parallel
+    return Parallelism(
+        layout=parse_layout(settings.layout),
+        schedule=settings.schedule,
+        microbatches=settings.microbatches,
+        virtual_stages=settings.virtual_stages,
+        zero=settings.zero,
+        recompute=settings.recompute,
+        sequence_parallel=settings.sequence_parallel,
+        hsdp_replicas=settings.hsdp_replicas,
     )
-    return Parallelism(lay, *cuts)

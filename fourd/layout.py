@@ -25,11 +25,11 @@ class Layout:
     dp: int = 1
 
     def __post_init__(self):
-        for d in DIMS:
-            v = getattr(self, d)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        for dim in DIMS:
+            degree = getattr(self, dim)
+            if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
                 raise FourdError(
-                    f"layout {d}={v!r}: each degree must be a positive integer, e.g. {d}=2"
+                    f"layout {dim}={degree!r}: each degree must be a positive integer, e.g. {dim}=2"
                 )
 
     @property
@@ -41,32 +41,32 @@ class Layout:
         if not 0 <= rank < self.world:
             raise ValueError(f"rank {rank} outside 0..{self.world - 1} of layout {self}")
         out = {}
-        for d in DIMS:
-            rank, out[d] = divmod(rank, getattr(self, d))
+        for dim in DIMS:
+            rank, out[dim] = divmod(rank, getattr(self, dim))
         return out
 
     def rank(self, tp: int = 0, cp: int = 0, pp: int = 0, dp: int = 0) -> int:
         idx = {"tp": tp, "cp": cp, "pp": pp, "dp": dp}
-        r = 0
-        for d in reversed(DIMS):
-            if not 0 <= idx[d] < getattr(self, d):
+        rank_index = 0
+        for dim in reversed(DIMS):
+            if not 0 <= idx[dim] < getattr(self, dim):
                 raise ValueError(
-                    f"{d} index {idx[d]} outside 0..{getattr(self, d) - 1} of layout {self}"
+                    f"{dim} index {idx[dim]} outside 0..{getattr(self, dim) - 1} of layout {self}"
                 )
-            r = r * getattr(self, d) + idx[d]
-        return r
+            rank_index = rank_index * getattr(self, dim) + idx[dim]
+        return rank_index
 
     def __str__(self) -> str:
-        return ",".join(f"{d}={getattr(self, d)}" for d in DIMS)
+        return ",".join(f"{dim}={getattr(self, dim)}" for dim in DIMS)
 
 
 def parse_layout(text: str) -> Layout:
     """`tp=2,cp=1,pp=2,dp=2`; omitted dimensions are 1, so `dp=1` is one rank."""
     values: dict[str, int] = {}
-    for part in (p.strip() for p in str(text).split(",")):
+    for part in (item.strip() for item in str(text).split(",")):
         if not part:
             continue
-        key, sep, val = (s.strip() for s in part.partition("="))
+        key, sep, val = (word.strip() for word in part.partition("="))
         if not sep or key not in DIMS:
             raise FourdError(
                 f"layout {text!r}: bad item {part!r}; write key=value with keys {', '.join(DIMS)}"
@@ -84,35 +84,30 @@ def parse_layout(text: str) -> Layout:
 
 # Schedule names are fourd.schedules'.
 PRECISIONS = ("bf16", "fp32")  # BF16 autocast over FP32 master weights, or plain FP32
-ZERO_STAGES = (
-    0,
-    1,
-    2,
-    3,
-)  # 0 replicates (DDP); 1 shards optimizer state; 2 and gradients; 3 and weights
+# 0 replicates (DDP); 1 shards optimizer state; 2 and gradients; 3 and weights (Rajbhandari et
+# al. 2020, ZeRO, §5)
+ZERO_STAGES = (0, 1, 2, 3)
 # What a layer keeps for backward, lightest recomputation first (fourd.plan.block says what each
-# keeps): selective recomputes cheap ops, per-op also every other matmul (torchtitan's policy), full
-# the whole layer.
+# keeps): none recomputes nothing, selective recomputes the cheap ops, per-op also every other
+# matmul (torchtitan's policy), full the whole layer.
 RECOMPUTE = ("none", "selective", "per-op", "full")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Parallelism:
     """How a run is cut: the layout and the settings that go with it, as plan and train both name
     them."""
 
     layout: Layout
-    schedule: str = "1f1b"
+    schedule: str = "1f1b"  # one of fourd.schedules.SCHEDULES
     microbatches: int = 1  # per data-parallel replica per step
-    virtual_stages: int = (
-        1  # pipeline stages per rank; more than one only with the interleaved schedule
-    )
-    zero: int = 1
-    recompute: str = "none"
+    # pipeline stages per rank; more than one only with the interleaved schedule
+    virtual_stages: int = 1
+    zero: int = 1  # one of ZERO_STAGES
+    recompute: str = "none"  # one of RECOMPUTE
     sequence_parallel: bool = False
-    hsdp_replicas: int = (
-        1  # more than one: ZeRO-3 inside each replica group, gradients all-reduced across
-    )
+    # more than one: ZeRO-3 inside each replica group, gradients all-reduced across
+    hsdp_replicas: int = 1
 
     @property
     def stages(self) -> int:
@@ -138,7 +133,7 @@ class Parallelism:
 def tp_ok(model, tp: int) -> bool:
     """Each TP rank holds whole heads and whole KV heads, and equal blocks of the FFN and the
     vocabulary."""
-    return all(v % tp == 0 for v in (model.heads, model.kv_heads, model.ffn, model.vocab))
+    return all(count % tp == 0 for count in (model.heads, model.kv_heads, model.ffn, model.vocab))
 
 
 def split_ok(layers: int, stages: int) -> bool:
@@ -160,11 +155,11 @@ def check(model, par: Parallelism, seq: int, global_seqs: int) -> None:
     _choose("ZeRO stage", par.zero, ZERO_STAGES)
     _choose("recomputation", par.recompute, RECOMPUTE)
     if not tp_ok(model, lay.tp):
-        ok = [t for t in range(1, model.kv_heads + 1) if tp_ok(model, t)]
+        choices = [degree for degree in range(1, model.kv_heads + 1) if tp_ok(model, degree)]
         raise FourdError(
             f"tp={lay.tp} cannot cut the model's heads ({model.heads}), KV heads "
             f"({model.kv_heads}), FFN width ({model.ffn}) and vocabulary ({model.vocab}) into "
-            f"equal parts: choose tp among {', '.join(map(str, ok))}"
+            f"equal parts: choose tp among {', '.join(map(str, choices))}"
         )
     check_stages(par.schedule, lay.pp, par.microbatches, par.virtual_stages)
     if lay.pp == 1 and par.virtual_stages > 1:
@@ -201,11 +196,11 @@ def check(model, par: Parallelism, seq: int, global_seqs: int) -> None:
         or lay.dp % par.hsdp_replicas
         or (par.hsdp_replicas > 1 and par.zero != 3)
     ):
+        divisors = [str(count) for count in range(1, lay.dp + 1) if lay.dp % count == 0]
         raise FourdError(
             f"HSDP replicas = {par.hsdp_replicas} with ZeRO stage {par.zero}: HSDP is ZeRO 3 "
             f"inside each replica group, and the replicas must divide dp={lay.dp}: choose among "
-            f"{', '.join(str(d) for d in range(1, lay.dp + 1) if lay.dp % d == 0)} with ZeRO stage "
-            "3"
+            f"{', '.join(divisors)} with ZeRO stage 3"
         )
 
 
@@ -224,8 +219,8 @@ def layer_split(
     if fewer_first_last:
         base, extra = divmod(n_layers + 2, stages)
         counts = [base] * stages
-        for s in [0, stages - 1, *range(1, stages - 1)][:extra]:
-            counts[s] += 1
+        for stage in [0, stages - 1, *range(1, stages - 1)][:extra]:
+            counts[stage] += 1
         counts[0] -= 1
         counts[-1] -= 1
         if min(counts[1:-1], default=1) >= 1 and (min(counts) >= 1 or empty_edges):
@@ -237,6 +232,6 @@ def layer_split(
         )
     base, extra = divmod(n_layers, stages)
     counts = [base] * stages
-    for s in [*range(1, stages - 1), 0, stages - 1][:extra]:
-        counts[s] += 1
+    for stage in [*range(1, stages - 1), 0, stages - 1][:extra]:
+        counts[stage] += 1
     return counts

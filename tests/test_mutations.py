@@ -30,8 +30,10 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
     # pipeline bubbles: the schedule, the two simulators, the planner and the lab
     "1f1b warm-up one forward too many": (
         "fourd/schedules.py",
-        '[Action("B", rank, j) for j in range(m)],\n        min(pp - 1 - rank, m),',
-        '[Action("B", rank, j) for j in range(m)],\n        min(pp - rank, m),',
+        '[Action("B", rank, j) for j in range(microbatches)],\n'
+        "        min(pp_ranks - 1 - rank, microbatches),",
+        '[Action("B", rank, j) for j in range(microbatches)],\n'
+        "        min(pp_ranks - rank, microbatches),",
         ("tests/test_schedules.py::test_small_orders_exactly",),
     ),
     "simulated idle fraction misses one action per rank": (

@@ -27,7 +27,7 @@ def _planned(cfg, mode):
     job = Job(
         cfg,
         load_cluster("llama3-h100"),
-        Parallelism(Layout(), recompute=mode),
+        Parallelism(layout=Layout(), recompute=mode),
         64,
         2,
         precision="fp32",

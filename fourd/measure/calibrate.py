@@ -163,7 +163,7 @@ def elementwise_rate(device: str = "cpu", tokens: int = 4096, seconds: float = 0
     total = best_seconds(lambda: torch.autograd.backward(forward(), grads), seconds, device)
     precision = "bf16" if device == "cuda" else "fp32"
     t = traffic(
-        Job(cfg, load_cluster("dgx-h100"), Parallelism(Layout(dp=2)), seq, 2, precision).work
+        Job(cfg, load_cluster("dgx-h100"), Parallelism(layout=Layout(dp=2)), seq, 2, precision).work
     )
     return tokens * (t.forward + t.backward) / total / 1e9
 
