@@ -38,14 +38,14 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
     ),
     "simulated idle fraction misses one action per rank": (
         "fourd/sim/step.py",
-        "(step - sum(x.end - x.start for x in e)) / step",
-        "(step - sum(x.end - x.start for x in e[1:])) / step",
+        "(step - sum(x.end - x.start for x in rank_events)) / step",
+        "(step - sum(x.end - x.start for x in rank_events[1:])) / step",
         ("tests/test_sim_pipeline.py::test_gpipe_bubble_on_16_ranks",),
     ),
     "step simulator's bubble is the least busy rank's": (
         "fourd/sim/step.py",
-        "return 1 - max(self.busy_s) / self.pipeline_span_s if self.pipeline_span_s > 0 else 0.0",
-        "return 1 - min(self.busy_s) / self.pipeline_span_s if self.pipeline_span_s > 0 else 0.0",
+        "return 1 - max(self.busy_s) / self.pipeline_span_s",
+        "return 1 - min(self.busy_s) / self.pipeline_span_s",
         (
             "tests/test_sim_step.py::test_bubble_fraction_is_the_busiest_ranks_idle_share_of_the_span",
         ),

@@ -5,10 +5,10 @@ Hugging Face's halves, exactly. Only safetensors are read. An export carries the
 file.
 
 examples:
-  fourd train --model debug --steps 20 --train.global_batch=4 --run-dir runs/demo     # a run to
-  convert fourd convert --from fourd runs/demo --to hf runs/demo-hf     # a run directory: its
-  newest checkpoint fourd convert --from fourd runs/demo/checkpoints/step-20 --to hf
-  runs/demo-hf-shards --shard-mb 1 fourd convert --from hf runs/demo-hf --to fourd runs/demo-back
+  fourd train --model debug --steps 20 --train.global_batch=4 --run-dir runs/demo  # a run to convert
+  fourd convert --from fourd runs/demo --to hf runs/demo-hf  # a run directory: its newest checkpoint
+  fourd convert --from fourd runs/demo/checkpoints/step-20 --to hf runs/demo-hf-shards --shard-mb 1
+  fourd convert --from hf runs/demo-hf --to fourd runs/demo-back
 """
 
 from __future__ import annotations

@@ -4,13 +4,12 @@ The tokenizer, corpus, sequence length and held-out fraction come from the run t
 records: no flag is repeated, and a flag that contradicts the run is refused.
 
 examples:
-  fourd train --model debug --steps 20 --train.global_batch=4 --run-dir runs/demo     # a run to try
-  fourd generate --ckpt runs/demo --prompt "def main(" --max-new-tokens 64     # a run's newest
-  checkpoint fourd generate --ckpt runs/demo --prompt-ids 5,17,42 --greedy --json         # {"ids":
-  [...], ...} fourd generate --ckpt runs/demo --prompt "import " --top-p 0.9 --temperature 0.8
-  --seed 1 fourd generate --ckpt runs/demo --eval-holdout --json     # the tail of the run's corpus
-  it never trained on fourd generate --ckpt runs/demo --eval-file README.md --json                 #
-  nll_per_token, perplexity
+  fourd train --model debug --steps 20 --train.global_batch=4 --run-dir runs/demo  # a run to try
+  fourd generate --ckpt runs/demo --prompt "def main(" --max-new-tokens 64  # its newest checkpoint
+  fourd generate --ckpt runs/demo --prompt-ids 5,17,42 --greedy --json  # {"ids": [...], ...}
+  fourd generate --ckpt runs/demo --prompt "import " --top-p 0.9 --temperature 0.8 --seed 1
+  fourd generate --ckpt runs/demo --eval-holdout --json  # the corpus tail it never trained on
+  fourd generate --ckpt runs/demo --eval-file README.md --json  # nll_per_token, perplexity
 """
 
 from __future__ import annotations
