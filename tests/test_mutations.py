@@ -126,8 +126,8 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
     ),
     "gradient clipping measures but does not scale": (
         "fourd/parallel/grad.py",
-        "p.grad.mul_(scale)",
-        "p.grad.mul_(1.0)",
+        "param.grad.mul_(scale)",
+        "param.grad.mul_(1.0)",
         ("tests/test_train_step.py::test_clipping_scales_every_gradient_to_the_bound",),
     ),
     "weight decay applied to norm weights": (
@@ -144,8 +144,8 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
     ),
     "selective recomputation keeps everything": (
         "fourd/parallel/recompute.py",
-        'for block in stage.layers.values() if mode != "none" else ()',
-        'for block in stage.layers.values() if mode == "full" else ()',
+        'if mode == "none":\n        return stage',
+        'if mode != "full":\n        return stage',
         ("tests/test_parallel_recompute.py::test_kept_bytes_equal_the_planners_formula",),
     ),
     "fault simulator counts planned stops past the horizon": (
