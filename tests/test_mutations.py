@@ -100,8 +100,8 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
     ),
     "HF import permutes K's rows as if K had the query heads": (
         "fourd/hf/convert.py",
-        'cfg.heads if name.endswith("wq.weight") else cfg.kv_heads',
-        "cfg.heads",
+        "return interleaved_to_halves(weight, cfg.kv_heads, inverse)",
+        "return interleaved_to_halves(weight, cfg.heads, inverse)",
         ("tests/test_hf_convert.py::test_imported_logits_equal_transformers",),
     ),
     "MFU's FLOPs drop the attention term": (

@@ -75,22 +75,26 @@ def warn(message: str) -> None:
 
 def _typed(where: str, name: str, value, kind):
     if kind == _SHA:
-        ok = isinstance(value, str) and len(value) == 64 and set(value) <= set("0123456789abcdef")
+        valid = (
+            isinstance(value, str) and len(value) == 64 and set(value) <= set("0123456789abcdef")
+        )
     elif kind is float:
-        ok = (
+        valid = (
             isinstance(value, (int, float))
             and not isinstance(value, bool)
             and math.isfinite(value)
             and value >= 0
         )
     else:
-        ok = (
+        valid = (
             isinstance(value, kind)
             and not isinstance(value, bool)
             and (not isinstance(value, int) or value >= 0)
         )
-    if not ok:
-        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+    if not valid:
+        shown = repr(value)
+        if len(shown) > 40:
+            shown = shown[:37] + "..."
         raise FourdError(
             f"{where}: field {name!r} = {shown} is not {_KINDS[kind]}; the checkpoint is damaged"
         )
@@ -110,7 +114,8 @@ def model_config(where: str, spec: dict) -> ModelConfig:
     """The ModelConfig a manifest records; any wrong key or type is one FourdError naming the
     field."""
     kinds = {
-        f.name: {"int": int, "float": float, "str": str}[str(f.type)] for f in fields(ModelConfig)
+        field.name: {"int": int, "float": float, "str": str}[str(field.type)]
+        for field in fields(ModelConfig)
     }
     for key, value in spec.items():
         if key not in kinds:
@@ -182,11 +187,11 @@ def read_manifest(directory: str | os.PathLike) -> dict:
 
 
 def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while block := file.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def verify(directory: str | os.PathLike) -> dict:
@@ -213,7 +218,9 @@ def verify(directory: str | os.PathLike) -> dict:
 def checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
     """(step, dir) of every `run_dir/checkpoints/step-<N>`, newest first, complete or not."""
     found = Path(run_dir, CHECKPOINTS).glob("step-*")
-    return sorted(((int(p.name[5:]), p) for p in found if p.name[5:].isdecimal()), reverse=True)
+    return sorted(
+        ((int(path.name[5:]), path) for path in found if path.name[5:].isdecimal()), reverse=True
+    )
 
 
 def newest(run_dir: str | os.PathLike, check=read_manifest, on_damaged=None) -> Path | None:
@@ -244,7 +251,9 @@ def check_model(directory: str | os.PathLike, cfg: ModelConfig) -> None:
     """Refuse a checkpoint of another model than `cfg`, naming the settings that differ."""
     saved, wanted = read_manifest(directory)["model"], cfg.to_dict()
     diff = ", ".join(
-        f"{k} {saved.get(k)} (this run: {v})" for k, v in wanted.items() if saved.get(k) != v
+        f"{k} {saved.get(k)} (this run: {value})"
+        for k, value in wanted.items()
+        if saved.get(k) != value
     )
     if diff:
         raise FourdError(
@@ -266,9 +275,9 @@ def resolve(path: str | os.PathLike) -> Path:
 
 
 def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    os.fsync(fd)
-    os.close(fd)
+    handle = os.open(path, os.O_RDONLY)
+    os.fsync(handle)
+    os.close(handle)
 
 
 def staging_dir(final_dir: str | os.PathLike) -> Path:
@@ -282,10 +291,13 @@ def write_manifest(
     """Hash every file already in `directory` and write manifest.json; call it after the last data
     file."""
     directory = Path(directory)
-    data = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
+    data = sorted(path for path in directory.rglob("*") if path.is_file() and path.name != MANIFEST)
     files = {
-        p.relative_to(directory).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256_file(p)}
-        for p in data
+        path.relative_to(directory).as_posix(): {
+            "bytes": path.stat().st_size,
+            "sha256": _sha256_file(path),
+        }
+        for path in data
     }
     top = {
         "format": FORMAT,
@@ -295,10 +307,10 @@ def write_manifest(
         "model": cfg.to_dict(),
     }
     manifest = {**top, "model_digest": digest, **(extra or {}), "files": files}
-    with open(directory / MANIFEST, "w") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
+    with open(directory / MANIFEST, "w") as file:
+        json.dump(manifest, file, indent=1, sort_keys=True)
+        file.flush()
+        os.fsync(file.fileno())
     return manifest
 
 
@@ -307,17 +319,19 @@ def commit(tmp_dir: str | os.PathLike, final_dir: str | os.PathLike) -> Path:
     tmp, final = Path(tmp_dir), Path(final_dir)
     if final.exists():
         raise FourdError(f"{final} already exists; remove it or choose another destination")
-    for p in sorted(tmp.rglob("*"), key=lambda p: -len(p.parts)) + [tmp]:
-        _fsync(p)
+    for path in sorted(tmp.rglob("*"), key=lambda path: -len(path.parts)) + [tmp]:
+        _fsync(path)
     os.rename(tmp, final)
     _fsync(final.parent)
     return final
 
 
-def full(t: torch.Tensor) -> torch.Tensor:
+def full(tensor: torch.Tensor) -> torch.Tensor:
     """A CPU copy of the whole tensor; a DTensor gathers its shards (a collective)."""
-    full_tensor = getattr(t, "full_tensor", None)
-    return (full_tensor() if full_tensor is not None else t).detach().cpu().contiguous()
+    full_tensor = getattr(tensor, "full_tensor", None)
+    if full_tensor is not None:
+        tensor = full_tensor()
+    return tensor.detach().cpu().contiguous()
 
 
 def model_digest(state_dict: dict[str, torch.Tensor]) -> str:
@@ -325,19 +339,25 @@ def model_digest(state_dict: dict[str, torch.Tensor]) -> str:
     DTensors are gathered (a collective: every rank calls it)."""
     import torch
 
-    h = hashlib.sha256()
+    digest = hashlib.sha256()
     for name in sorted(state_dict):
-        t = full(state_dict[name])
-        h.update(f"{name}\0{str(t.dtype).removeprefix('torch.')}\0{tuple(t.shape)}\0".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())  # hosts are little-endian
-    return h.hexdigest()
+        tensor = full(state_dict[name])
+        digest.update(
+            f"{name}\0{str(tensor.dtype).removeprefix('torch.')}\0{tuple(tensor.shape)}\0".encode()
+        )
+        digest.update(
+            tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+        )  # hosts are little-endian
+    return digest.hexdigest()
 
 
 def shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter name of `cfg`'s model and its shape (built on the meta device: no memory)."""
     from fourd.model.llama import build_model
 
-    return {k: tuple(v.shape) for k, v in build_model(cfg, device="meta").state_dict().items()}
+    return {
+        k: tuple(value.shape) for k, value in build_model(cfg, device="meta").state_dict().items()
+    }
 
 
 @contextlib.contextmanager
@@ -363,9 +383,11 @@ def save_model_checkpoint(
     import torch.distributed.checkpoint as dcp
 
     with staged(directory) as tmp:
-        sd = {k: full(v) for k, v in state_dict.items()}
-        dcp.save({"model": sd}, storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=True)
-        write_manifest(tmp, cfg=cfg, digest=model_digest(sd), step=step, layout=layout, extra=extra)
+        state = {k: full(tensor) for k, tensor in state_dict.items()}
+        dcp.save({"model": state}, storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=True)
+        write_manifest(
+            tmp, cfg=cfg, digest=model_digest(state), step=step, layout=layout, extra=extra
+        )
         return commit(tmp, directory)
 
 
@@ -385,26 +407,28 @@ def load_model_checkpoint(
             f"{directory}: model.mlp = {cfg.mlp!r}; a checkpoint holds a Llama (swiglu) model"
         )
     reader = SafeReader(str(directory))
-    sd = {}
+    state = {}
     for key, meta in reader.read_metadata().state_dict_metadata.items():
         if key.startswith("model.") and hasattr(meta, "size"):
-            sd[key.removeprefix("model.")] = torch.empty(meta.size, dtype=meta.properties.dtype)
-    held = sum(t.numel() for t in sd.values())
+            state[key.removeprefix("model.")] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    held = sum(tensor.numel() for tensor in state.values())
     if held != cfg.params():  # checked before any model of cfg's size is built
         raise FourdError(
             f"{directory}: holds {held:,} model parameters, its manifest's model "
             f"has {cfg.params():,}"
         )
     want = shapes(cfg)
-    bad = sorted(set(want) ^ set(sd)) or sorted(k for k in sd if tuple(sd[k].shape) != want[k])
+    bad = sorted(set(want) ^ set(state)) or sorted(
+        k for k in state if tuple(state[k].shape) != want[k]
+    )
     if bad:
         raise FourdError(
             f"{directory}: tensor {bad[0]} does not fit its manifest's model "
             "(names or shapes differ)"
         )
-    dcp.load({"model": sd}, storage_reader=reader, no_dist=True)
-    if model_digest(sd) != manifest["model_digest"]:
+    dcp.load({"model": state}, storage_reader=reader, no_dist=True)
+    if model_digest(state) != manifest["model_digest"]:
         raise FourdError(
             f"{directory}: the loaded tensors' model_digest differs from {MANIFEST}; it is damaged"
         )
-    return cfg, sd
+    return cfg, state
