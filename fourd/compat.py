@@ -33,8 +33,11 @@ def pipeline_runtime(
     runtime = _PipelineScheduleRuntime(stages, microbatches, loss_fn=loss_fn, scale_grads=True)
     runtime._prepare_schedule_with_comms(
         {
-            r: [_Action(s, _ComputationType(kind), mb) for s, kind, mb in acts]
-            for r, acts in actions.items()
+            rank: [
+                _Action(stage, _ComputationType(kind), microbatch)
+                for stage, kind, microbatch in rank_actions
+            ]
+            for rank, rank_actions in actions.items()
         }
     )
     return runtime

@@ -16,8 +16,8 @@ def torch_for(device: str):
 
 
 def best_seconds(work, seconds: float, device: str = "cpu") -> float:
-    """Best time of one call of `work` over timed batches of about 2 ms, for at least `seconds` and 4
-    batches."""
+    """Best time of one call of `work` over timed batches of about 2 ms, for at least `seconds` and
+    4 batches."""
     _, _, sync = torch_for(device)
     for _ in range(2):  # a warm-up call, then one timed
         began = time.perf_counter()

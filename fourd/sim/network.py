@@ -30,9 +30,9 @@ class Network:
         self.dirty = True
 
     def _rates(self) -> None:
-        """Each flow's rate: the least of its own cap and, over its links, the link's bandwidth shared
-        equally among the link's flows, divided by the share of the flow's bytes the link carries
-        (rate = min(cap, bandwidth / users / share))."""
+        """Each flow's rate: the least of its own cap and, over its links, the link's bandwidth
+        shared equally among the link's flows, divided by the share of the flow's bytes the link
+        carries (rate = min(cap, bandwidth / users / share))."""
         users = Counter(link for flow in self.flows for link, _ in flow.links)
         for flow in self.flows:
             shared = [self.capacity[link[0]] / users[link] / share for link, share in flow.links]
