@@ -306,7 +306,7 @@ def parse_overrides(items: list[str], flags=()) -> list[tuple[str, str]]:
             )
         key, equals, value = word[2:].partition("=")
         key = key.replace("-", "_")  # --fault.kill-rank is --fault.kill_rank
-        given = value
+        given: str | None = value
         if not equals:  # --section.key VALUE
             given = next(words, None)
         if given is None:
