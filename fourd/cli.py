@@ -93,7 +93,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 def _which(argv: list[str]) -> str | None:
     """The command `argv` names ("sim:step"), None for none or a bare group; FourdError for an
     unknown one."""
-    words = [a for a in argv if not a.startswith("-")][:2]
+    words = [word for word in argv if not word.startswith("-")][:2]
     if not words:
         return None
     if words[0] in COMMANDS:

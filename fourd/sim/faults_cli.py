@@ -79,22 +79,22 @@ def run(args) -> int:
 
 def _report(figures: dict) -> list[str]:
     """The report's lines above the per-component counts: each figure beside its label."""
-    s = figures
-    hardware_pct = 100 * s["hardware_share"]
-    effective_pct = 100 * s["effective_training_fraction"]
-    p5_pct = 100 * s["effective_training_fraction_p5"]
-    p95_pct = 100 * s["effective_training_fraction_p95"]
+    fig = figures
+    hardware_pct = 100 * fig["hardware_share"]
+    effective_pct = 100 * fig["effective_training_fraction"]
+    p5_pct = 100 * fig["effective_training_fraction_p5"]
+    p95_pct = 100 * fig["effective_training_fraction_p95"]
     label = "{:<26}".format
     return [
-        f"{s['gpus']:,} GPUs for {s['days']:g} days, {s['runs']} runs (means per run)",
-        f"  {label('unexpected interruptions')}{s['unexpected_interruptions']:.1f}"
-        f"  (job MTBF {s['mtbf_h']:.2f} h, {hardware_pct:.0f} % hardware)",
-        f"  {label('planned interruptions')}{s['planned_interruptions']:.1f}",
-        f"  {label('checkpoint every')}{s['checkpoint_interval_min']:.1f} min"
-        f"  (Daly {s['optimal_checkpoint_interval_min']:.1f}, Young {s['young_interval_min']:.1f};"
-        f" save {s['checkpoint_save_s']:g} s, restart {s['restart_s'] / 60:g} min)",
-        f"  {label('time lost')}redone work {s['lost_work_h']:.1f} h,"
-        f" restarts {s['restart_h']:.1f} h, checkpointing {s['checkpointing_h']:.1f} h",
+        f"{fig['gpus']:,} GPUs for {fig['days']:g} days, {fig['runs']} runs (means per run)",
+        f"  {label('unexpected interruptions')}{fig['unexpected_interruptions']:.1f}"
+        f"  (job MTBF {fig['mtbf_h']:.2f} h, {hardware_pct:.0f} % hardware)",
+        f"  {label('planned interruptions')}{fig['planned_interruptions']:.1f}",
+        f"  {label('checkpoint every')}{fig['checkpoint_interval_min']:.1f} min"
+        f"  (Daly {fig['optimal_checkpoint_interval_min']:.1f}, Young {fig['young_interval_min']:.1f};"
+        f" save {fig['checkpoint_save_s']:g} s, restart {fig['restart_s'] / 60:g} min)",
+        f"  {label('time lost')}redone work {fig['lost_work_h']:.1f} h,"
+        f" restarts {fig['restart_h']:.1f} h, checkpointing {fig['checkpointing_h']:.1f} h",
         f"  {label('effective training')}{effective_pct:.1f} %"
         f"  (5th-95th percentile {p5_pct:.1f}-{p95_pct:.1f} %)",
         "  unexpected, by component:",

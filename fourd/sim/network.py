@@ -44,13 +44,13 @@ class Network:
             self._rates()
         return min((now + flow.size / flow.rate for flow in self.flows), default=float("inf"))
 
-    def advance(self, now: float, dt: float) -> list[Flow]:
+    def advance(self, now: float, seconds: float) -> list[Flow]:
         """Move every flow dt seconds forward; return the flows that finished (their bytes all
         sent)."""
         if self.dirty:
             self._rates()
         for flow in self.flows:
-            flow.size -= flow.rate * dt
+            flow.size -= flow.rate * seconds
         # bytes below 1e-3: float noise, not data
         finished = [flow for flow in self.flows if flow.size <= 1e-3]
         if finished:

@@ -39,36 +39,38 @@ def trace_path(text: str) -> Path:
     """A file to write, in a folder that exists."""
     path = Path(text)
     if path.is_dir() or not path.parent.is_dir():
-        what = "is a folder" if path.is_dir() else f"is in {path.parent}, which is not a folder"
+        what = f"is in {path.parent}, which is not a folder"
+        if path.is_dir():
+            what = "is a folder"
         raise BadValue(f"{text[:80]} {what}: give a file path in an existing folder")
     return path
 
 
-def add_arguments(p):
-    plan_arguments(p)  # the same model, cluster, layout and run flags as `fourd plan`
-    p.add_argument(
+def add_arguments(parser):
+    plan_arguments(parser)  # the same model, cluster, layout and run flags as `fourd plan`
+    parser.add_argument(
         "--no-comm", action="store_true", help="every transfer free: the schedule's figures alone"
     )
-    p.add_argument(
+    parser.add_argument(
         "--slow-gpu",
         type=slow_gpu,
         metavar="RANK:FACTOR",
         help="GPU RANK computes FACTOR times slower",
     )
-    p.add_argument(
+    parser.add_argument(
         "--diurnal",
         type=bounded(float, 0, 100),
         default=0.0,
         metavar="PCT",
         help="daily clock throttle amplitude in percent (Llama 3 saw 1-2 %%), largest at 15:00",
     )
-    p.add_argument(
+    parser.add_argument(
         "--hour",
         type=bounded(float, 0, 24),
         default=15.0,
         help="time of day for --diurnal (default 15)",
     )
-    p.add_argument(
+    parser.add_argument(
         "--trace",
         type=trace_path,
         metavar="FILE.json",
