@@ -91,7 +91,8 @@ def _report(figures: dict) -> list[str]:
         f"  (job MTBF {fig['mtbf_h']:.2f} h, {hardware_pct:.0f} % hardware)",
         f"  {label('planned interruptions')}{fig['planned_interruptions']:.1f}",
         f"  {label('checkpoint every')}{fig['checkpoint_interval_min']:.1f} min"
-        f"  (Daly {fig['optimal_checkpoint_interval_min']:.1f}, Young {fig['young_interval_min']:.1f};"
+        f"  (Daly {fig['optimal_checkpoint_interval_min']:.1f},"
+        f" Young {fig['young_interval_min']:.1f};"
         f" save {fig['checkpoint_save_s']:g} s, restart {fig['restart_s'] / 60:g} min)",
         f"  {label('time lost')}redone work {fig['lost_work_h']:.1f} h,"
         f" restarts {fig['restart_h']:.1f} h, checkpointing {fig['checkpointing_h']:.1f} h",
