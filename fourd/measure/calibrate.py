@@ -194,12 +194,12 @@ def elementwise_rate(device: str = "cpu", tokens: int = 4096, seconds: float = 0
     grads = [torch.randn_like(tensor) for tensor in forward()]
     total = best_seconds(lambda: torch.autograd.backward(forward(), grads), seconds, device)
     job = Job(
-        cfg,
-        load_cluster("dgx-h100"),
-        Parallelism(layout=Layout(dp=2)),
-        seq,
-        2,
-        _precision(device),
+        model=cfg,
+        cluster=load_cluster("dgx-h100"),
+        par=Parallelism(layout=Layout(dp=2)),
+        seq=seq,
+        global_seqs=2,
+        precision=_precision(device),
     )
     counted = traffic(job.work)
     return tokens * (counted.forward + counted.backward) / total / 1e9

@@ -64,7 +64,7 @@ def pipeline_split(
     return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ActionRecord:
     kind: str  # "F", "B", "I" or "W" as in fourd.schedules (the last stage's F includes its loss)
     stage: int
@@ -84,11 +84,14 @@ class _TimedStage(PipelineStage):
     def _timed(self, kind, microbatch, call, *args, **kwargs):
         start = perf_counter()
         out = call(microbatch, *args, **kwargs)
-        self.log.append(
-            ActionRecord(
-                kind, self.stage_index, microbatch, start - self.t0, perf_counter() - self.t0
-            )
+        record = ActionRecord(
+            kind=kind,
+            stage=self.stage_index,
+            microbatch=microbatch,
+            start=start - self.t0,
+            end=perf_counter() - self.t0,
         )
+        self.log.append(record)
         return out
 
     def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):

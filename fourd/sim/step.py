@@ -27,7 +27,7 @@ MAX_PIECES = 200_000  # compute pieces one simulation may run: about 20 s of sim
 UNIT = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Event:
     rank: int
     stage: int
@@ -55,7 +55,7 @@ def stage_costs(job: Job, comm: bool = True) -> list[dict[str, float]]:
     return costs
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Transfer:
     replica: int  # 0: the replicas that stand for all (or the only one); 1: the straggler's replica
     rank: int  # pipeline rank of the GPU that sends
