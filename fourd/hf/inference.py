@@ -133,7 +133,7 @@ def generate(
 @torch.no_grad()
 def perplexity(model, ids: list[int], seq: int, batch: int = 8) -> dict:
     """Mean NLL per token over non-overlapping windows of `seq` tokens: each but the first predicted
-    once."""
+    once; perplexity = exp(mean NLL)."""
     data = torch.tensor(ids, dtype=torch.long)
     starts = list(range(0, len(ids) - 1, seq))
     full = [start for start in starts if start + seq + 1 <= len(ids)]

@@ -282,7 +282,8 @@ def _layer_overheads(rank: int, nproc: int, rounds: int = 7) -> dict:
     """Seconds fourd's TP and FSDP add to a tiny layer's forward and backward on 2 ranks (models of
     1 and 3 layers). A step adds up every layer's time, so its typical cost counts, not the
     luckiest: the models take turns over `rounds` rounds (machine noise falls on all alike) and the
-    median round is kept."""
+    median round is kept. Per layer: ((t₃ − t₁) − (plain₃ − plain₁)) / 2, t the wrapped model's
+    pass, plain the unwrapped one's, subscripts the layers."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 

@@ -48,13 +48,16 @@ class Rope(nn.Module):
 def rope_table(
     head_dim: int, positions: torch.Tensor, theta: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the angles position · θ^(−2i/head_dim), i < head_dim / 2 (Su et al. 2021,
+    RoFormer, eq. 15), computed in FP64."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
     return angles.cos().float(), angles.sin().float()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [batch, seq, heads, head_dim]; cos, sin: [seq, head_dim // 2]."""
+    """Each pair (a, b) = (x[2i], x[2i+1]) rotated to (a·cos − b·sin, a·sin + b·cos) (Su et al.
+    2021, RoFormer, eq. 34); x: [batch, seq, heads, head_dim]; cos, sin: [seq, head_dim // 2]."""
     pairs = x.float().unflatten(-1, (-1, 2))
     even, odd = pairs[..., 0], pairs[..., 1]
     cos_b, sin_b = cos[None, :, None, :], sin[None, :, None, :]

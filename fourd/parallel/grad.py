@@ -59,8 +59,9 @@ def _without_partials(grad: DTensor) -> DTensor:
 
 @torch.no_grad()
 def clip_grad_norm(params, max_norm: float, mesh: DeviceMesh | None = None) -> float:
-    """Scale all gradients in place so that their global norm is at most max_norm; returns the norm
-    before clipping (the same float on every rank). max_norm <= 0 or inf only measures."""
+    """Scale all gradients in place by max_norm / (norm + 1e-6) when the global norm exceeds
+    max_norm (as torch.nn.utils.clip_grad_norm_); returns the norm before clipping (the same float
+    on every rank). max_norm <= 0 or inf only measures."""
     params = [param for param in params if param.grad is not None]
     norm = grad_norm(params, mesh).item()
     if 0 < max_norm < float("inf") and norm + 1e-6 > max_norm:

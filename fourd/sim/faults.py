@@ -48,7 +48,8 @@ DAY_S = 86_400.0
 
 
 def unexpected_per_day(gpus: int) -> dict[str, float]:
-    """Expected unexpected interruptions per day on `gpus` GPUs, per component."""
+    """Expected unexpected interruptions per day on `gpus` GPUs, per component: its count in Table
+    5 / 54 days × gpus / 16,384 (Llama 3 §3.3.4; the rates scale with the GPUs)."""
     return {
         component: count / TABLE5_DAYS * gpus / TABLE5_GPUS
         for component, (count, _) in TABLE5.items()
@@ -60,7 +61,8 @@ def planned_per_day() -> float:
 
 
 def mtbf_s(gpus: int) -> float:
-    """Mean time between unexpected interruptions of the job (16,384 GPUs: 3.1 h)."""
+    """Mean time between unexpected interruptions of the job in seconds, one day / the expected
+    interruptions per day (16,384 GPUs: 3.1 h)."""
     return DAY_S / sum(unexpected_per_day(gpus).values())
 
 

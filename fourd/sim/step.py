@@ -541,7 +541,8 @@ class _Engine:
 
     def _launch(self, key, streams, now):
         """Every participant has the collective at the head of its stream: move its bytes (a ring
-        over the DP group; alone it takes exactly the planner's collective_time)."""
+        over the DP group; alone it takes exactly the planner's collective_time). Each GPU moves
+        bus_factor × bytes; the latency is what collective_time adds beyond volume / bandwidth."""
         comm = self.comm
         assert comm is not None
         op = {"ag": "all_gather", "rs": "reduce_scatter", "ar": "all_reduce"}[key[0]]
