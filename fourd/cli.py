@@ -1,8 +1,9 @@
-"""The `fourd` command line: one table of commands, each implemented in the module that owns the concept.
+"""The `fourd` command line: one table of commands, each implemented in the module that owns the
+concept.
 
-Each command module exposes `add_arguments(parser)` and `run(args) -> int`. `fourd --help` is built from the
-table alone, and a command's module is imported only when that command is used, so that start-up and help
-import no torch.
+Each command module exposes `add_arguments(parser)` and `run(args) -> int`. `fourd --help` is built
+from the table alone, and a command's module is imported only when that command is used, so that
+start-up and help import no torch.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ GROUPS |= {
     "sim": "simulate one training step, or months of failures",
     "ckpt": "verify and inspect checkpoints",
 }
-# A command ("group:sub" for one of a group: `fourd sim step`), the module under fourd that owns it, its help.
+# A command ("group:sub" for one of a group: `fourd sim step`), the module under fourd that owns it,
+# its help.
 _TABLE = """
 train        train.cli        train a model with 4D parallelism (launches its own workers)
 model:info   model.cli        a model preset's dimensions and parameter count
@@ -40,7 +42,7 @@ lab          lab.server       serve the interactive pipeline bench and cluster v
 """
 COMMANDS = {
     name: (f"fourd.{mod}", help_)
-    for name, mod, help_ in (r.split(None, 2) for r in _TABLE.strip().splitlines())
+    for name, mod, help_ in (row.split(None, 2) for row in _TABLE.strip().splitlines())
 }
 
 
@@ -50,7 +52,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    """The command table as a parser; only the command `only` gets its arguments (its module is imported)."""
+    """The command table as a parser; only the command `only` gets its arguments (its module is
+    imported)."""
     top = _Parser(
         prog="fourd",
         description="fourd: train Llama-style models with 4D parallelism; plan and simulate them.",
@@ -64,8 +67,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         where = subs
         if group:
             if group not in groups:
-                gp = subs.add_parser(group, help=GROUPS[group], description=GROUPS[group])
-                groups[group] = gp.add_subparsers(
+                group_parser = subs.add_parser(group, help=GROUPS[group], description=GROUPS[group])
+                groups[group] = group_parser.add_subparsers(
                     dest="subcommand", metavar="SUBCOMMAND", parser_class=_Parser
                 )
             where = groups[group]
@@ -74,43 +77,52 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             continue
         mod = importlib.import_module(module)
         fmt = argparse.RawDescriptionHelpFormatter
-        p = where.add_parser(
+        command_parser = where.add_parser(
             sub, help=help_, description=(mod.__doc__ or help_).strip(), formatter_class=fmt
         )
-        p.add_argument("--debug", action="store_true", help="show tracebacks")
-        mod.add_arguments(p)
-        p.set_defaults(_run=mod.run, _overrides=getattr(mod, "ACCEPTS_OVERRIDES", False), _parser=p)
+        command_parser.add_argument("--debug", action="store_true", help="show tracebacks")
+        mod.add_arguments(command_parser)
+        command_parser.set_defaults(
+            _run=mod.run,
+            _overrides=getattr(mod, "ACCEPTS_OVERRIDES", False),
+            _parser=command_parser,
+        )
     return top
 
 
 def _which(argv: list[str]) -> str | None:
-    """The command `argv` names ("sim:step"), None for none or a bare group; FourdError for an unknown one."""
-    words = [a for a in argv if not a.startswith("-")][:2]
+    """The command `argv` names ("sim:step"), None for none or a bare group; FourdError for an
+    unknown one."""
+    words = [word for word in argv if not word.startswith("-")][:2]
     if not words:
         return None
     if words[0] in COMMANDS:
         return words[0]
     if words[0] not in GROUPS:
-        tops = sorted({n.split(":")[0] for n in COMMANDS})
+        tops = sorted({name.split(":")[0] for name in COMMANDS})
         raise FourdError(
             f"unknown command {words[0]!r}{did_you_mean(words[0], tops)}: `fourd --help` lists them"
         )
-    if len(words) == 1 or f"{words[0]}:{words[1]}" in COMMANDS:
-        return f"{words[0]}:{words[1]}" if len(words) > 1 else None
-    subs = [n.split(":")[1] for n in COMMANDS if n.startswith(words[0] + ":")]
+    if len(words) == 1:
+        return None  # a bare group: its help
+    if f"{words[0]}:{words[1]}" in COMMANDS:
+        return f"{words[0]}:{words[1]}"
+    subs = [name.split(":")[1] for name in COMMANDS if name.startswith(words[0] + ":")]
     raise FourdError(
-        f"unknown command `fourd {words[0]} {words[1]}`{did_you_mean(words[1], subs)}: choose {', '.join(subs)}"
+        f"unknown command `fourd {words[0]} {words[1]}`{did_you_mean(words[1], subs)}: "
+        f"choose {', '.join(subs)}"
     )
 
 
 def _unknown(parser: argparse.ArgumentParser, unknown: list[str]) -> FourdError:
-    options = [s for a in parser._actions for s in a.option_strings]
+    options = [option for action in parser._actions for option in action.option_strings]
     hint = did_you_mean(unknown[0].split("=")[0], options)
     return FourdError(f"unrecognised argument {unknown[0]!r}{hint} (see `{parser.prog} --help`)")
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    if argv is None:
+        argv = sys.argv[1:]
     debug = "--debug" in argv
     if debug:
         os.environ["FOURD_DEBUG"] = "1"  # for training workers and the launcher
@@ -119,27 +131,29 @@ def main(argv: list[str] | None = None) -> int:
         args, unknown = parser.parse_known_args(argv)
         if unknown and not getattr(args, "_overrides", False):
             raise _unknown(getattr(args, "_parser", parser), unknown)
-        if not getattr(args, "_run", None):
-            parser.parse_args(
-                [args.command, "--help"] if getattr(args, "command", None) else ["--help"]
-            )
+        if not getattr(args, "_run", None):  # no command, or a bare group: print its help
+            words = ["--help"]
+            if getattr(args, "command", None):
+                words = [args.command, "--help"]
+            parser.parse_args(words)
         args._unknown = unknown
         return int(args._run(args) or 0)
-    except FourdError as e:
+    except FourdError as error:
         if debug:
             raise
-        print(f"fourd: error: {e}", file=sys.stderr)
-        return e.exit_code
+        print(f"fourd: error: {error}", file=sys.stderr)
+        return error.exit_code
     except KeyboardInterrupt:
         print("fourd: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         return 0
-    except Exception as e:  # an unexpected failure: one line, the traceback with --debug
+    except Exception as error:  # an unexpected failure: one line, the traceback with --debug
         if debug:
             raise
         print(
-            f"fourd: internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)",
+            f"fourd: internal error: {type(error).__name__}: {error} (rerun with "
+            "--debug for the traceback)",
             file=sys.stderr,
         )
         return 1

@@ -1,5 +1,5 @@
-"""The private PyTorch APIs fourd relies on, in one place; tests/test_compat.py fails naming the API that a torch
-upgrade changed. Import them from here, never from torch directly."""
+"""The private PyTorch APIs fourd relies on, in one place; tests/test_compat.py fails naming the API
+that a torch upgrade changed. Import them from here, never from torch directly."""
 
 from __future__ import annotations
 
@@ -27,13 +27,17 @@ def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
 def pipeline_runtime(
     stages: list, microbatches: int, loss_fn, actions: dict[int, list[tuple[int, str, int]]]
 ):
-    """torch.distributed.pipelining's runtime running exactly `actions` ({rank: [(stage, kind, microbatch)]}), with the
-    sends, receives and FSDP steps it inserts; gradients divided by the microbatch count after the last backward."""
+    """torch.distributed.pipelining's runtime running exactly `actions` ({rank: [(stage, kind,
+    microbatch)]}), with the sends, receives and FSDP steps it inserts; gradients divided by the
+    microbatch count after the last backward."""
     runtime = _PipelineScheduleRuntime(stages, microbatches, loss_fn=loss_fn, scale_grads=True)
     runtime._prepare_schedule_with_comms(
         {
-            r: [_Action(s, _ComputationType(kind), mb) for s, kind, mb in acts]
-            for r, acts in actions.items()
+            rank: [
+                _Action(stage, _ComputationType(kind), microbatch)
+                for stage, kind, microbatch in rank_actions
+            ]
+            for rank, rank_actions in actions.items()
         }
     )
     return runtime

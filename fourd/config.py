@@ -1,8 +1,9 @@
 """Training configuration: dataclasses, TOML files, and `--section.key=value` overrides.
 
-Precedence, lowest first: the defaults, a base (a resumed run's config.toml, or an --init-from model), the TOML
-file (`--config`), the short flags (`--model`, `--layout`, ...), then overrides. Every value is checked where it
-is set: unknown keys, wrong types, numbers not finite or out of range (LIMITS), names not in CHOICES."""
+Precedence, lowest first: the defaults, a base (a resumed run's config.toml, or an --init-from
+model), the TOML file (`--config`), the short flags (`--model`, `--layout`, ...), then overrides.
+Every value is checked where it is set: unknown keys, wrong types, numbers not finite or out of
+range (LIMITS), names not in CHOICES."""
 
 from __future__ import annotations
 
@@ -23,16 +24,18 @@ from fourd.schedules import SCHEDULES
 
 
 def fourd_home() -> Path:
-    """$FOURD_HOME (unset or empty: ~/.fourd): the token cache, measured profiles, user cluster profiles."""
+    """$FOURD_HOME (unset or empty: ~/.fourd): the token cache, measured profiles, user cluster
+    profiles."""
     return Path(os.environ.get("FOURD_HOME") or "~/.fourd").expanduser()
 
 
-# [model]: a preset, and any ModelConfig field but mlp set on top of it (`--model.layers=2`); None: the preset's.
+# [model]: a preset, and any ModelConfig field but mlp set on top of it (`--model.layers=2`); None:
+# the preset's.
 _MODEL_KEYS = typing.get_type_hints(ModelConfig)
 ModelSection = dataclasses.make_dataclass(
     "ModelSection",
     [("preset", str, "small")]
-    + [(k, t | None, None) for k, t in _MODEL_KEYS.items() if k != "mlp"],
+    + [(key, kind | None, None) for key, kind in _MODEL_KEYS.items() if key != "mlp"],
 )
 ModelSection.__module__ = __name__  # picklable: configs travel to spawned workers
 
@@ -62,12 +65,10 @@ class TrainSection:
     compile: bool | None = None  # torch.compile each transformer block; unset: on CUDA, off on CPU
     fp8: bool = False  # FP8 linears through torchao (the gpu extra), on H100/H200 only
     log_every: int = 1
-    timeout_s: float = (
-        300.0  # collective timeout: a hung rank fails the step instead of the job hanging
-    )
-    init_from: str = (
-        ""  # a fourd checkpoint or a Hugging Face folder whose weights the run starts from
-    )
+    # seconds of collective timeout: a hung rank fails the step instead of the job hanging
+    timeout_s: float = 300.0
+    # a fourd checkpoint or a Hugging Face folder whose weights the run starts from
+    init_from: str = ""
 
 
 @dataclass
@@ -76,22 +77,20 @@ class ParallelSection:
     schedule: str = "1f1b"
     microbatches: int = 1
     virtual_stages: int = 1
-    zero: int = (
-        2  # ZeRO stage over the dp×cp ranks: 0 replicates (DDP), 1 shards optimizer state, 2 and
-    )
+    # ZeRO stage over the dp×cp ranks: 0 replicates (DDP), 1 shards optimizer state, 2 and
     # gradients, 3 and weights
-    hsdp_replicas: int = (
-        1  # more than one (with zero = 3): HSDP, ZeRO 3 inside each of this many groups
-    )
-    recompute: str = "none"  # none, selective or full: what each layer keeps for backward
+    zero: int = 2
+    # more than one (with zero = 3): HSDP, ZeRO 3 inside each of this many groups
+    hsdp_replicas: int = 1
+    # what each layer keeps for backward: none, selective, per-op or full (fourd.layout.RECOMPUTE)
+    recompute: str = "none"
     sequence_parallel: bool = False
 
 
 @dataclass
 class CheckpointSection:
-    interval: int = (
-        0  # steps between checkpoints; 0 = only at the end (and when a signal stops the run)
-    )
+    # steps between checkpoints; 0 = only at the end (and when a signal stops the run)
+    interval: int = 0
     keep: int = 3
     async_save: bool = False
 
@@ -113,7 +112,8 @@ class FaultSection:
 class RunSection:
     dir: str = ""  # empty: a fresh runs/<model>-<layout>-<time>
     max_restarts: int = 0
-    trace: bool = True  # with a pipeline: DIR/trace.json, the last step's actions on every rank (Chrome trace)
+    # with a pipeline: DIR/trace.json, the last step's actions on every rank (Chrome trace)
+    trace: bool = True
 
 
 @dataclass
@@ -131,18 +131,23 @@ class Config:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> Config:
+    def from_dict(cls, data: dict) -> Config:
         cfg = cls()
-        apply(cfg, d, "config")
+        apply(cfg, data, "config")
         return cfg
 
     def to_toml(self) -> str:
-        """The whole configuration as TOML (unset model keys left out); `load_toml` reads it back."""
+        """The whole configuration as TOML (unset model keys left out); `load_toml` reads it
+        back."""
         out = []
         for section, values in self.to_dict().items():
             out += [
                 f"[{section}]",
-                *(f"{k} = {json.dumps(v)}" for k, v in values.items() if v is not None),
+                *(
+                    f"{key} = {json.dumps(value)}"
+                    for key, value in values.items()
+                    if value is not None
+                ),
                 "",
             ]
         return "\n".join(out)
@@ -156,50 +161,54 @@ CHOICES |= {
 }
 
 
-def _at_least(lo: int):
-    return (lambda v: v >= lo), f"at least {lo}"
+def _at_least(least: int):
+    return (lambda value: value >= least), f"at least {least}"
 
 
-_POSITIVE, _BETA = (lambda v: v > 0, "positive"), (lambda v: 0 <= v < 1, "in [0, 1)")
+_POSITIVE = (lambda value: value > 0, "positive")
+_BETA = (lambda value: 0 <= value < 1, "in [0, 1)")
+# Each key's own range, one entry per key (rules between keys: `check`).
 LIMITS = {
-    f"model.{k}": _at_least(1)
-    for k in ("layers", "dim", "ffn", "heads", "kv_heads", "vocab", "max_seq")
-}
-LIMITS |= {
-    k: _at_least(1)
-    for k in ("train.steps", "train.global_batch", "train.log_every", "checkpoint.keep")
-}
-LIMITS |= {
-    f"parallel.{k}": _at_least(1) for k in ("microbatches", "virtual_stages", "hsdp_replicas")
-}
-LIMITS |= {
-    k: _at_least(0)
-    for k in ("train.min_lr", "train.warmup_steps", "train.weight_decay", "run.max_restarts")
-}
-LIMITS |= {f"fault.{k}": _at_least(-1) for k in ("kill_rank", "at_step", "hang_rank")}
-LIMITS |= dict.fromkeys(
-    ("model.norm_eps", "model.rope_theta", "train.lr", "train.grad_clip"), _POSITIVE
-)
-LIMITS |= {
-    "checkpoint.interval": _at_least(0),
-    "eval.every": _at_least(0),
-    "eval.batches": _at_least(1),
-}
-LIMITS |= {
+    "model.layers": _at_least(1),
+    "model.dim": _at_least(1),
+    "model.ffn": _at_least(1),
+    "model.heads": _at_least(1),
+    "model.kv_heads": _at_least(1),
+    "model.vocab": _at_least(1),
+    "model.max_seq": _at_least(1),
     "model.head_dim": _at_least(2),
+    "model.norm_eps": _POSITIVE,
+    "model.rope_theta": _POSITIVE,
     "data.seq_len": _at_least(2),
+    "data.holdout_fraction": (lambda value: 0 <= value < 0.5, "in [0, 0.5)"),
+    "train.steps": _at_least(1),
+    "train.global_batch": _at_least(1),
+    "train.lr": _POSITIVE,
+    "train.min_lr": _at_least(0),
+    "train.warmup_steps": _at_least(0),
+    "train.weight_decay": _at_least(0),
     "train.beta1": _BETA,
     "train.beta2": _BETA,
-}
-LIMITS |= {
-    "data.holdout_fraction": (lambda v: 0 <= v < 0.5, "in [0, 0.5)"),
-    "train.seed": (lambda v: 0 <= v < 2**63, "in 0 .. 2^63 - 1"),
-    "train.timeout_s": (lambda v: 0 < v <= 1e6, "in (0, 1e6] seconds"),
+    "train.grad_clip": _POSITIVE,
+    "train.seed": (lambda value: 0 <= value < 2**63, "in 0 .. 2^63 - 1"),
+    "train.log_every": _at_least(1),
+    "train.timeout_s": (lambda value: 0 < value <= 1e6, "in (0, 1e6] seconds"),
+    "parallel.microbatches": _at_least(1),
+    "parallel.virtual_stages": _at_least(1),
+    "parallel.hsdp_replicas": _at_least(1),
+    "checkpoint.interval": _at_least(0),
+    "checkpoint.keep": _at_least(1),
+    "eval.every": _at_least(0),
+    "eval.batches": _at_least(1),
+    "fault.kill_rank": _at_least(-1),
+    "fault.at_step": _at_least(-1),
+    "fault.hang_rank": _at_least(-1),
+    "run.max_restarts": _at_least(0),
 }
 
 
 def _coerce(key: str, value, hint) -> object:
-    want = next(t for t in (*typing.get_args(hint), hint) if t is not type(None))
+    want = next(option for option in (*typing.get_args(hint), hint) if option is not type(None))
     if value is None and type(None) in typing.get_args(hint):
         return None
     words = {
@@ -214,7 +223,9 @@ def _coerce(key: str, value, hint) -> object:
     }
     try:
         if want is bool:
-            return value if isinstance(value, bool) else words[str(value).lower()]
+            if isinstance(value, bool):
+                return value
+            return words[str(value).lower()]
         if (
             want is int
             and not isinstance(value, bool)
@@ -227,7 +238,9 @@ def _coerce(key: str, value, hint) -> object:
             return str(value)
     except (TypeError, ValueError, KeyError, OverflowError):
         pass
-    kind = "finite number" if want is float else want.__name__
+    kind = want.__name__
+    if want is float:
+        kind = "finite number"
     raise FourdError(f"{key} = {value!r} is not a valid {kind}")
 
 
@@ -243,7 +256,8 @@ def set_value(cfg: Config, key: str, value) -> None:
     if name not in hints:
         keys = [f"{section_name}.{k}" for k in hints]
         raise FourdError(
-            f"unknown config key {key!r}{did_you_mean(key, keys)}: allowed keys in [{section_name}] are {', '.join(hints)}"
+            f"unknown config key {key!r}{did_you_mean(key, keys)}: allowed keys in "
+            f"[{section_name}] are {', '.join(hints)}"
         )
     value = _coerce(key, value, hints[name])
     allowed = CHOICES.get(key)
@@ -252,8 +266,8 @@ def set_value(cfg: Config, key: str, value) -> None:
         raise FourdError(
             f"{key} = {value!r}{hint}: allowed values are {', '.join(map(str, allowed))}"
         )
-    ok, what = LIMITS.get(key, (None, ""))
-    if ok is not None and value is not None and not ok(value):
+    within, what = LIMITS.get(key, (None, ""))
+    if within is not None and value is not None and not within(value):
         raise FourdError(f"{key} = {value!r} must be {what}")
     setattr(sections[section_name], name, value)
 
@@ -271,17 +285,18 @@ def load_toml(path: str | Path) -> dict:
     """The TOML file at `path` ({} for an empty path)."""
     if not str(path):
         return {}
-    p = Path(path)
-    if not p.is_file():
-        raise FourdError(f"config file {str(p)!r} does not exist: give the path of a TOML file")
+    file = Path(path)
+    if not file.is_file():
+        raise FourdError(f"config file {str(file)!r} does not exist: give the path of a TOML file")
     try:
-        return tomllib.loads(p.read_text())
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise FourdError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+        return tomllib.loads(file.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+        raise FourdError(f"config file {str(file)!r} is not valid TOML: {error}") from None
 
 
 def parse_overrides(items: list[str], flags=()) -> list[tuple[str, str]]:
-    """`--section.key=value` or `--section.key value` words → (key, value) pairs; `flags` for suggestions."""
+    """`--section.key=value` or `--section.key value` words → (key, value) pairs; `flags` for
+    suggestions."""
     out, words = [], iter(items)
     for word in words:
         if not word.startswith("--") or "." not in word.split("=")[0]:
@@ -289,9 +304,11 @@ def parse_overrides(items: list[str], flags=()) -> list[tuple[str, str]]:
             raise FourdError(
                 f"unrecognised argument {word!r}{hint}: overrides look like --section.key=value"
             )
-        key, eq, value = word[2:].partition("=")
+        key, equals, value = word[2:].partition("=")
         key = key.replace("-", "_")  # --fault.kill-rank is --fault.kill_rank
-        given = value if eq else next(words, None)
+        given: str | None = value
+        if not equals:  # --section.key VALUE
+            given = next(words, None)
         if given is None:
             raise FourdError(f"--{key} needs a value: --{key}=VALUE")
         out.append((key, given))
@@ -301,7 +318,8 @@ def parse_overrides(items: list[str], flags=()) -> list[tuple[str, str]]:
 def build_config(
     toml: str | None, flags: dict, overrides: list[str], base: dict | None = None, options=()
 ) -> Config:
-    """The configuration from its layers (module docstring); `options`: the command's flags, for suggestions."""
+    """The configuration from its layers (module docstring); `options`: the command's flags, for
+    suggestions."""
     cfg = Config()
     apply(cfg, base or {}, "base configuration")
     apply(cfg, load_toml(toml or ""), f"config file {toml!r}")
@@ -316,50 +334,57 @@ def build_config(
 
 def check(cfg: Config) -> None:
     """Rules between keys; each key's own range is in LIMITS."""
-    t, f = cfg.train, cfg.fault
-    if t.min_lr > t.lr:
-        raise FourdError(f"train.min_lr = {t.min_lr} is above train.lr = {t.lr}: lower it")
+    train, fault = cfg.train, cfg.fault
+    if train.min_lr > train.lr:
+        raise FourdError(f"train.min_lr = {train.min_lr} is above train.lr = {train.lr}: lower it")
     # an "auto" layout is checked again once the planner has chosen it
-    world = parse_layout(cfg.parallel.layout).world if cfg.parallel.layout != "auto" else 1 << 62
+    world = 1 << 62
+    if cfg.parallel.layout != "auto":
+        world = parse_layout(cfg.parallel.layout).world
     for key in ("kill_rank", "hang_rank"):
-        rank = getattr(f, key)
+        rank = getattr(fault, key)
         if rank >= world:
             raise FourdError(
-                f"fault.{key} = {rank} is not a rank of the {world}-rank layout: choose 0 .. {world - 1}"
+                f"fault.{key} = {rank} is not a rank of the {world}-rank layout: "
+                f"choose 0 .. {world - 1}"
             )
-        if rank >= 0 and not 1 <= f.at_step <= t.steps:
+        if rank >= 0 and not 1 <= fault.at_step <= train.steps:
             raise FourdError(
-                f"fault.{key} needs fault.at_step, a step in 1 .. {t.steps} (it is {f.at_step})"
+                f"fault.{key} needs fault.at_step, a step in 1 .. {train.steps} (it is "
+                f"{fault.at_step})"
             )
-    if f.at_step >= 0 and f.kill_rank < 0 and f.hang_rank < 0:
+    if fault.at_step >= 0 and fault.kill_rank < 0 and fault.hang_rank < 0:
         raise FourdError(
-            "fault.at_step is set but neither fault.kill_rank nor fault.hang_rank: set one, or drop it"
+            "fault.at_step is set but neither fault.kill_rank nor "
+            "fault.hang_rank: set one, or drop it"
         )
 
 
 def model_config(cfg: Config) -> ModelConfig:
     over = {
-        k: v for k, v in dataclasses.asdict(cfg.model).items() if k != "preset" and v is not None
+        key: value
+        for key, value in dataclasses.asdict(cfg.model).items()
+        if key != "preset" and value is not None
     }
     model = with_overrides(get_preset(cfg.model.preset), **over)
     if cfg.data.seq_len > model.max_seq:
         raise FourdError(
-            f"data.seq_len = {cfg.data.seq_len} is longer than the model's max_seq = {model.max_seq}: "
-            f"raise --model.max_seq or shorten data.seq_len"
+            f"data.seq_len = {cfg.data.seq_len} is longer than the model's max_seq = "
+            f"{model.max_seq}: raise --model.max_seq or shorten data.seq_len"
         )
     return model
 
 
 def parallelism(cfg: Config) -> Parallelism:
     """The run's Parallelism, in the words the planner uses too."""
-    p, lay = cfg.parallel, parse_layout(cfg.parallel.layout)
-    cuts = (
-        p.schedule,
-        p.microbatches,
-        p.virtual_stages,
-        p.zero,
-        p.recompute,
-        p.sequence_parallel,
-        p.hsdp_replicas,
+    settings = cfg.parallel
+    return Parallelism(
+        layout=parse_layout(settings.layout),
+        schedule=settings.schedule,
+        microbatches=settings.microbatches,
+        virtual_stages=settings.virtual_stages,
+        zero=settings.zero,
+        recompute=settings.recompute,
+        sequence_parallel=settings.sequence_parallel,
+        hsdp_replicas=settings.hsdp_replicas,
     )
-    return Parallelism(lay, *cuts)

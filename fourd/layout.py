@@ -1,7 +1,9 @@
-"""The 4D layout and the words plan and train share for how a run is cut, with their one validator (pure Python).
+"""The 4D layout and the words plan and train share for how a run is cut, with their one validator
+(pure Python).
 
 Ranks are numbered innermost first in the order [TP, CP, PP, DP] of the Llama 3 paper (§3.3.2):
-rank = tp + TP·(cp + CP·(pp + PP·dp)); TP's per-layer all-reduces stay inside a server (docs/parallelism.md).
+rank = tp + TP·(cp + CP·(pp + PP·dp)); TP's per-layer all-reduces stay inside a server
+(docs/parallelism.md).
 """
 
 from __future__ import annotations
@@ -23,11 +25,11 @@ class Layout:
     dp: int = 1
 
     def __post_init__(self):
-        for d in DIMS:
-            v = getattr(self, d)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        for dim in DIMS:
+            degree = getattr(self, dim)
+            if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
                 raise FourdError(
-                    f"layout {d}={v!r}: each degree must be a positive integer, e.g. {d}=2"
+                    f"layout {dim}={degree!r}: each degree must be a positive integer, e.g. {dim}=2"
                 )
 
     @property
@@ -39,32 +41,32 @@ class Layout:
         if not 0 <= rank < self.world:
             raise ValueError(f"rank {rank} outside 0..{self.world - 1} of layout {self}")
         out = {}
-        for d in DIMS:
-            rank, out[d] = divmod(rank, getattr(self, d))
+        for dim in DIMS:
+            rank, out[dim] = divmod(rank, getattr(self, dim))
         return out
 
     def rank(self, tp: int = 0, cp: int = 0, pp: int = 0, dp: int = 0) -> int:
         idx = {"tp": tp, "cp": cp, "pp": pp, "dp": dp}
-        r = 0
-        for d in reversed(DIMS):
-            if not 0 <= idx[d] < getattr(self, d):
+        rank_index = 0
+        for dim in reversed(DIMS):
+            if not 0 <= idx[dim] < getattr(self, dim):
                 raise ValueError(
-                    f"{d} index {idx[d]} outside 0..{getattr(self, d) - 1} of layout {self}"
+                    f"{dim} index {idx[dim]} outside 0..{getattr(self, dim) - 1} of layout {self}"
                 )
-            r = r * getattr(self, d) + idx[d]
-        return r
+            rank_index = rank_index * getattr(self, dim) + idx[dim]
+        return rank_index
 
     def __str__(self) -> str:
-        return ",".join(f"{d}={getattr(self, d)}" for d in DIMS)
+        return ",".join(f"{dim}={getattr(self, dim)}" for dim in DIMS)
 
 
 def parse_layout(text: str) -> Layout:
     """`tp=2,cp=1,pp=2,dp=2`; omitted dimensions are 1, so `dp=1` is one rank."""
     values: dict[str, int] = {}
-    for part in (p.strip() for p in str(text).split(",")):
+    for part in (item.strip() for item in str(text).split(",")):
         if not part:
             continue
-        key, sep, val = (s.strip() for s in part.partition("="))
+        key, sep, val = (word.strip() for word in part.partition("="))
         if not sep or key not in DIMS:
             raise FourdError(
                 f"layout {text!r}: bad item {part!r}; write key=value with keys {', '.join(DIMS)}"
@@ -82,33 +84,30 @@ def parse_layout(text: str) -> Layout:
 
 # Schedule names are fourd.schedules'.
 PRECISIONS = ("bf16", "fp32")  # BF16 autocast over FP32 master weights, or plain FP32
-ZERO_STAGES = (
-    0,
-    1,
-    2,
-    3,
-)  # 0 replicates (DDP); 1 shards optimizer state; 2 and gradients; 3 and weights
-# What a layer keeps for backward, lightest recomputation first (fourd.plan.block says what each keeps):
-# selective recomputes cheap ops, per-op also every other matmul (torchtitan's policy), full the whole layer.
+# 0 replicates (DDP); 1 shards optimizer state; 2 and gradients; 3 and weights (Rajbhandari et
+# al. 2020, ZeRO, §5)
+ZERO_STAGES = (0, 1, 2, 3)
+# What a layer keeps for backward, lightest recomputation first (fourd.plan.block says what each
+# keeps): none recomputes nothing, selective recomputes the cheap ops, per-op also every other
+# matmul (torchtitan's policy), full the whole layer.
 RECOMPUTE = ("none", "selective", "per-op", "full")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Parallelism:
-    """How a run is cut: the layout and the settings that go with it, as plan and train both name them."""
+    """How a run is cut: the layout and the settings that go with it, as plan and train both name
+    them."""
 
     layout: Layout
-    schedule: str = "1f1b"
+    schedule: str = "1f1b"  # one of fourd.schedules.SCHEDULES
     microbatches: int = 1  # per data-parallel replica per step
-    virtual_stages: int = (
-        1  # pipeline stages per rank; more than one only with the interleaved schedule
-    )
-    zero: int = 1
-    recompute: str = "none"
+    # pipeline stages per rank; more than one only with the interleaved schedule
+    virtual_stages: int = 1
+    zero: int = 1  # one of ZERO_STAGES
+    recompute: str = "none"  # one of RECOMPUTE
     sequence_parallel: bool = False
-    hsdp_replicas: int = (
-        1  # more than one: ZeRO-3 inside each replica group, gradients all-reduced across
-    )
+    # more than one: ZeRO-3 inside each replica group, gradients all-reduced across
+    hsdp_replicas: int = 1
 
     @property
     def stages(self) -> int:
@@ -117,7 +116,8 @@ class Parallelism:
 
     @property
     def grad_ranks(self) -> int:
-        """Ranks that average gradients: the DP replicas and the CP ranks (different tokens, same weights)."""
+        """Ranks that average gradients: the DP replicas and the CP ranks (different tokens, same
+        weights)."""
         return self.layout.dp * self.layout.cp
 
     @property
@@ -131,13 +131,14 @@ class Parallelism:
 
 
 def tp_ok(model, tp: int) -> bool:
-    """Each TP rank holds whole heads and whole KV heads, and equal blocks of the FFN and the vocabulary."""
-    return all(v % tp == 0 for v in (model.heads, model.kv_heads, model.ffn, model.vocab))
+    """Each TP rank holds whole heads and whole KV heads, and equal blocks of the FFN and the
+    vocabulary."""
+    return all(count % tp == 0 for count in (model.heads, model.kv_heads, model.ffn, model.vocab))
 
 
 def split_ok(layers: int, stages: int) -> bool:
-    """Every pipeline stage gets a layer, except that with exactly layers + 2 stages the first and last hold
-    only the embedding and the output (layer_split)."""
+    """Every pipeline stage gets a layer, except that with exactly layers + 2 stages the first and
+    last hold only the embedding and the output (layer_split)."""
     return stages <= layers or stages == layers + 2
 
 
@@ -147,63 +148,70 @@ def _choose(name: str, value, allowed) -> None:
 
 
 def check(model, par: Parallelism, seq: int, global_seqs: int) -> None:
-    """FourdError naming the fix for a run that cannot go: the one validator of plan, sim, lab and train
-    (model: a fourd.model.config.ModelConfig; global_seqs: sequences per step)."""
+    """FourdError naming the fix for a run that cannot go: the one validator of plan, sim, lab and
+    train (model: a fourd.model.config.ModelConfig; global_seqs: sequences per step)."""
     lay = par.layout
     _choose("schedule", par.schedule, SCHEDULES)
     _choose("ZeRO stage", par.zero, ZERO_STAGES)
     _choose("recomputation", par.recompute, RECOMPUTE)
     if not tp_ok(model, lay.tp):
-        ok = [t for t in range(1, model.kv_heads + 1) if tp_ok(model, t)]
+        choices = [degree for degree in range(1, model.kv_heads + 1) if tp_ok(model, degree)]
         raise FourdError(
-            f"tp={lay.tp} cannot cut the model's heads ({model.heads}), KV heads ({model.kv_heads}), FFN width "
-            f"({model.ffn}) and vocabulary ({model.vocab}) into equal parts: choose tp among {', '.join(map(str, ok))}"
+            f"tp={lay.tp} cannot cut the model's heads ({model.heads}), KV heads "
+            f"({model.kv_heads}), FFN width ({model.ffn}) and vocabulary ({model.vocab}) into "
+            f"equal parts: choose tp among {', '.join(map(str, choices))}"
         )
     check_stages(par.schedule, lay.pp, par.microbatches, par.virtual_stages)
     if lay.pp == 1 and par.virtual_stages > 1:
         raise FourdError(
-            f"{par.virtual_stages} virtual stages need a pipeline: choose pp > 1 or one virtual stage"
+            f"{par.virtual_stages} virtual stages need a pipeline: choose pp > 1 or one virtual "
+            "stage"
         )
     if not split_ok(model.layers, par.stages):
         raise FourdError(
-            f"pp={lay.pp} with {plural(par.virtual_stages, 'virtual stage')} makes {par.stages} pipeline stages for "
-            f"{model.layers} layers: use at most {model.layers} stages, or exactly {model.layers + 2} (the "
-            "embedding and the output a stage each)"
+            f"pp={lay.pp} with {plural(par.virtual_stages, 'virtual stage')} makes {par.stages} "
+            f"pipeline stages for {model.layers} layers: use at most {model.layers} stages, or "
+            f"exactly {model.layers + 2} (the embedding and the output a stage each)"
         )
     if seq < 2 or seq % (2 * lay.cp):
         raise FourdError(
-            f"sequence length {seq} is not a multiple of 2·cp = {2 * lay.cp} (context parallelism cuts each "
-            f"sequence into 2·cp chunks): choose a multiple of {2 * lay.cp}, or a smaller cp"
+            f"sequence length {seq} is not a multiple of 2·cp = {2 * lay.cp} (context parallelism "
+            f"cuts each sequence into 2·cp chunks): choose a multiple of {2 * lay.cp}, or a "
+            "smaller cp"
         )
     if par.sequence_parallel and (seq // lay.cp) % lay.tp:
         raise FourdError(
-            f"sequence parallelism cuts each rank's {seq // lay.cp} tokens into tp={lay.tp} parts: choose a "
-            f"sequence length that is a multiple of cp·tp = {lay.cp * lay.tp}, or turn sequence parallelism off"
+            f"sequence parallelism cuts each rank's {seq // lay.cp} tokens into tp={lay.tp} parts: "
+            f"choose a sequence length that is a multiple of cp·tp = {lay.cp * lay.tp}, or turn "
+            "sequence parallelism off"
         )
     if global_seqs < 1 or global_seqs % (lay.dp * par.microbatches):
         raise FourdError(
-            f"the global batch of {global_seqs} sequences does not split into dp × microbatches = {lay.dp} × "
-            f"{par.microbatches} equal parts: choose a global batch that is a multiple of {lay.dp * par.microbatches}"
+            f"the global batch of {global_seqs} sequences does not split into dp × microbatches = "
+            f"{lay.dp} × {par.microbatches} equal parts: choose a global batch that is a multiple "
+            f"of {lay.dp * par.microbatches}"
         )
     if (
         par.hsdp_replicas < 1
         or lay.dp % par.hsdp_replicas
         or (par.hsdp_replicas > 1 and par.zero != 3)
     ):
+        divisors = [str(count) for count in range(1, lay.dp + 1) if lay.dp % count == 0]
         raise FourdError(
-            f"HSDP replicas = {par.hsdp_replicas} with ZeRO stage {par.zero}: HSDP is ZeRO 3 inside each replica "
-            f"group, and the replicas must divide dp={lay.dp}: choose among "
-            f"{', '.join(str(d) for d in range(1, lay.dp + 1) if lay.dp % d == 0)} with ZeRO stage 3"
+            f"HSDP replicas = {par.hsdp_replicas} with ZeRO stage {par.zero}: HSDP is ZeRO 3 "
+            f"inside each replica group, and the replicas must divide dp={lay.dp}: choose among "
+            f"{', '.join(divisors)} with ZeRO stage 3"
         )
 
 
 def layer_split(
     n_layers: int, stages: int, fewer_first_last: bool = True, empty_edges: bool = False
 ) -> list[int]:
-    """Transformer layers of each pipeline stage, in model order; the trainer's split and the planner's. With
-    `fewer_first_last` the first and last stage hold one layer fewer (Llama 3 paper §3.3.2: 126 in 16 are 7, 8,
-    ..., 8, 7), unless a stage would be empty: then an even split, or with `empty_edges` edge stages holding only
-    the embedding and the output (docs/pipeline-context.md)."""
+    """Transformer layers of each pipeline stage, in model order; the trainer's split and the
+    planner's. With `fewer_first_last` the first and last stage hold one layer fewer (Llama 3 paper
+    §3.3.2: 126 in 16 are 7, 8, ..., 8, 7), unless a stage would be empty: then an even split, or
+    with `empty_edges` edge stages holding only the embedding and the output
+    (docs/pipeline-context.md)."""
     if stages < 1 or n_layers < 1:
         raise FourdError(f"{n_layers} layers in {stages} pipeline stages: both must be at least 1")
     if stages == 1:
@@ -211,18 +219,19 @@ def layer_split(
     if fewer_first_last:
         base, extra = divmod(n_layers + 2, stages)
         counts = [base] * stages
-        for s in [0, stages - 1, *range(1, stages - 1)][:extra]:
-            counts[s] += 1
+        for stage in [0, stages - 1, *range(1, stages - 1)][:extra]:
+            counts[stage] += 1
         counts[0] -= 1
         counts[-1] -= 1
         if min(counts[1:-1], default=1) >= 1 and (min(counts) >= 1 or empty_edges):
             return counts
     if n_layers < stages:
         raise FourdError(
-            f"{n_layers} layers cannot fill {stages} pipeline stages: lower pp or the virtual stages"
+            f"{n_layers} layers cannot fill {stages} pipeline stages: lower pp or the virtual "
+            "stages"
         )
     base, extra = divmod(n_layers, stages)
     counts = [base] * stages
-    for s in [*range(1, stages - 1), 0, stages - 1][:extra]:
-        counts[s] += 1
+    for stage in [*range(1, stages - 1), 0, stages - 1][:extra]:
+        counts[stage] += 1
     return counts

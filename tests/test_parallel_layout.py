@@ -50,76 +50,83 @@ def test_malformed_layouts_are_refused(text, message):
 
 
 def test_a_valid_layout_passes():
-    check(DEBUG, Parallelism(Layout(tp=2, pp=2, dp=2), microbatches=2), seq=64, global_seqs=8)
+    check(
+        DEBUG, Parallelism(layout=Layout(tp=2, pp=2, dp=2), microbatches=2), seq=64, global_seqs=8
+    )
     # Llama 3 405B at 16,384 GPUs, long context: 8 × 16 × 16 × 8, 16 sequences per replica (Llama 3 paper, Table 4).
     lay = Layout(tp=8, cp=16, pp=16, dp=8)
-    check(L405, Parallelism(lay, "interleaved", 16, virtual_stages=8), seq=131072, global_seqs=128)
+    check(
+        L405,
+        Parallelism(layout=lay, schedule="interleaved", microbatches=16, virtual_stages=8),
+        seq=131072,
+        global_seqs=128,
+    )
 
 
 @pytest.mark.parametrize(
     "par, kw, message",
     [
         (
-            Parallelism(Layout(tp=3)),
+            Parallelism(layout=Layout(tp=3)),
             {},
             "tp=3 cannot cut the model's heads (4), KV heads (2), FFN width (176) and vocabulary (256) into equal "
             "parts: choose tp among 1, 2",
         ),
         (
-            Parallelism(Layout(pp=5)),
+            Parallelism(layout=Layout(pp=5)),
             {},
             "pp=5 with 1 virtual stage makes 5 pipeline stages for 4 layers: use at most 4 stages, or exactly 6 "
             "(the embedding and the output a stage each)",
         ),
         (
-            Parallelism(Layout(pp=2), "interleaved", virtual_stages=4),
+            Parallelism(layout=Layout(pp=2), schedule="interleaved", virtual_stages=4),
             {},
             "pp=2 with 4 virtual stages makes 8 pipeline stages for 4 layers: use at most 4 stages, or exactly 6 "
             "(the embedding and the output a stage each)",
         ),
         (
-            Parallelism(Layout(pp=2), virtual_stages=2),
+            Parallelism(layout=Layout(pp=2), virtual_stages=2),
             {},
             "2 virtual stages need the interleaved schedule (1f1b runs one stage per rank): choose the interleaved "
             "schedule or one virtual stage",
         ),
         (
-            Parallelism(Layout(dp=2), "interleaved", virtual_stages=2),
+            Parallelism(layout=Layout(dp=2), schedule="interleaved", virtual_stages=2),
             {},
             "2 virtual stages need a pipeline: choose pp > 1 or one virtual stage",
         ),
         (
-            Parallelism(Layout(cp=3)),
+            Parallelism(layout=Layout(cp=3)),
             {},
             "sequence length 64 is not a multiple of 2·cp = 6 (context parallelism cuts each sequence into 2·cp "
             "chunks): choose a multiple of 6, or a smaller cp",
         ),
         (
-            Parallelism(Layout(dp=3)),
+            Parallelism(layout=Layout(dp=3)),
             {},
             "the global batch of 8 sequences does not split into dp × microbatches = 3 × 1 equal parts: choose a "
             "global batch that is a multiple of 3",
         ),
         (
-            Parallelism(Layout(dp=2), microbatches=3),
+            Parallelism(layout=Layout(dp=2), microbatches=3),
             {},
             "the global batch of 8 sequences does not split into dp × microbatches = 2 × 3 equal parts: choose a "
             "global batch that is a multiple of 6",
         ),
         (
-            Parallelism(Layout(dp=4), zero=3, hsdp_replicas=3),
+            Parallelism(layout=Layout(dp=4), zero=3, hsdp_replicas=3),
             {},
             "HSDP replicas = 3 with ZeRO stage 3: HSDP is ZeRO 3 inside each replica group, and the replicas must "
             "divide dp=4: choose among 1, 2, 4 with ZeRO stage 3",
         ),
-        (Parallelism(Layout(), zero=5), {}, "ZeRO stage 5: choose one of 0, 1, 2, 3"),
+        (Parallelism(layout=Layout(), zero=5), {}, "ZeRO stage 5: choose one of 0, 1, 2, 3"),
         (
-            Parallelism(Layout(), recompute="some"),
+            Parallelism(layout=Layout(), recompute="some"),
             {},
             "recomputation 'some': choose one of none, selective, per-op, full",
         ),
         (
-            Parallelism(Layout(), schedule="pipedream"),
+            Parallelism(layout=Layout(), schedule="pipedream"),
             {},
             "schedule 'pipedream': choose one of gpipe, 1f1b, interleaved, zero-bubble",
         ),
@@ -133,15 +140,20 @@ def test_impossible_layouts_are_refused_with_the_reason(par, kw, message):
 
 
 def test_the_embedding_and_the_output_may_take_a_stage_each():
-    check(DEBUG, Parallelism(Layout(pp=3), "interleaved", virtual_stages=2), seq=64, global_seqs=8)
+    check(
+        DEBUG,
+        Parallelism(layout=Layout(pp=3), schedule="interleaved", virtual_stages=2),
+        seq=64,
+        global_seqs=8,
+    )
     assert layer_split(4, 6, empty_edges=True) == [0, 1, 1, 1, 1, 0]
 
 
 def test_sequence_parallelism_needs_whole_token_shards():
     kv4 = with_overrides(DEBUG, kv_heads=4)
-    check(kv4, Parallelism(Layout(tp=4)), seq=66, global_seqs=1)
+    check(kv4, Parallelism(layout=Layout(tp=4)), seq=66, global_seqs=1)
     with pytest.raises(FourdError) as e:
-        check(kv4, Parallelism(Layout(tp=4), sequence_parallel=True), seq=66, global_seqs=1)
+        check(kv4, Parallelism(layout=Layout(tp=4), sequence_parallel=True), seq=66, global_seqs=1)
     assert str(e.value) == (
         "sequence parallelism cuts each rank's 66 tokens into tp=4 parts: choose a sequence length that is a "
         "multiple of cp·tp = 4, or turn sequence parallelism off"
@@ -154,9 +166,9 @@ def test_ffn_and_vocab_must_split_evenly():
         FourdError,
         match=r"FFN width \(170\) and vocabulary \(256\) into equal parts: choose tp among 1, 2$",
     ):
-        check(odd_ffn, Parallelism(Layout(tp=4)), seq=8, global_seqs=1)
+        check(odd_ffn, Parallelism(layout=Layout(tp=4)), seq=8, global_seqs=1)
     odd = ModelConfig(layers=2, dim=64, ffn=176, heads=4, kv_heads=4, vocab=257)
     with pytest.raises(
         FourdError, match=r"vocabulary \(257\) into equal parts: choose tp among 1$"
     ):
-        check(odd, Parallelism(Layout(tp=2)), seq=8, global_seqs=1)
+        check(odd, Parallelism(layout=Layout(tp=2)), seq=8, global_seqs=1)

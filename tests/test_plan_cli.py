@@ -159,7 +159,7 @@ def test_search_json_best_and_candidates():
             "recompute",
             "sequence_parallel",
         )
-        par = Parallelism(Layout(**c["layout"]), **{k: c[k] for k in keys})
+        par = Parallelism(layout=Layout(**c["layout"]), **{k: c[k] for k in keys})
         job = Job(get_preset("llama3-405b"), h100, par, 8192, 2048, compiled=c["compiled"])
         assert c["step_time_s"] == evaluate(job).step.step_s and par.layout.world == 16384
 
@@ -302,12 +302,12 @@ def test_user_profile_wins_over_the_preset_and_paths_work(tmp_path):
     path = tmp_path / "elsewhere.toml"
     path.write_text(faster)
     par = Parallelism(
-        Layout(8, 1, 16, 64),
-        "interleaved",
-        base["microbatches"],
-        base["virtual_stages"],
-        base["zero"],
-        base["recompute"],
+        layout=Layout(8, 1, 16, 64),
+        schedule="interleaved",
+        microbatches=base["microbatches"],
+        virtual_stages=base["virtual_stages"],
+        zero=base["zero"],
+        recompute=base["recompute"],
         sequence_parallel=True,
     )
     want = evaluate(

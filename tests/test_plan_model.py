@@ -45,7 +45,17 @@ TABLE4 = [
 def job(model, cluster, layout, seq, global_seqs, *settings, sp=True):
     """A Job with Parallelism(layout, schedule, microbatches, virtual_stages, zero, recompute) from `settings`."""
     return Job(
-        model, cluster, Parallelism(layout, *settings, sequence_parallel=sp), seq, global_seqs
+        model,
+        cluster,
+        Parallelism(
+            layout=layout,
+            **dict(
+                zip(("schedule", "microbatches", "virtual_stages", "zero", "recompute"), settings)
+            ),
+            sequence_parallel=sp,
+        ),
+        seq,
+        global_seqs,
     )
 
 

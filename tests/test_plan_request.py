@@ -125,9 +125,15 @@ def test_a_batch_in_tokens_is_planned_at_the_nearest_share_of_the_pinned_replica
 
 def test_rank_peak_memory_is_the_fullest_gpu_with_the_reserve():
     model = get_preset("llama3-8b")
-    par = Parallelism(Layout(tp=2, pp=2, dp=2), "1f1b", 4, zero=2, sequence_parallel=True)
+    par = Parallelism(
+        layout=Layout(tp=2, pp=2, dp=2),
+        schedule="1f1b",
+        microbatches=4,
+        zero=2,
+        sequence_parallel=True,
+    )
     gb = request.rank_peak_memory_gb(model, "dgx-h100", par, 8192, 16)
     memory = peak_memory(Job(model, load_cluster("dgx-h100"), par, 8192, 16))[1]
     assert gb == (memory.total + memory.fragmentation + memory.reserve) / GB
     with pytest.raises(FourdError, match="tp=3 cannot cut"):
-        request.rank_peak_memory_gb(model, "dgx-h100", Parallelism(Layout(tp=3)), 8192, 16)
+        request.rank_peak_memory_gb(model, "dgx-h100", Parallelism(layout=Layout(tp=3)), 8192, 16)

@@ -53,9 +53,18 @@ def test_bubble_fraction_is_the_busiest_ranks_idle_share_of_the_span():
 def test_links_are_shared_equally_and_fractions_count():
     net = Network({"nic": 10.0, "nvl": 100.0})
     done = []
-    net.add(Flow(100.0, ((("nic",), 1.0),), 1e9, 0.0, done.append), 0.0)
-    net.add(Flow(100.0, ((("nic",), 1.0),), 1e9, 0.0, done.append), 0.0)
-    net.add(Flow(100.0, ((("nic",), 0.25), (("nvl",), 1.0)), 30.0, 0.0, done.append), 0.0)
+    net.add(Flow(size=100.0, links=((("nic",), 1.0),), cap=1e9, latency=0.0, done=done.append), 0.0)
+    net.add(Flow(size=100.0, links=((("nic",), 1.0),), cap=1e9, latency=0.0, done=done.append), 0.0)
+    net.add(
+        Flow(
+            size=100.0,
+            links=((("nic",), 0.25), (("nvl",), 1.0)),
+            cap=30.0,
+            latency=0.0,
+            done=done.append,
+        ),
+        0.0,
+    )
     # three users of the NIC get 10/3 each; the third puts only a quarter of its bytes on it: 40/3
     assert net.next_finish(0.0) == pytest.approx(7.5)
     assert [f.rate for f in net.flows] == pytest.approx([10 / 3, 10 / 3, 40 / 3])

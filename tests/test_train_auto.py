@@ -136,7 +136,11 @@ def test_the_memory_check_names_recomputation_a_smaller_batch_or_none():
     def need(recompute="none", seqs=16):
         return (
             rank_peak_memory_gb(
-                get_preset("small"), gpu, Parallelism(Layout(), recompute=recompute), 1024, seqs
+                get_preset("small"),
+                gpu,
+                Parallelism(layout=Layout(), recompute=recompute),
+                1024,
+                seqs,
             )
             * 1e9
         )

@@ -198,14 +198,14 @@ def _check_run(run: Run, sources: dict[str, Source]) -> None:
             f"{what}: {run.global_batch_seqs} sequences do not split into dp={lay.dp} x microbatches"
         )
     par = Parallelism(
-        lay,
-        run.schedule,
-        per_replica // micro,
-        run.virtual_stages or 1,
-        run.zero,
-        run.recompute,
-        run.sequence_parallel,
-        run.hsdp_replicas,
+        layout=lay,
+        schedule=run.schedule,
+        microbatches=per_replica // micro,
+        virtual_stages=run.virtual_stages or 1,
+        zero=run.zero,
+        recompute=run.recompute,
+        sequence_parallel=run.sequence_parallel,
+        hsdp_replicas=run.hsdp_replicas,
     )
     try:
         check(run.model_config, par, run.seq, run.global_batch_seqs // micro)

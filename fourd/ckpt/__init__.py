@@ -1,1 +1,2 @@
-"""Checkpoints: a manifest plus torch.distributed.checkpoint files, written atomically (see store.py)."""
+"""Checkpoints: a manifest plus torch.distributed.checkpoint files, written atomically (see
+store.py)."""

@@ -1,7 +1,7 @@
 """A checkpoint's step, layout, model and model digest, from its manifest (nothing is loaded).
 
-model_digest hashes the full model tensors, the same whatever layout saved them. --json prints the manifest's
-fields with `path`, `files` (a count) and `bytes`.
+model_digest hashes the full model tensors, the same whatever layout saved them. --json prints the
+manifest's fields with `path`, `files` (a count) and `bytes`.
 
 examples:
   fourd ckpt info runs/demo/checkpoints/step-20     # after the run on docs/hf.md
@@ -15,13 +15,13 @@ import json
 from fourd.ckpt import store
 
 
-def add_arguments(p) -> None:
-    p.add_argument(
+def add_arguments(parser) -> None:
+    parser.add_argument(
         "dir",
         metavar="DIR",
         help="a checkpoint directory, or a run directory (its newest checkpoint)",
     )
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def run(args) -> int:
@@ -32,21 +32,25 @@ def run(args) -> int:
         **manifest,
         "path": str(directory),
         "files": len(files),
-        "bytes": sum(f["bytes"] for f in files),
+        "bytes": sum(entry["bytes"] for entry in files),
     }
     if args.json:
         print(json.dumps(info, indent=1, sort_keys=True))
         return 0
-    m, train = store.model_config(str(directory), manifest["model"]), manifest.get("train", {})
+    model = store.model_config(str(directory), manifest["model"])
+    train = manifest.get("train", {})
     rows = {"path": directory, "step": manifest["step"], "layout": manifest["layout"]}
-    rows["model"] = f"{m.layers} layers, dim {m.dim}, heads {m.heads}/{m.kv_heads}, vocab {m.vocab}"
+    rows["model"] = (
+        f"{model.layers} layers, dim {model.dim}, heads {model.heads}/{model.kv_heads}, "
+        f"vocab {model.vocab}"
+    )
     rows |= {
         "model_digest": manifest["model_digest"],
         "files": f"{info['files']} ({info['bytes']:,} bytes)",
     }
     rows["train"] = ", ".join(
-        f"{k} {v}" for k, v in sorted(train.items()) if not isinstance(v, dict)
+        f"{k} {value}" for k, value in sorted(train.items()) if not isinstance(value, dict)
     )
-    rows["data"] = ", ".join(f"{k} {v}" for k, v in sorted(train.get("data", {}).items()))
-    print("\n".join(f"{k:<12}   {v}" for k, v in rows.items() if v != ""))
+    rows["data"] = ", ".join(f"{k} {value}" for k, value in sorted(train.get("data", {}).items()))
+    print("\n".join(f"{k:<12}   {value}" for k, value in rows.items() if value != ""))
     return 0

@@ -1,4 +1,5 @@
-"""Reading DCP's `.metadata` (a pickle) with an unpickler that builds only DCP's metadata classes."""
+"""Reading DCP's `.metadata` (a pickle) with an unpickler that builds only DCP's metadata
+classes."""
 
 from __future__ import annotations
 
@@ -38,8 +39,8 @@ class SafeReader(dcp.FileSystemReader):
     def read_metadata(self, *args, **kwargs):
         path = Path(self.path) / ".metadata"
         try:
-            with open(path, "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
+            with open(path, "rb") as file:
+                metadata = _MetadataUnpickler(file).load()
             if not isinstance(getattr(metadata, "state_dict_metadata", None), dict):
                 raise pickle.UnpicklingError("not DCP metadata")
         except (

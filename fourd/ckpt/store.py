@@ -1,5 +1,5 @@
-"""Checkpoint storage: DCP files and a manifest.json with a typed schema, written atomically (format and
-trust boundary: docs/fault-tolerance.md). Only loading and saving tensors imports torch."""
+"""Checkpoint storage: DCP files and a manifest.json with a typed schema, written atomically (format
+and trust boundary: docs/fault-tolerance.md). Only loading and saving tensors imports torch."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ from fourd.model.config import ModelConfig
 if TYPE_CHECKING:
     import torch
 
-# DCP warns when it runs without a process group; fourd's single-process saves and loads do so on purpose.
+# DCP warns when it runs without a process group; fourd's single-process saves and loads do so on
+# purpose.
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 
 FORMAT = "fourd-checkpoint"
@@ -74,22 +75,26 @@ def warn(message: str) -> None:
 
 def _typed(where: str, name: str, value, kind):
     if kind == _SHA:
-        ok = isinstance(value, str) and len(value) == 64 and set(value) <= set("0123456789abcdef")
+        valid = (
+            isinstance(value, str) and len(value) == 64 and set(value) <= set("0123456789abcdef")
+        )
     elif kind is float:
-        ok = (
+        valid = (
             isinstance(value, (int, float))
             and not isinstance(value, bool)
             and math.isfinite(value)
             and value >= 0
         )
     else:
-        ok = (
+        valid = (
             isinstance(value, kind)
             and not isinstance(value, bool)
             and (not isinstance(value, int) or value >= 0)
         )
-    if not ok:
-        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+    if not valid:
+        shown = repr(value)
+        if len(shown) > 40:
+            shown = shown[:37] + "..."
         raise FourdError(
             f"{where}: field {name!r} = {shown} is not {_KINDS[kind]}; the checkpoint is damaged"
         )
@@ -106,9 +111,11 @@ def _check(where: str, prefix: str, obj: dict, spec: dict, required=()) -> None:
 
 
 def model_config(where: str, spec: dict) -> ModelConfig:
-    """The ModelConfig a manifest records; any wrong key or type is one FourdError naming the field."""
+    """The ModelConfig a manifest records; any wrong key or type is one FourdError naming the
+    field."""
     kinds = {
-        f.name: {"int": int, "float": float, "str": str}[str(f.type)] for f in fields(ModelConfig)
+        field.name: {"int": int, "float": float, "str": str}[str(field.type)]
+        for field in fields(ModelConfig)
     }
     for key, value in spec.items():
         if key not in kinds:
@@ -132,13 +139,15 @@ def inside(folder: str | os.PathLike, rel: object, source: str) -> Path:
             path = (root / rel).resolve()
     if path is None or path == root or not path.is_relative_to(root):
         raise FourdError(
-            f"{source} names {rel!r}, which is not a file inside {folder}; the file is damaged or forged"
+            f"{source} names {rel!r}, which is not a file inside {folder}; the file "
+            "is damaged or forged"
         )
     return path
 
 
 def read_manifest(directory: str | os.PathLike) -> dict:
-    """manifest.json, checked against its schema: any missing or wrong-typed field is one FourdError."""
+    """manifest.json, checked against its schema: any missing or wrong-typed field is one
+    FourdError."""
     path = Path(directory) / MANIFEST
     if not path.is_file():
         raise FourdError(
@@ -154,7 +163,8 @@ def read_manifest(directory: str | os.PathLike) -> dict:
         raise FourdError(f"{path}: format is not {FORMAT!r}; not a fourd checkpoint")
     if manifest.get("version") != VERSION:
         raise FourdError(
-            f"{path}: version {manifest.get('version')!r} is not supported (this fourd reads {VERSION})"
+            f"{path}: version {manifest.get('version')!r} is not supported (this "
+            f"fourd reads {VERSION})"
         )
     where = str(path)
     _check(where, "", manifest, _TOP, required=("step", "layout", "model", "model_digest", "files"))
@@ -177,11 +187,11 @@ def read_manifest(directory: str | os.PathLike) -> dict:
 
 
 def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while block := file.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def verify(directory: str | os.PathLike) -> dict:
@@ -197,7 +207,8 @@ def verify(directory: str | os.PathLike) -> dict:
             )
         if path.stat().st_size != want["bytes"]:
             raise FourdError(
-                f"{path}: {path.stat().st_size} bytes, manifest says {want['bytes']}; the file is damaged"
+                f"{path}: {path.stat().st_size} bytes, manifest says "
+                f"{want['bytes']}; the file is damaged"
             )
         if _sha256_file(path) != want["sha256"]:
             raise FourdError(f"{path}: SHA-256 differs from {MANIFEST}; the file is damaged")
@@ -207,11 +218,14 @@ def verify(directory: str | os.PathLike) -> dict:
 def checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
     """(step, dir) of every `run_dir/checkpoints/step-<N>`, newest first, complete or not."""
     found = Path(run_dir, CHECKPOINTS).glob("step-*")
-    return sorted(((int(p.name[5:]), p) for p in found if p.name[5:].isdecimal()), reverse=True)
+    return sorted(
+        ((int(path.name[5:]), path) for path in found if path.name[5:].isdecimal()), reverse=True
+    )
 
 
 def newest(run_dir: str | os.PathLike, check=read_manifest, on_damaged=None) -> Path | None:
-    """The newest checkpoint passing `check`; says in one line which damaged newer ones it skipped."""
+    """The newest checkpoint passing `check`; says in one line which damaged newer ones it
+    skipped."""
     skipped: list[str] = []
     found: Path | None = None
     for _step, path in checkpoints(run_dir):
@@ -237,7 +251,9 @@ def check_model(directory: str | os.PathLike, cfg: ModelConfig) -> None:
     """Refuse a checkpoint of another model than `cfg`, naming the settings that differ."""
     saved, wanted = read_manifest(directory)["model"], cfg.to_dict()
     diff = ", ".join(
-        f"{k} {saved.get(k)} (this run: {v})" for k, v in wanted.items() if saved.get(k) != v
+        f"{k} {saved.get(k)} (this run: {value})"
+        for k, value in wanted.items()
+        if saved.get(k) != value
     )
     if diff:
         raise FourdError(
@@ -259,9 +275,9 @@ def resolve(path: str | os.PathLike) -> Path:
 
 
 def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    os.fsync(fd)
-    os.close(fd)
+    handle = os.open(path, os.O_RDONLY)
+    os.fsync(handle)
+    os.close(handle)
 
 
 def staging_dir(final_dir: str | os.PathLike) -> Path:
@@ -272,12 +288,16 @@ def staging_dir(final_dir: str | os.PathLike) -> Path:
 def write_manifest(
     directory, cfg: ModelConfig, digest: str, step: int = 0, layout: str = "dp=1", extra=None
 ) -> dict:
-    """Hash every file already in `directory` and write manifest.json; call it after the last data file."""
+    """Hash every file already in `directory` and write manifest.json; call it after the last data
+    file."""
     directory = Path(directory)
-    data = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
+    data = sorted(path for path in directory.rglob("*") if path.is_file() and path.name != MANIFEST)
     files = {
-        p.relative_to(directory).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256_file(p)}
-        for p in data
+        path.relative_to(directory).as_posix(): {
+            "bytes": path.stat().st_size,
+            "sha256": _sha256_file(path),
+        }
+        for path in data
     }
     top = {
         "format": FORMAT,
@@ -287,10 +307,10 @@ def write_manifest(
         "model": cfg.to_dict(),
     }
     manifest = {**top, "model_digest": digest, **(extra or {}), "files": files}
-    with open(directory / MANIFEST, "w") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
+    with open(directory / MANIFEST, "w") as file:
+        json.dump(manifest, file, indent=1, sort_keys=True)
+        file.flush()
+        os.fsync(file.fileno())
     return manifest
 
 
@@ -299,42 +319,51 @@ def commit(tmp_dir: str | os.PathLike, final_dir: str | os.PathLike) -> Path:
     tmp, final = Path(tmp_dir), Path(final_dir)
     if final.exists():
         raise FourdError(f"{final} already exists; remove it or choose another destination")
-    for p in sorted(tmp.rglob("*"), key=lambda p: -len(p.parts)) + [tmp]:
-        _fsync(p)
+    for path in sorted(tmp.rglob("*"), key=lambda path: -len(path.parts)) + [tmp]:
+        _fsync(path)
     os.rename(tmp, final)
     _fsync(final.parent)
     return final
 
 
-def full(t: torch.Tensor) -> torch.Tensor:
+def full(tensor: torch.Tensor) -> torch.Tensor:
     """A CPU copy of the whole tensor; a DTensor gathers its shards (a collective)."""
-    full_tensor = getattr(t, "full_tensor", None)
-    return (full_tensor() if full_tensor is not None else t).detach().cpu().contiguous()
+    full_tensor = getattr(tensor, "full_tensor", None)
+    if full_tensor is not None:
+        tensor = full_tensor()
+    return tensor.detach().cpu().contiguous()
 
 
 def model_digest(state_dict: dict[str, torch.Tensor]) -> str:
-    """SHA-256 over the tensors in name order: name, dtype, shape (NUL-separated), raw bytes; DTensors are
-    gathered (a collective: every rank calls it)."""
+    """SHA-256 over the tensors in name order: name, dtype, shape (NUL-separated), raw bytes;
+    DTensors are gathered (a collective: every rank calls it)."""
     import torch
 
-    h = hashlib.sha256()
+    digest = hashlib.sha256()
     for name in sorted(state_dict):
-        t = full(state_dict[name])
-        h.update(f"{name}\0{str(t.dtype).removeprefix('torch.')}\0{tuple(t.shape)}\0".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())  # hosts are little-endian
-    return h.hexdigest()
+        tensor = full(state_dict[name])
+        digest.update(
+            f"{name}\0{str(tensor.dtype).removeprefix('torch.')}\0{tuple(tensor.shape)}\0".encode()
+        )
+        digest.update(
+            tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+        )  # hosts are little-endian
+    return digest.hexdigest()
 
 
 def shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter name of `cfg`'s model and its shape (built on the meta device: no memory)."""
     from fourd.model.llama import build_model
 
-    return {k: tuple(v.shape) for k, v in build_model(cfg, device="meta").state_dict().items()}
+    return {
+        k: tuple(value.shape) for k, value in build_model(cfg, device="meta").state_dict().items()
+    }
 
 
 @contextlib.contextmanager
 def staged(final: str | os.PathLike) -> Iterator[Path]:
-    """A fresh staging directory for `final` (which must not exist), removed again if the block fails."""
+    """A fresh staging directory for `final` (which must not exist), removed again if the block
+    fails."""
     if Path(final).exists():
         raise FourdError(f"{final} already exists; remove it or choose another destination")
     tmp = staging_dir(final)
@@ -354,9 +383,11 @@ def save_model_checkpoint(
     import torch.distributed.checkpoint as dcp
 
     with staged(directory) as tmp:
-        sd = {k: full(v) for k, v in state_dict.items()}
-        dcp.save({"model": sd}, storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=True)
-        write_manifest(tmp, cfg=cfg, digest=model_digest(sd), step=step, layout=layout, extra=extra)
+        state = {k: full(tensor) for k, tensor in state_dict.items()}
+        dcp.save({"model": state}, storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=True)
+        write_manifest(
+            tmp, cfg=cfg, digest=model_digest(state), step=step, layout=layout, extra=extra
+        )
         return commit(tmp, directory)
 
 
@@ -376,24 +407,28 @@ def load_model_checkpoint(
             f"{directory}: model.mlp = {cfg.mlp!r}; a checkpoint holds a Llama (swiglu) model"
         )
     reader = SafeReader(str(directory))
-    sd = {}
+    state = {}
     for key, meta in reader.read_metadata().state_dict_metadata.items():
         if key.startswith("model.") and hasattr(meta, "size"):
-            sd[key.removeprefix("model.")] = torch.empty(meta.size, dtype=meta.properties.dtype)
-    held = sum(t.numel() for t in sd.values())
+            state[key.removeprefix("model.")] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    held = sum(tensor.numel() for tensor in state.values())
     if held != cfg.params():  # checked before any model of cfg's size is built
         raise FourdError(
-            f"{directory}: holds {held:,} model parameters, its manifest's model has {cfg.params():,}"
+            f"{directory}: holds {held:,} model parameters, its manifest's model "
+            f"has {cfg.params():,}"
         )
     want = shapes(cfg)
-    bad = sorted(set(want) ^ set(sd)) or sorted(k for k in sd if tuple(sd[k].shape) != want[k])
+    bad = sorted(set(want) ^ set(state)) or sorted(
+        k for k in state if tuple(state[k].shape) != want[k]
+    )
     if bad:
         raise FourdError(
-            f"{directory}: tensor {bad[0]} does not fit its manifest's model (names or shapes differ)"
+            f"{directory}: tensor {bad[0]} does not fit its manifest's model "
+            "(names or shapes differ)"
         )
-    dcp.load({"model": sd}, storage_reader=reader, no_dist=True)
-    if model_digest(sd) != manifest["model_digest"]:
+    dcp.load({"model": state}, storage_reader=reader, no_dist=True)
+    if model_digest(state) != manifest["model_digest"]:
         raise FourdError(
             f"{directory}: the loaded tensors' model_digest differs from {MANIFEST}; it is damaged"
         )
-    return cfg, sd
+    return cfg, state

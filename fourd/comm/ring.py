@@ -1,6 +1,7 @@
-"""Ring all-reduce on point-to-point send/recv, with its own accounting (docs/comm.md): N−1 reduce-scatter and N−1
-all-gather steps over N chunks, each rank sending 2(N−1)/N of the tensor, the lower bound for all-reduce
-(Patarasuk & Yuan 2009, Theorem 1); chunks travel in segments so that receiving and forwarding overlap."""
+"""Ring all-reduce on point-to-point send/recv, with its own accounting (docs/comm.md): N−1
+reduce-scatter and N−1 all-gather steps over N chunks, each rank sending 2(N−1)/N of the tensor, the
+lower bound for all-reduce (Patarasuk & Yuan 2009, Theorem 1); chunks travel in segments so that
+receiving and forwarding overlap."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ SEGMENT_BYTES = 4 << 20  # best of 256 KiB, 1 MiB, 4 MiB and whole chunks here (
 _COMBINE = {
     dist.ReduceOp.SUM: torch.Tensor.add_,
     dist.ReduceOp.PRODUCT: torch.Tensor.mul_,
-    dist.ReduceOp.MAX: lambda a, b: torch.maximum(a, b, out=a),
-    dist.ReduceOp.MIN: lambda a, b: torch.minimum(a, b, out=a),
+    dist.ReduceOp.MAX: lambda into, other: torch.maximum(into, other, out=into),
+    dist.ReduceOp.MIN: lambda into, other: torch.minimum(into, other, out=into),
 }
 
 
@@ -30,16 +31,33 @@ class RingStats:
     messages: int = 0  # point-to-point sends (steps × segments)
 
 
-def _schedule(rank: int, n: int) -> tuple[list[bool], list[int], list[int]]:
-    """Per ring step: whether it reduces, the chunk received, the chunk sent (what arrives at step t leaves at t+1)."""
-    reducing = [t < n - 1 for t in range(2 * (n - 1))]
-    recv_of = [
-        (rank - t - 1) % n if r else (rank - (t - n + 1)) % n for t, r in enumerate(reducing)
-    ]
-    send_of = [
-        (rank - t) % n if r else (rank + 1 - (t - n + 1)) % n for t, r in enumerate(reducing)
-    ]
+def _schedule(rank: int, ranks: int) -> tuple[list[bool], list[int], list[int]]:
+    """Per ring step: whether it reduces, the chunk received, the chunk sent (what arrives at step t
+    leaves at t+1)."""
+    reducing, recv_of, send_of = [], [], []
+    for step in range(ranks - 1):  # reduce-scatter: chunk rank - step moves on, summed
+        reducing.append(True)
+        recv_of.append((rank - step - 1) % ranks)
+        send_of.append((rank - step) % ranks)
+    for step in range(ranks - 1):  # all-gather: the reduced chunk rank + 1 goes round
+        reducing.append(False)
+        recv_of.append((rank - step) % ranks)
+        send_of.append((rank + 1 - step) % ranks)
     return reducing, recv_of, send_of
+
+
+def _flat_padded(tensor: torch.Tensor, ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tensor as one flat view (a copy if it is not contiguous), and that view padded with
+    zeros to a multiple of `ranks` elements (the view itself when no padding is needed)."""
+    if tensor.is_contiguous():
+        flat = tensor.view(-1)
+    else:
+        flat = tensor.reshape(-1).clone()
+    chunk = -(-flat.numel() // ranks)
+    pad = chunk * ranks - flat.numel()
+    if pad == 0:
+        return flat, flat
+    return flat, torch.cat([flat, flat.new_zeros(pad)])
 
 
 def ring_all_reduce(
@@ -48,51 +66,54 @@ def ring_all_reduce(
     """Reduce `tensor` in place across `group` (default: the world), like `dist.all_reduce`."""
     if op not in _COMBINE:
         raise ValueError(f"ring_all_reduce supports SUM, PRODUCT, MAX and MIN, not {op}")
-    n = dist.get_world_size(group)
-    stats = RingStats(world=n)
-    if n == 1 or tensor.numel() == 0:
+    ranks = dist.get_world_size(group)
+    stats = RingStats(world=ranks)
+    if ranks == 1 or tensor.numel() == 0:
         return stats
     rank = dist.get_rank(group)
-    nxt, prv = (rank + 1) % n, (rank - 1) % n
+    next_rank = (rank + 1) % ranks
+    prev_rank = (rank - 1) % ranks
 
-    flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
-    chunk = -(-flat.numel() // n)
-    stats.pad_elems = chunk * n - flat.numel()
-    buf = flat if stats.pad_elems == 0 else torch.cat([flat, flat.new_zeros(stats.pad_elems)])
-    chunks = buf.view(n, chunk)
+    flat, buf = _flat_padded(tensor, ranks)
+    stats.pad_elems = buf.numel() - flat.numel()
+    chunk = buf.numel() // ranks
+    chunks = buf.view(ranks, chunk)
     n_seg = max(1, min(chunk, -(-chunk * buf.element_size() // segment_bytes)))
     bounds = [chunk * j // n_seg for j in range(n_seg + 1)]
     incoming = torch.empty(chunk, dtype=buf.dtype, device=buf.device)
     combine = _COMBINE[op]
 
-    steps, (reducing, recv_of, send_of) = 2 * (n - 1), _schedule(rank, n)
+    steps = 2 * (ranks - 1)  # N−1 reduce-scatter steps, then N−1 all-gather steps
+    reducing, recv_of, send_of = _schedule(rank, ranks)
 
-    def post(t: int, j: int):
-        lo, hi = bounds[j], bounds[j + 1]
-        seg = chunks[send_of[t], lo:hi]
-        target = incoming[lo:hi] if reducing[t] else chunks[recv_of[t], lo:hi]
-        tag = (
-            t * n_seg + j
-        )  # one tag per message: segments in flight at once never match the wrong receive
+    def post(step: int, j: int):
+        start, stop = bounds[j], bounds[j + 1]
+        seg = chunks[send_of[step], start:stop]
+        if reducing[step]:
+            target = incoming[start:stop]  # summed into its chunk when it arrives
+        else:
+            target = chunks[recv_of[step], start:stop]
+        # one tag per message: segments in flight at once never match the wrong receive
+        tag = step * n_seg + j
         stats.bytes_sent += seg.numel() * seg.element_size()
         stats.messages += 1
         return (
-            dist.isend(seg, group=group, group_dst=nxt, tag=tag),
-            dist.irecv(target, group=group, group_src=prv, tag=tag),
+            dist.isend(seg, group=group, group_dst=next_rank, tag=tag),
+            dist.irecv(target, group=group, group_src=prev_rank, tag=tag),
         )
 
     # A segment received in place at step t + 1 may still be in this rank's send of step t only when
     # N = 2, and then the peer has received that send in full before it sends the segment back.
     pending = [post(0, j) for j in range(n_seg)]
-    for t in range(steps):
+    for step in range(steps):
         following = []
         for j, (_, recv) in enumerate(pending):
             recv.wait()
-            if reducing[t]:
-                lo, hi = bounds[j], bounds[j + 1]
-                combine(chunks[recv_of[t], lo:hi], incoming[lo:hi])
-            if t + 1 < steps:
-                following.append(post(t + 1, j))
+            if reducing[step]:
+                start, stop = bounds[j], bounds[j + 1]
+                combine(chunks[recv_of[step], start:stop], incoming[start:stop])
+            if step + 1 < steps:
+                following.append(post(step + 1, j))
         for send, _ in pending:
             send.wait()
         pending = following

@@ -1,1 +1,2 @@
-"""Hugging Face interop: checkpoint conversion (convert.py), generation and perplexity (inference.py, generate.py)."""
+"""Hugging Face interop: checkpoint conversion (convert.py), generation and perplexity
+(inference.py, generate.py)."""

@@ -1,11 +1,12 @@
 """Convert Llama checkpoints between Hugging Face (config.json + safetensors) and fourd's format.
 
-Tensors keep their dtype; q and k rows are permuted between Meta's interleaved rotary pairs and Hugging
-Face's halves, exactly. Only safetensors are read. An export carries the run's tokenizer file.
+Tensors keep their dtype; q and k rows are permuted between Meta's interleaved rotary pairs and
+Hugging Face's halves, exactly. Only safetensors are read. An export carries the run's tokenizer
+file.
 
 examples:
-  fourd train --model debug --steps 20 --train.global_batch=4 --run-dir runs/demo     # a run to convert
-  fourd convert --from fourd runs/demo --to hf runs/demo-hf     # a run directory: its newest checkpoint
+  fourd train --model debug --steps 20 --train.global_batch=4 --run-dir runs/demo  # a run
+  fourd convert --from fourd runs/demo --to hf runs/demo-hf  # a run: its newest checkpoint
   fourd convert --from fourd runs/demo/checkpoints/step-20 --to hf runs/demo-hf-shards --shard-mb 1
   fourd convert --from hf runs/demo-hf --to fourd runs/demo-back
 """
@@ -29,7 +30,8 @@ if TYPE_CHECKING:
 
 ARCHITECTURE = "LlamaForCausalLM"
 INDEX = "model.safetensors.index.json"
-# config.json key -> ModelConfig field, both ways; LlamaConfig's defaults for keys a config.json omits.
+# config.json key -> ModelConfig field, both ways; LlamaConfig's defaults for keys a config.json
+# omits.
 _CONFIG = {
     "num_hidden_layers": "layers",
     "hidden_size": "dim",
@@ -56,18 +58,18 @@ _TOKENIZER_FILES = {
 }  # kind -> usual file name
 
 
-def add_arguments(p) -> None:
-    p.add_argument(
+def add_arguments(parser) -> None:
+    parser.add_argument(
         "--from", dest="src_format", required=True, choices=("hf", "fourd"), help="format of SRC"
     )
-    p.add_argument(
+    parser.add_argument(
         "src", metavar="SRC", help="directory to read (fourd: a checkpoint or a run directory)"
     )
-    p.add_argument(
+    parser.add_argument(
         "--to", dest="dst_format", required=True, choices=("hf", "fourd"), help="format of DST"
     )
-    p.add_argument("dst", metavar="DST", help="directory to create (must not exist)")
-    p.add_argument(
+    parser.add_argument("dst", metavar="DST", help="directory to create (must not exist)")
+    parser.add_argument(
         "--shard-mb",
         type=int,
         default=5000,
@@ -84,10 +86,12 @@ def run(args) -> int:
         cfg = fourd_to_hf(args.src, args.dst, shard_bytes=args.shard_mb * 1_000_000)
     else:
         raise FourdError(
-            f"--from {args.src_format} --to {args.dst_format}: convert between hf and fourd, one each way"
+            f"--from {args.src_format} --to {args.dst_format}: convert between hf "
+            "and fourd, one each way"
         )
     print(
-        f"wrote {args.dst} ({args.dst_format}): {cfg.layers} layers, dim {cfg.dim}, {cfg.params():,} parameters"
+        f"wrote {args.dst} ({args.dst_format}): {cfg.layers} layers, dim {cfg.dim}, "
+        f"{cfg.params():,} parameters"
     )
     return 0
 
@@ -104,47 +108,55 @@ _BLOCK |= {
 
 
 def hf_name(name: str) -> str:
-    """fourd's (Meta's) parameter name -> Hugging Face's: layers.3.feed_forward.w1.weight -> model.layers.3.mlp..."""
+    """fourd's (Meta's) parameter name -> Hugging Face's: layers.3.feed_forward.w1.weight ->
+    model.layers.3.mlp..."""
     if name in _TOP:
         return _TOP[name]
     _, i, rest = name.split(".", 2)
     return f"model.layers.{i}.{_BLOCK[rest.removesuffix('.weight')]}.weight"
 
 
-def interleaved_to_halves(w: torch.Tensor, heads: int, inverse: bool = False) -> torch.Tensor:
-    """Rows of a q or k projection, per head, from pairs (2i, 2i+1) to halves (i, i + d/2) (docs/hf.md)."""
-    rows, cols = w.shape
-    pairs = (
-        (heads, 2, rows // heads // 2, cols) if inverse else (heads, rows // heads // 2, 2, cols)
-    )
-    return w.reshape(pairs).transpose(1, 2).reshape(rows, cols).contiguous()
+def interleaved_to_halves(weight: torch.Tensor, heads: int, inverse: bool = False) -> torch.Tensor:
+    """Rows of a q or k projection, per head, from pairs (2i, 2i+1) to halves (i, i + d/2)
+    (docs/hf.md)."""
+    rows, cols = weight.shape
+    half = rows // heads // 2
+    if inverse:  # halves back to pairs
+        shape = (heads, 2, half, cols)
+    else:
+        shape = (heads, half, 2, cols)
+    return weight.reshape(shape).transpose(1, 2).reshape(rows, cols).contiguous()
 
 
-def _rotary(cfg: ModelConfig, name: str, w: torch.Tensor, inverse: bool) -> torch.Tensor:
-    if name.endswith(("wq.weight", "wk.weight")):
-        return interleaved_to_halves(
-            w, cfg.heads if name.endswith("wq.weight") else cfg.kv_heads, inverse
-        )
-    return w
+def _rotary(cfg: ModelConfig, name: str, weight: torch.Tensor, inverse: bool) -> torch.Tensor:
+    if name.endswith("wq.weight"):
+        return interleaved_to_halves(weight, cfg.heads, inverse)
+    if name.endswith("wk.weight"):
+        return interleaved_to_halves(weight, cfg.kv_heads, inverse)
+    return weight
 
 
 def _json_object(path: Path, what: str) -> dict:
     try:
         obj = json.loads(read_regular(path, what, "give a Hugging Face model directory"))
-    except (ValueError, RecursionError) as e:
-        raise FourdError(f"{path}: not valid JSON ({str(e)[:80]})") from None
+    except (ValueError, RecursionError) as error:
+        raise FourdError(f"{path}: not valid JSON ({str(error)[:80]})") from None
     if not isinstance(obj, dict):
         raise FourdError(f"{path}: not a JSON object; give a Hugging Face {what}")
     return obj
 
 
 def _field(path: Path, hf: dict, key: str, default, kind: type):
-    value: Any = hf.get(key) if hf.get(key) is not None else default
-    ok = isinstance(value, kind if kind is int else (int, float)) and not isinstance(value, bool)
-    if not ok or not math.isfinite(value) or value <= 0:
-        raise FourdError(
-            f"{path}: field {key!r} = {value!r} is not a positive {'integer' if kind is int else 'number'}"
-        )
+    value: Any = hf.get(key)
+    if value is None:
+        value = default
+    accepted: Any = (int, float)
+    what = "number"
+    if kind is int:
+        accepted, what = int, "integer"
+    valid = isinstance(value, accepted) and not isinstance(value, bool)
+    if not valid or not math.isfinite(value) or value <= 0:
+        raise FourdError(f"{path}: field {key!r} = {value!r} is not a positive {what}")
     return kind(value)
 
 
@@ -153,7 +165,9 @@ def read_hf_config(src: Path) -> tuple[ModelConfig, dict]:
     hf = _json_object(path, "config.json")
     arch = hf.get("architectures") or [hf.get("model_type")]
     if not isinstance(arch, list) or not arch or (ARCHITECTURE not in arch and arch != ["llama"]):
-        shown = arch[0] if isinstance(arch, list) and arch else arch
+        shown = arch
+        if isinstance(arch, list) and arch:
+            shown = arch[0]
         raise FourdError(
             f"{path}: architecture {shown!r} is not supported; fourd converts {ARCHITECTURE} only"
         )
@@ -168,25 +182,20 @@ def read_hf_config(src: Path) -> tuple[ModelConfig, dict]:
         or not isinstance(rope, dict)
         or rope.get("rope_type", "default") != "default"
     ):
-        what = (
-            f"'rope_scaling' = {hf['rope_scaling']!r}"
-            if hf.get("rope_scaling")
-            else f"'rope_parameters' = {rope!r}"
-        )
+        what = f"'rope_parameters' = {rope!r}"
+        if hf.get("rope_scaling"):
+            what = f"'rope_scaling' = {hf['rope_scaling']!r}"
         raise FourdError(f"{path}: field {what} is not supported; fourd implements plain RoPE")
     given = {**hf, **rope}  # newer configs keep rope_theta in rope_parameters
     defaults = {**_HF_DEFAULTS, "num_key_value_heads": given.get("num_attention_heads")}
-    values = {
-        field: _field(
-            path,
-            given,
-            key,
-            defaults.get(key),
-            float if field in ("norm_eps", "rope_theta") else int,
-        )
-        for key, field in _CONFIG.items()
-        if key != "head_dim" or given.get(key) is not None  # else dim // heads
-    }
+    values = {}
+    for key, field in _CONFIG.items():
+        if key == "head_dim" and given.get(key) is None:
+            continue  # dim // heads
+        kind: type = int
+        if field in ("norm_eps", "rope_theta"):
+            kind = float
+        values[field] = _field(path, given, key, defaults.get(key), kind)
     return ModelConfig(**values), hf
 
 
@@ -194,19 +203,26 @@ def _safetensors_files(src: Path) -> list[Path]:
     if (src / INDEX).is_file():
         names = _json_object(src / INDEX, INDEX).get("weight_map")
         if not (
-            isinstance(names, dict) and names and all(isinstance(f, str) for f in names.values())
+            isinstance(names, dict)
+            and names
+            and all(isinstance(file, str) for file in names.values())
         ):
             raise FourdError(f"{src / INDEX}: no valid 'weight_map'; the index is damaged")
-        files = [store.inside(src, f, str(src / INDEX)) for f in sorted(set(names.values()))]
+        files = [store.inside(src, file, str(src / INDEX)) for file in sorted(set(names.values()))]
     else:
         files = sorted(src.glob("*.safetensors"))
     if not files:
-        bins = sorted(p.name for p in src.glob("*.bin"))
-        hint = f" ({bins[0]} is a pickle, which fourd does not load; save the model with safe_serialization)"
-        raise FourdError(f"{src}: no .safetensors files{hint if bins else ''}")
-    for f in files:
-        if not os.path.isfile(f):  # a FIFO or device would block or never end
-            raise FourdError(f"{f}: missing or not a regular file (named in {INDEX})")
+        bins = sorted(path.name for path in src.glob("*.bin"))
+        hint = ""
+        if bins:
+            hint = (
+                f" ({bins[0]} is a pickle, which fourd does not load; save the model with "
+                "safe_serialization)"
+            )
+        raise FourdError(f"{src}: no .safetensors files{hint}")
+    for file in files:
+        if not os.path.isfile(file):  # a FIFO or device would block or never end
+            raise FourdError(f"{file}: missing or not a regular file (named in {INDEX})")
     return files
 
 
@@ -214,57 +230,64 @@ def read_hf_tensors(src: Path) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError, safe_open
 
     tensors: dict[str, torch.Tensor] = {}
-    for f in _safetensors_files(src):
+    for file in _safetensors_files(src):
         try:
-            with safe_open(str(f), framework="pt") as st:
-                for k in st.keys():  # noqa: SIM118 - safe_open is not iterable
-                    if k in tensors:
-                        raise FourdError(f"{f}: tensor {k} also appears in another file")
-                    tensors[k] = st.get_tensor(k)
-        except (SafetensorError, OSError) as e:
-            raise FourdError(f"{f}: not a readable safetensors file ({str(e)[:80]})") from None
+            with safe_open(str(file), framework="pt") as reader:
+                for key in reader.keys():  # noqa: SIM118 - safe_open is not iterable
+                    if key in tensors:
+                        raise FourdError(f"{file}: tensor {key} also appears in another file")
+                    tensors[key] = reader.get_tensor(key)
+        except (SafetensorError, OSError) as error:
+            raise FourdError(
+                f"{file}: not a readable safetensors file ({str(error)[:80]})"
+            ) from None
     return tensors
 
 
 def hf_to_fourd_state_dict(
     cfg: ModelConfig, hf: dict, tensors: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
-    tensors = {k: v for k, v in tensors.items() if not k.endswith(_IGNORED_SUFFIXES)}
+    tensors = {
+        key: tensor for key, tensor in tensors.items() if not key.endswith(_IGNORED_SUFFIXES)
+    }
     if (
         hf.get("tie_word_embeddings")
         and "lm_head.weight" not in tensors
         and "model.embed_tokens.weight" in tensors
     ):
-        # Tied models (Llama 3.2 1B/3B) store one matrix; fourd's output projection gets its own copy.
+        # Tied models (Llama 3.2 1B/3B) store one matrix; fourd's output projection gets its own
+        # copy.
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
-    if cfg.layers > len(
-        tensors
-    ):  # checked before a model of that depth is built, even on the meta device
+    # checked before a model of that depth is built, even on the meta device
+    if cfg.layers > len(tensors):
         raise FourdError(
-            f"config.json says {cfg.layers} layers; the safetensors files hold {len(tensors)} tensors"
+            f"config.json says {cfg.layers} layers; the safetensors files hold "
+            f"{len(tensors)} tensors"
         )
-    sd = {}
+    state = {}
     for name, shape in store.shapes(cfg).items():
         hname = hf_name(name)
         if hname not in tensors:
             raise FourdError(
                 f"tensor {hname} missing from the safetensors files (config.json implies it)"
             )
-        w = tensors.pop(hname)
-        if tuple(w.shape) != shape:
+        weight = tensors.pop(hname)
+        if tuple(weight.shape) != shape:
             raise FourdError(
-                f"tensor {hname} has shape {list(w.shape)}; config.json implies {list(shape)}"
+                f"tensor {hname} has shape {list(weight.shape)}; config.json implies {list(shape)}"
             )
-        sd[name] = _rotary(cfg, name, w, inverse=True)
+        state[name] = _rotary(cfg, name, weight, inverse=True)
     if extra := sorted(tensors):
         raise FourdError(
-            f"tensor {extra[0]} is not part of a {ARCHITECTURE} ({len(extra)} unexpected); fourd would drop it"
+            f"tensor {extra[0]} is not part of a {ARCHITECTURE} ({len(extra)} "
+            "unexpected); fourd would drop it"
         )
-    return sd
+    return state
 
 
 def read_hf(src: str | os.PathLike) -> tuple[ModelConfig, dict, dict[str, torch.Tensor]]:
-    """A Hugging Face Llama directory: its ModelConfig, config.json, and tensors under fourd's names."""
+    """A Hugging Face Llama directory: its ModelConfig, config.json, and tensors under fourd's
+    names."""
     src = Path(src)
     if not src.is_dir():
         raise FourdError(f"{src}: not a directory; give a Hugging Face model directory")
@@ -275,32 +298,37 @@ def read_hf(src: str | os.PathLike) -> tuple[ModelConfig, dict, dict[str, torch.
 def load_weights(
     path: str | os.PathLike, weights: bool = True
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """A Hugging Face folder, a fourd checkpoint or a run directory (its newest): its ModelConfig and, with
-    `weights`, its full state dict in fourd's names, float32 on the CPU (else {})."""
-    p = Path(path)
-    if (p / "config.json").is_file():
-        cfg, _, sd = read_hf(p) if weights else (*read_hf_config(p), {})
-    elif not p.is_dir():
+    """A Hugging Face folder, a fourd checkpoint or a run directory (its newest): its ModelConfig
+    and, with `weights`, its full state dict in fourd's names, float32 on the CPU (else {})."""
+    where = Path(path)
+    state: dict = {}
+    if (where / "config.json").is_file() and weights:
+        cfg, _, state = read_hf(where)
+    elif (where / "config.json").is_file():
+        cfg, _ = read_hf_config(where)
+    elif not where.is_dir():
         raise FourdError(
-            f"{path}: no such directory; give a fourd checkpoint, a run or a Hugging Face model directory"
+            f"{path}: no such directory; give a fourd checkpoint, a run or a Hugging "
+            "Face model directory"
         )
     elif weights:
-        cfg, sd = store.load_model_checkpoint(store.resolve(p))
+        cfg, state = store.load_model_checkpoint(store.resolve(where))
     else:
-        cfg, sd = store.model_config(str(p), store.read_manifest(store.resolve(p))["model"]), {}
-    return cfg, {k: v.float() for k, v in sd.items()}
+        cfg = store.model_config(str(where), store.read_manifest(store.resolve(where))["model"])
+    return cfg, {name: tensor.float() for name, tensor in state.items()}
 
 
 def hf_to_fourd(
     src: str | os.PathLike, dst: str | os.PathLike
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    cfg, hf, sd = read_hf(src)
-    store.save_model_checkpoint(dst, cfg, sd, extra={"hf_config": hf})
-    return cfg, sd
+    cfg, hf, state = read_hf(src)
+    store.save_model_checkpoint(dst, cfg, state, extra={"hf_config": hf})
+    return cfg, state
 
 
 def hf_config(cfg: ModelConfig, dtype: torch.dtype, base: dict | None = None) -> dict:
-    """config.json for `cfg`; `base` (the imported model's own config) keeps its other keys, e.g. token ids."""
+    """config.json for `cfg`; `base` (the imported model's own config) keeps its other keys, e.g.
+    token ids."""
     dtype_name = str(dtype).removeprefix("torch.")
     out = dict(base or {"bos_token_id": None, "eos_token_id": None})
     out.pop("rope_scaling", None)
@@ -325,56 +353,72 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype, base: dict | None = None) ->
 def _shard(tensors: dict[str, torch.Tensor], shard_bytes: int) -> list[dict[str, torch.Tensor]]:
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
-    for k in sorted(tensors):
-        n = tensors[k].numel() * tensors[k].element_size()
-        if shards[-1] and size + n > shard_bytes:
-            shards, size = [*shards, {}], 0
-        shards[-1][k], size = tensors[k], size + n
+    for name in sorted(tensors):
+        nbytes = tensors[name].numel() * tensors[name].element_size()
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensors[name]
+        size += nbytes
     return shards
 
 
 def tokenizer_spec(given: str | None, data: dict) -> str:
-    return given if given is not None else data.get("tokenizer") or "byte"
+    if given is not None:
+        return given
+    return data.get("tokenizer") or "byte"
 
 
 def run_tokenizer(manifest: dict, given: str | None):
-    """The tokenizer the run trained with (byte-level when unrecorded); `given` must be the same one."""
+    """The tokenizer the run trained with (byte-level when unrecorded); `given` must be the same
+    one."""
     data = manifest.get("train", {}).get("data", {})
     tok = load_tokenizer(tokenizer_spec(given, data))
     if "identity" in data and tok.identity() != data["identity"]:
         if given is None:
             raise FourdError(
-                f"tokenizer {data.get('tokenizer')!r} changed since the run trained with it; restore it"
+                f"tokenizer {data.get('tokenizer')!r} changed since the run "
+                "trained with it; restore it"
             )
         raise FourdError(
-            f"--tokenizer {given!r} is not the run's tokenizer ({data.get('tokenizer')!r}); leave it out"
+            f"--tokenizer {given!r} is not the run's tokenizer "
+            f"({data.get('tokenizer')!r}); leave it out"
         )
     return tok
 
 
 def _tokenizer_file(manifest: dict) -> dict[str, bytes]:
-    """{file name: bytes} of the tokenizer file the run trained with; {} for byte-level or unrecorded runs."""
+    """{file name: bytes} of the tokenizer file the run trained with; {} for byte-level or
+    unrecorded runs."""
     tok = run_tokenizer(manifest, None)
-    return {} if tok.name == "byte" else {_TOKENIZER_FILES[tok.name]: tok.raw}
+    if tok.name == "byte":
+        return {}
+    return {_TOKENIZER_FILES[tok.name]: tok.raw}
 
 
 def write_hf(
     dst: Path, config: dict, tensors: dict[str, torch.Tensor], shard_bytes: int, extra=None
 ) -> None:
-    """config.json, safetensors (sharded with an index past `shard_bytes`) and `extra` {name: bytes}, renamed
-    into place at the end; every file gets the mode the umask gives (safetensors alone writes 0600)."""
+    """config.json, safetensors (sharded with an index past `shard_bytes`) and `extra` {name:
+    bytes}, renamed into place at the end; every file gets the mode the umask gives (safetensors
+    alone writes 0600)."""
     from safetensors.torch import save_file
 
     shards = _shard(tensors, shard_bytes)
-    names = [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
-    names = names if len(shards) > 1 else ["model.safetensors"]
+    names = ["model.safetensors"]
+    if len(shards) > 1:
+        names = [
+            f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)
+        ]
     files = {
         **(extra or {}),
         "config.json": (json.dumps(config, indent=2, sort_keys=True) + "\n").encode(),
     }
     if len(shards) > 1:
-        index = {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())}
-        weight_map = {k: name for name, shard in zip(names, shards) for k in shard}
+        index = {
+            "total_size": sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
+        }
+        weight_map = {key: name for name, shard in zip(names, shards) for key in shard}
         files[INDEX] = json.dumps({"metadata": index, "weight_map": weight_map}, indent=2).encode()
     umask = os.umask(0)
     os.umask(umask)
@@ -383,8 +427,8 @@ def write_hf(
             save_file(shard, str(tmp / name), metadata={"format": "pt"})
         for name, content in files.items():
             (tmp / name).write_bytes(content)
-        for p in tmp.iterdir():
-            p.chmod(0o666 & ~umask)
+        for path in tmp.iterdir():
+            path.chmod(0o666 & ~umask)
         os.rename(tmp, dst)
 
 
@@ -392,9 +436,12 @@ def fourd_to_hf(
     src: str | os.PathLike, dst: str | os.PathLike, shard_bytes: int = 5_000_000_000
 ) -> ModelConfig:
     src = store.resolve(src)
-    cfg, sd = store.load_model_checkpoint(src)
+    cfg, state = store.load_model_checkpoint(src)
     manifest = store.read_manifest(src)
-    tensors = {hf_name(k): _rotary(cfg, k, v, inverse=False).contiguous() for k, v in sd.items()}
-    config = hf_config(cfg, sd["tok_embeddings.weight"].dtype, manifest.get("hf_config"))
+    tensors = {
+        hf_name(key): _rotary(cfg, key, tensor, inverse=False).contiguous()
+        for key, tensor in state.items()
+    }
+    config = hf_config(cfg, state["tok_embeddings.weight"].dtype, manifest.get("hf_config"))
     write_hf(Path(dst), config, tensors, shard_bytes, extra=_tokenizer_file(manifest))
     return cfg

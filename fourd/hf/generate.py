@@ -1,15 +1,15 @@
 """Generate tokens from a checkpoint (greedy or top-p sampling, with a KV cache), or score text.
 
-The tokenizer, corpus, sequence length and held-out fraction come from the run the checkpoint records:
-no flag is repeated, and a flag that contradicts the run is refused.
+The tokenizer, corpus, sequence length and held-out fraction come from the run the checkpoint
+records: no flag is repeated, and a flag that contradicts the run is refused.
 
 examples:
-  fourd train --model debug --steps 20 --train.global_batch=4 --run-dir runs/demo     # a run to try
-  fourd generate --ckpt runs/demo --prompt "def main(" --max-new-tokens 64     # a run's newest checkpoint
-  fourd generate --ckpt runs/demo --prompt-ids 5,17,42 --greedy --json         # {"ids": [...], ...}
+  fourd train --model debug --steps 20 --train.global_batch=4 --run-dir runs/demo  # a run to try
+  fourd generate --ckpt runs/demo --prompt "def main(" --max-new-tokens 64  # its newest checkpoint
+  fourd generate --ckpt runs/demo --prompt-ids 5,17,42 --greedy --json  # {"ids": [...], ...}
   fourd generate --ckpt runs/demo --prompt "import " --top-p 0.9 --temperature 0.8 --seed 1
-  fourd generate --ckpt runs/demo --eval-holdout --json     # the tail of the run's corpus it never trained on
-  fourd generate --ckpt runs/demo --eval-file README.md --json                 # nll_per_token, perplexity
+  fourd generate --ckpt runs/demo --eval-holdout --json  # the corpus tail it never trained on
+  fourd generate --ckpt runs/demo --eval-file README.md --json  # nll_per_token, perplexity
 """
 
 from __future__ import annotations
@@ -26,14 +26,14 @@ from fourd.errors import FourdError
 from fourd.hf.convert import run_tokenizer, tokenizer_spec
 
 
-def add_arguments(p) -> None:
-    p.add_argument(
+def add_arguments(parser) -> None:
+    parser.add_argument(
         "--ckpt",
         required=True,
         metavar="DIR",
         help="a checkpoint, or a run directory (its newest one)",
     )
-    what = p.add_mutually_exclusive_group(required=True)
+    what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument(
         "--prompt", metavar="TEXT", help="prompt text, encoded with the run's tokenizer"
     )
@@ -50,34 +50,34 @@ def add_arguments(p) -> None:
         metavar="CORPUS",
         help="score the run's held-out tail",
     )
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--greedy", action="store_true", help="always take the most likely token")
-    p.add_argument(
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--greedy", action="store_true", help="always take the most likely token")
+    parser.add_argument(
         "--top-p",
         type=float,
         default=0.9,
         help="sample from the most likely tokens holding this mass",
     )
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
         "--stop-id", type=int, action="append", metavar="ID", help="stop after this id (repeatable)"
     )
-    p.add_argument(
+    parser.add_argument(
         "--tokenizer",
         metavar="PATH",
         help="'byte', tokenizer.json or tiktoken BPE (default: the run's)",
     )
-    p.add_argument(
+    parser.add_argument(
         "--eval-seq", type=int, help="tokens per scored window (default: the run's data.seq_len)"
     )
-    p.add_argument(
+    parser.add_argument(
         "--eval-tokens", type=int, default=65536, help="--eval-holdout: the first N tokens (0: all)"
     )
-    p.add_argument(
+    parser.add_argument(
         "--holdout-fraction", type=float, help="--eval-holdout: the run's data.holdout_fraction"
     )
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def _refuse_if(wrong: bool, message: str) -> None:
@@ -87,10 +87,8 @@ def _refuse_if(wrong: bool, message: str) -> None:
 
 def _check_ids(ids: list, vocab: int, what: str) -> None:
     bad = [i for i in ids if not isinstance(i, int) or not 0 <= i < vocab]
-    _refuse_if(
-        bool(bad),
-        f"{what} {bad[0] if bad else ''} is outside the model's vocabulary 0..{vocab - 1}",
-    )
+    if bad:
+        raise FourdError(f"{what} {bad[0]} is outside the model's vocabulary 0..{vocab - 1}")
 
 
 def run(args) -> int:
@@ -110,46 +108,51 @@ def run(args) -> int:
         f"--eval-seq {args.eval_seq} must be at least 1",
     )
     model, manifest = load_model(args.ckpt)
-    tok, cfg = run_tokenizer(manifest, args.tokenizer), model.cfg
+    tok = run_tokenizer(manifest, args.tokenizer)
+    cfg = model.cfg
     if args.eval_file is not None or args.eval_holdout is not None:
         return _run_eval(args, model, tok, manifest)
     try:
-        ids = args.prompt_ids
-        prompt = (
-            [int(x) for x in ids.split(",") if x.strip()]
-            if ids is not None
-            else tok.encode(args.prompt)
-        )
+        if args.prompt_ids is not None:
+            prompt = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+        else:
+            prompt = tok.encode(args.prompt)
     except ValueError:
         raise FourdError(
             f"--prompt-ids {args.prompt_ids!r}: give integers separated by commas, e.g. 5,17,42"
         ) from None
     _refuse_if(not prompt, "the prompt is empty: give --prompt text or --prompt-ids")
     eos = manifest.get("hf_config", {}).get("eos_token_id")  # a model converted from Hugging Face
-    stop = (
-        args.stop_id if args.stop_id is not None else [eos] if isinstance(eos, int) else eos or []
-    )
+    if args.stop_id is not None:
+        stop = args.stop_id
+    elif isinstance(eos, int):
+        stop = [eos]
+    else:
+        stop = eos or []
     _refuse_if(
         not isinstance(stop, list),
         f"manifest.json: hf_config.eos_token_id = {eos!r} is not token ids",
     )
     _check_ids(prompt, cfg.vocab, "prompt id")
-    _check_ids(stop, cfg.vocab, "--stop-id" if args.stop_id else "eos_token_id")
+    stop_source = "eos_token_id"
+    if args.stop_id:
+        stop_source = "--stop-id"
+    _check_ids(stop, cfg.vocab, stop_source)
     total = f"prompt ({len(prompt)}) + --max-new-tokens ({args.max_new_tokens})"
     too_long = f"{total} exceeds the model's max_seq {cfg.max_seq}; shorten one of them"
     _refuse_if(len(prompt) + args.max_new_tokens > cfg.max_seq, too_long)
-    t0 = time.perf_counter()
+    began = time.perf_counter()
     ids = generate(
         model,
         prompt,
         args.max_new_tokens,
-        args.greedy,
-        args.top_p,
-        args.temperature,
-        args.seed,
-        stop,
+        greedy=args.greedy,
+        top_p=args.top_p,
+        temperature=args.temperature,
+        seed=args.seed,
+        stop_ids=stop,
     )
-    rate = len(ids) / max(time.perf_counter() - t0, 1e-9)
+    rate = len(ids) / max(time.perf_counter() - began, 1e-9)
     text = tok.decode([i for i in ids if i < tok.vocab_size])
     out = {
         "ids": ids,
@@ -158,8 +161,16 @@ def run(args) -> int:
         "new_tokens": len(ids),
         "tokens_per_s": rate,
     }
-    print(json.dumps(out) if args.json else text)
+    _print(args, out, text)
     return 0
+
+
+def _print(args, out: dict, text: str) -> None:
+    """The JSON object with --json, else the text."""
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(text)
 
 
 def _same(given: Any, recorded: Any, flag: str) -> Any:
@@ -167,31 +178,41 @@ def _same(given: Any, recorded: Any, flag: str) -> Any:
         f"{flag} {given!r} differs from the run's {recorded!r}; leave {flag} out to use the run's"
     )
     _refuse_if(given is not None and recorded is not None and given != recorded, message)
-    return recorded if recorded is not None else given
+    if recorded is not None:
+        return recorded
+    return given
 
 
 def holdout_ids(args, manifest: dict) -> list[int]:
-    """The tail of the run's corpus that `fourd train` kept out of training (today's defaults for runs that
-    recorded no data: the standard library, 1 %)."""
+    """The tail of the run's corpus that `fourd train` kept out of training (today's defaults for
+    runs that recorded no data: the standard library, 1 %)."""
     data = manifest.get("train", {}).get("data", {})
-    recorded = (
-        manifest.get("train", {}).get("config", {}).get("data", {})
-    )  # typed by the manifest's schema
-    given = str(Path(args.eval_holdout).expanduser().resolve()) if args.eval_holdout else None
-    path = (
-        (str(Path(data["path"]).expanduser().resolve()) if data["path"] else "")
-        if "path" in data
-        else None
-    )
+    # typed by the manifest's schema
+    recorded = manifest.get("train", {}).get("config", {}).get("data", {})
+    given = None
+    if args.eval_holdout:
+        given = str(Path(args.eval_holdout).expanduser().resolve())
+    path = None  # the run recorded no corpus
+    if data.get("path"):
+        path = str(Path(data["path"]).expanduser().resolve())
+    elif "path" in data:
+        path = ""  # the standard library
     corpus = _same(given, path, "--eval-holdout") or ""
     fraction = _same(args.holdout_fraction, recorded.get("holdout_fraction"), "--holdout-fraction")
     cache = prepare(corpus, tokenizer_spec(args.tokenizer, data), recorded.get("cache_dir", ""))
-    changed = f"the corpus {corpus or 'standard library'!r} has {cache.tokens} tokens, {data.get('tokens')} when the"
-    changed += " run trained: it changed, so its tail is not the held-out part; use --eval-file"
+    changed = (
+        f"the corpus {corpus or 'standard library'!r} has {cache.tokens} tokens, "
+        f"{data.get('tokens')} when the run trained: it changed, so its tail is not the held-out "
+        "part; use --eval-file"
+    )
     _refuse_if(data.get("tokens") not in (None, cache.tokens), changed)
-    train_tokens, _ = split(cache.tokens, 1, 0.01 if fraction is None else fraction)
+    if fraction is None:
+        fraction = 0.01  # the default of runs that recorded none
+    train_tokens, _ = split(cache.tokens, 1, fraction)
     ids = cache.array()[train_tokens:].tolist()
-    return ids[: args.eval_tokens] if args.eval_tokens > 0 else ids
+    if args.eval_tokens > 0:
+        return ids[: args.eval_tokens]
+    return ids
 
 
 def _run_eval(args, model, tok, manifest: dict) -> int:
@@ -200,28 +221,26 @@ def _run_eval(args, model, tok, manifest: dict) -> int:
     if args.eval_holdout is not None:
         ids = holdout_ids(args, manifest)
     else:
+        raw = read_regular(args.eval_file, "--eval-file", "give a UTF-8 text file")
         try:
-            ids = tok.encode(
-                read_regular(args.eval_file, "--eval-file", "give a UTF-8 text file").decode(
-                    "utf-8"
-                )
-            )
-        except UnicodeDecodeError as e:
+            ids = tok.encode(raw.decode("utf-8"))
+        except UnicodeDecodeError as error:
             raise FourdError(
-                f"--eval-file {args.eval_file!r} is not UTF-8 text (byte {e.start})"
+                f"--eval-file {args.eval_file!r} is not UTF-8 text (byte {error.start})"
             ) from None
     recorded = manifest.get("train", {}).get("config", {}).get("data", {})
-    seq = (
-        args.eval_seq
-        if args.eval_seq is not None
-        else recorded.get("seq_len") or min(model.cfg.max_seq, 1024)
-    )
+    seq = args.eval_seq
+    if seq is None:
+        seq = recorded.get("seq_len") or min(model.cfg.max_seq, 1024)
     _refuse_if(
         seq > model.cfg.max_seq, f"--eval-seq {seq} exceeds the model's max_seq {model.cfg.max_seq}"
     )
     _refuse_if(len(ids) < 2, "the evaluation text has fewer than 2 tokens; give a longer text")
     _check_ids(ids, model.cfg.vocab, "token id")
-    r = perplexity(model, ids, seq)
-    text = f"{r['tokens']} tokens: {r['nll_per_token']:.4f} nats/token, perplexity {r['perplexity']:.3f}"
-    print(json.dumps(r) if args.json else text)
+    scores = perplexity(model, ids, seq)
+    text = (
+        f"{scores['tokens']} tokens: {scores['nll_per_token']:.4f} nats/token, perplexity "
+        f"{scores['perplexity']:.3f}"
+    )
+    _print(args, scores, text)
     return 0

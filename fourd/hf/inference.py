@@ -1,4 +1,5 @@
-"""Generation with a KV cache added from outside the model, nucleus sampling, and perplexity (docs/hf.md)."""
+"""Generation with a KV cache added from outside the model, nucleus sampling, and perplexity
+(docs/hf.md)."""
 
 from __future__ import annotations
 
@@ -13,39 +14,46 @@ from fourd.model.llama import build_model
 
 
 def load_model(ckpt) -> tuple[nn.Module, dict]:
-    """The model of a checkpoint (or a run's newest) in float32 on the CPU in eval mode, and its manifest."""
+    """The model of a checkpoint (or a run's newest) in float32 on the CPU in eval mode, and its
+    manifest."""
     path = store.resolve(ckpt)
-    cfg, sd = store.load_model_checkpoint(path)
+    cfg, state = store.load_model_checkpoint(path)
     model = build_model(cfg, seed=None)
-    model.load_state_dict(sd)
+    model.load_state_dict(state)
     return model.eval(), store.read_manifest(path)
 
 
 class KVCache(nn.Module):
-    """Takes the place of `Attention.core`: keeps the keys and values of every position seen so far."""
+    """Takes the place of `Attention.core`: keeps the keys and values of every position seen so
+    far."""
 
     def __init__(self, core: nn.Module):
         super().__init__()
         self.core = core
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if self.k is None:  # the prompt: exactly the model's own causal attention
-            self.k, self.v = k, v
-            return self.core(q, k, v)
-        self.k, self.v = torch.cat((self.k, k), dim=1), torch.cat((self.v, v), dim=1)
-        new, total = q.shape[1], self.k.shape[1]
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        if self.keys is None:  # the prompt: exactly the model's own causal attention
+            self.keys, self.values = key, value
+            return self.core(query, key, value)
+        self.keys = torch.cat((self.keys, key), dim=1)
+        self.values = torch.cat((self.values, value), dim=1)
+        new = query.shape[1]
+        total = self.keys.shape[1]
         # new query i sits at position total - new + i and sees every key up to there
         mask = torch.arange(total)[None, :] <= torch.arange(total - new, total)[:, None]
-        qt, kt, vt = (t.transpose(1, 2) for t in (q, self.k, self.v))
+        query_t, keys_t, values_t = (
+            tensor.transpose(1, 2) for tensor in (query, self.keys, self.values)
+        )
         return F.scaled_dot_product_attention(
-            qt, kt, vt, attn_mask=mask, enable_gqa=True
+            query_t, keys_t, values_t, attn_mask=mask, enable_gqa=True
         ).transpose(1, 2)
 
 
 class ShiftedRope(nn.Module):
-    """Takes the place of `Llama.rope`: the rotation rows of positions offset .. offset + seqlen - 1."""
+    """Takes the place of `Llama.rope`: the rotation rows of positions offset .. offset + seqlen -
+    1."""
 
     def __init__(self, rope: nn.Module):
         super().__init__()
@@ -58,16 +66,17 @@ class ShiftedRope(nn.Module):
 
 
 class Cached:
-    """The model with a KV cache in every attention layer, restored on exit; `step(ids)` returns their logits."""
+    """The model with a KV cache in every attention layer, restored on exit; `step(ids)` returns
+    their logits."""
 
     def __init__(self, model):
         self.model = model
 
     def __enter__(self):
-        m = self.model
-        self._saved = (m.rope, [layer.attention.core for layer in m.layers.values()])
-        m.rope = ShiftedRope(m.rope)
-        for layer in m.layers.values():
+        model = self.model
+        self._saved = (model.rope, [layer.attention.core for layer in model.layers.values()])
+        model.rope = ShiftedRope(model.rope)
+        for layer in model.layers.values():
             layer.attention.core = KVCache(layer.attention.core)
         return self
 
@@ -90,11 +99,10 @@ def sample(
     if greedy:
         return int(logits.argmax())
     probs = torch.softmax(logits.double() / temperature, dim=-1)
-    p, idx = probs.sort(descending=True)
-    keep = (
-        p.cumsum(0) - p
-    ) < top_p  # the mass before a token is short of top_p: it is in the nucleus
-    return int(idx[torch.multinomial(p * keep, 1, generator=gen)])
+    sorted_probs, idx = probs.sort(descending=True)
+    # the mass before a token is short of top_p: it is in the nucleus
+    keep = (sorted_probs.cumsum(0) - sorted_probs) < top_p
+    return int(idx[torch.multinomial(sorted_probs * keep, 1, generator=gen)])
 
 
 def generate(
@@ -107,28 +115,30 @@ def generate(
     seed=0,
     stop_ids=(),
 ):
-    """The generated ids (the prompt not included); the caller checks ids and lengths against model.cfg."""
+    """The generated ids (the prompt not included); the caller checks ids and lengths against
+    model.cfg."""
     gen = torch.Generator().manual_seed(seed)
     out: list[int] = []
     with Cached(model) as cache:
         logits = cache.step(prompt)
         while len(out) < max_new_tokens:
-            nxt = sample(logits[0, -1], greedy, top_p, temperature, gen)
-            out.append(nxt)
-            if nxt in stop_ids:
+            next_id = sample(logits[0, -1], greedy, top_p, temperature, gen)
+            out.append(next_id)
+            if next_id in stop_ids:
                 break
-            logits = cache.step([nxt])
+            logits = cache.step([next_id])
     return out
 
 
 @torch.no_grad()
 def perplexity(model, ids: list[int], seq: int, batch: int = 8) -> dict:
-    """Mean NLL per token over non-overlapping windows of `seq` tokens: each but the first predicted once."""
+    """Mean NLL per token over non-overlapping windows of `seq` tokens: each but the first predicted
+    once; perplexity = exp(mean NLL)."""
     data = torch.tensor(ids, dtype=torch.long)
     starts = list(range(0, len(ids) - 1, seq))
-    full = [s for s in starts if s + seq + 1 <= len(ids)]
+    full = [start for start in starts if start + seq + 1 <= len(ids)]
     groups = [
-        torch.stack([data[s : s + seq + 1] for s in full[i : i + batch]])
+        torch.stack([data[start : start + seq + 1] for start in full[i : i + batch]])
         for i in range(0, len(full), batch)
     ]
     if len(full) < len(starts):  # the shorter last window

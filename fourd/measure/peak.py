@@ -30,8 +30,9 @@ GPU_PEAK_TFLOPS = {
 
 
 def cpu_peak_flops(cache_dir: Path) -> tuple[float, str]:
-    """The best all-core FP32 matmul rate of this machine and where it comes from. Measured once and kept
-    (per CPU model and core count) only when the machine was quiet: on a busy one it reads low, and MFU high."""
+    """The best all-core FP32 matmul rate of this machine and where it comes from. Measured once and
+    kept (per CPU model and core count) only when the machine was quiet: on a busy one it reads low,
+    and MFU high."""
     key = f"{platform.processor() or platform.machine()}-{os.cpu_count()}"
     path = cache_dir / "cpu_peak.json"
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
@@ -41,7 +42,9 @@ def cpu_peak_flops(cache_dir: Path) -> tuple[float, str]:
                 cached["flops"]
             ), f"FP32 matmul measured on this machine when quiet, kept in {path}"
     cores = os.cpu_count() or 1
-    flops = max(gemm_tflops(n, threads=cores, seconds=0.2) for n in (512, 1024, 2048)) * 1e12
+    flops = (
+        max(gemm_tflops(count, threads=cores, seconds=0.2) for count in (512, 1024, 2048)) * 1e12
+    )
     load = os.getloadavg()[0]
     if load > cores / 2:
         return flops, f"FP32 matmul measured now on a busy machine, load {load:.1f}: MFU reads high"
@@ -58,7 +61,7 @@ def device_peak_flops(device_type: str, cache_dir: Path) -> tuple[float, str]:
         import torch
 
         name = torch.cuda.get_device_name()
-        tflops = next((v for k, v in GPU_PEAK_TFLOPS.items() if k in name), None)
+        tflops = next((value for k, value in GPU_PEAK_TFLOPS.items() if k in name), None)
         if tflops is None:
             return 989e12, f"{name} unknown: H100's 989 TFLOP/s assumed"
         return tflops * 1e12, f"{name} datasheet, dense BF16"

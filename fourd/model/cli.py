@@ -1,5 +1,5 @@
-"""Show a model preset's dimensions and parameter count (counted as the torch model allocates them, which the
-tests check on the meta device; nothing is built).
+"""Show a model preset's dimensions and parameter count (counted as the torch model allocates them,
+which the tests check on the meta device; nothing is built).
 
 examples:
   fourd model info llama3-405b
@@ -14,9 +14,11 @@ from fourd.errors import si
 from fourd.model.config import get_preset
 
 
-def add_arguments(p):
-    p.add_argument("preset", help="model preset: debug, small, llama3-8b, llama3-70b, llama3-405b")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+def add_arguments(parser):
+    parser.add_argument(
+        "preset", help="model preset: debug, small, llama3-8b, llama3-70b, llama3-405b"
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def run(args) -> int:
@@ -30,7 +32,11 @@ def run(args) -> int:
         print(json.dumps(info))
         return 0
     width = max(map(len, info))
-    for k, v in info.items():
-        text = f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v)
-        print(f"{k:<{width}}  {text}" + (f" ({si(v)})" if k.endswith("params") else ""))
+    for key, value in info.items():
+        text = str(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            text = f"{value:,}"
+        if key.endswith("params"):
+            text += f" ({si(value)})"
+        print(f"{key:<{width}}  {text}")
     return 0

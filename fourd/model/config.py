@@ -22,13 +22,13 @@ class ModelConfig:
     mlp: str = "swiglu"  # "swiglu" (Llama) or "gelu" (GPT-style, for the planner only)
 
     def __post_init__(self):
-        for f in ("layers", "dim", "ffn", "heads", "kv_heads", "vocab", "head_dim"):
-            value = getattr(self, f)
-            if f == "head_dim" and not value:
+        for field in ("layers", "dim", "ffn", "heads", "kv_heads", "vocab", "head_dim"):
+            value = getattr(self, field)
+            if field == "head_dim" and not value:
                 value = self.dim // self.heads
                 object.__setattr__(self, "head_dim", value)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise FourdError(f"model.{f} = {value!r} must be a positive integer")
+                raise FourdError(f"model.{field} = {value!r} must be a positive integer")
         if self.heads % self.kv_heads:
             raise FourdError(
                 f"model.heads = {self.heads} must be a multiple of model.kv_heads = {self.kv_heads}"
@@ -38,35 +38,40 @@ class ModelConfig:
         if self.mlp not in ("swiglu", "gelu"):
             raise FourdError(f"model.mlp = {self.mlp!r}: allowed values are swiglu, gelu")
 
-    # Parameter counts, exactly as the torch model allocates them (tested against it on the meta device).
+    # Parameter counts, exactly as the torch model allocates them (tested against it on the meta
+    # device).
     def layer_params(self) -> int:
-        q = self.dim * self.heads * self.head_dim
-        kv = 2 * self.dim * self.kv_heads * self.head_dim
-        o = self.heads * self.head_dim * self.dim
-        mats = 3 if self.mlp == "swiglu" else 2
-        norms = 2 * self.dim if self.mlp == "swiglu" else 4 * self.dim  # LayerNorm has a bias
-        return q + kv + o + mats * self.dim * self.ffn + norms
+        query = self.dim * self.heads * self.head_dim
+        key_value = 2 * self.dim * self.kv_heads * self.head_dim
+        out = self.heads * self.head_dim * self.dim
+        if self.mlp == "swiglu":  # w1, w2, w3 and two RMSNorm weights
+            mats, norms = 3, 2 * self.dim
+        else:  # two matrices and two LayerNorms, each with a bias
+            mats, norms = 2, 4 * self.dim
+        return query + key_value + out + mats * self.dim * self.ffn + norms
 
     def embedding_params(self) -> int:
-        return (
-            self.vocab * self.dim
-        )  # input embedding; the output projection is the same size (untied)
+        # the input embedding; the output projection is the same size (untied)
+        return self.vocab * self.dim
 
     def params(self) -> int:
-        final_norm = self.dim if self.mlp == "swiglu" else 2 * self.dim
+        final_norm = 2 * self.dim  # a LayerNorm's weight and bias
+        if self.mlp == "swiglu":
+            final_norm = self.dim  # an RMSNorm's weight
         return self.layers * self.layer_params() + 2 * self.embedding_params() + final_norm
 
     def non_embedding_params(self) -> int:
         return self.params() - 2 * self.embedding_params()
 
     def flops_per_token(self, seq: int, recompute: str = "none") -> float:
-        """FLOPs per trained token for MFU, 6·(N − input embedding) + 12·L·H·Q·T (PaLM, Chowdhery et al. 2022, app. B);
-        with `recompute` "full" the hardware's for HFU, one more forward per layer (docs/parallelism.md)."""
+        """FLOPs per trained token for MFU, 6·(N − input embedding) + 12·L·H·Q·T (PaLM, Chowdhery et
+        al. 2022, app. B); with `recompute` "full" the hardware's for HFU, one more forward per
+        layer (docs/parallelism.md)."""
         attention = 4 * self.layers * self.heads * self.head_dim * seq
         model = 6 * (self.params() - self.embedding_params()) + 3 * attention
-        return model + (
-            2 * self.layers * self.layer_params() + attention if recompute == "full" else 0
-        )
+        if recompute == "full":
+            return model + 2 * self.layers * self.layer_params() + attention
+        return model
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -98,11 +103,12 @@ _SPEC_KEYS = {"layers", "dim", "ffn", "heads", "kv_heads", "vocab", "mlp", "head
 def parse_model_spec(spec: str) -> ModelConfig:
     """`layers=126,dim=16384,ffn=53248,heads=128,kv_heads=8,vocab=128256[,mlp=gelu]`."""
     values: dict[str, object] = {}
-    for part in filter(None, (p.strip() for p in spec.split(","))):
+    for part in filter(None, (item.strip() for item in spec.split(","))):
         key, sep, val = part.partition("=")
         if not sep or key not in _SPEC_KEYS:
             raise FourdError(
-                f"--model-spec: bad item {part!r}; keys are {', '.join(sorted(_SPEC_KEYS))} as key=value"
+                f"--model-spec: bad item {part!r}; keys are "
+                f"{', '.join(sorted(_SPEC_KEYS))} as key=value"
             )
         if key in values:
             raise FourdError(f"--model-spec: {key} is given twice; give each key once")
@@ -123,8 +129,8 @@ def parse_model_spec(spec: str) -> ModelConfig:
     return ModelConfig(**values)  # type: ignore[arg-type]
 
 
-def with_overrides(cfg: ModelConfig, **kw) -> ModelConfig:
+def with_overrides(cfg: ModelConfig, **fields) -> ModelConfig:
     """`cfg` with fields replaced; head_dim follows a new dim or heads unless it is given too."""
-    if ("dim" in kw or "heads" in kw) and "head_dim" not in kw:
-        kw["head_dim"] = 0  # recomputed as dim // heads
-    return replace(cfg, **kw)
+    if ("dim" in fields or "heads" in fields) and "head_dim" not in fields:
+        fields["head_dim"] = 0  # recomputed as dim // heads
+    return replace(cfg, **fields)

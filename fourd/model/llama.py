@@ -1,7 +1,8 @@
-"""Llama 3 in one file: RMSNorm, RoPE (θ = 500,000), grouped-query attention, SwiGLU, untied embeddings. No
-parallelism lives here; its seams (docs/parallelism.md): `layers` a ModuleDict keyed by the global layer index, and
-`tok_embeddings`, `norm`, `output` may be None (a pipeline stage); `rope` holds the rows of the tokens the module
-sees; `Attention.core` is the attention kernel, a module that context parallelism swaps.
+"""Llama 3 in one file: RMSNorm, RoPE (θ = 500,000), grouped-query attention, SwiGLU, untied
+embeddings. No parallelism lives here; its seams (docs/parallelism.md): `layers` a ModuleDict keyed
+by the global layer index, and `tok_embeddings`, `norm`, `output` may be None (a pipeline stage);
+`rope` holds the rows of the tokens the module sees; `Attention.core` is the attention kernel, a
+module that context parallelism swaps.
 """
 
 from __future__ import annotations
@@ -23,15 +24,16 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(
-            x
-        ) * self.weight
+        x_float = x.float()
+        """x / √(mean(x²) + eps) · weight, in FP32 (Zhang & Sennrich 2019)."""
+        x_float = x.float()
+        normed = x_float * torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
 
 
 class Rope(nn.Module):
-    """cos and sin of each position's angles, [positions, head_dim // 2]; pairs (x[2i], x[2i+1]) as in Meta's
-    released weights (Hugging Face rotates halves; fourd.hf converts)."""
+    """cos and sin of each position's angles, [positions, head_dim // 2]; pairs (x[2i], x[2i+1]) as
+    in Meta's released weights (Hugging Face rotates halves; fourd.hf converts)."""
 
     def __init__(self, head_dim: int, max_seq: int, theta: float):
         super().__init__()
@@ -46,28 +48,35 @@ class Rope(nn.Module):
 def rope_table(
     head_dim: int, positions: torch.Tensor, theta: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the angles position · θ^(−2i/head_dim), i < head_dim / 2 (Su et al. 2021,
+    RoFormer, eq. 15), computed in FP64."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
     return angles.cos().float(), angles.sin().float()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [batch, seq, heads, head_dim]; cos, sin: [seq, head_dim // 2]."""
-    xf = x.float().unflatten(-1, (-1, 2))
-    a, b = xf[..., 0], xf[..., 1]
-    c, s = cos[None, :, None, :], sin[None, :, None, :]
-    return torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2).type_as(x)
+    """Each pair (a, b) = (x[2i], x[2i+1]) rotated to (a·cos − b·sin, a·sin + b·cos) (Su et al.
+    2021, RoFormer, eq. 34); x: [batch, seq, heads, head_dim]; cos, sin: [seq, head_dim // 2]."""
+    pairs = x.float().unflatten(-1, (-1, 2))
+    even, odd = pairs[..., 0], pairs[..., 1]
+    cos_b, sin_b = cos[None, :, None, :], sin[None, :, None, :]
+    return (
+        torch.stack((even * cos_b - odd * sin_b, even * sin_b + odd * cos_b), dim=-1)
+        .flatten(-2)
+        .type_as(x)
+    )
 
 
 class CausalAttention(nn.Module):
     """softmax(q kᵀ / √d + causal mask) v on local heads; k and v carry the KV heads (GQA)."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q: [b, s, hq, d], k, v: [b, s, hkv, d]; SDPA's grouped-query path shares each KV head without copies.
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(
-            1, 2
-        )
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        # q: [b, s, hq, d], k, v: [b, s, hkv, d]; SDPA's grouped-query path shares each KV head
+        # without copies.
+        query, key, value = (tensor.transpose(1, 2) for tensor in (query, key, value))
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=True)
+        return out.transpose(1, 2)
 
 
 class Attention(nn.Module):
@@ -81,11 +90,13 @@ class Attention(nn.Module):
         self.core = CausalAttention()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
+        batch, seq, _ = x.shape
         # -1 heads: under tensor parallelism each rank sees only its own heads.
-        q, k, v = (w(x).view(b, s, -1, self.head_dim) for w in (self.wq, self.wk, self.wv))
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        return self.wo(self.core(q, k, v).reshape(b, s, -1))
+        query, key, value = (
+            proj(x).view(batch, seq, -1, self.head_dim) for proj in (self.wq, self.wk, self.wv)
+        )
+        query, key = apply_rope(query, cos, sin), apply_rope(key, cos, sin)
+        return self.wo(self.core(query, key, value).reshape(batch, seq, -1))
 
 
 class FeedForward(nn.Module):
@@ -108,8 +119,8 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
-        return h + self.feed_forward(self.ffn_norm(h))
+        hidden = x + self.attention(self.attention_norm(x), cos, sin)
+        return hidden + self.feed_forward(self.ffn_norm(hidden))
 
 
 class Llama(nn.Module):
@@ -123,27 +134,41 @@ class Llama(nn.Module):
         self.rope = Rope(cfg.head_dim, cfg.max_seq, cfg.rope_theta)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Token ids [b, s] → logits [b, s, vocab]; a pipeline stage passes hidden states through."""
-        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
-        cos, sin = self.rope(h.shape[1])
+        """Token ids [b, s] → logits [b, s, vocab]; a pipeline stage passes hidden states
+        through."""
+        hidden = x  # a later pipeline stage takes hidden states
+        if self.tok_embeddings is not None:
+            hidden = self.tok_embeddings(x)
+        cos, sin = self.rope(hidden.shape[1])
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
-        h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+            hidden = layer(hidden, cos, sin)
+        if self.norm is not None:
+            hidden = self.norm(hidden)
+        if self.output is not None:
+            return self.output(hidden)
+        return hidden
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """From the seed and each parameter's name alone, so every layout and pipeline stage starts from the same
-        weights; each residual branch's output projection scaled by 1/√(2·layers) (GPT-2's depth scaling)."""
-        std, depth_std = 0.02, 0.02 / math.sqrt(2 * self.cfg.layers)
-        for name, p in self.named_parameters():
-            leaf = name.rsplit(".", 2)[-2] if name.count(".") else name
+        """From the seed and each parameter's name alone, so every layout and pipeline stage starts
+        from the same weights; each residual branch's output projection scaled by 1/√(2·layers)
+        (GPT-2's depth scaling)."""
+        std = 0.02
+        depth_std = 0.02 / math.sqrt(2 * self.cfg.layers)
+        for name, param in self.named_parameters():
             if name.endswith("norm.weight"):
-                p.fill_(1.0)
+                param.fill_(1.0)
                 continue
-            s = 1.0 if leaf == "tok_embeddings" else depth_std if leaf in ("wo", "w2") else std
+            leaf = name  # the module that holds it: tok_embeddings.weight -> tok_embeddings
+            if "." in name:
+                leaf = name.rsplit(".", 2)[-2]
+            scale = std
+            if leaf == "tok_embeddings":
+                scale = 1.0
+            elif leaf in ("wo", "w2"):
+                scale = depth_std
             gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * s)
+            param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * scale)
 
 
 def build_model(

@@ -1,5 +1,5 @@
-"""The run's parallelism applied from outside to the unmodified model, in the one order this module writes:
-pipeline split → (FP8) → TP → CP → recomputation → compilation → DP (FSDP over dp×cp)."""
+"""The run's parallelism applied from outside to the unmodified model, in the one order this module
+writes: pipeline split → (FP8) → TP → CP → recomputation → compilation → DP (FSDP over dp×cp)."""
 
 from __future__ import annotations
 
@@ -18,13 +18,13 @@ from fourd.parallel.mesh import build_mesh, dp_cp_mesh
 from fourd.parallel.pp import PipelineRunner, pipeline_split
 from fourd.parallel.recompute import apply_recompute
 from fourd.parallel.tp import apply_tp
-from fourd.parallel.tp import (
-    loss_fn as cross_entropy,
-)  # logits plain, or sharded on the vocabulary by TP
+
+# the loss of logits plain, or sharded on the vocabulary by TP
+from fourd.parallel.tp import loss_fn as cross_entropy
 from fourd.schedules import build_schedule
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Parallel:
     """This rank's place in the layout and the pieces that run its part of the model."""
 
@@ -43,42 +43,57 @@ class Parallel:
 
 def build_parallel(cfg: Config, device: torch.device, rank: int, world: int) -> Parallel:
     par = parallelism(cfg)
-    layout, mcfg, seed = par.layout, model_config(cfg), cfg.train.seed
+    layout = par.layout
+    mcfg = model_config(cfg)
+    seed = cfg.train.seed
     if layout.world != world:
         raise FourdError(
             f"layout {layout} needs {layout.world} ranks but {world} were started: "
             f"start {layout.world} workers or change the layout"
         )
-    coords, schedule = layout.coords(rank), None
+    coords = layout.coords(rank)
+    schedule = None
     mesh: Any = None  # one rank needs no mesh: every degree is 1
+    hsdp_replicate = None
+    if par.hsdp:
+        hsdp_replicate = par.hsdp_replicas
     if world > 1:
-        mesh = build_mesh(
-            layout, device.type, hsdp_replicate=par.hsdp_replicas if par.hsdp else None
-        )
+        mesh = build_mesh(layout, device.type, hsdp_replicate=hsdp_replicate)
     if layout.pp > 1:
         schedule = build_schedule(par.schedule, layout.pp, par.microbatches, par.virtual_stages)
         stages = pipeline_split(mcfg, coords["pp"], schedule, seed=seed, device=device)
     else:
         stages = [build_model(mcfg, seed=seed, device=device)]
-    dp_mesh = dp_cp_mesh(mesh) if par.grad_ranks > 1 else None
-    for s in stages:
+    dp_mesh = None  # no gradients to average: one DP replica, one CP rank
+    if par.grad_ranks > 1:
+        dp_mesh = dp_cp_mesh(mesh)
+    for stage in stages:
         if cfg.train.fp8:
-            _fp8(s)
+            _fp8(stage)
         if layout.tp > 1:
-            apply_tp(s, mesh["tp"], sequence_parallel=par.sequence_parallel)
+            apply_tp(stage, mesh["tp"], sequence_parallel=par.sequence_parallel)
         if layout.cp > 1:
-            apply_cp(s, mesh["cp"], cfg.data.seq_len)
-        _per_block(cfg, s, par, device)
+            apply_cp(stage, mesh["cp"], cfg.data.seq_len)
+        _per_block(cfg, stage, par, device)
         if dp_mesh is not None:
-            apply_dp(s, dp_mesh, par.zero)
+            apply_dp(stage, dp_mesh, par.zero)
     runner = None
     if schedule is not None:
         runner = PipelineRunner(stages, schedule, mesh["pp"], cross_entropy, device=device)
-    return Parallel(par, rank, coords, mesh, stages, runner, dp_mesh)
+    return Parallel(
+        setting=par,
+        rank=rank,
+        coords=coords,
+        mesh=mesh,
+        stages=stages,
+        runner=runner,
+        dp_mesh=dp_mesh,
+    )
 
 
 def _per_block(cfg: Config, stage: torch.nn.Module, par: Parallelism, device: torch.device) -> None:
-    """Recomputation, then compilation of each block in place, as torchtitan does (parameter names unchanged)."""
+    """Recomputation, then compilation of each block in place, as torchtitan does (parameter names
+    unchanged)."""
     apply_recompute(stage, par.recompute)
     if compiles(cfg, device.type):
         for block in stage.layers.values():
@@ -87,15 +102,20 @@ def _per_block(cfg: Config, stage: torch.nn.Module, par: Parallelism, device: to
 
 def compiles(cfg: Config, device_type: str) -> bool:
     """train.compile, by default on CUDA only (compiling takes tens of seconds on a CPU)."""
-    return cfg.train.compile if cfg.train.compile is not None else device_type == "cuda"
+    if cfg.train.compile is not None:
+        return cfg.train.compile
+    return device_type == "cuda"
 
 
 def check_fp8(cfg: Config) -> None:
-    """FourdError unless FP8 training (torchao's float8 linears) can run here: a CUDA H100 or H200, no TP."""
+    """FourdError unless FP8 training (torchao's float8 linears) can run here: a CUDA H100 or H200,
+    no TP."""
     if not cfg.train.fp8:
         return
-    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
-    if not any(g in name for g in ("H100", "H200")) or cfg.train.dtype == "fp32":
+    name = "no CUDA device"
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+    if not any(gpu in name for gpu in ("H100", "H200")) or cfg.train.dtype == "fp32":
         raise FourdError(
             f"train.fp8 needs a CUDA H100 or H200 training in bf16, found {name}: drop train.fp8"
         )
@@ -114,5 +134,6 @@ def check_fp8(cfg: Config) -> None:
 def _fp8(stage: torch.nn.Module) -> None:
     from torchao.float8 import convert_to_float8_training
 
-    # The output projection stays in BF16: its FP8 error reaches the loss directly (torchtitan does the same).
+    # The output projection stays in BF16: its FP8 error reaches the loss directly (torchtitan does
+    # the same).
     convert_to_float8_training(stage, module_filter_fn=lambda module, fqn: fqn != "output")

@@ -1,5 +1,6 @@
-"""Context parallelism, Llama 3 style: rank i of CP holds chunks i and 2·CP−1−i of each sequence cut in 2·CP, and
-attention all-gathers K and V (the KV heads, not heads repeated for GQA) over the cp group (docs/pipeline-context.md).
+"""Context parallelism, Llama 3 style: rank i of CP holds chunks i and 2·CP−1−i of each sequence cut
+in 2·CP, and attention all-gathers K and V (the KV heads, not heads repeated for GQA) over the cp
+group (docs/pipeline-context.md).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ def cp_positions(seq_len: int, cp_rank: int, cp: int) -> torch.Tensor:
     """True positions of the tokens rank `cp_rank` holds, in the order it holds them."""
     if seq_len % (2 * cp):
         raise FourdError(
-            f"sequence length {seq_len} must be a multiple of 2·cp = {2 * cp}: choose it accordingly"
+            f"sequence length {seq_len} must be a multiple of 2·cp = {2 * cp}: "
+            "choose it accordingly"
         )
     chunk = seq_len // (2 * cp)
     first, second = cp_rank, 2 * cp - 1 - cp_rank
@@ -38,7 +40,8 @@ def cp_shard(tensor: torch.Tensor, cp_rank: int, cp: int, dim: int = 1) -> torch
 
 
 class _GatherKV(torch.autograd.Function):
-    """All-gather along a new leading dimension; backward reduce-scatters the gradient (all queries use all K, V)."""
+    """All-gather along a new leading dimension; backward reduce-scatters the gradient (all queries
+    use all K, V)."""
 
     @staticmethod
     def forward(ctx, local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -62,44 +65,53 @@ class ContextParallelAttention(nn.Module):
     def __init__(self, group: dist.ProcessGroup, seq_len: int):
         super().__init__()
         self.group = group
-        rank, cp = dist.get_rank(group), dist.get_world_size(group)
-        self.cp = cp
-        self.register_buffer("q_pos", cp_positions(seq_len, rank, cp), persistent=False)
-        # Keys arrive in rank order, each rank's two chunks together: their true positions in that order.
+        rank, cp_size = dist.get_rank(group), dist.get_world_size(group)
+        self.cp = cp_size
+        self.register_buffer("q_pos", cp_positions(seq_len, rank, cp_size), persistent=False)
+        # Keys arrive in rank order, each rank's two chunks together: their true positions in that
+        # order.
         self.register_buffer(
-            "k_pos", torch.cat([cp_positions(seq_len, r, cp) for r in range(cp)]), persistent=False
+            "k_pos",
+            torch.cat([cp_positions(seq_len, peer, cp_size) for peer in range(cp_size)]),
+            persistent=False,
         )
         self.gathered_elements = 0
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q: [b, s/cp, hq, d]; k, v: [b, s/cp, hkv, d] with local heads only under TP.
-        kv = _GatherKV.apply(torch.stack((k, v)), self.group)  # [cp, 2, b, s/cp, hkv, d]
-        self.gathered_elements += kv.numel() // self.cp * (self.cp - 1)
-        k_all, v_all = (kv[:, i].transpose(0, 1).flatten(1, 2) for i in (0, 1))  # [b, s, hkv, d]
-        q, k_all, v_all = (t.transpose(1, 2) for t in (q, k_all, v_all))
-        if q.is_cuda:  # CUDA's kernels that take a mask do not take shared KV heads: they would fall back to math
-            k_all, v_all = (
-                t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k_all, v_all)
-            )
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        # query: [b, s/cp, hq, d]; key, value: [b, s/cp, hkv, d] with local heads only under TP.
+        # keys_values: [cp, 2, b, s/cp, hkv, d]
+        keys_values = _GatherKV.apply(torch.stack((key, value)), self.group)
+        self.gathered_elements += keys_values.numel() // self.cp * (self.cp - 1)
+        # k_all, v_all: [b, s, hkv, d]
+        k_all, v_all = (keys_values[:, i].transpose(0, 1).flatten(1, 2) for i in (0, 1))
+        query, k_all, v_all = (tensor.transpose(1, 2) for tensor in (query, k_all, v_all))
+        # CUDA's kernels that take a mask do not take shared KV heads: they would fall back to math
+        if query.is_cuda:
+            repeats = query.shape[1] // k_all.shape[1]
+            k_all = k_all.repeat_interleave(repeats, dim=1)
+            v_all = v_all.repeat_interleave(repeats, dim=1)
         mask = self.q_pos[:, None] >= self.k_pos[None, :]
         return F.scaled_dot_product_attention(
-            q, k_all, v_all, attn_mask=mask, enable_gqa=True
+            query, k_all, v_all, attn_mask=mask, enable_gqa=True
         ).transpose(1, 2)
 
 
 def apply_cp(stage: nn.Module, cp_mesh, seq_len: int) -> nn.Module:
-    """Make `stage` (after TP) run on this rank's 2 chunks of each sequence of exactly `seq_len` tokens (inputs cut
-    by `cp_shard`): ContextParallelAttention cores, and the rope rows of the rank's tokens."""
-    group = cp_mesh.get_group() if hasattr(cp_mesh, "get_group") else cp_mesh
-    rank, cp = dist.get_rank(group), dist.get_world_size(group)
-    if cp == 1:
+    """Make `stage` (after TP) run on this rank's 2 chunks of each sequence of exactly `seq_len`
+    tokens (inputs cut by `cp_shard`): ContextParallelAttention cores, and the rope rows of the
+    rank's tokens."""
+    group = cp_mesh  # a process group, or a mesh of one
+    if hasattr(cp_mesh, "get_group"):
+        group = cp_mesh.get_group()
+    rank, cp_size = dist.get_rank(group), dist.get_world_size(group)
+    if cp_size == 1:
         return stage
     cfg = stage.cfg
     if seq_len > cfg.max_seq:
         raise FourdError(
             f"sequence length {seq_len} exceeds the model's max_seq {cfg.max_seq}: shorten it"
         )
-    positions = cp_positions(seq_len, rank, cp)
+    positions = cp_positions(seq_len, rank, cp_size)
     device = stage.rope.cos.device
     cos, sin = rope_table(cfg.head_dim, positions, cfg.rope_theta)
     stage.rope.register_buffer("cos", cos.to(device), persistent=False)

@@ -1,4 +1,5 @@
-"""One DeviceMesh for the whole job, dimensions ("dp", "pp", "cp", "tp") outermost first (docs/parallelism.md)."""
+"""One DeviceMesh for the whole job, dimensions ("dp", "pp", "cp", "tp") outermost first
+(docs/parallelism.md)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ MESH_DIMS = ("dp", "pp", "cp", "tp")
 def build_mesh(
     layout: Layout, device_type: str = "cpu", hsdp_replicate: int | None = None
 ) -> DeviceMesh:
-    """The job's mesh (row-major, so rank = tp + TP·(cp + CP·(pp + PP·dp))); needs an initialised default
-    process group of layout.world ranks. HSDP (validated by fourd.layout.check) splits dp: dp_replicate, dp_shard."""
+    """The job's mesh (row-major, so rank = tp + TP·(cp + CP·(pp + PP·dp))); needs an initialised
+    default process group of layout.world ranks. HSDP (validated by fourd.layout.check) splits dp:
+    dp_replicate, dp_shard."""
     if hsdp_replicate is None:
         return init_device_mesh(
             device_type, (layout.dp, layout.pp, layout.cp, layout.tp), mesh_dim_names=MESH_DIMS

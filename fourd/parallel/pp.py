@@ -1,5 +1,6 @@
-"""Pipeline parallelism: split the model into stages by layer count and run a `fourd.schedules` schedule, its
-per-rank action lists unchanged, on torch.distributed.pipelining's action runtime (docs/pipeline-context.md)."""
+"""Pipeline parallelism: split the model into stages by layer count and run a `fourd.schedules`
+schedule, its per-rank action lists unchanged, on torch.distributed.pipelining's action runtime
+(docs/pipeline-context.md)."""
 
 from __future__ import annotations
 
@@ -27,21 +28,24 @@ def pipeline_split(
     device: str | torch.device = "cpu",
     fewer_first_last: bool = True,
 ) -> list[Llama]:
-    """Pipeline rank `pp_rank`'s stages (Llama with only their layers, global keys) in schedule order: sharing a
-    built model's modules, or built alone from `seed` (the full model's weights: init is per parameter name)."""
-    cfg = model_or_cfg.cfg if isinstance(model_or_cfg, Llama) else model_or_cfg
+    """Pipeline rank `pp_rank`'s stages (Llama with only their layers, global keys) in schedule
+    order: sharing a built model's modules, or built alone from `seed` (the full model's weights:
+    init is per parameter name)."""
+    cfg = model_or_cfg
+    if isinstance(model_or_cfg, Llama):
+        cfg = model_or_cfg.cfg
     counts = layer_split(cfg.layers, schedule.stages, fewer_first_last, empty_edges=True)
-    starts = [sum(counts[:s]) for s in range(schedule.stages)]
+    starts = [sum(counts[:index]) for index in range(schedule.stages)]
     out = []
-    for s in schedule.stages_of_rank(pp_rank):
-        keep = {str(i) for i in range(starts[s], starts[s] + counts[s])}
+    for index in schedule.stages_of_rank(pp_rank):
+        keep = {str(i) for i in range(starts[index], starts[index] + counts[index])}
         with torch.device("meta"):
             stage = Llama(cfg)
         for key in [k for k in stage.layers if k not in keep]:
             del stage.layers[key]
-        if s != 0:
+        if index != 0:
             stage.tok_embeddings = None
-        if s != schedule.stages - 1:
+        if index != schedule.stages - 1:
             stage.norm = stage.output = None
         if isinstance(model_or_cfg, Llama):
             for key in keep:
@@ -60,7 +64,7 @@ def pipeline_split(
     return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ActionRecord:
     kind: str  # "F", "B", "I" or "W" as in fourd.schedules (the last stage's F includes its loss)
     stage: int
@@ -77,19 +81,26 @@ class _TimedStage(PipelineStage):
         self.log = log
         self.t0 = 0.0
 
-    def _timed(self, kind, mb, fn, *args, **kwargs):
+    def _timed(self, kind, microbatch, call, *args, **kwargs):
         start = perf_counter()
-        out = fn(mb, *args, **kwargs)
-        self.log.append(
-            ActionRecord(kind, self.stage_index, mb, start - self.t0, perf_counter() - self.t0)
+        out = call(microbatch, *args, **kwargs)
+        record = ActionRecord(
+            kind=kind,
+            stage=self.stage_index,
+            microbatch=microbatch,
+            start=start - self.t0,
+            end=perf_counter() - self.t0,
         )
+        self.log.append(record)
         return out
 
     def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
         return self._timed("F", fwd_chunk_id, super().forward_one_chunk, *args, **kwargs)
 
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
-        kind = "B" if full_backward else "I"
+        kind = "I"  # the input gradient alone (zero bubble), W later
+        if full_backward:
+            kind = "B"
         return self._timed(
             kind, bwd_chunk_id, super().backward_one_chunk, loss, full_backward, last_backward
         )
@@ -99,11 +110,13 @@ class _TimedStage(PipelineStage):
 
 
 class PipelineRunner:
-    """Runs one training step of `schedule` over this rank's `stages`; after it, `records` (its compute actions),
-    `wall` (the step's seconds) and `bubble_fraction` = 1 − busy / wall."""
+    """Runs one training step of `schedule` over this rank's `stages`; after it, `records` (its
+    compute actions), `wall` (the step's seconds) and `bubble_fraction` = 1 − busy / wall."""
 
     def __init__(self, stages: list[nn.Module], schedule: Schedule, pp_mesh, loss_fn, device=None):
-        self.group = pp_mesh.get_group() if hasattr(pp_mesh, "get_group") else pp_mesh
+        self.group = pp_mesh  # a process group, or a mesh of one
+        if hasattr(pp_mesh, "get_group"):
+            self.group = pp_mesh.get_group()
         self.schedule = schedule
         self.rank = dist.get_rank(self.group)
         indices = schedule.stages_of_rank(self.rank)
@@ -111,27 +124,30 @@ class PipelineRunner:
             "use pipeline_split"
         )
         self.records: list[ActionRecord] = []
-        self.wall = self.bubble_fraction = 0.0
+        self.wall = 0.0
+        self.bubble_fraction = 0.0
         self._loss_fn = loss_fn
-        device = torch.device(device) if device is not None else None
+        if device is not None:
+            device = torch.device(device)
         self._stages = [
             _TimedStage(
                 module,
-                s,
+                stage,
                 schedule.stages,
                 device or _device_of(module),
                 group=self.group,
                 log=self.records,
             )
-            for module, s in zip(stages, indices)
+            for module, stage in zip(stages, indices)
         ]
         self._has_first = 0 in indices
         self._has_last = schedule.stages - 1 in indices
         # Each microbatch's mean loss counts 1/M: the runtime divides the gradients by M once all
-        # backwards are done (after FSDP's reduction), which is the same as backpropagating loss / M.
+        # backwards are done (after FSDP's reduction), which is the same as backpropagating loss /
+        # M.
         actions = {
-            r: [(a.stage, a.kind, a.microbatch) for a in acts]
-            for r, acts in enumerate(schedule.ranks)
+            rank: [(action.stage, action.kind, action.microbatch) for action in acts]
+            for rank, acts in enumerate(schedule.ranks)
         }
         self._runtime = pipeline_runtime(
             self._stages, schedule.microbatches, self._timed_loss, actions
@@ -149,35 +165,40 @@ class PipelineRunner:
         return loss
 
     def step(self, x: torch.Tensor | None, y: torch.Tensor | None) -> torch.Tensor:
-        """Forward and backward of every microbatch of x, y ([batch, seq], a multiple of the microbatches; read on
-        the first / last stage's rank only); returns the mean loss (detached FP32, the same on every rank)."""
+        """Forward and backward of every microbatch of x, y ([batch, seq], a multiple of the
+        microbatches; read on the first / last stage's rank only); returns the mean loss (detached
+        FP32, the same on every rank)."""
         self.records.clear()
-        # The step is one window for the whole pipeline: from all ranks starting together to the last one
-        # finishing. A rank's own window would hide the fill (later stages wait before their first F) or
-        # the drain (the last stage is done before the first stage's final B).
+        # The step is one window for the whole pipeline: from all ranks starting together to the
+        # last one finishing. A rank's own window would hide the fill (later stages wait before
+        # their first F) or the drain (the last stage is done before the first stage's final B).
         dist.barrier(group=self.group)
-        t0 = perf_counter()
+        began = perf_counter()
         for stage in self._stages:
-            stage.t0 = t0
+            stage.t0 = began
         losses: list[torch.Tensor] = []
-        first = (x,) if self._has_first else ()
-        self._runtime.step(
-            *first, target=y if self._has_last else None, losses=losses, return_outputs=False
-        )
+        inputs: tuple = ()  # only the first stage takes the tokens, only the last the targets
+        if self._has_first:
+            inputs = (x,)
+        target = None
+        if self._has_last:
+            target = y
+        self._runtime.step(*inputs, target=target, losses=losses, return_outputs=False)
         device = self._stages[0].device
-        # Only the last stage's rank has losses; the others add zero, and everyone waits for the last rank.
-        loss = (
-            torch.stack([x.detach().float() for x in losses]).mean()
-            if losses
-            else torch.zeros((), device=device)
-        )
+        # Only the last stage's rank has losses; the others add zero, and everyone waits for the
+        # last rank.
+        loss = torch.zeros((), device=device)
+        if losses:
+            loss = torch.stack([x.detach().float() for x in losses]).mean()
         dist.all_reduce(loss, group=self.group)
-        self.wall = perf_counter() - t0
-        busy = sum(r.end - r.start for r in self.records)
+        self.wall = perf_counter() - began
+        busy = sum(record.end - record.start for record in self.records)
         self.bubble_fraction = max(0.0, 1.0 - busy / self.wall)
         return loss
 
 
 def _device_of(module: nn.Module) -> torch.device:
-    p = next(module.parameters())
-    return p.device if not hasattr(p, "to_local") else p.to_local().device
+    param = next(module.parameters())
+    if hasattr(param, "to_local"):
+        return param.to_local().device
+    return param.device

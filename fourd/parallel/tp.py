@@ -1,5 +1,6 @@
-"""Tensor parallelism (Megatron-LM, Shoeybi et al. 2019), optionally with sequence parallelism (Korthikanti et
-al. 2022), applied from outside to the unmodified Llama with DTensor; the plan is in docs/parallelism.md."""
+"""Tensor parallelism (Megatron-LM, Shoeybi et al. 2019), optionally with sequence parallelism
+(Korthikanti et al. 2022), applied from outside to the unmodified Llama with DTensor; the plan is in
+docs/parallelism.md."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -20,11 +21,27 @@ from torch.distributed.tensor.parallel import (
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> nn.Module:
-    """Shard a Llama or a pipeline stage of it in place. With sequence parallelism a stage without tok_embeddings
-    takes this rank's sequence shard [b, S/TP, dim], and one without output returns its shard."""
+    """Shard a Llama or a pipeline stage of it in place. With sequence parallelism a stage without
+    tok_embeddings takes this rank's sequence shard [b, S/TP, dim], and one without output returns
+    its shard."""
     if tp_mesh.size() == 1:
         return model
-    stream = Shard(1) if sequence_parallel else Replicate()
+    parallelize_module(model, tp_mesh, _tp_plan(model, sequence_parallel))
+    if model.tok_embeddings is not None and not sequence_parallel:
+        # Its all-reduce returns an AsyncCollectiveTensor, which a compiled block cannot take as
+        # input (the gradient it returns is a plain tensor): wait for it here, in a copy.
+        model.tok_embeddings.register_forward_hook(lambda module, args, out: out.clone())
+    if sequence_parallel:
+        _sequence_parallel_edges(model, tp_mesh)
+    return model
+
+
+def _tp_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, object]:
+    """Module name -> its sharding style (docs/parallelism.md): Megatron's column-then-row pairs."""
+    if sequence_parallel:
+        stream: Placement = Shard(1)
+    else:
+        stream = Replicate()
     plan: dict[str, object] = {}
     if model.tok_embeddings is not None:
         plan["tok_embeddings"] = RowwiseParallel(
@@ -64,45 +81,45 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = Fa
         plan["output"] = ColwiseParallel(
             input_layouts=stream, output_layouts=Shard(-1), use_local_output=False
         )
-    parallelize_module(model, tp_mesh, plan)
-    if model.tok_embeddings is not None and not sequence_parallel:
-        # Its all-reduce returns an AsyncCollectiveTensor, which a compiled block cannot take as input (the gradient
-        # it returns is a plain tensor): wait for it here, in a copy.
-        model.tok_embeddings.register_forward_hook(lambda module, args, out: out.clone())
-    if sequence_parallel:
-        # Each rank's norm-weight gradient covers only its own tokens: a partial sum that autograd leaves
-        # as such in .grad. Sum it here (Megatron does the same), so that the optimizer and the gradient
-        # norm see the true gradient; FSDP, when applied on top, does this reduction itself.
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.register_post_accumulate_grad_hook(_sum_partial_grad)
-        if model.tok_embeddings is None:
-            io = PrepareModuleInput(
-                input_layouts=(stream,), desired_input_layouts=(stream,), use_local_output=False
-            )
-            parallelize_module(model, tp_mesh, io)
-        if model.output is None:
-            io = PrepareModuleOutput(
-                output_layouts=(stream,), desired_output_layouts=(stream,), use_local_output=True
-            )
-            parallelize_module(model, tp_mesh, io)
-    return model
+    return plan
 
 
-def _sum_partial_grad(p: torch.Tensor) -> None:
-    if any(pl.is_partial() for pl in p.grad.placements):
-        p.grad = p.grad.redistribute(placements=p.placements)
+def _sequence_parallel_edges(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """The norm-weight gradients summed over TP, and a pipeline stage's edges kept on the sequence
+    shard."""
+    stream = Shard(1)
+    # Each rank's norm-weight gradient covers only its own tokens: a partial sum that autograd
+    # leaves as such in .grad. Sum it here (Megatron does the same), so that the optimizer and the
+    # gradient norm see the true gradient; FSDP, when applied on top, does this reduction itself.
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.register_post_accumulate_grad_hook(_sum_partial_grad)
+    if model.tok_embeddings is None:
+        stage_input = PrepareModuleInput(
+            input_layouts=(stream,), desired_input_layouts=(stream,), use_local_output=False
+        )
+        parallelize_module(model, tp_mesh, stage_input)
+    if model.output is None:
+        stage_output = PrepareModuleOutput(
+            output_layouts=(stream,), desired_output_layouts=(stream,), use_local_output=True
+        )
+        parallelize_module(model, tp_mesh, stage_output)
+
+
+def _sum_partial_grad(param: torch.Tensor) -> None:
+    if any(placement.is_partial() for placement in param.grad.placements):
+        param.grad = param.grad.redistribute(placements=param.placements)
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy of logits [b, s, vocab], plain or a DTensor sharded on the vocabulary (never
-    gathered), against targets [b, s]; a plain scalar tensor."""
+    """Mean next-token cross-entropy of logits [b, s, vocab], plain or a DTensor sharded on the
+    vocabulary (never gathered), against targets [b, s]; a plain scalar tensor."""
     if not isinstance(logits, DTensor):
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
     (tp_dim,) = [
         i
-        for i, p in enumerate(logits.placements)
-        if p.is_shard() and p.dim in (-1, logits.ndim - 1)
+        for i, placement in enumerate(logits.placements)
+        if placement.is_shard() and placement.dim in (-1, logits.ndim - 1)
     ]
     mesh = logits.device_mesh
     local = logits.to_local().flatten(0, 1).float()
@@ -114,8 +131,9 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """-log softmax(z)[t] when each rank holds a block of the vocabulary columns of z: forward all-reduces
-    [tokens] numbers only (row max; row sum of exp with the target logit); backward needs no communication."""
+    """-log softmax(z)[t] when each rank holds a block of the vocabulary columns of z: forward
+    all-reduces [tokens] numbers only (row max; row sum of exp with the target logit); backward
+    needs no communication."""
 
     @staticmethod
     def forward(
@@ -138,6 +156,6 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         softmax, local_t, mine = ctx.saved_tensors
-        g = softmax * grad[:, None]
-        g.scatter_add_(1, local_t[:, None], -(grad * mine)[:, None])
-        return g, None, None, None
+        grad_logits = softmax * grad[:, None]
+        grad_logits.scatter_add_(1, local_t[:, None], -(grad * mine)[:, None])
+        return grad_logits, None, None, None

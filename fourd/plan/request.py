@@ -268,14 +268,14 @@ def resolve(model: ModelConfig, cluster: Cluster, values: Mapping[str, Any]) -> 
     ):  # name what is wrong with the user's own settings before searching the rest
         zero = 3 * (fixed["hsdp_replicas"] > 1) if fixed["zero"] is None else fixed["zero"]
         mine = Parallelism(
-            layout,
-            schedule or "1f1b",
-            fixed["microbatches"] or 1,
-            fixed["virtual_stages"] or 1,
-            zero,
-            fixed["recompute"] or "none",
-            sp,
-            fixed["hsdp_replicas"],
+            layout=layout,
+            schedule=schedule or "1f1b",
+            microbatches=fixed["microbatches"] or 1,
+            virtual_stages=fixed["virtual_stages"] or 1,
+            zero=zero,
+            recompute=fixed["recompute"] or "none",
+            sequence_parallel=sp,
+            hsdp_replicas=fixed["hsdp_replicas"],
         )
         layout_check(model, mine, seq, global_seqs)
     # compiled blocks are faster and keep less; a CPU profile predicts fourd train, which runs eager
@@ -285,7 +285,7 @@ def resolve(model: ModelConfig, cluster: Cluster, values: Mapping[str, Any]) -> 
     base = Job(
         model,
         cluster,
-        Parallelism(Layout()),
+        Parallelism(layout=Layout()),
         seq,
         global_seqs,
         v["precision"],

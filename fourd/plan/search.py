@@ -196,7 +196,16 @@ def configs(model, gpus: int, seq: int, global_seqs: int, fixed: dict):
             ms = [m for m in counts if m >= lay.pp or not few]
             hsdp = fixed["hsdp_replicas"]
             yield from (
-                Parallelism(lay, sched, m, v, z, "none", sp, hsdp)
+                Parallelism(
+                    layout=lay,
+                    schedule=sched,
+                    microbatches=m,
+                    virtual_stages=v,
+                    zero=z,
+                    recompute="none",
+                    sequence_parallel=sp,
+                    hsdp_replicas=hsdp,
+                )
                 for v in vs
                 for m in ms
                 for z in zeros

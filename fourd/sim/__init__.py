@@ -1,1 +1,2 @@
-"""Simulators: one training step on a cluster (`fourd sim step`) and months of failures (`fourd sim faults`)."""
+"""Simulators: one training step on a cluster (`fourd sim step`) and months of failures (`fourd sim
+faults`)."""

@@ -1,5 +1,6 @@
-"""Monte-Carlo of a long training run on N GPUs: interruptions (Llama 3 Table 5's rates, unexpected ones
-scaled with the GPUs), checkpoints, restarts and lost work, vectorised over runs (docs/simulators.md)."""
+"""Monte-Carlo of a long training run on N GPUs: interruptions (Llama 3 Table 5's rates, unexpected
+ones scaled with the GPUs), checkpoints, restarts and lost work, vectorised over runs
+(docs/simulators.md)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import numpy as np
 
 from fourd.errors import FourdError
 
-# Llama 3 Table 5 (Dubey et al. 2024 §3.3.4): unexpected interruptions in 54 days on 16,384 GPUs per component,
-# and whether it is hardware (the paper's "~78 % hardware").
+# Llama 3 Table 5 (Dubey et al. 2024 §3.3.4): unexpected interruptions in 54 days on 16,384 GPUs per
+# component, and whether it is hardware (the paper's "~78 % hardware").
 TABLE5 = {
     "faulty GPU": (148, True),
     "GPU HBM3 memory": (72, True),
@@ -34,19 +35,25 @@ TABLE5 = {
     "CPU": (2, True),
     "system memory": (2, True),
 }
-TABLE5_GPUS, TABLE5_DAYS, TABLE5_PLANNED = 16_384, 54, 47
+TABLE5_GPUS = 16_384  # GPUs of the 54-day snapshot (Llama 3 §3.3.4)
+TABLE5_DAYS = 54
+TABLE5_PLANNED = 47  # planned interruptions in those 54 days (Llama 3 §3.3.4)
 
-CHECKPOINT_S, RESTART_S = (
-    10.0,
-    300.0,
-)  # assumed save and restart times (docs/simulators.md: Llama 3 §3.3.1)
-BYTES_PER_SLOT = 160  # peak NumPy memory of `simulate` per run and slot: 111 B measured (tracemalloc), and a margin
+# assumed save and restart times in seconds (docs/simulators.md: Llama 3 §3.3.1)
+CHECKPOINT_S = 10.0
+RESTART_S = 300.0
+# peak NumPy memory of `simulate` per run and slot: 111 B measured (tracemalloc), and a margin
+BYTES_PER_SLOT = 160
 DAY_S = 86_400.0
 
 
 def unexpected_per_day(gpus: int) -> dict[str, float]:
-    """Expected unexpected interruptions per day on `gpus` GPUs, per component."""
-    return {c: n / TABLE5_DAYS * gpus / TABLE5_GPUS for c, (n, _) in TABLE5.items()}
+    """Expected unexpected interruptions per day on `gpus` GPUs, per component: its count in Table
+    5 / 54 days × gpus / 16,384 (Llama 3 §3.3.4; the rates scale with the GPUs)."""
+    return {
+        component: count / TABLE5_DAYS * gpus / TABLE5_GPUS
+        for component, (count, _) in TABLE5.items()
+    }
 
 
 def planned_per_day() -> float:
@@ -54,7 +61,8 @@ def planned_per_day() -> float:
 
 
 def mtbf_s(gpus: int) -> float:
-    """Mean time between unexpected interruptions of the job (16,384 GPUs: 3.1 h)."""
+    """Mean time between unexpected interruptions of the job in seconds, one day / the expected
+    interruptions per day (16,384 GPUs: 3.1 h)."""
     return DAY_S / sum(unexpected_per_day(gpus).values())
 
 
@@ -64,12 +72,15 @@ def young_interval(checkpoint_s: float, mtbf: float) -> float:
 
 
 def daly_interval(checkpoint_s: float, mtbf: float) -> float:
-    """τ = √(2δM)·[1 + ⅓√(δ/2M) + (δ/2M)/9] − δ for δ < 2M, else M (Daly 2006, eq. 37)."""
-    d, m, x = checkpoint_s, mtbf, checkpoint_s / (2 * mtbf)
-    return m if d >= 2 * m else math.sqrt(2 * d * m) * (1 + math.sqrt(x) / 3 + x / 9) - d
+    """τ = √(2δM)·[1 + ⅓√(δ/2M) + (δ/2M)/9] − δ for δ < 2M, else M (Daly 2006, eq. 37); δ the
+    checkpoint save time, M the MTBF, both in seconds."""
+    if checkpoint_s >= 2 * mtbf:
+        return mtbf
+    x = checkpoint_s / (2 * mtbf)
+    return math.sqrt(2 * checkpoint_s * mtbf) * (1 + math.sqrt(x) / 3 + x / 9) - checkpoint_s
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class FaultResult:
     gpus: int
     days: float
@@ -91,17 +102,22 @@ class FaultResult:
 
 
 def _check_size(runs: int, slots: int) -> None:
-    """Refuse a simulation whose arrays would not fit in half the memory this machine can give now."""
+    """Refuse a simulation whose arrays would not fit in half the memory this machine can give
+    now."""
     try:
         lines = Path("/proc/meminfo").read_text().splitlines()
-        free = next(int(ln.split()[1]) * 1024 for ln in lines if ln.startswith("MemAvailable:"))
+        free = next(
+            int(line.split()[1]) * 1024 for line in lines if line.startswith("MemAvailable:")
+        )
     except (OSError, StopIteration):
         free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    need, limit = runs * slots * BYTES_PER_SLOT, free // 2
+    need = runs * slots * BYTES_PER_SLOT
+    limit = free // 2
     if need > limit:
         raise FourdError(
-            f"{runs:,} runs of {slots:,} interruption slots each need about {need / 2**30:,.1f} GiB, more than "
-            f"the {limit / 2**30:,.1f} GiB this machine can give: use fewer runs or fewer days"
+            f"{runs:,} runs of {slots:,} interruption slots each need about {need / 2**30:,.1f} "
+            f"GiB, more than the {limit / 2**30:,.1f} GiB this machine can give: use "
+            "fewer runs or fewer days"
         )
 
 
@@ -114,21 +130,27 @@ def simulate(
     checkpoint_s: float = CHECKPOINT_S,
     restart_s: float = RESTART_S,
 ) -> FaultResult:
-    """`runs` independent runs of `days` days; the checkpoint interval defaults to Daly's optimum."""
-    positive = (gpus, runs, days, 1.0 if interval_s is None else interval_s)
+    """`runs` independent runs of `days` days; the checkpoint interval defaults to Daly's
+    optimum."""
+    positive = [gpus, runs, days]
+    if interval_s is not None:
+        positive.append(interval_s)
     finite = math.isfinite(sum(positive) + checkpoint_s + restart_s)
     if not (finite and min(positive) > 0 and min(checkpoint_s, restart_s) >= 0):
         raise FourdError(
-            f"{gpus} GPUs, {days} days, {runs} runs, checkpoint interval {interval_s} s, checkpoint {checkpoint_s} s,"
-            f" restart {restart_s} s: each must be finite, and positive (the last two may be 0)"
+            f"{gpus} GPUs, {days} days, {runs} runs, checkpoint interval {interval_s} s, "
+            f"checkpoint {checkpoint_s} s, restart {restart_s} s: each must be finite, and "
+            "positive (the last two may be 0)"
         )
-    tau = daly_interval(checkpoint_s, mtbf_s(gpus)) if interval_s is None else interval_s
+    tau = interval_s
+    if tau is None:
+        tau = daly_interval(checkpoint_s, mtbf_s(gpus))
     rates = unexpected_per_day(gpus)
-    lam_p, horizon = planned_per_day() / DAY_S, days * DAY_S
-    lam = sum(rates.values()) / DAY_S + lam_p
-    mean = (
-        lam * horizon
-    )  # enough arrival slots that running out has probability ~1e-15 (mean + 8 sigma)
+    lam_p = planned_per_day() / DAY_S  # planned interruptions per second
+    horizon = days * DAY_S
+    lam = sum(rates.values()) / DAY_S + lam_p  # all interruptions per second
+    # enough arrival slots that running out has probability ~1e-15 (mean + 8 sigma)
+    mean = lam * horizon
     slots = int(mean + 8 * math.sqrt(mean) + 16)
     _check_size(runs, slots)
     rng = np.random.default_rng(seed)
@@ -139,36 +161,37 @@ def simulate(
     useful, lost, downtime, ckpt, live = _spans(
         arrivals, happened, planned, horizon, (tau, checkpoint_s, restart_s)
     )
-    n_unexpected, names = unexpected.sum(axis=1), list(rates)
-    probs, total_u = (
-        np.array([rates[c] for c in names]) / sum(rates.values()),
-        int(n_unexpected.sum()),
-    )
-    counts = rng.multinomial(total_u, probs) if total_u else np.zeros(len(names), dtype=int)
+    n_unexpected = unexpected.sum(axis=1)
+    names = list(rates)
+    probs = np.array([rates[name] for name in names]) / sum(rates.values())
+    total_unexpected = int(n_unexpected.sum())
+    counts = np.zeros(len(names), dtype=int)
+    if total_unexpected:
+        counts = rng.multinomial(total_unexpected, probs)
 
     def per_run(x):
         return np.where(live, x, 0.0).sum(axis=1)
 
     return FaultResult(
-        gpus,
-        days,
-        runs,
-        tau,
-        checkpoint_s,
-        restart_s,
-        n_unexpected,
-        planned.sum(axis=1),
-        {c: counts[i] / runs for i, c in enumerate(names)},
-        per_run(useful),
-        per_run(lost),
-        per_run(downtime),
-        per_run(ckpt),
+        gpus=gpus,
+        days=days,
+        runs=runs,
+        interval_s=tau,
+        checkpoint_s=checkpoint_s,
+        restart_s=restart_s,
+        unexpected=n_unexpected,
+        planned=planned.sum(axis=1),
+        by_component={name: counts[i] / runs for i, name in enumerate(names)},
+        useful_s=per_run(useful),
+        lost_s=per_run(lost),
+        restart_total_s=per_run(downtime),
+        checkpoint_total_s=per_run(ckpt),
     )
 
 
 def _spans(arrivals, happened, planned, horizon: float, times: tuple[float, float, float]):
-    """(useful, lost, downtime, checkpointing, live) per gap between interruptions; each gap runs from one
-    restart to the next interruption (the last one to the horizon)."""
+    """(useful, lost, downtime, checkpointing, live) per gap between interruptions; each gap runs
+    from one restart to the next interruption (the last one to the horizon)."""
     tau, checkpoint_s, restart_s = times
     starts = np.concatenate([np.zeros((arrivals.shape[0], 1)), arrivals[:, :-1]], axis=1)
     live = starts < horizon
@@ -187,27 +210,36 @@ def _spans(arrivals, happened, planned, horizon: float, times: tuple[float, floa
     return useful, lost, downtime, cycles * checkpoint_s + np.maximum(rest - tau, 0.0), live
 
 
-def summary(r: FaultResult) -> dict:
+def summary(result: FaultResult) -> dict:
     """The `fourd sim faults --json` object: means over runs (the headline keys first)."""
-    m, eff, comp = mtbf_s(r.gpus), r.effective, r.by_component
-    hardware, total = sum(v for c, v in comp.items() if TABLE5[c][1]), sum(comp.values())
+    mtbf = mtbf_s(result.gpus)
+    eff = result.effective
+    comp = result.by_component
+    hardware = sum(count for name, count in comp.items() if TABLE5[name][1])
+    total = sum(comp.values())
+    hardware_share = 0.0
+    if total:
+        hardware_share = hardware / total
     return {
-        "unexpected_interruptions": float(r.unexpected.mean()),
-        "planned_interruptions": float(r.planned.mean()),
+        "unexpected_interruptions": float(result.unexpected.mean()),
+        "planned_interruptions": float(result.planned.mean()),
         "effective_training_fraction": float(eff.mean()),
-        "checkpoint_interval_min": r.interval_s / 60,
-        "optimal_checkpoint_interval_min": daly_interval(r.checkpoint_s, m) / 60,
-        "young_interval_min": young_interval(r.checkpoint_s, m) / 60,
-        "mtbf_h": m / 3600,
-        **{f"effective_training_fraction_p{q}": float(np.percentile(eff, q)) for q in (5, 95)},
-        "gpus": r.gpus,
-        "days": r.days,
-        "runs": r.runs,
-        "checkpoint_save_s": r.checkpoint_s,
-        "restart_s": r.restart_s,
-        "lost_work_h": float(r.lost_s.mean()) / 3600,
-        "restart_h": float(r.restart_total_s.mean()) / 3600,
-        "checkpointing_h": float(r.checkpoint_total_s.mean()) / 3600,
-        "hardware_share": hardware / total if total else 0.0,
+        "checkpoint_interval_min": result.interval_s / 60,
+        "optimal_checkpoint_interval_min": daly_interval(result.checkpoint_s, mtbf) / 60,
+        "young_interval_min": young_interval(result.checkpoint_s, mtbf) / 60,
+        "mtbf_h": mtbf / 3600,
+        **{
+            f"effective_training_fraction_p{percent}": float(np.percentile(eff, percent))
+            for percent in (5, 95)
+        },
+        "gpus": result.gpus,
+        "days": result.days,
+        "runs": result.runs,
+        "checkpoint_save_s": result.checkpoint_s,
+        "restart_s": result.restart_s,
+        "lost_work_h": float(result.lost_s.mean()) / 3600,
+        "restart_h": float(result.restart_total_s.mean()) / 3600,
+        "checkpointing_h": float(result.checkpoint_total_s.mean()) / 3600,
+        "hardware_share": hardware_share,
         "components": comp,
     }

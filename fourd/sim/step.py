@@ -1,6 +1,7 @@
-"""Discrete-event simulation of one training step: each pipeline rank runs its `fourd.schedules` actions with
-the planner's compute times; activations, gradients and per-layer data-parallel buckets move as flows sharing
-the links (fourd.sim.network). One GPU per pipeline rank stands for its replicas (docs/simulators.md)."""
+"""Discrete-event simulation of one training step: each pipeline rank runs its `fourd.schedules`
+actions with the planner's compute times; activations, gradients and per-layer data-parallel buckets
+move as flows sharing the links (fourd.sim.network). One GPU per pipeline rank stands for its
+replicas (docs/simulators.md)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ MAX_PIECES = 200_000  # compute pieces one simulation may run: about 20 s of sim
 UNIT = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Event:
     rank: int
     stage: int
@@ -37,30 +38,35 @@ class Event:
 
 
 def stage_costs(job: Job, comm: bool = True) -> list[dict[str, float]]:
-    """Seconds of each action kind ("F", "B", "I", "W") per global stage from the planner's cost model; TP and
-    CP collectives are part of F, B and I unless `comm` is False."""
-    times = [
-        (
-            t.forward_s + t.forward_comm_s * comm,
-            t.input_grad_s + t.backward_comm_s * comm,
-            t.weight_grad_s,
+    """Seconds of each action kind ("F", "B", "I", "W") per global stage from the planner's cost
+    model; TP and CP collectives are part of F, B and I unless `comm` is False. B = I + W: a full
+    backward is the input-gradient half and the weight-gradient half (Qi et al. 2023, §2)."""
+    costs = []
+    for chunk in chunk_times(job):
+        forward = chunk.forward_s
+        input_grad = chunk.input_grad_s
+        if comm:
+            forward += chunk.forward_comm_s
+            input_grad += chunk.backward_comm_s
+        weight_grad = chunk.weight_grad_s
+        costs.append(
+            {"F": forward, "I": input_grad, "W": weight_grad, "B": input_grad + weight_grad}
         )
-        for t in chunk_times(job)
-    ]
-    return [{"F": f, "I": i, "W": w, "B": i + w} for f, i, w in times]
+    return costs
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Transfer:
     replica: int  # 0: the replicas that stand for all (or the only one); 1: the straggler's replica
     rank: int  # pipeline rank of the GPU that sends
-    kind: str  # "pp" (activation or gradient to a neighbour stage) or "ag", "rs", "ar" (data parallel)
+    # "pp" (activation or gradient to a neighbour stage) or "ag", "rs", "ar" (data parallel)
+    kind: str
     name: str
     start: float
     end: float
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StepResult:
     step_time_s: float
     events: list[list[Event]]  # per pipeline rank, the representative replica
@@ -71,84 +77,104 @@ class StepResult:
     slow_events: list[list[Event]] | None = None
 
     @property
-    def per_rank_idle_fraction(self) -> list[float]:  # no compute: bubbles, waiting for transfers
-        return [1 - (b + o) / self.step_time_s for b, o in zip(self.busy_s, self.optimizer_s)]
+    def per_rank_idle_fraction(self) -> list[float]:
+        """Each rank's share of the step without compute: bubbles, waiting for transfers."""
+        return [
+            1 - (busy + optimizer) / self.step_time_s
+            for busy, optimizer in zip(self.busy_s, self.optimizer_s)
+        ]
 
     @property
-    def bubble_fraction(self) -> float:  # idle share of the pipeline span on the busiest rank
-        return 1 - max(self.busy_s) / self.pipeline_span_s if self.pipeline_span_s > 0 else 0.0
+    def bubble_fraction(self) -> float:
+        """Idle share of the pipeline span on the busiest rank: 1 - busy / span."""
+        if self.pipeline_span_s <= 0:
+            return 0.0
+        return 1 - max(self.busy_s) / self.pipeline_span_s
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Comm:
-    """What transfers cost on a cluster for one job: links, and each transfer's bytes, cap and latency."""
+    """What transfers cost on a cluster for one job: links, and each transfer's bytes, cap and
+    latency."""
 
     cluster: Any
     zero: int
     capacity: dict  # bytes/s of each port's links (port, replica class, rank)
-    p2p_bytes: float
-    p2p: dict  # (src rank, dst rank) -> ((out port, in port), cap, latency)
+    p2p_bytes: float  # bytes of one activation (or its gradient) between neighbour stages
+    p2p: dict  # (src rank, dst rank) -> ((out port, in port), cap in bytes/s, latency in s)
     dp_group: Any  # the cp·dp ranks holding the same weights reduce gradients together
-    dp_bw: float  # what a DP ring reaches alone (group_bandwidth)
+    dp_bw: float  # bytes/s a DP ring reaches alone (group_bandwidth)
     dp_links: tuple  # (port, share of the ring's bytes) per GPU
     dp_params: list  # each stage's parameters on one GPU (one bucket per layer)
     weight_bytes: int  # per parameter: weights move in the compute precision, gradients in FP32
 
 
 def build_comm(job: Job) -> Comm:
-    """Links and transfer costs of the job's layout on its cluster."""
-    cluster, lay, node, net = job.cluster, job.layout, job.cluster.node, job.cluster.network
-    nic, nvl = (
-        net.nic_bw_gbps * 1e9 * net.nic_efficiency,
-        node.intra_bw_gbps * 1e9 * node.intra_efficiency,
-    )
-    # each TP rank sends its sequence-parallel shard; without SP every TP rank holds (and sends) it all
-    p2p_bytes = (
-        job.work.tokens
-        * job.model.dim
-        * job.dtype_bytes
-        / (lay.tp if job.par.sequence_parallel else 1)
-    )
-    server = [lay.rank(pp=r) // node.gpus for r in range(lay.pp)]
+    """Links and transfer costs of the job's layout on its cluster. A link's bandwidth is the
+    cluster's GB/s × 1e9 × its measured efficiency, in bytes/s."""
+    cluster = job.cluster
+    lay = job.layout
+    node = cluster.node
+    net = cluster.network
+    nic_bw = net.nic_bw_gbps * 1e9 * net.nic_efficiency
+    nvlink_bw = node.intra_bw_gbps * 1e9 * node.intra_efficiency
+    # each TP rank sends its sequence-parallel shard; without SP every TP rank holds (and sends)
+    # all of it
+    sp_shards = 1
+    if job.par.sequence_parallel:
+        sp_shards = lay.tp
+    p2p_bytes = job.work.tokens * job.model.dim * job.dtype_bytes / sp_shards
+    server = [lay.rank(pp=pp_rank) // node.gpus for pp_rank in range(lay.pp)]
     link = {
-        True: (("nvl_out", "nvl_in"), nvl, node.intra_latency_us * 1e-6),
-        False: (("nic_out", "nic_in"), nic, net.latency_us * 1e-6),
+        True: (("nvl_out", "nvl_in"), nvlink_bw, node.intra_latency_us * 1e-6),
+        False: (("nic_out", "nic_in"), nic_bw, net.latency_us * 1e-6),
     }
-    p2p = {(a, b): link[server[a] == server[b]] for a in range(lay.pp) for b in range(lay.pp)}
-    group, nvlink = shard_group(lay), (("nvl_out", 1.0), ("nvl_in", 1.0))
-    # k members per server drive k NICs (one ring channel each): 1/k of the bytes through this GPU's NIC, all
-    # of them over its NVLink port to the server's other members
-    k = members_per_node(group, cluster)
-    nic_links = (("nic_out", 1 / k), ("nic_in", 1 / k)) + nvlink * (k > 1)
-    dp_links = nvlink if group_level(group, cluster) == "nvlink" else nic_links
+    p2p = {
+        (src, dst): link[server[src] == server[dst]]
+        for src in range(lay.pp)
+        for dst in range(lay.pp)
+    }
+    group = shard_group(lay)
+    nvlink_links = (("nvl_out", 1.0), ("nvl_in", 1.0))
+    # k members per server drive k NICs (one ring channel each): 1/k of the bytes through this
+    # GPU's NIC, all of them over its NVLink port to the server's other members
+    members = members_per_node(group, cluster)
+    nic_links: tuple = (("nic_out", 1 / members), ("nic_in", 1 / members))
+    if members > 1:
+        nic_links += nvlink_links
+    if group_level(group, cluster) == "nvlink":
+        dp_links = nvlink_links
+    else:
+        dp_links = nic_links
     return Comm(
-        cluster,
-        job.par.zero,
-        {"nic_out": nic, "nic_in": nic, "nvl_out": nvl, "nvl_in": nvl},
-        p2p_bytes,
-        p2p,
-        group,
-        group_bandwidth(group, cluster)[0],
-        dp_links,
-        stage_params_on_gpu(job),
-        job.dtype_bytes,
+        cluster=cluster,
+        zero=job.par.zero,
+        capacity={"nic_out": nic_bw, "nic_in": nic_bw, "nvl_out": nvlink_bw, "nvl_in": nvlink_bw},
+        p2p_bytes=p2p_bytes,
+        p2p=p2p,
+        dp_group=group,
+        dp_bw=group_bandwidth(group, cluster)[0],
+        dp_links=dp_links,
+        dp_params=stage_params_on_gpu(job),
+        weight_bytes=job.dtype_bytes,
     )
 
 
 def stage_params_on_gpu(job: Job) -> list[float]:
     """Parameters of each pipeline stage on one GPU (what its data-parallel buckets move)."""
     counts = stage_layers(job.model.layers, job.layout.pp, job.par.virtual_stages)
-    return [stage_params(job.model, counts, s) / job.layout.tp for s in range(len(counts))]
+    return [stage_params(job.model, counts, stage) / job.layout.tp for stage in range(len(counts))]
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class _Piece:
     action: Action
     part: int  # layer piece index when an action is split into its layers
     parts: int
-    dur: float
-    needs: tuple
-    after: list  # effects when it ends: ("token", t) | ("send", dst, token) | ("enqueue", stream, key, bytes)
+    dur: float  # seconds
+    needs: tuple  # the tokens it waits for
+    # effects when it ends: ("token", t) | ("send", dst, token) | ("enqueue", stream, key, bytes)
+    after: list
 
 
 def simulate(
@@ -161,23 +187,41 @@ def simulate(
     slow: tuple[int, float] | None = None,
     dp: int = 1,
 ) -> StepResult:
-    """Run one step: `costs[stage][kind]` compute seconds, `layers[stage]` DP buckets per stage, `comm` None:
-    transfers free, no DP collectives; `slow = (pipeline rank, factor)` slows it in one of `dp` replicas."""
-    p = schedule.pp
+    """Run one step: `costs[stage][kind]` compute seconds, `layers[stage]` DP buckets per stage,
+    `comm` None: transfers free, no DP collectives; `slow = (pipeline rank, factor)` slows it in one
+    of `dp` replicas."""
+    pp_ranks = schedule.pp
     layers = layers or [1] * schedule.stages
-    optimizer_s = optimizer_s or [0] * p
-    classes = [None] if slow is None else ([None, slow] if dp > 1 else [slow])
-    _check_size(len(classes) * sum(layers[a.stage] for r in schedule.ranks for a in r))
-    zero = comm.zero if comm is not None and comm.dp_group.size > 1 else None
+    optimizer_s = optimizer_s or [0] * pp_ranks
+    # replica classes: None for the replicas that stand for all, `slow` for the straggler's
+    if slow is None:
+        classes: list = [None]
+    elif dp > 1:
+        classes = [None, slow]
+    else:
+        classes = [slow]
+    actions = [action for rank_actions in schedule.ranks for action in rank_actions]
+    _check_size(len(classes) * sum(layers[action.stage] for action in actions))
+    zero = None  # no data-parallel collectives
+    if comm is not None and comm.dp_group.size > 1:
+        zero = comm.zero
     sim = _Engine(schedule, comm, len(classes))
-    for c, straggler in enumerate(classes):
-        for r in range(p):
-            factor = straggler[1] if straggler and straggler[0] == r else 1
-            sim.pieces[(c, r)] = _rank_pieces(sim, (c, r), costs, layers, factor, zero)
-            needs = tuple((c, "coll", key) for key in sim.rs_keys[(c, r)])
-            sim.pieces[(c, r)].append(
-                _Piece(Action("O", r, 0), 0, 1, optimizer_s[r] * factor, needs, [])
+    for replica, straggler in enumerate(classes):
+        for rank in range(pp_ranks):
+            factor = 1
+            if straggler and straggler[0] == rank:
+                factor = straggler[1]
+            gpu = (replica, rank)
+            sim.pieces[gpu] = _rank_pieces(sim, gpu, costs, layers, factor, zero)
+            optimizer_step = _Piece(
+                action=Action("O", rank, 0),
+                part=0,
+                parts=1,
+                dur=optimizer_s[rank] * factor,
+                needs=tuple((replica, "coll", key) for key in sim.rs_keys[gpu]),
+                after=[],
             )
+            sim.pieces[gpu].append(optimizer_step)
     return sim.run()
 
 
@@ -189,242 +233,396 @@ def _check_size(pieces: int) -> None:
         )
 
 
-def _needs(a: Action, c: int, stages: int) -> list:
-    """Tokens an action waits for (fourd.schedules.depends_on): deliveries are "act" and "gin" tokens."""
-    return [
-        (c, "act" if a.kind == "F" else "gin" if k == "grad" else k, s, j)
-        for k, s, j in depends_on(a, stages)
-    ]
+def _needs(action: Action, replica: int, stages: int) -> list:
+    """Tokens an action waits for (fourd.schedules.depends_on): deliveries are "act" and "gin"
+    tokens."""
+    needs = []
+    for kind, stage, microbatch in depends_on(action, stages):
+        if action.kind == "F":
+            kind = "act"  # the previous stage's activation, delivered
+        elif kind == "grad":
+            kind = "gin"  # the next stage's input gradient, delivered
+        needs.append((replica, kind, stage, microbatch))
+    return needs
 
 
 def _rank_pieces(sim: _Engine, who: tuple[int, int], costs, layers, factor, zero):
     """A rank's compute pieces for one replica class, with the DP buckets they gate and emit."""
-    c, r = who
-    schedule, comm, actions = sim.schedule, sim.comm, sim.schedule.ranks[r]
-    params = comm.dp_params if comm else []
-    weights, grads = (
-        [n * comm.weight_bytes for n in params] if comm else [],
-        [4 * n for n in params],
-    )
-    last_grad = {a.stage: i for i, a in enumerate(actions) if a.kind in ("B", "W")}
-    first_f = {
-        a.stage: i for i, a in reversed(list(enumerate(actions))) if a.kind == "F"
-    }  # the first wins
-    pieces, rs_keys = [], sim.rs_keys.setdefault(who, [])
+    replica, rank = who
+    schedule = sim.schedule
+    comm = sim.comm
+    actions = schedule.ranks[rank]
+    params: list = []
+    weight_bytes: list = []
+    if comm:
+        params = comm.dp_params
+        weight_bytes = [count * comm.weight_bytes for count in params]
+    grad_bytes = [4 * count for count in params]  # gradients in FP32
+    last_grad = {action.stage: i for i, action in enumerate(actions) if action.kind in ("B", "W")}
+    # the first forward of each stage wins
+    first_forward = {
+        action.stage: i for i, action in reversed(list(enumerate(actions))) if action.kind == "F"
+    }
+    pieces = []
+    rs_keys = sim.rs_keys.setdefault(who, [])
     if zero in (1, 2):
-        for s in sorted(first_f, key=lambda s: first_f[s]):
-            for i in range(layers[s]):
-                sim.enqueue((c, r, "ag"), ("ag", s, 0, i), weights[s] / layers[s])
-    for idx, a in enumerate(actions):
-        s, j = a.stage, a.microbatch
-        gather = zero is not None and (
-            (zero in (1, 2) and idx == first_f.get(s)) or (zero == 3 and a.kind != "W")
+        _prefetch_weights(
+            sim,
+            who,
+            sorted(first_forward, key=lambda stage: first_forward[stage]),
+            layers,
+            weight_bytes,
         )
-        reduce = zero is not None and a.kind in ("B", "W") and (zero >= 2 or idx == last_grad[s])
-        parts = layers[s] if (gather or reduce) else 1
-        dur = (
-            costs[s][a.kind] * factor / parts if parts > 1 else costs[s][a.kind] * factor
-        )  # ints stay exact
-        for i in range(parts):
-            if zero == 3 and gather:
-                sim.enqueue((c, r, "ag"), ("ag", s, j, a.kind, i), weights[s] / parts)
-            need = tuple(_needs(a, c, schedule.stages)) if i == 0 else ()
+    for index, action in enumerate(actions):
+        stage = action.stage
+        gather = zero is not None and (
+            (zero in (1, 2) and index == first_forward.get(stage))
+            or (zero == 3 and action.kind != "W")
+        )
+        reduce = (
+            zero is not None
+            and action.kind in ("B", "W")
+            and (zero >= 2 or index == last_grad[stage])
+        )
+        parts = 1
+        if gather or reduce:
+            parts = layers[stage]
+        dur = costs[stage][action.kind] * factor
+        if parts > 1:  # whole-number costs of unsplit actions stay ints
+            dur /= parts
+        for part in range(parts):
+            piece = _Piece(action=action, part=part, parts=parts, dur=dur, needs=(), after=[])
+            if part == 0:
+                piece.needs = tuple(_needs(action, replica, schedule.stages))
             if gather:
-                need += (
-                    (c, "coll", ("ag", s, 0, i) if zero in (1, 2) else ("ag", s, j, a.kind, i)),
-                )
-            after: list = []
+                piece.needs += (_gather_need(sim, who, piece, weight_bytes[stage], zero),)
             if reduce:
-                key = ("rs" if zero else "ar", s, j if zero >= 2 else 0, i)
-                after.append(("enqueue", (c, r, "rs"), key, grads[s] / parts))  # gradients in FP32
+                key = _reduce_key(action, part, zero)
+                piece.after.append(
+                    ("enqueue", (replica, rank, "rs"), key, grad_bytes[stage] / parts)
+                )
                 rs_keys.append(key)
-            if i == parts - 1:
-                after.append(("token", (c, a.kind, s, j)))
-                if a.kind == "F" and s < schedule.stages - 1:
-                    after.append(("send", schedule.stage_rank(s + 1), (c, "act", s, j)))
-                if a.kind in ("B", "I") and s > 0:
-                    after.append(("send", schedule.stage_rank(s - 1), (c, "gin", s, j)))
-            pieces.append(_Piece(a, i, parts, dur, need, after))
+            if part == parts - 1:
+                piece.after += _action_done(schedule, replica, action)
+            pieces.append(piece)
     return pieces
 
 
+def _prefetch_weights(sim: _Engine, who: tuple[int, int], stages, layers, weight_bytes) -> None:
+    """ZeRO-1 and -2: all-gather each stage's weights, layer by layer, in the order of the stages'
+    first forwards."""
+    for stage in stages:
+        for i in range(layers[stage]):
+            sim.enqueue((*who, "ag"), ("ag", stage, 0, i), weight_bytes[stage] / layers[stage])
+
+
+def _gather_need(sim: _Engine, who: tuple[int, int], piece: _Piece, weight_bytes, zero) -> tuple:
+    """The all-gather of its layer's weights that a piece waits for: ZeRO-1 and -2 gather each
+    stage's weights once, before its first forward; ZeRO-3 before every F, B and I."""
+    action = piece.action
+    if zero in (1, 2):
+        return (who[0], "coll", ("ag", action.stage, 0, piece.part))
+    key = ("ag", action.stage, action.microbatch, action.kind, piece.part)
+    sim.enqueue((*who, "ag"), key, weight_bytes / piece.parts)
+    return (who[0], "coll", key)
+
+
+def _reduce_key(action: Action, part: int, zero: int) -> tuple:
+    """The gradient bucket a piece emits: DDP (ZeRO 0) all-reduces and ZeRO-1 reduce-scatters once
+    per step, after the stage's last backward; ZeRO-2 and -3 reduce-scatter every microbatch."""
+    kind = "ar"
+    if zero:
+        kind = "rs"
+    microbatch = 0
+    if zero >= 2:
+        microbatch = action.microbatch
+    return (kind, action.stage, microbatch, part)
+
+
+def _action_done(schedule: Schedule, replica: int, action: Action) -> list:
+    """What the last piece of an action does when it ends: its token, and the activation sent to
+    the next stage (after F) or the input gradient to the previous one (after B or I)."""
+    stage = action.stage
+    microbatch = action.microbatch
+    effects: list = [("token", (replica, action.kind, stage, microbatch))]
+    if action.kind == "F" and stage < schedule.stages - 1:
+        effects.append(
+            ("send", schedule.stage_rank(stage + 1), (replica, "act", stage, microbatch))
+        )
+    if action.kind in ("B", "I") and stage > 0:
+        effects.append(
+            ("send", schedule.stage_rank(stage - 1), (replica, "gin", stage, microbatch))
+        )
+    return effects
+
+
 class _Engine:
+    """The event loop: compute pieces run on their GPUs; activations, gradients and DP collectives
+    move as flows over the shared links."""
+
     def __init__(self, schedule: Schedule, comm: Comm | None, n_classes: int):
-        self.schedule, self.comm, self.n_classes = schedule, comm, n_classes
-        self.net = Network(comm.capacity if comm else {})
-        self.ranks = [(c, r) for c in range(n_classes) for r in range(schedule.pp)]
+        self.schedule = schedule
+        self.comm = comm
+        self.n_classes = n_classes  # replica classes: 1, or 2 with the straggler's replica
+        capacity: dict = {}
+        if comm:
+            capacity = comm.capacity
+        self.net = Network(capacity)
+        # every simulated GPU: (replica class, pipeline rank)
+        self.ranks = [
+            (replica, rank) for replica in range(n_classes) for rank in range(schedule.pp)
+        ]
+        # GPU -> its compute pieces in execution order
         self.pieces: dict[tuple, list[_Piece]] = {}
-        self.streams: dict[tuple, deque] = {
-            (c, r, s): deque() for c, r in self.ranks for s in ("ag", "rs") if comm
-        }
-        self.rs_keys, self.sizes, self.tokens = dict[tuple, list](), dict[Any, float](), set[Any]()
-        self.transfers, self.order = list[Transfer](), itertools.count()
-        self.deliveries: list = []  # (time, order, callback): flows delivered after their latency, FIFO at a tie
-        # collectives finished (their streams move on), collective key -> the streams whose head it is
-        self.done_colls, self.waiting, self.busy_streams = (
-            dict[Any, Any](),
-            dict[Any, set](),
-            set[tuple](),
-        )
-        self.pos, self.running, self.started = (
-            dict.fromkeys(self.ranks, 0),
-            dict[tuple, tuple](),
-            dict[tuple, float](),
-        )
+        # (replica class, rank, "ag" | "rs") -> its queue of (collective key, ready time)
+        self.streams: dict[tuple, deque] = {}
+        if comm:
+            for replica, rank in self.ranks:
+                for kind in ("ag", "rs"):
+                    self.streams[(replica, rank, kind)] = deque()
+        # GPU -> the gradient collectives its optimizer step waits for
+        self.rs_keys: dict[tuple, list] = {}
+        # collective key -> bytes each member moves
+        self.sizes: dict[Any, float] = {}
+        # finished actions, delivered activations and gradients, finished collectives
+        self.tokens: set[Any] = set()
+        # every transfer that moved, for the trace
+        self.transfers: list[Transfer] = []
+        # tie-breaker of deliveries at the same time: first in, first delivered
+        self.order = itertools.count()
+        # (time, order, callback): flows delivered after their latency, FIFO at a tie
+        self.deliveries: list = []
+        # collectives finished this instant, collective key -> the streams whose head it is (they
+        # move on)
+        self.done_colls: dict[Any, Any] = {}
+        # collective key -> the streams that hold it at their head, waiting for the other members
+        self.waiting: dict[Any, set] = {}
+        # streams whose head collective waits or runs
+        self.busy_streams: set[tuple] = set()
+        # GPU -> index of its next piece
+        self.pos: dict[tuple, int] = dict.fromkeys(self.ranks, 0)
+        # GPU -> (end time, piece) of the piece it runs
+        self.running: dict[tuple, tuple] = {}
+        # GPU -> start time of its current action (its first piece's start)
+        self.started: dict[tuple, float] = {}
 
     def enqueue(self, stream, key, nbytes, ready: float = 0.0):
         self.streams[stream].append((key, ready))
         self.sizes[key] = nbytes
 
-    def _start(self, t: float) -> None:
-        """Start every piece whose inputs are there and every collective at the head of all its streams."""
+    def _start(self, now: float) -> None:
+        """Start every piece whose inputs are there and every collective at the head of all its
+        streams."""
         moved = True
         while moved:
             moved = False
-            for k in self.ranks:
-                idle = k not in self.running and self.pos[k] < len(self.pieces[k])
-                piece = self.pieces[k][self.pos[k]] if idle else None
-                if piece and all(n in self.tokens for n in piece.needs):
-                    self.running[k] = (t + piece.dur, piece)
-                    self.started[k] = t if piece.part == 0 else self.started[k]
-                    moved = True
-            for stream, q in self.streams.items():
-                if stream in self.busy_streams or not q or q[0][1] > t:
+            for gpu in self.ranks:
+                if gpu in self.running or self.pos[gpu] >= len(self.pieces[gpu]):
                     continue
-                key = q[0][0]
+                piece = self.pieces[gpu][self.pos[gpu]]
+                if all(token in self.tokens for token in piece.needs):
+                    self.running[gpu] = (now + piece.dur, piece)
+                    if piece.part == 0:
+                        self.started[gpu] = now
+                    moved = True
+            for stream, queue in self.streams.items():
+                if stream in self.busy_streams or not queue or queue[0][1] > now:
+                    continue
+                key = queue[0][0]
                 self.waiting.setdefault(key, set()).add(stream)
                 self.busy_streams.add(stream)
                 if len(self.waiting[key]) == self.n_classes:
-                    self._launch(key, self.waiting.pop(key), t)
+                    self._launch(key, self.waiting.pop(key), now)
                 moved = True
 
     def run(self) -> StepResult:
-        events: dict[tuple, list] = {k: [] for k in self.ranks}
-        busy, opt = (
-            dict[tuple, Any].fromkeys(self.ranks, 0),
-            dict[tuple, Any].fromkeys(self.ranks, 0),
-        )
-        t = end_time = cast(Any, 0)  # ints stay exact with whole-number costs
+        events: dict[tuple, list] = {gpu: [] for gpu in self.ranks}
+        busy = dict[tuple, Any].fromkeys(self.ranks, 0)  # compute seconds per GPU
+        optimizer = dict[tuple, Any].fromkeys(self.ranks, 0)  # optimizer seconds per GPU
+        now = end_time = cast(Any, 0)  # ints stay exact with whole-number costs
         while True:
-            self._start(t)
-            ends = [e for e, _ in self.running.values()] + [self.net.next_finish(t)]
-            nxt = min(ends + ([self.deliveries[0][0]] if self.deliveries else []))
-            if nxt == math.inf:
+            self._start(now)
+            ends = [end for end, _ in self.running.values()] + [self.net.next_finish(now)]
+            if self.deliveries:
+                ends.append(self.deliveries[0][0])
+            then = min(ends)
+            if then == math.inf:
                 break
-            for f in self.net.advance(t, nxt - t):
-                heapq.heappush(self.deliveries, (nxt + f.latency, next(self.order), f.done))
-            t = nxt
-            while self.deliveries and self.deliveries[0][0] <= t:
-                heapq.heappop(self.deliveries)[2](t)
-            for k in [k for k, (e, _) in self.running.items() if e <= t]:
-                piece = self.running.pop(k)[1]
-                a = piece.action
-                (opt if a.kind == "O" else busy)[k] += piece.dur
-                if a.kind != "O" and piece.part == piece.parts - 1:
-                    events[k].append(Event(k[1], a.stage, a.kind, a.microbatch, self.started[k], t))
-                end_time = max(end_time, t)
-                self.pos[k] += 1
-                for eff in piece.after:
-                    self._effect(k, eff, t)
+            for flow in self.net.advance(now, then - now):
+                delivery = (then + flow.latency, next(self.order), flow.done)
+                heapq.heappush(self.deliveries, delivery)
+            now = then
+            while self.deliveries and self.deliveries[0][0] <= now:
+                heapq.heappop(self.deliveries)[2](now)
+            for gpu in [gpu for gpu, (end, _) in self.running.items() if end <= now]:
+                self._finish(gpu, now, events, busy, optimizer)
+                end_time = max(end_time, now)
             for streams in self.done_colls.values():
                 for stream in streams:
                     self.streams[stream].popleft()
                     self.busy_streams.discard(stream)
             self.done_colls.clear()
-        stuck = [k for k in self.ranks if self.pos[k] < len(self.pieces[k])]
+        stuck = [gpu for gpu in self.ranks if self.pos[gpu] < len(self.pieces[gpu])]
         if stuck:
             raise RuntimeError(
                 f"simulation stalled at {stuck[0]}: {self.pieces[stuck[0]][self.pos[stuck[0]]]}"
             )
-        p = self.schedule.pp
-        rep = [events[(0, r)] for r in range(p)]
-        starts, ends = [e[0].start for e in rep if e], [e[-1].end for e in rep if e]
-        slow = [events[(1, r)] for r in range(p)] if self.n_classes > 1 else None
-        span = max(ends) - min(starts) if starts else 0.0
-        mine = [(busy[(0, r)], opt[(0, r)]) for r in range(p)]
+        pp_ranks = range(self.schedule.pp)
+        representative = [events[(0, rank)] for rank in pp_ranks]
+        starts = [rank_events[0].start for rank_events in representative if rank_events]
+        ends = [rank_events[-1].end for rank_events in representative if rank_events]
+        slow_events = None
+        if self.n_classes > 1:
+            slow_events = [events[(1, rank)] for rank in pp_ranks]
+        span = 0.0
+        if starts:
+            span = max(ends) - min(starts)
         return StepResult(
-            end_time, rep, self.transfers, [b for b, _ in mine], [o for _, o in mine], span, slow
+            step_time_s=end_time,
+            events=representative,
+            transfers=self.transfers,
+            busy_s=[busy[(0, rank)] for rank in pp_ranks],
+            optimizer_s=[optimizer[(0, rank)] for rank in pp_ranks],
+            pipeline_span_s=span,
+            slow_events=slow_events,
         )
 
-    def _effect(self, k, eff, t):
-        c, r = k
-        if eff[0] == "token":
-            self.tokens.add(eff[1])
-        elif eff[0] == "enqueue":
-            self.enqueue(eff[1], eff[2], eff[3], ready=t)
-        elif self.comm is None or eff[1] == r:
-            self.tokens.add(eff[2])
+    def _finish(self, gpu: tuple, now, events: dict, busy: dict, optimizer: dict) -> None:
+        """The piece `gpu` runs ends at `now`: count its seconds, record its action's event when it
+        is the last piece, apply its effects."""
+        piece = self.running.pop(gpu)[1]
+        action = piece.action
+        if action.kind == "O":
+            optimizer[gpu] += piece.dur
         else:
-            _, dst, token = eff
-            port, bw, latency = self.comm.p2p[(r, dst)]
-            links = (((port[0], c, r), 1.0), ((port[1], c, dst), 1.0))
-            label = f"{'act' if token[1] == 'act' else 'grad'} {token[2]}.{token[3]} to rank {dst}"
+            busy[gpu] += piece.dur
+        if action.kind != "O" and piece.part == piece.parts - 1:
+            event = Event(
+                rank=gpu[1],
+                stage=action.stage,
+                kind=action.kind,
+                microbatch=action.microbatch,
+                start=self.started[gpu],
+                end=now,
+            )
+            events[gpu].append(event)
+        self.pos[gpu] += 1
+        for effect in piece.after:
+            self._effect(gpu, effect, now)
 
-            def done(when, token=token, start=t, label=label):
+    def _effect(self, gpu, effect, now):
+        replica, rank = gpu
+        if effect[0] == "token":
+            self.tokens.add(effect[1])
+        elif effect[0] == "enqueue":
+            self.enqueue(effect[1], effect[2], effect[3], ready=now)
+        elif self.comm is None or effect[1] == rank:
+            self.tokens.add(effect[2])
+        else:
+            _, dst, token = effect
+            port, bandwidth, latency = self.comm.p2p[(rank, dst)]
+            links = (((port[0], replica, rank), 1.0), ((port[1], replica, dst), 1.0))
+            what = "grad"
+            if token[1] == "act":
+                what = "act"
+            label = f"{what} {token[2]}.{token[3]} to rank {dst}"
+
+            def done(when, token=token, start=now, label=label):
                 self.tokens.add(token)
-                self.transfers.append(Transfer(c, r, "pp", label, start, when))
+                transfer = Transfer(
+                    replica=replica, rank=rank, kind="pp", name=label, start=start, end=when
+                )
+                self.transfers.append(transfer)
 
-            self.net.add(Flow(self.comm.p2p_bytes, links, bw, latency, done), t)
+            flow = Flow(
+                size=self.comm.p2p_bytes, links=links, cap=bandwidth, latency=latency, done=done
+            )
+            self.net.add(flow, now)
 
-    def _launch(self, key, streams, t):
-        """Every participant has the collective at the head of its stream: move its bytes (a ring over the
-        DP group; alone it takes exactly the planner's collective_time)."""
+    def _launch(self, key, streams, now):
+        """Every participant has the collective at the head of its stream: move its bytes (a ring
+        over the DP group; alone it takes exactly the planner's collective_time). Each GPU moves
+        bus_factor × bytes; the latency is what collective_time adds beyond volume / bandwidth."""
         comm = self.comm
         assert comm is not None
         op = {"ag": "all_gather", "rs": "reduce_scatter", "ar": "all_reduce"}[key[0]]
-        nbytes, n = self.sizes[key], comm.dp_group.size
-        volume = bus_factor(op, n) * nbytes
-        latency = max(
-            0.0, collective_time(op, nbytes, comm.dp_group, comm.cluster) - volume / comm.dp_bw
-        )
+        nbytes = self.sizes[key]
+        members = comm.dp_group.size
+        volume = bus_factor(op, members) * nbytes
+        ring_s = collective_time(op, nbytes, comm.dp_group, comm.cluster)
+        latency = max(0.0, ring_s - volume / comm.dp_bw)
         pending = {"n": len(streams)}
         name = f"{op} stage {key[1]} layer {key[-1]}"
 
         def done(when, stream):
-            self.transfers.append(Transfer(stream[0], stream[1], key[0], name, t, when))
+            transfer = Transfer(
+                replica=stream[0], rank=stream[1], kind=key[0], name=name, start=now, end=when
+            )
+            self.transfers.append(transfer)
             pending["n"] -= 1
             if pending["n"] == 0:
-                for s in streams:
-                    self.tokens.add((s[0], "coll", key))
+                for member in streams:
+                    self.tokens.add((member[0], "coll", key))
                 self.done_colls[key] = streams
 
         for stream in streams:
             links = tuple(((port, stream[0], stream[1]), share) for port, share in comm.dp_links)
-            self.net.add(
-                Flow(volume, links, comm.dp_bw, latency, lambda when, s=stream: done(when, s)), t
+            flow = Flow(
+                size=volume,
+                links=links,
+                cap=comm.dp_bw,
+                latency=latency,
+                done=lambda when, member=stream: done(when, member),
             )
+            self.net.add(flow, now)
 
 
 def simulate_step(
     job: Job, comm: bool = True, slow_gpu: tuple[int, float] | None = None, throttle: float = 1.0
 ):
-    """One step of `job` (a StepResult). `slow_gpu = (global rank, factor)`: that GPU, and with it its TP/CP
-    group, computes factor× slower; `throttle` ≥ 1 slows every GPU alike."""
+    """One step of `job` (a StepResult). `slow_gpu = (global rank, factor)`: that GPU, and with it
+    its TP/CP group, computes factor× slower; `throttle` ≥ 1 slows every GPU alike."""
     lay, par = job.layout, job.par
     if job.pipeline_comm != "overlapped":
         raise FourdError(
-            "the step simulator runs overlapped pipeline communication only; the planner models blocking"
+            "the step simulator runs overlapped pipeline communication only; the "
+            "planner models blocking"
         )
-    layers = [max(1, n) for n in stage_layers(job.model.layers, lay.pp, par.virtual_stages)]
-    _check_size(
-        par.microbatches * sum(layers) * (3 if par.schedule == "zero-bubble" else 2)
-    )  # before building
+    layers = [max(1, count) for count in stage_layers(job.model.layers, lay.pp, par.virtual_stages)]
+    # before building: F and B per layer and microbatch, or F, I and W with zero bubble
+    kinds = 2
+    if par.schedule == "zero-bubble":
+        kinds = 3
+    _check_size(par.microbatches * sum(layers) * kinds)
     schedule = build_schedule(par.schedule, lay.pp, par.microbatches, par.virtual_stages)
-    costs = [{k: t * throttle for k, t in c.items()} for c in stage_costs(job, comm)]
-    g, factor = slow_gpu or (0, 1.0)
-    if not (0 <= g < lay.world and 0 < factor < math.inf):
+    costs = [
+        {kind: seconds * throttle for kind, seconds in stage_cost.items()}
+        for stage_cost in stage_costs(job, comm)
+    ]
+    gpu, factor = slow_gpu or (0, 1.0)
+    if not (0 <= gpu < lay.world and 0 < factor < math.inf):
         raise FourdError(
-            f"slow GPU {g}:{factor}: give a rank in 0..{lay.world - 1} of layout {lay} and a factor > 0"
+            f"slow GPU {gpu}:{factor}: give a rank in 0..{lay.world - 1} of layout "
+            f"{lay} and a factor > 0"
         )
-    slow = None if slow_gpu is None else (lay.coords(g)["pp"], factor)
-    net = build_comm(job) if comm else None
-    params, owned = stage_params_on_gpu(job), shard_group(lay).size if par.zero >= 1 else 1
+    slow = None
+    if slow_gpu is not None:
+        slow = (lay.coords(gpu)["pp"], factor)
+    net = None
+    if comm:
+        net = build_comm(job)
+    params = stage_params_on_gpu(job)
+    owned = 1  # ZeRO 0 keeps the whole optimizer state on every replica
+    if par.zero >= 1:
+        owned = shard_group(lay).size
     optimizer = [
         optimizer_time(
-            sum(params[s] for s in schedule.stages_of_rank(r)) / owned, job.cluster, job.dtype_bytes
+            sum(params[stage] for stage in schedule.stages_of_rank(rank)) / owned,
+            job.cluster,
+            job.dtype_bytes,
         )
         * throttle
-        for r in range(lay.pp)
+        for rank in range(lay.pp)
     ]
     return simulate(
         schedule, costs, layers=layers, comm=net, optimizer_s=optimizer, slow=slow, dp=lay.dp
@@ -432,14 +630,19 @@ def simulate_step(
 
 
 def timeline(schedule: Schedule, costs: dict | list[dict] | None = None) -> list[list[Event]]:
-    """Per-rank timed events in execution order, times from 0, transfers free (the lab's pipeline bench):
-    `costs` seconds by kind (UNIT, the default), or a list of such dicts, one per stage."""
-    return simulate(
-        schedule, costs if isinstance(costs, list) else [costs or UNIT] * schedule.stages
-    ).events
+    """Per-rank timed events in execution order, times from 0, transfers free (the lab's pipeline
+    bench): `costs` seconds by kind (UNIT, the default), or a list of such dicts, one per stage."""
+    if not isinstance(costs, list):
+        costs = [costs or UNIT] * schedule.stages
+    return simulate(schedule, costs).events
 
 
 def idle_fractions(events: list[list[Event]]) -> tuple[float, list[float]]:
-    """The step time (first start to last end over all ranks) and each rank's idle share of it."""
-    step = max(e[-1].end for e in events if e) - min(e[0].start for e in events if e)
-    return step, [(step - sum(x.end - x.start for x in e)) / step for e in events]
+    """The step time (first start to last end over all ranks) and each rank's idle share of it:
+    (step - busy) / step."""
+    last_end = max(rank_events[-1].end for rank_events in events if rank_events)
+    first_start = min(rank_events[0].start for rank_events in events if rank_events)
+    step = last_end - first_start
+    return step, [
+        (step - sum(x.end - x.start for x in rank_events)) / step for rank_events in events
+    ]

@@ -1,5 +1,6 @@
-"""Chrome trace JSON (Perfetto, chrome://tracing), the one writer of fourd's traces: a simulated step has one
-process per class of replica (all alike, a straggler's) and per pipeline rank a compute and a sends track."""
+"""Chrome trace JSON (Perfetto, chrome://tracing), the one writer of fourd's traces: a simulated
+step has one process per class of replica (all alike, a straggler's) and per pipeline rank a compute
+and a sends track."""
 
 from __future__ import annotations
 
@@ -23,47 +24,57 @@ def span(pid: int, tid: int, name: str, cat: str, start_s: float, dur_s: float, 
         "ts": start_s * 1e6,
         "dur": dur_s * 1e6,
     }
-    return {**out, "args": args} if args else out
+    if args:
+        out["args"] = args
+    return out
 
 
 def label(pid: int, tid: int | None, name: str) -> dict:
     """A process name (tid None) or a thread name."""
-    kind = (
-        {"name": "process_name", "pid": pid}
-        if tid is None
-        else {"name": "thread_name", "pid": pid, "tid": tid}
-    )
+    if tid is None:
+        kind = {"name": "process_name", "pid": pid}
+    else:
+        kind = {"name": "thread_name", "pid": pid, "tid": tid}
     return {"ph": "M", **kind, "args": {"name": name}}
 
 
 def chrome_trace(result: StepResult) -> dict:
+    """Process 0 the replicas that stand for all, process 1 the straggler's; thread 2·rank a rank's
+    compute, 2·rank + 1 its sends."""
     out = []
-    classes = [(0, result.events)] + ([(1, result.slow_events)] if result.slow_events else [])
-    for pid, events in classes:
-        out.append(
-            label(pid, None, "replicas (all alike)" if pid == 0 else "the straggler's replica")
-        )
-        for r, evs in enumerate(events):
+    classes = [(0, result.events, "replicas (all alike)")]
+    if result.slow_events:
+        classes.append((1, result.slow_events, "the straggler's replica"))
+    for pid, events, name in classes:
+        out.append(label(pid, None, name))
+        for rank, rank_events in enumerate(events):
             out += [
-                label(pid, 2 * r, f"rank {r} compute"),
-                label(pid, 2 * r + 1, f"rank {r} sends"),
+                label(pid, 2 * rank, f"rank {rank} compute"),
+                label(pid, 2 * rank + 1, f"rank {rank} sends"),
             ]
             out += [
                 span(
                     pid,
-                    2 * r,
-                    f"{e.kind}{e.stage}.{e.microbatch}",
-                    NAMES[e.kind],
-                    e.start,
-                    e.end - e.start,
-                    stage=e.stage,
-                    microbatch=e.microbatch,
+                    2 * rank,
+                    f"{event.kind}{event.stage}.{event.microbatch}",
+                    NAMES[event.kind],
+                    event.start,
+                    event.end - event.start,
+                    stage=event.stage,
+                    microbatch=event.microbatch,
                 )
-                for e in evs
+                for event in rank_events
             ]
     out += [
-        span(t.replica, 2 * t.rank + 1, t.name, t.kind, t.start, t.end - t.start)
-        for t in result.transfers
+        span(
+            transfer.replica,
+            2 * transfer.rank + 1,
+            transfer.name,
+            transfer.kind,
+            transfer.start,
+            transfer.end - transfer.start,
+        )
+        for transfer in result.transfers
     ]
     return document(out)
 
@@ -74,8 +85,11 @@ def document(events: list[dict]) -> dict:
 
 
 def write_trace(result: StepResult | dict, path: str | Path) -> None:
-    """Write a step's trace (or a ready trace document) atomically: a reader never sees half a file."""
+    """Write a step's trace (or a ready trace document) atomically: a reader never sees half a
+    file."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(result if isinstance(result, dict) else chrome_trace(result)))
+    if not isinstance(result, dict):
+        result = chrome_trace(result)
+    tmp.write_text(json.dumps(result))
     os.replace(tmp, path)
