@@ -148,6 +148,18 @@ def _choose(run: Run, name: str, allowed) -> None:
         )
 
 
+def _check_first_prediction(run: Run, source: Source) -> None:
+    """A first prediction is recorded on held-out usable rows of a source that says when it was made."""
+    what = f"runs.toml run {run.id!r}"
+    if run.first_prediction_s and (run.fit or run.excluded):
+        raise FourdError(f"{what}: a first prediction is recorded on held-out usable rows only")
+    if run.first_prediction_s and not source.first_prediction:
+        raise FourdError(
+            f"{what}: first_prediction_s needs the source's first_prediction "
+            '("YYYY-MM-DD, commit abcdef0")'
+        )
+
+
 def _check_run(run: Run, sources: dict[str, Source]) -> None:
     what = f"runs.toml run {run.id!r}"
     if run.source not in sources:
@@ -166,13 +178,7 @@ def _check_run(run: Run, sources: dict[str, Source]) -> None:
         _choose(run, name, allowed)
     _choose(run, "memory_kind", MEMORY_KINDS if run.memory_gib else ("",))
     _choose(run, "stack", STACKS if run.stack or run.first_prediction_s else ("",))
-    if run.first_prediction_s and (run.fit or run.excluded):
-        raise FourdError(f"{what}: a first prediction is recorded on held-out usable rows only")
-    if run.first_prediction_s and not sources[run.source].first_prediction:
-        raise FourdError(
-            f"{what}: first_prediction_s needs the source's first_prediction "
-            '("YYYY-MM-DD, commit abcdef0")'
-        )
+    _check_first_prediction(run, sources[run.source])
     bad = set(run.unstated) - {f.name for f in fields(Run)}
     if bad:
         raise FourdError(f"{what}: unstated names unknown settings {sorted(bad)}")
