@@ -32,6 +32,7 @@ from validation.runs import Run, load  # noqa: E402
 
 from fourd.plan import block, kernels, memory, perf, request  # noqa: E402
 from fourd.plan.cluster import Cluster, load_cluster  # noqa: E402
+from fourd.plan.stack import load_stack  # noqa: E402
 
 GIB = 2**30
 DOCS = ROOT / "docs" / "planner.md"
@@ -81,7 +82,12 @@ def recompute(run: Run) -> str:
 def predict(run: Run, efficiency: dict[str, float] | None = None):
     """fourd's plan for a row: its settings pinned, the rest the planner's fastest."""
     lay = run.parsed_layout
+    # a row's `compiled` is torch.compile; a stack with fused kernels of its own fuses without it
+    compiled: bool | None = run.compiled
+    if not run.compiled and load_stack(run.stack).elementwise == "fused":
+        compiled = None
     values = {
+        "stack": run.stack,
         "layout": lay,
         "gpus": run.gpus,
         "seq": run.seq,
@@ -91,7 +97,7 @@ def predict(run: Run, efficiency: dict[str, float] | None = None):
         "recompute": recompute(run),
         "precision": run.precision,
         "sequence_parallel": run.sequence_parallel,
-        "compiled": run.compiled,
+        "compiled": compiled,
         "hsdp_replicas": run.hsdp_replicas,
         "attention": "materialized" if run.attention_kernel == "materialized" else "flash",
         "pipeline_comm": run.pipeline_comm,

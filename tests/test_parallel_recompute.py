@@ -25,11 +25,11 @@ CFG = get_preset("debug")
 def _planned(cfg, mode):
     """The planner's bytes per token per layer of one rank, FP32, no parallelism."""
     job = Job(
-        cfg,
-        load_cluster("llama3-h100"),
-        Parallelism(Layout(), recompute=mode),
-        64,
-        2,
+        model=cfg,
+        cluster=load_cluster("llama3-h100"),
+        par=Parallelism(Layout(), recompute=mode),
+        seq=64,
+        global_seqs=2,
         precision="fp32",
     )
     return traffic(job.work).saved  # what one layer keeps for backward per token

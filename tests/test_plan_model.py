@@ -44,9 +44,8 @@ TABLE4 = [
 
 def job(model, cluster, layout, seq, global_seqs, *settings, sp=True):
     """A Job with Parallelism(layout, schedule, microbatches, virtual_stages, zero, recompute) from `settings`."""
-    return Job(
-        model, cluster, Parallelism(layout, *settings, sequence_parallel=sp), seq, global_seqs
-    )
+    par = Parallelism(layout, *settings, sequence_parallel=sp)
+    return Job(model=model, cluster=cluster, par=par, seq=seq, global_seqs=global_seqs)
 
 
 def _table4(layout, seq):
@@ -173,7 +172,9 @@ cross_pod_oversubscription = 7.0
 
 
 def test_bubble_per_schedule():
-    t = StageTime(1.0, 1.0, 1.0, 0.0, 0.0)
+    t = StageTime(
+        forward_s=1.0, input_grad_s=1.0, weight_grad_s=1.0, forward_comm_s=0.0, backward_comm_s=0.0
+    )
     assert bubble_time("gpipe", 4, 8, 1, t) == 9.0
     assert bubble_time("1f1b", 4, 8, 1, t) == 9.0
     assert bubble_time("interleaved", 4, 8, 3, t) == 3.0
@@ -189,7 +190,11 @@ def test_interleaved_bubble_is_exact_for_every_microbatch_count_fewer_than_p_inc
             for m in range(1, 2 * p + 2):
                 r = simulate(build_schedule("interleaved", p, m, v), [{"F": 1, "B": 2}] * (p * v))
                 whole = StageTime(
-                    Fraction(v), Fraction(2 * v), Fraction(0), Fraction(0), Fraction(0)
+                    forward_s=Fraction(v),
+                    input_grad_s=Fraction(2 * v),
+                    weight_grad_s=Fraction(0),
+                    forward_comm_s=Fraction(0),
+                    backward_comm_s=Fraction(0),
                 )
                 assert r.step_time_s - 3 * v * m == bubble_time("interleaved", p, m, v, whole), (
                     p,

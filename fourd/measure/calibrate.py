@@ -159,9 +159,15 @@ def elementwise_rate(device: str = "cpu", tokens: int = 4096, seconds: float = 0
     grads = [torch.randn_like(t) for t in forward()]
     total = best_seconds(lambda: torch.autograd.backward(forward(), grads), seconds, device)
     precision = "bf16" if device == "cuda" else "fp32"
-    t = traffic(
-        Job(cfg, load_cluster("dgx-h100"), Parallelism(Layout(dp=2)), seq, 2, precision).work
+    job = Job(
+        model=cfg,
+        cluster=load_cluster("dgx-h100"),
+        par=Parallelism(Layout(dp=2)),
+        seq=seq,
+        global_seqs=2,
+        precision=precision,
     )
+    t = traffic(job.work)
     return tokens * (t.forward + t.backward) / total / 1e9
 
 

@@ -57,6 +57,8 @@ class GPU:
         None  # fused attention kernels; None: as GEMMs of that shape
     )
     attention_bwd_efficiency: float | None = None
+    fa3_fwd_efficiency: float | None = None  # FlashAttention 3 / cuDNN on Hopper; None: as FA2
+    fa3_bwd_efficiency: float | None = None
     memory_reserve_gb: float = 0.0  # the runtime's own: CUDA context, NCCL's buffers
     gemm: tuple[GemmSample, ...] = ()  # measured square GEMMs
     gemm_shapes: tuple[
@@ -125,21 +127,32 @@ def preset_names() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
 
 
-def _find(name_or_path: str) -> Path:
+def find_toml(kind: str, name_or_path: str, preset_dir: Path, hint: str = "") -> Path:
+    """The TOML file of a `kind` ("cluster", "stack") called `name_or_path`: a path as given, else the
+    user's $FOURD_HOME/<kind>s/NAME.toml, else the preset; FourdError naming the choices otherwise."""
     if name_or_path.endswith(".toml") or os.sep in name_or_path:
         if not Path(name_or_path).is_file():
             raise FourdError(
-                f"cluster {name_or_path}: no such file; give a preset name or a path to a .toml profile"
+                f"{kind} {name_or_path}: no such file; give a preset name or a path to a .toml {kind}"
             )
         return Path(name_or_path)
-    for folder in (fourd_home() / "clusters", PRESET_DIR):
+    user_dir = fourd_home() / f"{kind}s"
+    for folder in (user_dir, preset_dir):
         if (folder / f"{name_or_path}.toml").is_file():
             return folder / f"{name_or_path}.toml"
-    hint = " (run `fourd calibrate` to write it)" if name_or_path == "local" else ""
+    names = sorted(p.stem for p in preset_dir.glob("*.toml"))
+    hint = hint or did_you_mean(name_or_path, names)
     raise FourdError(
-        f"unknown cluster {name_or_path!r}{hint or did_you_mean(name_or_path, preset_names())}: choose one of "
-        f"{', '.join(preset_names())}, a profile in {fourd_home() / 'clusters'}, or a path to a .toml file"
+        f"unknown {kind} {name_or_path!r}{hint}: choose one of {', '.join(names)}, "
+        f"a {kind} in {user_dir}, or a path to a .toml file"
     )
+
+
+def _find(name_or_path: str) -> Path:
+    hint = ""
+    if name_or_path == "local":
+        hint = " (run `fourd calibrate` to write it)"
+    return find_toml("cluster", name_or_path, PRESET_DIR, hint)
 
 
 # Numbers that may be zero (every other one must be above zero), each of its field's type.

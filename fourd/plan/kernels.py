@@ -58,9 +58,20 @@ def _interpolate(samples: Sequence[tuple[Sequence[float], float]], point: Sequen
 
 
 @lru_cache(maxsize=65536)
-def gemm_time(m: int, n: int, k: int, cluster: Cluster, dtype_bytes: int = 2) -> float:
+def gemm_time(
+    m: int,
+    n: int,
+    k: int,
+    cluster: Cluster,
+    dtype_bytes: int = 2,
+    launch_s: float = KERNEL_LAUNCH_S,
+) -> float:
     """Seconds for one (m×k)·(k×n) GEMM: measured samples if the profile has them, else the slower of the
-    sustained rate cut by wave quantization and each tile's prologue, and the three matrices' bytes over HBM."""
+    sustained rate cut by wave quantization and each tile's prologue, and the three matrices' bytes over HBM,
+    plus `launch_s` on a GPU (the stack's launch gap: none under CUDA graphs).
+
+        compute = 2·m·n·k / (peak · gemm_efficiency · waves(m, n) · k / (k + GEMM_K_OVERHEAD))
+        memory  = dtype_bytes · (m·k + k·n + m·n) / (HBM bandwidth · HBM_EFFICIENCY)"""
     gpu = cluster.gpu
     flops = 2.0 * m * n * k
     if gpu.gemm_shapes:
@@ -74,7 +85,9 @@ def gemm_time(m: int, n: int, k: int, cluster: Cluster, dtype_bytes: int = 2) ->
     util = _wave_utilization(m, n, gpu.sms) * k / (k + GEMM_K_OVERHEAD) if gpu.sms else 1.0
     compute = flops / (gpu.peak_tflops * 1e12 * gpu.gemm_efficiency * util)
     memory = dtype_bytes * (m * k + k * n + m * n) / (gpu.hbm_bw_gbps * HBM_EFFICIENCY * 1e9)
-    return max(compute, memory) + (KERNEL_LAUNCH_S if gpu.sms else 0.0)
+    if not gpu.sms:  # a CPU: no launch gap
+        return max(compute, memory)
+    return max(compute, memory) + launch_s
 
 
 def elementwise_time(nbytes: float, cluster: Cluster) -> float:
@@ -88,39 +101,54 @@ def optimizer_time(params: float, cluster: Cluster, dtype_bytes: int = 2) -> flo
     return params * ADAM_BYTES[dtype_bytes] / (rate * 1e9)
 
 
+def _measured_attention(
+    kv_len: int, head_dim: int, causal: bool, cluster: Cluster
+) -> tuple[float, float]:
+    """(forward, backward) FLOP/s of the profile's measured attention at (kv_len, head_dim); not causal, the
+    explicit-mask kernel's rates where every sample has them."""
+    samples = cluster.gpu.attention
+    masked = not causal and all(s.masked_fwd_tflops and s.masked_bwd_tflops for s in samples)
+    rates = []
+    for direction in ("fwd", "bwd"):
+        name = f"masked_{direction}_tflops" if masked else f"{direction}_tflops"
+        points = [((s.seq, s.head_dim), float(getattr(s, name) or 0)) for s in samples]
+        rates.append(_interpolate(points, (kv_len, head_dim)) * 1e12)
+    return rates[0], rates[1]
+
+
 def attention_time(
-    q_tokens: int, kv_len: int, heads: int, head_dim: int, cluster: Cluster, causal: bool = True
+    q_tokens: int,
+    kv_len: int,
+    heads: int,
+    head_dim: int,
+    cluster: Cluster,
+    causal: bool = True,
+    kernel: str = "fa2",
 ) -> tuple[float, float]:
     """(forward, backward) seconds of fused attention, q_tokens queries per head against kv_len keys (causal:
-    half the pairs; measured rates win, non-causal ones there from the explicit-mask kernel)."""
+    half the pairs; measured rates win, non-causal ones there from the explicit-mask kernel). `kernel` "fa3"
+    takes the profile's FlashAttention-3 efficiencies where it has them (Hopper), else FlashAttention 2's.
+
+        forward FLOPs = 4 · pairs · head_dim · heads, backward FA_BACKWARD_FLOPS times that, at
+        peak · efficiency · kv_len / (kv_len + FA_HALF_LENGTH)"""
     gpu = cluster.gpu
     pairs = q_tokens * kv_len * (0.5 if causal else 1.0)
     fwd_flops = 4.0 * pairs * head_dim * heads
+    bwd_flops = fwd_flops * FA_BACKWARD_FLOPS
     if gpu.attention:
-        masked = not causal and all(
-            s.masked_fwd_tflops and s.masked_bwd_tflops for s in gpu.attention
-        )
-        rate = [
-            _interpolate(
-                [
-                    ((s.seq, s.head_dim), float(getattr(s, ("masked_" * masked) + name) or 0))
-                    for s in gpu.attention
-                ],
-                (kv_len, head_dim),
-            )
-            * 1e12
-            for name in ("fwd_tflops", "bwd_tflops")
-        ]
-        return fwd_flops / rate[0], fwd_flops * FA_BACKWARD_FLOPS / rate[1]
+        fwd_rate, bwd_rate = _measured_attention(kv_len, head_dim, causal, cluster)
+        return fwd_flops / fwd_rate, bwd_flops / bwd_rate
     if gpu.attention_fwd_efficiency is None:
         # No fused-kernel figure: two batched matmuls, at the measured GEMM rate.
         per_head = gemm_time(q_tokens, kv_len, head_dim, cluster) * 2 * (0.5 if causal else 1.0)
         return per_head * heads, per_head * heads * FA_BACKWARD_FLOPS
+    fwd_eff = gpu.attention_fwd_efficiency
+    bwd_eff = gpu.attention_bwd_efficiency or fwd_eff
+    if kernel == "fa3" and gpu.fa3_fwd_efficiency:
+        fwd_eff = gpu.fa3_fwd_efficiency
+        bwd_eff = gpu.fa3_bwd_efficiency or fwd_eff
     peak = gpu.peak_tflops * 1e12 * kv_len / (kv_len + FA_HALF_LENGTH)
-    bwd_eff = gpu.attention_bwd_efficiency or gpu.attention_fwd_efficiency
-    return fwd_flops / (peak * gpu.attention_fwd_efficiency), fwd_flops * FA_BACKWARD_FLOPS / (
-        peak * bwd_eff
-    )
+    return fwd_flops / (peak * fwd_eff), bwd_flops / (peak * bwd_eff)
 
 
 # ---- collectives: nccl-tests conventions, the one table of fourd --------------------------------------

@@ -82,7 +82,8 @@ def plan_report(plan: Plan, train_tokens: float | None = None) -> str:
     c, s, mem, cl = plan.config, plan.step, plan.memory, plan.cluster
     sched = c.schedule + (f" V={c.virtual_stages}" if c.schedule == "interleaved" else "")
     out = [
-        f"fourd plan: {plan.gpus:,} × {cl.gpu.name} ({cl.name}, {(plan.job.precision or cl.dtype).upper()}), model with "
+        f"fourd plan: {plan.gpus:,} × {cl.gpu.name} ({cl.name}, {(plan.job.precision or cl.dtype).upper()}), "
+        f"stack {plan.job.stack.name}, model with "
         f"{si(plan.model.params())} parameters, {plan.seq:,}-token sequences, {plan.global_seqs * plan.seq:,} "
         f"tokens per step",
         f"  {c.layout} · {sched} · {plural(c.microbatches, 'microbatch')} of {plan.micro_seqs} × {plan.seq:,} tokens · ZeRO "

@@ -17,6 +17,7 @@ from fourd.model.config import ModelConfig, get_preset, parse_model_spec
 from fourd.plan.cluster import Cluster, load_cluster
 from fourd.plan.job import ATTENTION, PIPELINE_COMM, Job
 from fourd.plan.search import OPEN, Plan, search
+from fourd.plan.stack import DEFAULT_STACK, load_stack
 from fourd.schedules import SCHEDULES, check_stages
 
 DEFAULT_MODEL = "llama3-405b"
@@ -112,15 +113,20 @@ SETTINGS: dict[str, tuple[Any, str]] = {
     "precision": (choice(PRECISIONS), "training precision (default: the cluster profile's)"),
     "compiled": (
         on_off,
-        "the blocks torch.compile'd (default: the planner's choice, on; on a CPU profile off)",
+        "the blocks fused or compiled (default: the stack's; fourd's the planner's choice, on; "
+        "on a CPU profile off)",
     ),
     "attention": (
         choice(ATTENTION),
-        "flash (fused, default) or materialized (s x s scores, Megatron 2021-22)",
+        "flash (fused) or materialized (s x s scores, Megatron 2021-22) (default: the stack's)",
     ),
     "pipeline_comm": (
         choice(PIPELINE_COMM),
-        "overlapped (default) or blocking (DeepSpeed's pipeline engine)",
+        "overlapped or blocking (DeepSpeed's pipeline engine) (default: the stack's)",
+    ),
+    "stack": (
+        load_stack,
+        f"software stack: a preset in fourd/plan/stacks/ or a .toml path (default {DEFAULT_STACK})",
     ),
     "train_tokens": (count, "token budget of the whole run, e.g. 15.6T, for training_days"),
     "global_seqs": (bounded(int, 1, 1 << 40), ""),  # the trainer's exact batch, in sequences
@@ -232,6 +238,19 @@ def _even_batch(seqs: int, parts: int) -> int:
     return even
 
 
+def _compiled(given: bool | None, stack, cluster: Cluster) -> tuple[bool, bool]:
+    """(whether the blocks run fused, whether that was the planner's choice): as given; else a CPU profile
+    predicts `fourd train`, which runs eager; fourd's own stack compiles on GPUs (the planner's choice, as
+    it is the user's in `fourd train`); other stacks run their own kernels (`elementwise`)."""
+    if given is not None:
+        return given, False
+    if cluster.cpu:
+        return False, False
+    if stack.name == DEFAULT_STACK:
+        return True, True
+    return stack.compiled, False
+
+
 def resolve(model: ModelConfig, cluster: Cluster, values: Mapping[str, Any]) -> Request:
     """The one resolver: `values` names any of SETTINGS (text or typed; None or absent: open or defaulted)."""
     v = _values(values)
@@ -264,32 +283,35 @@ def resolve(model: ModelConfig, cluster: Cluster, values: Mapping[str, Any]) -> 
     if (
         layout is not None
     ):  # name what is wrong with the user's own settings before searching the rest
-        zero = 3 * (fixed["hsdp_replicas"] > 1) if fixed["zero"] is None else fixed["zero"]
+        zero = fixed["zero"]
+        if zero is None:
+            zero = 3 if fixed["hsdp_replicas"] > 1 else 0
         mine = Parallelism(
-            layout,
-            schedule or "1f1b",
-            fixed["microbatches"] or 1,
-            fixed["virtual_stages"] or 1,
-            zero,
-            fixed["recompute"] or "none",
-            sp,
-            fixed["hsdp_replicas"],
+            layout=layout,
+            schedule=schedule or "1f1b",
+            microbatches=fixed["microbatches"] or 1,
+            virtual_stages=fixed["virtual_stages"] or 1,
+            zero=zero,
+            recompute=fixed["recompute"] or "none",
+            sequence_parallel=sp,
+            hsdp_replicas=fixed["hsdp_replicas"],
         )
         layout_check(model, mine, seq, global_seqs)
-    # compiled blocks are faster and keep less; a CPU profile predicts fourd train, which runs eager
-    compiled = (not cluster.cpu) if v["compiled"] is None else v["compiled"]
-    open_ += ("compile",) * (v["compiled"] is None and not cluster.cpu)
-    attention, comm = v["attention"] or "flash", v["pipeline_comm"] or "overlapped"
+    stack = v["stack"] or load_stack(DEFAULT_STACK)
+    compiled, planner_compiles = _compiled(v["compiled"], stack, cluster)
+    if planner_compiles:
+        open_ += ("compile",)
     base = Job(
-        model,
-        cluster,
-        Parallelism(Layout()),
-        seq,
-        global_seqs,
-        v["precision"],
-        compiled,
-        attention,
-        comm,
+        model=model,
+        cluster=cluster,
+        par=Parallelism(layout=Layout()),
+        seq=seq,
+        global_seqs=global_seqs,
+        precision=v["precision"],
+        compiled=compiled,
+        attention=v["attention"] or stack.attention,
+        pipeline_comm=v["pipeline_comm"] or stack.pipeline_comm,
+        stack=stack,
     )
     return Request(base, gpus, fixed, open_, v["train_tokens"])
 
@@ -329,4 +351,5 @@ def rank_peak_memory_gb(
 
     cluster = load_cluster(cluster) if isinstance(cluster, str) else cluster
     layout_check(model, par, seq, global_seqs)
-    return peak_memory(Job(model, cluster, par, seq, global_seqs))[1].held / GB
+    job = Job(model=model, cluster=cluster, par=par, seq=seq, global_seqs=global_seqs)
+    return peak_memory(job)[1].held / GB

@@ -71,6 +71,7 @@ class Plan:
     def to_json(self, train_tokens: float | None = None) -> dict:
         c, s, lay, job = self.config, self.step, self.config.layout, self.job
         out = {"model": self.model.to_dict(), "cluster": self.cluster.name, "gpus": self.gpus}
+        out |= {"stack": job.stack.name}
         out |= {
             "dtype": job.precision or self.cluster.dtype,
             "compiled": job.compiled,
