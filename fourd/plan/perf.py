@@ -446,12 +446,14 @@ def step_time(job: Job) -> StepTime:
 
 
 def _p2p_critical(job: Job, pp: int, micro: int, blocking: bool) -> float:
-    """Seconds of pipeline sends on the critical path: overlapped, the 2(p − 1) of warm-up and cool-down;
-    blocking, each microbatch after the first also waits for a middle rank's four (two on a two-rank
-    pipeline): (2(p − 1) + 2 · min(2, p − 1) · (m − 1)) sends (docs/planner.md)."""
+    """Seconds of pipeline sends on the critical path: overlapped, those of warm-up and cool-down, where
+    the first microbatch crosses every boundary between the p·V stages (each on the next rank) forward and
+    the last one back: 2(p·V − 1) sends (2(p − 1) without interleaving); blocking, each microbatch after
+    the first also waits for a middle rank's four (two on a two-rank pipeline): 2 · min(2, p − 1) · (m − 1)
+    more (docs/planner.md)."""
     if pp <= 1:
         return 0.0
-    sends = 2 * (pp - 1)
+    sends = 2 * (pp * job.par.virtual_stages - 1)
     if blocking:
         sends += 2 * min(2, pp - 1) * (micro - 1)
     return sends * p2p_time(job)
