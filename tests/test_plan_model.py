@@ -20,11 +20,14 @@ from fourd.plan.cluster import (
 )
 from fourd.plan.job import Job, stage_layers
 from fourd.plan.kernels import (
-    GEMM_K_OVERHEAD,
+    GEMM_TILE_LATENCY_S,
     HBM_EFFICIENCY,
     KERNEL_LAUNCH_S,
+    TRAINING_GEMM_FACTOR,
     collective_time,
     gemm_time,
+    sustained_fraction,
+    tile_k_overhead,
 )
 from fourd.plan.memory import in_flight, max_rank_params
 from fourd.plan.perf import StageTime, bubble_time, chunk_times, layer_comm, stage_time, step_time
@@ -74,9 +77,17 @@ def test_the_drop_from_43_to_41_is_the_bubble_of_half_the_microbatches():
 
 
 def test_gemm_waves_tiles_and_roofline():
-    peak = H100.gpu.peak_tflops * 1e12 * H100.gpu.gemm_efficiency
+    # the sustained share: the published cuBLAS fraction at 700 W times the fitted training factor
+    assert sustained_fraction(H100) == pytest.approx(0.803 * TRAINING_GEMM_FACTOR)
+    # the 500 W part sustains the clock (500/700)^(1/3) of the 700 W one
+    teton = load_cluster("grand-teton-h100")
+    assert sustained_fraction(teton) == pytest.approx(sustained_fraction(H100) * (5 / 7) ** (1 / 3))
+    peak = H100.gpu.peak_tflops * 1e12 * sustained_fraction(H100)
+    # a tile's prologue and epilogue in k: the fitted latency at one SM's rate over a 128x256 tile
+    k_overhead = GEMM_TILE_LATENCY_S * peak / 132 / (2 * 128 * 256)
+    assert tile_k_overhead(H100) == pytest.approx(k_overhead)
     m, n, k = 12 * 128, 11 * 128, 8192  # 132 output tiles of 128x128: every SM busy once
-    tile = k / (k + GEMM_K_OVERHEAD)  # each tile's prologue and epilogue
+    tile = k / (k + k_overhead)
     assert gemm_time(m, n, k, H100) == pytest.approx(
         2 * m * n * k / (peak * tile) + KERNEL_LAUNCH_S
     )

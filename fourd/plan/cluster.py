@@ -52,7 +52,14 @@ class GPU:
     memory_gb: float
     hbm_bw_gbps: float
     sms: int | None = None  # streaming multiprocessors, for wave quantization; None on CPUs
-    gemm_efficiency: float = 0.7  # sustained fraction of peak on large GEMMs
+    # a large BF16 GEMM's best measured rate over the datasheet peak (published cuBLAS measurements), at
+    # the power limit it was measured under; the part's own limit sets its sustained clock
+    gemm_peak_fraction: float = 0.8
+    power_limit_w: float | None = None
+    gemm_measured_at_w: float | None = None
+    gemm_efficiency: float | None = (
+        None  # a declared sustained fraction of peak: replaces the model
+    )
     attention_fwd_efficiency: float | None = (
         None  # fused attention kernels; None: as GEMMs of that shape
     )

@@ -16,8 +16,11 @@ GPU_TILES = (
     (128, 256),
     (256, 128),
 )  # output tiles cuBLAS picks among for large BF16 GEMMs
-GEMM_K_OVERHEAD = (
-    380  # a tile's prologue and epilogue, in units of the inner dimension k: rate · k / (k + this)
+GEMM_TILE = (128, 256)  # the output tile a Hopper or Ampere BF16 GEMM runs its main loop on
+# Fitted (benchmarks/validate_planner.py --fit, the fit rows only):
+TRAINING_GEMM_FACTOR = 0.8543  # a training step's GEMMs over the same GEMM benchmarked alone
+GEMM_TILE_LATENCY_S = (
+    1.026e-05  # a tile's prologue and epilogue: the first loads and the output's store
 )
 FA_BACKWARD_FLOPS = (
     2.5  # FlashAttention's backward redoes QK^T: 5 matmuls to the forward's 2 (Dao 2023 §3.1)
@@ -27,9 +30,8 @@ ADAM_BYTES = {
     2: 30,
     4: 32,
 }  # HBM bytes per owned parameter in an Adam update (read+write states, grad, weight)
-HBM_EFFICIENCY = (
-    0.9  # memory-bound kernels stream at this share of the datasheet bandwidth (assumed)
-)
+HBM_EFFICIENCY = 0.9  # fused memory-bound kernels stream at this share of the datasheet bandwidth
+EAGER_HBM_EFFICIENCY = 0.9  # torch's eager elementwise kernels
 
 
 def _wave_utilization(m: int, n: int, sms: int) -> float:
@@ -57,6 +59,35 @@ def _interpolate(samples: Sequence[tuple[Sequence[float], float]], point: Sequen
     return sum(hits) / len(hits) if hits else total / weights
 
 
+def sustained_fraction(cluster: Cluster) -> float:
+    """The share of the datasheet peak a training step's large GEMMs sustain: the profile's declared
+    `gemm_efficiency` if it has one, else
+
+        gemm_peak_fraction · min(1, (power_limit_w / gemm_measured_at_w)^(1/3)) · TRAINING_GEMM_FACTOR
+
+    the best published cuBLAS rate over peak, the clock a lower power limit sustains (dynamic power grows
+    with f·V² and V with f, so f ∝ P^(1/3)), and the fitted share a GEMM keeps inside a training step."""
+    gpu = cluster.gpu
+    if gpu.gemm_efficiency:
+        return gpu.gemm_efficiency
+    clock = 1.0
+    if gpu.power_limit_w and gpu.gemm_measured_at_w:
+        clock = min(1.0, (gpu.power_limit_w / gpu.gemm_measured_at_w) ** (1 / 3))
+    return gpu.gemm_peak_fraction * clock * TRAINING_GEMM_FACTOR
+
+
+def tile_k_overhead(cluster: Cluster) -> float:
+    """A tile's prologue and epilogue in units of the inner dimension k: the GEMM_TILE_LATENCY_S a tile
+    spends outside its main loop, at the rate one SM runs that loop,
+
+        k_overhead = latency · (peak / SMs) / (2 · tile_m · tile_n)
+
+    so a faster SM (Hopper's 7.5 TFLOP/s to Ampere's 2.9) loses more of a short k to it."""
+    gpu = cluster.gpu
+    per_sm = gpu.peak_tflops * 1e12 * sustained_fraction(cluster) / (gpu.sms or 1)
+    return GEMM_TILE_LATENCY_S * per_sm / (2 * GEMM_TILE[0] * GEMM_TILE[1])
+
+
 @lru_cache(maxsize=65536)
 def gemm_time(
     m: int,
@@ -70,7 +101,7 @@ def gemm_time(
     sustained rate cut by wave quantization and each tile's prologue, and the three matrices' bytes over HBM,
     plus `launch_s` on a GPU (the stack's launch gap: none under CUDA graphs).
 
-        compute = 2·m·n·k / (peak · gemm_efficiency · waves(m, n) · k / (k + GEMM_K_OVERHEAD))
+        compute = 2·m·n·k / (peak · sustained_fraction · waves(m, n) · k / (k + tile_k_overhead))
         memory  = dtype_bytes · (m·k + k·n + m·n) / (HBM bandwidth · HBM_EFFICIENCY)"""
     gpu = cluster.gpu
     flops = 2.0 * m * n * k
@@ -82,17 +113,26 @@ def gemm_time(
         return flops / (
             _interpolate([((2 * s.m * s.n * s.k,), s.tflops) for s in gpu.gemm], (flops,)) * 1e12
         )
-    util = _wave_utilization(m, n, gpu.sms) * k / (k + GEMM_K_OVERHEAD) if gpu.sms else 1.0
-    compute = flops / (gpu.peak_tflops * 1e12 * gpu.gemm_efficiency * util)
+    if gpu.sms:
+        k_overhead = tile_k_overhead(cluster)
+        util = _wave_utilization(m, n, gpu.sms) * k / (k + k_overhead)
+    else:
+        util = 1.0
+    compute = flops / (gpu.peak_tflops * 1e12 * sustained_fraction(cluster) * util)
     memory = dtype_bytes * (m * k + k * n + m * n) / (gpu.hbm_bw_gbps * HBM_EFFICIENCY * 1e9)
     if not gpu.sms:  # a CPU: no launch gap
         return max(compute, memory)
     return max(compute, memory) + launch_s
 
 
-def elementwise_time(nbytes: float, cluster: Cluster) -> float:
-    """Seconds of memory-bound kernels moving `nbytes` (counted by fourd.plan.block) at HBM_EFFICIENCY, or measured."""
-    return nbytes / (cluster.gpu.elementwise_gbps or cluster.gpu.hbm_bw_gbps * HBM_EFFICIENCY) / 1e9
+def elementwise_time(nbytes: float, cluster: Cluster, fused: bool = True) -> float:
+    """Seconds of memory-bound kernels moving `nbytes` (counted by fourd.plan.block): a profile's measured
+    rate, else HBM bandwidth at HBM_EFFICIENCY for fused kernels and at EAGER_HBM_EFFICIENCY for torch's
+    one-kernel-per-op eager ones (`fused` False)."""
+    if cluster.gpu.elementwise_gbps:
+        return nbytes / cluster.gpu.elementwise_gbps / 1e9
+    efficiency = HBM_EFFICIENCY if fused else EAGER_HBM_EFFICIENCY
+    return nbytes / (cluster.gpu.hbm_bw_gbps * efficiency) / 1e9
 
 
 def optimizer_time(params: float, cluster: Cluster, dtype_bytes: int = 2) -> float:

@@ -160,8 +160,10 @@ def layer_time(work: Work) -> StageTime:
     fwd, dgrad, wgrad = layer_gemms(work)
     attn_fwd, attn_bwd = _attention(work)
     counted = traffic(work)
-    fwd += attn_fwd + elementwise_time(tokens * counted.forward, cluster)
-    dgrad += attn_bwd + elementwise_time(tokens * (counted.backward + counted.redo), cluster)
+    block_bytes_fwd = tokens * counted.forward
+    block_bytes_bwd = tokens * (counted.backward + counted.redo)
+    fwd += attn_fwd + elementwise_time(block_bytes_fwd, cluster, fused=work.compiled)
+    dgrad += attn_bwd + elementwise_time(block_bytes_bwd, cluster, fused=work.compiled)
     # the CPU time a CPU profile measured fourd's TP (DTensor) and FSDP to add per layer, a third forward
     cpu_us = 0.0
     if work.layout.tp > 1:
@@ -197,9 +199,10 @@ def _head_time(work: Work, tp_group: Group) -> StageTime:
         norm /= tp
     loss_fwd, loss_bwd, _ = loss_bytes(dtype_bytes)
     fwd = gemm_time(tokens, vocab, dim, cluster, dtype_bytes, launch)
-    fwd += elementwise_time(norm + loss_fwd * tokens * vocab, cluster)
+    # torch's (or Megatron's vocabulary-parallel) cross-entropy runs eager, one kernel per op
+    fwd += elementwise_time(norm + loss_fwd * tokens * vocab, cluster, fused=False)
     dgrad = gemm_time(tokens, dim, vocab, cluster, dtype_bytes, launch)
-    dgrad += elementwise_time(2 * norm + loss_bwd * tokens * vocab, cluster)
+    dgrad += elementwise_time(2 * norm + loss_bwd * tokens * vocab, cluster, fused=False)
     wgrad = gemm_time(dim, vocab, tokens, cluster, dtype_bytes, launch)
     act = tokens * dim * dtype_bytes
     # the vocabulary-parallel loss all-reduces max, sum and target logit; SP gathers the input first and
@@ -240,8 +243,8 @@ def _embedding_time(work: Work, tp_group: Group) -> StageTime:
     else:
         comm_fwd, comm_bwd = collective_time("all_reduce", act, tp_group, cluster), 0.0
     return StageTime(
-        forward_s=elementwise_time(act, cluster),
-        input_grad_s=elementwise_time(2 * act, cluster),
+        forward_s=elementwise_time(act, cluster, fused=False),
+        input_grad_s=elementwise_time(2 * act, cluster, fused=False),
         weight_grad_s=0.0,
         forward_comm_s=comm_fwd,
         backward_comm_s=comm_bwd,
