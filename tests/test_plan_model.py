@@ -363,7 +363,13 @@ def test_step_time_adds_up():
     j = job(L405, H100, Layout(8, 1, 16, 64), 8192, 2048, "1f1b", 32, 1, 1, "selective")
     s = step_time(j)
     assert s.step_s == pytest.approx(
-        s.compute_s + s.bubble_s + s.p2p_s + s.dp_exposed_s + s.overlap_s + s.optimizer_s
+        s.compute_s
+        + s.bubble_s
+        + s.p2p_s
+        + s.dp_exposed_s
+        + s.overlap_s
+        + s.optimizer_s
+        + s.straggler_s
     )
     assert s.bubble_s == pytest.approx(15 * (s.per_microbatch.forward + s.per_microbatch.backward))
     z3 = step_time(dataclasses.replace(j, par=dataclasses.replace(j.par, zero=3)))

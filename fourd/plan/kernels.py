@@ -1,5 +1,6 @@
-"""One kernel's time: GEMMs, attention, memory-bound work, the optimizer update, collectives. Seconds, bytes,
-FLOP/s; a profile's measured samples (`fourd calibrate`) win over the models; docs/planner.md sources each figure."""
+"""One kernel's time: GEMMs, attention, memory-bound work, the optimizer update, collectives.
+Seconds, bytes, FLOP/s; a profile's measured samples (`fourd calibrate`) win over the models;
+docs/planner.md sources each figure."""
 
 from __future__ import annotations
 
@@ -17,11 +18,11 @@ GPU_TILES = (
     (256, 128),
 )  # output tiles cuBLAS picks among for large BF16 GEMMs
 GEMM_TILE = (128, 256)  # the output tile a Hopper or Ampere BF16 GEMM runs its main loop on
-# Fitted (benchmarks/validate_planner.py --fit, the fit rows only):
-TRAINING_GEMM_FACTOR = 0.8543  # a training step's GEMMs over the same GEMM benchmarked alone
-GEMM_TILE_LATENCY_S = (
-    1.026e-05  # a tile's prologue and epilogue: the first loads and the output's store
-)
+# Fitted (benchmarks/validate_planner.py --fit, the fit rows only): a training step's GEMMs over the
+# same GEMM benchmarked alone
+TRAINING_GEMM_FACTOR = 0.8958
+# a tile's prologue and epilogue, seconds: the first loads and the output's store
+GEMM_TILE_LATENCY_S = 9.707e-06
 FA_BACKWARD_FLOPS = (
     2.5  # FlashAttention's backward redoes QK^T: 5 matmuls to the forward's 2 (Dao 2023 §3.1)
 )
@@ -35,8 +36,8 @@ EAGER_HBM_EFFICIENCY = 0.9  # torch's eager elementwise kernels
 
 
 def _wave_utilization(m: int, n: int, sms: int) -> float:
-    """Fraction of the SMs doing useful work when an m×n output is cut into tiles run in waves: the output's
-    share of the tiles of all the waves, for the best tile."""
+    """Fraction of the SMs doing useful work when an m×n output is cut into tiles run in waves: the
+    output's share of the tiles of all the waves, for the best tile."""
     return max(
         m * n / (tm * tn * sms * math.ceil(math.ceil(m / tm) * math.ceil(n / tn) / sms))
         for tm, tn in GPU_TILES
@@ -44,8 +45,8 @@ def _wave_utilization(m: int, n: int, sms: int) -> float:
 
 
 def _interpolate(samples: Sequence[tuple[Sequence[float], float]], point: Sequence[float]) -> float:
-    """A measured value at `point`: inverse-distance weighting (power 4) in log2 coordinates clamped to the
-    samples' range; samples at the point itself are averaged."""
+    """A measured value at `point`: inverse-distance weighting (power 4) in log2 coordinates clamped
+    to the samples' range; samples at the point itself are averaged."""
     logs = [tuple(math.log2(c) for c in where) for where, _ in samples]
     q = [min(max(math.log2(c), min(cs)), max(cs)) for c, cs in zip(point, zip(*logs))]
     hits, weights, total = [], 0.0, 0.0
@@ -63,10 +64,12 @@ def sustained_fraction(cluster: Cluster) -> float:
     """The share of the datasheet peak a training step's large GEMMs sustain: the profile's declared
     `gemm_efficiency` if it has one, else
 
-        gemm_peak_fraction · min(1, (power_limit_w / gemm_measured_at_w)^(1/3)) · TRAINING_GEMM_FACTOR
+        gemm_peak_fraction · min(1, (power_limit_w / gemm_measured_at_w)^(1/3)) ·
+        TRAINING_GEMM_FACTOR
 
-    the best published cuBLAS rate over peak, the clock a lower power limit sustains (dynamic power grows
-    with f·V² and V with f, so f ∝ P^(1/3)), and the fitted share a GEMM keeps inside a training step."""
+    the best published cuBLAS rate over peak, the clock a lower power limit sustains (dynamic power
+    grows with f·V² and V with f, so f ∝ P^(1/3)), and the fitted share a GEMM keeps inside a
+    training step."""
     gpu = cluster.gpu
     if gpu.gemm_efficiency:
         return gpu.gemm_efficiency
@@ -77,8 +80,8 @@ def sustained_fraction(cluster: Cluster) -> float:
 
 
 def tile_k_overhead(cluster: Cluster) -> float:
-    """A tile's prologue and epilogue in units of the inner dimension k: the GEMM_TILE_LATENCY_S a tile
-    spends outside its main loop, at the rate one SM runs that loop,
+    """A tile's prologue and epilogue in units of the inner dimension k: the GEMM_TILE_LATENCY_S a
+    tile spends outside its main loop, at the rate one SM runs that loop,
 
         k_overhead = latency · (peak / SMs) / (2 · tile_m · tile_n)
 
@@ -97,9 +100,9 @@ def gemm_time(
     dtype_bytes: int = 2,
     launch_s: float = KERNEL_LAUNCH_S,
 ) -> float:
-    """Seconds for one (m×k)·(k×n) GEMM: measured samples if the profile has them, else the slower of the
-    sustained rate cut by wave quantization and each tile's prologue, and the three matrices' bytes over HBM,
-    plus `launch_s` on a GPU (the stack's launch gap: none under CUDA graphs).
+    """Seconds for one (m×k)·(k×n) GEMM: measured samples if the profile has them, else the slower
+    of the sustained rate cut by wave quantization and each tile's prologue, and the three matrices'
+    bytes over HBM, plus `launch_s` on a GPU (the stack's launch gap: none under CUDA graphs).
 
         compute = 2·m·n·k / (peak · sustained_fraction · waves(m, n) · k / (k + tile_k_overhead))
         memory  = dtype_bytes · (m·k + k·n + m·n) / (HBM bandwidth · HBM_EFFICIENCY)"""
@@ -126,9 +129,9 @@ def gemm_time(
 
 
 def elementwise_time(nbytes: float, cluster: Cluster, fused: bool = True) -> float:
-    """Seconds of memory-bound kernels moving `nbytes` (counted by fourd.plan.block): a profile's measured
-    rate, else HBM bandwidth at HBM_EFFICIENCY for fused kernels and at EAGER_HBM_EFFICIENCY for torch's
-    one-kernel-per-op eager ones (`fused` False)."""
+    """Seconds of memory-bound kernels moving `nbytes` (counted by fourd.plan.block): a profile's
+    measured rate, else HBM bandwidth at HBM_EFFICIENCY for fused kernels and at
+    EAGER_HBM_EFFICIENCY for torch's one-kernel-per-op eager ones (`fused` False)."""
     if cluster.gpu.elementwise_gbps:
         return nbytes / cluster.gpu.elementwise_gbps / 1e9
     efficiency = HBM_EFFICIENCY if fused else EAGER_HBM_EFFICIENCY
@@ -136,7 +139,8 @@ def elementwise_time(nbytes: float, cluster: Cluster, fused: bool = True) -> flo
 
 
 def optimizer_time(params: float, cluster: Cluster, dtype_bytes: int = 2) -> float:
-    """Seconds of an Adam update of `params` parameters: ADAM_BYTES each at HBM bandwidth, or measured."""
+    """Seconds of an Adam update of `params` parameters: ADAM_BYTES each at HBM bandwidth, or
+    measured."""
     rate = cluster.gpu.optimizer_gbps or cluster.gpu.hbm_bw_gbps * HBM_EFFICIENCY
     return params * ADAM_BYTES[dtype_bytes] / (rate * 1e9)
 
@@ -144,8 +148,8 @@ def optimizer_time(params: float, cluster: Cluster, dtype_bytes: int = 2) -> flo
 def _measured_attention(
     kv_len: int, head_dim: int, causal: bool, cluster: Cluster
 ) -> tuple[float, float]:
-    """(forward, backward) FLOP/s of the profile's measured attention at (kv_len, head_dim); not causal, the
-    explicit-mask kernel's rates where every sample has them."""
+    """(forward, backward) FLOP/s of the profile's measured attention at (kv_len, head_dim); not
+    causal, the explicit-mask kernel's rates where every sample has them."""
     samples = cluster.gpu.attention
     masked = not causal and all(s.masked_fwd_tflops and s.masked_bwd_tflops for s in samples)
     rates = []
@@ -165,9 +169,10 @@ def attention_time(
     causal: bool = True,
     kernel: str = "fa2",
 ) -> tuple[float, float]:
-    """(forward, backward) seconds of fused attention, q_tokens queries per head against kv_len keys (causal:
-    half the pairs; measured rates win, non-causal ones there from the explicit-mask kernel). `kernel` "fa3"
-    takes the profile's FlashAttention-3 efficiencies where it has them (Hopper), else FlashAttention 2's.
+    """(forward, backward) seconds of fused attention, q_tokens queries per head against kv_len keys
+    (causal: half the pairs; measured rates win, non-causal ones there from the explicit-mask
+    kernel). `kernel` "fa3" takes the profile's FlashAttention-3 efficiencies where it has them
+    (Hopper), else FlashAttention 2's.
 
         forward FLOPs = 4 · pairs · head_dim · heads, backward FA_BACKWARD_FLOPS times that, at
         peak · efficiency · kv_len / (kv_len + FA_HALF_LENGTH)"""
@@ -191,10 +196,12 @@ def attention_time(
     return fwd_flops / (peak * fwd_eff), bwd_flops / (peak * bwd_eff)
 
 
-# ---- collectives: nccl-tests conventions, the one table of fourd --------------------------------------
+# ---- collectives: nccl-tests conventions, the one table of fourd
+# --------------------------------------
 
-# bytes each rank sends = factor · nbytes (nbytes: all-gather's output, reduce-scatter's input), and ring steps
-# latency steps: a ring's n−1 (all-reduce 2(n−1)); NCCL's double binary tree all-reduces in 2·log2(n)
+# bytes each rank sends = factor · nbytes (nbytes: all-gather's output, reduce-scatter's input), and
+# ring steps latency steps: a ring's n−1 (all-reduce 2(n−1)); NCCL's double binary tree all-reduces
+# in 2·log2(n)
 _STEPS = {
     "all_reduce": lambda n: min(2 * (n - 1), 2 * math.ceil(math.log2(n))),
     "send": lambda n: 1,
@@ -203,8 +210,8 @@ _STEPS = {
 
 @lru_cache(maxsize=65536)
 def collective_time(op: str, nbytes: float, group: Group, cluster: Cluster) -> float:
-    """Seconds for a collective on an nbytes buffer over `group`, at the bandwidth its placement gives. A
-    measured fit in the profile for this op and group size wins over the ring model."""
+    """Seconds for a collective on an nbytes buffer over `group`, at the bandwidth its placement
+    gives. A measured fit in the profile for this op and group size wins over the ring model."""
     n = group.size
     if n <= 1 or nbytes <= 0:
         return 0.0

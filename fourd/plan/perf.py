@@ -1,8 +1,10 @@
-"""The time of a step: a layer's work and collectives, a pipeline stage, the schedule's bubble, data-parallel
-traffic, the optimizer. `fourd sim step` schedules these same per-microbatch times. Seconds, bytes, FLOP/s."""
+"""The time of a step: a layer's work and collectives, a pipeline stage, the schedule's bubble,
+data-parallel traffic, the optimizer. `fourd sim step` schedules these same per-microbatch times.
+Seconds, bytes, FLOP/s."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields, replace
 from functools import lru_cache
 
@@ -20,6 +22,10 @@ from fourd.plan.memory import max_rank_params, rank_shapes
 
 OVERLAP_SLOWDOWN = 0.1  # compute slowdown while a collective runs beside it (SMs and HBM it takes)
 GRAD_ACCUMULATE_BYTES = 10  # per parameter: the BF16 gradient read, the FP32 sum read and written
+# Fitted (benchmarks/validate_planner.py --fit): the standard deviation of one rank's step time from
+# host stalls (Python, the garbage collector, the launch queue), seconds; a step waits for the
+# slowest rank
+STRAGGLER_JITTER_S = 0.04815
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,9 +59,11 @@ class StageTime:
 
 @lru_cache(maxsize=8192)
 def layer_gemms(work: Work) -> tuple[float, float, float]:
-    """(forward, input-gradient, weight-gradient) seconds of one layer's linear-layer GEMMs on one rank:
-    each forward (tokens × k)·(k × n), its input gradient (tokens × n)·(n × k), its weight gradient
-    (k × tokens)·(tokens × n); `per-op` recomputation redoes every other forward GEMM in backward."""
+    """(forward, input-gradient, weight-gradient) seconds of one layer's linear-layer GEMMs on one
+    rank: each forward (tokens × k)·(k × n), its input gradient (tokens × n)·(n × k), its weight
+    gradient (k × tokens)·(tokens × n); `per-op` recomputation redoes every other forward GEMM in
+    backward.
+    """
     cluster, dtype_bytes, tokens = work.cluster, work.dtype_bytes, work.tokens
     launch = work.stack.launch_s
     forward = input_grad = weight_grad = 0.0
@@ -70,9 +78,9 @@ def layer_gemms(work: Work) -> tuple[float, float, float]:
 
 def ring_exposed(comm_s: float, gemm_s: float, tp: int) -> float:
     """Seconds of a TP collective left on the critical path when a ring overlaps it with its GEMM
-    (Transformer Engine's userbuffers, torch's async TP): the GEMM is cut into tp chunks and each chunk's
-    exchange runs beside the previous chunk's GEMM, so the first (or last) chunk's share stays exposed,
-    and whatever the GEMM is too short to cover:
+    (Transformer Engine's userbuffers, torch's async TP): the GEMM is cut into tp chunks and each
+    chunk's exchange runs beside the previous chunk's GEMM, so the first (or last) chunk's share
+    stays exposed, and whatever the GEMM is too short to cover:
 
         exposed = max(comm / tp, comm − gemm · (tp − 1) / tp)"""
     return max(comm_s / tp, comm_s - gemm_s * (tp - 1) / tp)
@@ -80,11 +88,12 @@ def ring_exposed(comm_s: float, gemm_s: float, tp: int) -> float:
 
 @lru_cache(maxsize=8192)
 def layer_comm(work: Work) -> tuple[float, float, float, float]:
-    """(TP forward, TP backward, CP forward, CP backward) seconds of one layer's collectives on the critical
-    path (docs/planner.md: Shoeybi et al. 2019, Korthikanti et al. 2022 §4.2.2 with SP, Llama 3 §3.3.2 for
-    CP). With SP the forward all-gathers twice and reduce-scatters twice, the backward gathers four times
-    (the inputs again) and reduce-scatters twice; without SP each way all-reduces twice. A stack whose TP
-    overlaps by ring (SP only, as TE's userbuffers require) leaves `ring_exposed` of it."""
+    """(TP forward, TP backward, CP forward, CP backward) seconds of one layer's collectives on the
+    critical path (docs/planner.md: Shoeybi et al. 2019, Korthikanti et al. 2022 §4.2.2 with SP,
+    Llama 3 §3.3.2 for CP). With SP the forward all-gathers twice and reduce-scatters twice, the
+    backward gathers four times (the inputs again) and reduce-scatters twice; without SP each way
+    all-reduces twice. A stack whose TP overlaps by ring (SP only, as TE's userbuffers require)
+    leaves `ring_exposed` of it."""
     model, cluster, lay, dtype_bytes = work.model, work.cluster, work.layout, work.dtype_bytes
     groups = placement(lay)
     act = work.tokens * model.dim * dtype_bytes
@@ -117,9 +126,10 @@ def tp_hidden(work: Work) -> float:
 
 
 def materialized_attention(work: Work) -> tuple[float, float]:
-    """(forward, backward) seconds of attention that writes the s × s scores (Megatron's scale-mask-softmax):
-    two batched GEMMs, softmax and dropout forward, four GEMMs and their backward (Korthikanti et al. 2022 §4).
-    Forward: Q·Kᵀ, P·V and 9 bytes per score; backward: one score GEMM, three value-shaped GEMMs and 11."""
+    """(forward, backward) seconds of attention that writes the s × s scores (Megatron's scale-mask-
+    softmax): two batched GEMMs, softmax and dropout forward, four GEMMs and their backward
+    (Korthikanti et al. 2022 §4). Forward: Q·Kᵀ, P·V and 9 bytes per score; backward: one score
+    GEMM, three value-shaped GEMMs and 11."""
     model, cluster, dtype_bytes = work.model, work.cluster, work.dtype_bytes
     launch = work.stack.launch_s
     batch = work.micro_seqs * (model.heads // work.layout.tp)  # the GEMMs' batch, stacked into rows
@@ -135,8 +145,8 @@ def _attention(work: Work) -> tuple[float, float]:
     """(forward, backward) seconds of one layer's attention core."""
     if work.attention == "materialized":
         return materialized_attention(work)
-    # CP ranks hold chunks i and 2·CP−1−i: causal, tokens·seq/2 pairs (Llama 3 §3.3.2); on a CPU profile
-    # the chunks take torch's explicit-mask kernel, which computes all pairs
+    # CP ranks hold chunks i and 2·CP−1−i: causal, tokens·seq/2 pairs (Llama 3 §3.3.2); on a CPU
+    # profile the chunks take torch's explicit-mask kernel, which computes all pairs
     all_pairs = work.layout.cp > 1 and bool(work.cluster.gpu.attention)
     model, tp = work.model, work.layout.tp
     return attention_time(
@@ -152,10 +162,10 @@ def _attention(work: Work) -> tuple[float, float]:
 
 @lru_cache(maxsize=8192)
 def layer_time(work: Work) -> StageTime:
-    """One transformer layer, one microbatch, on one rank of a (tp, cp) group: the GEMMs, attention, the
-    memory-bound ops, the CPU time a CPU profile measured for fourd's TP and FSDP, TP and CP collectives
-    (`layer_comm`), the compute that a ring-overlapped TP collective slows (OVERLAP_SLOWDOWN of what it
-    hides), and what recomputation redoes."""
+    """One transformer layer, one microbatch, on one rank of a (tp, cp) group: the GEMMs, attention,
+    the memory-bound ops, the CPU time a CPU profile measured for fourd's TP and FSDP, TP and CP
+    collectives (`layer_comm`), the compute that a ring-overlapped TP collective slows
+    (OVERLAP_SLOWDOWN of what it hides), and what recomputation redoes."""
     cluster, tokens = work.cluster, work.tokens
     fwd, dgrad, wgrad = layer_gemms(work)
     attn_fwd, attn_bwd = _attention(work)
@@ -164,7 +174,8 @@ def layer_time(work: Work) -> StageTime:
     block_bytes_bwd = tokens * (counted.backward + counted.redo)
     fwd += attn_fwd + elementwise_time(block_bytes_fwd, cluster, fused=work.compiled)
     dgrad += attn_bwd + elementwise_time(block_bytes_bwd, cluster, fused=work.compiled)
-    # the CPU time a CPU profile measured fourd's TP (DTensor) and FSDP to add per layer, a third forward
+    # the CPU time a CPU profile measured fourd's TP (DTensor) and FSDP to add per layer, a third
+    # forward
     cpu_us = 0.0
     if work.layout.tp > 1:
         cpu_us += cluster.gpu.tp_layer_us
@@ -191,7 +202,8 @@ def layer_time(work: Work) -> StageTime:
 
 
 def _head_time(work: Work, tp_group: Group) -> StageTime:
-    """Final norm, output projection (vocabulary split over TP) and torch's cross-entropy on the logits."""
+    """Final norm, output projection (vocabulary split over TP) and torch's cross-entropy on the
+    logits."""
     cluster, tokens, tp, dtype_bytes = work.cluster, work.tokens, work.layout.tp, work.dtype_bytes
     dim, vocab, launch = work.model.dim, work.model.vocab // tp, work.stack.launch_s
     norm = 4.0 * dim * dtype_bytes * tokens
@@ -205,8 +217,8 @@ def _head_time(work: Work, tp_group: Group) -> StageTime:
     dgrad += elementwise_time(2 * norm + loss_bwd * tokens * vocab, cluster, fused=False)
     wgrad = gemm_time(dim, vocab, tokens, cluster, dtype_bytes, launch)
     act = tokens * dim * dtype_bytes
-    # the vocabulary-parallel loss all-reduces max, sum and target logit; SP gathers the input first and
-    # reduce-scatters its gradient, plain TP all-reduces the gradient
+    # the vocabulary-parallel loss all-reduces max, sum and target logit; SP gathers the input first
+    # and reduce-scatters its gradient, plain TP all-reduces the gradient
     loss = collective_time("all_reduce", 3 * 4 * tokens, tp_group, cluster)
     if work.sequence_parallel:
         comm_fwd = collective_time("all_gather", act, tp_group, cluster) + loss
@@ -223,8 +235,8 @@ def _head_time(work: Work, tp_group: Group) -> StageTime:
 
 
 def compute_share(layout, cluster: Cluster) -> float:
-    """How much slower each rank computes where ranks share a server's cores (CPU profiles): ranks beyond
-    `concurrent_ranks` take turns, and the busy cores together reach the all-core peak."""
+    """How much slower each rank computes where ranks share a server's cores (CPU profiles): ranks
+    beyond `concurrent_ranks` take turns, and the busy cores together reach the all-core peak."""
     slots = cluster.node.concurrent_ranks
     if not slots:
         return 1.0
@@ -234,7 +246,8 @@ def compute_share(layout, cluster: Cluster) -> float:
 
 
 def _embedding_time(work: Work, tp_group: Group) -> StageTime:
-    """The vocabulary-parallel lookup: partial rows reduce-scattered into the SP shard (or all-reduced)."""
+    """The vocabulary-parallel lookup: partial rows reduce-scattered into the SP shard (or all-
+    reduced)."""
     cluster = work.cluster
     act = work.tokens * work.model.dim * work.dtype_bytes
     if work.sequence_parallel:
@@ -253,8 +266,9 @@ def _embedding_time(work: Work, tp_group: Group) -> StageTime:
 
 @lru_cache(maxsize=16384)
 def stage_time(work: Work, layers: int, first: bool = False, last: bool = False) -> StageTime:
-    """One microbatch through a pipeline stage of `layers` layers (plus the embedding if `first`, the output
-    and loss if `last`) on one GPU; TP and CP collectives included as exposed communication."""
+    """One microbatch through a pipeline stage of `layers` layers (plus the embedding if `first`,
+    the output and loss if `last`) on one GPU; TP and CP collectives included as exposed
+    communication."""
     tp_group = placement(work.layout)["tp"]
     total = layer_time(work).scaled(layers)
     if first:
@@ -266,7 +280,8 @@ def stage_time(work: Work, layers: int, first: bool = False, last: bool = False)
 
 
 def chunk_times(job: Job) -> list[StageTime]:
-    """StageTime of each global pipeline stage 0 .. pp·V−1 in model order (stage s runs on rank s % pp)."""
+    """StageTime of each global pipeline stage 0 .. pp·V−1 in model order (stage s runs on rank s %
+    pp)."""
     counts = stage_layers(job.model.layers, job.layout.pp, job.par.virtual_stages)
     last = len(counts) - 1
     return [stage_time(job.work, n, s == 0, s == last) for s, n in enumerate(counts)]
@@ -274,7 +289,8 @@ def chunk_times(job: Job) -> list[StageTime]:
 
 @lru_cache(maxsize=16384)
 def slowest_rank(work: Work, p: int, virtual_stages: int) -> tuple[int, StageTime]:
-    """The pipeline rank with the most work per microbatch (embedding and head included), and that work."""
+    """The pipeline rank with the most work per microbatch (embedding and head included), and that
+    work."""
     # equal layers, equal time: one rank of each kind
     per_rank, _, kinds = rank_shapes(work.model, p, virtual_stages)
     times = {r: stage_time(work, per_rank[r], r == 0, r == p - 1) for r in kinds}
@@ -283,9 +299,10 @@ def slowest_rank(work: Work, p: int, virtual_stages: int) -> tuple[int, StageTim
 
 
 def p2p_time(job: Job) -> float:
-    """One activation (or its gradient) sent between adjacent pipeline ranks, at the slowest boundary (where the
-    pipeline spans servers some neighbours are on two). With SP each TP rank sends its shard; blocking
-    (DeepSpeed's engine) partitions it over TP too and gathers it on arrival."""
+    """One activation (or its gradient) sent between adjacent pipeline ranks, at the slowest
+    boundary (where the pipeline spans servers some neighbours are on two). With SP each TP rank
+    sends its shard; blocking (DeepSpeed's engine) partitions it over TP too and gathers it on
+    arrival."""
     work, lay, groups = job.work, job.layout, placement(job.layout)
     full = work.tokens * work.model.dim * work.dtype_bytes
     if work.sequence_parallel:
@@ -299,10 +316,10 @@ def p2p_time(job: Job) -> float:
 def bubble_time(
     schedule: str, pp: int, microbatches: int, virtual_stages: int, stage: StageTime
 ) -> float:
-    """Idle time of a pipeline rank per step for per-microbatch times `stage` (all its layers), the closed
-    forms of fourd.schedules' lists (docs/simulators.md), with p = pp, m = microbatches, V = virtual stages,
-    t_f and t_b the forward and backward (communication included), t_i the input-gradient part of the
-    backward with its communication and t_w the weight-gradient part:
+    """Idle time of a pipeline rank per step for per-microbatch times `stage` (all its layers), the
+    closed forms of fourd.schedules' lists (docs/simulators.md), with p = pp, m = microbatches, V =
+    virtual stages, t_f and t_b the forward and backward (communication included), t_i the input-
+    gradient part of the backward with its communication and t_w the weight-gradient part:
 
         GPipe, 1F1B:   (p − 1) · (t_f + t_b)
         interleaved:   ((p − 1) · V − (V − 1) · (min(m, p) − 1)) · (t_f + t_b) / V
@@ -329,6 +346,7 @@ class StepTime:
     dp_total_s: float  # all data-parallel collectives of the step
     overlap_s: float  # compute slowed by collectives running beside it
     optimizer_s: float
+    straggler_s: float  # the slowest of the ranks' jitter, which every rank waits for
     tp_comm_s: float  # part of compute_s
     cp_comm_s: float  # part of compute_s
     slowest_rank: int
@@ -338,11 +356,12 @@ class StepTime:
 def _dp_phases(
     job: Job, stage: StageTime, bubble: float, layers: int
 ) -> list[tuple[float, float, int]]:
-    """The slowest rank's ZeRO/DDP traffic as (seconds, compute window it hides behind, buckets it comes
-    in per layer) per phase, one bucket per layer (docs/planner.md: what each ZeRO stage moves). ZeRO 0
-    all-reduces once (FP32 gradients), 1 reduce-scatters once and all-gathers the weights, 2 reduce-scatters
-    every microbatch, 3 also gathers the weights for every forward and backward; HSDP all-reduces across
-    the replicas. fourd's FSDP on a CPU profile reduces only the last microbatch's gradients."""
+    """The slowest rank's ZeRO/DDP traffic as (seconds, compute window it hides behind, buckets it
+    comes in per layer) per phase, one bucket per layer (docs/planner.md: what each ZeRO stage
+    moves). ZeRO 0 all-reduces once (FP32 gradients), 1 reduce-scatters once and all-gathers the
+    weights, 2 reduce- scatters every microbatch, 3 also gathers the weights for every forward and
+    backward; HSDP all-reduces across the replicas. fourd's FSDP on a CPU profile reduces only the
+    last microbatch's gradients."""
     lay, par, cluster = job.layout, job.par, job.cluster
     micro, shard = par.microbatches, shard_group(lay, par.hsdp_replicas)
     buckets = max(1, layers)
@@ -372,13 +391,15 @@ def _dp_phases(
 
 
 def _dp_exposure(job: Job, stage: StageTime, bubble: float, layers: int) -> tuple[float, float]:
-    """(exposed, total) seconds of the slowest rank's data-parallel traffic. Per phase (`_dp_phases`):
+    """(exposed, total) seconds of the slowest rank's data-parallel traffic. Per phase
+    (`_dp_phases`):
 
         exposed = max(0, traffic − window) + traffic / (buckets · k)
 
-    what compute around it cannot hide, and the last bucket; all of it where the traffic does not run
-    beside compute: on CPUs (collectives take the cores compute needs), with DeepSpeed's blocking pipeline
-    engine (it reduces after the last backward), and where the stack does not overlap it (`dp_overlap`)."""
+    what compute around it cannot hide, and the last bucket; all of it where the traffic does not
+    run beside compute: on CPUs (collectives take the cores compute needs), with DeepSpeed's
+    blocking pipeline engine (it reduces after the last backward), and where the stack does not
+    overlap it (`dp_overlap`)."""
     phases = _dp_phases(job, stage, bubble, layers)
     buckets = max(1, layers)
     total = sum(traffic for traffic, _, _ in phases)
@@ -399,6 +420,8 @@ def step_time(job: Job) -> StepTime:
         step = m · (t_f + t_b) + bubble + pipeline sends + exposed DP + OVERLAP_SLOWDOWN · hidden DP
                + optimizer
 
+               + straggler
+
     for the slowest pipeline rank's per-microbatch t_f, t_b (TP and CP collectives included)."""
     lay, par, cluster = job.layout, job.par, job.cluster
     pp, micro = lay.pp, par.microbatches
@@ -406,7 +429,8 @@ def step_time(job: Job) -> StepTime:
     blocking = job.pipeline_comm == "blocking"
     params = max_rank_params(job.model, pp, par.virtual_stages, lay.tp)
     if blocking:
-        # DeepSpeed's engine adds each backward's BF16 weight gradients into FP32 ones, a pass of its own
+        # DeepSpeed's engine adds each backward's BF16 weight gradients into FP32 ones, a pass of
+        # its own
         accumulate = elementwise_time(GRAD_ACCUMULATE_BYTES * params, cluster)
         stage = stage + StageTime(
             forward_s=0.0,
@@ -423,7 +447,8 @@ def step_time(job: Job) -> StepTime:
     bubble = 0.0
     if pp > 1:
         bubble = bubble_time(par.schedule, pp, micro, par.virtual_stages, stage)
-    # CPU profiles: half the ranks work through warm-up and cool-down, on the cores the waiting half leave
+    # CPU profiles: half the ranks work through warm-up and cool-down, on the cores the waiting half
+    # leave
     server = min(lay.world, cluster.node.gpus)
     bubble *= cluster.core_share(server // 2) / cluster.core_share(server)
     exposed, total = _dp_exposure(job, stage, bubble, layers)
@@ -432,8 +457,9 @@ def step_time(job: Job) -> StepTime:
     if par.zero >= 1:
         owned = params / shard_group(lay, par.hsdp_replicas).size
     optimizer = optimizer_time(owned, cluster, job.dtype_bytes)
+    straggler = straggler_time(lay.world, cluster)
     return StepTime(
-        step_s=compute + bubble + p2p + exposed + overlap + optimizer,
+        step_s=compute + bubble + p2p + exposed + overlap + optimizer + straggler,
         compute_s=compute,
         bubble_s=bubble,
         p2p_s=p2p,
@@ -441,6 +467,7 @@ def step_time(job: Job) -> StepTime:
         dp_total_s=total,
         overlap_s=overlap,
         optimizer_s=optimizer,
+        straggler_s=straggler,
         tp_comm_s=micro * layers * (tp_fwd * redo + tp_bwd),
         cp_comm_s=micro * layers * (cp_fwd * redo + cp_bwd),
         slowest_rank=slow,
@@ -448,12 +475,25 @@ def step_time(job: Job) -> StepTime:
     )
 
 
+def straggler_time(ranks: int, cluster: Cluster) -> float:
+    """Seconds a step waits for its slowest rank: with independent jitter σ (STRAGGLER_JITTER_S) on
+    each of N ranks that meet every step, the expected maximum lies about
+
+        σ · √(2 ln N)
+
+    above the mean (the extreme value of N normal variables). None on one rank, and none on a CPU
+    profile, whose ranks share one host and whose turn-taking is measured (`Cluster.core_share`)."""
+    if ranks <= 1 or cluster.cpu:
+        return 0.0
+    return STRAGGLER_JITTER_S * math.sqrt(2 * math.log(ranks))
+
+
 def _p2p_critical(job: Job, pp: int, micro: int, blocking: bool) -> float:
-    """Seconds of pipeline sends on the critical path: overlapped, those of warm-up and cool-down, where
-    the first microbatch crosses every boundary between the p·V stages (each on the next rank) forward and
-    the last one back: 2(p·V − 1) sends (2(p − 1) without interleaving); blocking, each microbatch after
-    the first also waits for a middle rank's four (two on a two-rank pipeline): 2 · min(2, p − 1) · (m − 1)
-    more (docs/planner.md)."""
+    """Seconds of pipeline sends on the critical path: overlapped, those of warm-up and cool-down,
+    where the first microbatch crosses every boundary between the p·V stages (each on the next rank)
+    forward and the last one back: 2(p·V − 1) sends (2(p − 1) without interleaving); blocking, each
+    microbatch after the first also waits for a middle rank's four (two on a two-rank pipeline): 2 ·
+    min(2, p − 1) · (m − 1) more (docs/planner.md)."""
     if pp <= 1:
         return 0.0
     sends = 2 * (pp * job.par.virtual_stages - 1)

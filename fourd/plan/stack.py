@@ -1,7 +1,7 @@
-"""Software-stack profiles (TOML): what a training stack does around the GEMMs that changes a step's time,
-each a physical switch (which communication hides behind which compute, which kernels run), never an
-efficiency of its own. Presets in fourd/plan/stacks/, user profiles in $FOURD_HOME/stacks/ (they win), or a
-path; docs/planner.md cites each preset's features."""
+"""Software-stack profiles (TOML): what a training stack does around the GEMMs that changes a step's
+time, each a physical switch (which communication hides behind which compute, which kernels run),
+never an efficiency of its own. Presets in fourd/plan/stacks/, user profiles in $FOURD_HOME/stacks/
+(they win), or a path; docs/planner.md cites each preset's features."""
 
 from __future__ import annotations
 
@@ -19,21 +19,23 @@ PRESET_DIR = Path(__file__).parent / "stacks"
 DEFAULT_STACK = "fourd"
 # The values each switch takes; the first is the plainest (nothing overlapped, nothing fused).
 CHOICES = {
-    # TP collectives: on the critical path, or cut into chunks that a ring exchanges while the GEMM that
-    # needs (or produced) them runs on the chunk before (Transformer Engine's userbuffers, torch's async TP)
+    # TP collectives: on the critical path, or cut into chunks that a ring exchanges while the GEMM
+    # that needs (or produced) them runs on the chunk before (Transformer Engine's userbuffers,
+    # torch's async TP)
     "tp_overlap": ("none", "ring"),
-    # data-parallel traffic: per-layer buckets hidden behind the compute around them (DDP, FSDP prefetch,
-    # Megatron's distributed optimizer); only ZeRO 3's (DeepSpeed's overlap_comm default); or reduced and
-    # gathered apart from compute, all exposed
+    # data-parallel traffic: per-layer buckets hidden behind the compute around them (DDP, FSDP
+    # prefetch, Megatron's distributed optimizer); only ZeRO 3's (DeepSpeed's overlap_comm default);
+    # or reduced and gathered apart from compute, all exposed
     "dp_overlap": ("bucketed", "zero3", "none"),
     # pipeline sends: beside compute, or each waited for (DeepSpeed's pipeline engine)
     "pipeline_comm": ("overlapped", "blocking"),
-    # the memory-bound ops between GEMMs: one kernel per op, hand-fused kernels (TE, Apex), or compiled;
-    # fused and compiled move the same bytes in the planner's count (fourd.plan.block)
+    # the memory-bound ops between GEMMs: one kernel per op, hand-fused kernels (TE, Apex), or
+    # compiled; fused and compiled move the same bytes in the planner's count (fourd.plan.block)
     "elementwise": ("eager", "fused", "compiled"),
     # attention: a fused kernel, or the s x s scores written to memory (Megatron 2021-22)
     "attention": ("flash", "materialized"),
-    # the fused kernel's family: FlashAttention 2, or FlashAttention 3 / cuDNN's fused attention on Hopper
+    # the fused kernel's family: FlashAttention 2, or FlashAttention 3 / cuDNN's fused attention on
+    # Hopper
     "attention_kernel": ("fa2", "fa3"),
 }
 
