@@ -19,7 +19,7 @@ BACKWARD = {True: 1.7, False: 1.5}
 
 @dataclass(frozen=True)
 class Sizes:
-    """Elements per token on one rank (the norms' stream cut by TP with SP) and bytes per element."""
+    """Elements per token on one rank (the norms' stream cut by TP with SP), bytes per element."""
 
     norm: float
     h: int
@@ -79,7 +79,8 @@ class Traffic:
         float  # and backward (each op's backward reads its output's gradient and saved inputs)
     )
     saved: float  # activation bytes kept for backward with this recomputation
-    redo: float  # memory-bound bytes the recomputation redoes in backward (besides `full`'s whole forward)
+    # memory-bound bytes the recomputation redoes in backward (besides `full`'s whole forward)
+    redo: float
 
 
 def _norm_eager(s: Sizes) -> float:
@@ -90,7 +91,7 @@ def _norm_eager(s: Sizes) -> float:
 
 
 def _rope_eager(n: int, b: int) -> float:
-    """apply_rope on n elements: float(), four products and two sums on the halves, stack, type_as."""
+    """apply_rope on n elements: float(), four products, two sums on the halves, stack, type_as."""
     return (16 + 12 + 8 + (2 * (b + F32) if b < F32 else 0)) * n
 
 

@@ -29,7 +29,9 @@ class GemmSample:  # a measured (m×k)·(k×n) GEMM
 
 
 @dataclass(frozen=True)
-class AttentionSample:  # measured, in the planner's FLOPs; masked_*: an explicit mask, all seq² pairs computed
+class AttentionSample:
+    """Measured, in the planner's FLOPs; masked_*: an explicit mask, all seq² pairs computed."""
+
     seq: int
     head_dim: int
     fwd_tflops: float
@@ -39,7 +41,9 @@ class AttentionSample:  # measured, in the planner's FLOPs; masked_*: an explici
 
 
 @dataclass(frozen=True)
-class CollectiveSample:  # a measured fit: time = alpha_s + beta_s_per_byte · bytes (bytes as nccl-tests count)
+class CollectiveSample:
+    """A measured fit: time = alpha_s + beta_s_per_byte · bytes (bytes as nccl-tests count)."""
+
     op: str
     nproc: int
     alpha_s: float
@@ -146,7 +150,8 @@ def find_toml(kind: str, name_or_path: str, preset_dir: Path, hint: str = "") ->
     if name_or_path.endswith(".toml") or os.sep in name_or_path:
         if not Path(name_or_path).is_file():
             raise FourdError(
-                f"{kind} {name_or_path}: no such file; give a preset name or a path to a .toml {kind}"
+                f"{kind} {name_or_path}: no such file; give a preset name or a path to a .toml "
+                f"{kind}"
             )
         return Path(name_or_path)
     user_dir = fourd_home() / f"{kind}s"

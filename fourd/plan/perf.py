@@ -341,7 +341,8 @@ class StepTime:
     step_s: float
     compute_s: float  # m · (t_f + t_b) of the slowest pipeline rank, TP/CP communication included
     bubble_s: float
-    p2p_s: float  # pipeline sends on the critical path (warm-up and cool-down; blocking, every microbatch's)
+    # pipeline sends on the critical path (warm-up and cool-down; blocking, every microbatch's)
+    p2p_s: float
     dp_exposed_s: float  # data-parallel collectives not hidden behind compute
     dp_total_s: float  # all data-parallel collectives of the step
     overlap_s: float  # compute slowed by collectives running beside it

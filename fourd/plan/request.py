@@ -30,7 +30,7 @@ ALLOWED: dict[Any, tuple] = {}  # parser -> the values it takes
 
 
 class BadValue(FourdError, argparse.ArgumentTypeError):
-    """A value out of range: argparse names the flag it came with, other callers see a FourdError."""
+    """A value out of range: argparse names the flag it came with, others see a FourdError."""
 
 
 def bounded(kind: type, lo: float, hi: float = math.inf, what: str = ""):
@@ -202,7 +202,7 @@ def resolve_inputs(args) -> Request:
 
 
 def _values(values: Mapping[str, Any]) -> dict[str, Any]:
-    """Every setting, parsed and range-checked (None: not given), whether it came as text or typed."""
+    """Every setting, parsed and range-checked (None: not given), given as text or typed."""
     if bad := ", ".join(sorted(set(values) - set(SETTINGS))):
         raise FourdError(f"unknown planner setting(s) {bad}; known: {', '.join(SETTINGS)}")
     out: dict[str, Any] = dict.fromkeys(SETTINGS)
@@ -237,7 +237,8 @@ def _even_batch(seqs: int, parts: int) -> int:
     even = round(seqs / parts) * parts if seqs >= parts else seqs
     if even != seqs:
         print(
-            f"fourd: note: {seqs} sequences do not split into {parts} equal parts: planned with {even}",
+            f"fourd: note: {seqs} sequences do not split into {parts} equal parts: planned with "
+            f"{even}",
             file=sys.stderr,
         )
     return even
@@ -272,7 +273,8 @@ def resolve(model: ModelConfig, cluster: Cluster, values: Mapping[str, Any]) -> 
     gpus = gpus or layout.world
     if layout is not None and layout.world != gpus:
         raise FourdError(
-            f"layout {layout} uses {layout.world} GPUs but {gpus} are asked: make the product of the degrees equal {gpus}"
+            f"layout {layout} uses {layout.world} GPUs but {gpus} are asked: make the product of "
+            f"the degrees equal {gpus}"
         )
     schedule = v["schedule"] or ("interleaved" if (v["virtual_stages"] or 1) > 1 else None)
     check_stages(
@@ -331,8 +333,10 @@ def plans(req: Request) -> list[Plan]:
         b, m = req.base, req.fixed["microbatches"]
         raise FourdError(
             f"no configuration of {req.gpus} GPUs runs this model with {b.seq}-token sequences and "
-            f"{b.global_seqs} sequences per step{f' in {m} microbatches per replica' if m else ''}: change the "
-            f"number of GPUs, the sequence length{', the microbatches' if m else ''} or the global batch"
+            f"{b.global_seqs} sequences per "
+            f"step{f' in {m} microbatches per replica' if m else ''}: change the "
+            f"number of GPUs, the sequence length{', the microbatches' if m else ''} or the "
+            "global batch"
         )
     return found
 
