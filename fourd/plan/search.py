@@ -212,7 +212,7 @@ def configs(model, gpus: int, seq: int, global_seqs: int, fixed: dict):
 
 
 def valid(job: Job) -> bool:
-    """Whether fourd.layout.check lets the job run (the search skips what pinned settings forbid)."""
+    """Whether fourd.layout.check lets the job run (the search skips what pinned settings bar)."""
     try:
         layout_check(job.model, job.par, job.seq, job.global_seqs)
     except FourdError:

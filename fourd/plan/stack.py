@@ -94,7 +94,7 @@ def _checked(data: dict, path: Path) -> Stack:
 
 @lru_cache(maxsize=64)
 def load_stack(name_or_path: str) -> Stack:
-    """The stack called `name_or_path` (user stacks first, then presets), or the one at that path."""
+    """The stack called `name_or_path` (user stacks first, then presets), or the one at a path."""
     if isinstance(name_or_path, Stack):
         return name_or_path
     path = find_toml("stack", str(name_or_path), PRESET_DIR)
