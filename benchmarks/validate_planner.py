@@ -51,6 +51,7 @@ TOPOLOGY = {"llama3": "llama3-h100"}
 CONSTANTS = (
     (kernels, "TRAINING_GEMM_FACTOR", 0.04),
     (kernels, "GEMM_TILE_LATENCY_S", 0.8e-6),
+    (perf, "STRAGGLER_JITTER_S", 0.01),
 )
 
 

@@ -370,6 +370,7 @@ def test_step_time_adds_up():
         + s.dp_exposed_s
         + s.overlap_s
         + s.optimizer_s
+        + s.straggler_s
     )
     assert s.bubble_s == pytest.approx(15 * (s.per_microbatch.forward + s.per_microbatch.backward))
     z3 = step_time(dataclasses.replace(j, par=dataclasses.replace(j.par, zero=3)))

@@ -3,6 +3,7 @@ reaches the plan and its JSON, and each switch changes exactly the term it names
 
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from fourd.model.config import get_preset
 from fourd.plan import request
 from fourd.plan.cluster import load_cluster
 from fourd.plan.job import Job
-from fourd.plan.perf import layer_comm, ring_exposed, step_time
+from fourd.plan.perf import STRAGGLER_JITTER_S, layer_comm, ring_exposed, step_time
 from fourd.plan.stack import load_stack, preset_names
 
 H100 = load_cluster("dgx-h100")
@@ -109,3 +110,10 @@ def test_flags_override_the_stack_and_fourd_on_a_cpu_profile_runs_eager(tmp_path
     assert (pinned.base.attention, pinned.base.compiled) == ("flash", False)
     cpu = dataclasses.replace(H100, node=dataclasses.replace(H100.node, concurrent_ranks=2))
     assert request.resolve(get_preset("debug"), cpu, {"gpus": 2}).base.compiled is False
+
+
+def test_a_step_waits_for_the_slowest_of_its_ranks():
+    one = Job(model=L70, cluster=H100, par=Parallelism(layout=Layout()), seq=8192, global_seqs=1)
+    assert step_time(one).straggler_s == 0.0
+    many = step_time(_job("fsdp"))
+    assert many.straggler_s == pytest.approx(STRAGGLER_JITTER_S * math.sqrt(2 * math.log(64)))

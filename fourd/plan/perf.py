@@ -4,6 +4,7 @@ Seconds, bytes, FLOP/s."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields, replace
 from functools import lru_cache
 
@@ -21,6 +22,10 @@ from fourd.plan.memory import max_rank_params, rank_shapes
 
 OVERLAP_SLOWDOWN = 0.1  # compute slowdown while a collective runs beside it (SMs and HBM it takes)
 GRAD_ACCUMULATE_BYTES = 10  # per parameter: the BF16 gradient read, the FP32 sum read and written
+# Fitted (benchmarks/validate_planner.py --fit): the standard deviation of one rank's step time from
+# host stalls (Python, the garbage collector, the launch queue), seconds; a step waits for the
+# slowest rank
+STRAGGLER_JITTER_S = 0.04815
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -342,6 +347,7 @@ class StepTime:
     dp_total_s: float  # all data-parallel collectives of the step
     overlap_s: float  # compute slowed by collectives running beside it
     optimizer_s: float
+    straggler_s: float  # the slowest of the ranks' jitter, which every rank waits for
     tp_comm_s: float  # part of compute_s
     cp_comm_s: float  # part of compute_s
     slowest_rank: int
@@ -415,6 +421,8 @@ def step_time(job: Job) -> StepTime:
         step = m · (t_f + t_b) + bubble + pipeline sends + exposed DP + OVERLAP_SLOWDOWN · hidden DP
                + optimizer
 
+               + straggler
+
     for the slowest pipeline rank's per-microbatch t_f, t_b (TP and CP collectives included)."""
     lay, par, cluster = job.layout, job.par, job.cluster
     pp, micro = lay.pp, par.microbatches
@@ -450,8 +458,9 @@ def step_time(job: Job) -> StepTime:
     if par.zero >= 1:
         owned = params / shard_group(lay, par.hsdp_replicas).size
     optimizer = optimizer_time(owned, cluster, job.dtype_bytes)
+    straggler = straggler_time(lay.world, cluster)
     return StepTime(
-        step_s=compute + bubble + p2p + exposed + overlap + optimizer,
+        step_s=compute + bubble + p2p + exposed + overlap + optimizer + straggler,
         compute_s=compute,
         bubble_s=bubble,
         p2p_s=p2p,
@@ -459,11 +468,25 @@ def step_time(job: Job) -> StepTime:
         dp_total_s=total,
         overlap_s=overlap,
         optimizer_s=optimizer,
+        straggler_s=straggler,
         tp_comm_s=micro * layers * (tp_fwd * redo + tp_bwd),
         cp_comm_s=micro * layers * (cp_fwd * redo + cp_bwd),
         slowest_rank=slow,
         per_microbatch=stage,
     )
+
+
+def straggler_time(ranks: int, cluster: Cluster) -> float:
+    """Seconds a step waits for its slowest rank: with independent jitter σ (STRAGGLER_JITTER_S) on
+    each of N ranks that meet every step, the expected maximum lies about
+
+        σ · √(2 ln N)
+
+    above the mean (the extreme value of N normal variables). None on one rank, and none on a CPU
+    profile, whose ranks share one host and whose turn-taking is measured (`Cluster.core_share`)."""
+    if ranks <= 1 or cluster.cpu:
+        return 0.0
+    return STRAGGLER_JITTER_S * math.sqrt(2 * math.log(ranks))
 
 
 def _p2p_critical(job: Job, pp: int, micro: int, blocking: bool) -> float:

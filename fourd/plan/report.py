@@ -129,6 +129,7 @@ def plan_report(plan: Plan, train_tokens: float | None = None) -> str:
         ("data-parallel collectives, exposed", s.dp_exposed_s),
         ("compute slowed by overlapped collectives", s.overlap_s),
         ("optimizer update", s.optimizer_s),
+        ("waiting for the slowest rank (host jitter)", s.straggler_s),
     ]
     out += ["", "Step time                                          s      share"]
     out += [

@@ -114,6 +114,7 @@ class Plan:
             "dp_total",
             "overlap",
             "optimizer",
+            "straggler",
         )
         out["breakdown_s"] = {k: getattr(s, f"{k}_s") for k in parts}
         out["placement"] = {d: group_level(g, self.cluster) for d, g in placement(lay).items()}
