@@ -21,7 +21,6 @@ from fourd.plan import request
 from fourd.plan.cluster import Cluster, load_cluster
 from fourd.plan.memory import GB
 from fourd.plan.search import Plan
-from fourd.plan.stack import load_stack
 
 # Keys the anchor must give, and the optional ones the planner reads; any other key is ignored.
 REQUIRED = (
@@ -133,8 +132,7 @@ def load_anchor(path: str | Path) -> Anchor:
         "hsdp_replicas": data.get("hsdp_replicas"),
     }
     values |= {k: data.get(k) for k in request.SETTINGS if k in data and k not in values}
-    # the stack goes to the planner through _with_stack, which knows what to do with one it lacks
-    values = {k: v for k, v in values.items() if k in request.SETTINGS and k != "stack"}
+    values = {k: v for k, v in values.items() if k in request.SETTINGS}
     return Anchor(
         path=where,
         model=model,
@@ -154,16 +152,8 @@ def chip(cluster: Cluster) -> str:
 
 
 def _with_stack(values: dict, stack: str) -> dict:
-    """The anchor's stack for the planner. A stack the planner has no profile of (a private fork, an
-    in-house stack) is what an anchor is for: its rate comes from the measurement, and its scale-out is
-    modelled with the default stack's switches. A path to a stack file must load."""
-    try:
-        load_stack(stack)
-    except FourdError:
-        if stack.endswith(".toml"):
-            raise
-        return values
-    return values | {"stack": stack}
+    """The anchor's stack for the planner, where the planner knows stacks (a `stack` setting)."""
+    return values | {"stack": stack} if "stack" in request.SETTINGS else values
 
 
 def own_plan(anchor: Anchor) -> Plan:
