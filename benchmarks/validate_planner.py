@@ -32,7 +32,6 @@ from validation.runs import Run, load  # noqa: E402
 
 from fourd.plan import block, kernels, memory, perf, request  # noqa: E402
 from fourd.plan.cluster import Cluster, load_cluster  # noqa: E402
-from fourd.plan.stack import load_stack  # noqa: E402
 
 GIB = 2**30
 DOCS = ROOT / "docs" / "planner.md"
@@ -47,22 +46,28 @@ PRESETS = {
 }
 # Rows whose source states Llama 3's cluster (3,072-GPU pods, 1:7 between them) run on that preset.
 TOPOLOGY = {"llama3": "llama3-h100"}
-# The fitted numbers: the model's constants (module, name, first grid step).
-CONSTANTS = (
-    (kernels, "TRAINING_GEMM_FACTOR", 0.04),
-    (kernels, "GEMM_TILE_LATENCY_S", 0.8e-6),
-    (perf, "STRAGGLER_JITTER_S", 0.01),
-)
+# The fitted numbers: each GPU generation's sustained GEMM efficiency (in the presets) and the model's constants.
+GENERATIONS = {
+    "A100": ("dgx-a100-40gb", "selene-a100"),
+    "H100/H200": ("dgx-h100", "llama3-h100", "dgx-h200"),
+    "H100 96 GB": ("grand-teton-h100",),
+}
+CONSTANTS = ((kernels, "GEMM_K_OVERHEAD", 32.0),)
 
 
-def cluster_for(run: Run) -> Cluster:
+def cluster_for(run: Run, efficiency: dict[str, float] | None = None) -> Cluster:
     name = TOPOLOGY.get(run.source, PRESETS[run.gpu])
-    return _cluster(name, run.nic_gbps_per_gpu)
+    return _cluster(name, run.nic_gbps_per_gpu, tuple(sorted((efficiency or {}).items())))
 
 
 @cache
-def _cluster(name: str, nic_gbps: float) -> Cluster:
+def _cluster(name: str, nic_gbps: float, efficiency: tuple) -> Cluster:
     c = load_cluster(name)
+    for gen, names in GENERATIONS.items():
+        if name in names and dict(efficiency).get(gen):
+            c = dataclasses.replace(
+                c, gpu=dataclasses.replace(c.gpu, gemm_efficiency=dict(efficiency)[gen])
+            )
     if nic_gbps:
         c = dataclasses.replace(c, network=dataclasses.replace(c.network, nic_bw_gbps=nic_gbps / 8))
     return c
@@ -73,15 +78,10 @@ def recompute(run: Run) -> str:
     return "per-op" if run.recompute_detail.startswith("torchtitan per-op") else run.recompute
 
 
-def predict(run: Run):
+def predict(run: Run, efficiency: dict[str, float] | None = None):
     """fourd's plan for a row: its settings pinned, the rest the planner's fastest."""
     lay = run.parsed_layout
-    # a row's `compiled` is torch.compile; a stack with fused kernels of its own fuses without it
-    compiled: bool | None = run.compiled
-    if not run.compiled and load_stack(run.stack).elementwise == "fused":
-        compiled = None
     values = {
-        "stack": run.stack,
         "layout": lay,
         "gpus": run.gpus,
         "seq": run.seq,
@@ -91,7 +91,7 @@ def predict(run: Run):
         "recompute": recompute(run),
         "precision": run.precision,
         "sequence_parallel": run.sequence_parallel,
-        "compiled": compiled,
+        "compiled": run.compiled,
         "hsdp_replicas": run.hsdp_replicas,
         "attention": "materialized" if run.attention_kernel == "materialized" else "flash",
         "pipeline_comm": run.pipeline_comm,
@@ -100,7 +100,7 @@ def predict(run: Run):
         if run.microbatch_seqs
         else None,
     }
-    plans = request.plans(request.resolve(run.model_config, cluster_for(run), values))
+    plans = request.plans(request.resolve(run.model_config, cluster_for(run, efficiency), values))
     return max(plans, key=lambda p: p.tokens_per_s)
 
 
@@ -110,10 +110,10 @@ def memory_gib(plan, kind: str) -> float:
     return (m.total if kind == "allocated" else m.total + m.fragmentation) / GIB
 
 
-def evaluate(runs: list[Run]) -> list[dict]:
+def evaluate(runs: list[Run], efficiency: dict[str, float] | None = None) -> list[dict]:
     out = []
     for run in runs:
-        plan = predict(run)
+        plan = predict(run, efficiency)
         row = {
             "id": run.id,
             "source": run.source,
@@ -173,12 +173,15 @@ def fit(runs: list[Run]) -> dict:
     time, each number searched over a grid around its value that narrows every round; then the allocator's
     fragmentation from the fit rows that publish reserved memory."""
     rows = [r for r in runs if r.fit]
-    knobs: list = [(vars(mod), name, step) for mod, name, step in CONSTANTS]
+    eff = {gen: load_cluster(names[0]).gpu.gemm_efficiency for gen, names in GENERATIONS.items()}
+    knobs: list = [(eff, gen, 0.04) for gen in eff] + [
+        (vars(mod), name, step) for mod, name, step in CONSTANTS
+    ]
 
     def loss() -> float:
         _forget()
         return statistics.mean(
-            abs(math.log(predict(r).step.step_s / r.step_time_s_derived)) for r in rows
+            abs(math.log(predict(r, eff).step.step_s / r.step_time_s_derived)) for r in rows
         )
 
     best = loss()
@@ -197,11 +200,12 @@ def fit(runs: list[Run]) -> dict:
     _forget()
     reserved = [r for r in rows if r.memory_kind == "reserved"]
     frag = (
-        statistics.mean(r.memory_gib / (predict(r).memory.total / GIB) - 1 for r in reserved)
+        statistics.mean(r.memory_gib / (predict(r, eff).memory.total / GIB) - 1 for r in reserved)
         if reserved
         else 0.0
     )
-    out = {name: float(f"{getattr(mod, name):.4g}") for mod, name, _ in CONSTANTS}
+    out = {f"gemm_efficiency {gen}": round(v, 4) for gen, v in eff.items()}
+    out.update({name: round(getattr(mod, name), 4) for mod, name, _ in CONSTANTS})
     return {**out, "ALLOCATOR_FRAGMENTATION": round(frag, 4), "fit_mean": best}
 
 

@@ -18,9 +18,7 @@ H100 = load_cluster("llama3-h100")
 def work(model, tp=1, recompute="none", sp=True, attention="flash", seq=2048, dp=2):
     """One microbatch of one sequence, BF16 weights of a data-parallel wrapper (dp > 1), eager blocks."""
     par = Parallelism(layout=Layout(tp=tp, dp=dp), recompute=recompute, sequence_parallel=sp)
-    return Job(
-        model=model, cluster=H100, par=par, seq=seq, global_seqs=dp, attention=attention
-    ).work
+    return Job(model, H100, par, seq, dp, attention=attention).work
 
 
 def test_ring_all_reduce_bytes_and_time():

@@ -160,14 +160,7 @@ def test_search_json_best_and_candidates():
             "sequence_parallel",
         )
         par = Parallelism(layout=Layout(**c["layout"]), **{k: c[k] for k in keys})
-        job = Job(
-            model=get_preset("llama3-405b"),
-            cluster=h100,
-            par=par,
-            seq=8192,
-            global_seqs=2048,
-            compiled=c["compiled"],
-        )
+        job = Job(get_preset("llama3-405b"), h100, par, 8192, 2048, compiled=c["compiled"])
         assert c["step_time_s"] == evaluate(job).step.step_s and par.layout.world == 16384
 
 
@@ -318,14 +311,7 @@ def test_user_profile_wins_over_the_preset_and_paths_work(tmp_path):
         sequence_parallel=True,
     )
     want = evaluate(
-        Job(
-            model=get_preset("llama3-405b"),
-            cluster=load_cluster(str(path)),
-            par=par,
-            seq=8192,
-            global_seqs=2048,
-            compiled=True,
-        )
+        Job(get_preset("llama3-405b"), load_cluster(str(path)), par, 8192, 2048, compiled=True)
     ).step.step_s
     assert (mine["microbatches"], mine["virtual_stages"], mine["zero"], mine["recompute"]) == (
         32,

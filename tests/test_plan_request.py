@@ -133,8 +133,7 @@ def test_rank_peak_memory_is_the_fullest_gpu_with_the_reserve():
         sequence_parallel=True,
     )
     gb = request.rank_peak_memory_gb(model, "dgx-h100", par, 8192, 16)
-    job = Job(model=model, cluster=load_cluster("dgx-h100"), par=par, seq=8192, global_seqs=16)
-    memory = peak_memory(job)[1]
+    memory = peak_memory(Job(model, load_cluster("dgx-h100"), par, 8192, 16))[1]
     assert gb == (memory.total + memory.fragmentation + memory.reserve) / GB
     with pytest.raises(FourdError, match="tp=3 cannot cut"):
         request.rank_peak_memory_gb(model, "dgx-h100", Parallelism(layout=Layout(tp=3)), 8192, 16)

@@ -13,8 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 HARNESS = ROOT / "benchmarks" / "validate_planner.py"
 DATA = ROOT / "benchmarks" / "validation" / "runs.toml"
-# benchmarks/validate_planner.py --json, 2026-12-01 (stacks, interleaved sends, GEMM physics, stragglers)
-OUT_OF_SAMPLE_MEAN = 0.06596764911687375
+OUT_OF_SAMPLE_MEAN = 0.07617088890506425  # validate_planner.py --json, 2026-12-01
 MEMORY_MEAN = 0.05472446813976739
 
 pytestmark = pytest.mark.skipif(

@@ -33,7 +33,6 @@ from fourd.layout import (
 )
 from fourd.model.config import ModelConfig, get_preset, parse_model_spec
 from fourd.plan.job import PIPELINE_COMM
-from fourd.plan.stack import preset_names as stack_names
 from fourd.schedules import SCHEDULES
 
 PATH = Path(__file__).with_name("runs.toml")
@@ -101,7 +100,6 @@ class Run:
     pipeline_comm: str = (
         "overlapped"  # "blocking": DeepSpeed's pipeline engine (sends wait; gradients reduced last)
     )
-    stack: str = "fourd"  # the software stack the source ran (a preset in fourd/plan/stacks/)
     fit: bool = False
     stack: str = ""  # one of STACKS
     first_prediction_s: float = 0.0  # the planner's step time before any change for this source
@@ -176,7 +174,6 @@ def _check_run(run: Run, sources: dict[str, Source]) -> None:
         ("precision", PRECISIONS),
         ("attention_kernel", ATTENTION_KERNELS),
         ("pipeline_comm", PIPELINE_COMM),
-        ("stack", stack_names()),
     ):
         _choose(run, name, allowed)
     _choose(run, "memory_kind", MEMORY_KINDS if run.memory_gib else ("",))

@@ -1,6 +1,5 @@
-"""Cluster profiles (TOML, docs/planner.md): a GPU, a server, a pod and the network, not a size;
-presets in fourd/plan/clusters/, user profiles in $FOURD_HOME/clusters/ (they win), or a path. And
-where a group lands."""
+"""Cluster profiles (TOML, docs/planner.md): a GPU, a server, a pod and the network, not a size; presets in
+fourd/plan/clusters/, user profiles in $FOURD_HOME/clusters/ (they win), or a path. And where a group lands."""
 
 from __future__ import annotations
 
@@ -29,9 +28,7 @@ class GemmSample:  # a measured (m×k)·(k×n) GEMM
 
 
 @dataclass(frozen=True)
-class AttentionSample:
-    """Measured, in the planner's FLOPs; masked_*: an explicit mask, all seq² pairs computed."""
-
+class AttentionSample:  # measured, in the planner's FLOPs; masked_*: an explicit mask, all seq² pairs computed
     seq: int
     head_dim: int
     fwd_tflops: float
@@ -41,9 +38,7 @@ class AttentionSample:
 
 
 @dataclass(frozen=True)
-class CollectiveSample:
-    """A measured fit: time = alpha_s + beta_s_per_byte · bytes (bytes as nccl-tests count)."""
-
+class CollectiveSample:  # a measured fit: time = alpha_s + beta_s_per_byte · bytes (bytes as nccl-tests count)
     op: str
     nproc: int
     alpha_s: float
@@ -57,21 +52,11 @@ class GPU:
     memory_gb: float
     hbm_bw_gbps: float
     sms: int | None = None  # streaming multiprocessors, for wave quantization; None on CPUs
-    # a large BF16 GEMM's best measured rate over the datasheet peak (published cuBLAS
-    # measurements), at the power limit it was measured under; the part's own limit sets its
-    # sustained clock
-    gemm_peak_fraction: float = 0.8
-    power_limit_w: float | None = None
-    gemm_measured_at_w: float | None = None
-    gemm_efficiency: float | None = (
-        None  # a declared sustained fraction of peak: replaces the model
-    )
+    gemm_efficiency: float = 0.7  # sustained fraction of peak on large GEMMs
     attention_fwd_efficiency: float | None = (
         None  # fused attention kernels; None: as GEMMs of that shape
     )
     attention_bwd_efficiency: float | None = None
-    fa3_fwd_efficiency: float | None = None  # FlashAttention 3 / cuDNN on Hopper; None: as FA2
-    fa3_bwd_efficiency: float | None = None
     memory_reserve_gb: float = 0.0  # the runtime's own: CUDA context, NCCL's buffers
     gemm: tuple[GemmSample, ...] = ()  # measured square GEMMs
     gemm_shapes: tuple[
@@ -126,14 +111,12 @@ class Cluster:
 
     @property
     def cpu(self) -> bool:
-        """A CPU profile (`fourd calibrate`): ranks share cores; it describes what `fourd train`
-        runs here."""
+        """A CPU profile (`fourd calibrate`): ranks share cores; it describes what `fourd train` runs here."""
         return self.node.concurrent_ranks is not None
 
     def core_share(self, ranks: int) -> float:
-        """How many times slower each rank runs while `ranks` of them are busy on one server (CPU
-        profiles: they take turns on the cores, collectives too, since a CPU copies and reduces
-        their data itself; GPUs: 1)."""
+        """How many times slower each rank runs while `ranks` of them are busy on one server (CPU profiles: they
+        take turns on the cores, collectives too, since a CPU copies and reduces their data itself; GPUs: 1)."""
         slots = self.node.concurrent_ranks
         return max(1.0, min(ranks, self.node.gpus) / slots) if slots else 1.0
 
@@ -142,35 +125,21 @@ def preset_names() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
 
 
-def find_toml(kind: str, name_or_path: str, preset_dir: Path, hint: str = "") -> Path:
-    """The TOML file of a `kind` ("cluster", "stack") called `name_or_path`: a path as given, else
-    the user's $FOURD_HOME/<kind>s/NAME.toml, else the preset; FourdError naming the choices
-    otherwise.
-    """
+def _find(name_or_path: str) -> Path:
     if name_or_path.endswith(".toml") or os.sep in name_or_path:
         if not Path(name_or_path).is_file():
             raise FourdError(
-                f"{kind} {name_or_path}: no such file; give a preset name or a path to a .toml "
-                f"{kind}"
+                f"cluster {name_or_path}: no such file; give a preset name or a path to a .toml profile"
             )
         return Path(name_or_path)
-    user_dir = fourd_home() / f"{kind}s"
-    for folder in (user_dir, preset_dir):
+    for folder in (fourd_home() / "clusters", PRESET_DIR):
         if (folder / f"{name_or_path}.toml").is_file():
             return folder / f"{name_or_path}.toml"
-    names = sorted(p.stem for p in preset_dir.glob("*.toml"))
-    hint = hint or did_you_mean(name_or_path, names)
+    hint = " (run `fourd calibrate` to write it)" if name_or_path == "local" else ""
     raise FourdError(
-        f"unknown {kind} {name_or_path!r}{hint}: choose one of {', '.join(names)}, "
-        f"a {kind} in {user_dir}, or a path to a .toml file"
+        f"unknown cluster {name_or_path!r}{hint or did_you_mean(name_or_path, preset_names())}: choose one of "
+        f"{', '.join(preset_names())}, a profile in {fourd_home() / 'clusters'}, or a path to a .toml file"
     )
-
-
-def _find(name_or_path: str) -> Path:
-    hint = ""
-    if name_or_path == "local":
-        hint = " (run `fourd calibrate` to write it)"
-    return find_toml("cluster", name_or_path, PRESET_DIR, hint)
 
 
 # Numbers that may be zero (every other one must be above zero), each of its field's type.
@@ -186,8 +155,7 @@ _TYPES = {"int": (int,), "float": (int, float), "str": (str,)}
 
 
 def _section(cls, data, where: str, path: Path):
-    """`cls` from a TOML table: every key known, every value of its field's type, numbers finite, in
-    range."""
+    """`cls` from a TOML table: every key known, every value of its field's type, numbers finite, in range."""
     if not isinstance(data, dict):
         raise FourdError(f"{path}: [{where}] must be a table; see docs/planner.md for the schema")
     fields = cls.__dataclass_fields__
@@ -221,8 +189,7 @@ def _section(cls, data, where: str, path: Path):
 
 
 def load_cluster(name_or_path: str) -> Cluster:
-    """The profile called `name_or_path` (user profiles first, then presets) or the profile at that
-    path."""
+    """The profile called `name_or_path` (user profiles first, then presets) or the profile at that path."""
     path = _find(name_or_path)
     try:
         data = tomllib.loads(path.read_text())
@@ -259,16 +226,15 @@ def load_cluster(name_or_path: str) -> Cluster:
     )
 
 
-# ---- where a parallel group lands
-# ----------------------------------------------------------------------
+# ---- where a parallel group lands ----------------------------------------------------------------------
 
 LEVELS = ("single", "nvlink", "rack", "pod", "cross-pod")
 
 
 @dataclass(frozen=True)
 class Group:
-    """Ranks base, base+stride, ..., base+(size-1)·stride of `world` ranks, placed in order (rank r
-    on server r // gpus_per_node). Every rank belongs to one such group per dimension."""
+    """Ranks base, base+stride, ..., base+(size-1)·stride of `world` ranks, placed in order (rank r on server
+    r // gpus_per_node). Every rank belongs to one such group per dimension."""
 
     size: int
     stride: int
@@ -277,10 +243,9 @@ class Group:
 
 @lru_cache(maxsize=4096)
 def _spread(group: Group, cluster: Cluster) -> tuple[dict[str, int], int]:
-    """(how many of the dimension's groups lie inside one server, rack or pod, or across pods; the
-    fewest members a group that spans servers has on one of them). A group's place depends on its
-    first rank modulo the blocks' common multiple, so one period of first ranks is counted, each as
-    often as it recurs."""
+    """(how many of the dimension's groups lie inside one server, rack or pod, or across pods; the fewest
+    members a group that spans servers has on one of them). A group's place depends on its first rank modulo
+    the blocks' common multiple, so one period of first ranks is counted, each as often as it recurs."""
     sizes = (cluster.node.gpus, cluster.network.gpus_per_rack, cluster.network.gpus_per_pod)
     n, reach, span = sizes[0], (group.size - 1) * group.stride, group.size * group.stride
     period, groups = math.lcm(*sizes), group.world // span
@@ -306,31 +271,27 @@ def _spread(group: Group, cluster: Cluster) -> tuple[dict[str, int], int]:
 
 
 def group_levels(group: Group, cluster: Cluster) -> dict[str, int]:
-    """How many of a dimension's groups lie inside one server ("nvlink"), one rack, one pod, or
-    across pods ("cross-pod"), each where its ranks are: with tp=3 on 8-GPU servers some TP groups
-    straddle two servers."""
+    """How many of a dimension's groups lie inside one server ("nvlink"), one rack, one pod, or across pods
+    ("cross-pod"), each where its ranks are: with tp=3 on 8-GPU servers some TP groups straddle two servers."""
     return dict(_spread(group, cluster)[0])
 
 
 def group_level(group: Group, cluster: Cluster) -> str:
-    """The widest part of the topology any of the dimension's groups crosses (they meet each step:
-    the slowest rules)."""
+    """The widest part of the topology any of the dimension's groups crosses (they meet each step: the slowest rules)."""
     return max(group_levels(group, cluster), key=LEVELS.index, default="single")
 
 
 def members_per_node(group: Group, cluster: Cluster) -> int:
-    """The fewest members a group spanning servers has on one server: its ring's NICs there carry
-    its traffic."""
+    """The fewest members a group spanning servers has on one server: its ring's NICs there carry its traffic."""
     return _spread(group, cluster)[1]
 
 
 def group_bandwidth(
     group: Group, cluster: Cluster, channels: int | None = None
 ) -> tuple[float, float]:
-    """(bus bandwidth in bytes/s, per-step latency in s) of a ring over the group: NVLink inside a
-    server; across servers each of the k members per server drives its own NIC (one ring channel
-    each, as NCCL does; `channels` k if given), k·NIC capped by NVLink; across pods all crossing
-    channels share the uplinks."""
+    """(bus bandwidth in bytes/s, per-step latency in s) of a ring over the group: NVLink inside a server;
+    across servers each of the k members per server drives its own NIC (one ring channel each, as NCCL
+    does; `channels` k if given), k·NIC capped by NVLink; across pods all crossing channels share the uplinks."""
     node, net = cluster.node, cluster.network
     intra = node.intra_bw_gbps * 1e9 * node.intra_efficiency
     level = group_level(group, cluster)
@@ -351,8 +312,7 @@ def group_bandwidth(
 
 
 def placement(layout) -> dict[str, Group]:
-    """The group of each parallel dimension, ranks laid out innermost first in [TP, CP, PP, DP]
-    order."""
+    """The group of each parallel dimension, ranks laid out innermost first in [TP, CP, PP, DP] order."""
     w, tp, cp, pp = layout.world, layout.tp, layout.cp, layout.pp
     return {
         "tp": Group(tp, 1, w),
@@ -363,9 +323,9 @@ def placement(layout) -> dict[str, Group]:
 
 
 def shard_group(layout, replicas: int = 1) -> Group:
-    """The cp·dp ranks that hold the same weights: they reduce gradients together and ZeRO shards
-    over them (FSDP over dp×cp, as the trainer and Llama 3 do), or over 1/`replicas` of them with
-    HSDP. One ring spread evenly over the DP group's span (exact when cp or dp is 1)."""
+    """The cp·dp ranks that hold the same weights: they reduce gradients together and ZeRO shards over them
+    (FSDP over dp×cp, as the trainer and Llama 3 do), or over 1/`replicas` of them with HSDP. One ring spread
+    evenly over the DP group's span (exact when cp or dp is 1)."""
     if layout.dp == 1:
         return Group(layout.cp, layout.tp, layout.world)
     return Group(layout.cp * layout.dp // replicas, layout.tp * layout.pp, layout.world)

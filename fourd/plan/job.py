@@ -1,15 +1,14 @@
-"""What the planner plans: one training job (model, cluster, how it is cut, the batch), and the work
-one rank does for one microbatch. Frozen values, so the memory and time model can cache on them."""
+"""What the planner plans: one training job (model, cluster, how it is cut, the batch), and the work one
+rank does for one microbatch. Frozen values, so the memory and time model can cache on them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 
 from fourd.layout import Layout, Parallelism, layer_split
 from fourd.model.config import ModelConfig
 from fourd.plan.cluster import DTYPE_BYTES, Cluster
-from fourd.plan.stack import DEFAULT_STACK, Stack, load_stack
 
 ATTENTION = (
     "flash",
@@ -21,7 +20,7 @@ PIPELINE_COMM = (
 )  # beside compute (Megatron, torchtitan, fourd), or waited for (DeepSpeed)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True)
 class Work:
     """One microbatch on one rank of a (TP, CP) group: everything a layer's time depends on."""
 
@@ -37,7 +36,6 @@ class Work:
     attention: str = "flash"
     autocast: bool = False  # BF16 autocast over FP32 weights: the residual stream stays FP32
     fsdp: bool = False  # each layer an FSDP unit (ZeRO 1-3 over more than one rank)
-    stack: Stack = field(default_factory=lambda: load_stack(DEFAULT_STACK))
 
     @property
     def tokens(self) -> int:
@@ -48,16 +46,13 @@ class Work:
         return _hash(self)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True)
 class Job:
-    """A training run: `global_seqs` sequences of `seq` tokens per optimizer step, cut as `par`
-    says. `precision` None trains in the profile's precision; `compiled` runs the blocks
-    torch.compile'd (fused kernels); `attention` is "flash" (a fused kernel) or "materialized" (the
-    s × s scores in memory); `pipeline_comm` "blocking": each send waits for its receiver, each
-    backward adds its gradients into FP32 ones by a pass of its own and they are reduced after the
-    last backward (DeepSpeed's pipeline engine). `stack` the software stack (fourd.plan.stack): what
-    overlaps and which kernels run; `compiled`, `attention` and `pipeline_comm` are the values in
-    effect (the resolver fills them from the stack)."""
+    """A training run: `global_seqs` sequences of `seq` tokens per optimizer step, cut as `par` says.
+    `precision` None trains in the profile's precision; `compiled` runs the blocks torch.compile'd (fused
+    kernels); `attention` is "flash" (a fused kernel) or "materialized" (the s × s scores in memory);
+    `pipeline_comm` "blocking": each send waits for its receiver, each backward adds its gradients into FP32
+    ones by a pass of its own and they are reduced after the last backward (DeepSpeed's pipeline engine)."""
 
     model: ModelConfig
     cluster: Cluster
@@ -68,7 +63,6 @@ class Job:
     compiled: bool = False
     attention: str = "flash"
     pipeline_comm: str = "overlapped"
-    stack: Stack = field(default_factory=lambda: load_stack(DEFAULT_STACK))
 
     @property
     def layout(self) -> Layout:
@@ -85,25 +79,23 @@ class Job:
 
     @cached_property
     def work(self) -> Work:
-        par = self.par
-        # fourd trains BF16 by autocast over FP32 weights unless a data-parallel wrapper computes
-        # with BF16 copies of them (FSDP's and DDP's mixed precision, as torchtitan, llm-foundry and
-        # Megatron do)
-        autocast = self.dtype_bytes == 2 and par.layout.cp * par.layout.dp == 1
+        p = self.par
+        # fourd trains BF16 by autocast over FP32 weights unless a data-parallel wrapper computes with BF16
+        # copies of them (FSDP's and DDP's mixed precision, as torchtitan, llm-foundry and Megatron do)
+        autocast = self.dtype_bytes == 2 and p.layout.cp * p.layout.dp == 1
         return Work(
-            model=self.model,
-            cluster=self.cluster,
-            layout=par.layout,
-            seq=self.seq,
-            micro_seqs=self.micro_seqs,
-            recompute=par.recompute,
-            sequence_parallel=par.sequence_parallel,
-            dtype_bytes=self.dtype_bytes,
-            compiled=self.compiled,
-            attention=self.attention,
-            autocast=autocast,
-            fsdp=par.zero >= 1 and par.shard_ranks > 1,
-            stack=self.stack,
+            self.model,
+            self.cluster,
+            p.layout,
+            self.seq,
+            self.micro_seqs,
+            p.recompute,
+            p.sequence_parallel,
+            self.dtype_bytes,
+            self.compiled,
+            self.attention,
+            autocast,
+            p.zero >= 1 and p.shard_ranks > 1,
         )
 
     def __hash__(self) -> int:
@@ -117,7 +109,6 @@ def _hash(obj) -> int:
 
 
 def stage_layers(layers: int, pp: int, virtual_stages: int = 1) -> list[int]:
-    """Transformer layers of each of the pp·V pipeline stages: the trainer's split
-    (fourd.layout.layer_split), or the first and last stage only the embedding and the output when
-    layers + 2 = pp·V (405B: 128 of one)."""
+    """Transformer layers of each of the pp·V pipeline stages: the trainer's split (fourd.layout.layer_split), or
+    the first and last stage only the embedding and the output when layers + 2 = pp·V (405B: 128 of one)."""
     return layer_split(layers, pp * virtual_stages, empty_edges=True)

@@ -1,6 +1,5 @@
-"""The one resolver of planner requests (`fourd plan`, `fourd sim step`, the lab, the trainer):
-settings parsed and checked in one place, defaults filled one way, those left open named. Entry
-points: docs/planner.md."""
+"""The one resolver of planner requests (`fourd plan`, `fourd sim step`, the lab, the trainer): settings parsed
+and checked in one place, defaults filled one way, those left open named. Entry points: docs/planner.md."""
 
 from __future__ import annotations
 
@@ -18,7 +17,6 @@ from fourd.model.config import ModelConfig, get_preset, parse_model_spec
 from fourd.plan.cluster import Cluster, load_cluster
 from fourd.plan.job import ATTENTION, PIPELINE_COMM, Job
 from fourd.plan.search import OPEN, Plan, search
-from fourd.plan.stack import DEFAULT_STACK, load_stack
 from fourd.schedules import SCHEDULES, check_stages
 
 DEFAULT_MODEL = "llama3-405b"
@@ -30,7 +28,7 @@ ALLOWED: dict[Any, tuple] = {}  # parser -> the values it takes
 
 
 class BadValue(FourdError, argparse.ArgumentTypeError):
-    """A value out of range: argparse names the flag it came with, others see a FourdError."""
+    """A value out of range: argparse names the flag it came with, other callers see a FourdError."""
 
 
 def bounded(kind: type, lo: float, hi: float = math.inf, what: str = ""):
@@ -69,8 +67,7 @@ def choice(allowed, kind: type = str):
 
 
 def count(text) -> float:
-    """A positive amount: `16777216`, `16M` (K, M, G binary: 16M = 2^24), `15.6T` (B, T decimal),
-    `4e6`."""
+    """A positive amount: `16777216`, `16M` (K, M, G binary: 16M = 2^24), `15.6T` (B, T decimal), `4e6`."""
     t = str(text).strip()
     try:
         value = (
@@ -90,8 +87,7 @@ def on_off(text) -> bool:
 
 
 ALLOWED[on_off] = ("on", "off")
-# Every setting a request takes: its parser (for text and typed values alike) and its --help; None
-# pins nothing.
+# Every setting a request takes: its parser (for text and typed values alike) and its --help; None pins nothing.
 SETTINGS: dict[str, tuple[Any, str]] = {
     "gpus": (
         bounded(int, 1, MAX_GPUS),
@@ -116,20 +112,15 @@ SETTINGS: dict[str, tuple[Any, str]] = {
     "precision": (choice(PRECISIONS), "training precision (default: the cluster profile's)"),
     "compiled": (
         on_off,
-        "the blocks fused or compiled (default: the stack's; fourd's the planner's choice, on; "
-        "on a CPU profile off)",
+        "the blocks torch.compile'd (default: the planner's choice, on; on a CPU profile off)",
     ),
     "attention": (
         choice(ATTENTION),
-        "flash (fused) or materialized (s x s scores, Megatron 2021-22) (default: the stack's)",
+        "flash (fused, default) or materialized (s x s scores, Megatron 2021-22)",
     ),
     "pipeline_comm": (
         choice(PIPELINE_COMM),
-        "overlapped or blocking (DeepSpeed's pipeline engine) (default: the stack's)",
-    ),
-    "stack": (
-        load_stack,
-        f"software stack: a preset in fourd/plan/stacks/ or a .toml path (default {DEFAULT_STACK})",
+        "overlapped (default) or blocking (DeepSpeed's pipeline engine)",
     ),
     "train_tokens": (count, "token budget of the whole run, e.g. 15.6T, for training_days"),
     "global_seqs": (bounded(int, 1, 1 << 40), ""),  # the trainer's exact batch, in sequences
@@ -138,8 +129,7 @@ FLAGS = {"precision": "--dtype", "compiled": "--compile"}
 
 
 def add_arguments(p) -> None:
-    """`fourd plan`'s flags; `fourd sim step` takes them too. On a CPU profile (`fourd calibrate`
-    writes one)
+    """`fourd plan`'s flags; `fourd sim step` takes them too. On a CPU profile (`fourd calibrate` writes one)
     --seq, --global-batch-tokens and --sequence-parallel default to what `fourd train` runs."""
     g = p.add_mutually_exclusive_group()
     g.add_argument(
@@ -183,8 +173,8 @@ def add_arguments(p) -> None:
 
 @dataclass(frozen=True)
 class Request:
-    """A resolved request: what runs (`base`, whose Parallelism the search replaces), on how many
-    GPUs, the settings the user pinned and the ones left to the planner."""
+    """A resolved request: what runs (`base`, whose Parallelism the search replaces), on how many GPUs, the
+    settings the user pinned and the ones left to the planner."""
 
     base: Job
     gpus: int
@@ -196,15 +186,14 @@ class Request:
 
 
 def resolve_inputs(args) -> Request:
-    """The request `fourd plan`'s flags (`add_arguments`) describe, as every command that takes them
-    reads it."""
+    """The request `fourd plan`'s flags (`add_arguments`) describe, as every command that takes them reads it."""
     model = args.model_spec or get_preset(args.model or DEFAULT_MODEL)
     cluster = load_cluster(args.cluster or DEFAULT_CLUSTER)
     return resolve(model, cluster, {k: getattr(args, k) for k in SETTINGS if k != "global_seqs"})
 
 
 def _values(values: Mapping[str, Any]) -> dict[str, Any]:
-    """Every setting, parsed and range-checked (None: not given), given as text or typed."""
+    """Every setting, parsed and range-checked (None: not given), whether it came as text or typed."""
     if bad := ", ".join(sorted(set(values) - set(SETTINGS))):
         raise FourdError(f"unknown planner setting(s) {bad}; known: {', '.join(SETTINGS)}")
     out: dict[str, Any] = dict.fromkeys(SETTINGS)
@@ -234,35 +223,19 @@ def _batch(v: dict, seq: int, cluster: Cluster) -> int:
 
 
 def _even_batch(seqs: int, parts: int) -> int:
-    """A batch given in tokens, to the nearest multiple of the replicas × microbatches that share it
-    (said); fewer sequences than parts stay as they are, for the layout check to refuse."""
+    """A batch given in tokens, to the nearest multiple of the replicas × microbatches that share it (said);
+    fewer sequences than parts stay as they are, for the layout check to refuse."""
     even = round(seqs / parts) * parts if seqs >= parts else seqs
     if even != seqs:
         print(
-            f"fourd: note: {seqs} sequences do not split into {parts} equal parts: planned with "
-            f"{even}",
+            f"fourd: note: {seqs} sequences do not split into {parts} equal parts: planned with {even}",
             file=sys.stderr,
         )
     return even
 
 
-def _compiled(given: bool | None, stack, cluster: Cluster) -> tuple[bool, bool]:
-    """(whether the blocks run fused, whether that was the planner's choice): as given; else a CPU
-    profile predicts `fourd train`, which runs eager; fourd's own stack compiles on GPUs (the
-    planner's choice, as it is the user's in `fourd train`); other stacks run their own kernels
-    (`elementwise`)."""
-    if given is not None:
-        return given, False
-    if cluster.cpu:
-        return False, False
-    if stack.name == DEFAULT_STACK:
-        return True, True
-    return stack.compiled, False
-
-
 def resolve(model: ModelConfig, cluster: Cluster, values: Mapping[str, Any]) -> Request:
-    """The one resolver: `values` names any of SETTINGS (text or typed; None or absent: open or
-    defaulted)."""
+    """The one resolver: `values` names any of SETTINGS (text or typed; None or absent: open or defaulted)."""
     v = _values(values)
     if cluster.cpu:
         from fourd.config import DataSection, ParallelSection
@@ -275,8 +248,7 @@ def resolve(model: ModelConfig, cluster: Cluster, values: Mapping[str, Any]) -> 
     gpus = gpus or layout.world
     if layout is not None and layout.world != gpus:
         raise FourdError(
-            f"layout {layout} uses {layout.world} GPUs but {gpus} are asked: make the product of "
-            f"the degrees equal {gpus}"
+            f"layout {layout} uses {layout.world} GPUs but {gpus} are asked: make the product of the degrees equal {gpus}"
         )
     schedule = v["schedule"] or ("interleaved" if (v["virtual_stages"] or 1) > 1 else None)
     check_stages(
@@ -294,9 +266,7 @@ def resolve(model: ModelConfig, cluster: Cluster, values: Mapping[str, Any]) -> 
     if (
         layout is not None
     ):  # name what is wrong with the user's own settings before searching the rest
-        zero = fixed["zero"]
-        if zero is None:
-            zero = 3 if fixed["hsdp_replicas"] > 1 else 0
+        zero = 3 * (fixed["hsdp_replicas"] > 1) if fixed["zero"] is None else fixed["zero"]
         mine = Parallelism(
             layout=layout,
             schedule=schedule or "1f1b",
@@ -308,37 +278,33 @@ def resolve(model: ModelConfig, cluster: Cluster, values: Mapping[str, Any]) -> 
             hsdp_replicas=fixed["hsdp_replicas"],
         )
         layout_check(model, mine, seq, global_seqs)
-    stack = v["stack"] or load_stack(DEFAULT_STACK)
-    compiled, planner_compiles = _compiled(v["compiled"], stack, cluster)
-    if planner_compiles:
-        open_ += ("compile",)
+    # compiled blocks are faster and keep less; a CPU profile predicts fourd train, which runs eager
+    compiled = (not cluster.cpu) if v["compiled"] is None else v["compiled"]
+    open_ += ("compile",) * (v["compiled"] is None and not cluster.cpu)
+    attention, comm = v["attention"] or "flash", v["pipeline_comm"] or "overlapped"
     base = Job(
-        model=model,
-        cluster=cluster,
-        par=Parallelism(layout=Layout()),
-        seq=seq,
-        global_seqs=global_seqs,
-        precision=v["precision"],
-        compiled=compiled,
-        attention=v["attention"] or stack.attention,
-        pipeline_comm=v["pipeline_comm"] or stack.pipeline_comm,
-        stack=stack,
+        model,
+        cluster,
+        Parallelism(layout=Layout()),
+        seq,
+        global_seqs,
+        v["precision"],
+        compiled,
+        attention,
+        comm,
     )
     return Request(base, gpus, fixed, open_, v["train_tokens"])
 
 
 def plans(req: Request) -> list[Plan]:
-    """Every configuration the request allows, fitting first, fastest first; FourdError when there
-    is none."""
+    """Every configuration the request allows, fitting first, fastest first; FourdError when there is none."""
     found = search(req.base, req.gpus, req.fixed, req.open)
     if not found:
         b, m = req.base, req.fixed["microbatches"]
         raise FourdError(
             f"no configuration of {req.gpus} GPUs runs this model with {b.seq}-token sequences and "
-            f"{b.global_seqs} sequences per "
-            f"step{f' in {m} microbatches per replica' if m else ''}: change the "
-            f"number of GPUs, the sequence length{', the microbatches' if m else ''} or the "
-            "global batch"
+            f"{b.global_seqs} sequences per step{f' in {m} microbatches per replica' if m else ''}: change the "
+            f"number of GPUs, the sequence length{', the microbatches' if m else ''} or the global batch"
         )
     return found
 
@@ -346,8 +312,8 @@ def plans(req: Request) -> list[Plan]:
 def best_plan(
     model: ModelConfig, cluster: Cluster | str, gpus: int, seq: int, global_seqs: int, fixed=None
 ) -> Plan:
-    """The fastest plan that fits (the smallest if none does) for `gpus` GPUs; `fixed` pins settings
-    by their SETTINGS names (a layout as a Layout or its text), the rest are searched."""
+    """The fastest plan that fits (the smallest if none does) for `gpus` GPUs; `fixed` pins settings by their
+    SETTINGS names (a layout as a Layout or its text), the rest are searched."""
     cluster = load_cluster(cluster) if isinstance(cluster, str) else cluster
     return plans(
         resolve(
@@ -359,11 +325,10 @@ def best_plan(
 def rank_peak_memory_gb(
     model: ModelConfig, cluster: Cluster | str, par: Parallelism, seq: int, global_seqs: int
 ):
-    """GB (10^9 bytes) the fullest GPU holds at its peak: tensors, the allocator's cache and the
-    runtime's reserve; FourdError if the configuration cannot run."""
+    """GB (10^9 bytes) the fullest GPU holds at its peak: tensors, the allocator's cache and the runtime's
+    reserve; FourdError if the configuration cannot run."""
     from fourd.plan.memory import GB, peak_memory
 
     cluster = load_cluster(cluster) if isinstance(cluster, str) else cluster
     layout_check(model, par, seq, global_seqs)
-    job = Job(model=model, cluster=cluster, par=par, seq=seq, global_seqs=global_seqs)
-    return peak_memory(job)[1].held / GB
+    return peak_memory(Job(model, cluster, par, seq, global_seqs))[1].held / GB

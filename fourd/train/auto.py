@@ -124,14 +124,7 @@ def predict(cfg: Config, peak_flops: float, world: int, device_type: str) -> dic
     cluster, _, _ = machine(cfg)
     mcfg, seq, seqs = model_config(cfg), cfg.data.seq_len, cfg.train.global_batch
     plan = evaluate(
-        Job(
-            model=mcfg,
-            cluster=cluster,
-            par=parallelism(cfg),
-            seq=seq,
-            global_seqs=seqs,
-            compiled=compiles(cfg, device_type),
-        )
+        Job(mcfg, cluster, parallelism(cfg), seq, seqs, compiled=compiles(cfg, device_type))
     )
     step = plan.step.step_s
     mfu = (
