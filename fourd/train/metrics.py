@@ -91,6 +91,8 @@ def summary_table(rows: list[dict], extra: dict[str, str], predicted: dict | Non
             f"{got['peak_mem_gb']:.2f} GB per rank" + beside("peak_mem_gb", "{:.2f} GB"),
         ),
     ]
+    if predicted and "note" in predicted:
+        items.append(("planner", predicted["note"]))
     for r in [r for r in rows if "val_loss" in r][-1:]:
         items.append(
             (

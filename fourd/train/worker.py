@@ -30,13 +30,18 @@ from fourd.measure.peak import peak_memory_gb
 from fourd.parallel.apply import build_parallel
 from fourd.parallel.cp import cp_shard
 from fourd.sim.trace import document, label, span, write_trace
-from fourd.train.auto import predict, use_cuda
+from fourd.train.auto import predict, resident_bytes, use_cuda
 from fourd.train.heartbeat import Heartbeat
 from fourd.train.launch import LAUNCH_DIR_ENV, attempt
 from fourd.train.metrics import MetricsWriter, summary_table
 from fourd.train.step import build_optimizer, eval_step, lr_at, train_step
 
-_STOP = [0]  # the signal that asked this worker to stop; 0: none
+_STOP = {"signal": 0}  # the signal that asked this worker to stop; 0: none
+
+
+def _ask_to_stop(signum: int, frame) -> None:
+    """SIGINT and SIGTERM: remember the signal; the ranks agree on it at the next step boundary."""
+    _STOP["signal"] = signum
 
 
 def worker_entry(
@@ -44,8 +49,8 @@ def worker_entry(
 ) -> int | str:
     """What each launched process runs: 0 when the run ended, the signal that stopped it, or the message of
     a failure every rank met at once (a diverged loss: no restart can help). Other failures exit non-zero."""
-    for s in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(s, lambda signum, frame: _STOP.__setitem__(0, signum))
+    for stop_signal in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(stop_signal, _ask_to_stop)
     cfg = Config.from_dict(cfg_dict)
     try:
         return run_worker(cfg, cache, data, peak)
@@ -94,12 +99,14 @@ def run_worker(cfg: Config, cache: TokenCache, data: dict, peak: tuple[float, st
     dist.init_process_group(
         backend, store=store, rank=rank, world_size=world, timeout=timeout, **cuda
     )
+    # what this process holds before the model: the interpreter, torch, the data, the process group
+    baseline_bytes = resident_bytes()
     # The digest gathers 2-D-sharded parameters once per checkpoint; DTensor's advice on merging those
     # all-gathers is about throughput, not correctness, and would flood every rank's log.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     beats = Heartbeat(rank, world, store)
     try:
-        return _Run(cfg, cache, data, peak, device, beats).loop()
+        return _Run(cfg, cache, data, peak, device, beats, baseline_bytes).loop()
     except FourdError:
         raise
     except Exception as e:
@@ -113,9 +120,17 @@ class _Run:
     """A worker's run: its part of the model, the optimizer, data, checkpointer and outputs; `loop` trains."""
 
     def __init__(
-        self, cfg: Config, cache: TokenCache, data: dict, peak: tuple[float, str], device, beats
+        self,
+        cfg: Config,
+        cache: TokenCache,
+        data: dict,
+        peak: tuple[float, str],
+        device,
+        beats,
+        baseline_bytes: float,
     ):
         self.cfg, self.device, self.beats, self.peak = cfg, device, beats, peak
+        self.baseline_bytes = baseline_bytes
         self.rank, self.world, self.attempt = dist.get_rank(), dist.get_world_size(), attempt()
         torch.manual_seed(cfg.train.seed)
         self.par = build_parallel(cfg, device, self.rank, self.world)
@@ -193,15 +208,16 @@ class _Run:
                     stop,
                     f"stopped by {signal.Signals(stop).name} after step {step}; {saved_at}; {resume}",
                 )
-        lay, flops, source = self.par.layout, *self.peak
-        facts = {
-            "layout": f"{lay} on {plural(self.world, self.device.type + ' rank')}",
-            "run dir": str(self.dir),
-        }
-        facts["MFU peak"] = f"{flops / 1e12:.3f} TFLOP/s, {source}"
         if self.writer is None:
             return self._end(0)
-        predicted = predict(self.cfg, flops, self.world, self.device.type)
+        peak_flops, peak_source = self.peak
+        ranks = plural(self.world, self.device.type + " rank")
+        facts = {
+            "layout": f"{self.par.layout} on {ranks}",
+            "run dir": str(self.dir),
+            "MFU peak": f"{peak_flops / 1e12:.3f} TFLOP/s, {peak_source}",
+        }
+        predicted = predict(self.cfg, peak_flops, self.world, self.device.type, self.baseline_bytes)
         return self._end(0, summary_table(self.writer.rows, facts, predicted))
 
     def _end(self, result: int | str, text: str = ""):
@@ -285,7 +301,7 @@ class _Run:
 
     def _stop_agreed(self) -> int:
         """The signal that stops the run at this step boundary, agreed by every rank; 0: go on."""
-        stop, folder = _STOP[0], os.environ.get(LAUNCH_DIR_ENV)
+        stop, folder = _STOP["signal"], os.environ.get(LAUNCH_DIR_ENV)
         if not stop and folder and os.path.exists(os.path.join(folder, "stop")):
             stop = int(Path(folder, "stop").read_text() or signal.SIGTERM)
         flag = torch.tensor(stop, device=self.device)
