@@ -244,13 +244,13 @@ class Checkpointer:
             )
             shutil.rmtree(staged, ignore_errors=True)
 
-        def set_aside(path: Path, e: FourdError) -> None:
+        def set_aside(path: Path, e: FourdError) -> str:  # store.newest's one line says it
             aside, n = path.with_name(f"{path.name}.damaged"), 1
             while aside.exists():
                 n += 1
                 aside = path.with_name(f"{path.name}.damaged{n}")
             path.rename(aside)
-            store.warn(f"checkpoint {path.name} is damaged ({e}); moved it to {aside.name}")
+            return f"moved it to {aside.name}"
 
         path = store.newest(self.run_dir, check=store.verify, on_damaged=set_aside)
         if path is not None:

@@ -13,6 +13,7 @@ from fourd.layout import DIMS, parse_layout
 from fourd.model.config import PRESETS, get_preset
 from fourd.plan import cluster as clusters
 from fourd.plan import request
+from fourd.plan.job import stage_layers
 from fourd.plan.memory import rank_memories
 from fourd.plan.report import why
 from fourd.schedules import SCHEDULES, build_schedule
@@ -23,9 +24,12 @@ P_RANGE, M_RANGE, V_RANGE = (1, 16), (1, 64), (1, 8)  # the bench's sliders
 # One Llama 3 405B replica, tp=8 × pp=16 (Llama 3 paper, Table 4), drawn as 8 racks of 2 servers of 8 GPUs.
 REPLICA_GPUS = 128
 TRACE_MAX_BYTES = 64 << 20
-MAX_ROW_GPUS = (
-    1 << 20
-)  # the row counts every group of every dimension; bounded so a request stays quick
+# the row counts every group of every dimension; bounded so a request stays quick
+MAX_ROW_GPUS = 1 << 20
+# A simulated trace's compute pieces (microbatches × layers × passes): the step simulator runs about
+# 13,000 a second on this project's 2-core machine under load (8,064 pieces in 0.6 s, 2026-12-01), so
+# a trace stays within the lab's 2 s a request.
+MAX_SIM_PIECES = 10_000
 
 
 def single_values(pairs: list[tuple[str, str]]) -> dict[str, str]:
@@ -189,8 +193,33 @@ def plan(q: dict[str, str], **_) -> dict:
 
 
 def simtrace(q: dict[str, str], **_) -> dict:
-    """Chrome trace of the planner panel's plan, simulated step by step with communication (`fourd sim step`)."""
-    return chrome_trace(simulate_step(_best_plan(q).job))
+    """Chrome trace of the planner panel's plan, simulated step by step with communication (`fourd sim
+    step`), if its step has at most MAX_SIM_PIECES compute pieces."""
+    job = _best_plan(q).job
+    _check_sim_size(job)
+    return chrome_trace(simulate_step(job))
+
+
+def _check_sim_size(job) -> None:
+    """FourdError naming the microbatches that fit when the step has more than MAX_SIM_PIECES pieces:
+    microbatches × the layers of all stages × passes (forward, backward; zero-bubble splits backward
+    in two), as the step simulator counts them."""
+    par = job.par
+    layers = sum(
+        max(1, n) for n in stage_layers(job.model.layers, job.layout.pp, par.virtual_stages)
+    )
+    if par.schedule == "zero-bubble":
+        passes = 3
+    else:
+        passes = 2
+    pieces = par.microbatches * layers * passes
+    if pieces > MAX_SIM_PIECES:
+        fitting = max(1, MAX_SIM_PIECES // (layers * passes))
+        raise FourdError(
+            f"the step to simulate has {par.microbatches:,} microbatches x {layers} layers x {passes} "
+            f"passes = {pieces:,} compute pieces; the lab simulates at most {MAX_SIM_PIECES:,}: give "
+            f"microbatches={fitting} or fewer, or run `fourd sim step` for the whole step"
+        )
 
 
 def _profile_name(text: str) -> str:
@@ -224,6 +253,11 @@ def trace(q: dict[str, str], *, trace_dir: Path, **_) -> dict:
                 f"path={shown} is larger than {TRACE_MAX_BYTES >> 20} MiB; open a shorter trace"
             )
         doc = json.loads(path.read_bytes())
+    except RecursionError:
+        raise FourdError(
+            f"path={shown} nests deeper than Python's JSON reader goes; a trace is Chrome trace "
+            "JSON, a list of flat events"
+        ) from None
     except OSError as e:
         raise FourdError(
             f"path={shown} cannot be read ({e.strerror}): name a trace file under --trace-dir"

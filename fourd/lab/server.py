@@ -16,7 +16,9 @@ import http.client
 import io
 import json
 import os
+import select
 import selectors
+import signal
 import socket
 import sys
 import threading
@@ -42,6 +44,17 @@ WORKERS = 8  # threads that answer complete requests; clients still sending hold
 MAX_WAITING = 512  # connections still sending their request; beyond it the oldest is closed
 MAX_QUEUED = 64  # complete requests waiting for a worker; beyond it the answer is 503
 MAX_HEAD = 16 << 10
+# Every answer within 2 s on this project's 2-core machine: an API answer is computed in a child
+# process that is ended when it runs longer than this (reading and sending take the rest).
+COMPUTE_LIMIT_S = 1.5
+# Endpoints computed in the worker thread: their work is bounded by their parameters' ranges (the
+# bench's at most 16 x 64 x 8 stage-microbatches) and the bench's answers are cached in this process.
+IN_THREAD = {"options", "schedule"}
+TOO_LONG = (
+    "this request takes more than {limit:g} s to compute, the lab's bound on one request: give "
+    "more of the settings (layout, schedule, microbatches), open a smaller trace, or run "
+    "`fourd plan` or `fourd sim step`, which have no such bound"
+)
 # Content-Security-Policy keeps the page from loading anything that is not served here (no CDN).
 _CSP = "default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; connect-src 'self'"
 _HEADERS = {"Cache-Control": "no-store", "Connection": "close", "X-Content-Type-Options": "nosniff"}
@@ -94,6 +107,7 @@ class LabServer:
         static_dir=STATIC_DIR,
         trace_dir=Path("."),
         timeout=TIMEOUT_S,
+        compute_limit_s=COMPUTE_LIMIT_S,
     ):
         self.socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -111,6 +125,7 @@ class LabServer:
         self.url = f"http://[{name}]:{port}/" if ":" in name else f"http://{name}:{port}/"
         self.static = load_static(static_dir)
         self.trace_dir, self.timeout = trace_dir.resolve(), timeout
+        self.compute_limit_s = compute_limit_s
         self.any_name = host in (
             "0.0.0.0",
             "::",
@@ -185,6 +200,11 @@ class LabServer:
         except OSError:
             chunk = b""
         head += chunk
+        if b"\n" in head:  # a malformed request line is answered at once, not at the deadline
+            try:
+                _parse_request_line(bytes(head.partition(b"\n")[0]))
+            except FourdError as e:
+                return self._drop(conn, _error(400, str(e)))
         if chunk and len(head) <= MAX_HEAD and b"\r\n\r\n" not in head and b"\n\n" not in head:
             return  # more to come
         if not chunk or len(head) > MAX_HEAD:
@@ -238,18 +258,23 @@ class LabServer:
             )
         parts = urlsplit(target)
         if parts.path.startswith("/api/"):
-            endpoint = api.ENDPOINTS.get(parts.path[len("/api/") :])
+            name = parts.path[len("/api/") :]
+            endpoint = api.ENDPOINTS.get(name)
             if endpoint is None:
                 known = ", ".join(sorted(api.ENDPOINTS))
                 return _error(
                     404, f"no API endpoint {parts.path[5:60]!r}; known: {known}", head_only
                 )
-            return _response(
-                200,
-                _json(endpoint(self._query(parts.query), trace_dir=self.trace_dir)),
-                JSON,
-                head_only,
-            )
+            query = self._query(parts.query)
+
+            def answer() -> bytes:
+                return _json(endpoint(query, trace_dir=self.trace_dir))
+
+            if name in IN_THREAD:
+                body = answer()
+            else:
+                body = bounded(answer, self.compute_limit_s)
+            return _response(200, body, JSON, head_only)
         entry = self.static.get("index.html" if parts.path == "/" else parts.path[1:])
         return (
             _response(200, entry[0], entry[1], head_only)
@@ -292,11 +317,61 @@ def load_static(folder: Path) -> dict[str, tuple[bytes, str]]:
     return files
 
 
-def _parse_head(head: bytes):
-    line, _, rest = head.partition(b"\n")
+def bounded(compute, limit_s: float) -> bytes:
+    """compute()'s bytes, computed in a forked child that is killed after `limit_s` seconds
+    (FourdError: TOO_LONG); the child's FourdError is raised here as it was, any other exception as
+    a RuntimeError with its one line. Where there is no fork (Windows), computed here, unbounded."""
+    if not hasattr(os, "fork"):
+        return compute()
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: one kind byte (0 answer, 1 refused, 2 bug), the payload, then leave
+        os.close(read_end)
+        try:
+            try:
+                out = b"0" + compute()
+            except FourdError as e:
+                out = b"1" + str(e).encode()
+            except BaseException as e:  # noqa: BLE001 (sent to the parent, which answers 500)
+                out = b"2" + f"{type(e).__name__}: {e}".encode()
+            with open(write_end, "wb") as pipe:
+                pipe.write(out)
+        finally:
+            os._exit(0)  # no exit handlers: they belong to the parent
+    os.close(write_end)
+    chunks, deadline = [], time.monotonic() + limit_s
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([read_end], [], [], left)[0]:
+                os.kill(pid, signal.SIGKILL)
+                raise FourdError(TOO_LONG.format(limit=limit_s))
+            chunk = os.read(read_end, 1 << 20)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(read_end)
+        os.waitpid(pid, 0)
+    out = b"".join(chunks)
+    if out[:1] == b"0":
+        return out[1:]
+    if out[:1] == b"1":
+        raise FourdError(out[1:].decode())
+    raise RuntimeError(out[1:].decode() or "the computing process ended without an answer")
+
+
+def _parse_request_line(line: bytes) -> list[str]:
+    """METHOD, TARGET and the version of a request line; FourdError for anything else."""
     words = line.decode("latin-1").split()
     if len(words) != 3 or words[2] not in ("HTTP/1.0", "HTTP/1.1"):
         raise FourdError(f"request line {line.strip()[:60]!r} is not METHOD TARGET HTTP/1.1")
+    return words
+
+
+def _parse_head(head: bytes):
+    line, _, rest = head.partition(b"\n")
+    words = _parse_request_line(line)
     try:
         headers = http.client.parse_headers(io.BytesIO(rest))
     except http.client.HTTPException:

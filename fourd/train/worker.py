@@ -224,8 +224,10 @@ class _Run:
         self.ckpt.wait()
         if self.writer is not None:
             self.writer.close()
-            if text:
-                print(text if result == 0 else f"fourd: {text}", flush=True)
+            if text and result == 0:
+                print(text, flush=True)
+            elif text:  # a non-zero exit: its line goes where every other such line goes
+                print(f"fourd: {text}", file=sys.stderr, flush=True)
         return result
 
     def _diverged(self, row: dict) -> str:
