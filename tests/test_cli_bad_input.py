@@ -583,19 +583,9 @@ def test_a_bad_lab_request_is_one_400_line_at_once(name, lab):
 
 def _train(places, run, *args) -> list[str]:
     """`fourd train` of the debug model on the table's file into `run`, as a command line."""
-    data = ["--data.path", f"{places['d']}/file.txt", "--train.global_batch=2"]
-    return [
-        sys.executable,
-        "-m",
-        "fourd",
-        "train",
-        "--model",
-        "debug",
-        *data,
-        "--run-dir",
-        str(run),
-        *args,
-    ]
+    model = ["--model", "debug", "--train.global_batch=2"]
+    data = ["--data.path", f"{places['d']}/file.txt"]
+    return [sys.executable, "-m", "fourd", "train", *model, *data, "--run-dir", str(run), *args]
 
 
 def _env(places) -> dict:
