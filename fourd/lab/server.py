@@ -48,7 +48,8 @@ MAX_HEAD = 16 << 10
 # process that is ended when it runs longer than this (reading and sending take the rest).
 COMPUTE_LIMIT_S = 1.5
 # Endpoints computed in the worker thread: their work is bounded by their parameters' ranges (the
-# bench's at most 16 x 64 x 8 stage-microbatches) and the bench's answers are cached in this process.
+# bench's at most 16 x 64 x 8 stage-microbatches) and the bench's answers are cached in this
+# process.
 IN_THREAD = {"options", "schedule"}
 TOO_LONG = (
     "this request takes more than {limit:g} s to compute, the lab's bound on one request: give "
@@ -96,8 +97,9 @@ def run(args) -> int:
 
 
 class LabServer:
-    """One thread reads every connection's request, WORKERS threads answer complete ones: a client that sends
-    slowly costs a socket for `timeout` seconds, never a thread (docs/lab.md). One request per connection."""
+    """One thread reads every connection's request, WORKERS threads answer complete ones: a client
+    that sends slowly costs a socket for `timeout` seconds, never a thread (docs/lab.md). One
+    request per connection; an API answer is computed within `compute_limit_s`."""
 
     def __init__(
         self,
@@ -124,26 +126,27 @@ class LabServer:
         name, port = str(self.server_address[0]), self.server_address[1]
         self.url = f"http://[{name}]:{port}/" if ":" in name else f"http://{name}:{port}/"
         self.static = load_static(static_dir)
-        self.trace_dir, self.timeout = trace_dir.resolve(), timeout
+        self.trace_dir = trace_dir.resolve()
+        self.timeout = timeout
         self.compute_limit_s = compute_limit_s
-        self.any_name = host in (
-            "0.0.0.0",
-            "::",
-            "",
-        )  # other machines may connect, under whatever name they use
-        names = ["127.0.0.1", "localhost"] + (
-            [] if self.any_name else [f"[{host}]" if ":" in host else host.lower()]
-        )
-        self.hosts = [f"{n}:{port}" for n in dict.fromkeys(names)] + (
-            names if port == 80 else []
-        )  # first: suggested
+        # on every interface other machines may connect, under whatever name they use
+        self.any_name = host in ("0.0.0.0", "::", "")
+        names = ["127.0.0.1", "localhost"]
+        if ":" in host and not self.any_name:  # an IPv6 address is written in brackets
+            names.append(f"[{host}]")
+        elif not self.any_name:
+            names.append(host.lower())
+        self.hosts = [f"{known}:{port}" for known in dict.fromkeys(names)]  # first: suggested
+        if port == 80:  # the port may be left out
+            self.hosts += names
         self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="fourd-lab")
         self._slots = threading.BoundedSemaphore(WORKERS + MAX_QUEUED)
         self._stop, self._stopped = threading.Event(), threading.Event()
         self._stopped.set()
 
     def serve_forever(self) -> None:
-        """Accept and read until shutdown(); a connection still sending has (deadline, bytes so far) as its data."""
+        """Accept and read until shutdown(); a connection still sending has (deadline, bytes so far)
+        as its data."""
         self._stopped.clear()
         sel = self._sel = selectors.DefaultSelector()
         sel.register(self.socket, selectors.EVENT_READ)
@@ -232,7 +235,8 @@ class LabServer:
             self._slots.release()
 
     def respond(self, head: bytes) -> bytes:
-        """The whole answer to one request head: the file or the API's JSON, else an error in one line."""
+        """The whole answer to one request head: the file or the API's JSON, else an error in one
+        line."""
         method = ""
         try:
             method, target, headers = _parse_head(head)
@@ -288,7 +292,8 @@ class LabServer:
                 f"the request has {len(values)} Host headers: send exactly one, such as {self.hosts[0]}"
             )
         value = values[0].strip().lower()
-        # A page elsewhere could point its own name at 127.0.0.1 (DNS rebinding); it would send that name.
+        # A page elsewhere could point its own name at 127.0.0.1 (DNS rebinding); it would send that
+        # name.
         if value not in self.hosts and not (
             self.any_name and value.endswith(f":{self.server_address[1]}")
         ):
@@ -307,7 +312,8 @@ class LabServer:
 
 
 def load_static(folder: Path) -> dict[str, tuple[bytes, str]]:
-    """Regular files of known types directly in `folder`, read once: no request path reaches the file system."""
+    """Regular files of known types directly in `folder`, read once: no request path reaches the
+    file system."""
     files = {}
     with os.scandir(folder) as it:
         for entry in it:
@@ -395,7 +401,8 @@ def _error(status: int, message: str, head_only: bool = False, extra: dict | Non
 
 
 def _close(conn: socket.socket, answer: bytes) -> None:
-    """Send the answer (if any) and close; a client that left or stopped reading is not told more."""
+    """Send the answer (if any) and close; a client that left or stopped reading is not told
+    more."""
     with contextlib.suppress(OSError):
         conn.sendall(answer)
         conn.shutdown(socket.SHUT_WR)

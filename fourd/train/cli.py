@@ -174,7 +174,8 @@ def _model_name(cfg) -> str:
 
 
 def _check_run_dir(cfg, given: str | None) -> None:
-    """Refuse a run directory that cannot be one or that holds another run (a fresh one is made at start)."""
+    """Refuse a run directory that cannot be one or that holds another run (a fresh one is made at
+    start)."""
     if given == "":
         raise FourdError(
             "--run-dir '' is empty: give a directory, or leave --run-dir out for a fresh one"
@@ -197,7 +198,8 @@ def _check_run_dir(cfg, given: str | None) -> None:
 
 
 def _configure(args):
-    """The run's whole configuration and its model: flags over a resumed run's record or an --init-from model."""
+    """The run's whole configuration and its model: flags over a resumed run's record or an
+    --init-from model."""
     resumed, saved = _resuming(args)
     flags = {FLAGS[k]: getattr(args, k) for k in FLAGS}
     if resumed is not None:
@@ -232,7 +234,8 @@ def _configure(args):
 
 
 def prepare(args):
-    """Everything that can fail on bad input, done before any worker starts: (cfg, layout, cache, data record)."""
+    """Everything that can fail on bad input, done before any worker starts: (cfg, layout, cache,
+    data record)."""
     from fourd.data.dataset import SampleStream
     from fourd.data.dataset import prepare as prepare_data
 
@@ -280,7 +283,8 @@ def prepare(args):
 
 
 def _start(cfg) -> None:
-    """Create the run directory (a fresh, unique one when none is given) and write config.toml into it."""
+    """Create the run directory (a fresh, unique one when none is given) and write config.toml into
+    it."""
     if not cfg.run.dir:
         lay = parse_layout(cfg.parallel.layout)
         tag = "-".join(f"{d}{getattr(lay, d)}" for d in DIMS if getattr(lay, d) > 1) or "dp1"
