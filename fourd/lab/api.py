@@ -127,7 +127,8 @@ def cluster(q: dict[str, str], **_) -> dict:
     profile = clusters.load_cluster(_profile_name(q.get("cluster") or "llama3-h100"))
     if layout.world > MAX_ROW_GPUS:
         raise FourdError(
-            f"layout={layout} has {layout.world:,} GPUs: the cluster row counts at most {MAX_ROW_GPUS:,}"
+            f"layout={layout} has {layout.world:,} GPUs: the cluster row counts at most "
+            f"{MAX_ROW_GPUS:,}"
         )
     per_server, per_rack = profile.node.gpus, profile.network.gpus_per_rack
     gpus = [
@@ -223,9 +224,10 @@ def _check_sim_size(job) -> None:
     if pieces > MAX_SIM_PIECES:
         fitting = max(1, MAX_SIM_PIECES // (layers * passes))
         raise FourdError(
-            f"the step to simulate has {par.microbatches:,} microbatches x {layers} layers x {passes} "
-            f"passes = {pieces:,} compute pieces; the lab simulates at most {MAX_SIM_PIECES:,}: give "
-            f"microbatches={fitting} or fewer, or run `fourd sim step` for the whole step"
+            f"the step to simulate has {par.microbatches:,} microbatches x {layers} layers x "
+            f"{passes} passes = {pieces:,} compute pieces; the lab simulates at most "
+            f"{MAX_SIM_PIECES:,}: give microbatches={fitting} or fewer, or run `fourd sim step` "
+            "for the whole step"
         )
 
 
@@ -250,7 +252,8 @@ def trace(q: dict[str, str], *, trace_dir: Path, **_) -> dict:
         path = (root / text).resolve()
         if not path.is_relative_to(root):
             raise FourdError(
-                f"path={shown} is outside the lab's --trace-dir; start `fourd lab --trace-dir` above it"
+                f"path={shown} is outside the lab's --trace-dir; start `fourd lab --trace-dir` "
+                "above it"
             )
         if path.suffix != ".json":
             raise FourdError(f"path={shown}: a trace is a Chrome trace .json file")

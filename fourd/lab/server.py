@@ -258,7 +258,8 @@ class LabServer:
         self._check_host(headers.get_all("Host") or [])
         if not target.startswith("/"):
             raise FourdError(
-                f"request target {target[:60]!r} is not a path: send origin-form, such as GET / HTTP/1.1"
+                f"request target {target[:60]!r} is not a path: send origin-form, such as "
+                "GET / HTTP/1.1"
             )
         parts = urlsplit(target)
         if parts.path.startswith("/api/"):
@@ -289,7 +290,8 @@ class LabServer:
     def _check_host(self, values: list[str]) -> None:
         if len(values) != 1:
             raise FourdError(
-                f"the request has {len(values)} Host headers: send exactly one, such as {self.hosts[0]}"
+                f"the request has {len(values)} Host headers: send exactly one, such as "
+                f"{self.hosts[0]}"
             )
         value = values[0].strip().lower()
         # A page elsewhere could point its own name at 127.0.0.1 (DNS rebinding); it would send that

@@ -77,7 +77,8 @@ def _failure(e, folder: Path, max_restarts: int) -> FourdError:
             return FourdError(min(refused, key=lambda r: r["rank"])["message"])
         first = min(last, key=lambda r: r["time"])  # a failure: the rank that met it first
         return RunFailed(
-            f"{first['message']} (after {plural(max_restarts, 'restart')}; --debug shows the traceback)"
+            f"{first['message']} (after {plural(max_restarts, 'restart')}; --debug shows the "
+            "traceback)"
         )
     rank, failure = min(e.failures.items())
     why = f"signal {-failure.exitcode}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
