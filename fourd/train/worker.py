@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from fourd.ckpt.dcp_io import Checkpointer
 from fourd.ckpt.store import newest
@@ -102,14 +103,12 @@ def run_worker(cfg: Config, cache: TokenCache, data: dict, peak: tuple[float, st
     dist.init_process_group(
         backend, store=store, rank=rank, world_size=world, timeout=timeout, **cuda
     )
-    # what this process holds before the model: the interpreter, torch, the data, the process group
-    baseline_bytes = resident_bytes()
     # The digest gathers 2-D-sharded parameters once per checkpoint; DTensor's advice on merging
     # those all-gathers is about throughput, not correctness, and would flood every rank's log.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     beats = Heartbeat(rank, world, store)
     try:
-        return _Run(cfg, cache, data, peak, device, beats, baseline_bytes).loop()
+        return _Run(cfg, cache, data, peak, device, beats).loop()
     except FourdError:
         raise
     except Exception as e:
@@ -132,13 +131,12 @@ class _Run:
         peak: tuple[float, str],
         device,
         beats,
-        baseline_bytes: float,
     ):
         self.cfg = cfg
         self.device = device
         self.beats = beats
         self.peak = peak  # (FLOP/s, where the figure comes from)
-        self.baseline_bytes = baseline_bytes  # what the process held before the model
+        self.baseline_bytes = 0.0  # what the process holds besides its model's tensors (loop)
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.attempt = attempt()
@@ -198,7 +196,11 @@ class _Run:
                 "ask for more --steps"
             )
         self.writer = MetricsWriter(self.dir, t.steps, step) if self.rank == 0 else None
+        # Before the first step: the interpreter, torch, the data, the process groups, the model's
+        # machinery and outputs; the planner counts the tensors that come with training.
+        self.baseline_bytes = resident_bytes() - self._parameter_bytes()
         saved = step
+        first_save: int | None = None  # the step after which this run first saved a checkpoint
         while step < t.steps:
             step += 1
             row = self._step(step, sample)
@@ -210,6 +212,8 @@ class _Run:
             if step == t.steps or (interval and step % interval == 0):
                 self.ckpt.save(step, sample)
                 saved = step
+                if first_save is None:
+                    first_save = step
             stop = self._stop_agreed()
             if stop and step < t.steps:
                 if saved != step:
@@ -228,7 +232,17 @@ class _Run:
             "MFU peak": f"{peak_flops / 1e12:.3f} TFLOP/s, {peak_source}",
         }
         predicted = predict(self.cfg, peak_flops, self.world, self.device.type, self.baseline_bytes)
-        return self._end(0, summary_table(self.writer.rows, facts, predicted))
+        summary = summary_table(self.writer.rows, facts, predicted, first_save)
+        return self._end(0, summary)
+
+    def _parameter_bytes(self) -> int:
+        """Bytes of this rank's own parameters (its shards of sharded ones)."""
+        total = 0
+        for stage in self.par.stages:
+            for param in stage.parameters():
+                local = param.to_local() if isinstance(param, DTensor) else param
+                total += local.numel() * local.element_size()
+        return total
 
     def _end(self, result: int | str, text: str = ""):
         self.ckpt.wait()
