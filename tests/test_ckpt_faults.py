@@ -98,8 +98,13 @@ def test_bit_flip_is_named_and_training_falls_back(clean, tmp_path, fourd):
     assert code == 2 and f"{shard}: SHA-256 differs from manifest.json" in err
     code, out, err = fourd(*BASE, "--checkpoint.keep", 2, "--run-dir", run, "--resume")
     assert code == 0, err
-    assert "checkpoint step-6 is damaged" in err and "moved it to step-6.damaged" in err
-    assert "falling back to the previous complete checkpoint step-4 (skipped damaged step-6)" in err
+    # one line says both: what was damaged and moved aside, and where training resumes
+    (warning,) = [line for line in err.splitlines() if "warning" in line]
+    assert warning == (
+        f"fourd: warning: checkpoint step-6 is damaged ({shard}: SHA-256 differs from manifest.json"
+        "; the file is damaged); moved it to step-6.damaged; falling back to the previous "
+        "complete checkpoint step-4"
+    ), err
     assert f"resuming from checkpoint {run}/checkpoints/step-4 at step 4, sample 64" in out
     assert [r["step"] for r in rows(run)] == [1, 2, 3, 4, 5, 6]
     assert digest(run, 6) == digest(clean, 6)  # recomputed steps 5 and 6 exactly

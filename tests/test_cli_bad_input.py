@@ -6,8 +6,12 @@ feature's own tests, this table pins the promise that holds for all of them.
 
 import json
 import os
+import re
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -523,3 +527,106 @@ def test_bad_input_is_one_line_and_exit_2(name, places):
     assert not list(Path(places["d"]).glob("out*/*.safetensors")), (
         f"{name}: left a half-written export"
     )
+
+
+# Bad input met after start-up, each once answered badly: a lab request (a 500, a connection left
+# open), a stop signal (its line on stdout), a damaged newest checkpoint (two warning lines).
+DEEP = 200_000  # a JSON file nested this deep once answered 500 with a RecursionError
+LAB_CASES = {
+    "trace nested 200,000 deep": (
+        b"GET /api/trace?path=deep.json HTTP/1.1\r\nHost: HOST\r\n\r\n",
+        "path='deep.json' nests deeper than Python's JSON reader goes; a trace is Chrome trace "
+        "JSON, a list of flat events",
+    ),
+    "bare request line": (b"GET /\r\n", "request line b'GET /' is not METHOD TARGET HTTP/1.1"),
+}
+
+
+@pytest.fixture(scope="module")
+def lab(places):
+    """`fourd lab` in its own process, its --trace-dir holding a JSON file nested DEEP levels."""
+    traces = Path(places["d"], "traces")
+    traces.mkdir()
+    (traces / "deep.json").write_text("[" * DEEP + "]" * DEEP)
+    errors = open(Path(places["d"], "lab.err"), "w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fourd", "lab", "--port", "0", "--trace-dir", str(traces)],
+        stdout=subprocess.PIPE,
+        stderr=errors,
+        text=True,
+        cwd=ROOT,
+    )
+    port = int(re.search(r":(\d+)/", proc.stdout.readline()).group(1))
+    yield port, errors
+    proc.terminate()
+    proc.wait(timeout=10)
+    errors.close()
+
+
+@pytest.mark.parametrize("name", LAB_CASES)
+def test_a_bad_lab_request_is_one_400_line_at_once(name, lab):
+    port, errors = lab
+    data, message = LAB_CASES[name]
+    t = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(data.replace(b"HOST", f"127.0.0.1:{port}".encode()))
+        answer = b""
+        while chunk := s.recv(65536):  # the lab closes the connection after its answer
+            answer += chunk
+    assert time.monotonic() - t < 2, name
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 Bad Request\r\n"), answer[:200]
+    assert json.loads(body) == {"error": message}
+    errors.seek(0)
+    assert errors.read() == ""  # nothing logged: no internal error
+
+
+def _train(places, run, *args) -> list[str]:
+    """`fourd train` of the debug model on the table's file into `run`, as a command line."""
+    model = ["--model", "debug", "--train.global_batch=2"]
+    data = ["--data.path", f"{places['d']}/file.txt"]
+    return [sys.executable, "-m", "fourd", "train", *model, *data, "--run-dir", str(run), *args]
+
+
+def _env(places) -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", FOURD_HOME=places["home"], PYTHONUNBUFFERED="1")
+
+
+def test_a_stop_signal_is_one_line_on_stderr(places, tmp_path):
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        _train(places, run, "--steps", "1000"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(places),
+        cwd=ROOT,
+    )
+    metrics, deadline = run / "metrics.jsonl", time.monotonic() + 240
+    while not (metrics.exists() and metrics.read_text().strip()):  # a step has run
+        assert proc.poll() is None and time.monotonic() < deadline, "no step within 240 s"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    step = json.loads(metrics.read_text().splitlines()[-1])["step"]
+    assert proc.returncode == 128 + signal.SIGINT and "stopped by" not in out
+    assert [line for line in err.splitlines() if line.strip()] == [
+        f"fourd: stopped by SIGINT after step {step}; checkpoint {run}/checkpoints/step-{step} "
+        f"saved; continue with `fourd train --resume {run}`"
+    ]
+
+
+def test_a_damaged_newest_checkpoint_is_one_warning_line(places, tmp_path):
+    run, env = tmp_path / "run", _env(places)
+    first = _train(places, run, "--steps", "2", "--checkpoint.interval=1")
+    subprocess.run(first, check=True, capture_output=True, timeout=300, env=env, cwd=ROOT)
+    shard = next((run / "checkpoints" / "step-2").glob("*.distcp"))
+    shard.write_bytes(b"\x00" * shard.stat().st_size)
+    again = _train(places, run, "--steps", "3", "--resume")
+    p = subprocess.run(again, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-1500:]
+    assert [line for line in p.stderr.splitlines() if line.strip()] == [
+        f"fourd: warning: checkpoint step-2 is damaged ({shard}: SHA-256 differs from "
+        "manifest.json; the file is damaged); moved it to step-2.damaged; falling back to the "
+        "previous complete checkpoint step-1"
+    ]

@@ -595,3 +595,60 @@ def test_planner_requests_that_once_failed_answer_400_at_once(confined_lab, targ
     conn.close()
     assert status == 400, error
     assert time.monotonic() - t < 10
+
+
+# The simulated trace of one Llama 3 405B step over 1,024 GPUs: left to the planner, 512 microbatches
+# of 126 layers, 129,024 pieces that took over 90 s to simulate.
+HUGE_SIMTRACE = (
+    "/api/simtrace?cluster=llama3-h100&layout=tp=4,dp=16,pp=16&v=4&gpus=1024&seq=256"
+    "&global_batch_tokens=16M&schedule=&microbatches="
+)
+
+
+def refused_within(server, target: str, seconds: float) -> str:
+    """The one-line error of a 400 answer to GET `target` that came within `seconds`."""
+    t = time.monotonic()
+    status, error = error_of(request(server, "GET", target))
+    assert status == 400 and time.monotonic() - t < seconds, (status, error)
+    return error
+
+
+def test_a_simulated_trace_beyond_the_labs_bound_is_refused_at_once_naming_it(lab):
+    assert refused_within(lab, HUGE_SIMTRACE, 2) == (
+        "the step to simulate has 512 microbatches x 126 layers x 2 passes = 129,024 compute "
+        "pieces; the lab simulates at most 10,000: give microbatches=39 or fewer, or run "
+        "`fourd sim step` for the whole step"
+    )
+    small = "model=debug&gpus=8&layout=pp=4,dp=2&schedule=1f1b&microbatches=8&seq=256"
+    t = time.monotonic()
+    status, _, body = request(lab, "GET", f"/api/simtrace?{small}&global_batch_tokens=8192")
+    assert status == 200 and time.monotonic() - t < 2
+    steps = [e for e in json.loads(body)["traceEvents"] if e.get("tid") == 0 and e["ph"] == "X"]
+    assert len(steps) == 2 * 8  # rank 0: a forward and a backward of each of 8 microbatches
+
+
+def test_a_request_computing_longer_than_the_bound_is_refused_and_its_work_ended():
+    """The bound ends the computation (its process), so slow requests cannot pile up."""
+    server = LabServer("127.0.0.1", 0, compute_limit_s=0.05)
+    server.serve_in_thread()
+    try:
+        before = _children()
+        assert refused_within(server, "/api/plan?gpus=16384", 1) == (
+            "this request takes more than 0.05 s to compute, the lab's bound on one request: "
+            "give more of the settings (layout, schedule, microbatches), open a smaller trace, or "
+            "run `fourd plan` or `fourd sim step`, which have no such bound"
+        )
+        assert _children() <= before  # the computing process was killed and reaped
+        assert request(server, "GET", "/api/schedule?p=4&m=4")[0] == 200  # in the thread, cached
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _children() -> set[int]:
+    """This process's child processes (zombies included), from every thread's list in /proc."""
+    return {
+        int(pid)
+        for f in Path("/proc/self/task").glob("*/children")
+        for pid in f.read_text().split()
+    }

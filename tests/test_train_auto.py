@@ -2,6 +2,7 @@
 given, the memory check, FP8's refusal, a padded vocabulary, HFU beside MFU, the prediction beside the measurement."""
 
 import json
+import re
 import time
 
 import pytest
@@ -211,3 +212,63 @@ def test_a_model_vocabulary_larger_than_the_tokenizers_is_padding_said_once(four
         note + " are padding, never a target"
     ]
     assert len(rows(tmp_path)) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_an_uncalibrated_machine_gets_the_planners_memory_and_one_line_naming_calibrate(
+    fourd, tmp_path
+):
+    """A fresh FOURD_HOME has no `fourd calibrate` profile: no predicted time (it once read 225 %
+    MFU), one line saying how to get it, and the peak memory predicted with the worker's baseline."""
+    from fourd.config import fourd_home
+    from fourd.train.auto import NOT_CALIBRATED
+
+    cache = f"--data.cache_dir={fourd_home() / 'cache'}"  # the token cache is not the profile
+    code, out, err = fourd(
+        "train",
+        "--model",
+        "small",
+        "--layout",
+        "dp=2",
+        "--steps",
+        3,
+        "--train.global_batch=4",
+        cache,
+        "--run-dir",
+        tmp_path / "r",
+        env={"FOURD_HOME": str(tmp_path / "home")},
+        timeout=600,
+    )
+    assert code == 0, err[-2000:]
+    summary = {line.split("   ")[0]: line for line in out.splitlines() if "   " in line}
+    for label in ("tokens/s", "step time", "MFU"):
+        assert "planner" not in summary[label], summary[label]
+    assert summary["planner"] == f"planner       {NOT_CALIBRATED}"
+    memory = re.fullmatch(
+        r"peak memory   (\d\.\d\d) GB per rank; planner (\d\.\d\d) GB \(([+-]\d+)%\)",
+        summary["peak memory"],
+    )
+    assert memory, summary["peak memory"]
+    measured, predicted = float(memory[1]), float(memory[2])
+    assert abs(predicted / measured - 1) <= 0.25, summary["peak memory"]
+
+
+def test_the_planners_memory_is_set_beside_training_before_the_first_checkpoint_save():
+    """A checkpoint save holds memory of its own (0.19 GB a rank at `make run`), which the planner's
+    training peak leaves out: the error is against the peak before the first save."""
+    from fourd.train.metrics import summary_table
+
+    rows = [
+        {"step": s, "loss": 1.0, "tokens_per_s": 1.0, "step_time_s": 1.0, "mfu": 0.1}
+        | {"peak_mem_gb": gb}
+        for s, gb in ((1, 0.40), (2, 0.48), (3, 0.66), (4, 0.69))
+    ]
+    predicted = {"peak_mem_gb": 0.36}
+    (line,) = [x for x in summary_table(rows, {}, predicted, 2).splitlines() if "memory" in x]
+    assert line == (
+        "peak memory   0.69 GB per rank (0.48 GB before the first checkpoint save); "
+        "planner 0.36 GB (-25%)"
+    )
+    (line,) = [x for x in summary_table(rows, {}, predicted).splitlines() if "memory" in x]
+    assert line == "peak memory   0.69 GB per rank; planner 0.36 GB (-48%)"

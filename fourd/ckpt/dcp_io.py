@@ -275,14 +275,14 @@ class Checkpointer:
             )
             shutil.rmtree(staged, ignore_errors=True)
 
-        def set_aside(path: Path, error: FourdError) -> None:
+        def set_aside(path: Path, error: FourdError) -> str:  # store.newest's one line says it
             aside = path.with_name(f"{path.name}.damaged")
             count = 1
             while aside.exists():
                 count += 1
                 aside = path.with_name(f"{path.name}.damaged{count}")
             path.rename(aside)
-            store.warn(f"checkpoint {path.name} is damaged ({error}); moved it to {aside.name}")
+            return f"moved it to {aside.name}"
 
         path = store.newest(self.run_dir, check=store.verify, on_damaged=set_aside)
         if path is None:

@@ -225,8 +225,10 @@ def checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
 
 def newest(run_dir: str | os.PathLike, check=read_manifest, on_damaged=None) -> Path | None:
     """The newest checkpoint passing `check`; says in one line which damaged newer ones it
-    skipped."""
+    skipped. `on_damaged(path, error)` may act on each (set it aside) and return what it did, for
+    that line."""
     skipped: list[str] = []
+    actions: list[str] = []
     found: Path | None = None
     for _step, path in checkpoints(run_dir):
         try:
@@ -235,15 +237,19 @@ def newest(run_dir: str | os.PathLike, check=read_manifest, on_damaged=None) -> 
             break
         except FourdError as e:
             skipped.append(path.name)
-            if on_damaged is not None:
-                on_damaged(path, e)
-    damaged = f"skipped damaged {', '.join(skipped)}"
-    if skipped:
-        warn(
-            f"falling back to the previous complete checkpoint {found.name} ({damaged})"
-            if found
-            else damaged
-        )
+            done = on_damaged(path, e) if on_damaged is not None else None
+            if done:
+                actions.append(f"checkpoint {path.name} is damaged ({e}); {done}")
+    if found:
+        fallback = f"falling back to the previous complete checkpoint {found.name}"
+    else:
+        fallback = "no complete checkpoint is left"
+    if actions:
+        warn("; ".join(actions) + f"; {fallback}")
+    elif skipped and found:
+        warn(f"{fallback} (skipped damaged {', '.join(skipped)})")
+    elif skipped:
+        warn(f"skipped damaged {', '.join(skipped)}")
     return found
 
 

@@ -1,1 +1,2 @@
-"""The lab: a local web page over fourd's schedules, simulator, layouts and planner (`fourd lab`)."""
+"""The lab: a local web page over fourd's schedules, simulator, layouts and planner (`fourd
+lab`)."""

@@ -1,5 +1,6 @@
-"""The lab's JSON API: each endpoint checks its query parameters (FourdError, answered with HTTP 400) and
-shapes for the page what fourd's schedules, simulator, layouts and planner compute; no rule lives here."""
+"""The lab's JSON API: each endpoint checks its query parameters (FourdError, answered with HTTP
+400) and shapes for the page what fourd's schedules, simulator, layouts and planner compute; no rule
+lives here."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from fourd.layout import DIMS, parse_layout
 from fourd.model.config import PRESETS, get_preset
 from fourd.plan import cluster as clusters
 from fourd.plan import intervals, request
+from fourd.plan.job import stage_layers
 from fourd.plan.memory import rank_memories
 from fourd.plan.report import why
 from fourd.schedules import SCHEDULES, build_schedule
@@ -20,12 +22,17 @@ from fourd.sim.step import UNIT, idle_fractions, simulate_step, timeline
 from fourd.sim.trace import chrome_trace
 
 P_RANGE, M_RANGE, V_RANGE = (1, 16), (1, 64), (1, 8)  # the bench's sliders
-# One Llama 3 405B replica, tp=8 × pp=16 (Llama 3 paper, Table 4), drawn as 8 racks of 2 servers of 8 GPUs.
+# One Llama 3 405B replica, tp=8 × pp=16 (Llama 3 paper, Table 4), drawn as 8 racks of 2 servers of
+# 8 GPUs.
 REPLICA_GPUS = 128
 TRACE_MAX_BYTES = 64 << 20
-MAX_ROW_GPUS = (
-    1 << 20
-)  # the row counts every group of every dimension; bounded so a request stays quick
+# the row counts every group of every dimension; bounded so a request stays quick
+MAX_ROW_GPUS = 1 << 20
+# A simulated trace's compute pieces (microbatches × layers × passes): the step simulator runs about
+# 13,000 a second on this project's 2-core machine under load (8,064 pieces in 0.6 s, 2026-12-01),
+# so
+# a trace stays within the lab's 2 s a request.
+MAX_SIM_PIECES = 10_000
 
 
 def single_values(pairs: list[tuple[str, str]]) -> dict[str, str]:
@@ -68,8 +75,9 @@ def _choice(q: dict[str, str], name: str, choices, default: str | None = None) -
 
 
 def schedule(q: dict[str, str], **_) -> dict:
-    """The bench: per-GPU timelines of a schedule with no communication, forward 1 and backward 2 units.
-    With V stages per GPU each stage holds 1/V of its layers, so its actions take 1/V as long."""
+    """The bench: per-GPU timelines of a schedule with no communication, forward 1 and backward 2
+    units. With V stages per GPU each stage holds 1/V of its layers, so its actions take 1/V as
+    long."""
     _known(q, "p", "m", "schedule", "v")
     name = _choice(q, "schedule", SCHEDULES, default="gpipe")
     p, m = _int(q, "p", *P_RANGE), _int(q, "m", *M_RANGE)
@@ -111,14 +119,16 @@ def _bench(name: str, p: int, m: int, v: int) -> dict:
 
 
 def cluster(q: dict[str, str], **_) -> dict:
-    """The cluster row: a layout's first 128 ranks (rank r on GPU r, as the planner places them) with the group they
-    join in each dimension (named by its first rank), and how many groups lie inside one server, rack or pod."""
+    """The cluster row: a layout's first 128 ranks (rank r on GPU r, as the planner places them)
+    with the group they join in each dimension (named by its first rank), and how many groups lie
+    inside one server, rack or pod."""
     _known(q, "layout", "cluster")
     layout = parse_layout(q.get("layout") or "tp=8,pp=16")
     profile = clusters.load_cluster(_profile_name(q.get("cluster") or "llama3-h100"))
     if layout.world > MAX_ROW_GPUS:
         raise FourdError(
-            f"layout={layout} has {layout.world:,} GPUs: the cluster row counts at most {MAX_ROW_GPUS:,}"
+            f"layout={layout} has {layout.world:,} GPUs: the cluster row counts at most "
+            f"{MAX_ROW_GPUS:,}"
         )
     per_server, per_rack = profile.node.gpus, profile.network.gpus_per_rack
     gpus = [
@@ -159,8 +169,9 @@ PLAN_PARAMS += ("global_batch_tokens", "zero", "recompute")
 
 
 def _best_plan(q: dict[str, str]):
-    """`fourd plan` for the panel's settings, through the planner's one resolver (fourd.plan.request): those
-    left out are the planner's choice (fastest that fits), defaults as `fourd plan` fills them."""
+    """`fourd plan` for the panel's settings, through the planner's one resolver
+    (fourd.plan.request): those left out are the planner's choice (fastest that fits), defaults as
+    `fourd plan` fills them."""
     _known(q, *PLAN_PARAMS)
     model = get_preset(_choice(q, "model", list(PRESETS), request.DEFAULT_MODEL))
     cluster = clusters.load_cluster(_profile_name(q.get("cluster") or request.DEFAULT_CLUSTER))
@@ -173,7 +184,8 @@ def _best_plan(q: dict[str, str]):
 
 
 def plan(q: dict[str, str], **_) -> dict:
-    """The planner panel: the plan, memory per GPU of each pipeline rank, and the report's explanations."""
+    """The planner panel: the plan, memory per GPU of each pipeline rank, and the report's
+    explanations."""
     best = _best_plan(q)
     ranks = range(best.config.layout.pp)
     bars = [
@@ -190,8 +202,34 @@ def plan(q: dict[str, str], **_) -> dict:
 
 
 def simtrace(q: dict[str, str], **_) -> dict:
-    """Chrome trace of the planner panel's plan, simulated step by step with communication (`fourd sim step`)."""
-    return chrome_trace(simulate_step(_best_plan(q).job))
+    """Chrome trace of the planner panel's plan, simulated step by step with communication (`fourd
+    sim step`), if its step has at most MAX_SIM_PIECES compute pieces."""
+    job = _best_plan(q).job
+    _check_sim_size(job)
+    return chrome_trace(simulate_step(job))
+
+
+def _check_sim_size(job) -> None:
+    """FourdError naming the microbatches that fit when the step has more than MAX_SIM_PIECES
+    pieces: microbatches × the layers of all stages × passes (forward, backward; zero-bubble splits
+    backward in two), as the step simulator counts them."""
+    par = job.par
+    layers = sum(
+        max(1, n) for n in stage_layers(job.model.layers, job.layout.pp, par.virtual_stages)
+    )
+    if par.schedule == "zero-bubble":
+        passes = 3
+    else:
+        passes = 2
+    pieces = par.microbatches * layers * passes
+    if pieces > MAX_SIM_PIECES:
+        fitting = max(1, MAX_SIM_PIECES // (layers * passes))
+        raise FourdError(
+            f"the step to simulate has {par.microbatches:,} microbatches x {layers} layers x "
+            f"{passes} passes = {pieces:,} compute pieces; the lab simulates at most "
+            f"{MAX_SIM_PIECES:,}: give microbatches={fitting} or fewer, or run `fourd sim step` "
+            "for the whole step"
+        )
 
 
 def _profile_name(text: str) -> str:
@@ -202,7 +240,8 @@ def _profile_name(text: str) -> str:
 
 
 def trace(q: dict[str, str], *, trace_dir: Path, **_) -> dict:
-    """A Chrome trace file under the server's --trace-dir, checked and returned for the page to draw."""
+    """A Chrome trace file under the server's --trace-dir, checked and returned for the page to
+    draw."""
     _known(q, "path")
     text = q.get("path", "")
     if not text:
@@ -214,7 +253,8 @@ def trace(q: dict[str, str], *, trace_dir: Path, **_) -> dict:
         path = (root / text).resolve()
         if not path.is_relative_to(root):
             raise FourdError(
-                f"path={shown} is outside the lab's --trace-dir; start `fourd lab --trace-dir` above it"
+                f"path={shown} is outside the lab's --trace-dir; start `fourd lab --trace-dir` "
+                "above it"
             )
         if path.suffix != ".json":
             raise FourdError(f"path={shown}: a trace is a Chrome trace .json file")
@@ -225,6 +265,11 @@ def trace(q: dict[str, str], *, trace_dir: Path, **_) -> dict:
                 f"path={shown} is larger than {TRACE_MAX_BYTES >> 20} MiB; open a shorter trace"
             )
         doc = json.loads(path.read_bytes())
+    except RecursionError:
+        raise FourdError(
+            f"path={shown} nests deeper than Python's JSON reader goes; a trace is Chrome trace "
+            "JSON, a list of flat events"
+        ) from None
     except OSError as e:
         raise FourdError(
             f"path={shown} cannot be read ({e.strerror}): name a trace file under --trace-dir"
@@ -238,7 +283,8 @@ def trace(q: dict[str, str], *, trace_dir: Path, **_) -> dict:
 
 
 def options(q: dict[str, str], **_) -> dict:
-    """What the page's selectors offer: model presets, cluster profiles, schedules and the bench's ranges."""
+    """What the page's selectors offer: model presets, cluster profiles, schedules and the bench's
+    ranges."""
     _known(q)
     names = {
         "models": list(PRESETS),

@@ -16,7 +16,9 @@ import http.client
 import io
 import json
 import os
+import select
 import selectors
+import signal
 import socket
 import sys
 import threading
@@ -42,6 +44,18 @@ WORKERS = 8  # threads that answer complete requests; clients still sending hold
 MAX_WAITING = 512  # connections still sending their request; beyond it the oldest is closed
 MAX_QUEUED = 64  # complete requests waiting for a worker; beyond it the answer is 503
 MAX_HEAD = 16 << 10
+# Every answer within 2 s on this project's 2-core machine: an API answer is computed in a child
+# process that is ended when it runs longer than this (reading and sending take the rest).
+COMPUTE_LIMIT_S = 1.5
+# Endpoints computed in the worker thread: their work is bounded by their parameters' ranges (the
+# bench's at most 16 x 64 x 8 stage-microbatches) and the bench's answers are cached in this
+# process.
+IN_THREAD = {"options", "schedule"}
+TOO_LONG = (
+    "this request takes more than {limit:g} s to compute, the lab's bound on one request: give "
+    "more of the settings (layout, schedule, microbatches), open a smaller trace, or run "
+    "`fourd plan` or `fourd sim step`, which have no such bound"
+)
 # Content-Security-Policy keeps the page from loading anything that is not served here (no CDN).
 _CSP = "default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; connect-src 'self'"
 _HEADERS = {"Cache-Control": "no-store", "Connection": "close", "X-Content-Type-Options": "nosniff"}
@@ -83,8 +97,9 @@ def run(args) -> int:
 
 
 class LabServer:
-    """One thread reads every connection's request, WORKERS threads answer complete ones: a client that sends
-    slowly costs a socket for `timeout` seconds, never a thread (docs/lab.md). One request per connection."""
+    """One thread reads every connection's request, WORKERS threads answer complete ones: a client
+    that sends slowly costs a socket for `timeout` seconds, never a thread (docs/lab.md). One
+    request per connection; an API answer is computed within `compute_limit_s`."""
 
     def __init__(
         self,
@@ -94,6 +109,7 @@ class LabServer:
         static_dir=STATIC_DIR,
         trace_dir=Path("."),
         timeout=TIMEOUT_S,
+        compute_limit_s=COMPUTE_LIMIT_S,
     ):
         self.socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -110,25 +126,27 @@ class LabServer:
         name, port = str(self.server_address[0]), self.server_address[1]
         self.url = f"http://[{name}]:{port}/" if ":" in name else f"http://{name}:{port}/"
         self.static = load_static(static_dir)
-        self.trace_dir, self.timeout = trace_dir.resolve(), timeout
-        self.any_name = host in (
-            "0.0.0.0",
-            "::",
-            "",
-        )  # other machines may connect, under whatever name they use
-        names = ["127.0.0.1", "localhost"] + (
-            [] if self.any_name else [f"[{host}]" if ":" in host else host.lower()]
-        )
-        self.hosts = [f"{n}:{port}" for n in dict.fromkeys(names)] + (
-            names if port == 80 else []
-        )  # first: suggested
+        self.trace_dir = trace_dir.resolve()
+        self.timeout = timeout
+        self.compute_limit_s = compute_limit_s
+        # on every interface other machines may connect, under whatever name they use
+        self.any_name = host in ("0.0.0.0", "::", "")
+        names = ["127.0.0.1", "localhost"]
+        if ":" in host and not self.any_name:  # an IPv6 address is written in brackets
+            names.append(f"[{host}]")
+        elif not self.any_name:
+            names.append(host.lower())
+        self.hosts = [f"{known}:{port}" for known in dict.fromkeys(names)]  # first: suggested
+        if port == 80:  # the port may be left out
+            self.hosts += names
         self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="fourd-lab")
         self._slots = threading.BoundedSemaphore(WORKERS + MAX_QUEUED)
         self._stop, self._stopped = threading.Event(), threading.Event()
         self._stopped.set()
 
     def serve_forever(self) -> None:
-        """Accept and read until shutdown(); a connection still sending has (deadline, bytes so far) as its data."""
+        """Accept and read until shutdown(); a connection still sending has (deadline, bytes so far)
+        as its data."""
         self._stopped.clear()
         sel = self._sel = selectors.DefaultSelector()
         sel.register(self.socket, selectors.EVENT_READ)
@@ -185,6 +203,11 @@ class LabServer:
         except OSError:
             chunk = b""
         head += chunk
+        if b"\n" in head:  # a malformed request line is answered at once, not at the deadline
+            try:
+                _parse_request_line(bytes(head.partition(b"\n")[0]))
+            except FourdError as e:
+                return self._drop(conn, _error(400, str(e)))
         if chunk and len(head) <= MAX_HEAD and b"\r\n\r\n" not in head and b"\n\n" not in head:
             return  # more to come
         if not chunk or len(head) > MAX_HEAD:
@@ -212,7 +235,8 @@ class LabServer:
             self._slots.release()
 
     def respond(self, head: bytes) -> bytes:
-        """The whole answer to one request head: the file or the API's JSON, else an error in one line."""
+        """The whole answer to one request head: the file or the API's JSON, else an error in one
+        line."""
         method = ""
         try:
             method, target, headers = _parse_head(head)
@@ -234,22 +258,28 @@ class LabServer:
         self._check_host(headers.get_all("Host") or [])
         if not target.startswith("/"):
             raise FourdError(
-                f"request target {target[:60]!r} is not a path: send origin-form, such as GET / HTTP/1.1"
+                f"request target {target[:60]!r} is not a path: send origin-form, such as "
+                "GET / HTTP/1.1"
             )
         parts = urlsplit(target)
         if parts.path.startswith("/api/"):
-            endpoint = api.ENDPOINTS.get(parts.path[len("/api/") :])
+            name = parts.path[len("/api/") :]
+            endpoint = api.ENDPOINTS.get(name)
             if endpoint is None:
                 known = ", ".join(sorted(api.ENDPOINTS))
                 return _error(
                     404, f"no API endpoint {parts.path[5:60]!r}; known: {known}", head_only
                 )
-            return _response(
-                200,
-                _json(endpoint(self._query(parts.query), trace_dir=self.trace_dir)),
-                JSON,
-                head_only,
-            )
+            query = self._query(parts.query)
+
+            def answer() -> bytes:
+                return _json(endpoint(query, trace_dir=self.trace_dir))
+
+            if name in IN_THREAD:
+                body = answer()
+            else:
+                body = bounded(answer, self.compute_limit_s)
+            return _response(200, body, JSON, head_only)
         entry = self.static.get("index.html" if parts.path == "/" else parts.path[1:])
         return (
             _response(200, entry[0], entry[1], head_only)
@@ -260,10 +290,12 @@ class LabServer:
     def _check_host(self, values: list[str]) -> None:
         if len(values) != 1:
             raise FourdError(
-                f"the request has {len(values)} Host headers: send exactly one, such as {self.hosts[0]}"
+                f"the request has {len(values)} Host headers: send exactly one, such as "
+                f"{self.hosts[0]}"
             )
         value = values[0].strip().lower()
-        # A page elsewhere could point its own name at 127.0.0.1 (DNS rebinding); it would send that name.
+        # A page elsewhere could point its own name at 127.0.0.1 (DNS rebinding); it would send that
+        # name.
         if value not in self.hosts and not (
             self.any_name and value.endswith(f":{self.server_address[1]}")
         ):
@@ -282,7 +314,8 @@ class LabServer:
 
 
 def load_static(folder: Path) -> dict[str, tuple[bytes, str]]:
-    """Regular files of known types directly in `folder`, read once: no request path reaches the file system."""
+    """Regular files of known types directly in `folder`, read once: no request path reaches the
+    file system."""
     files = {}
     with os.scandir(folder) as it:
         for entry in it:
@@ -292,11 +325,61 @@ def load_static(folder: Path) -> dict[str, tuple[bytes, str]]:
     return files
 
 
-def _parse_head(head: bytes):
-    line, _, rest = head.partition(b"\n")
+def bounded(compute, limit_s: float) -> bytes:
+    """compute()'s bytes, computed in a forked child that is killed after `limit_s` seconds
+    (FourdError: TOO_LONG); the child's FourdError is raised here as it was, any other exception as
+    a RuntimeError with its one line. Where there is no fork (Windows), computed here, unbounded."""
+    if not hasattr(os, "fork"):
+        return compute()
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: one kind byte (0 answer, 1 refused, 2 bug), the payload, then leave
+        os.close(read_end)
+        try:
+            try:
+                out = b"0" + compute()
+            except FourdError as e:
+                out = b"1" + str(e).encode()
+            except BaseException as e:  # noqa: BLE001 (sent to the parent, which answers 500)
+                out = b"2" + f"{type(e).__name__}: {e}".encode()
+            with open(write_end, "wb") as pipe:
+                pipe.write(out)
+        finally:
+            os._exit(0)  # no exit handlers: they belong to the parent
+    os.close(write_end)
+    chunks, deadline = [], time.monotonic() + limit_s
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([read_end], [], [], left)[0]:
+                os.kill(pid, signal.SIGKILL)
+                raise FourdError(TOO_LONG.format(limit=limit_s))
+            chunk = os.read(read_end, 1 << 20)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(read_end)
+        os.waitpid(pid, 0)
+    out = b"".join(chunks)
+    if out[:1] == b"0":
+        return out[1:]
+    if out[:1] == b"1":
+        raise FourdError(out[1:].decode())
+    raise RuntimeError(out[1:].decode() or "the computing process ended without an answer")
+
+
+def _parse_request_line(line: bytes) -> list[str]:
+    """METHOD, TARGET and the version of a request line; FourdError for anything else."""
     words = line.decode("latin-1").split()
     if len(words) != 3 or words[2] not in ("HTTP/1.0", "HTTP/1.1"):
         raise FourdError(f"request line {line.strip()[:60]!r} is not METHOD TARGET HTTP/1.1")
+    return words
+
+
+def _parse_head(head: bytes):
+    line, _, rest = head.partition(b"\n")
+    words = _parse_request_line(line)
     try:
         headers = http.client.parse_headers(io.BytesIO(rest))
     except http.client.HTTPException:
@@ -320,7 +403,8 @@ def _error(status: int, message: str, head_only: bool = False, extra: dict | Non
 
 
 def _close(conn: socket.socket, answer: bytes) -> None:
-    """Send the answer (if any) and close; a client that left or stopped reading is not told more."""
+    """Send the answer (if any) and close; a client that left or stopped reading is not told
+    more."""
     with contextlib.suppress(OSError):
         conn.sendall(answer)
         conn.shutdown(socket.SHUT_WR)

@@ -144,7 +144,8 @@ def _resuming(args) -> tuple[Path | None, dict]:
     run, record = Path(where), Path(where, "config.toml")
     if not record.is_file() and not checkpoints(run):
         raise FourdError(
-            f"--resume {where}: nothing to resume there (no config.toml, no checkpoint): drop --resume"
+            f"--resume {where}: nothing to resume there (no config.toml, no checkpoint): "
+            "drop --resume"
         )
     return run, load_toml(record) if record.is_file() else {}
 
@@ -164,8 +165,8 @@ def _check_kept(saved, cfg, mcfg, run_dir: Path) -> None:
         old, new = (getattr(getattr(c, key.split(".")[0]), key.split(".")[1]) for c in (saved, cfg))
         if old != new:
             raise FourdError(
-                f"--resume: {key} = {new!r} contradicts the run's {old!r} ({run_dir}/config.toml): drop it, "
-                "or start a new run without --resume"
+                f"--resume: {key} = {new!r} contradicts the run's {old!r} "
+                f"({run_dir}/config.toml): drop it, or start a new run without --resume"
             )
 
 
@@ -174,7 +175,8 @@ def _model_name(cfg) -> str:
 
 
 def _check_run_dir(cfg, given: str | None) -> None:
-    """Refuse a run directory that cannot be one or that holds another run (a fresh one is made at start)."""
+    """Refuse a run directory that cannot be one or that holds another run (a fresh one is made at
+    start)."""
     if given == "":
         raise FourdError(
             "--run-dir '' is empty: give a directory, or leave --run-dir out for a fresh one"
@@ -191,13 +193,15 @@ def _check_run_dir(cfg, given: str | None) -> None:
         )
     if (d / "checkpoints").exists() or (d / "metrics.jsonl").exists():
         raise FourdError(
-            f"run directory {d} already holds a run: continue it with `fourd train --resume {d}`, or choose "
-            "another --run-dir (or leave it out for a fresh one)"
+            f"run directory {d} already holds a run: continue it with "
+            f"`fourd train --resume {d}`, or choose another --run-dir (or leave it out for a "
+            "fresh one)"
         )
 
 
 def _configure(args):
-    """The run's whole configuration and its model: flags over a resumed run's record or an --init-from model."""
+    """The run's whole configuration and its model: flags over a resumed run's record or an
+    --init-from model."""
     resumed, saved = _resuming(args)
     flags = {FLAGS[k]: getattr(args, k) for k in FLAGS}
     if resumed is not None:
@@ -223,8 +227,8 @@ def _configure(args):
     mcfg = model_config(cfg)
     if source is not None and source != mcfg:
         raise FourdError(
-            f"--init-from {cfg.train.init_from} holds another model ({_changes(source, mcfg)}): drop the model "
-            "settings to train its model"
+            f"--init-from {cfg.train.init_from} holds another model ({_changes(source, mcfg)}): "
+            "drop the model settings to train its model"
         )
     if resumed is not None:
         _check_kept(Config.from_dict(saved or cfg.to_dict()), cfg, mcfg, resumed)
@@ -232,7 +236,8 @@ def _configure(args):
 
 
 def prepare(args):
-    """Everything that can fail on bad input, done before any worker starts: (cfg, layout, cache, data record)."""
+    """Everything that can fail on bad input, done before any worker starts: (cfg, layout, cache,
+    data record)."""
     from fourd.data.dataset import SampleStream
     from fourd.data.dataset import prepare as prepare_data
 
@@ -264,12 +269,16 @@ def prepare(args):
             f"set --model.vocab={cache.vocab_size} or use another tokenizer"
         )
     if cache.vocab_size < mcfg.vocab:
-        note = f"the model's vocabulary ({mcfg.vocab:,}) is larger than the tokenizer's ({cache.vocab_size:,} ids)"
+        note = (
+            f"the model's vocabulary ({mcfg.vocab:,}) is larger than the tokenizer's "
+            f"({cache.vocab_size:,} ids)"
+        )
         print(f"fourd train: note: {note}; the other rows are padding, never a target", flush=True)
     if cfg.eval.every and (held - 1) // d.seq_len < cfg.train.global_batch:
         raise FourdError(
             f"eval.every: the held-out tail has {plural(held, 'token')}, less than one batch of "
-            f"{cfg.train.global_batch} x {d.seq_len + 1}: raise data.holdout_fraction or set eval.every = 0"
+            f"{cfg.train.global_batch} x {d.seq_len + 1}: raise data.holdout_fraction or set "
+            "eval.every = 0"
         )
     data = {
         "path": d.path,
@@ -280,7 +289,8 @@ def prepare(args):
 
 
 def _start(cfg) -> None:
-    """Create the run directory (a fresh, unique one when none is given) and write config.toml into it."""
+    """Create the run directory (a fresh, unique one when none is given) and write config.toml into
+    it."""
     if not cfg.run.dir:
         lay = parse_layout(cfg.parallel.layout)
         tag = "-".join(f"{d}{getattr(lay, d)}" for d in DIMS if getattr(lay, d) > 1) or "dp1"

@@ -1,6 +1,6 @@
-"""Which rank is behind: each rank records the step it has begun in the job's store (one small write per step), so
-that the rank that sees a collective time out or lose a peer names the ranks that never began that step.
-"""
+"""Which rank is behind: each rank records the step it has begun in the job's store (one small write
+per step), so that the rank that sees a collective time out or lose a peer names the ranks that
+never began that step."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import torch.distributed as dist
 
 class Heartbeat:
     def __init__(self, rank: int, world: int, store: dist.Store):
-        """store: the job's store, under a prefix of this attempt's own (the store outlives restarts)."""
+        """store: the job's store, under a prefix of this attempt's own (the store outlives
+        restarts)."""
         self.rank, self.world, self.step = rank, world, 0
         self.store = store if world > 1 else None
 

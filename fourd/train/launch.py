@@ -35,7 +35,8 @@ def under_torchrun() -> bool:
 
 
 def outcome(results) -> int:
-    """The exit status of workers that returned: 0, 128 + the signal that stopped them, or RunFailed (a message)."""
+    """The exit status of workers that returned: 0, 128 + the signal that stopped them, or RunFailed
+    (a message)."""
     for r in results:
         if isinstance(r, str):
             raise RunFailed(r)
@@ -44,8 +45,9 @@ def outcome(results) -> int:
 
 @contextlib.contextmanager
 def _signals_to_file(folder: Path):
-    """While workers run, SIGINT and SIGTERM write `stop` for them instead of ending this process; a second one
-    (workers hung in a collective never reach a step boundary) ends it, and the agent then ends the workers."""
+    """While workers run, SIGINT and SIGTERM write `stop` for them instead of ending this process; a
+    second one (workers hung in a collective never reach a step boundary) ends it, and the agent
+    then ends the workers."""
     got: list[int] = []
 
     def stop(signum, frame):
@@ -63,7 +65,8 @@ def _signals_to_file(folder: Path):
 
 
 def _failure(e, folder: Path, max_restarts: int) -> FourdError:
-    """One line for a failed launch: the earliest error a worker of the last attempt left, else how it died."""
+    """One line for a failed launch: the earliest error a worker of the last attempt left, else how
+    it died."""
     reports = [json.loads(p.read_text()) for p in folder.glob("rank-*.json")]
     if reports:
         last = [r for r in reports if r["attempt"] == max(r["attempt"] for r in reports)]
@@ -74,7 +77,8 @@ def _failure(e, folder: Path, max_restarts: int) -> FourdError:
             return FourdError(min(refused, key=lambda r: r["rank"])["message"])
         first = min(last, key=lambda r: r["time"])  # a failure: the rank that met it first
         return RunFailed(
-            f"{first['message']} (after {plural(max_restarts, 'restart')}; --debug shows the traceback)"
+            f"{first['message']} (after {plural(max_restarts, 'restart')}; --debug shows the "
+            "traceback)"
         )
     rank, failure = min(e.failures.items())
     why = f"signal {-failure.exitcode}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
@@ -111,7 +115,8 @@ def launch_local(nproc: int, max_restarts: int, entrypoint, *args) -> int:
             rdzv_configs={"timeout": 120},
         )
         kw |= dict(max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn")
-        # not SIGINT and SIGTERM: the agent would turn them into an exception that kills unsaved workers
+        # not SIGINT and SIGTERM: the agent would turn them into an exception that kills unsaved
+        # workers
         kw |= dict(
             signals_to_handle="SIGHUP,SIGQUIT",
             logs_specs=DefaultLogsSpecs(log_dir=os.path.join(tmp, "logs")),

@@ -1,5 +1,5 @@
-"""Per-step metrics: MFU against the device's peak, memory, and where they go (metrics.jsonl, TensorBoard, a
-progress bar or plain lines, and a closing summary)."""
+"""Per-step metrics: MFU against the device's peak, memory, and where they go (metrics.jsonl,
+TensorBoard, a progress bar or plain lines, and a closing summary)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from pathlib import Path
 
 
 class MetricsWriter:
-    """Rank 0's outputs. metrics.jsonl is flushed every step so a crash loses nothing already logged."""
+    """Rank 0's outputs. metrics.jsonl is flushed every step so a crash loses nothing already
+    logged."""
 
     def __init__(self, run_dir: Path, total_steps: int, start_step: int):
         from torch.utils.tensorboard import SummaryWriter
@@ -35,15 +36,17 @@ class MetricsWriter:
         self.rows.append(row)
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
-        for k, v in row.items():
-            if k != "step":
-                self.tb.add_scalar(
-                    f"val/{k[4:]}" if k.startswith("val_") else f"train/{k}", v, row["step"]
-                )
+        for key, value in row.items():
+            if key.startswith("val_"):  # held-out figures under val/, the rest under train/
+                self.tb.add_scalar(f"val/{key[4:]}", value, row["step"])
+            elif key != "step":
+                self.tb.add_scalar(f"train/{key}", value, row["step"])
         text = (
             f"loss {row['loss']:.4f}  lr {row['lr']:.2e}  grad {row['grad_norm']:.3f}  "
             f"{row['tokens_per_s']:,.0f} tok/s  mfu {100 * row['mfu']:.1f}%"
-        ) + (f"  held-out {row['val_loss']:.4f}" if "val_loss" in row else "")
+        )
+        if "val_loss" in row:
+            text += f"  held-out {row['val_loss']:.4f}"
         if self.bar is not None:
             self.bar.set_postfix_str(text, refresh=False)
             self.bar.update(1)
@@ -56,28 +59,50 @@ class MetricsWriter:
                 closing.close()
 
 
-def seconds(s: float) -> str:
-    return f"{s:.2f} s" if s >= 1 else f"{s * 1e3:.1f} ms"
+def seconds(duration_s: float) -> str:
+    """A duration as people read it: seconds from 1 s, milliseconds below."""
+    if duration_s >= 1:
+        return f"{duration_s:.2f} s"
+    return f"{duration_s * 1e3:.1f} ms"
 
 
-def summary_table(rows: list[dict], extra: dict[str, str], predicted: dict | None = None) -> str:
-    """The closing summary; `predicted` (fourd.train.auto.predict) puts the planner's figures beside the measured."""
+def summary_table(
+    rows: list[dict],
+    extra: dict[str, str],
+    predicted: dict | None = None,
+    first_save: int | None = None,
+) -> str:
+    """The closing summary; `predicted` (fourd.train.auto.predict) puts the planner's figures beside
+    the measured, each with its error (predicted - measured) / measured. The planner's peak memory
+    is training's, so it is set beside the peak before `first_save`, the step after which a
+    checkpoint was first saved (a save holds memory of its own: 0.19 GB a rank at `make run`)."""
     if not rows:
         return "no steps run"
     timed = rows[1:] or rows  # the first step pays for warm-up
-    mean = lambda k: sum(r[k] for r in timed) / len(timed)
-    got = {k: mean(k) for k in ("tokens_per_s", "step_time_s", "mfu")}
-    got["peak_mem_gb"] = max(r["peak_mem_gb"] for r in rows)
+
+    def mean(key: str) -> float:
+        return sum(row[key] for row in timed) / len(timed)
+
+    got = {key: mean(key) for key in ("tokens_per_s", "step_time_s", "mfu")}
+    peak_gb = max(row["peak_mem_gb"] for row in rows)
+    training = [row for row in rows if first_save is None or row["step"] <= first_save]
+    got["peak_mem_gb"] = max(row["peak_mem_gb"] for row in training)
+    memory = f"{peak_gb:.2f} GB per rank"
+    if got["peak_mem_gb"] < peak_gb:
+        memory += f" ({got['peak_mem_gb']:.2f} GB before the first checkpoint save)"
 
     def beside(key: str, form: str) -> str:
-        p, g = (predicted or {}).get(key), got[key]
-        return f"; planner {form.format(p)} ({(p - g) / g:+.0%})" if p is not None else ""
+        planned, measured = (predicted or {}).get(key), got[key]
+        if planned is None:
+            return ""
+        return f"; planner {form.format(planned)} ({(planned - measured) / measured:+.0%})"
 
     items = [
         ("steps", f"{rows[0]['step']} .. {rows[-1]['step']}"),
         (
             "loss",
-            f"{rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f} (min {min(r['loss'] for r in rows):.4f})",
+            f"{rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f} "
+            f"(min {min(row['loss'] for row in rows):.4f})",
         ),
         (
             "tokens/s",
@@ -88,9 +113,11 @@ def summary_table(rows: list[dict], extra: dict[str, str], predicted: dict | Non
         ("MFU", f"{100 * got['mfu']:.2f} %" + beside("mfu", "{:.2%}")),
         (
             "peak memory",
-            f"{got['peak_mem_gb']:.2f} GB per rank" + beside("peak_mem_gb", "{:.2f} GB"),
+            memory + beside("peak_mem_gb", "{:.2f} GB"),
         ),
     ]
+    if predicted and "note" in predicted:
+        items.append(("planner", predicted["note"]))
     for r in [r for r in rows if "val_loss" in r][-1:]:
         items.append(
             (

@@ -1,4 +1,5 @@
-"""One optimizer step and one evaluation step, the math apart from the loop's bookkeeping (fourd.train.worker)."""
+"""One optimizer step and one evaluation step, the math apart from the loop's bookkeeping
+(fourd.train.worker)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from fourd.parallel.grad import clip_grad_norm
 
 
 def lr_at(step: int, cfg: Config) -> float:
-    """Linear warm-up to train.lr, then cosine decay to train.min_lr at the last step (step counts from 1)."""
+    """Linear warm-up to train.lr, then cosine decay to train.min_lr at the last step (step counts
+    from 1)."""
     t = cfg.train
     if t.warmup_steps and step <= t.warmup_steps:
         return t.lr * step / t.warmup_steps
@@ -35,7 +37,8 @@ def param_groups(stages, weight_decay: float):
 
 
 def build_optimizer(par: Parallel, cfg: Config) -> torch.optim.Optimizer:
-    """AdamW, fused on CUDA and multi-tensor (foreach) elsewhere; ZeRO 1 shards its state (ShardedAdamW)."""
+    """AdamW, fused on CUDA and multi-tensor (foreach) elsewhere; ZeRO 1 shards its state
+    (ShardedAdamW)."""
     t = cfg.train
     groups = param_groups(par.stages, t.weight_decay)
     kw = dict(lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8)
@@ -48,8 +51,8 @@ def build_optimizer(par: Parallel, cfg: Config) -> torch.optim.Optimizer:
 def _forward(
     par: Parallel, x: torch.Tensor, y: torch.Tensor, microbatches: int, amp, backward: bool
 ):
-    """The rank's mean loss over its microbatches; with `backward` each one's loss / M is backpropagated. A
-    pipeline runs its whole schedule, backward included, either way."""
+    """The rank's mean loss over its microbatches; with `backward` each one's loss / M is
+    backpropagated. A pipeline runs its whole schedule, backward included, either way."""
     if par.runner is not None:
         with amp():
             return par.runner.step(x, y)
@@ -69,15 +72,16 @@ def _forward(
 def _global_mean(loss: torch.Tensor) -> float:
     loss = loss.detach().float().reshape(())
     if dist.is_initialized() and dist.get_world_size() > 1:
-        # TP and PP ranks hold equal copies of their replica's loss: the world mean is the mean over the
+        # TP and PP ranks hold equal copies of their replica's loss: the world mean is the mean over
+        # the
         # dp×cp ranks, i.e. over the global batch.
         dist.all_reduce(loss, op=dist.ReduceOp.AVG)
     return loss.item()
 
 
 def train_step(par: Parallel, opt, x: torch.Tensor, y: torch.Tensor, lr: float, cfg: Config, amp):
-    """Forward and backward of the rank's batch, clipping, the update: (mean loss over the global batch,
-    gradient norm before clipping)."""
+    """Forward and backward of the rank's batch, clipping, the update: (mean loss over the global
+    batch, gradient norm before clipping)."""
     for g in opt.param_groups:
         g["lr"] = lr
     loss = _forward(par, x, y, cfg.parallel.microbatches, amp, backward=True)

@@ -1,5 +1,6 @@
-"""One training worker: the parallel model, then the loop around fourd.train.step (fault injection, heartbeat,
-held-out evaluation, metrics, checkpoints, and a stop signal the ranks agree on at each step boundary)."""
+"""One training worker: the parallel model, then the loop around fourd.train.step (fault injection,
+heartbeat, held-out evaluation, metrics, checkpoints, and a stop signal the ranks agree on at each
+step boundary)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from fourd.ckpt.dcp_io import Checkpointer
 from fourd.ckpt.store import newest
@@ -31,22 +33,28 @@ from fourd.parallel.apply import build_parallel
 from fourd.parallel.cp import cp_shard
 from fourd.sim.trace import document, label, span, write_trace
 from fourd.train.anchor_file import write_anchor
-from fourd.train.auto import predict, use_cuda
+from fourd.train.auto import predict, resident_bytes, use_cuda
 from fourd.train.heartbeat import Heartbeat
 from fourd.train.launch import LAUNCH_DIR_ENV, attempt
 from fourd.train.metrics import MetricsWriter, summary_table
 from fourd.train.step import build_optimizer, eval_step, lr_at, train_step
 
-_STOP = [0]  # the signal that asked this worker to stop; 0: none
+_STOP = {"signal": 0}  # the signal that asked this worker to stop; 0: none
+
+
+def _ask_to_stop(signum: int, frame) -> None:
+    """SIGINT and SIGTERM: remember the signal; the ranks agree on it at the next step boundary."""
+    _STOP["signal"] = signum
 
 
 def worker_entry(
     cfg_dict: dict, cache: TokenCache, data: dict, peak: tuple[float, str]
 ) -> int | str:
-    """What each launched process runs: 0 when the run ended, the signal that stopped it, or the message of
-    a failure every rank met at once (a diverged loss: no restart can help). Other failures exit non-zero."""
-    for s in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(s, lambda signum, frame: _STOP.__setitem__(0, signum))
+    """What each launched process runs: 0 when the run ended, the signal that stopped it, or the
+    message of a failure every rank met at once (a diverged loss: no restart can help). Other
+    failures exit non-zero."""
+    for stop_signal in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(stop_signal, _ask_to_stop)
     cfg = Config.from_dict(cfg_dict)
     try:
         return run_worker(cfg, cache, data, peak)
@@ -56,7 +64,8 @@ def worker_entry(
 
 
 def _report(e: Exception, cfg: Config) -> None:
-    """Leave a failure's one line for the launcher (printed once), or print it when the job will restart."""
+    """Leave a failure's one line for the launcher (printed once), or print it when the job will
+    restart."""
     message = str(e) if isinstance(e, FourdError) else f"{type(e).__name__}: {e}".splitlines()[0]
     if os.environ.get("FOURD_DEBUG"):
         traceback.print_exc()
@@ -76,9 +85,9 @@ def _report(e: Exception, cfg: Config) -> None:
 
 
 def run_worker(cfg: Config, cache: TokenCache, data: dict, peak: tuple[float, str]) -> int | str:
-    rank, world, local = (
-        int(os.environ.get(k, d)) for k, d in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0))
-    )
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local) if use_cuda(cfg) else torch.device("cpu")
     cuda = {"device_id": device} if device.type == "cuda" else {}
     if cuda:
@@ -95,8 +104,8 @@ def run_worker(cfg: Config, cache: TokenCache, data: dict, peak: tuple[float, st
     dist.init_process_group(
         backend, store=store, rank=rank, world_size=world, timeout=timeout, **cuda
     )
-    # The digest gathers 2-D-sharded parameters once per checkpoint; DTensor's advice on merging those
-    # all-gathers is about throughput, not correctness, and would flood every rank's log.
+    # The digest gathers 2-D-sharded parameters once per checkpoint; DTensor's advice on merging
+    # those all-gathers is about throughput, not correctness, and would flood every rank's log.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     beats = Heartbeat(rank, world, store)
     try:
@@ -104,20 +113,34 @@ def run_worker(cfg: Config, cache: TokenCache, data: dict, peak: tuple[float, st
     except FourdError:
         raise
     except Exception as e:
-        # A collective that timed out or lost a peer: say which rank did not keep up, and at which step.
+        # A collective that timed out or lost a peer: say which rank did not keep up, and at which
+        # step.
         raise RunFailed(f"rank {rank}: {beats.report(e)}") from e
     finally:
         dist.destroy_process_group()
 
 
 class _Run:
-    """A worker's run: its part of the model, the optimizer, data, checkpointer and outputs; `loop` trains."""
+    """A worker's run: its part of the model, the optimizer, data, checkpointer and outputs; `loop`
+    trains."""
 
     def __init__(
-        self, cfg: Config, cache: TokenCache, data: dict, peak: tuple[float, str], device, beats
+        self,
+        cfg: Config,
+        cache: TokenCache,
+        data: dict,
+        peak: tuple[float, str],
+        device,
+        beats,
     ):
-        self.cfg, self.device, self.beats, self.peak = cfg, device, beats, peak
-        self.rank, self.world, self.attempt = dist.get_rank(), dist.get_world_size(), attempt()
+        self.cfg = cfg
+        self.device = device
+        self.beats = beats
+        self.peak = peak  # (FLOP/s, where the figure comes from)
+        self.baseline_bytes = 0.0  # what the process holds besides its model's tensors (loop)
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.attempt = attempt()
         torch.manual_seed(cfg.train.seed)
         self.par = build_parallel(cfg, device, self.rank, self.world)
         self.opt = build_optimizer(self.par, cfg)
@@ -154,7 +177,8 @@ class _Run:
         # the model's FLOPs (MFU), and the hardware's with what recomputation repeats (HFU)
         self.flops_per_step = flops(cfg.data.seq_len) * self.tokens
         self.hw_flops_per_step = flops(cfg.data.seq_len, self.par.setting.recompute) * self.tokens
-        # MFU's denominator: every GPU's peak; on a CPU the ranks share the cores the peak was measured on.
+        # MFU's denominator: every GPU's peak; on a CPU the ranks share the cores the peak was
+        # measured on.
         self.peak_total = peak[0] * (self.world if cuda else 1)
 
     def loop(self) -> int | str:
@@ -169,10 +193,15 @@ class _Run:
             self._init_weights()
         if step > t.steps:
             raise FourdError(
-                f"{self.dir} has a checkpoint at step {step}, beyond train.steps = {t.steps}: ask for more --steps"
+                f"{self.dir} has a checkpoint at step {step}, beyond train.steps = {t.steps}: "
+                "ask for more --steps"
             )
         self.writer = MetricsWriter(self.dir, t.steps, step) if self.rank == 0 else None
+        # Before the first step: the interpreter, torch, the data, the process groups, the model's
+        # machinery and outputs; the planner counts the tensors that come with training.
+        self.baseline_bytes = resident_bytes() - self._parameter_bytes()
         saved = step
+        first_save: int | None = None  # the step after which this run first saved a checkpoint
         while step < t.steps:
             step += 1
             row = self._step(step, sample)
@@ -184,34 +213,47 @@ class _Run:
             if step == t.steps or (interval and step % interval == 0):
                 self.ckpt.save(step, sample)
                 saved = step
+                if first_save is None:
+                    first_save = step
             stop = self._stop_agreed()
             if stop and step < t.steps:
                 if saved != step:
                     self.ckpt.save(step, sample)
                 saved_at = f"checkpoint {self.dir}/checkpoints/step-{step} saved"
                 resume = f"continue with `fourd train --resume {self.dir}`"
-                return self._end(
-                    stop,
-                    f"stopped by {signal.Signals(stop).name} after step {step}; {saved_at}; {resume}",
-                )
-        lay, flops, source = self.par.layout, *self.peak
-        facts = {
-            "layout": f"{lay} on {plural(self.world, self.device.type + ' rank')}",
-            "run dir": str(self.dir),
-        }
-        facts["MFU peak"] = f"{flops / 1e12:.3f} TFLOP/s, {source}"
+                name = signal.Signals(stop).name
+                return self._end(stop, f"stopped by {name} after step {step}; {saved_at}; {resume}")
         if self.writer is None:
             return self._end(0)
+        peak_flops, peak_source = self.peak
+        ranks = plural(self.world, self.device.type + " rank")
+        facts = {
+            "layout": f"{self.par.layout} on {ranks}",
+            "run dir": str(self.dir),
+            "MFU peak": f"{peak_flops / 1e12:.3f} TFLOP/s, {peak_source}",
+        }
         write_anchor(self.dir, self.cfg, self.writer.rows, self.device.type)  # fourd plan --anchor
-        predicted = predict(self.cfg, flops, self.world, self.device.type)
-        return self._end(0, summary_table(self.writer.rows, facts, predicted))
+        predicted = predict(self.cfg, peak_flops, self.world, self.device.type, self.baseline_bytes)
+        summary = summary_table(self.writer.rows, facts, predicted, first_save)
+        return self._end(0, summary)
+
+    def _parameter_bytes(self) -> int:
+        """Bytes of this rank's own parameters (its shards of sharded ones)."""
+        total = 0
+        for stage in self.par.stages:
+            for param in stage.parameters():
+                local = param.to_local() if isinstance(param, DTensor) else param
+                total += local.numel() * local.element_size()
+        return total
 
     def _end(self, result: int | str, text: str = ""):
         self.ckpt.wait()
         if self.writer is not None:
             self.writer.close()
-            if text:
-                print(text if result == 0 else f"fourd: {text}", flush=True)
+            if text and result == 0:
+                print(text, flush=True)
+            elif text:  # a non-zero exit: its line goes where every other such line goes
+                print(f"fourd: {text}", file=sys.stderr, flush=True)
         return result
 
     def _diverged(self, row: dict) -> str:
@@ -222,8 +264,9 @@ class _Run:
             else "no checkpoint was saved before it"
         )
         return (
-            f"step {row['step']}: the loss is {row['loss']} and the gradient norm {row['grad_norm']}: training "
-            f"diverged; {kept}, and nothing of this step was saved: lower train.lr (it is {self.cfg.train.lr:g})"
+            f"step {row['step']}: the loss is {row['loss']} and the gradient norm "
+            f"{row['grad_norm']}: training diverged; {kept}, and nothing of this step was saved: "
+            f"lower train.lr (it is {self.cfg.train.lr:g})"
         )
 
     def _step(self, step: int, sample: int) -> dict:
@@ -235,22 +278,24 @@ class _Run:
                 time.sleep(10 * cfg.train.timeout_s)
         self.beats.beat(step)
         self.ckpt.poll()
-        t0 = time.perf_counter()
+        start = time.perf_counter()
         x, y = self._inputs(self.stream.samples(sample + self.offset, self.per_dp))
         lr = lr_at(step, cfg)
         loss, grad_norm = train_step(self.par, self.opt, x, y, lr, cfg, self.amp)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        row = dict(
-            step=step, loss=loss, lr=lr, grad_norm=float(grad_norm), tokens_per_s=self.tokens / dt
-        )
-        row |= dict(
-            step_time_s=dt,
-            mfu=self.flops_per_step / dt / self.peak_total,
-            tokens=step * self.tokens,
-        )
-        row["hfu"] = self.hw_flops_per_step / dt / self.peak_total
+        seconds = time.perf_counter() - start
+        row = {
+            "step": step,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": float(grad_norm),
+            "tokens_per_s": self.tokens / seconds,
+            "step_time_s": seconds,
+            "mfu": self.flops_per_step / seconds / self.peak_total,
+            "tokens": step * self.tokens,
+            "hfu": self.hw_flops_per_step / seconds / self.peak_total,
+        }
         row["peak_mem_gb"] = peak_memory_gb(self.device.type)
         if self.par.runner is not None:
             row["bubble_fraction"] = self.par.runner.bubble_fraction
@@ -270,24 +315,25 @@ class _Run:
         return x, y
 
     def _evaluate(self) -> dict:
-        """Held-out loss and perplexity over the first eval.batches global batches of the corpus tail that training
-        never reads: the same windows, so the same figure, at every layout."""
-        seq, big = self.cfg.data.seq_len, self.cfg.train.global_batch
+        """Held-out loss and perplexity over the first eval.batches global batches of the corpus
+        tail that training never reads: the same windows, so the same figure, at every layout."""
+        seq, batch = self.cfg.data.seq_len, self.cfg.train.global_batch
         tail = self.stream.holdout()
-        n = min(self.cfg.eval.batches, (len(tail) - 1) // seq // big)
+        batches = min(self.cfg.eval.batches, (len(tail) - 1) // seq // batch)
         total = 0.0
-        for b in range(n):
-            first = b * big + self.offset
+        for index in range(batches):
+            first = index * batch + self.offset
             rows = np.stack(
                 [tail[(first + k) * seq : (first + k + 1) * seq + 1] for k in range(self.per_dp)]
             )
             x, y = self._inputs(rows)
             total += eval_step(self.par, self.opt, x, y, self.cfg, self.amp)
-        return {"val_loss": total / n, "val_ppl": math.exp(min(total / n, 700.0))}
+        mean = total / batches
+        return {"val_loss": mean, "val_ppl": math.exp(min(mean, 700.0))}
 
     def _stop_agreed(self) -> int:
         """The signal that stops the run at this step boundary, agreed by every rank; 0: go on."""
-        stop, folder = _STOP[0], os.environ.get(LAUNCH_DIR_ENV)
+        stop, folder = _STOP["signal"], os.environ.get(LAUNCH_DIR_ENV)
         if not stop and folder and os.path.exists(os.path.join(folder, "stop")):
             stop = int(Path(folder, "stop").read_text() or signal.SIGTERM)
         flag = torch.tensor(stop, device=self.device)
@@ -296,26 +342,28 @@ class _Run:
         return int(flag)
 
     def _init_weights(self) -> None:
-        """Start from train.init_from's weights: the full state dict on every rank, each keeping its part."""
+        """Start from train.init_from's weights: the full state dict on every rank, each keeping its
+        part."""
 
-        _, sd = load_weights(self.cfg.train.init_from)
+        _, weights = load_weights(self.cfg.train.init_from)
         for stage in self.par.stages:
-            part = {k: sd[k] for k in stage.state_dict()}
+            part = {k: weights[k] for k in stage.state_dict()}
             set_model_state_dict(stage, part, options=StateDictOptions(full_state_dict=True))
         if self.rank == 0:
             print(f"fourd: starting from the weights of {self.cfg.train.init_from}", flush=True)
 
     def _write_trace(self, path: Path) -> None:
-        """This step's pipeline actions on every rank, as one Chrome trace (opens in Perfetto and the lab)."""
-        c, r = self.par.coords, self.rank
-        events = [label(r, None, f"rank {r} (pp={c['pp']} tp={c['tp']} cp={c['cp']} dp={c['dp']})")]
-        for a in self.par.runner.records:
-            name, args = (
-                f"{a.kind}{a.stage}.{a.microbatch}",
-                {"stage": a.stage, "microbatch": a.microbatch},
-            )
-            events.append(span(r, 0, name, a.kind, a.start, a.end - a.start, **args))
-        gathered: list | None = [None] * self.world if r == 0 else None
+        """This step's pipeline actions on every rank, as one Chrome trace (opens in Perfetto and
+        the lab)."""
+        rank = self.rank
+        where = " ".join(f"{dim}={self.par.coords[dim]}" for dim in ("pp", "tp", "cp", "dp"))
+        events = [label(rank, None, f"rank {rank} ({where})")]
+        for action in self.par.runner.records:
+            name = f"{action.kind}{action.stage}.{action.microbatch}"
+            took = action.end - action.start
+            where_in = {"stage": action.stage, "microbatch": action.microbatch}
+            events.append(span(rank, 0, name, action.kind, action.start, took, **where_in))
+        gathered: list | None = [None] * self.world if rank == 0 else None
         dist.gather_object(events, gathered, dst=0)
         if gathered is not None:
             write_trace(document([e for part in gathered for e in part]), path)
