@@ -31,7 +31,6 @@ from pathlib import Path
 from fourd.ckpt.store import checkpoints
 from fourd.config import Config, build_config, fourd_home, load_toml, model_config, parallelism
 from fourd.config import check as check_config
-from fourd.data.tokenizer import load_tokenizer
 from fourd.errors import FourdError, plural, si
 from fourd.hf.convert import load_weights
 from fourd.layout import DIMS, check, parse_layout
@@ -233,7 +232,6 @@ def _configure(args):
 
 def prepare(args):
     """Everything that can fail on bad input, done before any worker starts: (cfg, layout, cache, data record)."""
-    from fourd.data.dataset import SampleStream
     from fourd.data.dataset import prepare as prepare_data
 
     cfg, mcfg, resumed = _configure(args)
@@ -255,9 +253,7 @@ def prepare(args):
         _check_run_dir(cfg, args.run_dir)
     d = cfg.data
     cache = prepare_data(d.path, d.tokenizer, d.cache_dir)
-    held = len(
-        SampleStream(cache, d.seq_len, cfg.train.seed, d.holdout_fraction).holdout()
-    )  # refused before launch
+    held = cache.stream(d.seq_len, cfg.train.seed, d.holdout_fraction).held_out_tokens
     if cache.vocab_size > mcfg.vocab:
         raise FourdError(
             f"the tokenizer has {cache.vocab_size} ids but the model's vocabulary is {mcfg.vocab}: "
@@ -271,11 +267,7 @@ def prepare(args):
             f"eval.every: the held-out tail has {plural(held, 'token')}, less than one batch of "
             f"{cfg.train.global_batch} x {d.seq_len + 1}: raise data.holdout_fraction or set eval.every = 0"
         )
-    data = {
-        "path": d.path,
-        "tokenizer": d.tokenizer,
-        "identity": load_tokenizer(d.tokenizer).identity(),
-    }
+    data = {"path": d.path, "tokenizer": cache.tokenizer, "identity": cache.identity}
     return cfg, par.layout, cache, {**data, "source": cache.source, "tokens": cache.tokens}
 
 
