@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from fourd.data.prepare import Request, prepare_into
+from fourd.data.prepare import SHARD_TOKENS, Request, prepare_into
 from fourd.data.sources import list_sources
 from fourd.data.tasks import task_folder, task_sources
 from fourd.errors import FourdError, plural
@@ -31,11 +31,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--holdout-fraction", type=float, default=0.01, metavar="F")
     p.add_argument("--task", type=int, default=0, metavar="I", help="this task's number, 0 .. N-1")
     p.add_argument("--tasks", type=int, default=1, metavar="N", help="tasks sharing the sources")
+    p.add_argument(
+        "--shard-tokens",
+        type=int,
+        default=SHARD_TOKENS,
+        metavar="T",
+        help=f"a shard closes at the first document end past T tokens (default {SHARD_TOKENS:,})",
+    )
 
 
 def run(args) -> int:
     if not 0 <= args.holdout_fraction < 0.5:
         raise FourdError(f"--holdout-fraction {args.holdout_fraction} must be in [0, 0.5)")
+    if args.shard_tokens < 1:
+        raise FourdError(f"--shard-tokens {args.shard_tokens} must be at least 1")
     if args.workers < 0:
         raise FourdError(f"--workers {args.workers} must be 0 (every core) or more")
     if not 0 <= args.task < args.tasks:
@@ -57,6 +66,7 @@ def run(args) -> int:
         eod_id=args.eod_id,
         holdout_fraction=args.holdout_fraction,
         workers=args.workers,
+        shard_tokens=args.shard_tokens,
     )
     manifest = prepare_into(request, out, label, allow_empty=args.tasks > 1)
     tokens, documents = manifest["tokens"], manifest["documents"]

@@ -256,5 +256,141 @@ def prepare(data_path: str, tokenizer_spec: str, cache_dir: str = "") -> TokenDa
         description = data_path
     else:
         description = f"{data_path} ({len(sources)} files)"
-    prepare_into(request, folder, description)
+    prepare_into(request, folder, description, overwrite=True)
     return open_prepared(folder)
+
+
+MIX_BLOCK = 4096  # samples per block of a mixture: each block holds every dataset's exact share
+
+
+def parse_mix(spec: str) -> list[tuple[str, float]]:
+    """`DIR_A=0.7,DIR_B=0.3` as [(DIR_A, 0.7), (DIR_B, 0.3)]; every weight a positive number."""
+    parts = []
+    for item in spec.split(","):
+        path, equals, weight = item.strip().rpartition("=")
+        try:
+            value = float(weight)
+        except ValueError:
+            value = float("nan")
+        if not equals or not path:
+            raise FourdError(
+                f"data.mix item {item.strip()!r} is not DIR=WEIGHT: give e.g. data/a=0.7,data/b=0.3"
+            )
+        if not value > 0 or value == float("inf"):
+            raise FourdError(
+                f"data.mix weight of {path} is {weight!r}, not a positive number: give a weight > 0"
+            )
+        parts.append((path, value))
+    return parts
+
+
+def _block_counts(weights: tuple[float, ...]) -> list[int]:
+    """Each dataset's samples in a block of MIX_BLOCK: its share w / Σw of the block, rounded by the
+    largest remainder (Hamilton's method), so that the counts sum to MIX_BLOCK."""
+    total = sum(weights)
+    exact = [MIX_BLOCK * w / total for w in weights]
+    counts = [int(x) for x in exact]
+    by_remainder = sorted(range(len(weights)), key=lambda k: counts[k] - exact[k])
+    for k in by_remainder[: MIX_BLOCK - sum(counts)]:
+        counts[k] += 1
+    return counts
+
+
+@dataclass(frozen=True)
+class Mixture:
+    """Several prepared datasets drawn by weight; every one read with the same tokenizer."""
+
+    parts: tuple[TokenDataset, ...]
+    weights: tuple[float, ...]
+    spec: str  # data.mix as given
+
+    @property
+    def tokens(self) -> int:
+        return sum(part.tokens for part in self.parts)
+
+    @property
+    def vocab_size(self) -> int:
+        return max(part.vocab_size for part in self.parts)
+
+    @property
+    def identity(self) -> str:
+        return self.parts[0].identity
+
+    @property
+    def tokenizer(self) -> str:
+        return self.parts[0].tokenizer
+
+    @property
+    def source(self) -> str:
+        return "mixture " + ", ".join(
+            f"{part.source} {weight:g}" for part, weight in zip(self.parts, self.weights)
+        )
+
+    def stream(self, seq_len: int, seed: int, holdout_fraction: float) -> MixtureStream:
+        return MixtureStream(self, seq_len, seed, holdout_fraction)
+
+
+class MixtureStream:
+    """Sample i of a mixture: block b = i // MIX_BLOCK holds each dataset's count (_block_counts) in an
+    order drawn from (seed, b); the k-th sample of dataset d in block b is that dataset's own sample
+    b · count_d + k. Everything follows from (seed, i): any layout, any resume point."""
+
+    def __init__(self, mixture: Mixture, seq_len: int, seed: int, holdout_fraction: float):
+        self.streams = [part.stream(seq_len, seed, holdout_fraction) for part in mixture.parts]
+        self.counts = _block_counts(mixture.weights)
+        self.seed = seed
+        self._block, self._owner, self._rank = -1, np.zeros(0, np.int64), np.zeros(0, np.int64)
+
+    def _assign(self, block: int) -> None:
+        if block == self._block:
+            return
+        owners = np.repeat(np.arange(len(self.counts)), self.counts)
+        owners = np.random.default_rng([self.seed, block, len(self.counts)]).permutation(owners)
+        rank = np.zeros(MIX_BLOCK, dtype=np.int64)
+        for part in range(len(self.counts)):
+            mine = owners == part
+            rank[mine] = np.arange(int(mine.sum()))
+        self._block, self._owner, self._rank = block, owners, rank
+
+    def sample(self, index: int) -> np.ndarray:
+        block, position = divmod(index, MIX_BLOCK)
+        self._assign(block)
+        part = int(self._owner[position])
+        local = block * self.counts[part] + int(self._rank[position])
+        return self.streams[part].sample(local)
+
+    def samples(self, first: int, count: int) -> np.ndarray:
+        return np.stack([self.sample(first + k) for k in range(count)])
+
+    @property
+    def held_out_tokens(self) -> int:
+        return self.streams[0].held_out_tokens
+
+    def holdout(self) -> TokenSpan:
+        """A mixture's held-out windows are its first dataset's."""
+        return self.streams[0].holdout()
+
+
+def open_mixture(spec: str, tokenizer_spec: str, cache_dir: str = "") -> Mixture:
+    """data.mix: each dataset opened as data.path would be; all must share one tokenizer."""
+    pairs = parse_mix(spec)
+    parts = tuple(prepare(path, tokenizer_spec, cache_dir) for path, _ in pairs)
+    for (path, _), part in zip(pairs, parts):
+        if part.identity != parts[0].identity:
+            raise FourdError(
+                f"data.mix: {path} was tokenized by another tokenizer than {pairs[0][0]}: "
+                "prepare every dataset of a mixture with the same tokenizer"
+            )
+    return Mixture(parts=parts, weights=tuple(w for _, w in pairs), spec=spec)
+
+
+def open_data(data) -> TokenDataset | Mixture:
+    """What the [data] section of a run names: data.mix's mixture, or data.path's dataset."""
+    if data.mix and data.path:
+        raise FourdError(
+            f"data.mix and data.path = {data.path!r} are both set: give one (data.mix names "
+            "every dataset of the mixture)"
+        )
+    if data.mix:
+        return open_mixture(data.mix, data.tokenizer, data.cache_dir)
+    return prepare(data.path, data.tokenizer, data.cache_dir)

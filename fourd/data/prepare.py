@@ -34,7 +34,7 @@ FORMAT = "fourd-tokens"
 VERSION = 1
 MANIFEST = "manifest.json"
 PROGRESS = "progress.json"
-SHARD_TOKENS = 1 << 28  # a shard closes at the first batch end past 268M tokens (512 MiB of uint16)
+SHARD_TOKENS = 1 << 28  # a shard closes at the first document end past 268M tokens (512 MiB uint16)
 BLANK_LINE = "\n\n"
 
 
@@ -223,8 +223,8 @@ class _State:
 
 
 def _tokenize(request: Request, folder: Path, state: _State, tok, eod: dict, dtype: str) -> None:
-    """Stream every source from the saved position on, closing a shard at the first batch end past
-    shard_tokens and saving the position after it."""
+    """Stream every source from the saved position on, closing a shard at the first document end at
+    or past shard_tokens (whatever the batches) and saving the position after it."""
     eod_ids = np.asarray(eod["ids"], dtype=np.int64)
     shard = _Shard(folder, len(state.shards), dtype)
     progress = _Progress(
@@ -238,16 +238,23 @@ def _tokenize(request: Request, folder: Path, state: _State, tok, eod: dict, dty
         reader = DocumentReader(source, request.text_field, request.skip_non_utf8)
         credited = 0  # of the source's bytes, shown as done: its characters read so far, at most
         for batch in _prefetched(reader.batches(state.position["documents"])):
-            written = shard.add(tok.encode_batch(batch, request.workers), eod_ids)
-            state.position["documents"] += len(batch)
-            state.position["tokens"] += written
+            encoded = tok.encode_batch(batch, request.workers)
+            ends = np.cumsum([ids.size + eod_ids.size for ids in encoded])
+            done = 0  # documents of the batch written
+            while done < len(encoded):
+                room = request.shard_tokens - shard.tokens + (ends[done - 1] if done else 0)
+                take = min(int(np.searchsorted(ends, room, side="left")) + 1, len(encoded)) - done
+                written = shard.add(encoded[done : done + take], eod_ids)
+                done += take
+                state.position["documents"] += take
+                state.position["tokens"] += written
+                if shard.tokens >= request.shard_tokens:
+                    state.shards.append(shard.close())
+                    state.save(folder)
+                    shard = _Shard(folder, len(state.shards), dtype)
             share = min(sum(len(text) for text in batch), source.size - credited)
             credited += share
-            progress.advance(share, written)
-            if shard.tokens >= request.shard_tokens:
-                state.shards.append(shard.close())
-                state.save(folder)
-                shard = _Shard(folder, len(state.shards), dtype)
+            progress.advance(share, int(ends[-1]))
         record = source.fingerprint() | {"sha256": reader.sha256}
         record |= {"documents": state.position["documents"], "tokens": state.position["tokens"]}
         state.sources.append(record)
@@ -264,15 +271,20 @@ def _tokenize(request: Request, folder: Path, state: _State, tok, eod: dict, dty
 
 
 def prepare_into(
-    request: Request, out: Path, description: str = "", allow_empty: bool = False
+    request: Request,
+    out: Path,
+    description: str = "",
+    *,
+    allow_empty: bool = False,
+    overwrite: bool = False,
 ) -> dict:
     """Prepare `request` into the folder `out` (or find it there, done); its manifest. A task's share
-    (`allow_empty`) may hold no text."""
+    (`allow_empty`) may hold no text; a cache entry (`overwrite`) replaces whatever `out` holds."""
     if request.workers:
         os.environ["RAYON_NUM_THREADS"] = str(request.workers)  # the tokenizers library's pool
     tok = load_tokenizer(request.tokenizer)
     key = request.key(tok.identity())
-    done = _finished(out, key)
+    done = _finished(out, key, overwrite)
     if done is not None:
         return done
     eod = end_of_document(tok, request.eod_id)
@@ -282,6 +294,9 @@ def prepare_into(
         partial.mkdir(parents=True, exist_ok=True)
         state = _State.resume(partial, key)
         _tokenize(request, partial, state, tok, eod, dtype_for(vocab))
+    except FourdError:  # bad input: nothing is left half written (an interruption keeps its shards)
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     except OSError as e:
         raise FourdError(
             f"{out.parent}: cannot hold the prepared dataset ({e.strerror or e}): "
@@ -315,9 +330,9 @@ def prepare_into(
 _NO_TEXT_FIX = "give a text file, a folder of text files or a .jsonl file that is not empty"
 
 
-def _finished(out: Path, key: dict) -> dict | None:
+def _finished(out: Path, key: dict, overwrite: bool) -> dict | None:
     """The manifest of `out` when it holds this request's prepared tokens; a folder holding anything
-    else is refused rather than overwritten."""
+    else is refused unless `overwrite`."""
     if not out.exists():
         return None
     try:
@@ -326,7 +341,7 @@ def _finished(out: Path, key: dict) -> dict | None:
         manifest = None
     if isinstance(manifest, dict) and manifest.get("key") == key:
         return manifest
-    if out.is_dir() and not any(out.iterdir()):
+    if overwrite or (out.is_dir() and not any(out.iterdir())):
         return None
     raise FourdError(
         f"--out {out} already holds other files (another dataset, or not one): "

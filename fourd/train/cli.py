@@ -53,6 +53,7 @@ KEPT = (
     "data.tokenizer",
     "data.seq_len",
     "data.holdout_fraction",
+    "data.mix",
     "train.global_batch",
     "train.seed",
 )
@@ -232,7 +233,7 @@ def _configure(args):
 
 def prepare(args):
     """Everything that can fail on bad input, done before any worker starts: (cfg, layout, cache, data record)."""
-    from fourd.data.dataset import prepare as prepare_data
+    from fourd.data.dataset import open_data
 
     cfg, mcfg, resumed = _configure(args)
     here = (
@@ -252,7 +253,7 @@ def prepare(args):
     if resumed is None and attempt() == 0:
         _check_run_dir(cfg, args.run_dir)
     d = cfg.data
-    cache = prepare_data(d.path, d.tokenizer, d.cache_dir)
+    cache = open_data(d)
     held = cache.stream(d.seq_len, cfg.train.seed, d.holdout_fraction).held_out_tokens
     if cache.vocab_size > mcfg.vocab:
         raise FourdError(
@@ -267,7 +268,7 @@ def prepare(args):
             f"eval.every: the held-out tail has {plural(held, 'token')}, less than one batch of "
             f"{cfg.train.global_batch} x {d.seq_len + 1}: raise data.holdout_fraction or set eval.every = 0"
         )
-    data = {"path": d.path, "tokenizer": cache.tokenizer, "identity": cache.identity}
+    data = {"path": d.mix or d.path, "tokenizer": cache.tokenizer, "identity": cache.identity}
     return cfg, par.layout, cache, {**data, "source": cache.source, "tokens": cache.tokens}
 
 
