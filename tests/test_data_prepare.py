@@ -12,8 +12,8 @@ import time
 
 import numpy as np
 import pytest
-
 from conftest import ROOT
+
 from fourd.cli import main
 from fourd.data.dataset import open_prepared, parse_mix
 from fourd.data.prepare import Request, prepare_into
