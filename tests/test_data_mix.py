@@ -5,8 +5,8 @@ import json
 
 import numpy as np
 import pytest
-
 from conftest import run_fourd
+
 from fourd.data.dataset import MIX_BLOCK, Mixture, TokenDataset, open_prepared
 from fourd.data.prepare import Request, prepare_into
 from fourd.data.sources import list_sources
