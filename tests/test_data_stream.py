@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fourd.config import build_config
-from fourd.data.corpus import read_documents
 from fourd.data.dataset import SampleStream, TokenCache, prepare
+from fourd.data.sources import DocumentReader, list_sources
 from fourd.errors import FourdError
 
 
@@ -208,7 +208,8 @@ def test_any_jsonl_ends_in_documents_or_one_line(tmp_path, lines):
     f = tmp_path / "d.jsonl"
     f.write_text("\n".join(lines))
     try:
-        docs, _ = read_documents(str(f))
+        (source,) = list_sources([str(f)])
+        docs = list(DocumentReader(source).documents())
         assert all(isinstance(d, str) and d for d in docs)
     except FourdError as e:
         assert "\n" not in str(e)

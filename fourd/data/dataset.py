@@ -217,6 +217,12 @@ def is_prepared(path: str) -> bool:
     return bool(path) and (Path(path).expanduser() / MANIFEST).is_file()
 
 
+def _unfinished(folder: Path) -> bool:
+    """Whether a folder holds what `fourd data prepare` writes before its manifest."""
+    marks = ("progress.json", "shard-00000.bin", "task-00000-of-*")
+    return any(next(folder.glob(mark), None) is not None for mark in marks)
+
+
 def prepare(data_path: str, tokenizer_spec: str, cache_dir: str = "") -> TokenDataset:
     """The dataset `data.path` names: a prepared folder as it is; a raw corpus prepared once into the
     cache, found again later from its files' sizes and modification times (no reading of the corpus)."""
@@ -230,6 +236,12 @@ def prepare(data_path: str, tokenizer_spec: str, cache_dir: str = "") -> TokenDa
                     f"data.tokenizer {tokenizer_spec}: drop data.tokenizer to use its own"
                 )
         return found
+    folder = Path(data_path).expanduser()
+    if data_path and folder.is_dir() and _unfinished(folder):
+        raise FourdError(
+            f"data.path {data_path} is an unfinished prepared dataset (no {MANIFEST}): run its "
+            "`fourd data prepare` again (or `fourd data merge` after its tasks) to finish it"
+        )
     if data_path:
         sources = list_sources([data_path])
         request = Request(sources=tuple(sources), tokenizer=tokenizer_spec, label=data_path)
@@ -249,15 +261,15 @@ def prepare(data_path: str, tokenizer_spec: str, cache_dir: str = "") -> TokenDa
             f"{where} {str(root)!r} cannot hold the token cache ({e.strerror or e}): "
             "give a writable folder"
         ) from None
-    folder = root / f"data-{key[:24]}"
+    entry = root / f"data-{key[:24]}"
     if not data_path:
         description = f"Python standard library ({len(sources)} files)"
     elif len(sources) == 1 and sources[0].kind == "text":
         description = data_path
     else:
         description = f"{data_path} ({len(sources)} files)"
-    prepare_into(request, folder, description, overwrite=True)
-    return open_prepared(folder)
+    prepare_into(request, entry, description, overwrite=True)
+    return open_prepared(entry)
 
 
 MIX_BLOCK = 4096  # samples per block of a mixture: each block holds every dataset's exact share

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from fourd.data.corpus import read_regular
-from fourd.data.dataset import prepare, split
+from fourd.data.dataset import prepare
 from fourd.errors import FourdError
 from fourd.hf.convert import run_tokenizer, tokenizer_spec
 
@@ -189,7 +189,7 @@ def holdout_ids(args, manifest: dict) -> list[int]:
     changed = f"the corpus {corpus or 'standard library'!r} has {cache.tokens} tokens, {data.get('tokens')} when the"
     changed += " run trained: it changed, so its tail is not the held-out part; use --eval-file"
     _refuse_if(data.get("tokens") not in (None, cache.tokens), changed)
-    train_tokens, _ = split(cache.tokens, 1, 0.01 if fraction is None else fraction)
+    train_tokens, _ = cache.split(1, 0.01 if fraction is None else fraction)  # as training cut it
     ids = cache.array()[train_tokens:].tolist()
     return ids[: args.eval_tokens] if args.eval_tokens > 0 else ids
 
