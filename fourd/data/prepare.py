@@ -159,7 +159,8 @@ def _prefetched(batches: Iterator[list[str]]) -> Iterator[list[str]]:
 
 
 class _Progress:
-    """A tqdm bar on a terminal; elsewhere a plain line every 10 seconds and at the end."""
+    """A tqdm bar on a terminal (stderr); elsewhere a plain line on stdout every 10 seconds. The
+    closing line goes to stdout either way: bad input stays the one line on stderr."""
 
     def __init__(self, total_bytes: int, label: str):
         self.total, self.label, self.done, self.tokens = total_bytes, label, 0, 0
@@ -177,7 +178,7 @@ class _Progress:
             self.bar.update(nbytes)
         elif time.monotonic() - self.last >= 10:
             self.last = time.monotonic()
-            print(self.line(), file=sys.stderr, flush=True)
+            print(self.line(), flush=True)
 
     def line(self) -> str:
         seconds = time.monotonic() - self.start
@@ -267,7 +268,7 @@ def _tokenize(request: Request, folder: Path, state: _State, tok, eod: dict, dty
         for suffix in (".bin", ".idx"):
             (folder / f"{shard.name}{suffix}").unlink()
     progress.close()
-    print(progress.line(), file=sys.stderr, flush=True)
+    print(progress.line(), flush=True)
 
 
 def prepare_into(
