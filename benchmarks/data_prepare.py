@@ -1,15 +1,15 @@
-"""`fourd data prepare` beside the tokenizers library's own batch encoding, and train start-up vs size.
+"""`fourd data prepare` beside the tokenizers library's batch encoding; train start-up vs size.
 
     python benchmarks/data_prepare.py --mb 200 --repeats 3 --work /tmp/data-bench
 
 1. Writes a synthetic JSONL corpus of about --mb MB (Zipf-distributed words, documents of 50-2,000
    words) and trains an 8,000-token byte-level BPE tokenizer.json on its first 5 MB.
-2. Side by side, --repeats times: `fourd data prepare` of the corpus (a fresh process; its wall time and
-   peak resident memory from wait4), and the same documents, already in memory, encoded by the
-   library's `encode_batch` (and `encode_batch_fast`, which fourd uses) in batches of 1,024 on the
-   same cores (no reading, no writing).
-3. `fourd train --model debug --steps 1` start-up on the prepared corpus and on a prepared 1 MB corpus
-   (a warm-up start each, then --repeats starts each): the time to the end of the process.
+2. Side by side, --repeats times: `fourd data prepare` of the corpus (a fresh process; its wall
+   time and peak resident memory from wait4), and the same documents, already in memory, encoded
+   by the library's `encode_batch` (and `encode_batch_fast`, which fourd uses) in batches of 1,024
+   on the same cores (no reading, no writing).
+3. `fourd train --model debug --steps 1` start-up on the prepared corpus and on a prepared 1 MB
+   corpus (a warm-up start each, then --repeats starts each): the time to the end of the process.
 Prints one JSON object of medians; docs/benchmarks.md quotes it.
 """
 

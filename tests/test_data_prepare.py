@@ -1,4 +1,5 @@
-"""fourd data prepare / info / verify / merge: every source format, shards, resume, tasks, bad input."""
+"""fourd data prepare / info / verify / merge: every source format, shards, resume, tasks, bad
+input."""
 
 import contextlib
 import gzip
@@ -264,7 +265,7 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, bpe):
     (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really parquet")
     pq.write_table(pa.table({"body": ["x"]}), tmp_path / "nocol.parquet")
     cases = {
-        "notext.jsonl": '{p}:2: no string field "text"; each line must be an object with a "text" field',
+        "notext.jsonl": '{p}:2: no string field "text"; each line must be an object with a "text"',
         "latin1.jsonl": "{p}:2: not UTF-8 (byte 13); convert it to UTF-8",
         "broken.parquet": "{p}: not a readable Parquet file",
         "nocol.parquet": '{p}: no column "text" (it has body): give --text-field',

@@ -1,7 +1,7 @@
 """Join the task folders of `fourd data prepare --task I --tasks N` into one prepared dataset.
 
-The merged stream is the one a single `fourd data prepare` of the same sources writes: the shares are
-contiguous and in order. Its manifest lists the tasks' shards where they lie (docs/data.md).
+The merged stream is the one a single `fourd data prepare` of the same sources writes: the shares
+are contiguous and in order. Its manifest lists the tasks' shards where they lie (docs/data.md).
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
 """Tokenize a corpus once into memory-mappable token shards, a document index and a manifest.
 
 Sources: text files, folders, JSONL (.jsonl, .jsonl.gz, .jsonl.zst), Parquet files or folders, and
-Hugging Face `datasets` folders written by save_to_disk. `fourd train --data.path DIR` reads the result.
+Hugging Face `datasets` folders written by save_to_disk. `fourd train --data.path DIR` reads the
+result.
 
 examples:
   fourd data prepare corpus.jsonl.zst --tokenizer tokenizer.json --out data/corpus
   fourd data prepare shards/ --tokenizer byte --eod-id 256 --out data/bytes
-  fourd data prepare shards/ --tokenizer tokenizer.json --out data/big --task 3 --tasks 8  # one of 8
+  fourd data prepare shards/ --tokenizer tokenizer.json --out data/big --task 3 --tasks 8
   fourd data merge data/big                      # after all 8 tasks: one dataset of their shards
 """
 

@@ -1,5 +1,5 @@
-"""Files as fourd reads them: regular files only (never a FIFO, device or /proc file), and the default
-corpus, the running interpreter's standard library (no download)."""
+"""Files as fourd reads them: regular files only (never a FIFO, device or /proc file), and the
+default corpus, the running interpreter's standard library (no download)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ def stdlib_files() -> list[Path]:
 
 
 def read_regular(path: str | os.PathLike, what: str, fix: str) -> bytes:
-    """The bytes of a regular file; a FIFO, device, socket or pseudo-file is refused without blocking."""
+    """The bytes of a regular file; a FIFO, device, socket or pseudo-file is refused without
+    blocking."""
     not_regular = (
         f"{what} {str(path)!r} is not a regular file (a FIFO, device, socket or system file): {fix}"
     )

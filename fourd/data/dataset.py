@@ -1,13 +1,15 @@
-"""Prepared token datasets read by memory map, and training samples addressed by a global sample index.
+"""Prepared token datasets read by memory map, and training samples addressed by a global sample
+index.
 
-Sample i is a window of seq_len + 1 tokens from the training part of the stream (all but the held-out
-tail), cut into non-overlapping windows; epoch e = i // windows visits them in a permutation drawn
-from (seed, e). Step t trains on samples [t·B, (t+1)·B) whatever the layout (docs/parallelism.md).
-A mixture draws sample i from one of several datasets by weight, from (seed, i) alone (docs/data.md).
+Sample i is a window of seq_len + 1 tokens from the training part of the stream (all but the
+held-out tail), cut into non-overlapping windows; epoch e = i // windows visits them in a
+permutation drawn from (seed, e). Step t trains on samples [t·B, (t+1)·B) whatever the layout
+(docs/parallelism.md). A mixture draws sample i from one of several datasets by weight, from (seed,
+i) alone (docs/data.md).
 
 Opening a prepared folder reads its manifest only; tokens are paged in by the windows that use them.
-A raw corpus given to `data.path` is prepared once into $FOURD_HOME/cache (fourd.data.prepare) and found
-again from its files' sizes and modification times.
+A raw corpus given to `data.path` is prepared once into $FOURD_HOME/cache (fourd.data.prepare) and
+found again from its files' sizes and modification times.
 """
 
 from __future__ import annotations
@@ -98,9 +100,9 @@ TokenCache = TokenDataset  # the name the trainer and older callers import
 
 
 def held_out_start(tokens: int, fraction: float, starts: np.ndarray | None) -> int:
-    """Where the held-out tail starts: the first document start at or after token
-    ⌊tokens · (1 − fraction)⌋, so the tail is whole documents; when no document starts there (the last
-    document is longer than the tail, or the stream has no document index), that token itself."""
+    """Where the held-out tail starts: the first document start at or after token ⌊tokens · (1 −
+    fraction)⌋, so the tail is whole documents; when no document starts there (the last document is
+    longer than the tail, or the stream has no document index), that token itself."""
     point = int(tokens * (1 - fraction))
     if starts is None or len(starts) == 0:
         return point
@@ -208,8 +210,8 @@ def open_prepared(folder: str | os.PathLike) -> TokenDataset:
         )
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise FourdError(
-            f"{path}/{MANIFEST} cannot be read ({e}): the folder is not a complete prepared dataset; "
-            "prepare it again with `fourd data prepare`"
+            f"{path}/{MANIFEST} cannot be read ({e}): the folder is not a complete prepared "
+            "dataset; prepare it again with `fourd data prepare`"
         ) from None
 
 
@@ -224,8 +226,9 @@ def _unfinished(folder: Path) -> bool:
 
 
 def prepare(data_path: str, tokenizer_spec: str, cache_dir: str = "") -> TokenDataset:
-    """The dataset `data.path` names: a prepared folder as it is; a raw corpus prepared once into the
-    cache, found again later from its files' sizes and modification times (no reading of the corpus)."""
+    """The dataset `data.path` names: a prepared folder as it is; a raw corpus prepared once into
+    the cache, found again later from its files' sizes and modification times (no reading of the
+    corpus)."""
     if is_prepared(data_path):
         found = open_prepared(data_path)
         if tokenizer_spec not in ("", "byte"):
@@ -343,9 +346,9 @@ class Mixture:
 
 
 class MixtureStream:
-    """Sample i of a mixture: block b = i // MIX_BLOCK holds each dataset's count (_block_counts) in an
-    order drawn from (seed, b); the k-th sample of dataset d in block b is that dataset's own sample
-    b · count_d + k. Everything follows from (seed, i): any layout, any resume point."""
+    """Sample i of a mixture: block b = i // MIX_BLOCK holds each dataset's count (_block_counts) in
+    an order drawn from (seed, b); the k-th sample of dataset d in block b is that dataset's own
+    sample b · count_d + k. Everything follows from (seed, i): any layout, any resume point."""
 
     def __init__(self, mixture: Mixture, seq_len: int, seed: int, holdout_fraction: float):
         self.streams = [part.stream(seq_len, seed, holdout_fraction) for part in mixture.parts]

@@ -1,13 +1,14 @@
-"""Prepare a corpus once: stream its documents, tokenize them in batches on all cores, write token shards.
+"""Prepare a corpus once: stream its documents, tokenize them in batches on all cores, write token
+shards.
 
-A prepared folder holds `shard-NNNNN.bin` (the token ids, raw little-endian uint16 when the vocabulary
-fits, else uint32), `shard-NNNNN.idx` (uint64: where each document of the shard ends, its
+A prepared folder holds `shard-NNNNN.bin` (the token ids, raw little-endian uint16 when the
+vocabulary fits, else uint32), `shard-NNNNN.idx` (uint64: where each document of the shard ends, its
 end-of-document ids included) and `manifest.json`, written last (docs/data.md). Every document is
 followed by the end-of-document ids; the stream a trainer reads ends before the last document's.
 
-The work happens in a hidden sibling folder renamed into place at the end, so a folder with a manifest
-is always complete. After each shard the folder records where the next one starts; an interrupted
-prepare continues from there.
+The work happens in a hidden sibling folder renamed into place at the end, so a folder with a
+manifest is always complete. After each shard the folder records where the next one starts; an
+interrupted prepare continues from there.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ class Request:
     workers: int = 0  # tokenizer threads; 0: every core
 
     def key(self, identity: str) -> dict:
-        """Everything the prepared tokens depend on: a resumed or a repeated prepare must match it."""
+        """Everything the prepared tokens depend on: a resumed or a repeated prepare must match
+        it."""
         return {
             "sources": [s.fingerprint() for s in self.sources],
             "tokenizer": identity,
@@ -67,7 +69,8 @@ class Request:
 
 def end_of_document(tok, eod_id: int | None) -> dict:
     """The ids that follow every document: --eod-id when given, else the tokenizer's own
-    end-of-document token, else the tokens of a blank line (what byte-level fourd has always used)."""
+    end-of-document token, else the tokens of a blank line (what byte-level fourd has always
+    used)."""
     if eod_id is not None:
         if not 0 <= eod_id < 2**32:
             raise FourdError(f"--eod-id {eod_id} must be in 0 .. 2^32 - 1")
@@ -139,7 +142,8 @@ class _Shard:
 
 
 def _prefetched(batches: Iterator[list[str]]) -> Iterator[list[str]]:
-    """The batches read one ahead on a thread: parsing the next batch overlaps tokenizing this one."""
+    """The batches read one ahead on a thread: parsing the next batch overlaps tokenizing this
+    one."""
     ahead: queue.Queue = queue.Queue(maxsize=2)
     done = object()
 
@@ -193,7 +197,8 @@ class _Progress:
 
 
 class _State:
-    """Where a prepare stands: the shards and sources done, and the position in the current source."""
+    """Where a prepare stands: the shards and sources done, and the position in the current
+    source."""
 
     def __init__(self, key: dict):
         self.key = key
@@ -279,8 +284,9 @@ def prepare_into(
     allow_empty: bool = False,
     overwrite: bool = False,
 ) -> dict:
-    """Prepare `request` into the folder `out` (or find it there, done); its manifest. A task's share
-    (`allow_empty`) may hold no text; a cache entry (`overwrite`) replaces whatever `out` holds."""
+    """Prepare `request` into the folder `out` (or find it there, done); its manifest. A task's
+    share (`allow_empty`) may hold no text; a cache entry (`overwrite`) replaces whatever `out`
+    holds."""
     if request.workers:
         os.environ["RAYON_NUM_THREADS"] = str(request.workers)  # the tokenizers library's pool
     tok = load_tokenizer(request.tokenizer)
@@ -351,7 +357,8 @@ def _finished(out: Path, key: dict, overwrite: bool) -> dict | None:
 
 
 def totals(manifest: dict, holdout_fraction: float, folder: Path) -> dict:
-    """Tokens and documents of the stream, and its held-out split (fourd.data.dataset.held_out_start)."""
+    """Tokens and documents of the stream, and its held-out split
+    (fourd.data.dataset.held_out_start)."""
     from fourd.data.dataset import held_out_start
 
     stored = sum(s["tokens"] for s in manifest["shards"])

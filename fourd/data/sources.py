@@ -1,10 +1,12 @@
-"""Sources of documents, read as a stream of batches: memory is bounded by a batch, not by the corpus.
+"""Sources of documents, read as a stream of batches: memory is bounded by a batch, not by the
+corpus.
 
 A source is one file: a text file (one document), JSONL (`.jsonl`, `.jsonl.gz`, `.jsonl.zst`: one
-document per line, its text in a field), a Parquet file (one document per row), or an Arrow file of a
-Hugging Face `datasets` folder written by `save_to_disk` (read with pyarrow; `datasets` is not needed).
-A folder expands into its files in sorted order, hidden ones left out. Each source's SHA-256 is computed
-while it streams (Parquet and Arrow, which are read by seeking, in one sequential pass of their bytes).
+document per line, its text in a field), a Parquet file (one document per row), or an Arrow file of
+a Hugging Face `datasets` folder written by `save_to_disk` (read with pyarrow; `datasets` is not
+needed). A folder expands into its files in sorted order, hidden ones left out. Each source's
+SHA-256 is computed while it streams (Parquet and Arrow, which are read by seeking, in one
+sequential pass of their bytes).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from fourd.errors import FourdError
 
 FIX = "give a text file, a folder of text files or a .jsonl file"
 _PSEUDO = ("proc", "sys", "dev")  # kernel file systems: their files have no fixed content or size
-# A batch holds at most this many documents or (about) this many bytes of text, whichever comes first.
+# A batch holds at most this many documents or (about) this many bytes of text, whichever comes
+# first.
 BATCH_DOCUMENTS = 1024
 BATCH_BYTES = 16 << 20
 _CHUNK = 8 << 20  # bytes read at a time when hashing or decompressing
@@ -281,5 +284,6 @@ def refuse_irregular(path: str) -> None:
     """Refuse a FIFO, device or socket before opening it (opening a FIFO waits for a writer)."""
     if not stat.S_ISREG(os.stat(path).st_mode):
         raise FourdError(
-            f"data file {path!r} is not a regular file (a FIFO, device, socket or system file): {FIX}"
+            f"data file {path!r} is not a regular file (a FIFO, device, socket or system file): "
+            f"{FIX}"
         )

@@ -1,6 +1,6 @@
-"""One prepare shared by N tasks (a Slurm array, any executor): task I prepares a contiguous share of
-the sources into DIR/task-I-of-N, and `fourd data merge DIR` joins the shares into one dataset whose
-stream is the one a single task would have written (docs/data.md)."""
+"""One prepare shared by N tasks (a Slurm array, any executor): task I prepares a contiguous share
+of the sources into DIR/task-I-of-N, and `fourd data merge DIR` joins the shares into one dataset
+whose stream is the one a single task would have written (docs/data.md)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ def task_folder(out: Path, task: int, tasks: int) -> Path:
 
 
 def task_sources(sources: list[Source], task: int, tasks: int) -> list[Source]:
-    """Task `task`'s share: the sources whose first byte lies in its 1/tasks of the corpus's bytes, so
-    the shares are contiguous, in order, and about equal in size (a file is never split)."""
+    """Task `task`'s share: the sources whose first byte lies in its 1/tasks of the corpus's bytes,
+    so the shares are contiguous, in order, and about equal in size (a file is never split)."""
     total = sum(s.size for s in sources) or 1
     share, before = [], 0
     for source in sources:
@@ -45,7 +45,8 @@ def merge(out: Path, holdout_fraction: float) -> dict:
             manifests.append(json.loads((folder / MANIFEST).read_text()))
         except (OSError, ValueError):
             raise FourdError(
-                f"{folder}: not finished (no {MANIFEST}): run task {task} of {tasks} again, then merge"
+                f"{folder}: not finished (no {MANIFEST}): run task {task} of {tasks} again, "
+                "then merge"
             ) from None
     first = manifests[0]
     for task, manifest in enumerate(manifests):

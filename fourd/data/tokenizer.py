@@ -1,5 +1,6 @@
-"""Tokenizers: byte-level (ids are the UTF-8 bytes), or a local Hugging Face `tokenizer.json` or tiktoken BPE
-file (docs/hf.md); their libraries are optional and imported only when such a file is used."""
+"""Tokenizers: byte-level (ids are the UTF-8 bytes), or a local Hugging Face `tokenizer.json` or
+tiktoken BPE file (docs/hf.md); their libraries are optional and imported only when such a file is
+used."""
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ class ByteTokenizer:
 
 
 def load_tokenizer(spec: str):
-    """ "byte", or a local file: a Hugging Face tokenizer.json (a JSON object) or else a tiktoken BPE file."""
+    """ "byte", or a local file: a Hugging Face tokenizer.json (a JSON object) or else a tiktoken
+    BPE file."""
     if spec in ("", "byte"):
         return ByteTokenizer()
     raw = read_regular(
@@ -44,15 +46,16 @@ def load_tokenizer(spec: str):
     return HFTokenizer(spec, raw) if raw.lstrip()[:1] == b"{" else TiktokenTokenizer(spec, raw)
 
 
-# Llama 3's pre-tokenization pattern and special-token count, from Meta's released tokenizer (llama3 repository,
-# tokenizer.py): 256 special tokens follow the BPE ranks, the first two being begin and end of text.
+# Llama 3's pre-tokenization pattern and special-token count, from Meta's released tokenizer (llama3
+# repository, tokenizer.py): 256 special tokens follow the BPE ranks, the first two being begin and
+# end of text.
 LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 LLAMA3_SPECIAL = 256
-# End-of-document tokens by the names tokenizers give them (GPT-2 and most BPE files, Megatron's, Llama
-# 3's, Llama 2's and T5's, Gemma's), looked up in this order.
+# End-of-document tokens by the names tokenizers give them (GPT-2 and most BPE files, Megatron's,
+# Llama 3's, Llama 2's and T5's, Gemma's), looked up in this order.
 END_OF_DOCUMENT = ("<|endoftext|>", "<|eod|>", "<|end_of_text|>", "</s>", "<eos>", "[EOS]")
 
 
@@ -102,7 +105,8 @@ class HFTokenizer:
 
 
 class TiktokenTokenizer:
-    """A tiktoken BPE file (one `base64-token rank` per line) with Llama 3's pattern and special tokens."""
+    """A tiktoken BPE file (one `base64-token rank` per line) with Llama 3's pattern and special
+    tokens."""
 
     name = "tiktoken"
 
