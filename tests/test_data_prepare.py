@@ -305,3 +305,18 @@ def test_a_mix_weight_that_is_not_a_positive_number_is_refused(weight):
     assert str(e.value) == (
         f"data.mix weight of data/b is '{weight}', not a positive number: give a weight > 0"
     )
+
+
+def test_ranks_that_prepare_the_same_cache_entry_at_once_agree(tmp_path, bpe):
+    """Under torchrun every rank opens data.path: the entry is built in a folder per process, and the
+    first to finish wins."""
+    src = write_source(tmp_path, "jsonl", documents(3000))
+    code = "import sys; from fourd.data.dataset import prepare; print(prepare(*sys.argv[1:]).path)"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    argv = [sys.executable, "-c", code, str(src), bpe, str(tmp_path / "cache")]
+    ranks = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    paths = {rank.communicate(timeout=300)[0].splitlines()[-1] for rank in ranks}
+    assert [rank.returncode for rank in ranks] == [0, 0, 0]
+    (entry,) = paths
+    assert os.listdir(tmp_path / "cache") == [os.path.basename(entry)]
+    assert run_fourd("data", "verify", entry)[0] == 0

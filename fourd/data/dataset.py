@@ -271,7 +271,7 @@ def prepare(data_path: str, tokenizer_spec: str, cache_dir: str = "") -> TokenDa
         description = data_path
     else:
         description = f"{data_path} ({len(sources)} files)"
-    prepare_into(request, entry, description, overwrite=True)
+    prepare_into(request, entry, description, cache_entry=True)
     return open_prepared(entry)
 
 

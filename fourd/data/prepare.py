@@ -235,7 +235,7 @@ def _tokenize(request: Request, folder: Path, state: _State, tok, eod: dict, dty
     shard = _Shard(folder, len(state.shards), dtype)
     progress = _Progress(
         sum(s.size for s in request.sources),
-        f"fourd data prepare {folder.name.removeprefix('.').removesuffix('.partial')}",
+        f"fourd data prepare {folder.name.removeprefix('.').split('.partial')[0]}",
     )
     progress.advance(sum(s["size"] for s in state.sources), 0)
     first = state.position["source"]
@@ -282,21 +282,24 @@ def prepare_into(
     description: str = "",
     *,
     allow_empty: bool = False,
-    overwrite: bool = False,
+    cache_entry: bool = False,
 ) -> dict:
     """Prepare `request` into the folder `out` (or find it there, done); its manifest. A task's
-    share (`allow_empty`) may hold no text; a cache entry (`overwrite`) replaces whatever `out`
-    holds."""
+    share (`allow_empty`) may hold no text. A cache entry replaces a damaged `out`, and may be
+    built by several processes at once (every rank under torchrun): each works in a folder of its
+    own, not resumed, and the first to finish wins."""
     if request.workers:
         os.environ["RAYON_NUM_THREADS"] = str(request.workers)  # the tokenizers library's pool
     tok = load_tokenizer(request.tokenizer)
     key = request.key(tok.identity())
-    done = _finished(out, key, overwrite)
+    done = _finished(out, key, cache_entry)
     if done is not None:
         return done
     eod = end_of_document(tok, request.eod_id)
     vocab = max(tok.vocab_size, max(eod["ids"]) + 1)
     partial = out.with_name(f".{out.name}.partial")
+    if cache_entry:
+        partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
     try:
         partial.mkdir(parents=True, exist_ok=True)
         state = _State.resume(partial, key)
@@ -328,18 +331,32 @@ def prepare_into(
         raise FourdError(f"data path {request.label!r} holds no text: {_NO_TEXT_FIX}")
     (partial / PROGRESS).unlink(missing_ok=True)
     write_json(partial / MANIFEST, manifest)
-    if out.exists():
-        shutil.rmtree(out)  # a folder without a manifest: an earlier, unfinished attempt's
-    os.replace(partial, out)
-    return manifest
+    return _move_into_place(partial, out, key, manifest)
+
+
+def _move_into_place(partial: Path, out: Path, key: dict, manifest: dict) -> dict:
+    """Rename the finished folder to `out`; when another process finished `out` first, keep its."""
+    theirs = _finished(out, key, True)
+    if theirs is None and out.exists():
+        shutil.rmtree(out, ignore_errors=True)  # no manifest: an earlier, unfinished attempt's
+    try:
+        if theirs is None:
+            os.replace(partial, out)
+            return manifest
+    except OSError:  # another process renamed its folder there between the check and now
+        theirs = _finished(out, key, True)
+        if theirs is None:
+            raise
+    shutil.rmtree(partial, ignore_errors=True)
+    return theirs
 
 
 _NO_TEXT_FIX = "give a text file, a folder of text files or a .jsonl file that is not empty"
 
 
-def _finished(out: Path, key: dict, overwrite: bool) -> dict | None:
+def _finished(out: Path, key: dict, replaceable: bool) -> dict | None:
     """The manifest of `out` when it holds this request's prepared tokens; a folder holding anything
-    else is refused unless `overwrite`."""
+    else is refused unless `replaceable`."""
     if not out.exists():
         return None
     try:
@@ -348,7 +365,7 @@ def _finished(out: Path, key: dict, overwrite: bool) -> dict | None:
         manifest = None
     if isinstance(manifest, dict) and manifest.get("key") == key:
         return manifest
-    if overwrite or (out.is_dir() and not any(out.iterdir())):
+    if replaceable or (out.is_dir() and not any(out.iterdir())):
         return None
     raise FourdError(
         f"--out {out} already holds other files (another dataset, or not one): "
