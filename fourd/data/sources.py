@@ -240,6 +240,7 @@ class DocumentReader:
         """Each non-empty document in order; `sha256` is set when the iterator is exhausted."""
         kind = self.source.kind
         if kind in ("parquet", "arrow"):
+            refuse_irregular(self.source.path)
             yield from (d for d in _column_documents(self.source, self.field) if d)
             self.sha256 = _hash_file(self.source.path)
             return
