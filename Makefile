@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	# torch is pinned to the CPU build that lies on this machine's disk; the
 	# project's own pin keeps pip from resolving a multi-GB CUDA build.
 	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
-	$(BIN)/pip install -q --disable-pip-version-check -e '.[test]'
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[test,data]'
 	# llm-analysis runs beside the planner in benchmarks/validate_planner.py; its metadata pins old
 	# transformers and huggingface-hub it does not need, so it comes without its dependencies
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps llm-analysis==0.2.2 fire==0.5.0 termcolor six

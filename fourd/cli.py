@@ -24,6 +24,7 @@ GROUPS |= {
     "sim": "simulate one training step, or months of failures",
     "ckpt": "verify and inspect checkpoints",
 }
+GROUPS |= {"data": "prepare corpora into token shards; inspect, verify and merge them"}
 # A command ("group:sub" for one of a group: `fourd sim step`), the module under fourd that owns it,
 # its help.
 _TABLE = """
@@ -39,6 +40,10 @@ ckpt:info    ckpt.cli_info    a checkpoint's step, layout and model digest
 convert      hf.convert       convert checkpoints between Hugging Face and fourd formats
 generate     hf.generate      generate text from a checkpoint (greedy or top-p, KV cache)
 lab          lab.server       serve the interactive pipeline bench and cluster view
+data:prepare data.cli_prepare tokenize a corpus once into memory-mapped token shards
+data:info    data.cli_info    a prepared dataset's tokens, documents, tokenizer and shards
+data:verify  data.cli_verify  check a prepared dataset's shards against its manifest
+data:merge   data.cli_merge   join the task folders of a prepare split into --tasks N
 """
 COMMANDS = {
     name: (f"fourd.{mod}", help_)

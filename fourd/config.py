@@ -47,6 +47,8 @@ class DataSection:
     seq_len: int = 256
     cache_dir: str = ""  # empty: $FOURD_HOME/cache (FOURD_HOME defaults to ~/.fourd)
     holdout_fraction: float = 0.01  # the corpus tail kept out of training, for evaluation
+    # DIR_A=0.7,DIR_B=0.3: samples drawn from several prepared datasets by weight (docs/data.md)
+    mix: str = ""
 
 
 @dataclass

@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fourd.config import build_config
-from fourd.data.corpus import read_documents
 from fourd.data.dataset import SampleStream, TokenCache, prepare
+from fourd.data.sources import DocumentReader, list_sources
 from fourd.errors import FourdError
 
 
@@ -28,11 +28,11 @@ def test_byte_tokens_round_trip_and_cache_is_reused(tmp_path):
     f.write_text("héllo wörld\n" * 50)
     c1 = prepare(str(f), "byte", str(tmp_path / "cache"))
     assert c1.tokens == len(("héllo wörld\n" * 50).encode())
-    assert bytes(c1.array()[:6]) == "héllo".encode()
-    mtime = c1.path.stat().st_mtime_ns
+    assert bytes(c1.array()[:6].astype(np.uint8)) == "héllo".encode()
+    mtime = (c1.path / "manifest.json").stat().st_mtime_ns
     c2 = prepare(str(f), "byte", str(tmp_path / "cache"))
-    assert c2.path == c1.path and c2.path.stat().st_mtime_ns == mtime
-    f.write_text("other text " * 50)  # different content, different key
+    assert c2.path == c1.path and (c2.path / "manifest.json").stat().st_mtime_ns == mtime
+    f.write_text("other text " * 50)  # another size and modification time: another entry
     assert prepare(str(f), "byte", str(tmp_path / "cache")).path != c1.path
 
 
@@ -57,7 +57,7 @@ def _positions(tmp_path, n):
     """A token cache whose token at position i is i: a sample shows which positions it read."""
     path = tmp_path / "positions.bin"
     np.arange(n, dtype=np.uint32).tofile(path)
-    return TokenCache(path, n, n, "uint32", "positions")
+    return TokenCache(path=path, tokens=n, vocab_size=n, dtype="uint32", source="positions")
 
 
 def _last_position_read(stream, samples):
@@ -94,7 +94,7 @@ def test_folder_and_jsonl_sources(tmp_path):
     )
     (d / ".hidden").write_text("never")
     c = prepare(str(d), "byte", str(tmp_path / "cache"))
-    assert bytes(c.array()) == b"first\n\nsecond\n\nthird"
+    assert bytes(c.array().astype(np.uint8)) == b"first\n\nsecond\n\nthird"
 
 
 def _socket(p):
@@ -190,9 +190,9 @@ def test_a_damaged_cache_entry_is_rebuilt(tmp_path):
     f = tmp_path / "c.txt"
     f.write_text("abc " * 100)
     first = prepare(str(f), "byte", str(tmp_path / "cache"))
-    first.path.with_suffix(".json").write_text('{"tokens": "many"')
+    (first.path / "manifest.json").write_text('{"tokens": "many"')
     again = prepare(str(f), "byte", str(tmp_path / "cache"))
-    assert again.tokens == 400 and bytes(again.array()) == b"abc " * 100
+    assert again.tokens == 400 and bytes(again.array().astype(np.uint8)) == b"abc " * 100
 
 
 LINES = st.text(max_size=30) | st.sampled_from(
@@ -208,7 +208,8 @@ def test_any_jsonl_ends_in_documents_or_one_line(tmp_path, lines):
     f = tmp_path / "d.jsonl"
     f.write_text("\n".join(lines))
     try:
-        docs, _ = read_documents(str(f))
+        (source,) = list_sources([str(f)])
+        docs = list(DocumentReader(source).documents())
         assert all(isinstance(d, str) and d for d in docs)
     except FourdError as e:
         assert "\n" not in str(e)

@@ -1,11 +1,15 @@
-"""Tokenizers: byte-level (ids are the UTF-8 bytes), or a local Hugging Face `tokenizer.json` or tiktoken BPE
-file (docs/hf.md); their libraries are optional and imported only when such a file is used."""
+"""Tokenizers: byte-level (ids are the UTF-8 bytes), or a local Hugging Face `tokenizer.json` or
+tiktoken BPE file (docs/hf.md); their libraries are optional and imported only when such a file is
+used."""
 
 from __future__ import annotations
 
 import base64
 import hashlib
 import importlib
+import os
+
+import numpy as np
 
 from fourd.data.corpus import read_regular
 from fourd.errors import FourdError
@@ -18,6 +22,12 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
+    def encode_batch(self, texts: list[str], threads: int = 0) -> list[np.ndarray]:
+        return [np.frombuffer(text.encode("utf-8"), dtype=np.uint8) for text in texts]
+
+    def special_token(self) -> tuple[str, int] | None:
+        return None  # every id is a byte
+
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
@@ -26,7 +36,8 @@ class ByteTokenizer:
 
 
 def load_tokenizer(spec: str):
-    """ "byte", or a local file: a Hugging Face tokenizer.json (a JSON object) or else a tiktoken BPE file."""
+    """ "byte", or a local file: a Hugging Face tokenizer.json (a JSON object) or else a tiktoken
+    BPE file."""
     if spec in ("", "byte"):
         return ByteTokenizer()
     raw = read_regular(
@@ -35,13 +46,17 @@ def load_tokenizer(spec: str):
     return HFTokenizer(spec, raw) if raw.lstrip()[:1] == b"{" else TiktokenTokenizer(spec, raw)
 
 
-# Llama 3's pre-tokenization pattern and special-token count, from Meta's released tokenizer (llama3 repository,
-# tokenizer.py): 256 special tokens follow the BPE ranks, the first two being begin and end of text.
+# Llama 3's pre-tokenization pattern and special-token count, from Meta's released tokenizer (llama3
+# repository, tokenizer.py): 256 special tokens follow the BPE ranks, the first two being begin and
+# end of text.
 LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 LLAMA3_SPECIAL = 256
+# End-of-document tokens by the names tokenizers give them (GPT-2 and most BPE files, Megatron's,
+# Llama 3's, Llama 2's and T5's, Gemma's), looked up in this order.
+END_OF_DOCUMENT = ("<|endoftext|>", "<|eod|>", "<|end_of_text|>", "</s>", "<eos>", "[EOS]")
 
 
 def _require(module: str):
@@ -72,6 +87,16 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def encode_batch(self, texts: list[str], threads: int = 0) -> list[np.ndarray]:
+        """The library's batch encoding on all cores (its thread pool; `threads` is set through
+        RAYON_NUM_THREADS before the first batch). encode_batch_fast skips the character offsets."""
+        encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        return [np.asarray(e.ids, dtype=np.int64) for e in encode(texts, add_special_tokens=False)]
+
+    def special_token(self) -> tuple[str, int] | None:
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        return next(((name, vocab[name]) for name in END_OF_DOCUMENT if name in vocab), None)
+
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
@@ -80,7 +105,8 @@ class HFTokenizer:
 
 
 class TiktokenTokenizer:
-    """A tiktoken BPE file (one `base64-token rank` per line) with Llama 3's pattern and special tokens."""
+    """A tiktoken BPE file (one `base64-token rank` per line) with Llama 3's pattern and special
+    tokens."""
 
     name = "tiktoken"
 
@@ -103,6 +129,14 @@ class TiktokenTokenizer:
     def encode(self, text: str) -> list[int]:
         # Special-token text in the input is encoded as ordinary text, never as control tokens.
         return self._enc.encode(text, allowed_special=set(), disallowed_special=())
+
+    def encode_batch(self, texts: list[str], threads: int = 0) -> list[np.ndarray]:
+        """tiktoken's batch encoding: a thread per core, the GIL released while it encodes."""
+        batch = self._enc.encode_ordinary_batch(texts, num_threads=threads or os.cpu_count() or 1)
+        return [np.asarray(ids, dtype=np.int64) for ids in batch]
+
+    def special_token(self) -> tuple[str, int] | None:
+        return "<|end_of_text|>", self.vocab_size - LLAMA3_SPECIAL + 1
 
     def decode(self, ids) -> str:
         return self._enc.decode([int(i) for i in ids])

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from fourd.data.corpus import read_regular
-from fourd.data.dataset import prepare, split
+from fourd.data.dataset import prepare
 from fourd.errors import FourdError
 from fourd.hf.convert import run_tokenizer, tokenizer_spec
 
@@ -208,7 +208,7 @@ def holdout_ids(args, manifest: dict) -> list[int]:
     _refuse_if(data.get("tokens") not in (None, cache.tokens), changed)
     if fraction is None:
         fraction = 0.01  # the default of runs that recorded none
-    train_tokens, _ = split(cache.tokens, 1, fraction)
+    train_tokens, _ = cache.split(1, fraction)  # as training cut it
     ids = cache.array()[train_tokens:].tolist()
     if args.eval_tokens > 0:
         return ids[: args.eval_tokens]

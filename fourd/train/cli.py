@@ -31,7 +31,6 @@ from pathlib import Path
 from fourd.ckpt.store import checkpoints
 from fourd.config import Config, build_config, fourd_home, load_toml, model_config, parallelism
 from fourd.config import check as check_config
-from fourd.data.tokenizer import load_tokenizer
 from fourd.errors import FourdError, plural, si
 from fourd.hf.convert import load_weights
 from fourd.layout import DIMS, check, parse_layout
@@ -54,6 +53,7 @@ KEPT = (
     "data.tokenizer",
     "data.seq_len",
     "data.holdout_fraction",
+    "data.mix",
     "train.global_batch",
     "train.seed",
 )
@@ -238,8 +238,7 @@ def _configure(args):
 def prepare(args):
     """Everything that can fail on bad input, done before any worker starts: (cfg, layout, cache,
     data record)."""
-    from fourd.data.dataset import SampleStream
-    from fourd.data.dataset import prepare as prepare_data
+    from fourd.data.dataset import open_data
 
     cfg, mcfg, resumed = _configure(args)
     here = (
@@ -259,10 +258,8 @@ def prepare(args):
     if resumed is None and attempt() == 0:
         _check_run_dir(cfg, args.run_dir)
     d = cfg.data
-    cache = prepare_data(d.path, d.tokenizer, d.cache_dir)
-    held = len(
-        SampleStream(cache, d.seq_len, cfg.train.seed, d.holdout_fraction).holdout()
-    )  # refused before launch
+    cache = open_data(d)
+    held = cache.stream(d.seq_len, cfg.train.seed, d.holdout_fraction).held_out_tokens
     if cache.vocab_size > mcfg.vocab:
         raise FourdError(
             f"the tokenizer has {cache.vocab_size} ids but the model's vocabulary is {mcfg.vocab}: "
@@ -280,11 +277,7 @@ def prepare(args):
             f"{cfg.train.global_batch} x {d.seq_len + 1}: raise data.holdout_fraction or set "
             "eval.every = 0"
         )
-    data = {
-        "path": d.path,
-        "tokenizer": d.tokenizer,
-        "identity": load_tokenizer(d.tokenizer).identity(),
-    }
+    data = {"path": d.mix or d.path, "tokenizer": cache.tokenizer, "identity": cache.identity}
     return cfg, par.layout, cache, {**data, "source": cache.source, "tokens": cache.tokens}
 
 

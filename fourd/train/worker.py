@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from fourd.ckpt.dcp_io import Checkpointer
 from fourd.ckpt.store import newest
 from fourd.config import Config, model_config
-from fourd.data.dataset import SampleStream, TokenCache
+from fourd.data.dataset import TokenCache
 from fourd.errors import FourdError, RunFailed, plural
 from fourd.hf.convert import load_weights
 from fourd.measure.peak import peak_memory_gb
@@ -150,9 +150,7 @@ class _Run:
             if cuda
             else contextlib.nullcontext
         )
-        self.stream = SampleStream(
-            cache, cfg.data.seq_len, cfg.train.seed, cfg.data.holdout_fraction
-        )
+        self.stream = cache.stream(cfg.data.seq_len, cfg.train.seed, cfg.data.holdout_fraction)
         self.dir = Path(cfg.run.dir)
         first = all(
             self.par.coords[d] == 0 for d in ("tp", "cp", "dp")

@@ -1,0 +1,93 @@
+"""Mixtures of prepared datasets: exact shares per block, samples from (seed, index) alone, and
+`fourd train --data.mix` resumed bit for bit and equal at tp=2,dp=2 to one process."""
+
+import json
+
+import numpy as np
+import pytest
+from conftest import run_fourd
+
+from fourd.data.dataset import MIX_BLOCK, Mixture, TokenDataset, open_prepared
+from fourd.data.prepare import Request, prepare_into
+from fourd.data.sources import list_sources
+
+
+def positions(tmp_path, name, count, offset):
+    """A dataset whose token at position i is offset + i: a sample shows where it was read."""
+    path = tmp_path / f"{name}.bin"
+    np.arange(offset, offset + count, dtype=np.uint32).tofile(path)
+    return TokenDataset(
+        path=path, tokens=count, vocab_size=offset + count, dtype="uint32", source=name
+    )
+
+
+def test_each_block_holds_each_datasets_exact_share_in_an_order_from_the_seed(tmp_path):
+    small, large = positions(tmp_path, "a", 5000, 0), positions(tmp_path, "b", 9000, 100_000)
+    mix = Mixture(parts=(small, large), weights=(0.7, 0.3), spec="a=0.7,b=0.3")
+    stream = mix.stream(8, seed=5, holdout_fraction=0.0)
+    firsts = np.array([int(stream.sample(i)[0]) for i in range(2 * MIX_BLOCK)])
+    from_a = firsts < 100_000
+    assert from_a[:MIX_BLOCK].sum() == from_a[MIX_BLOCK:].sum() == 2867  # 0.7 · 4096, rounded
+    # dataset a's samples, in order, are its own stream's samples 0, 1, 2, ...
+    own = small.stream(8, seed=5, holdout_fraction=0.0)
+    assert firsts[from_a].tolist() == [int(own.sample(k)[0]) for k in range(2 * 2867)]
+    again = mix.stream(8, seed=5, holdout_fraction=0.0)
+    assert np.array_equal(again.samples(4000, 16), stream.samples(4000, 16))  # any index, any order
+    other = mix.stream(8, seed=6, holdout_fraction=0.0)
+    assert not np.array_equal(other.samples(0, 64), stream.samples(0, 64))
+
+
+@pytest.fixture(scope="module")
+def mix(tmp_path_factory):
+    """Two prepared byte-level datasets of different text, as `--data.mix A=0.7,B=0.3`."""
+    folder = tmp_path_factory.mktemp("mix")
+    rng = np.random.default_rng(0)
+    spec = []
+    for name, words, weight in (("a", ["ring", "rank", "sends"], 0.7), ("b", ["xyz", "q"], 0.3)):
+        docs = [" ".join(rng.choice(words, size=80)) for _ in range(60)]
+        src = folder / f"{name}.jsonl"
+        src.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+        request = Request(sources=tuple(list_sources([str(src)])), tokenizer="byte", label=name)
+        prepare_into(request, folder / name)
+        spec.append(f"{folder / name}={weight}")
+    assert open_prepared(folder / "a").tokens > 20_000
+    return ",".join(spec)
+
+
+def losses(run_dir):
+    return [json.loads(line)["loss"] for line in open(run_dir / "metrics.jsonl") if line.strip()]
+
+
+def common(spec):
+    return ("--model", "debug", "--data.mix", spec, "--data.seq_len=32", "--train.global_batch=4")
+
+
+@pytest.fixture(scope="module")
+def reference(mix, tmp_path_factory):
+    """Three steps on the mixture in one process: the losses the other runs must give."""
+    whole = tmp_path_factory.mktemp("whole")
+    code, _, err = run_fourd("train", *common(mix), "--steps", 3, "--run-dir", whole, timeout=500)
+    assert code == 0, err
+    return losses(whole)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_mixture_run_resumed_continues_bit_for_bit(mix, reference, tmp_path):
+    halves = tmp_path / "halves"
+    code, _, err = run_fourd("train", *common(mix), "--steps", 2, "--run-dir", halves, timeout=500)
+    assert code == 0, err
+    code, out, err = run_fourd("train", "--resume", halves, "--steps", 3, timeout=500)
+    assert code == 0, err
+    assert "resuming from checkpoint" in out
+    assert losses(halves) == reference  # bit for bit
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_mixture_at_tp2_dp2_gives_the_losses_of_one_process(mix, reference, tmp_path):
+    argv = ("train", *common(mix), "--steps", 3, "--layout", "tp=2,dp=2", "--run-dir", tmp_path)
+    code, _, err = run_fourd(*argv, timeout=800)
+    assert code == 0, err[-2000:]
+    assert len(reference) == 3
+    assert max(abs(x - y) / abs(x) for x, y in zip(losses(tmp_path), reference)) < 1e-5
