@@ -12,6 +12,10 @@ from torch import nn
 from fourd.errors import FourdError
 from fourd.model.llama import rope_table
 
+# Device types whose attention kernels that take a mask do not take shared KV heads (CUDA's would fall back to
+# math): there K and V are repeated to every query head first. A test adds "cpu" to run that path on a CPU.
+REPEAT_KV_ON = {"cuda"}
+
 
 def cp_positions(seq_len: int, cp_rank: int, cp: int) -> torch.Tensor:
     """True positions of the tokens rank `cp_rank` holds, in the order it holds them."""
@@ -77,7 +81,7 @@ class ContextParallelAttention(nn.Module):
         self.gathered_elements += kv.numel() // self.cp * (self.cp - 1)
         k_all, v_all = (kv[:, i].transpose(0, 1).flatten(1, 2) for i in (0, 1))  # [b, s, hkv, d]
         q, k_all, v_all = (t.transpose(1, 2) for t in (q, k_all, v_all))
-        if q.is_cuda:  # CUDA's kernels that take a mask do not take shared KV heads: they would fall back to math
+        if q.device.type in REPEAT_KV_ON:
             k_all, v_all = (
                 t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k_all, v_all)
             )
