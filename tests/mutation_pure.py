@@ -23,8 +23,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".mutation"
 COPIED = ("fourd", "tests", "configs", "pyproject.toml")
+COSMIC_RAY = str(Path(sys.executable).parent / "cosmic-ray")  # the environment's, beside its python
 # the copy's fourd first on the path, not the one installed in the environment
-PYTEST = "env PYTHONPATH={work} OMP_NUM_THREADS=1 " + sys.executable + " -m pytest -x -q -p no:cacheprovider"
+PYTEST = (
+    "env PYTHONPATH={work} OMP_NUM_THREADS=1 "
+    + sys.executable
+    + " -m pytest -x -q -p no:cacheprovider"
+)
 PYTEST += " -m 'not slow and not mutation'"
 
 # module: the fast tests that pin it (single-process, seconds)
@@ -86,9 +91,9 @@ def _run(module: str) -> None:
     fresh = not session.exists() or not stamp.exists() or stamp.read_text() != _digest(module)
     if fresh:
         session.unlink(missing_ok=True)
-        subprocess.run(["cosmic-ray", "init", str(config), str(session)], cwd=work, check=True)
+        subprocess.run([COSMIC_RAY, "init", str(config), str(session)], cwd=work, check=True)
         stamp.write_text(_digest(module))
-    subprocess.run(["cosmic-ray", "exec", str(config), str(session)], cwd=work, check=True)
+    subprocess.run([COSMIC_RAY, "exec", str(config), str(session)], cwd=work, check=True)
 
 
 def counts(module: str) -> dict[str, int] | None:
@@ -97,7 +102,7 @@ def counts(module: str) -> dict[str, int] | None:
     if not session.exists():
         return None
     dump = subprocess.run(
-        ["cosmic-ray", "dump", str(session)], capture_output=True, text=True, check=True
+        [COSMIC_RAY, "dump", str(session)], capture_output=True, text=True, check=True
     )
     out = dict.fromkeys(("mutants", "killed", "survived", "timed out", "pending"), 0)
     for line in filter(None, dump.stdout.splitlines()):
@@ -118,7 +123,7 @@ def survivors(module: str) -> list[str]:
     """The diff of each surviving mutant."""
     session = CACHE / f"{_name(module)}.sqlite"
     dump = subprocess.run(
-        ["cosmic-ray", "dump", str(session)], capture_output=True, text=True, check=True
+        [COSMIC_RAY, "dump", str(session)], capture_output=True, text=True, check=True
     )
     found = []
     for line in filter(None, dump.stdout.splitlines()):
