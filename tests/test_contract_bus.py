@@ -11,9 +11,9 @@ import pytest
 from fourd.comm import BUS_FACTOR, bus_factor
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 4, 8, 128])
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 4, 8, 128])
 def test_bus_factors_of_every_collective(n):
-    ring = Fraction(n - 1, n)
+    ring = Fraction(n - 1, n) if n else Fraction(0)
     want = {
         "all_reduce": 2 * ring,
         "all_gather": ring,
@@ -24,5 +24,5 @@ def test_bus_factors_of_every_collective(n):
     }
     assert set(BUS_FACTOR) == set(want)
     for op, factor in want.items():
-        # one rank moves nothing over a link
+        # one rank (or none) moves nothing over a link
         assert bus_factor(op, n) == (float(factor) if n > 1 else 0.0), (op, n)
