@@ -229,6 +229,14 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
             "tests/test_contract_train.py::test_sigterm_to_one_worker_stops_all_and_a_resumed_fine_tuning_run_continues_exactly",
         ),
     ),
+    "MFU on CPU ranks divides by one peak per rank": (
+        "fourd/train/worker.py",
+        "self.peak_total = peak[0] * (self.world if cuda else 1)",
+        "self.peak_total = peak[0] * self.world",
+        (
+            "tests/test_contract_train.py::test_two_cpu_ranks_measure_tokens_per_s_and_mfu_against_one_shared_peak",
+        ),
+    ),
     "a worker leaves SIGTERM to its default (dies unsaved)": (
         "fourd/train/worker.py",
         "for s in (signal.SIGINT, signal.SIGTERM):",
