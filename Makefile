@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast mutation lint install clean
+.PHONY: run test test-fast mutation mutation-pure lint install clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -41,6 +41,12 @@ test-fast: lint
 # Deliberate mutations of the source, each of which a named test must catch (tests/test_mutations.py).
 mutation: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -v -s -p no:cacheprovider tests/test_mutations.py
+
+# cosmic-ray's mutants of the pure-Python modules, each against its own fast tests, cached per module in
+# .mutation/ (tests/mutation_pure.py; docs/testing.md has the figures). Not part of `make test`.
+mutation-pure: $(STAMP)
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[mutation]'
+	OMP_NUM_THREADS=1 $(BIN)/python tests/mutation_pure.py $(MODULES)
 
 clean:
 	rm -rf $(VENV) runs

@@ -13,6 +13,10 @@ from torch import nn
 from fourd.errors import FourdError
 from fourd.model.llama import rope_table
 
+# Device types whose attention kernels that take a mask do not take shared KV heads (CUDA's would fall back to
+# math): there K and V are repeated to every query head first. A test adds "cpu" to run that path on a CPU.
+REPEAT_KV_ON = {"cuda"}
+
 
 def cp_positions(seq_len: int, cp_rank: int, cp: int) -> torch.Tensor:
     """True positions of the tokens rank `cp_rank` holds, in the order it holds them."""
@@ -86,7 +90,7 @@ class ContextParallelAttention(nn.Module):
         k_all, v_all = (keys_values[:, i].transpose(0, 1).flatten(1, 2) for i in (0, 1))
         query, k_all, v_all = (tensor.transpose(1, 2) for tensor in (query, k_all, v_all))
         # CUDA's kernels that take a mask do not take shared KV heads: they would fall back to math
-        if query.is_cuda:
+        if query.device.type in REPEAT_KV_ON:
             repeats = query.shape[1] // k_all.shape[1]
             k_all = k_all.repeat_interleave(repeats, dim=1)
             v_all = v_all.repeat_interleave(repeats, dim=1)

@@ -60,7 +60,13 @@ def worker_entry(
         return run_worker(cfg, cache, data, peak)
     except Exception as e:
         _report(e, cfg)
-        sys.exit(2 if type(e) is FourdError else 1)
+        code = 2 if type(e) is FourdError else 1
+    # Without the interpreter's finalization: the failure's frames still hold the run's process groups, and
+    # gloo's threads torn down there can abort the process ("terminate called without an active exception")
+    # after its one line is out, adding a second line to stderr.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _report(e: Exception, cfg: Config) -> None:

@@ -1,0 +1,171 @@
+"""`make mutation-pure`: cosmic-ray's mutants of fourd's pure-Python modules, each module against its own fast tests.
+
+    python tests/mutation_pure.py [MODULE ...]     # default: every module of MODULES, in order
+    python tests/mutation_pure.py --report         # the table of what the sessions hold so far
+
+Each module runs in its own copy of the repository (cosmic-ray rewrites the file it mutates in place) under
+.mutation/, with its session (an SQLite file) kept there: a second run does only the mutants not yet tried,
+and a module whose source or tests changed starts a fresh session. A mutant is killed when its tests fail,
+or when they run past the time-out (10 × the unmutated run, at least 20 s; counted apart). Not part of
+`make test`: a module takes minutes to an hour on a two-core machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = ROOT / ".mutation"
+COPIED = ("fourd", "tests", "configs", "pyproject.toml")
+COSMIC_RAY = str(Path(sys.executable).parent / "cosmic-ray")  # the environment's, beside its python
+# the copy's fourd first on the path, not the one installed in the environment
+PYTEST = (
+    "env PYTHONPATH={work} OMP_NUM_THREADS=1 "
+    + sys.executable
+    + " -m pytest -x -q -p no:cacheprovider"
+)
+PYTEST += " -m 'not slow and not mutation'"
+
+# module: the fast tests that pin it (single-process, seconds)
+MODULES: dict[str, tuple[str, ...]] = {
+    "fourd/schedules.py": ("tests/test_schedules.py", "tests/test_lab_api.py"),
+    "fourd/layout.py": ("tests/test_parallel_layout.py", "tests/test_contract_limits.py"),
+    "fourd/config.py": ("tests/test_contract_limits.py", "tests/test_train_loop.py"),
+    "fourd/comm/__init__.py": ("tests/test_contract_bus.py",),
+    "fourd/sim/faults.py": ("tests/test_sim_faults.py",),
+    "fourd/sim/step.py": ("tests/test_sim_step.py", "tests/test_sim_pipeline.py"),
+    "fourd/sim/network.py": ("tests/test_sim_step.py", "tests/test_contract_network.py"),
+    "fourd/plan/memory.py": ("tests/test_plan_arith.py", "tests/test_contract_limits.py"),
+    "fourd/data/dataset.py": ("tests/test_data_stream.py",),
+}
+
+
+def _digest(module: str) -> str:
+    """The module's source and its tests: a change to either starts its session afresh."""
+    sha = hashlib.sha256()
+    for path in (module, *MODULES[module]):
+        sha.update((ROOT / path).read_bytes())
+    return sha.hexdigest()[:16]
+
+
+def _name(module: str) -> str:
+    return module.removesuffix(".py").replace("/", ".")
+
+
+def _copy(work: Path) -> None:
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    for name in COPIED:
+        if (ROOT / name).is_dir():
+            shutil.copytree(
+                ROOT / name, work / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
+            )
+        else:
+            shutil.copy2(ROOT / name, work / name)
+
+
+def _run(module: str) -> None:
+    name, tests = _name(module), " ".join(MODULES[module])
+    work, session = CACHE / "work" / name, CACHE / f"{name}.sqlite"
+    stamp, command = CACHE / f"{name}.digest", f"{PYTEST.format(work=work)} {tests}"
+    _copy(work)
+    started = time.perf_counter()
+    control = subprocess.run(command, shell=True, cwd=work, capture_output=True)
+    if control.returncode != 0:
+        raise SystemExit(f"{module}: its tests fail unmutated:\n{control.stdout.decode()[-2000:]}")
+    timeout = max(20.0, 10 * (time.perf_counter() - started))
+    config = work / "cosmic-ray.toml"
+    config.write_text(
+        "[cosmic-ray]\n"
+        f'module-path = "{module}"\n'
+        f"timeout = {timeout:.0f}\n"
+        "excluded-modules = []\n"
+        f'test-command = "{command}"\n'
+        '[cosmic-ray.distributor]\nname = "local"\n'
+    )
+    fresh = not session.exists() or not stamp.exists() or stamp.read_text() != _digest(module)
+    if fresh:
+        session.unlink(missing_ok=True)
+        subprocess.run([COSMIC_RAY, "init", str(config), str(session)], cwd=work, check=True)
+        stamp.write_text(_digest(module))
+    subprocess.run([COSMIC_RAY, "exec", str(config), str(session)], cwd=work, check=True)
+
+
+def counts(module: str) -> dict[str, int] | None:
+    """Mutants, killed, survived, timed out (and not yet run) of a module's session; None without one."""
+    session = CACHE / f"{_name(module)}.sqlite"
+    if not session.exists():
+        return None
+    dump = subprocess.run(
+        [COSMIC_RAY, "dump", str(session)], capture_output=True, text=True, check=True
+    )
+    out = dict.fromkeys(("mutants", "killed", "survived", "timed out", "pending"), 0)
+    for line in filter(None, dump.stdout.splitlines()):
+        _item, result = json.loads(line)
+        out["mutants"] += 1
+        if result is None:
+            out["pending"] += 1
+        elif result["test_outcome"] == "survived":
+            out["survived"] += 1
+        elif result.get("output") == "timeout":
+            out["timed out"] += 1
+        else:
+            out["killed"] += 1
+    return out
+
+
+def survivors(module: str) -> list[str]:
+    """The diff of each surviving mutant."""
+    session = CACHE / f"{_name(module)}.sqlite"
+    dump = subprocess.run(
+        [COSMIC_RAY, "dump", str(session)], capture_output=True, text=True, check=True
+    )
+    found = []
+    for line in filter(None, dump.stdout.splitlines()):
+        _item, result = json.loads(line)
+        if result is not None and result["test_outcome"] == "survived":
+            found.append(result["diff"])
+    return found
+
+
+def report() -> str:
+    rows = ["| module | mutants | killed | survived | timed out | not run | killed % |"]
+    rows.append("|---|---:|---:|---:|---:|---:|---:|")
+    for module in MODULES:
+        c = counts(module)
+        if c is None:
+            continue
+        done = c["mutants"] - c["pending"]
+        share = f"{100 * (c['killed'] + c['timed out']) / done:.1f}" if done else "-"
+        rows.append(
+            f"| `{module}` | {c['mutants']} | {c['killed']} | {c['survived']} | {c['timed out']} | "
+            f"{c['pending']} | {share} |"
+        )
+    return "\n".join(rows)
+
+
+def main(argv: list[str]) -> int:
+    if argv == ["--report"]:
+        print(report())
+        return 0
+    if argv == ["--survivors"]:
+        for module in MODULES:
+            for diff in survivors(module) if counts(module) else ():
+                print(diff)
+        return 0
+    for module in argv or list(MODULES):
+        if module not in MODULES:
+            raise SystemExit(f"{module}: not one of {', '.join(MODULES)}")
+        _run(module)
+    print(report())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,61 @@
+"""Small formulas the contract rests on, against values worked out by hand (fast, one process):
+
+- the exit status of a run whose workers returned (0, 128 + the stopping signal: 130, 143; a message: one
+  line, status 1);
+- the learning rate at every step of a short schedule (linear warm-up, then cosine to min_lr at the last step);
+- the held-out split: training tokens, training windows, and the refusal of a corpus too small for one window.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+
+import pytest
+
+from fourd.config import Config
+from fourd.data.dataset import split
+from fourd.errors import FourdError, RunFailed
+from fourd.train.launch import outcome
+from fourd.train.step import lr_at
+
+
+def test_exit_status_of_returned_workers():
+    assert outcome([0, 0]) == 0
+    assert outcome([signal.SIGINT, 0]) == 130
+    assert outcome([0, signal.SIGTERM]) == 143
+    assert outcome([signal.SIGINT, signal.SIGTERM]) == 143  # the highest signal any rank met
+    with pytest.raises(RunFailed, match="^step 3: diverged$") as failed:
+        outcome([0, "step 3: diverged"])
+    assert failed.value.exit_code == 1
+
+
+def test_learning_rate_at_every_step_of_a_short_schedule():
+    cfg = Config()
+    t = cfg.train
+    t.steps, t.warmup_steps, t.lr, t.min_lr = 8, 3, 1.0, 0.1
+    warm = [1 / 3, 2 / 3, 1.0]
+    # steps 4..8: progress (s − 3) / 5, lr = 0.1 + 0.45 (1 + cos(π · progress))
+    cosine = [0.1 + 0.45 * (1 + math.cos(math.pi * (s - 3) / 5)) for s in range(4, 9)]
+    got = [lr_at(s, cfg) for s in range(1, 9)]
+    assert got == pytest.approx(warm + cosine, rel=1e-15)
+    assert got[-1] == pytest.approx(0.1, rel=1e-15) and max(got) == 1.0
+    t.warmup_steps = 0  # no warm-up: the first step already decays from lr
+    assert lr_at(1, cfg) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi / 8)), rel=1e-15)
+
+
+def test_held_out_split_exactly():
+    # 1000 tokens, 10 % held out: the first 900 train, in (900 − 1) // 10 = 89 windows of 10 + 1 tokens
+    assert split(1000, 10, 0.1) == (900, 89)
+    assert split(1000, 10, 0.0) == (1000, 99)
+    assert split(12, 11, 0.0) == (12, 1)  # exactly one window of 11 + 1 tokens
+    with pytest.raises(FourdError) as refused:
+        split(11, 11, 0.0)
+    assert str(refused.value).startswith(
+        "the corpus has 11 tokens, too few for one training sequence: 12 are needed "
+    )
+    with pytest.raises(FourdError) as refused:
+        split(5, 4, 0.1)  # 6 tokens: int(6 × 0.9) = 5 = 4 + 1, and 5 would keep only 4
+    assert "too few for one training sequence: 6 are needed (data.seq_len 4 + 1" in str(
+        refused.value
+    )
