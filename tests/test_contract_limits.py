@@ -139,7 +139,7 @@ def _cpu(cluster):
 def test_memory_check_multiplies_by_the_ranks_on_a_cpu_and_not_on_gpus():
     gpus = load_cluster("dgx-h100")
     cfg = _cfg("dp=4")
-    par = Parallelism(Layout(dp=4), zero=0)
+    par = Parallelism(layout=Layout(dp=4), zero=0)
     one_gpu = rank_peak_memory_gb(get_preset("debug"), gpus, par, 64, 4) * 1e9
     # GPUs: each rank has its own memory, so twice one rank's need fits whatever the rank count
     check_memory(cfg, gpus, int(2 * one_gpu))
@@ -170,7 +170,7 @@ def test_planner_shards_zero3_state_over_dp_over_the_hsdp_replicas(replicas):
     of one shard group: dp·cp / R with R HSDP replica groups (Zhao et al. 2023, PyTorch FSDP §3.2.2)."""
     model = get_preset("small")
     lay = Layout(tp=2, cp=2, pp=2, dp=4)
-    par = Parallelism(lay, zero=3, hsdp_replicas=replicas, microbatches=2)
+    par = Parallelism(layout=lay, zero=3, hsdp_replicas=replicas, microbatches=2)
     job = Job(model, load_cluster("dgx-h100"), par, 256, 16, precision="fp32")
     params = rank_shapes(model, lay.pp, 1)[1]
     shard = 2 * 4 // replicas

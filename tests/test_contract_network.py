@@ -10,7 +10,7 @@ from fourd.sim.network import Flow, Network
 
 
 def _flow(size: float, delivered: list) -> Flow:
-    return Flow(size, ((("nic",), 1.0),), cap=10.0, latency=0.0, done=delivered.append)
+    return Flow(size=size, links=((("nic",), 1.0),), cap=10.0, latency=0.0, done=delivered.append)
 
 
 def test_small_flows_finish_when_their_last_byte_is_sent():

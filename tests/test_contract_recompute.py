@@ -56,7 +56,8 @@ def _matmuls(mode: str) -> Counter:
 
 
 def _job(mode: str) -> Job:
-    return Job(CFG, CLUSTER, Parallelism(Layout(), recompute=mode), SEQ, BATCH, precision="fp32")
+    par = Parallelism(layout=Layout(), recompute=mode)
+    return Job(model=CFG, cluster=CLUSTER, par=par, seq=SEQ, global_seqs=BATCH, precision="fp32")
 
 
 @pytest.fixture(scope="module")
