@@ -97,9 +97,9 @@ def traffic(work: Work) -> Traffic:
     recomputation (docs/planner.md's recomputation row says what each keeps)."""
     s, swiglu = sizes(work), work.model.mlp == "swiglu"
     b, r, eager = s.b, s.r, not work.compiled
-    repeat = (
-        2 * b * (s.kv + s.kv_used) * (s.kv_used != s.kv)
-    )  # GQA: K and V copied to every query head
+    repeat = 0  # GQA: K and V copied to every query head
+    if s.kv_used != s.kv:
+        repeat = 2 * b * (s.kv + s.kv_used)
     if swiglu and eager:
         norms = (
             2 * _norm_eager(s) + 2 * (2 * r + b) * s.norm + 5 * s.casts * (r + b) * s.h

@@ -125,10 +125,10 @@ def rank_memories(job: Job, ranks) -> list[Memory]:
         loss_bytes(b)[2] * work.tokens * model.vocab / lay.tp
     )  # the loss's, for one microbatch: the last rank
     layer = model.layer_params()
-    gathered = 2 * layer / lay.tp * b * (par.zero == 3)  # FSDP's gathered layer and the next
-    edge = (
-        2 * max(0, model.embedding_params() - layer) / lay.tp * b * (par.zero == 3)
-    )  # embedding, output
+    gathered = edge = 0.0
+    if par.zero == 3:
+        gathered = 2 * layer / lay.tp * b  # FSDP's gathered layer and the next
+        edge = 2 * max(0, model.embedding_params() - layer) / lay.tp * b  # embedding, output
     out: list[Memory] = []
     reserve = job.cluster.gpu.memory_reserve_gb * GB
     for r in ranks:
@@ -138,10 +138,15 @@ def rank_memories(job: Job, ranks) -> list[Memory]:
             * layers[r]
             * per_layer
         )
-        other = common + logits * (r == lay.pp - 1) + gathered + edge * (r in (0, lay.pp - 1))
-        cache = (
-            ALLOCATOR_FRAGMENTATION * (mine * (w + g + o) + acts + other) * (not job.cluster.cpu)
-        )
+        other = common
+        if r == lay.pp - 1:
+            other += logits
+        other += gathered
+        if r in (0, lay.pp - 1):
+            other += edge
+        cache = 0.0
+        if not job.cluster.cpu:
+            cache = ALLOCATOR_FRAGMENTATION * (mine * (w + g + o) + acts + other)
         out.append(Memory(mine * w, mine * g, mine * o, acts, other, cache, reserve))
     return out
 

@@ -111,7 +111,11 @@ def layer_time(work: Work) -> StageTime:
     fwd += a_fwd + elementwise_time(tokens * t.forward, cluster)
     dgrad += a_bwd + elementwise_time(tokens * (t.backward + t.redo), cluster)
     # the CPU time a CPU profile measured fourd's TP (DTensor) and FSDP to add per layer, a third forward
-    cpu = cluster.gpu.tp_layer_us * (tp > 1) + cluster.gpu.fsdp_layer_us * work.fsdp
+    cpu = 0.0
+    if tp > 1:
+        cpu += cluster.gpu.tp_layer_us
+    if work.fsdp:
+        cpu += cluster.gpu.fsdp_layer_us
     fwd, dgrad = fwd + cpu * 1e-6 / 3, dgrad + cpu * 2e-6 / 3
     tp_f, tp_b, cp_f, cp_b = layer_comm(work)
     fwd_comm, bwd_comm = tp_f + cp_f, tp_b + cp_b
@@ -205,9 +209,9 @@ def p2p_time(job: Job) -> float:
     work, lay = job.work, job.layout
     full = work.tokens * work.model.dim * work.dtype_bytes
     split = work.sequence_parallel or job.pipeline_comm == "blocking"
-    gather = collective_time("all_gather", full, placement(lay)["tp"], job.cluster) * (
-        split > work.sequence_parallel
-    )
+    gather = 0.0
+    if split and not work.sequence_parallel:
+        gather = collective_time("all_gather", full, placement(lay)["tp"], job.cluster)
     return (
         collective_time("send", full / (lay.tp if split else 1), placement(lay)["pp"], job.cluster)
         + gather

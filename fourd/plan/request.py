@@ -263,10 +263,13 @@ def resolve(model: ModelConfig, cluster: Cluster, values: Mapping[str, Any]) -> 
     )
     if layout is not None and not v["global_seqs"]:
         global_seqs = _even_batch(global_seqs, layout.dp * (fixed["microbatches"] or 1))
-    if (
-        layout is not None
-    ):  # name what is wrong with the user's own settings before searching the rest
-        zero = 3 * (fixed["hsdp_replicas"] > 1) if fixed["zero"] is None else fixed["zero"]
+    # name what is wrong with the user's own settings before searching the rest
+    if layout is not None:
+        zero = fixed["zero"]
+        if zero is None:  # HSDP shards with ZeRO 3 unless told otherwise
+            zero = 0
+            if fixed["hsdp_replicas"] > 1:
+                zero = 3
         mine = Parallelism(
             layout=layout,
             schedule=schedule or "1f1b",
