@@ -1,6 +1,7 @@
-"""What one transformer block moves through memory and keeps for backward, per token on one rank, eager
-(each op of fourd/model/llama.py, or a GPT block's) or fused (compiled); counted op by op (docs/planner.md).
-The loss always runs eager (fourd, torchtitan and the IBM runs compile the blocks only)."""
+"""What one transformer block moves through memory and keeps for backward, per token on one rank,
+eager (each op of fourd/model/llama.py, or a GPT block's) or fused (compiled); counted op by op
+(docs/planner.md). The loss always runs eager (fourd, torchtitan and the IBM runs compile the blocks
+only)."""
 
 from __future__ import annotations
 
@@ -10,14 +11,16 @@ from functools import lru_cache
 from fourd.plan.job import Work
 
 F32 = 4
-# Backward traffic over forward traffic, from the same op-by-op count (docs/planner.md): fourd's eager block
-# (RMSNorm 2.1×, RoPE 1.0×, casts and gradient sums 2.2×, SwiGLU 1.6×) 1.7×; fused and GPT blocks 1.5×.
+# Backward traffic over forward traffic, from the same op-by-op count (docs/planner.md): fourd's
+# eager block (RMSNorm 2.1×, RoPE 1.0×, casts and gradient sums 2.2×, SwiGLU 1.6×) 1.7×; fused and
+# GPT blocks 1.5×.
 BACKWARD = {True: 1.7, False: 1.5}
 
 
 @dataclass(frozen=True)
 class Sizes:
-    """Elements per token on one rank (the norms' stream cut by TP with SP) and bytes per element."""
+    """Elements per token on one rank (the norms' stream cut by TP with SP) and bytes per
+    element."""
 
     norm: float
     h: int
@@ -54,8 +57,8 @@ def sizes(work: Work) -> Sizes:
 
 
 def matmuls(work: Work) -> list[tuple[int, int]]:
-    """(n, k) of the block's forward matmuls on one rank in program order (m: the tokens): Llama's wq, wk,
-    wv, wo, w1, w3, w2; GPT blocks fuse Q, K and V (Megatron)."""
+    """(n, k) of the block's forward matmuls on one rank in program order (m: the tokens): Llama's
+    wq, wk, wv, wo, w1, w3, w2; GPT blocks fuse Q, K and V (Megatron)."""
     s = sizes(work)
     if work.model.mlp == "swiglu":
         return [
@@ -77,17 +80,20 @@ class Traffic:
         float  # and backward (each op's backward reads its output's gradient and saved inputs)
     )
     saved: float  # activation bytes kept for backward with this recomputation
-    redo: float  # memory-bound bytes the recomputation redoes in backward (besides `full`'s whole forward)
+    # memory-bound bytes the recomputation redoes in backward (besides `full`'s whole forward)
+    redo: float
 
 
 def _norm_eager(s: Sizes) -> float:
-    """fourd's RMSNorm: x.float(), pow, mean, ·rsqrt, .type_as(x), ·weight; casts only when x is not FP32."""
+    """fourd's RMSNorm: x.float(), pow, mean, ·rsqrt, .type_as(x), ·weight; casts only when x is not
+    FP32."""
     cast = 2 * (s.r + F32) if s.r < F32 else 0
     return (8 + 4 + 8 + 2 * s.r + cast) * s.norm
 
 
 def _rope_eager(n: int, b: int) -> float:
-    """apply_rope on n elements: float(), four products and two sums on the halves, stack, type_as."""
+    """apply_rope on n elements: float(), four products and two sums on the halves, stack,
+    type_as."""
     return (16 + 12 + 8 + (2 * (b + F32) if b < F32 else 0)) * n
 
 
@@ -108,9 +114,9 @@ def traffic(work: Work) -> Traffic:
             _rope_eager(s.q, b) + _rope_eager(s.kv, b) + repeat + 2 * b * s.q
         )  # and the heads' reshape
         act = 5 * b * s.f  # silu, then the product
-        # the norms' FP32 results and each linear's input (with sequence parallelism its shard, gathered
-        # again in backward); besides them the norms' FP32 inputs, RoPE's FP32 copies, attention's inputs
-        # and output and the MLP's tensors
+        # the norms' FP32 results and each linear's input (with sequence parallelism its shard,
+        # gathered again in backward); besides them the norms' FP32 inputs, RoPE's FP32 copies,
+        # attention's inputs and output and the MLP's tensors
         outputs = 2 * F32 * s.norm + (5 if s.casts else 2) * b * s.norm
         kept = 2 * F32 * s.norm + F32 * (s.q + s.kv) + b * (3 * s.q + 2 * s.kv_used) + 4 * b * s.f
     else:
@@ -151,7 +157,8 @@ def traffic(work: Work) -> Traffic:
 
 
 def loss_bytes(b: int) -> tuple[float, float, float]:
-    """(forward, backward, peak held) bytes per logit of torch's cross-entropy on `b`-byte logits (cast to
-    FP32, log-softmax, its backward, the cast back; held: the log-probabilities, their gradient, its cast)."""
+    """(forward, backward, peak held) bytes per logit of torch's cross-entropy on `b`-byte logits
+    (cast to FP32, log-softmax, its backward, the cast back; held: the log-probabilities, their
+    gradient, its cast)."""
     cast = b + F32 if b < F32 else 0
     return 12 + cast, 4 + 12 + cast, F32 + F32 + b

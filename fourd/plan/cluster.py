@@ -1,5 +1,6 @@
-"""Cluster profiles (TOML, docs/planner.md): a GPU, a server, a pod and the network, not a size; presets in
-fourd/plan/clusters/, user profiles in $FOURD_HOME/clusters/ (they win), or a path. And where a group lands."""
+"""Cluster profiles (TOML, docs/planner.md): a GPU, a server, a pod and the network, not a size;
+presets in fourd/plan/clusters/, user profiles in $FOURD_HOME/clusters/ (they win), or a path. And
+where a group lands."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ class GemmSample:  # a measured (m×k)·(k×n) GEMM
 
 
 @dataclass(frozen=True)
-class AttentionSample:  # measured, in the planner's FLOPs; masked_*: an explicit mask, all seq² pairs computed
+class AttentionSample:
+    # measured, in the planner's FLOPs; masked_*: an explicit mask, all seq² pairs computed
     seq: int
     head_dim: int
     fwd_tflops: float
@@ -38,7 +40,8 @@ class AttentionSample:  # measured, in the planner's FLOPs; masked_*: an explici
 
 
 @dataclass(frozen=True)
-class CollectiveSample:  # a measured fit: time = alpha_s + beta_s_per_byte · bytes (bytes as nccl-tests count)
+class CollectiveSample:
+    # a measured fit: time = alpha_s + beta_s_per_byte · bytes (bytes as nccl-tests count)
     op: str
     nproc: int
     alpha_s: float
@@ -111,12 +114,14 @@ class Cluster:
 
     @property
     def cpu(self) -> bool:
-        """A CPU profile (`fourd calibrate`): ranks share cores; it describes what `fourd train` runs here."""
+        """A CPU profile (`fourd calibrate`): ranks share cores; it describes what `fourd train`
+        runs here."""
         return self.node.concurrent_ranks is not None
 
     def core_share(self, ranks: int) -> float:
-        """How many times slower each rank runs while `ranks` of them are busy on one server (CPU profiles: they
-        take turns on the cores, collectives too, since a CPU copies and reduces their data itself; GPUs: 1)."""
+        """How many times slower each rank runs while `ranks` of them are busy on one server (CPU
+        profiles: they take turns on the cores, collectives too, since a CPU copies and reduces
+        their data itself; GPUs: 1)."""
         slots = self.node.concurrent_ranks
         return max(1.0, min(ranks, self.node.gpus) / slots) if slots else 1.0
 
@@ -155,7 +160,8 @@ _TYPES = {"int": (int,), "float": (int, float), "str": (str,)}
 
 
 def _section(cls, data, where: str, path: Path):
-    """`cls` from a TOML table: every key known, every value of its field's type, numbers finite, in range."""
+    """`cls` from a TOML table: every key known, every value of its field's type, numbers finite, in
+    range."""
     if not isinstance(data, dict):
         raise FourdError(f"{path}: [{where}] must be a table; see docs/planner.md for the schema")
     fields = cls.__dataclass_fields__
@@ -189,7 +195,8 @@ def _section(cls, data, where: str, path: Path):
 
 
 def load_cluster(name_or_path: str) -> Cluster:
-    """The profile called `name_or_path` (user profiles first, then presets) or the profile at that path."""
+    """The profile called `name_or_path` (user profiles first, then presets) or the profile at that
+    path."""
     path = _find(name_or_path)
     try:
         data = tomllib.loads(path.read_text())
@@ -226,15 +233,15 @@ def load_cluster(name_or_path: str) -> Cluster:
     )
 
 
-# ---- where a parallel group lands ----------------------------------------------------------------------
+# ---- where a parallel group lands ----------------------------------------------------------------
 
 LEVELS = ("single", "nvlink", "rack", "pod", "cross-pod")
 
 
 @dataclass(frozen=True)
 class Group:
-    """Ranks base, base+stride, ..., base+(size-1)·stride of `world` ranks, placed in order (rank r on server
-    r // gpus_per_node). Every rank belongs to one such group per dimension."""
+    """Ranks base, base+stride, ..., base+(size-1)·stride of `world` ranks, placed in order (rank r
+    on server r // gpus_per_node). Every rank belongs to one such group per dimension."""
 
     size: int
     stride: int
@@ -243,9 +250,10 @@ class Group:
 
 @lru_cache(maxsize=4096)
 def _spread(group: Group, cluster: Cluster) -> tuple[dict[str, int], int]:
-    """(how many of the dimension's groups lie inside one server, rack or pod, or across pods; the fewest
-    members a group that spans servers has on one of them). A group's place depends on its first rank modulo
-    the blocks' common multiple, so one period of first ranks is counted, each as often as it recurs."""
+    """(how many of the dimension's groups lie inside one server, rack or pod, or across pods; the
+    fewest members a group that spans servers has on one of them). A group's place depends on its
+    first rank modulo the blocks' common multiple, so one period of first ranks is counted, each as
+    often as it recurs."""
     sizes = (cluster.node.gpus, cluster.network.gpus_per_rack, cluster.network.gpus_per_pod)
     n, reach, span = sizes[0], (group.size - 1) * group.stride, group.size * group.stride
     period, groups = math.lcm(*sizes), group.world // span
@@ -271,27 +279,31 @@ def _spread(group: Group, cluster: Cluster) -> tuple[dict[str, int], int]:
 
 
 def group_levels(group: Group, cluster: Cluster) -> dict[str, int]:
-    """How many of a dimension's groups lie inside one server ("nvlink"), one rack, one pod, or across pods
-    ("cross-pod"), each where its ranks are: with tp=3 on 8-GPU servers some TP groups straddle two servers."""
+    """How many of a dimension's groups lie inside one server ("nvlink"), one rack, one pod, or
+    across pods ("cross-pod"), each where its ranks are: with tp=3 on 8-GPU servers some TP groups
+    straddle two servers."""
     return dict(_spread(group, cluster)[0])
 
 
 def group_level(group: Group, cluster: Cluster) -> str:
-    """The widest part of the topology any of the dimension's groups crosses (they meet each step: the slowest rules)."""
+    """The widest part of the topology any of the dimension's groups crosses (they meet each step:
+    the slowest rules)."""
     return max(group_levels(group, cluster), key=LEVELS.index, default="single")
 
 
 def members_per_node(group: Group, cluster: Cluster) -> int:
-    """The fewest members a group spanning servers has on one server: its ring's NICs there carry its traffic."""
+    """The fewest members a group spanning servers has on one server: its ring's NICs there carry
+    its traffic."""
     return _spread(group, cluster)[1]
 
 
 def group_bandwidth(
     group: Group, cluster: Cluster, channels: int | None = None
 ) -> tuple[float, float]:
-    """(bus bandwidth in bytes/s, per-step latency in s) of a ring over the group: NVLink inside a server;
-    across servers each of the k members per server drives its own NIC (one ring channel each, as NCCL
-    does; `channels` k if given), k·NIC capped by NVLink; across pods all crossing channels share the uplinks."""
+    """(bus bandwidth in bytes/s, per-step latency in s) of a ring over the group: NVLink inside a
+    server; across servers each of the k members per server drives its own NIC (one ring channel
+    each, as NCCL does; `channels` k if given), k·NIC capped by NVLink; across pods all crossing
+    channels share the uplinks."""
     node, net = cluster.node, cluster.network
     intra = node.intra_bw_gbps * 1e9 * node.intra_efficiency
     level = group_level(group, cluster)
@@ -312,7 +324,8 @@ def group_bandwidth(
 
 
 def placement(layout) -> dict[str, Group]:
-    """The group of each parallel dimension, ranks laid out innermost first in [TP, CP, PP, DP] order."""
+    """The group of each parallel dimension, ranks laid out innermost first in [TP, CP, PP, DP]
+    order."""
     w, tp, cp, pp = layout.world, layout.tp, layout.cp, layout.pp
     return {
         "tp": Group(tp, 1, w),
@@ -323,9 +336,9 @@ def placement(layout) -> dict[str, Group]:
 
 
 def shard_group(layout, replicas: int = 1) -> Group:
-    """The cp·dp ranks that hold the same weights: they reduce gradients together and ZeRO shards over them
-    (FSDP over dp×cp, as the trainer and Llama 3 do), or over 1/`replicas` of them with HSDP. One ring spread
-    evenly over the DP group's span (exact when cp or dp is 1)."""
+    """The cp·dp ranks that hold the same weights: they reduce gradients together and ZeRO shards
+    over them (FSDP over dp×cp, as the trainer and Llama 3 do), or over 1/`replicas` of them with
+    HSDP. One ring spread evenly over the DP group's span (exact when cp or dp is 1)."""
     if layout.dp == 1:
         return Group(layout.cp, layout.tp, layout.world)
     return Group(layout.cp * layout.dp // replicas, layout.tp * layout.pp, layout.world)

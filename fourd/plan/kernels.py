@@ -1,5 +1,6 @@
-"""One kernel's time: GEMMs, attention, memory-bound work, the optimizer update, collectives. Seconds, bytes,
-FLOP/s; a profile's measured samples (`fourd calibrate`) win over the models; docs/planner.md sources each figure."""
+"""One kernel's time: GEMMs, attention, memory-bound work, the optimizer update, collectives.
+Seconds, bytes, FLOP/s; a profile's measured samples (`fourd calibrate`) win over the models;
+docs/planner.md sources each figure."""
 
 from __future__ import annotations
 
@@ -33,8 +34,8 @@ HBM_EFFICIENCY = (
 
 
 def _wave_utilization(m: int, n: int, sms: int) -> float:
-    """Fraction of the SMs doing useful work when an m×n output is cut into tiles run in waves: the output's
-    share of the tiles of all the waves, for the best tile."""
+    """Fraction of the SMs doing useful work when an m×n output is cut into tiles run in waves: the
+    output's share of the tiles of all the waves, for the best tile."""
     return max(
         m * n / (tm * tn * sms * math.ceil(math.ceil(m / tm) * math.ceil(n / tn) / sms))
         for tm, tn in GPU_TILES
@@ -42,8 +43,8 @@ def _wave_utilization(m: int, n: int, sms: int) -> float:
 
 
 def _interpolate(samples: Sequence[tuple[Sequence[float], float]], point: Sequence[float]) -> float:
-    """A measured value at `point`: inverse-distance weighting (power 4) in log2 coordinates clamped to the
-    samples' range; samples at the point itself are averaged."""
+    """A measured value at `point`: inverse-distance weighting (power 4) in log2 coordinates clamped
+    to the samples' range; samples at the point itself are averaged."""
     logs = [tuple(math.log2(c) for c in where) for where, _ in samples]
     q = [min(max(math.log2(c), min(cs)), max(cs)) for c, cs in zip(point, zip(*logs))]
     hits, weights, total = [], 0.0, 0.0
@@ -59,8 +60,9 @@ def _interpolate(samples: Sequence[tuple[Sequence[float], float]], point: Sequen
 
 @lru_cache(maxsize=65536)
 def gemm_time(m: int, n: int, k: int, cluster: Cluster, dtype_bytes: int = 2) -> float:
-    """Seconds for one (m×k)·(k×n) GEMM: measured samples if the profile has them, else the slower of the
-    sustained rate cut by wave quantization and each tile's prologue, and the three matrices' bytes over HBM."""
+    """Seconds for one (m×k)·(k×n) GEMM: measured samples if the profile has them, else the slower
+    of the sustained rate cut by wave quantization and each tile's prologue, and the three matrices'
+    bytes over HBM."""
     gpu = cluster.gpu
     flops = 2.0 * m * n * k
     if gpu.gemm_shapes:
@@ -78,12 +80,14 @@ def gemm_time(m: int, n: int, k: int, cluster: Cluster, dtype_bytes: int = 2) ->
 
 
 def elementwise_time(nbytes: float, cluster: Cluster) -> float:
-    """Seconds of memory-bound kernels moving `nbytes` (counted by fourd.plan.block) at HBM_EFFICIENCY, or measured."""
+    """Seconds of memory-bound kernels moving `nbytes` (counted by fourd.plan.block) at
+    HBM_EFFICIENCY, or measured."""
     return nbytes / (cluster.gpu.elementwise_gbps or cluster.gpu.hbm_bw_gbps * HBM_EFFICIENCY) / 1e9
 
 
 def optimizer_time(params: float, cluster: Cluster, dtype_bytes: int = 2) -> float:
-    """Seconds of an Adam update of `params` parameters: ADAM_BYTES each at HBM bandwidth, or measured."""
+    """Seconds of an Adam update of `params` parameters: ADAM_BYTES each at HBM bandwidth, or
+    measured."""
     rate = cluster.gpu.optimizer_gbps or cluster.gpu.hbm_bw_gbps * HBM_EFFICIENCY
     return params * ADAM_BYTES[dtype_bytes] / (rate * 1e9)
 
@@ -91,8 +95,9 @@ def optimizer_time(params: float, cluster: Cluster, dtype_bytes: int = 2) -> flo
 def attention_time(
     q_tokens: int, kv_len: int, heads: int, head_dim: int, cluster: Cluster, causal: bool = True
 ) -> tuple[float, float]:
-    """(forward, backward) seconds of fused attention, q_tokens queries per head against kv_len keys (causal:
-    half the pairs; measured rates win, non-causal ones there from the explicit-mask kernel)."""
+    """(forward, backward) seconds of fused attention, q_tokens queries per head against kv_len keys
+    (causal: half the pairs; measured rates win, non-causal ones there from the explicit-mask
+    kernel)."""
     gpu = cluster.gpu
     pairs = q_tokens * kv_len * (0.5 if causal else 1.0)
     fwd_flops = 4.0 * pairs * head_dim * heads
@@ -123,10 +128,11 @@ def attention_time(
     )
 
 
-# ---- collectives: nccl-tests conventions, the one table of fourd --------------------------------------
+# ---- collectives: nccl-tests conventions, the one table of fourd ---------------------------------
 
-# bytes each rank sends = factor · nbytes (nbytes: all-gather's output, reduce-scatter's input), and ring steps
-# latency steps: a ring's n−1 (all-reduce 2(n−1)); NCCL's double binary tree all-reduces in 2·log2(n)
+# bytes each rank sends = factor · nbytes (nbytes: all-gather's output, reduce-scatter's input), and
+# ring steps latency steps: a ring's n−1 (all-reduce 2(n−1)); NCCL's double binary tree all-reduces
+# in 2·log2(n)
 _STEPS = {
     "all_reduce": lambda n: min(2 * (n - 1), 2 * math.ceil(math.log2(n))),
     "send": lambda n: 1,
@@ -135,8 +141,8 @@ _STEPS = {
 
 @lru_cache(maxsize=65536)
 def collective_time(op: str, nbytes: float, group: Group, cluster: Cluster) -> float:
-    """Seconds for a collective on an nbytes buffer over `group`, at the bandwidth its placement gives. A
-    measured fit in the profile for this op and group size wins over the ring model."""
+    """Seconds for a collective on an nbytes buffer over `group`, at the bandwidth its placement
+    gives. A measured fit in the profile for this op and group size wins over the ring model."""
     n = group.size
     if n <= 1 or nbytes <= 0:
         return 0.0

@@ -1,6 +1,6 @@
-"""Memory per GPU, bytes: weights, gradients and optimizer state by ZeRO stage, the activations a layer keeps
-times the schedule's microbatches in flight, the logits, FSDP's gathered layers, the allocator's cache, the
-runtime (docs/planner.md derives each term)."""
+"""Memory per GPU, bytes: weights, gradients and optimizer state by ZeRO stage, the activations a
+layer keeps times the schedule's microbatches in flight, the logits, FSDP's gathered layers, the
+allocator's cache, the runtime (docs/planner.md derives each term)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ from fourd.plan.block import loss_bytes, traffic
 from fourd.plan.job import Job, stage_layers
 
 GB = 1e9
-# PyTorch's CUDA caching allocator keeps freed blocks for reuse: reserved over allocated, less one. Fitted.
-# (Its CPU allocator returns freed memory to malloc: nothing on CPU profiles.)
+# PyTorch's CUDA caching allocator keeps freed blocks for reuse: reserved over allocated, less one.
+# Fitted. (Its CPU allocator returns freed memory to malloc: nothing on CPU profiles.)
 ALLOCATOR_FRAGMENTATION = 0.252
 
 
 def state_bytes_per_param(zero: int, dp: int, dtype_bytes: int = 2) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer) bytes per parameter for ZeRO stage 0-3 over dp ranks: 2 + 2 + 12 in
-    mixed precision, 4 + 4 + 8 in FP32 (Rajbhandari et al. 2020 §5)."""
+    """(weights, gradients, optimizer) bytes per parameter for ZeRO stage 0-3 over dp ranks: 2 + 2 +
+    12 in mixed precision, 4 + 4 + 8 in FP32 (Rajbhandari et al. 2020 §5)."""
     w = g = dtype_bytes
     opt = 12 if dtype_bytes == 2 else 8
     return (w / dp if zero >= 3 else w, g / dp if zero >= 2 else g, opt / dp if zero >= 1 else opt)
@@ -38,8 +38,9 @@ def stage_params(model, counts: list[int], stage: int) -> int:
 def rank_shapes(
     model, pp: int, virtual_stages: int
 ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-    """(layers per pipeline rank, parameters per pipeline rank before TP, the ranks that can peak in memory:
-    in-flight microbatches fall with the rank, so besides the last (logits) the first with each layer count)."""
+    """(layers per pipeline rank, parameters per pipeline rank before TP, the ranks that can peak in
+    memory: in-flight microbatches fall with the rank, so besides the last (logits) the first with
+    each layer count)."""
     counts = stage_layers(model.layers, pp, virtual_stages)
     layers = tuple(sum(counts[s] for s in range(r, len(counts), pp)) for r in range(pp))
     params = tuple(
@@ -55,8 +56,9 @@ def max_rank_params(model, pp: int, virtual_stages: int, tp: int) -> float:
 
 
 def in_flight(schedule: str, pp: int, microbatches: int, virtual_stages: int, rank: int) -> float:
-    """Microbatches whose activations pipeline rank `rank` holds at its peak, in units of all its layers: the
-    closed forms of fourd.schedules' lists (docs/simulators.md's "peak in flight"; the tests check them)."""
+    """Microbatches whose activations pipeline rank `rank` holds at its peak, in units of all its
+    layers: the closed forms of fourd.schedules' lists (docs/simulators.md's "peak in flight"; the
+    tests check them)."""
     m, p, v = microbatches, pp, virtual_stages
     if schedule == "gpipe":
         return m
@@ -90,7 +92,8 @@ class Memory:
         return self.total + self.fragmentation + self.reserve
 
     def fits(self, capacity: float) -> bool:
-        """The tensors and the runtime fit: before it gives up, the allocator frees what it keeps cached."""
+        """The tensors and the runtime fit: before it gives up, the allocator frees what it keeps
+        cached."""
         return self.total + self.reserve <= capacity
 
     def gb(self) -> dict:

@@ -1,5 +1,6 @@
-"""The time of a step: a layer's work and collectives, a pipeline stage, the schedule's bubble, data-parallel
-traffic, the optimizer. `fourd sim step` schedules these same per-microbatch times. Seconds, bytes, FLOP/s."""
+"""The time of a step: a layer's work and collectives, a pipeline stage, the schedule's bubble,
+data-parallel traffic, the optimizer. `fourd sim step` schedules these same per-microbatch times.
+Seconds, bytes, FLOP/s."""
 
 from __future__ import annotations
 
@@ -52,8 +53,9 @@ class StageTime:
 
 @lru_cache(maxsize=8192)
 def layer_comm(work: Work) -> tuple[float, float, float, float]:
-    """(TP forward, TP backward, CP forward, CP backward) seconds of one layer's collectives, none overlapped
-    (docs/planner.md: Shoeybi et al. 2019, Korthikanti et al. 2022 §4.2.2 with SP, Llama 3 §3.3.2 for CP)."""
+    """(TP forward, TP backward, CP forward, CP backward) seconds of one layer's collectives, none
+    overlapped (docs/planner.md: Shoeybi et al. 2019, Korthikanti et al. 2022 §4.2.2 with SP, Llama
+    3 §3.3.2 for CP)."""
     model, cluster, lay, b = work.model, work.cluster, work.layout, work.dtype_bytes
     groups = placement(lay)
     act = work.tokens * model.dim * b
@@ -70,8 +72,9 @@ def layer_comm(work: Work) -> tuple[float, float, float, float]:
 
 
 def materialized_attention(work: Work) -> tuple[float, float]:
-    """(forward, backward) seconds of attention that writes the s × s scores (Megatron's scale-mask-softmax):
-    two batched GEMMs, softmax and dropout forward, four GEMMs and their backward (Korthikanti et al. 2022 §4)."""
+    """(forward, backward) seconds of attention that writes the s × s scores (Megatron's
+    scale-mask-softmax): two batched GEMMs, softmax and dropout forward, four GEMMs and their
+    backward (Korthikanti et al. 2022 §4)."""
     m, c, b = work.model, work.cluster, work.dtype_bytes
     n = work.micro_seqs * (m.heads // work.layout.tp)  # the GEMMs' batch, stacked into rows
     rows, keys, hd = n * work.tokens // work.micro_seqs, work.seq, m.head_dim
@@ -101,8 +104,8 @@ def layer_time(work: Work) -> StageTime:
     if work.attention == "materialized":
         a_fwd, a_bwd = materialized_attention(work)
     else:
-        # CP ranks hold chunks i and 2·CP−1−i: causal, tokens·seq/2 pairs (Llama 3 §3.3.2); on a CPU profile
-        # the chunks take torch's explicit-mask kernel, which computes all pairs
+        # CP ranks hold chunks i and 2·CP−1−i: causal, tokens·seq/2 pairs (Llama 3 §3.3.2); on a CPU
+        # profile the chunks take torch's explicit-mask kernel, which computes all pairs
         all_pairs = work.layout.cp > 1 and bool(cluster.gpu.attention)
         a_fwd, a_bwd = attention_time(
             tokens, work.seq, model.heads // tp, model.head_dim, cluster, not all_pairs
@@ -110,7 +113,8 @@ def layer_time(work: Work) -> StageTime:
     t = traffic(work)
     fwd += a_fwd + elementwise_time(tokens * t.forward, cluster)
     dgrad += a_bwd + elementwise_time(tokens * (t.backward + t.redo), cluster)
-    # the CPU time a CPU profile measured fourd's TP (DTensor) and FSDP to add per layer, a third forward
+    # the CPU time a CPU profile measured fourd's TP (DTensor) and FSDP to add per layer, a third
+    # forward
     cpu = 0.0
     if tp > 1:
         cpu += cluster.gpu.tp_layer_us
@@ -130,7 +134,8 @@ def layer_time(work: Work) -> StageTime:
 
 
 def _head_time(work: Work, tp_group: Group) -> StageTime:
-    """Final norm, output projection (vocabulary split over TP) and torch's cross-entropy on the logits."""
+    """Final norm, output projection (vocabulary split over TP) and torch's cross-entropy on the
+    logits."""
     cluster, tokens, tp, b = work.cluster, work.tokens, work.layout.tp, work.dtype_bytes
     dim, v, sp = work.model.dim, work.model.vocab // tp, work.sequence_parallel
     norm = 4 * dim * b * tokens / (tp if sp else 1)
@@ -143,8 +148,8 @@ def _head_time(work: Work, tp_group: Group) -> StageTime:
     )
     wgrad = gemm_time(dim, v, tokens, cluster, b)
     act = tokens * dim * b
-    # the vocabulary-parallel loss all-reduces max, sum and target logit; SP gathers the input first and
-    # reduce-scatters its gradient, plain TP all-reduces the gradient
+    # the vocabulary-parallel loss all-reduces max, sum and target logit; SP gathers the input first
+    # and reduce-scatters its gradient, plain TP all-reduces the gradient
     loss = collective_time("all_reduce", 3 * 4 * tokens, tp_group, cluster)
     if not sp:
         return StageTime(
@@ -157,8 +162,8 @@ def _head_time(work: Work, tp_group: Group) -> StageTime:
 
 
 def compute_share(layout, cluster: Cluster) -> float:
-    """How much slower each rank computes where ranks share a server's cores (CPU profiles): ranks beyond
-    `concurrent_ranks` take turns, and the busy cores together reach the all-core peak."""
+    """How much slower each rank computes where ranks share a server's cores (CPU profiles): ranks
+    beyond `concurrent_ranks` take turns, and the busy cores together reach the all-core peak."""
     slots = cluster.node.concurrent_ranks
     if not slots:
         return 1.0
@@ -169,11 +174,14 @@ def compute_share(layout, cluster: Cluster) -> float:
 
 @lru_cache(maxsize=16384)
 def stage_time(work: Work, layers: int, first: bool = False, last: bool = False) -> StageTime:
-    """One microbatch through a pipeline stage of `layers` layers (plus the embedding if `first`, the output
-    and loss if `last`) on one GPU; TP and CP collectives included as exposed communication."""
+    """One microbatch through a pipeline stage of `layers` layers (plus the embedding if `first`,
+    the output and loss if `last`) on one GPU; TP and CP collectives included as exposed
+    communication."""
     tp_group, c = placement(work.layout)["tp"], work.cluster
     t = layer_time(work).scaled(layers)
-    if first:  # the vocabulary-parallel lookup: partial rows reduce-scattered into the SP shard (or all-reduced)
+    if first:
+        # the vocabulary-parallel lookup: partial rows reduce-scattered into the SP shard (or
+        # all-reduced)
         act = work.tokens * work.model.dim * work.dtype_bytes
         ops = ("reduce_scatter", "all_gather") if work.sequence_parallel else ("all_reduce", "none")
         comm = [collective_time(op, act, tp_group, c) if op != "none" else 0.0 for op in ops]
@@ -186,14 +194,16 @@ def stage_time(work: Work, layers: int, first: bool = False, last: bool = False)
 
 
 def chunk_times(job: Job) -> list[StageTime]:
-    """StageTime of each global pipeline stage 0 .. pp·V−1 in model order (stage s runs on rank s % pp)."""
+    """StageTime of each global pipeline stage 0 .. pp·V−1 in model order (stage s runs on rank s %
+    pp)."""
     counts = stage_layers(job.model.layers, job.layout.pp, job.par.virtual_stages)
     return [stage_time(job.work, n, s == 0, s == len(counts) - 1) for s, n in enumerate(counts)]
 
 
 @lru_cache(maxsize=16384)
 def slowest_rank(work: Work, p: int, virtual_stages: int) -> tuple[int, StageTime]:
-    """The pipeline rank with the most work per microbatch (embedding and head included), and that work."""
+    """The pipeline rank with the most work per microbatch (embedding and head included), and that
+    work."""
     per_rank, _, kinds = rank_shapes(
         work.model, p, virtual_stages
     )  # equal layers, equal time: one of each kind
@@ -203,9 +213,10 @@ def slowest_rank(work: Work, p: int, virtual_stages: int) -> tuple[int, StageTim
 
 
 def p2p_time(job: Job) -> float:
-    """One activation (or its gradient) sent between adjacent pipeline ranks, at the slowest boundary (where the
-    pipeline spans servers some neighbours are on two). With SP each TP rank sends its shard; blocking
-    (DeepSpeed's engine) partitions it over TP too and gathers it on arrival."""
+    """One activation (or its gradient) sent between adjacent pipeline ranks, at the slowest
+    boundary (where the pipeline spans servers some neighbours are on two). With SP each TP rank
+    sends its shard; blocking (DeepSpeed's engine) partitions it over TP too and gathers it on
+    arrival."""
     work, lay = job.work, job.layout
     full = work.tokens * work.model.dim * work.dtype_bytes
     split = work.sequence_parallel or job.pipeline_comm == "blocking"
@@ -221,8 +232,8 @@ def p2p_time(job: Job) -> float:
 def bubble_time(
     schedule: str, pp: int, microbatches: int, virtual_stages: int, stage: StageTime
 ) -> float:
-    """Idle time of a pipeline rank per step for per-microbatch times `stage` (all its layers): the closed forms
-    of fourd.schedules' lists (docs/simulators.md)."""
+    """Idle time of a pipeline rank per step for per-microbatch times `stage` (all its layers): the
+    closed forms of fourd.schedules' lists (docs/simulators.md)."""
     p, v = pp, virtual_stages
     whole = stage.forward + stage.backward
     if schedule in ("gpipe", "1f1b"):
@@ -239,7 +250,8 @@ class StepTime:
     step_s: float
     compute_s: float  # m · (t_f + t_b) of the slowest pipeline rank, TP/CP communication included
     bubble_s: float
-    p2p_s: float  # pipeline sends on the critical path (warm-up and cool-down; blocking, every microbatch's)
+    # pipeline sends on the critical path (warm-up and cool-down; blocking, every microbatch's)
+    p2p_s: float
     dp_exposed_s: float  # data-parallel collectives not hidden behind compute
     dp_total_s: float  # all data-parallel collectives of the step
     overlap_s: float  # compute slowed by collectives running beside it
@@ -251,8 +263,9 @@ class StepTime:
 
 
 def _dp_exposure(job: Job, t: StageTime, bubble: float, layers: int) -> tuple[float, float]:
-    """(exposed, total) seconds of the slowest rank's ZeRO/DDP traffic, one bucket per layer: what compute around
-    it cannot hide, and the last bucket, are exposed (docs/planner.md: what each ZeRO stage moves)."""
+    """(exposed, total) seconds of the slowest rank's ZeRO/DDP traffic, one bucket per layer: what
+    compute around it cannot hide, and the last bucket, are exposed (docs/planner.md: what each ZeRO
+    stage moves)."""
     lay, par, c = job.layout, job.par, job.cluster
     m, shard, n = par.microbatches, shard_group(lay, par.hsdp_replicas), max(1, layers)
     params = max_rank_params(job.model, lay.pp, par.virtual_stages, lay.tp)
@@ -287,24 +300,29 @@ def step_time(job: Job) -> StepTime:
     slow, t = slowest_rank(job.work, p, par.virtual_stages)
     blocking = job.pipeline_comm == "blocking"
     params = max_rank_params(job.model, p, par.virtual_stages, lay.tp)
-    if blocking:  # DeepSpeed's engine adds each backward's BF16 weight gradients into FP32 ones, a pass of its own
+    if blocking:
+        # DeepSpeed's engine adds each backward's BF16 weight gradients into FP32 ones, a pass of
+        # its own
         t = t + StageTime(
             0.0, 0.0, elementwise_time(GRAD_ACCUMULATE_BYTES * params, job.cluster), 0.0, 0.0
         )
-    # overlapped, the sends of warm-up and cool-down are on the critical path; blocking, each microbatch after
-    # the first also waits for a middle rank's four (two on a two-rank pipeline): docs/planner.md
+    # overlapped, the sends of warm-up and cool-down are on the critical path; blocking, each
+    # microbatch after the first also waits for a middle rank's four (two on a two-rank pipeline):
+    # docs/planner.md
     p2p = (2 * (p - 1) + blocking * 2 * min(2, p - 1) * (m - 1)) * p2p_time(job) if p > 1 else 0.0
     layers = rank_shapes(job.model, p, par.virtual_stages)[0][slow]
     tp_f, tp_b, cp_f, cp_b = layer_comm(job.work)
     redo = 2 if par.recompute == "full" else 1
     compute = m * (t.forward + t.backward)
     bubble = bubble_time(par.schedule, p, m, par.virtual_stages, t) if p > 1 else 0.0
-    # CPU profiles: half the ranks work through warm-up and cool-down, on the cores the waiting half leave
+    # CPU profiles: half the ranks work through warm-up and cool-down, on the cores the waiting half
+    # leave
     server = min(lay.world, job.cluster.node.gpus)
     bubble *= job.cluster.core_share(server // 2) / job.cluster.core_share(server)
     exposed, total = _dp_exposure(job, t, bubble, layers)
     if job.cluster.cpu or blocking:
-        # on CPUs collectives run on the cores compute needs; DeepSpeed's engine reduces after the last backward
+        # on CPUs collectives run on the cores compute needs; DeepSpeed's engine reduces after the
+        # last backward
         exposed = total
     overlap = OVERLAP_SLOWDOWN * (total - exposed)
     owned = params / (shard_group(lay, par.hsdp_replicas).size if par.zero >= 1 else 1)

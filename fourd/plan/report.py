@@ -1,4 +1,5 @@
-"""The readable report of a plan and of a search: tables with units, and why the numbers are what they are."""
+"""The readable report of a plan and of a search: tables with units, and why the numbers are what
+they are."""
 
 from __future__ import annotations
 

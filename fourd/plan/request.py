@@ -1,5 +1,6 @@
-"""The one resolver of planner requests (`fourd plan`, `fourd sim step`, the lab, the trainer): settings parsed
-and checked in one place, defaults filled one way, those left open named. Entry points: docs/planner.md."""
+"""The one resolver of planner requests (`fourd plan`, `fourd sim step`, the lab, the trainer):
+settings parsed and checked in one place, defaults filled one way, those left open named. Entry
+points: docs/planner.md."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ ALLOWED: dict[Any, tuple] = {}  # parser -> the values it takes
 
 
 class BadValue(FourdError, argparse.ArgumentTypeError):
-    """A value out of range: argparse names the flag it came with, other callers see a FourdError."""
+    """A value out of range: argparse names the flag it came with, other callers see a
+    FourdError."""
 
 
 def bounded(kind: type, lo: float, hi: float = math.inf, what: str = ""):
@@ -67,7 +69,8 @@ def choice(allowed, kind: type = str):
 
 
 def count(text) -> float:
-    """A positive amount: `16777216`, `16M` (K, M, G binary: 16M = 2^24), `15.6T` (B, T decimal), `4e6`."""
+    """A positive amount: `16777216`, `16M` (K, M, G binary: 16M = 2^24), `15.6T` (B, T decimal),
+    `4e6`."""
     t = str(text).strip()
     try:
         value = (
@@ -87,7 +90,8 @@ def on_off(text) -> bool:
 
 
 ALLOWED[on_off] = ("on", "off")
-# Every setting a request takes: its parser (for text and typed values alike) and its --help; None pins nothing.
+# Every setting a request takes: its parser (for text and typed values alike) and its --help; None
+# pins nothing.
 SETTINGS: dict[str, tuple[Any, str]] = {
     "gpus": (
         bounded(int, 1, MAX_GPUS),
@@ -129,8 +133,9 @@ FLAGS = {"precision": "--dtype", "compiled": "--compile"}
 
 
 def add_arguments(p) -> None:
-    """`fourd plan`'s flags; `fourd sim step` takes them too. On a CPU profile (`fourd calibrate` writes one)
-    --seq, --global-batch-tokens and --sequence-parallel default to what `fourd train` runs."""
+    """`fourd plan`'s flags; `fourd sim step` takes them too. On a CPU profile (`fourd calibrate`
+    writes one) --seq, --global-batch-tokens and --sequence-parallel default to what `fourd train`
+    runs."""
     g = p.add_mutually_exclusive_group()
     g.add_argument(
         "--model",
@@ -173,8 +178,8 @@ def add_arguments(p) -> None:
 
 @dataclass(frozen=True)
 class Request:
-    """A resolved request: what runs (`base`, whose Parallelism the search replaces), on how many GPUs, the
-    settings the user pinned and the ones left to the planner."""
+    """A resolved request: what runs (`base`, whose Parallelism the search replaces), on how many
+    GPUs, the settings the user pinned and the ones left to the planner."""
 
     base: Job
     gpus: int
@@ -186,14 +191,16 @@ class Request:
 
 
 def resolve_inputs(args) -> Request:
-    """The request `fourd plan`'s flags (`add_arguments`) describe, as every command that takes them reads it."""
+    """The request `fourd plan`'s flags (`add_arguments`) describe, as every command that takes them
+    reads it."""
     model = args.model_spec or get_preset(args.model or DEFAULT_MODEL)
     cluster = load_cluster(args.cluster or DEFAULT_CLUSTER)
     return resolve(model, cluster, {k: getattr(args, k) for k in SETTINGS if k != "global_seqs"})
 
 
 def _values(values: Mapping[str, Any]) -> dict[str, Any]:
-    """Every setting, parsed and range-checked (None: not given), whether it came as text or typed."""
+    """Every setting, parsed and range-checked (None: not given), whether it came as text or
+    typed."""
     if bad := ", ".join(sorted(set(values) - set(SETTINGS))):
         raise FourdError(f"unknown planner setting(s) {bad}; known: {', '.join(SETTINGS)}")
     out: dict[str, Any] = dict.fromkeys(SETTINGS)
@@ -223,8 +230,8 @@ def _batch(v: dict, seq: int, cluster: Cluster) -> int:
 
 
 def _even_batch(seqs: int, parts: int) -> int:
-    """A batch given in tokens, to the nearest multiple of the replicas × microbatches that share it (said);
-    fewer sequences than parts stay as they are, for the layout check to refuse."""
+    """A batch given in tokens, to the nearest multiple of the replicas × microbatches that share it
+    (said); fewer sequences than parts stay as they are, for the layout check to refuse."""
     even = round(seqs / parts) * parts if seqs >= parts else seqs
     if even != seqs:
         print(
@@ -235,7 +242,8 @@ def _even_batch(seqs: int, parts: int) -> int:
 
 
 def resolve(model: ModelConfig, cluster: Cluster, values: Mapping[str, Any]) -> Request:
-    """The one resolver: `values` names any of SETTINGS (text or typed; None or absent: open or defaulted)."""
+    """The one resolver: `values` names any of SETTINGS (text or typed; None or absent: open or
+    defaulted)."""
     v = _values(values)
     if cluster.cpu:
         from fourd.config import DataSection, ParallelSection
@@ -300,7 +308,8 @@ def resolve(model: ModelConfig, cluster: Cluster, values: Mapping[str, Any]) -> 
 
 
 def plans(req: Request) -> list[Plan]:
-    """Every configuration the request allows, fitting first, fastest first; FourdError when there is none."""
+    """Every configuration the request allows, fitting first, fastest first; FourdError when there
+    is none."""
     found = search(req.base, req.gpus, req.fixed, req.open)
     if not found:
         b, m = req.base, req.fixed["microbatches"]
@@ -315,8 +324,8 @@ def plans(req: Request) -> list[Plan]:
 def best_plan(
     model: ModelConfig, cluster: Cluster | str, gpus: int, seq: int, global_seqs: int, fixed=None
 ) -> Plan:
-    """The fastest plan that fits (the smallest if none does) for `gpus` GPUs; `fixed` pins settings by their
-    SETTINGS names (a layout as a Layout or its text), the rest are searched."""
+    """The fastest plan that fits (the smallest if none does) for `gpus` GPUs; `fixed` pins settings
+    by their SETTINGS names (a layout as a Layout or its text), the rest are searched."""
     cluster = load_cluster(cluster) if isinstance(cluster, str) else cluster
     return plans(
         resolve(
@@ -328,8 +337,8 @@ def best_plan(
 def rank_peak_memory_gb(
     model: ModelConfig, cluster: Cluster | str, par: Parallelism, seq: int, global_seqs: int
 ):
-    """GB (10^9 bytes) the fullest GPU holds at its peak: tensors, the allocator's cache and the runtime's
-    reserve; FourdError if the configuration cannot run."""
+    """GB (10^9 bytes) the fullest GPU holds at its peak: tensors, the allocator's cache and the
+    runtime's reserve; FourdError if the configuration cannot run."""
     from fourd.plan.memory import GB, peak_memory
 
     cluster = load_cluster(cluster) if isinstance(cluster, str) else cluster

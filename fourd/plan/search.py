@@ -1,5 +1,5 @@
-"""Plans and the search: one configuration evaluated (memory, time, MFU), and every valid configuration for
-N GPUs ranked by tokens/s among those that fit."""
+"""Plans and the search: one configuration evaluated (memory, time, MFU), and every valid
+configuration for N GPUs ranked by tokens/s among those that fit."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ MIN_CP_TOKENS = (
 )
 
 
-# The settings a user pinned, by Parallelism's field names; None leaves one to the planner (fastest that fits).
+# The settings a user pinned, by Parallelism's field names; None leaves one to the planner (fastest
+# that fits).
 OPEN = ("layout", "schedule", "virtual_stages", "microbatches", "zero", "recompute")
 
 
@@ -49,7 +50,8 @@ class Plan:
 
     @property
     def model_flops(self) -> float:
-        """FLOPs of one step: 6·(N − input embedding) + 12·L·H·Q·T per token (PaLM appendix B, as Megatron counts)."""
+        """FLOPs of one step: 6·(N − input embedding) + 12·L·H·Q·T per token (PaLM appendix B, as
+        Megatron counts)."""
         return self.global_seqs * self.seq * self.model.flops_per_token(self.seq)
 
     @property
@@ -129,7 +131,7 @@ def evaluate(job: Job, chosen=()) -> Plan:
     return Plan(job, step_time(job), peak_memory(job)[1], tuple(chosen))
 
 
-# ---- the search ---------------------------------------------------------------------------------------------
+# ---- the search ----------------------------------------------------------------------------------
 
 
 def _divisors(n: int) -> list[int]:
@@ -138,7 +140,8 @@ def _divisors(n: int) -> list[int]:
 
 
 def layouts(model, gpus: int, seq: int, global_seqs: int) -> list[Layout]:
-    """Every (tp, cp, pp, dp) with tp·cp·pp·dp = gpus that splits the model, the sequence and the batch."""
+    """Every (tp, cp, pp, dp) with tp·cp·pp·dp = gpus that splits the model, the sequence and the
+    batch."""
     out = []
     for tp in (t for t in _divisors(gpus) if tp_ok(model, t)):
         for cp in (
@@ -170,8 +173,9 @@ def configs(model, gpus: int, seq: int, global_seqs: int, fixed: dict):
         counts = [per_replica // s for s in MICRO_SEQS if per_replica % s == 0]
         if fixed["microbatches"]:
             counts = [fixed["microbatches"]] if per_replica % fixed["microbatches"] == 0 else []
-        # left open, GPipe is never chosen (1F1B's bubble, more memory), nor ZeRO 0 where data parallelism
-        # shards (ZeRO 1 moves fewer bytes and shards the optimizer); unsharded every ZeRO stage is the same
+        # left open, GPipe is never chosen (1F1B's bubble, more memory), nor ZeRO 0 where data
+        # parallelism shards (ZeRO 1 moves fewer bytes and shards the optimizer); unsharded every
+        # ZeRO stage is the same
         zeros = (
             [fixed["zero"]]
             if fixed["zero"] is not None
@@ -191,7 +195,8 @@ def configs(model, gpus: int, seq: int, global_seqs: int, fixed: dict):
                     if fixed["virtual_stages"]
                     else _virtual_stages(model.layers, lay.pp)
                 )
-            # interleaving fewer microbatches than ranks idles most of the time: only when nothing else is left
+            # interleaving fewer microbatches than ranks idles most of the time: only when nothing
+            # else is left
             few = sched == "interleaved" and max(counts, default=0) >= lay.pp
             ms = [m for m in counts if m >= lay.pp or not few]
             hsdp = fixed["hsdp_replicas"]
@@ -213,7 +218,8 @@ def configs(model, gpus: int, seq: int, global_seqs: int, fixed: dict):
 
 
 def valid(job: Job) -> bool:
-    """Whether fourd.layout.check lets the job run (the search skips what pinned settings rule out)."""
+    """Whether fourd.layout.check lets the job run (the search skips what pinned settings rule
+    out)."""
     try:
         layout_check(job.model, job.par, job.seq, job.global_seqs)
     except FourdError:
@@ -222,9 +228,9 @@ def valid(job: Job) -> bool:
 
 
 def search(base: Job, gpus: int, fixed: dict, chosen=()) -> list[Plan]:
-    """Plans for every configuration of `gpus` GPUs for `base`'s model, cluster, sequence and batch (its own
-    Parallelism is ignored), fitting ones first, fastest first. Recomputation, when left open, is the
-    lightest that fits (RECOMPUTE's order): each costs time and saves memory."""
+    """Plans for every configuration of `gpus` GPUs for `base`'s model, cluster, sequence and batch
+    (its own Parallelism is ignored), fitting ones first, fastest first. Recomputation, when left
+    open, is the lightest that fits (RECOMPUTE's order): each costs time and saves memory."""
     plans, capacity = [], base.cluster.gpu.memory_gb * GB
     pinned = (
         any(fixed[k] is not None for k in OPEN) or fixed["hsdp_replicas"] > 1
