@@ -254,7 +254,8 @@ def pin(anchor: Anchor, plan: Plan) -> Pinned:
         raise _fail(
             anchor.path,
             f"step_time_s = {measured:g} s is shorter than the planner's modelled communication of "
-            f"its own configuration ({parts.scale_out:.4g} s): check the measurement and its layout",
+            f"its own configuration ({parts.scale_out:.4g} s): check the measurement and its "
+            "layout",
         )
     overhead = None
     if anchor.peak_memory_gb is not None:
@@ -340,13 +341,14 @@ def target_request(args, anchor: Anchor) -> request.Request:
     cluster = load_cluster(args.cluster) if args.cluster else anchor.cluster
     if chip(cluster) != chip(anchor.cluster):
         raise FourdError(
-            f"cluster {cluster.name} has {cluster.gpu.name} GPUs but the anchor ({anchor.path}) ran on "
-            f"{anchor.cluster.gpu.name}: an anchor pins one GPU's rate; plan on a profile of that GPU"
+            f"cluster {cluster.name} has {cluster.gpu.name} GPUs but the anchor ({anchor.path}) "
+            f"ran on {anchor.cluster.gpu.name}: an anchor pins one GPU's rate; plan on a profile "
+            "of that GPU"
         )
     if getattr(args, "stack", None) and str(args.stack) != anchor.stack:
         raise FourdError(
-            f"--stack {args.stack} differs from the anchor's stack {anchor.stack} ({anchor.path}): an "
-            "anchor pins one stack's rate; leave out --stack or measure an anchor on that stack"
+            f"--stack {args.stack} differs from the anchor's stack {anchor.stack} ({anchor.path}): "
+            "an anchor pins one stack's rate; leave out --stack or measure an anchor on that stack"
         )
     given = {k: getattr(args, k, None) for k in request.SETTINGS if k != "global_seqs"}
     inherit: tuple[str, ...] = INHERITED
@@ -402,8 +404,8 @@ def anchor_lines(result: Anchored) -> list[str]:
     anchored, modelled = terms(pinned)
     lines = [
         "",
-        f"Anchored on {a.path} ({a.stack} stack, {a.cluster.name}): measured {a.step_time_s:.4g} s per "
-        f"step, the planner's model of that run {pinned.modelled_s:.4g} s",
+        f"Anchored on {a.path} ({a.stack} stack, {a.cluster.name}): measured {a.step_time_s:.4g} s "
+        f"per step, the planner's model of that run {pinned.modelled_s:.4g} s",
         f"  the stack's local work runs at {pinned.rate:.3f} × the model's time",
     ]
     if pinned.step_cost_s is not None:

@@ -134,7 +134,8 @@ def _find(name_or_path: str) -> Path:
     if name_or_path.endswith(".toml") or os.sep in name_or_path:
         if not Path(name_or_path).is_file():
             raise FourdError(
-                f"cluster {name_or_path}: no such file; give a preset name or a path to a .toml profile"
+                f"cluster {name_or_path}: no such file; give a preset name or a path to a .toml "
+                "profile"
             )
         return Path(name_or_path)
     for folder in (fourd_home() / "clusters", PRESET_DIR):
@@ -142,8 +143,9 @@ def _find(name_or_path: str) -> Path:
             return folder / f"{name_or_path}.toml"
     hint = " (run `fourd calibrate` to write it)" if name_or_path == "local" else ""
     raise FourdError(
-        f"unknown cluster {name_or_path!r}{hint or did_you_mean(name_or_path, preset_names())}: choose one of "
-        f"{', '.join(preset_names())}, a profile in {fourd_home() / 'clusters'}, or a path to a .toml file"
+        f"unknown cluster {name_or_path!r}{hint or did_you_mean(name_or_path, preset_names())}: "
+        f"choose one of {', '.join(preset_names())}, a profile in {fourd_home() / 'clusters'}, or "
+        "a path to a .toml file"
     )
 
 

@@ -196,9 +196,12 @@ def report_lines(plan, anchored: bool = False, stack: str | None = None) -> list
     return [
         "",
         f"Intervals ({100 * level:.0f} %, from the validation suite's {kind} out-of-sample rows)",
-        f"  step time      {plan.step.step_s:>10.4g} s     {_span(got['step_time_s_interval'], '{:.4g} s')}",
-        f"  MFU            {100 * plan.mfu:>10.1f} %     {_span(got['mfu_interval'] and [100 * x for x in got['mfu_interval']], '{:.1f} %')}",
-        f"  peak memory    {peak_gb(plan):>10.1f} GB    {_span(got['memory_gb_interval'], '{:.1f} GB')}",
+        f"  step time      {plan.step.step_s:>10.4g} s     "
+        f"{_span(got['step_time_s_interval'], '{:.4g} s')}",
+        f"  MFU            {100 * plan.mfu:>10.1f} %     "
+        f"{_span(got['mfu_interval'] and [100 * x for x in got['mfu_interval']], '{:.1f} %')}",
+        f"  peak memory    {peak_gb(plan):>10.1f} GB    "
+        f"{_span(got['memory_gb_interval'], '{:.1f} GB')}",
     ]
 
 
@@ -219,7 +222,8 @@ def search_lines(plans: list, anchored: bool = False, stack: str | None = None) 
     for i, p in enumerate(plans):
         pair = plan_intervals(p, anchored, stack)["step_time_s_interval"]
         out.append(
-            f"  {i + 1:>3}. {str(p.config.layout):<26} {p.step.step_s:>9.4g} s  {_span(pair, '{:.4g} s')}"
+            f"  {i + 1:>3}. {str(p.config.layout):<26} {p.step.step_s:>9.4g} s  "
+            f"{_span(pair, '{:.4g} s')}"
         )
     if too_close(plans, anchored, stack):
         out.append("  the two best overlap: too close to call (measure both, or anchor on a run)")

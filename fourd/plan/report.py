@@ -49,9 +49,11 @@ def why(plan: Plan) -> list[str]:
     lines, per_replica = [], plan.global_seqs // lay.dp
     if lay.pp > 1:
         lines.append(
-            f"Pipeline bubble: each replica gets {plural(per_replica, 'sequence')}, so {plural(c.microbatches, 'microbatch')}; the "
-            f"{c.schedule} schedule idles {_bubble_shape(lay.pp, c.microbatches, c.virtual_stages, c.schedule)} = "
-            f"{_pct(s.bubble_s / s.compute_s)} of compute ({_pct(plan.bubble_fraction)} of the step)."
+            f"Pipeline bubble: each replica gets {plural(per_replica, 'sequence')}, so "
+            f"{plural(c.microbatches, 'microbatch')}; the {c.schedule} schedule idles "
+            f"{_bubble_shape(lay.pp, c.microbatches, c.virtual_stages, c.schedule)} = "
+            f"{_pct(s.bubble_s / s.compute_s)} of compute ({_pct(plan.bubble_fraction)} of the "
+            "step)."
         )
     if (
         lay.pp > 1 and lay.dp % 2 == 0
@@ -61,10 +63,11 @@ def why(plan: Plan) -> list[str]:
             replace(plan.job, par=replace(c, layout=half, microbatches=2 * c.microbatches))
         )
         lines.append(
-            f"With half the replicas (dp={half.dp}, {2 * per_replica} sequences and {other.config.microbatches} "
-            f"microbatches each, same global batch on {other.gpus:,} GPUs) the bubble would be "
-            f"{_pct(other.step.bubble_s / other.step.compute_s)} of compute and MFU {_pct(other.mfu)} instead of "
-            f"{_pct(plan.mfu)}: fewer sequences per replica mean fewer microbatches to fill the pipeline."
+            f"With half the replicas (dp={half.dp}, {2 * per_replica} sequences and "
+            f"{other.config.microbatches} microbatches each, same global batch on {other.gpus:,} "
+            f"GPUs) the bubble would be {_pct(other.step.bubble_s / other.step.compute_s)} of "
+            f"compute and MFU {_pct(other.mfu)} instead of {_pct(plan.mfu)}: fewer sequences per "
+            "replica mean fewer microbatches to fill the pipeline."
         )
     for part, what in (
         (s.tp_comm_s, "TP collectives (not overlapped)"),
@@ -73,8 +76,8 @@ def why(plan: Plan) -> list[str]:
         lines += [f"{what} take {_pct(part / s.step_s)} of the step."] if part else []
     if s.dp_total_s:
         lines.append(
-            f"Data-parallel traffic: {s.dp_total_s:.3f} s per step, {s.dp_exposed_s:.3f} s of it exposed "
-            f"(the rest hides behind compute and slows it by {s.overlap_s:.3f} s)."
+            f"Data-parallel traffic: {s.dp_total_s:.3f} s per step, {s.dp_exposed_s:.3f} s of it "
+            f"exposed (the rest hides behind compute and slows it by {s.overlap_s:.3f} s)."
         )
     return lines
 
@@ -83,11 +86,13 @@ def plan_report(plan: Plan, train_tokens: float | None = None) -> str:
     c, s, mem, cl = plan.config, plan.step, plan.memory, plan.cluster
     sched = c.schedule + (f" V={c.virtual_stages}" if c.schedule == "interleaved" else "")
     out = [
-        f"fourd plan: {plan.gpus:,} × {cl.gpu.name} ({cl.name}, {(plan.job.precision or cl.dtype).upper()}), model with "
-        f"{si(plan.model.params())} parameters, {plan.seq:,}-token sequences, {plan.global_seqs * plan.seq:,} "
-        f"tokens per step",
-        f"  {c.layout} · {sched} · {plural(c.microbatches, 'microbatch')} of {plan.micro_seqs} × {plan.seq:,} tokens · ZeRO "
-        f"{c.zero} · recompute {c.recompute} · {'compiled' if plan.job.compiled else 'eager'}"
+        f"fourd plan: {plan.gpus:,} × {cl.gpu.name} ({cl.name}, "
+        f"{(plan.job.precision or cl.dtype).upper()}), model with {si(plan.model.params())} "
+        f"parameters, {plan.seq:,}-token sequences, {plan.global_seqs * plan.seq:,} tokens per "
+        "step",
+        f"  {c.layout} · {sched} · {plural(c.microbatches, 'microbatch')} of {plan.micro_seqs} × "
+        f"{plan.seq:,} tokens · ZeRO {c.zero} · recompute {c.recompute} · "
+        f"{'compiled' if plan.job.compiled else 'eager'}"
         f"{' · blocking pipeline sends' if plan.job.pipeline_comm == 'blocking' else ''}",
     ]
     out += (
@@ -105,7 +110,8 @@ def plan_report(plan: Plan, train_tokens: float | None = None) -> str:
     out += [f"  {label:<44} {g[key]:>7.1f}" for key, label in MEMORY]
     total = f"total of {cl.gpu.memory_gb:.0f} GB"
     out.append(
-        f"  {total:<44} {g['total'] + g['reserve']:>7.1f}  {'fits' if plan.fits else 'DOES NOT FIT'}"
+        f"  {total:<44} {g['total'] + g['reserve']:>7.1f}  "
+        f"{'fits' if plan.fits else 'DOES NOT FIT'}"
     )
     out.append(f"  {'and the allocator cache (freed when short)':<44} {g['fragmentation']:>7.1f}")
     rows = [
@@ -149,9 +155,13 @@ def plan_report(plan: Plan, train_tokens: float | None = None) -> str:
 
 
 def search_report(plans: list[Plan], top: int, train_tokens: float | None = None) -> str:
-    head = f"  {'layout':<26} {'schedule':<14} {'m':>4} {'mbs':>4} {'zero':>4} {'recompute':<9} {'GB':>6} {'step s':>8} "
+    head = (
+        f"  {'layout':<26} {'schedule':<14} {'m':>4} {'mbs':>4} {'zero':>4} {'recompute':<9} "
+        f"{'GB':>6} {'step s':>8} "
+    )
     out = [
-        f"searched {len(plans):,} configurations, {sum(p.fits for p in plans):,} fit in memory; the best:",
+        f"searched {len(plans):,} configurations, {sum(p.fits for p in plans):,} fit in memory; "
+        "the best:",
         "",
         plan_report(plans[0], train_tokens),
         "",
@@ -162,12 +172,14 @@ def search_report(plans: list[Plan], top: int, train_tokens: float | None = None
         c = p.config
         sched = c.schedule + (f" V={c.virtual_stages}" if c.schedule == "interleaved" else "")
         out.append(
-            f"  {str(c.layout):<26} {sched:<14} {c.microbatches:>4} {p.micro_seqs:>4} {c.zero:>4} {c.recompute:<9} "
-            f"{(p.memory.total + p.memory.reserve) / 1e9:>6.1f}{'' if p.fits else '!'} {p.step.step_s:>8.3f} "
-            f"{p.tokens_per_s:>12,.0f} {_pct(p.mfu):>7}"
+            f"  {str(c.layout):<26} {sched:<14} {c.microbatches:>4} {p.micro_seqs:>4} {c.zero:>4} "
+            f"{c.recompute:<9} "
+            f"{(p.memory.total + p.memory.reserve) / 1e9:>6.1f}{'' if p.fits else '!'} "
+            f"{p.step.step_s:>8.3f} {p.tokens_per_s:>12,.0f} {_pct(p.mfu):>7}"
         )
     if not plans[0].fits:
         out.append(
-            "  (!: does not fit; no configuration fits: add GPUs, shorten sequences or use a bigger GPU)"
+            "  (!: does not fit; no configuration fits: add GPUs, shorten sequences or use a "
+            "bigger GPU)"
         )
     return "\n".join(out)

@@ -235,7 +235,8 @@ def _even_batch(seqs: int, parts: int) -> int:
     even = round(seqs / parts) * parts if seqs >= parts else seqs
     if even != seqs:
         print(
-            f"fourd: note: {seqs} sequences do not split into {parts} equal parts: planned with {even}",
+            f"fourd: note: {seqs} sequences do not split into {parts} equal parts: planned with "
+            f"{even}",
             file=sys.stderr,
         )
     return even
@@ -256,7 +257,8 @@ def resolve(model: ModelConfig, cluster: Cluster, values: Mapping[str, Any]) -> 
     gpus = gpus or layout.world
     if layout is not None and layout.world != gpus:
         raise FourdError(
-            f"layout {layout} uses {layout.world} GPUs but {gpus} are asked: make the product of the degrees equal {gpus}"
+            f"layout {layout} uses {layout.world} GPUs but {gpus} are asked: make the product of "
+            f"the degrees equal {gpus}"
         )
     schedule = v["schedule"] or ("interleaved" if (v["virtual_stages"] or 1) > 1 else None)
     check_stages(
@@ -315,8 +317,9 @@ def plans(req: Request) -> list[Plan]:
         b, m = req.base, req.fixed["microbatches"]
         raise FourdError(
             f"no configuration of {req.gpus} GPUs runs this model with {b.seq}-token sequences and "
-            f"{b.global_seqs} sequences per step{f' in {m} microbatches per replica' if m else ''}: change the "
-            f"number of GPUs, the sequence length{', the microbatches' if m else ''} or the global batch"
+            f"{b.global_seqs} sequences per "
+            f"step{f' in {m} microbatches per replica' if m else ''}: change the number of GPUs, "
+            f"the sequence length{', the microbatches' if m else ''} or the global batch"
         )
     return found
 
