@@ -26,12 +26,12 @@ def state_bytes_per_param(zero: int, dp: int, dtype_bytes: int = 2) -> tuple[flo
 
 def stage_params(model, counts: list[int], stage: int) -> int:
     """Parameters of one pipeline stage (whole, before TP)."""
-    p = counts[stage] * model.layer_params()
+    params = counts[stage] * model.layer_params()
     if stage == 0:
-        p += model.embedding_params()
+        params += model.embedding_params()
     if stage == len(counts) - 1:
-        p += model.embedding_params() + (model.dim if model.mlp == "swiglu" else 2 * model.dim)
-    return p
+        params += model.embedding_params() + (model.dim if model.mlp == "swiglu" else 2 * model.dim)
+    return params
 
 
 @lru_cache(maxsize=4096)
@@ -42,11 +42,14 @@ def rank_shapes(
     memory: in-flight microbatches fall with the rank, so besides the last (logits) the first with
     each layer count)."""
     counts = stage_layers(model.layers, pp, virtual_stages)
-    layers = tuple(sum(counts[s] for s in range(r, len(counts), pp)) for r in range(pp))
-    params = tuple(
-        sum(stage_params(model, counts, s) for s in range(r, len(counts), pp)) for r in range(pp)
+    layers = tuple(
+        sum(counts[stage] for stage in range(rank, len(counts), pp)) for rank in range(pp)
     )
-    first_with = {n: r for r, n in reversed(list(enumerate(layers)))}
+    params = tuple(
+        sum(stage_params(model, counts, stage) for stage in range(rank, len(counts), pp))
+        for rank in range(pp)
+    )
+    first_with = {count: rank for rank, count in reversed(list(enumerate(layers)))}
     return layers, params, tuple(sorted({0, pp - 1, *first_with.values()}))
 
 
@@ -59,16 +62,21 @@ def in_flight(schedule: str, pp: int, microbatches: int, virtual_stages: int, ra
     """Microbatches whose activations pipeline rank `rank` holds at its peak, in units of all its
     layers: the closed forms of fourd.schedules' lists (docs/simulators.md's "peak in flight"; the
     tests check them)."""
-    m, p, v = microbatches, pp, virtual_stages
     if schedule == "gpipe":
-        return m
+        return microbatches
     if schedule == "1f1b":
-        return min(p - rank, m)
+        return min(pp - rank, microbatches)
     if schedule == "zero-bubble":
-        return min(p, m)
-    rounds = max(1, m // p)
-    first_round = -(-m // rounds)
-    return min(m * v, (v - 1) * first_round + 2 * (p - rank - 1) + 1) / v
+        return min(pp, microbatches)
+    rounds = max(1, microbatches // pp)
+    first_round = -(-microbatches // rounds)
+    return (
+        min(
+            microbatches * virtual_stages,
+            (virtual_stages - 1) * first_round + 2 * (pp - rank - 1) + 1,
+        )
+        / virtual_stages
+    )
 
 
 @dataclass(frozen=True)
@@ -114,7 +122,7 @@ def rank_memories(job: Job, ranks) -> list[Memory]:
     """Peak memory of one GPU of each pipeline rank in `ranks`."""
     par, lay, work, b, model = job.par, job.layout, job.work, job.dtype_bytes, job.model
     layers, params, _ = rank_shapes(model, lay.pp, par.virtual_stages)
-    w, g, o = state_bytes_per_param(
+    weight_bytes, grad_bytes, optimizer_bytes = state_bytes_per_param(
         par.zero, par.shard_ranks, b
     )  # FSDP shards over dp×cp (or an HSDP group)
     per_layer = work.tokens * traffic(work).saved
@@ -134,23 +142,35 @@ def rank_memories(job: Job, ranks) -> list[Memory]:
         edge = 2 * max(0, model.embedding_params() - layer) / lay.tp * b  # embedding, output
     out: list[Memory] = []
     reserve = job.cluster.gpu.memory_reserve_gb * GB
-    for r in ranks:
-        mine = params[r] / lay.tp
+    for rank in ranks:
+        mine = params[rank] / lay.tp
         acts = (
-            in_flight(par.schedule, lay.pp, par.microbatches, par.virtual_stages, r)
-            * layers[r]
+            in_flight(par.schedule, lay.pp, par.microbatches, par.virtual_stages, rank)
+            * layers[rank]
             * per_layer
         )
         other = common
-        if r == lay.pp - 1:
+        if rank == lay.pp - 1:
             other += logits
         other += gathered
-        if r in (0, lay.pp - 1):
+        if rank in (0, lay.pp - 1):
             other += edge
         cache = 0.0
         if not job.cluster.cpu:
-            cache = ALLOCATOR_FRAGMENTATION * (mine * (w + g + o) + acts + other)
-        out.append(Memory(mine * w, mine * g, mine * o, acts, other, cache, reserve))
+            cache = ALLOCATOR_FRAGMENTATION * (
+                mine * (weight_bytes + grad_bytes + optimizer_bytes) + acts + other
+            )
+        out.append(
+            Memory(
+                mine * weight_bytes,
+                mine * grad_bytes,
+                mine * optimizer_bytes,
+                acts,
+                other,
+                cache,
+                reserve,
+            )
+        )
     return out
 
 
