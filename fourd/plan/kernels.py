@@ -123,8 +123,8 @@ def attention_time(
         masked = not causal and all(
             sample.masked_fwd_tflops and sample.masked_bwd_tflops for sample in gpu.attention
         )
-        prefix = ""  # the explicit-mask kernel's measured rates
-        if masked:
+        prefix = ""
+        if masked:  # the explicit-mask kernel's measured rates
             prefix = "masked_"
         rate = [
             _interpolate(
