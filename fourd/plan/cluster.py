@@ -185,9 +185,10 @@ def _section(cls, data, where: str, path: Path):
             and kind != (str,)
             and not (math.isfinite(value) and (value >= 0 if zero else value > 0))
         ):
-            raise FourdError(
-                f"{path}: {where}.{key} = {value} must be finite, {'at least' * zero or 'above'} 0"
-            )
+            bound = "above"
+            if zero:
+                bound = "at least"
+            raise FourdError(f"{path}: {where}.{key} = {value} must be finite, {bound} 0")
     try:
         return cls(**data)
     except TypeError as e:
@@ -224,14 +225,14 @@ def load_cluster(name_or_path: str) -> Cluster:
         _section(CollectiveSample, c, "collectives", path) for c in data.get("collectives", ())
     )
     return Cluster(
-        str(data.get("name", path.stem)),
-        str(data.get("description", "")),
-        _section(GPU, gpu, "gpu", path),
-        _section(Node, data["node"], "node", path),
-        _section(Network, data["network"], "network", path),
-        data.get("dtype", "bf16"),
-        collectives,
-        str(path),
+        name=str(data.get("name", path.stem)),
+        description=str(data.get("description", "")),
+        gpu=_section(GPU, gpu, "gpu", path),
+        node=_section(Node, data["node"], "node", path),
+        network=_section(Network, data["network"], "network", path),
+        dtype=data.get("dtype", "bf16"),
+        collectives=collectives,
+        source=str(path),
     )
 
 
@@ -257,27 +258,36 @@ def _spread(group: Group, cluster: Cluster) -> tuple[dict[str, int], int]:
     first rank modulo the blocks' common multiple, so one period of first ranks is counted, each as
     often as it recurs."""
     sizes = (cluster.node.gpus, cluster.network.gpus_per_rack, cluster.network.gpus_per_pod)
-    n, reach, span = sizes[0], (group.size - 1) * group.stride, group.size * group.stride
+    node_gpus, reach, span = sizes[0], (group.size - 1) * group.stride, group.size * group.stride
     period, groups = math.lcm(*sizes), group.world // span
     cycle = period // math.gcd(span, period)
     counts: dict[str, int] = {}
     fewest = group.size
     for k in range(min(groups, cycle) if group.size > 1 else 0):
-        for o in range(min(group.stride, period)):
-            r, times = (
-                k * span + o,
-                ((groups - 1 - k) // cycle + 1) * ((group.stride - 1 - o) // period + 1),
+        for offset in range(min(group.stride, period)):
+            first, times = (
+                k * span + offset,
+                ((groups - 1 - k) // cycle + 1) * ((group.stride - 1 - offset) // period + 1),
             )
             level = next(
-                (lv for lv, b in zip(LEVELS[1:], sizes) if r // b == (r + reach) // b), "cross-pod"
+                (
+                    name
+                    for name, block in zip(LEVELS[1:], sizes)
+                    if first // block == (first + reach) // block
+                ),
+                "cross-pod",
             )
             counts[level] = counts.get(level, 0) + times
             if (
-                level != "nvlink" and group.stride < n
+                level != "nvlink" and group.stride < node_gpus
             ):  # members on its first and on its last server
-                last = -(-((r + reach) // n * n - r) // group.stride)
-                fewest = min(fewest, -(-((r // n + 1) * n - r) // group.stride), group.size - last)
-    return counts, 1 if group.stride >= n else fewest
+                last = -(-((first + reach) // node_gpus * node_gpus - first) // group.stride)
+                fewest = min(
+                    fewest,
+                    -(-((first // node_gpus + 1) * node_gpus - first) // group.stride),
+                    group.size - last,
+                )
+    return counts, 1 if group.stride >= node_gpus else fewest
 
 
 def group_levels(group: Group, cluster: Cluster) -> dict[str, int]:
@@ -311,7 +321,7 @@ def group_bandwidth(
     level = group_level(group, cluster)
     if level in ("single", "nvlink"):
         return intra, node.intra_latency_us * 1e-6
-    k, nic = (
+    per_node, nic = (
         channels or members_per_node(group, cluster),
         net.nic_bw_gbps * 1e9 * net.nic_efficiency,
     )
@@ -319,21 +329,21 @@ def group_bandwidth(
         crossing = (
             min(group.world, net.gpus_per_pod)
             / max(1, min(group.size, net.gpus_per_pod // group.stride))
-            * k
+            * per_node
         )
         nic = min(nic, net.gpus_per_pod * nic / net.cross_pod_oversubscription / crossing)
-    return min(intra, k * nic), net.latency_us * 1e-6
+    return min(intra, per_node * nic), net.latency_us * 1e-6
 
 
 def placement(layout) -> dict[str, Group]:
     """The group of each parallel dimension, ranks laid out innermost first in [TP, CP, PP, DP]
     order."""
-    w, tp, cp, pp = layout.world, layout.tp, layout.cp, layout.pp
+    world, tp, cp, pp = layout.world, layout.tp, layout.cp, layout.pp
     return {
-        "tp": Group(tp, 1, w),
-        "cp": Group(cp, tp, w),
-        "pp": Group(pp, tp * cp, w),
-        "dp": Group(layout.dp, tp * cp * pp, w),
+        "tp": Group(tp, 1, world),
+        "cp": Group(cp, tp, world),
+        "pp": Group(pp, tp * cp, world),
+        "dp": Group(layout.dp, tp * cp * pp, world),
     }
 
 
