@@ -45,7 +45,12 @@ def bounded(kind: type, lo: float, hi: float = math.inf, what: str = ""):
                 f"{str(text)[:40]!r} is not {'a number' if kind is float else 'a whole number'}"
             ) from None
         if not (math.isfinite(value) and lo <= value <= hi):
-            top = "" if hi == math.inf else f" to {hi:,}" if kind is int else f" to {hi:.10g}"
+            if hi == math.inf:
+                top = ""
+            elif kind is int:
+                top = f" to {hi:,}"
+            else:
+                top = f" to {hi:.10g}"
             raise BadValue(f"{value} is out of range: give {what} from {lo:.10g}{top}")
         return value
 
@@ -245,13 +250,14 @@ def _even_batch(seqs: int, parts: int) -> int:
 def resolve(model: ModelConfig, cluster: Cluster, values: Mapping[str, Any]) -> Request:
     """The one resolver: `values` names any of SETTINGS (text or typed; None or absent: open or
     defaulted)."""
-    v = _values(values)
+    given = _values(values)
     if cluster.cpu:
         from fourd.config import DataSection, ParallelSection
-    seq = v["seq"] or (DataSection().seq_len if cluster.cpu else model.max_seq)
-    sp = v["sequence_parallel"]
-    sp = (ParallelSection().sequence_parallel if cluster.cpu else True) if sp is None else sp
-    layout, gpus, global_seqs = v["layout"], v["gpus"], _batch(v, seq, cluster)
+    seq = given["seq"] or (DataSection().seq_len if cluster.cpu else model.max_seq)
+    seq_parallel = given["sequence_parallel"]
+    if seq_parallel is None:
+        seq_parallel = ParallelSection().sequence_parallel if cluster.cpu else True
+    layout, gpus, global_seqs = given["layout"], given["gpus"], _batch(given, seq, cluster)
     if layout is None and gpus is None:
         raise FourdError("give the number of GPUs or a layout (its product is the number of GPUs)")
     gpus = gpus or layout.world
@@ -260,18 +266,18 @@ def resolve(model: ModelConfig, cluster: Cluster, values: Mapping[str, Any]) -> 
             f"layout {layout} uses {layout.world} GPUs but {gpus} are asked: make the product of "
             f"the degrees equal {gpus}"
         )
-    schedule = v["schedule"] or ("interleaved" if (v["virtual_stages"] or 1) > 1 else None)
+    schedule = given["schedule"] or ("interleaved" if (given["virtual_stages"] or 1) > 1 else None)
     check_stages(
-        schedule or "interleaved", 2, 1, v["virtual_stages"] or 1
+        schedule or "interleaved", 2, 1, given["virtual_stages"] or 1
     )  # with or without a layout
-    fixed = {k: v[k] for k in OPEN} | {"schedule": schedule, "sequence_parallel": sp}
-    fixed["hsdp_replicas"] = v["hsdp_replicas"] or 1
+    fixed = {k: given[k] for k in OPEN} | {"schedule": schedule, "sequence_parallel": seq_parallel}
+    fixed["hsdp_replicas"] = given["hsdp_replicas"] or 1
     open_ = tuple(
         name.replace("_", " ")
         for name in OPEN
         if fixed[name] is None and (schedule in (None, "interleaved") or name != "virtual_stages")
     )
-    if layout is not None and not v["global_seqs"]:
+    if layout is not None and not given["global_seqs"]:
         global_seqs = _even_batch(global_seqs, layout.dp * (fixed["microbatches"] or 1))
     # name what is wrong with the user's own settings before searching the rest
     if layout is not None:
@@ -287,26 +293,29 @@ def resolve(model: ModelConfig, cluster: Cluster, values: Mapping[str, Any]) -> 
             virtual_stages=fixed["virtual_stages"] or 1,
             zero=zero,
             recompute=fixed["recompute"] or "none",
-            sequence_parallel=sp,
+            sequence_parallel=seq_parallel,
             hsdp_replicas=fixed["hsdp_replicas"],
         )
         layout_check(model, mine, seq, global_seqs)
     # compiled blocks are faster and keep less; a CPU profile predicts fourd train, which runs eager
-    compiled = (not cluster.cpu) if v["compiled"] is None else v["compiled"]
-    open_ += ("compile",) * (v["compiled"] is None and not cluster.cpu)
-    attention, comm = v["attention"] or "flash", v["pipeline_comm"] or "overlapped"
+    compiled = (not cluster.cpu) if given["compiled"] is None else given["compiled"]
+    if given["compiled"] is None and not cluster.cpu:
+        open_ += ("compile",)
+    attention, comm = given["attention"] or "flash", given["pipeline_comm"] or "overlapped"
     base = Job(
-        model,
-        cluster,
-        Parallelism(layout=Layout()),
-        seq,
-        global_seqs,
-        v["precision"],
-        compiled,
-        attention,
-        comm,
+        model=model,
+        cluster=cluster,
+        par=Parallelism(layout=Layout()),
+        seq=seq,
+        global_seqs=global_seqs,
+        precision=given["precision"],
+        compiled=compiled,
+        attention=attention,
+        pipeline_comm=comm,
     )
-    return Request(base, gpus, fixed, open_, v["train_tokens"])
+    return Request(
+        base=base, gpus=gpus, fixed=fixed, open=open_, train_tokens=given["train_tokens"]
+    )
 
 
 def plans(req: Request) -> list[Plan]:
