@@ -107,7 +107,7 @@ def _model(path: str, data: dict) -> ModelConfig:
 def _layout_text(value: Any) -> str:
     """The layout as `tp=,cp=,pp=,dp=` text, whether the file gives the text or `--json`'s table."""
     if isinstance(value, dict):
-        return ",".join(f"{k}={v}" for k, v in value.items())
+        return ",".join(f"{k}={degree}" for k, degree in value.items())
     return str(value)
 
 
@@ -138,7 +138,7 @@ def load_anchor(path: str | Path) -> Anchor:
         "hsdp_replicas": data.get("hsdp_replicas"),
     }
     values |= {k: data.get(k) for k in request.SETTINGS if k in data and k not in values}
-    values = {k: v for k, v in values.items() if k in request.SETTINGS}
+    values = {k: value for k, value in values.items() if k in request.SETTINGS}
     return Anchor(
         path=where,
         model=model,
@@ -356,7 +356,7 @@ def target_request(args, anchor: Anchor) -> request.Request:
         inherit += ("gpus",)  # every layout of the anchor's GPU count
     elif not (args.gpus or args.layout):
         inherit += OWN_LAYOUT
-    values = {k: v for k, v in given.items() if v is not None}
+    values = {k: value for k, value in given.items() if value is not None}
     values |= {k: anchor.values[k] for k in inherit if k not in values and k in anchor.values}
     return request.resolve(anchor.model, cluster, _with_stack(values, anchor.stack))
 
@@ -375,21 +375,23 @@ def anchored_plans(args) -> Anchored:
     anchor = load_anchor(args.anchor)
     pinned = pin(anchor, own_plan(anchor))
     req = target_request(args, anchor)
-    found = [predict(p, pinned) for p in request.plans(req)]
-    found.sort(key=lambda p: (not p.fits, -p.tokens_per_s if p.fits else p.memory.total))
+    found = [predict(plan, pinned) for plan in request.plans(req)]
+    found.sort(
+        key=lambda plan: (not plan.fits, -plan.tokens_per_s if plan.fits else plan.memory.total)
+    )
     return Anchored(anchor, pinned, found, req)
 
 
 def anchor_json(result: Anchored) -> dict:
     """`--json`'s anchor block: the file, what it measured, what it pins, which terms came from
     where."""
-    a, pinned = result.anchor, result.pinned
+    anchor, pinned = result.anchor, result.pinned
     anchored, modelled = terms(pinned)
     out = {
-        "file": a.path,
-        "stack": a.stack,
-        "cluster": a.cluster.name,
-        "measured_step_time_s": a.step_time_s,
+        "file": anchor.path,
+        "stack": anchor.stack,
+        "cluster": anchor.cluster.name,
+        "measured_step_time_s": anchor.step_time_s,
         "modelled_step_time_s": pinned.modelled_s,
         "compute_rate_ratio": pinned.rate,
         "per_step_cost_s": pinned.step_cost_s,
@@ -400,12 +402,13 @@ def anchor_json(result: Anchored) -> dict:
 
 def anchor_lines(result: Anchored) -> list[str]:
     """The text report's anchor section."""
-    a, pinned = result.anchor, result.pinned
+    anchor, pinned = result.anchor, result.pinned
     anchored, modelled = terms(pinned)
     lines = [
         "",
-        f"Anchored on {a.path} ({a.stack} stack, {a.cluster.name}): measured {a.step_time_s:.4g} s "
-        f"per step, the planner's model of that run {pinned.modelled_s:.4g} s",
+        f"Anchored on {anchor.path} ({anchor.stack} stack, {anchor.cluster.name}): measured "
+        f"{anchor.step_time_s:.4g} s per step, the planner's model of that run "
+        f"{pinned.modelled_s:.4g} s",
         f"  the stack's local work runs at {pinned.rate:.3f} × the model's time",
     ]
     if pinned.step_cost_s is not None:
@@ -432,12 +435,12 @@ def run_plan(args) -> int:
     extra = anchor_json(result)
     if args.json:
 
-        def one(p: Plan) -> dict:
-            return p.to_json(tokens) | intervals.json_keys(p, anchored=True, stack=stack)
+        def one(plan: Plan) -> dict:
+            return plan.to_json(tokens) | intervals.json_keys(plan, anchored=True, stack=stack)
 
         if args.search:
-            top = [one(p) for p in found[: args.top]]
-            fitting = sum(p.fits for p in found)
+            top = [one(plan) for plan in found[: args.top]]
+            fitting = sum(plan.fits for plan in found)
             body = {"best": top[0], "candidates": top, "searched": len(found), "fitting": fitting}
             body |= {"too_close_to_call": intervals.too_close(found, anchored=True, stack=stack)}
         else:

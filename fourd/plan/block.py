@@ -59,18 +59,18 @@ def sizes(work: Work) -> Sizes:
 def matmuls(work: Work) -> list[tuple[int, int]]:
     """(n, k) of the block's forward matmuls on one rank in program order (m: the tokens): Llama's
     wq, wk, wv, wo, w1, w3, w2; GPT blocks fuse Q, K and V (Megatron)."""
-    s = sizes(work)
+    dims = sizes(work)
     if work.model.mlp == "swiglu":
         return [
-            (s.q, s.h),
-            (s.kv, s.h),
-            (s.kv, s.h),
-            (s.h, s.q),
-            (s.f, s.h),
-            (s.f, s.h),
-            (s.h, s.f),
+            (dims.q, dims.h),
+            (dims.kv, dims.h),
+            (dims.kv, dims.h),
+            (dims.h, dims.q),
+            (dims.f, dims.h),
+            (dims.f, dims.h),
+            (dims.h, dims.f),
         ]
-    return [(s.q + 2 * s.kv, s.h), (s.h, s.q), (s.f, s.h), (s.h, s.f)]
+    return [(dims.q + 2 * dims.kv, dims.h), (dims.h, dims.q), (dims.f, dims.h), (dims.h, dims.f)]
 
 
 @dataclass(frozen=True)

@@ -35,8 +35,11 @@ def run(args) -> int:
     found = plans(req)
     if args.search and args.json:
         top, fitting = (
-            [p.to_json(req.train_tokens) | intervals.json_keys(p) for p in found[: args.top]],
-            sum(p.fits for p in found),
+            [
+                plan.to_json(req.train_tokens) | intervals.json_keys(plan)
+                for plan in found[: args.top]
+            ],
+            sum(plan.fits for plan in found),
         )
         close = intervals.too_close(found)
         print(

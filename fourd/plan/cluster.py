@@ -127,7 +127,7 @@ class Cluster:
 
 
 def preset_names() -> list[str]:
-    return sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
+    return sorted(path.stem for path in PRESET_DIR.glob("*.toml"))
 
 
 def _find(name_or_path: str) -> Path:
@@ -218,11 +218,14 @@ def load_cluster(name_or_path: str) -> Cluster:
         ("gemm_shapes", GemmSample),
         ("attention", AttentionSample),
     ):
-        gpu[key] = tuple(_section(cls, g, f"gpu.{key}", path) for g in gpu.get(key, ()))
+        gpu[key] = tuple(
+            _section(cls, sample_table, f"gpu.{key}", path) for sample_table in gpu.get(key, ())
+        )
     if data.get("dtype", "bf16") not in DTYPE_BYTES:
         raise FourdError(f"{path}: dtype = {data['dtype']!r}; allowed: {', '.join(DTYPE_BYTES)}")
     collectives = tuple(
-        _section(CollectiveSample, c, "collectives", path) for c in data.get("collectives", ())
+        _section(CollectiveSample, sample, "collectives", path)
+        for sample in data.get("collectives", ())
     )
     return Cluster(
         name=str(data.get("name", path.stem)),

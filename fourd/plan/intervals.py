@@ -50,7 +50,7 @@ def half_width(residuals: list[float], level: float = LEVEL) -> float:
     rows): the ⌈(n+1)·level⌉-th smallest, so that a new row exchangeable with these falls inside
     predicted·exp(±h) with probability at least `level` (Vovk et al. 2005; Lei et al. 2018, §2.2);
     the largest when n is too small for that rank."""
-    ordered = sorted(abs(r) for r in residuals)
+    ordered = sorted(abs(residual) for residual in residuals)
     if not ordered:
         return math.inf
     rank = math.ceil((len(ordered) + 1) * level)
@@ -75,13 +75,15 @@ def groups_of(rows: list[dict], level: float = LEVEL) -> list[Group]:
     each width: (generation, stack, scale), (generation, stack), (generation), and all rows, for
     each quantity and anchoring."""
     out = []
-    for quantity in sorted({r["quantity"] for r in rows}):
-        for anchored in sorted({r["anchored"] for r in rows if r["quantity"] == quantity}):
-            mine = [r for r in rows if r["quantity"] == quantity and r["anchored"] == anchored]
+    for quantity in sorted({row["quantity"] for row in rows}):
+        for anchored in sorted({row["anchored"] for row in rows if row["quantity"] == quantity}):
+            mine = [
+                row for row in rows if row["quantity"] == quantity and row["anchored"] == anchored
+            ]
             for width in range(4):
-                keys = sorted({_key(r, width) for r in mine})
+                keys = sorted({_key(row, width) for row in mine})
                 for key in keys:
-                    residuals = [r["residual"] for r in mine if _key(r, width) == key]
+                    residuals = [row["residual"] for row in mine if _key(row, width) == key]
                     out.append(
                         Group(
                             quantity=quantity,
@@ -112,16 +114,20 @@ def lookup(
     want = (gen, stack, scale_name)
     for flag in (anchored, False) if anchored else (False,):
         for width in range(4):
-            key = tuple(v if i < 3 - width else ANY for i, v in enumerate(want))
+            key = tuple(value if i < 3 - width else ANY for i, value in enumerate(want))
             fewest = FEWEST if width == 3 else MIN_ROWS
-            for g in groups:
-                same = (g.quantity, g.anchored, (g.generation, g.stack, g.scale)) == (
+            for group in groups:
+                same = (
+                    group.quantity,
+                    group.anchored,
+                    (group.generation, group.stack, group.scale),
+                ) == (
                     quantity,
                     flag,
                     key,
                 )
-                if same and g.rows >= fewest:
-                    return g
+                if same and group.rows >= fewest:
+                    return group
     return None
 
 
@@ -131,7 +137,7 @@ def table() -> tuple[float, tuple[Group, ...]]:
     if not TABLE.exists():
         return LEVEL, ()
     data = tomllib.loads(TABLE.read_text())
-    return data.get("level", LEVEL), tuple(Group(**g) for g in data.get("group", []))
+    return data.get("level", LEVEL), tuple(Group(**group) for group in data.get("group", []))
 
 
 def interval(
@@ -207,11 +213,11 @@ def report_lines(plan, anchored: bool = False, stack: str | None = None) -> list
 
 def too_close(plans: list, anchored: bool = False, stack: str | None = None) -> bool:
     """Whether the two best fitting plans' step-time intervals overlap."""
-    best = [p for p in plans if p.fits][:2]
+    best = [plan for plan in plans if plan.fits][:2]
     if len(best) < 2:
         return False
-    a, b = (plan_intervals(p, anchored, stack)["step_time_s_interval"] for p in best)
-    return bool(a and b and a[0] <= b[1] and b[0] <= a[1])
+    first, second = (plan_intervals(plan, anchored, stack)["step_time_s_interval"] for plan in best)
+    return bool(first and second and first[0] <= second[1] and second[0] <= first[1])
 
 
 def search_lines(plans: list, anchored: bool = False, stack: str | None = None) -> list[str]:
@@ -219,10 +225,10 @@ def search_lines(plans: list, anchored: bool = False, stack: str | None = None) 
     apart."""
     level = table()[0]
     out = ["", f"Step-time intervals of the candidates ({100 * level:.0f} %), in the order above"]
-    for i, p in enumerate(plans):
-        pair = plan_intervals(p, anchored, stack)["step_time_s_interval"]
+    for i, plan in enumerate(plans):
+        pair = plan_intervals(plan, anchored, stack)["step_time_s_interval"]
         out.append(
-            f"  {i + 1:>3}. {str(p.config.layout):<26} {p.step.step_s:>9.4g} s  "
+            f"  {i + 1:>3}. {str(plan.config.layout):<26} {plan.step.step_s:>9.4g} s  "
             f"{_span(pair, '{:.4g} s')}"
         )
     if too_close(plans, anchored, stack):

@@ -80,24 +80,24 @@ class Job:
 
     @cached_property
     def work(self) -> Work:
-        p = self.par
+        par = self.par
         # fourd trains BF16 by autocast over FP32 weights unless a data-parallel wrapper computes
         # with BF16 copies of them (FSDP's and DDP's mixed precision, as torchtitan, llm-foundry and
         # Megatron do)
-        autocast = self.dtype_bytes == 2 and p.layout.cp * p.layout.dp == 1
+        autocast = self.dtype_bytes == 2 and par.layout.cp * par.layout.dp == 1
         return Work(
             self.model,
             self.cluster,
-            p.layout,
+            par.layout,
             self.seq,
             self.micro_seqs,
-            p.recompute,
-            p.sequence_parallel,
+            par.recompute,
+            par.sequence_parallel,
             self.dtype_bytes,
             self.compiled,
             self.attention,
             autocast,
-            p.zero >= 1 and p.shard_ranks > 1,
+            par.zero >= 1 and par.shard_ranks > 1,
         )
 
     def __hash__(self) -> int:
@@ -106,7 +106,7 @@ class Job:
 
 def _hash(obj) -> int:
     if "_hash" not in obj.__dict__:
-        obj.__dict__["_hash"] = hash(tuple(getattr(obj, f) for f in obj.__dataclass_fields__))
+        obj.__dict__["_hash"] = hash(tuple(getattr(obj, name) for name in obj.__dataclass_fields__))
     return obj.__dict__["_hash"]
 
 

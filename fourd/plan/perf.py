@@ -183,7 +183,7 @@ def compute_share(layout, cluster: Cluster) -> float:
     if not slots:
         return 1.0
     gpu, busy = cluster.gpu, min(layout.world, cluster.node.gpus, slots)
-    one = max(s.tflops for s in gpu.gemm) if gpu.gemm else gpu.peak_tflops / slots
+    one = max(sample.tflops for sample in gpu.gemm) if gpu.gemm else gpu.peak_tflops / slots
     return cluster.core_share(layout.world) * max(1.0, busy * one / gpu.peak_tflops)
 
 

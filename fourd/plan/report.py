@@ -107,8 +107,8 @@ def plan_report(plan: Plan, train_tokens: float | None = None) -> str:
     )
     out += ["", "Placement (ranks innermost first: TP, CP, PP, DP)"]
     out += [
-        f"  {d}={getattr(config.layout, d):<6} {WHERE[group_level(g, cluster)]}"
-        for d, g in placement(config.layout).items()
+        f"  {dim}={getattr(config.layout, dim):<6} {WHERE[group_level(g, cluster)]}"
+        for dim, g in placement(config.layout).items()
     ]
     g = mem.gb()
     out += ["", "Memory per GPU (the fullest pipeline rank)        GB"]
@@ -131,14 +131,14 @@ def plan_report(plan: Plan, train_tokens: float | None = None) -> str:
     ]
     out += ["", "Step time                                          s      share"]
     out += [
-        f"  {a:<44} {v:>9.3f}  {_pct(v / step.step_s):>7}"
-        for a, v in rows
-        if v or not a.startswith("  ")
+        f"  {term:<44} {seconds:>9.3f}  {_pct(seconds / step.step_s):>7}"
+        for term, seconds in rows
+        if seconds or not term.startswith("  ")
     ]
     out += [f"  {'step':<44} {step.step_s:>9.3f}", "", "Throughput"]
     out += [
-        f"  {a:<43}{v:>14}"
-        for a, v in (
+        f"  {term:<43}{seconds:>14}"
+        for term, seconds in (
             ("tokens/s", f"{plan.tokens_per_s:,.0f}"),
             ("model TFLOP/s per GPU", f"{plan.tflops_per_gpu:.1f}"),
             ("hardware TFLOP/s per GPU (recomputation)", f"{plan.hw_tflops_per_gpu:.1f}"),

@@ -76,15 +76,19 @@ def choice(allowed, kind: type = str):
 def count(text) -> float:
     """A positive amount: `16777216`, `16M` (K, M, G binary: 16M = 2^24), `15.6T` (B, T decimal),
     `4e6`."""
-    t = str(text).strip()
+    token = str(text).strip()
     try:
         value = (
-            float(t[:-1]) * _SUFFIX[t[-1].upper()] if t and t[-1].upper() in _SUFFIX else float(t)
+            float(token[:-1]) * _SUFFIX[token[-1].upper()]
+            if token and token[-1].upper() in _SUFFIX
+            else float(token)
         )
     except ValueError:
-        raise BadValue(f"{t[:40]!r} is not a count: write e.g. 16777216, 16M or 15.6T") from None
+        raise BadValue(
+            f"{token[:40]!r} is not a count: write e.g. 16777216, 16M or 15.6T"
+        ) from None
     if not (math.isfinite(value) and value > 0):
-        raise BadValue(f"{t[:40]!r} must be a positive finite count, e.g. 16M or 15.6T")
+        raise BadValue(f"{token[:40]!r} must be a positive finite count, e.g. 16M or 15.6T")
     return value
 
 
@@ -141,12 +145,12 @@ def add_arguments(p) -> None:
     """`fourd plan`'s flags; `fourd sim step` takes them too. On a CPU profile (`fourd calibrate`
     writes one) --seq, --global-batch-tokens and --sequence-parallel default to what `fourd train`
     runs."""
-    g = p.add_mutually_exclusive_group()
-    g.add_argument(
+    models = p.add_mutually_exclusive_group()
+    models.add_argument(
         "--model",
         help=f"preset: debug, small, llama3-8b, llama3-70b, llama3-405b (default {DEFAULT_MODEL})",
     )
-    g.add_argument(
+    models.add_argument(
         "--model-spec",
         type=parse_model_spec,
         help="layers=,dim=,ffn=,heads=,kv_heads=,vocab=[,head_dim=][,mlp=gelu]",
@@ -154,7 +158,7 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--cluster", help=f"cluster profile name or .toml path (default {DEFAULT_CLUSTER})"
     )
-    for key, (parse, text) in ((k, v) for k, v in SETTINGS.items() if v[1]):
+    for key, (parse, text) in ((k, setting) for k, setting in SETTINGS.items() if setting[1]):
         metavar = (
             "{" + ",".join(map(str, ALLOWED[parse])) + "}" if parse in ALLOWED else key.upper()
         )
@@ -323,12 +327,15 @@ def plans(req: Request) -> list[Plan]:
     is none."""
     found = search(req.base, req.gpus, req.fixed, req.open)
     if not found:
-        b, m = req.base, req.fixed["microbatches"]
+        base, microbatches = req.base, req.fixed["microbatches"]
+        in_microbatches = the_microbatches = ""
+        if microbatches:
+            in_microbatches = f" in {microbatches} microbatches per replica"
+            the_microbatches = ", the microbatches"
         raise FourdError(
-            f"no configuration of {req.gpus} GPUs runs this model with {b.seq}-token sequences and "
-            f"{b.global_seqs} sequences per "
-            f"step{f' in {m} microbatches per replica' if m else ''}: change the number of GPUs, "
-            f"the sequence length{', the microbatches' if m else ''} or the global batch"
+            f"no configuration of {req.gpus} GPUs runs this model with {base.seq}-token sequences "
+            f"and {base.global_seqs} sequences per step{in_microbatches}: change the number of "
+            f"GPUs, the sequence length{the_microbatches} or the global batch"
         )
     return found
 
