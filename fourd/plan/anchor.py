@@ -1,11 +1,13 @@
-"""Anchored predictions (`fourd plan --anchor FILE`, `fourd sim step --anchor FILE`): a measured step of the
-same model on the same stack at a small scale pins what the planner cannot know about a stack (how fast its
-kernels run, its fixed costs, its memory overhead); the planner's own model keeps what changes with scale
-(collectives by group size and span, the bubble at the new microbatch count, exposed data-parallel traffic).
+"""Anchored predictions (`fourd plan --anchor FILE`, `fourd sim step --anchor FILE`): a measured
+step of the same model on the same stack at a small scale pins what the planner cannot know about a
+stack (how fast its kernels run, its fixed costs, its memory overhead); the planner's own model
+keeps what changes with scale (collectives by group size and span, the bubble at the new microbatch
+count, exposed data-parallel traffic).
 
-The anchor file is one JSON object with the keys of `fourd plan --json` where they overlap (docs/planner.md,
-"Anchored predictions and intervals"); `fourd train` writes one, `anchor.json`, in every run directory.
-Built on the planner's public outputs only: a Plan, its step time and the terms of its breakdown."""
+The anchor file is one JSON object with the keys of `fourd plan --json` where they overlap
+(docs/planner.md, "Anchored predictions and intervals"); `fourd train` writes one, `anchor.json`, in
+every run directory. Built on the planner's public outputs only: a Plan, its step time and the terms
+of its breakdown."""
 
 from __future__ import annotations
 
@@ -36,8 +38,9 @@ REQUIRED = (
     "sequence_parallel",
     "step_time_s",
 )
-# Settings of the anchor's own configuration a target inherits unless its flags say otherwise: how the stack
-# runs (precision, compile, kernels) and what one step trains (sequence, batch, memory-saving choices).
+# Settings of the anchor's own configuration a target inherits unless its flags say otherwise: how
+# the stack runs (precision, compile, kernels) and what one step trains (sequence, batch,
+# memory-saving choices).
 INHERITED = (
     "seq",
     "global_batch_tokens",
@@ -49,13 +52,15 @@ INHERITED = (
     "attention",
     "pipeline_comm",
 )
-# ... and, when the target names neither GPUs nor a layout, its layout too: the anchor's own configuration.
+# ... and, when the target names neither GPUs nor a layout, its layout too: the anchor's own
+# configuration.
 OWN_LAYOUT = ("gpus", "layout", "schedule", "microbatches", "virtual_stages", "hsdp_replicas")
 
 
 @dataclass(frozen=True)
 class Anchor:
-    """A measured step: the model, the cluster it ran on, its settings (request.SETTINGS names), what it took."""
+    """A measured step: the model, the cluster it ran on, its settings (request.SETTINGS names),
+    what it took."""
 
     path: str
     model: ModelConfig
@@ -84,7 +89,8 @@ def _positive(path: str, data: dict, key: str) -> float | None:
 
 
 def _model(path: str, data: dict) -> ModelConfig:
-    """`model` as a preset name or as `fourd plan --json` writes it (a table of fields), or `model_spec`."""
+    """`model` as a preset name or as `fourd plan --json` writes it (a table of fields), or
+    `model_spec`."""
     model, spec = data.get("model"), data.get("model_spec")
     if (model is None) == (spec is None):
         raise _fail(path, "give one of model (a preset or its fields) and model_spec")
@@ -101,7 +107,7 @@ def _model(path: str, data: dict) -> ModelConfig:
 def _layout_text(value: Any) -> str:
     """The layout as `tp=,cp=,pp=,dp=` text, whether the file gives the text or `--json`'s table."""
     if isinstance(value, dict):
-        return ",".join(f"{k}={v}" for k, v in value.items())
+        return ",".join(f"{k}={degree}" for k, degree in value.items())
     return str(value)
 
 
@@ -132,7 +138,7 @@ def load_anchor(path: str | Path) -> Anchor:
         "hsdp_replicas": data.get("hsdp_replicas"),
     }
     values |= {k: data.get(k) for k in request.SETTINGS if k in data and k not in values}
-    values = {k: v for k, v in values.items() if k in request.SETTINGS}
+    values = {k: value for k, value in values.items() if k in request.SETTINGS}
     return Anchor(
         path=where,
         model=model,
@@ -146,8 +152,9 @@ def load_anchor(path: str | Path) -> Anchor:
 
 
 def chip(cluster: Cluster) -> str:
-    """The GPU chip a profile describes (its GPU name's first word: A100, H100, H200, CPU): what an anchor's
-    achieved rate carries to. Memory size and the network may differ (a dev node and the big cluster)."""
+    """The GPU chip a profile describes (its GPU name's first word: A100, H100, H200, CPU): what an
+    anchor's achieved rate carries to. Memory size and the network may differ (a dev node and the
+    big cluster)."""
     return cluster.gpu.name.split()[0].upper() if cluster.gpu.name else cluster.name
 
 
@@ -169,8 +176,9 @@ def own_plan(anchor: Anchor) -> Plan:
 
 @dataclass(frozen=True)
 class Split:
-    """A plan's step cut in two: the local work a stack's kernels do (its rate is what an anchor pins) and
-    the scale-out the planner models (collectives, the communication part of the bubble, sends, exposed DP)."""
+    """A plan's step cut in two: the local work a stack's kernels do (its rate is what an anchor
+    pins) and the scale-out the planner models (collectives, the communication part of the bubble,
+    sends, exposed DP)."""
 
     compute: float  # m·(t_f + t_b) without the TP and CP collectives in it
     bubble: float  # the bubble's compute-bound part: bubble × compute/(compute + TP + CP)
@@ -184,9 +192,9 @@ class Split:
 
 def split(plan: Plan) -> Split:
     """Split a plan's step: compute = compute_s − tp_comm_s − cp_comm_s; the bubble is idle time of
-    microbatches of that same mix, so its compute-bound part is bubble_s × compute/compute_s; scale-out is
-    everything else of step_s (TP, CP, the bubble's collectives, p2p, exposed DP, overlap, and any term the
-    model adds later, which stays the model's)."""
+    microbatches of that same mix, so its compute-bound part is bubble_s × compute/compute_s;
+    scale-out is everything else of step_s (TP, CP, the bubble's collectives, p2p, exposed DP,
+    overlap, and any term the model adds later, which stays the model's)."""
     times = plan.step
     compute = max(0.0, times.compute_s - times.tp_comm_s - times.cp_comm_s)
     bubble = times.bubble_s * compute / times.compute_s if times.compute_s else 0.0
@@ -196,9 +204,9 @@ def split(plan: Plan) -> Split:
 
 @dataclass(frozen=True)
 class Pinned:
-    """What an anchor's measurement pins: the stack's achieved rate against the model (rate: measured local
-    time over modelled), the per-step cost beyond the microbatches when a forward/backward time is given,
-    the memory the model misses per GPU."""
+    """What an anchor's measurement pins: the stack's achieved rate against the model (rate:
+    measured local time over modelled), the per-step cost beyond the microbatches when a
+    forward/backward time is given, the memory the model misses per GPU."""
 
     rate: float
     # measured per-step local cost (optimizer, launches, syncs) at the anchor; None: rate·optimizer
@@ -219,8 +227,8 @@ def pin(anchor: Anchor, plan: Plan) -> Pinned:
 
     which makes rate·local + scale_out reproduce the measured step exactly.
 
-    With `forward_backward_s` (one microbatch's forward and backward alone, with its TP and CP collectives)
-    the microbatch's own rate is measured apart from the step:
+    With `forward_backward_s` (one microbatch's forward and backward alone, with its TP and CP
+    collectives) the microbatch's own rate is measured apart from the step:
 
         rate = (t_fb − (tp + cp)/m) / (compute/m)
 
@@ -228,10 +236,10 @@ def pin(anchor: Anchor, plan: Plan) -> Pinned:
 
         step_cost = T_measured − rate·(compute + bubble_compute) − scale_out_model
 
-    (the optimizer, kernel launches and syncs between microbatches' work: measured, not modelled). One
-    microbatch size cannot tell a fixed per-microbatch cost from a slower rate, so the two stay one figure,
-    measured at the anchor's microbatch shape. A step_cost below zero (microbatches measured alone slower
-    than inside the step) is kept at 0."""
+    (the optimizer, kernel launches and syncs between microbatches' work: measured, not modelled).
+    One microbatch size cannot tell a fixed per-microbatch cost from a slower rate, so the two stay
+    one figure, measured at the anchor's microbatch shape. A step_cost below zero (microbatches
+    measured alone slower than inside the step) is kept at 0."""
     parts, times = split(plan), plan.step
     measured = anchor.step_time_s
     microbatches = plan.config.microbatches
@@ -246,7 +254,8 @@ def pin(anchor: Anchor, plan: Plan) -> Pinned:
         raise _fail(
             anchor.path,
             f"step_time_s = {measured:g} s is shorter than the planner's modelled communication of "
-            f"its own configuration ({parts.scale_out:.4g} s): check the measurement and its layout",
+            f"its own configuration ({parts.scale_out:.4g} s): check the measurement and its "
+            "layout",
         )
     overhead = None
     if anchor.peak_memory_gb is not None:
@@ -267,15 +276,16 @@ def peak_gb(plan: Plan) -> float:
 
 
 def predict(plan: Plan, pinned: Pinned) -> Plan:
-    """The target's plan with the anchor's pinned terms: the local work at the measured rate, the model's
-    scale-out of the target as it is.
+    """The target's plan with the anchor's pinned terms: the local work at the measured rate, the
+    model's scale-out of the target as it is.
 
         T_target = rate·(compute + bubble_compute)_target + optimizer'_target + scale_out_target
 
-    optimizer' is rate·optimizer without a forward/backward time; with one it is the anchor's measured
-    per-step cost, scaled by how the target's optimizer work compares with the anchor's (ZeRO shards it
-    over more ranks: optimizer_target / optimizer_anchor). The memory overhead is added per GPU to the
-    runtime's reserve: what the model misses (allocator, runtime, buffers) does not shrink with the shard."""
+    optimizer' is rate·optimizer without a forward/backward time; with one it is the anchor's
+    measured per-step cost, scaled by how the target's optimizer work compares with the anchor's
+    (ZeRO shards it over more ranks: optimizer_target / optimizer_anchor). The memory overhead is
+    added per GPU to the runtime's reserve: what the model misses (allocator, runtime, buffers) does
+    not shrink with the shard."""
     parts, times = split(plan), plan.step
     if pinned.step_cost_s is None:
         optimizer = pinned.rate * parts.optimizer
@@ -299,7 +309,8 @@ def predict(plan: Plan, pinned: Pinned) -> Plan:
 
 
 def terms(pinned: Pinned) -> tuple[list[str], list[str]]:
-    """(anchored, modelled): the breakdown terms each side gives (`--json`'s anchored_terms, modelled_terms)."""
+    """(anchored, modelled): the breakdown terms each side gives (`--json`'s anchored_terms,
+    modelled_terms)."""
     anchored = ["compute", "bubble (compute-bound part)", "optimizer"]
     if pinned.step_cost_s is not None:
         anchored[-1] = "optimizer and per-step cost"
@@ -313,13 +324,13 @@ def terms(pinned: Pinned) -> tuple[list[str], list[str]]:
     return anchored, modelled
 
 
-# ---- the commands ---------------------------------------------------------------------------------------
+# ---- the commands --------------------------------------------------------------------------------
 
 
 def target_request(args, anchor: Anchor) -> request.Request:
-    """The target of `fourd plan --anchor`: the flags given, the rest from the anchor (INHERITED; with
-    neither --gpus nor --layout, the anchor's own layout too, or with --search its GPU count). The same model as the anchor and a cluster
-    of the same GPU chip, or FourdError."""
+    """The target of `fourd plan --anchor`: the flags given, the rest from the anchor (INHERITED;
+    with neither --gpus nor --layout, the anchor's own layout too, or with --search its GPU count).
+    The same model as the anchor and a cluster of the same GPU chip, or FourdError."""
     if args.model or args.model_spec:
         model = args.model_spec or get_preset(args.model)
         if model != anchor.model:
@@ -330,13 +341,14 @@ def target_request(args, anchor: Anchor) -> request.Request:
     cluster = load_cluster(args.cluster) if args.cluster else anchor.cluster
     if chip(cluster) != chip(anchor.cluster):
         raise FourdError(
-            f"cluster {cluster.name} has {cluster.gpu.name} GPUs but the anchor ({anchor.path}) ran on "
-            f"{anchor.cluster.gpu.name}: an anchor pins one GPU's rate; plan on a profile of that GPU"
+            f"cluster {cluster.name} has {cluster.gpu.name} GPUs but the anchor ({anchor.path}) "
+            f"ran on {anchor.cluster.gpu.name}: an anchor pins one GPU's rate; plan on a profile "
+            "of that GPU"
         )
     if getattr(args, "stack", None) and str(args.stack) != anchor.stack:
         raise FourdError(
-            f"--stack {args.stack} differs from the anchor's stack {anchor.stack} ({anchor.path}): an "
-            "anchor pins one stack's rate; leave out --stack or measure an anchor on that stack"
+            f"--stack {args.stack} differs from the anchor's stack {anchor.stack} ({anchor.path}): "
+            "an anchor pins one stack's rate; leave out --stack or measure an anchor on that stack"
         )
     given = {k: getattr(args, k, None) for k in request.SETTINGS if k != "global_seqs"}
     inherit: tuple[str, ...] = INHERITED
@@ -344,7 +356,7 @@ def target_request(args, anchor: Anchor) -> request.Request:
         inherit += ("gpus",)  # every layout of the anchor's GPU count
     elif not (args.gpus or args.layout):
         inherit += OWN_LAYOUT
-    values = {k: v for k, v in given.items() if v is not None}
+    values = {k: value for k, value in given.items() if value is not None}
     values |= {k: anchor.values[k] for k in inherit if k not in values and k in anchor.values}
     return request.resolve(anchor.model, cluster, _with_stack(values, anchor.stack))
 
@@ -363,20 +375,23 @@ def anchored_plans(args) -> Anchored:
     anchor = load_anchor(args.anchor)
     pinned = pin(anchor, own_plan(anchor))
     req = target_request(args, anchor)
-    found = [predict(p, pinned) for p in request.plans(req)]
-    found.sort(key=lambda p: (not p.fits, -p.tokens_per_s if p.fits else p.memory.total))
+    found = [predict(plan, pinned) for plan in request.plans(req)]
+    found.sort(
+        key=lambda plan: (not plan.fits, -plan.tokens_per_s if plan.fits else plan.memory.total)
+    )
     return Anchored(anchor, pinned, found, req)
 
 
 def anchor_json(result: Anchored) -> dict:
-    """`--json`'s anchor block: the file, what it measured, what it pins, which terms came from where."""
-    a, pinned = result.anchor, result.pinned
+    """`--json`'s anchor block: the file, what it measured, what it pins, which terms came from
+    where."""
+    anchor, pinned = result.anchor, result.pinned
     anchored, modelled = terms(pinned)
     out = {
-        "file": a.path,
-        "stack": a.stack,
-        "cluster": a.cluster.name,
-        "measured_step_time_s": a.step_time_s,
+        "file": anchor.path,
+        "stack": anchor.stack,
+        "cluster": anchor.cluster.name,
+        "measured_step_time_s": anchor.step_time_s,
         "modelled_step_time_s": pinned.modelled_s,
         "compute_rate_ratio": pinned.rate,
         "per_step_cost_s": pinned.step_cost_s,
@@ -387,12 +402,13 @@ def anchor_json(result: Anchored) -> dict:
 
 def anchor_lines(result: Anchored) -> list[str]:
     """The text report's anchor section."""
-    a, pinned = result.anchor, result.pinned
+    anchor, pinned = result.anchor, result.pinned
     anchored, modelled = terms(pinned)
     lines = [
         "",
-        f"Anchored on {a.path} ({a.stack} stack, {a.cluster.name}): measured {a.step_time_s:.4g} s per "
-        f"step, the planner's model of that run {pinned.modelled_s:.4g} s",
+        f"Anchored on {anchor.path} ({anchor.stack} stack, {anchor.cluster.name}): measured "
+        f"{anchor.step_time_s:.4g} s per step, the planner's model of that run "
+        f"{pinned.modelled_s:.4g} s",
         f"  the stack's local work runs at {pinned.rate:.3f} × the model's time",
     ]
     if pinned.step_cost_s is not None:
@@ -409,7 +425,8 @@ def anchor_lines(result: Anchored) -> list[str]:
 
 
 def run_plan(args) -> int:
-    """`fourd plan --anchor FILE`: as `fourd plan`, with the anchor's pinned terms and anchored intervals."""
+    """`fourd plan --anchor FILE`: as `fourd plan`, with the anchor's pinned terms and anchored
+    intervals."""
     from fourd.plan import intervals
     from fourd.plan.report import plan_report, search_report
 
@@ -418,12 +435,12 @@ def run_plan(args) -> int:
     extra = anchor_json(result)
     if args.json:
 
-        def one(p: Plan) -> dict:
-            return p.to_json(tokens) | intervals.json_keys(p, anchored=True, stack=stack)
+        def one(plan: Plan) -> dict:
+            return plan.to_json(tokens) | intervals.json_keys(plan, anchored=True, stack=stack)
 
         if args.search:
-            top = [one(p) for p in found[: args.top]]
-            fitting = sum(p.fits for p in found)
+            top = [one(plan) for plan in found[: args.top]]
+            fitting = sum(plan.fits for plan in found)
             body = {"best": top[0], "candidates": top, "searched": len(found), "fitting": fitting}
             body |= {"too_close_to_call": intervals.too_close(found, anchored=True, stack=stack)}
         else:
@@ -439,13 +456,15 @@ def run_plan(args) -> int:
 
 
 def anchor_sim(out: dict, plan: Plan) -> dict:
-    """`fourd sim step --anchor`: the simulated step of `plan` (an anchored plan; the simulator schedules
-    the model's own times) carried over by the anchored planner's ratio to the unanchored planner's,
+    """`fourd sim step --anchor`: the simulated step of `plan` (an anchored plan; the simulator
+    schedules the model's own times) carried over by the anchored planner's ratio to the unanchored
+    planner's,
 
         T_sim,anchored = T_sim · T_plan,anchored / T_plan,model
 
-    so what the simulator adds to the planner's closed forms (links shared, stragglers, the schedule's
-    exact order) stays, on the anchor's rate. Throughput and MFU follow the anchored step."""
+    so what the simulator adds to the planner's closed forms (links shared, stragglers, the
+    schedule's exact order) stays, on the anchor's rate. Throughput and MFU follow the anchored
+    step."""
     from fourd.plan.search import evaluate
 
     modelled = evaluate(plan.job).step.step_s

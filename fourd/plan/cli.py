@@ -1,16 +1,17 @@
-"""Predict memory per GPU, step time, tokens/s and MFU of training a model on a cluster with a 4D layout, or
-search every layout for the fastest that fits. Settings left out (even the layout) are the planner's choice,
-fastest that fits, and the report names them. Cluster profiles: presets (llama3-h100, dgx-h100, dgx-h200,
-grand-teton-h100, dgx-a100-40gb, selene-a100), $FOURD_HOME/clusters/NAME.toml (`fourd calibrate` writes
-`local`), or a path; see docs/planner.md.
+"""Predict memory per GPU, step time, tokens/s and MFU of training a model on a cluster with a 4D
+layout, or search every layout for the fastest that fits. Settings left out (even the layout) are
+the planner's choice, fastest that fits, and the report names them. Cluster profiles: presets
+(llama3-h100, dgx-h100, dgx-h200, grand-teton-h100, dgx-a100-40gb, selene-a100),
+$FOURD_HOME/clusters/NAME.toml (`fourd calibrate` writes `local`), or a path; see docs/planner.md.
 
 examples:
   fourd plan --model llama3-405b --cluster llama3-h100 --gpus 16384 --layout tp=8,pp=16,dp=128 \\
              --seq 8192 --global-batch-tokens 16M --schedule interleaved --train-tokens 15.6T
   fourd plan --model llama3-405b --cluster llama3-h100 --gpus 16384 --seq 8192 --search --json
-  fourd plan --model-spec layers=96,dim=12288,ffn=49152,heads=96,vocab=51200,mlp=gelu --cluster selene-a100 \\
-             --layout tp=8,pp=16,dp=8 --seq 2048 --global-batch-tokens 3M --pipeline-comm blocking
-  fourd plan --anchor runs/X/anchor.json --layout tp=2,dp=2     # from a measured step (docs/planner.md)
+  fourd plan --model-spec layers=96,dim=12288,ffn=49152,heads=96,vocab=51200,mlp=gelu \\
+             --cluster selene-a100 --layout tp=8,pp=16,dp=8 --seq 2048 --global-batch-tokens 3M \\
+             --pipeline-comm blocking
+  fourd plan --anchor runs/X/anchor.json --layout tp=2,dp=2  # from a measured step
 """
 
 from __future__ import annotations
@@ -34,8 +35,11 @@ def run(args) -> int:
     found = plans(req)
     if args.search and args.json:
         top, fitting = (
-            [p.to_json(req.train_tokens) | intervals.json_keys(p) for p in found[: args.top]],
-            sum(p.fits for p in found),
+            [
+                plan.to_json(req.train_tokens) | intervals.json_keys(plan)
+                for plan in found[: args.top]
+            ],
+            sum(plan.fits for plan in found),
         )
         close = intervals.too_close(found)
         print(

@@ -1,5 +1,6 @@
-"""Cluster profiles (TOML, docs/planner.md): a GPU, a server, a pod and the network, not a size; presets in
-fourd/plan/clusters/, user profiles in $FOURD_HOME/clusters/ (they win), or a path. And where a group lands."""
+"""Cluster profiles (TOML, docs/planner.md): a GPU, a server, a pod and the network, not a size;
+presets in fourd/plan/clusters/, user profiles in $FOURD_HOME/clusters/ (they win), or a path. And
+where a group lands."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ class GemmSample:  # a measured (m×k)·(k×n) GEMM
 
 
 @dataclass(frozen=True)
-class AttentionSample:  # measured, in the planner's FLOPs; masked_*: an explicit mask, all seq² pairs computed
+class AttentionSample:
+    # measured, in the planner's FLOPs; masked_*: an explicit mask, all seq² pairs computed
     seq: int
     head_dim: int
     fwd_tflops: float
@@ -38,7 +40,8 @@ class AttentionSample:  # measured, in the planner's FLOPs; masked_*: an explici
 
 
 @dataclass(frozen=True)
-class CollectiveSample:  # a measured fit: time = alpha_s + beta_s_per_byte · bytes (bytes as nccl-tests count)
+class CollectiveSample:
+    # a measured fit: time = alpha_s + beta_s_per_byte · bytes (bytes as nccl-tests count)
     op: str
     nproc: int
     alpha_s: float
@@ -111,25 +114,28 @@ class Cluster:
 
     @property
     def cpu(self) -> bool:
-        """A CPU profile (`fourd calibrate`): ranks share cores; it describes what `fourd train` runs here."""
+        """A CPU profile (`fourd calibrate`): ranks share cores; it describes what `fourd train`
+        runs here."""
         return self.node.concurrent_ranks is not None
 
     def core_share(self, ranks: int) -> float:
-        """How many times slower each rank runs while `ranks` of them are busy on one server (CPU profiles: they
-        take turns on the cores, collectives too, since a CPU copies and reduces their data itself; GPUs: 1)."""
+        """How many times slower each rank runs while `ranks` of them are busy on one server (CPU
+        profiles: they take turns on the cores, collectives too, since a CPU copies and reduces
+        their data itself; GPUs: 1)."""
         slots = self.node.concurrent_ranks
         return max(1.0, min(ranks, self.node.gpus) / slots) if slots else 1.0
 
 
 def preset_names() -> list[str]:
-    return sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
+    return sorted(path.stem for path in PRESET_DIR.glob("*.toml"))
 
 
 def _find(name_or_path: str) -> Path:
     if name_or_path.endswith(".toml") or os.sep in name_or_path:
         if not Path(name_or_path).is_file():
             raise FourdError(
-                f"cluster {name_or_path}: no such file; give a preset name or a path to a .toml profile"
+                f"cluster {name_or_path}: no such file; give a preset name or a path to a .toml "
+                "profile"
             )
         return Path(name_or_path)
     for folder in (fourd_home() / "clusters", PRESET_DIR):
@@ -137,8 +143,9 @@ def _find(name_or_path: str) -> Path:
             return folder / f"{name_or_path}.toml"
     hint = " (run `fourd calibrate` to write it)" if name_or_path == "local" else ""
     raise FourdError(
-        f"unknown cluster {name_or_path!r}{hint or did_you_mean(name_or_path, preset_names())}: choose one of "
-        f"{', '.join(preset_names())}, a profile in {fourd_home() / 'clusters'}, or a path to a .toml file"
+        f"unknown cluster {name_or_path!r}{hint or did_you_mean(name_or_path, preset_names())}: "
+        f"choose one of {', '.join(preset_names())}, a profile in {fourd_home() / 'clusters'}, or "
+        "a path to a .toml file"
     )
 
 
@@ -155,7 +162,8 @@ _TYPES = {"int": (int,), "float": (int, float), "str": (str,)}
 
 
 def _section(cls, data, where: str, path: Path):
-    """`cls` from a TOML table: every key known, every value of its field's type, numbers finite, in range."""
+    """`cls` from a TOML table: every key known, every value of its field's type, numbers finite, in
+    range."""
     if not isinstance(data, dict):
         raise FourdError(f"{path}: [{where}] must be a table; see docs/planner.md for the schema")
     fields = cls.__dataclass_fields__
@@ -177,9 +185,10 @@ def _section(cls, data, where: str, path: Path):
             and kind != (str,)
             and not (math.isfinite(value) and (value >= 0 if zero else value > 0))
         ):
-            raise FourdError(
-                f"{path}: {where}.{key} = {value} must be finite, {'at least' * zero or 'above'} 0"
-            )
+            bound = "above"
+            if zero:
+                bound = "at least"
+            raise FourdError(f"{path}: {where}.{key} = {value} must be finite, {bound} 0")
     try:
         return cls(**data)
     except TypeError as e:
@@ -189,7 +198,8 @@ def _section(cls, data, where: str, path: Path):
 
 
 def load_cluster(name_or_path: str) -> Cluster:
-    """The profile called `name_or_path` (user profiles first, then presets) or the profile at that path."""
+    """The profile called `name_or_path` (user profiles first, then presets) or the profile at that
+    path."""
     path = _find(name_or_path)
     try:
         data = tomllib.loads(path.read_text())
@@ -208,33 +218,36 @@ def load_cluster(name_or_path: str) -> Cluster:
         ("gemm_shapes", GemmSample),
         ("attention", AttentionSample),
     ):
-        gpu[key] = tuple(_section(cls, g, f"gpu.{key}", path) for g in gpu.get(key, ()))
+        gpu[key] = tuple(
+            _section(cls, sample_table, f"gpu.{key}", path) for sample_table in gpu.get(key, ())
+        )
     if data.get("dtype", "bf16") not in DTYPE_BYTES:
         raise FourdError(f"{path}: dtype = {data['dtype']!r}; allowed: {', '.join(DTYPE_BYTES)}")
     collectives = tuple(
-        _section(CollectiveSample, c, "collectives", path) for c in data.get("collectives", ())
+        _section(CollectiveSample, sample, "collectives", path)
+        for sample in data.get("collectives", ())
     )
     return Cluster(
-        str(data.get("name", path.stem)),
-        str(data.get("description", "")),
-        _section(GPU, gpu, "gpu", path),
-        _section(Node, data["node"], "node", path),
-        _section(Network, data["network"], "network", path),
-        data.get("dtype", "bf16"),
-        collectives,
-        str(path),
+        name=str(data.get("name", path.stem)),
+        description=str(data.get("description", "")),
+        gpu=_section(GPU, gpu, "gpu", path),
+        node=_section(Node, data["node"], "node", path),
+        network=_section(Network, data["network"], "network", path),
+        dtype=data.get("dtype", "bf16"),
+        collectives=collectives,
+        source=str(path),
     )
 
 
-# ---- where a parallel group lands ----------------------------------------------------------------------
+# ---- where a parallel group lands ----------------------------------------------------------------
 
 LEVELS = ("single", "nvlink", "rack", "pod", "cross-pod")
 
 
 @dataclass(frozen=True)
 class Group:
-    """Ranks base, base+stride, ..., base+(size-1)·stride of `world` ranks, placed in order (rank r on server
-    r // gpus_per_node). Every rank belongs to one such group per dimension."""
+    """Ranks base, base+stride, ..., base+(size-1)·stride of `world` ranks, placed in order (rank r
+    on server r // gpus_per_node). Every rank belongs to one such group per dimension."""
 
     size: int
     stride: int
@@ -243,61 +256,75 @@ class Group:
 
 @lru_cache(maxsize=4096)
 def _spread(group: Group, cluster: Cluster) -> tuple[dict[str, int], int]:
-    """(how many of the dimension's groups lie inside one server, rack or pod, or across pods; the fewest
-    members a group that spans servers has on one of them). A group's place depends on its first rank modulo
-    the blocks' common multiple, so one period of first ranks is counted, each as often as it recurs."""
+    """(how many of the dimension's groups lie inside one server, rack or pod, or across pods; the
+    fewest members a group that spans servers has on one of them). A group's place depends on its
+    first rank modulo the blocks' common multiple, so one period of first ranks is counted, each as
+    often as it recurs."""
     sizes = (cluster.node.gpus, cluster.network.gpus_per_rack, cluster.network.gpus_per_pod)
-    n, reach, span = sizes[0], (group.size - 1) * group.stride, group.size * group.stride
+    node_gpus, reach, span = sizes[0], (group.size - 1) * group.stride, group.size * group.stride
     period, groups = math.lcm(*sizes), group.world // span
     cycle = period // math.gcd(span, period)
     counts: dict[str, int] = {}
     fewest = group.size
     for k in range(min(groups, cycle) if group.size > 1 else 0):
-        for o in range(min(group.stride, period)):
-            r, times = (
-                k * span + o,
-                ((groups - 1 - k) // cycle + 1) * ((group.stride - 1 - o) // period + 1),
+        for offset in range(min(group.stride, period)):
+            first, times = (
+                k * span + offset,
+                ((groups - 1 - k) // cycle + 1) * ((group.stride - 1 - offset) // period + 1),
             )
             level = next(
-                (lv for lv, b in zip(LEVELS[1:], sizes) if r // b == (r + reach) // b), "cross-pod"
+                (
+                    name
+                    for name, block in zip(LEVELS[1:], sizes)
+                    if first // block == (first + reach) // block
+                ),
+                "cross-pod",
             )
             counts[level] = counts.get(level, 0) + times
             if (
-                level != "nvlink" and group.stride < n
+                level != "nvlink" and group.stride < node_gpus
             ):  # members on its first and on its last server
-                last = -(-((r + reach) // n * n - r) // group.stride)
-                fewest = min(fewest, -(-((r // n + 1) * n - r) // group.stride), group.size - last)
-    return counts, 1 if group.stride >= n else fewest
+                last = -(-((first + reach) // node_gpus * node_gpus - first) // group.stride)
+                fewest = min(
+                    fewest,
+                    -(-((first // node_gpus + 1) * node_gpus - first) // group.stride),
+                    group.size - last,
+                )
+    return counts, 1 if group.stride >= node_gpus else fewest
 
 
 def group_levels(group: Group, cluster: Cluster) -> dict[str, int]:
-    """How many of a dimension's groups lie inside one server ("nvlink"), one rack, one pod, or across pods
-    ("cross-pod"), each where its ranks are: with tp=3 on 8-GPU servers some TP groups straddle two servers."""
+    """How many of a dimension's groups lie inside one server ("nvlink"), one rack, one pod, or
+    across pods ("cross-pod"), each where its ranks are: with tp=3 on 8-GPU servers some TP groups
+    straddle two servers."""
     return dict(_spread(group, cluster)[0])
 
 
 def group_level(group: Group, cluster: Cluster) -> str:
-    """The widest part of the topology any of the dimension's groups crosses (they meet each step: the slowest rules)."""
+    """The widest part of the topology any of the dimension's groups crosses (they meet each step:
+    the slowest rules)."""
     return max(group_levels(group, cluster), key=LEVELS.index, default="single")
 
 
 def members_per_node(group: Group, cluster: Cluster) -> int:
-    """The fewest members a group spanning servers has on one server: its ring's NICs there carry its traffic."""
+    """The fewest members a group spanning servers has on one server: its ring's NICs there carry
+    its traffic."""
     return _spread(group, cluster)[1]
 
 
 def group_bandwidth(
     group: Group, cluster: Cluster, channels: int | None = None
 ) -> tuple[float, float]:
-    """(bus bandwidth in bytes/s, per-step latency in s) of a ring over the group: NVLink inside a server;
-    across servers each of the k members per server drives its own NIC (one ring channel each, as NCCL
-    does; `channels` k if given), k·NIC capped by NVLink; across pods all crossing channels share the uplinks."""
+    """(bus bandwidth in bytes/s, per-step latency in s) of a ring over the group: NVLink inside a
+    server; across servers each of the k members per server drives its own NIC (one ring channel
+    each, as NCCL does; `channels` k if given), k·NIC capped by NVLink; across pods all crossing
+    channels share the uplinks."""
     node, net = cluster.node, cluster.network
     intra = node.intra_bw_gbps * 1e9 * node.intra_efficiency
     level = group_level(group, cluster)
     if level in ("single", "nvlink"):
         return intra, node.intra_latency_us * 1e-6
-    k, nic = (
+    per_node, nic = (
         channels or members_per_node(group, cluster),
         net.nic_bw_gbps * 1e9 * net.nic_efficiency,
     )
@@ -305,27 +332,28 @@ def group_bandwidth(
         crossing = (
             min(group.world, net.gpus_per_pod)
             / max(1, min(group.size, net.gpus_per_pod // group.stride))
-            * k
+            * per_node
         )
         nic = min(nic, net.gpus_per_pod * nic / net.cross_pod_oversubscription / crossing)
-    return min(intra, k * nic), net.latency_us * 1e-6
+    return min(intra, per_node * nic), net.latency_us * 1e-6
 
 
 def placement(layout) -> dict[str, Group]:
-    """The group of each parallel dimension, ranks laid out innermost first in [TP, CP, PP, DP] order."""
-    w, tp, cp, pp = layout.world, layout.tp, layout.cp, layout.pp
+    """The group of each parallel dimension, ranks laid out innermost first in [TP, CP, PP, DP]
+    order."""
+    world, tp, cp, pp = layout.world, layout.tp, layout.cp, layout.pp
     return {
-        "tp": Group(tp, 1, w),
-        "cp": Group(cp, tp, w),
-        "pp": Group(pp, tp * cp, w),
-        "dp": Group(layout.dp, tp * cp * pp, w),
+        "tp": Group(tp, 1, world),
+        "cp": Group(cp, tp, world),
+        "pp": Group(pp, tp * cp, world),
+        "dp": Group(layout.dp, tp * cp * pp, world),
     }
 
 
 def shard_group(layout, replicas: int = 1) -> Group:
-    """The cp·dp ranks that hold the same weights: they reduce gradients together and ZeRO shards over them
-    (FSDP over dp×cp, as the trainer and Llama 3 do), or over 1/`replicas` of them with HSDP. One ring spread
-    evenly over the DP group's span (exact when cp or dp is 1)."""
+    """The cp·dp ranks that hold the same weights: they reduce gradients together and ZeRO shards
+    over them (FSDP over dp×cp, as the trainer and Llama 3 do), or over 1/`replicas` of them with
+    HSDP. One ring spread evenly over the DP group's span (exact when cp or dp is 1)."""
     if layout.dp == 1:
         return Group(layout.cp, layout.tp, layout.world)
     return Group(layout.cp * layout.dp // replicas, layout.tp * layout.pp, layout.world)

@@ -1,9 +1,11 @@
-"""Prediction intervals: how far the planner's step time, MFU and memory may be off, from how far it was off
-on comparable rows of the validation suite it never fitted (benchmarks/validation/runs.toml).
+"""Prediction intervals: how far the planner's step time, MFU and memory may be off, from how far it
+was off on comparable rows of the validation suite it never fitted
+(benchmarks/validation/runs.toml).
 
 The table beside this file (intervals.toml) is generated, never edited: `python
-benchmarks/validation/anchored.py --write-intervals` writes it from the out-of-sample residuals (regenerate it
-after the model changes). docs/planner.md, "Anchored predictions and intervals", says how it is computed."""
+benchmarks/validation/anchored.py --write-intervals` writes it from the out-of-sample residuals
+(regenerate it after the model changes). docs/planner.md, "Anchored predictions and intervals", says
+how it is computed."""
 
 from __future__ import annotations
 
@@ -16,14 +18,16 @@ import tomllib
 
 TABLE = Path(__file__).with_name("intervals.toml")
 LEVEL = 0.8  # the intervals' coverage
-# A group smaller than this falls back to a wider one: below 8 rows the conformal rank at 80 % is the
-# group's largest residual, which one odd row sets (chosen on the suite: docs/planner.md, Intervals).
+# A group smaller than this falls back to a wider one: below 8 rows the conformal rank at 80 % is
+# the group's largest residual, which one odd row sets (chosen on the suite: docs/planner.md,
+# Intervals).
 MIN_ROWS = 8
 FEWEST = (
     3  # the widest group (all rows of a quantity) serves down to this many rows: memory has few
 )
 ANY = "*"
-# A row's scale: one server, up to a large cluster, beyond (where cross-rack and pod traffic dominate).
+# A row's scale: one server, up to a large cluster, beyond (where cross-rack and pod traffic
+# dominate).
 SCALES = ((8, "node"), (1024, "cluster"))
 WIDEST = "large"
 # The GPU generations of the suite's rows: an H200 is an H100 die with more memory.
@@ -35,17 +39,18 @@ def scale(gpus: int) -> str:
 
 
 def generation(gpu_name: str) -> str:
-    """The GPU generation of a GPU name (`H100 SXM 80GB` -> H100); others are their own (CPU ...)."""
+    """The GPU generation of a GPU name (`H100 SXM 80GB` -> H100); others are their own (CPU
+    ...)."""
     word = gpu_name.split()[0].upper() if gpu_name else ANY
     return GENERATIONS.get(word, word)
 
 
 def half_width(residuals: list[float], level: float = LEVEL) -> float:
-    """The split-conformal half-width of `residuals` (|log(published / predicted)| of held-out rows): the
-    ⌈(n+1)·level⌉-th smallest, so that a new row exchangeable with these falls inside
-    predicted·exp(±h) with probability at least `level` (Vovk et al. 2005; Lei et al. 2018, §2.2); the
-    largest when n is too small for that rank."""
-    ordered = sorted(abs(r) for r in residuals)
+    """The split-conformal half-width of `residuals` (|log(published / predicted)| of held-out
+    rows): the ⌈(n+1)·level⌉-th smallest, so that a new row exchangeable with these falls inside
+    predicted·exp(±h) with probability at least `level` (Vovk et al. 2005; Lei et al. 2018, §2.2);
+    the largest when n is too small for that rank."""
+    ordered = sorted(abs(residual) for residual in residuals)
     if not ordered:
         return math.inf
     rank = math.ceil((len(ordered) + 1) * level)
@@ -66,17 +71,19 @@ class Group:
 
 
 def groups_of(rows: list[dict], level: float = LEVEL) -> list[Group]:
-    """Every group of `rows` (dicts with quantity, anchored, generation, stack, scale, residual), at each
-    width: (generation, stack, scale), (generation, stack), (generation), and all rows, for each quantity
-    and anchoring."""
+    """Every group of `rows` (dicts with quantity, anchored, generation, stack, scale, residual), at
+    each width: (generation, stack, scale), (generation, stack), (generation), and all rows, for
+    each quantity and anchoring."""
     out = []
-    for quantity in sorted({r["quantity"] for r in rows}):
-        for anchored in sorted({r["anchored"] for r in rows if r["quantity"] == quantity}):
-            mine = [r for r in rows if r["quantity"] == quantity and r["anchored"] == anchored]
+    for quantity in sorted({row["quantity"] for row in rows}):
+        for anchored in sorted({row["anchored"] for row in rows if row["quantity"] == quantity}):
+            mine = [
+                row for row in rows if row["quantity"] == quantity and row["anchored"] == anchored
+            ]
             for width in range(4):
-                keys = sorted({_key(r, width) for r in mine})
+                keys = sorted({_key(row, width) for row in mine})
                 for key in keys:
-                    residuals = [r["residual"] for r in mine if _key(r, width) == key]
+                    residuals = [row["residual"] for row in mine if _key(row, width) == key]
                     out.append(
                         Group(
                             quantity=quantity,
@@ -94,27 +101,33 @@ def groups_of(rows: list[dict], level: float = LEVEL) -> list[Group]:
 def _key(row: dict, width: int) -> tuple[str, str, str]:
     """The group key of a row at `width` 0 (narrowest) to 3 (all rows)."""
     full = (row["generation"], row["stack"], row["scale"])
-    return tuple(v if i < 3 - width else ANY for i, v in enumerate(full))  # type: ignore[return-value]
+    kept = [value if i < 3 - width else ANY for i, value in enumerate(full)]
+    return tuple(kept)  # type: ignore[return-value]
 
 
 def lookup(
     groups: list[Group], quantity: str, anchored: bool, gen: str, stack: str, scale_name: str
 ) -> Group | None:
-    """The narrowest group of at least MIN_ROWS rows that matches (the widest, all rows, down to FEWEST);
-    anchored predictions without enough anchored rows fall back to the unanchored groups."""
+    """The narrowest group of at least MIN_ROWS rows that matches (the widest, all rows, down to
+    FEWEST); anchored predictions without enough anchored rows fall back to the unanchored
+    groups."""
     want = (gen, stack, scale_name)
     for flag in (anchored, False) if anchored else (False,):
         for width in range(4):
-            key = tuple(v if i < 3 - width else ANY for i, v in enumerate(want))
+            key = tuple(value if i < 3 - width else ANY for i, value in enumerate(want))
             fewest = FEWEST if width == 3 else MIN_ROWS
-            for g in groups:
-                same = (g.quantity, g.anchored, (g.generation, g.stack, g.scale)) == (
+            for group in groups:
+                same = (
+                    group.quantity,
+                    group.anchored,
+                    (group.generation, group.stack, group.scale),
+                ) == (
                     quantity,
                     flag,
                     key,
                 )
-                if same and g.rows >= fewest:
-                    return g
+                if same and group.rows >= fewest:
+                    return group
     return None
 
 
@@ -124,7 +137,7 @@ def table() -> tuple[float, tuple[Group, ...]]:
     if not TABLE.exists():
         return LEVEL, ()
     data = tomllib.loads(TABLE.read_text())
-    return data.get("level", LEVEL), tuple(Group(**g) for g in data.get("group", []))
+    return data.get("level", LEVEL), tuple(Group(**group) for group in data.get("group", []))
 
 
 def interval(
@@ -138,8 +151,8 @@ def interval(
 
 
 def _plan_keys(plan, stack: str | None) -> tuple[str, str, str]:
-    """A plan's (generation, stack, scale); the stack the planner names (the anchor's, or the plan's own
-    where the planner knows stacks), else ANY."""
+    """A plan's (generation, stack, scale); the stack the planner names (the anchor's, or the plan's
+    own where the planner knows stacks), else ANY."""
     name = stack or getattr(plan.job, "stack", None) or ANY
     return generation(plan.cluster.gpu.name), str(getattr(name, "name", name)), scale(plan.gpus)
 
@@ -189,29 +202,34 @@ def report_lines(plan, anchored: bool = False, stack: str | None = None) -> list
     return [
         "",
         f"Intervals ({100 * level:.0f} %, from the validation suite's {kind} out-of-sample rows)",
-        f"  step time      {plan.step.step_s:>10.4g} s     {_span(got['step_time_s_interval'], '{:.4g} s')}",
-        f"  MFU            {100 * plan.mfu:>10.1f} %     {_span(got['mfu_interval'] and [100 * x for x in got['mfu_interval']], '{:.1f} %')}",
-        f"  peak memory    {peak_gb(plan):>10.1f} GB    {_span(got['memory_gb_interval'], '{:.1f} GB')}",
+        f"  step time      {plan.step.step_s:>10.4g} s     "
+        f"{_span(got['step_time_s_interval'], '{:.4g} s')}",
+        f"  MFU            {100 * plan.mfu:>10.1f} %     "
+        f"{_span(got['mfu_interval'] and [100 * x for x in got['mfu_interval']], '{:.1f} %')}",
+        f"  peak memory    {peak_gb(plan):>10.1f} GB    "
+        f"{_span(got['memory_gb_interval'], '{:.1f} GB')}",
     ]
 
 
 def too_close(plans: list, anchored: bool = False, stack: str | None = None) -> bool:
     """Whether the two best fitting plans' step-time intervals overlap."""
-    best = [p for p in plans if p.fits][:2]
+    best = [plan for plan in plans if plan.fits][:2]
     if len(best) < 2:
         return False
-    a, b = (plan_intervals(p, anchored, stack)["step_time_s_interval"] for p in best)
-    return bool(a and b and a[0] <= b[1] and b[0] <= a[1])
+    first, second = (plan_intervals(plan, anchored, stack)["step_time_s_interval"] for plan in best)
+    return bool(first and second and first[0] <= second[1] and second[0] <= first[1])
 
 
 def search_lines(plans: list, anchored: bool = False, stack: str | None = None) -> list[str]:
-    """`--search`'s interval of each listed candidate, and whether the two best can be told apart."""
+    """`--search`'s interval of each listed candidate, and whether the two best can be told
+    apart."""
     level = table()[0]
     out = ["", f"Step-time intervals of the candidates ({100 * level:.0f} %), in the order above"]
-    for i, p in enumerate(plans):
-        pair = plan_intervals(p, anchored, stack)["step_time_s_interval"]
+    for i, plan in enumerate(plans):
+        pair = plan_intervals(plan, anchored, stack)["step_time_s_interval"]
         out.append(
-            f"  {i + 1:>3}. {str(p.config.layout):<26} {p.step.step_s:>9.4g} s  {_span(pair, '{:.4g} s')}"
+            f"  {i + 1:>3}. {str(plan.config.layout):<26} {plan.step.step_s:>9.4g} s  "
+            f"{_span(pair, '{:.4g} s')}"
         )
     if too_close(plans, anchored, stack):
         out.append("  the two best overlap: too close to call (measure both, or anchor on a run)")

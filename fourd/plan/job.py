@@ -1,5 +1,5 @@
-"""What the planner plans: one training job (model, cluster, how it is cut, the batch), and the work one
-rank does for one microbatch. Frozen values, so the memory and time model can cache on them."""
+"""What the planner plans: one training job (model, cluster, how it is cut, the batch), and the work
+one rank does for one microbatch. Frozen values, so the memory and time model can cache on them."""
 
 from __future__ import annotations
 
@@ -48,11 +48,12 @@ class Work:
 
 @dataclass(frozen=True)
 class Job:
-    """A training run: `global_seqs` sequences of `seq` tokens per optimizer step, cut as `par` says.
-    `precision` None trains in the profile's precision; `compiled` runs the blocks torch.compile'd (fused
-    kernels); `attention` is "flash" (a fused kernel) or "materialized" (the s × s scores in memory);
-    `pipeline_comm` "blocking": each send waits for its receiver, each backward adds its gradients into FP32
-    ones by a pass of its own and they are reduced after the last backward (DeepSpeed's pipeline engine)."""
+    """A training run: `global_seqs` sequences of `seq` tokens per optimizer step, cut as `par`
+    says. `precision` None trains in the profile's precision; `compiled` runs the blocks
+    torch.compile'd (fused kernels); `attention` is "flash" (a fused kernel) or "materialized" (the
+    s × s scores in memory); `pipeline_comm` "blocking": each send waits for its receiver, each
+    backward adds its gradients into FP32 ones by a pass of its own and they are reduced after the
+    last backward (DeepSpeed's pipeline engine)."""
 
     model: ModelConfig
     cluster: Cluster
@@ -79,23 +80,24 @@ class Job:
 
     @cached_property
     def work(self) -> Work:
-        p = self.par
-        # fourd trains BF16 by autocast over FP32 weights unless a data-parallel wrapper computes with BF16
-        # copies of them (FSDP's and DDP's mixed precision, as torchtitan, llm-foundry and Megatron do)
-        autocast = self.dtype_bytes == 2 and p.layout.cp * p.layout.dp == 1
+        par = self.par
+        # fourd trains BF16 by autocast over FP32 weights unless a data-parallel wrapper computes
+        # with BF16 copies of them (FSDP's and DDP's mixed precision, as torchtitan, llm-foundry and
+        # Megatron do)
+        autocast = self.dtype_bytes == 2 and par.layout.cp * par.layout.dp == 1
         return Work(
             self.model,
             self.cluster,
-            p.layout,
+            par.layout,
             self.seq,
             self.micro_seqs,
-            p.recompute,
-            p.sequence_parallel,
+            par.recompute,
+            par.sequence_parallel,
             self.dtype_bytes,
             self.compiled,
             self.attention,
             autocast,
-            p.zero >= 1 and p.shard_ranks > 1,
+            par.zero >= 1 and par.shard_ranks > 1,
         )
 
     def __hash__(self) -> int:
@@ -104,11 +106,12 @@ class Job:
 
 def _hash(obj) -> int:
     if "_hash" not in obj.__dict__:
-        obj.__dict__["_hash"] = hash(tuple(getattr(obj, f) for f in obj.__dataclass_fields__))
+        obj.__dict__["_hash"] = hash(tuple(getattr(obj, name) for name in obj.__dataclass_fields__))
     return obj.__dict__["_hash"]
 
 
 def stage_layers(layers: int, pp: int, virtual_stages: int = 1) -> list[int]:
-    """Transformer layers of each of the pp·V pipeline stages: the trainer's split (fourd.layout.layer_split), or
-    the first and last stage only the embedding and the output when layers + 2 = pp·V (405B: 128 of one)."""
+    """Transformer layers of each of the pp·V pipeline stages: the trainer's split
+    (fourd.layout.layer_split), or the first and last stage only the embedding and the output when
+    layers + 2 = pp·V (405B: 128 of one)."""
     return layer_split(layers, pp * virtual_stages, empty_edges=True)

@@ -1,6 +1,6 @@
-"""Memory per GPU, bytes: weights, gradients and optimizer state by ZeRO stage, the activations a layer keeps
-times the schedule's microbatches in flight, the logits, FSDP's gathered layers, the allocator's cache, the
-runtime (docs/planner.md derives each term)."""
+"""Memory per GPU, bytes: weights, gradients and optimizer state by ZeRO stage, the activations a
+layer keeps times the schedule's microbatches in flight, the logits, FSDP's gathered layers, the
+allocator's cache, the runtime (docs/planner.md derives each term)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ from fourd.plan.block import loss_bytes, traffic
 from fourd.plan.job import Job, stage_layers
 
 GB = 1e9
-# PyTorch's CUDA caching allocator keeps freed blocks for reuse: reserved over allocated, less one. Fitted.
-# (Its CPU allocator returns freed memory to malloc: nothing on CPU profiles.)
+# PyTorch's CUDA caching allocator keeps freed blocks for reuse: reserved over allocated, less one.
+# Fitted. (Its CPU allocator returns freed memory to malloc: nothing on CPU profiles.)
 ALLOCATOR_FRAGMENTATION = 0.252
 
 
 def state_bytes_per_param(zero: int, dp: int, dtype_bytes: int = 2) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer) bytes per parameter for ZeRO stage 0-3 over dp ranks: 2 + 2 + 12 in
-    mixed precision, 4 + 4 + 8 in FP32 (Rajbhandari et al. 2020 §5)."""
+    """(weights, gradients, optimizer) bytes per parameter for ZeRO stage 0-3 over dp ranks: 2 + 2 +
+    12 in mixed precision, 4 + 4 + 8 in FP32 (Rajbhandari et al. 2020 §5)."""
     w = g = dtype_bytes
     opt = 12 if dtype_bytes == 2 else 8
     return (w / dp if zero >= 3 else w, g / dp if zero >= 2 else g, opt / dp if zero >= 1 else opt)
@@ -26,26 +26,30 @@ def state_bytes_per_param(zero: int, dp: int, dtype_bytes: int = 2) -> tuple[flo
 
 def stage_params(model, counts: list[int], stage: int) -> int:
     """Parameters of one pipeline stage (whole, before TP)."""
-    p = counts[stage] * model.layer_params()
+    params = counts[stage] * model.layer_params()
     if stage == 0:
-        p += model.embedding_params()
+        params += model.embedding_params()
     if stage == len(counts) - 1:
-        p += model.embedding_params() + (model.dim if model.mlp == "swiglu" else 2 * model.dim)
-    return p
+        params += model.embedding_params() + (model.dim if model.mlp == "swiglu" else 2 * model.dim)
+    return params
 
 
 @lru_cache(maxsize=4096)
 def rank_shapes(
     model, pp: int, virtual_stages: int
 ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-    """(layers per pipeline rank, parameters per pipeline rank before TP, the ranks that can peak in memory:
-    in-flight microbatches fall with the rank, so besides the last (logits) the first with each layer count)."""
+    """(layers per pipeline rank, parameters per pipeline rank before TP, the ranks that can peak in
+    memory: in-flight microbatches fall with the rank, so besides the last (logits) the first with
+    each layer count)."""
     counts = stage_layers(model.layers, pp, virtual_stages)
-    layers = tuple(sum(counts[s] for s in range(r, len(counts), pp)) for r in range(pp))
-    params = tuple(
-        sum(stage_params(model, counts, s) for s in range(r, len(counts), pp)) for r in range(pp)
+    layers = tuple(
+        sum(counts[stage] for stage in range(rank, len(counts), pp)) for rank in range(pp)
     )
-    first_with = {n: r for r, n in reversed(list(enumerate(layers)))}
+    params = tuple(
+        sum(stage_params(model, counts, stage) for stage in range(rank, len(counts), pp))
+        for rank in range(pp)
+    )
+    first_with = {count: rank for rank, count in reversed(list(enumerate(layers)))}
     return layers, params, tuple(sorted({0, pp - 1, *first_with.values()}))
 
 
@@ -55,18 +59,24 @@ def max_rank_params(model, pp: int, virtual_stages: int, tp: int) -> float:
 
 
 def in_flight(schedule: str, pp: int, microbatches: int, virtual_stages: int, rank: int) -> float:
-    """Microbatches whose activations pipeline rank `rank` holds at its peak, in units of all its layers: the
-    closed forms of fourd.schedules' lists (docs/simulators.md's "peak in flight"; the tests check them)."""
-    m, p, v = microbatches, pp, virtual_stages
+    """Microbatches whose activations pipeline rank `rank` holds at its peak, in units of all its
+    layers: the closed forms of fourd.schedules' lists (docs/simulators.md's "peak in flight"; the
+    tests check them)."""
     if schedule == "gpipe":
-        return m
+        return microbatches
     if schedule == "1f1b":
-        return min(p - rank, m)
+        return min(pp - rank, microbatches)
     if schedule == "zero-bubble":
-        return min(p, m)
-    rounds = max(1, m // p)
-    first_round = -(-m // rounds)
-    return min(m * v, (v - 1) * first_round + 2 * (p - rank - 1) + 1) / v
+        return min(pp, microbatches)
+    rounds = max(1, microbatches // pp)
+    first_round = -(-microbatches // rounds)
+    return (
+        min(
+            microbatches * virtual_stages,
+            (virtual_stages - 1) * first_round + 2 * (pp - rank - 1) + 1,
+        )
+        / virtual_stages
+    )
 
 
 @dataclass(frozen=True)
@@ -90,7 +100,8 @@ class Memory:
         return self.total + self.fragmentation + self.reserve
 
     def fits(self, capacity: float) -> bool:
-        """The tensors and the runtime fit: before it gives up, the allocator frees what it keeps cached."""
+        """The tensors and the runtime fit: before it gives up, the allocator frees what it keeps
+        cached."""
         return self.total + self.reserve <= capacity
 
     def gb(self) -> dict:
@@ -111,7 +122,7 @@ def rank_memories(job: Job, ranks) -> list[Memory]:
     """Peak memory of one GPU of each pipeline rank in `ranks`."""
     par, lay, work, b, model = job.par, job.layout, job.work, job.dtype_bytes, job.model
     layers, params, _ = rank_shapes(model, lay.pp, par.virtual_stages)
-    w, g, o = state_bytes_per_param(
+    weight_bytes, grad_bytes, optimizer_bytes = state_bytes_per_param(
         par.zero, par.shard_ranks, b
     )  # FSDP shards over dp×cp (or an HSDP group)
     per_layer = work.tokens * traffic(work).saved
@@ -125,24 +136,41 @@ def rank_memories(job: Job, ranks) -> list[Memory]:
         loss_bytes(b)[2] * work.tokens * model.vocab / lay.tp
     )  # the loss's, for one microbatch: the last rank
     layer = model.layer_params()
-    gathered = 2 * layer / lay.tp * b * (par.zero == 3)  # FSDP's gathered layer and the next
-    edge = (
-        2 * max(0, model.embedding_params() - layer) / lay.tp * b * (par.zero == 3)
-    )  # embedding, output
+    gathered = edge = 0.0
+    if par.zero == 3:
+        gathered = 2 * layer / lay.tp * b  # FSDP's gathered layer and the next
+        edge = 2 * max(0, model.embedding_params() - layer) / lay.tp * b  # embedding, output
     out: list[Memory] = []
     reserve = job.cluster.gpu.memory_reserve_gb * GB
-    for r in ranks:
-        mine = params[r] / lay.tp
+    for rank in ranks:
+        mine = params[rank] / lay.tp
         acts = (
-            in_flight(par.schedule, lay.pp, par.microbatches, par.virtual_stages, r)
-            * layers[r]
+            in_flight(par.schedule, lay.pp, par.microbatches, par.virtual_stages, rank)
+            * layers[rank]
             * per_layer
         )
-        other = common + logits * (r == lay.pp - 1) + gathered + edge * (r in (0, lay.pp - 1))
-        cache = (
-            ALLOCATOR_FRAGMENTATION * (mine * (w + g + o) + acts + other) * (not job.cluster.cpu)
+        other = common
+        if rank == lay.pp - 1:
+            other += logits
+        other += gathered
+        if rank in (0, lay.pp - 1):
+            other += edge
+        cache = 0.0
+        if not job.cluster.cpu:
+            cache = ALLOCATOR_FRAGMENTATION * (
+                mine * (weight_bytes + grad_bytes + optimizer_bytes) + acts + other
+            )
+        out.append(
+            Memory(
+                mine * weight_bytes,
+                mine * grad_bytes,
+                mine * optimizer_bytes,
+                acts,
+                other,
+                cache,
+                reserve,
+            )
         )
-        out.append(Memory(mine * w, mine * g, mine * o, acts, other, cache, reserve))
     return out
 
 

@@ -1,5 +1,6 @@
-"""The time of a step: a layer's work and collectives, a pipeline stage, the schedule's bubble, data-parallel
-traffic, the optimizer. `fourd sim step` schedules these same per-microbatch times. Seconds, bytes, FLOP/s."""
+"""The time of a step: a layer's work and collectives, a pipeline stage, the schedule's bubble,
+data-parallel traffic, the optimizer. `fourd sim step` schedules these same per-microbatch times.
+Seconds, bytes, FLOP/s."""
 
 from __future__ import annotations
 
@@ -52,39 +53,54 @@ class StageTime:
 
 @lru_cache(maxsize=8192)
 def layer_comm(work: Work) -> tuple[float, float, float, float]:
-    """(TP forward, TP backward, CP forward, CP backward) seconds of one layer's collectives, none overlapped
-    (docs/planner.md: Shoeybi et al. 2019, Korthikanti et al. 2022 §4.2.2 with SP, Llama 3 §3.3.2 for CP)."""
-    model, cluster, lay, b = work.model, work.cluster, work.layout, work.dtype_bytes
+    """(TP forward, TP backward, CP forward, CP backward) seconds of one layer's collectives, none
+    overlapped (docs/planner.md: Shoeybi et al. 2019, Korthikanti et al. 2022 §4.2.2 with SP, Llama
+    3 §3.3.2 for CP)."""
+    model, cluster, lay, dtype_bytes = work.model, work.cluster, work.layout, work.dtype_bytes
     groups = placement(lay)
-    act = work.tokens * model.dim * b
-    kv = 2 * max(1, model.kv_heads // lay.tp) * model.head_dim * work.micro_seqs * work.seq * b
-    kv_gather = collective_time("all_gather", kv, groups["cp"], cluster)
-    cp_times = (kv_gather, kv_gather + collective_time("reduce_scatter", kv, groups["cp"], cluster))
-    tp = groups["tp"]
+    act = work.tokens * model.dim * dtype_bytes
+    kv_bytes = (
+        2
+        * max(1, model.kv_heads // lay.tp)
+        * model.head_dim
+        * work.micro_seqs
+        * work.seq
+        * dtype_bytes
+    )
+    kv_gather = collective_time("all_gather", kv_bytes, groups["cp"], cluster)
+    cp_times = (
+        kv_gather,
+        kv_gather + collective_time("reduce_scatter", kv_bytes, groups["cp"], cluster),
+    )
+    tp_group = groups["tp"]
     if not work.sequence_parallel:
-        reduce = collective_time("all_reduce", act, tp, cluster)
+        reduce = collective_time("all_reduce", act, tp_group, cluster)
         return (2 * reduce, 2 * reduce, *cp_times)
-    gather = collective_time("all_gather", act, tp, cluster)
-    scatter = collective_time("reduce_scatter", act, tp, cluster)
+    gather = collective_time("all_gather", act, tp_group, cluster)
+    scatter = collective_time("reduce_scatter", act, tp_group, cluster)
     return (2 * (gather + scatter), 4 * gather + 2 * scatter, *cp_times)
 
 
 def materialized_attention(work: Work) -> tuple[float, float]:
-    """(forward, backward) seconds of attention that writes the s × s scores (Megatron's scale-mask-softmax):
-    two batched GEMMs, softmax and dropout forward, four GEMMs and their backward (Korthikanti et al. 2022 §4)."""
-    m, c, b = work.model, work.cluster, work.dtype_bytes
-    n = work.micro_seqs * (m.heads // work.layout.tp)  # the GEMMs' batch, stacked into rows
-    rows, keys, hd = n * work.tokens // work.micro_seqs, work.seq, m.head_dim
-    scores_t, values_t = gemm_time(rows, keys, hd, c, b), gemm_time(rows, hd, keys, c, b)
+    """(forward, backward) seconds of attention that writes the s × s scores (Megatron's
+    scale-mask-softmax): two batched GEMMs, softmax and dropout forward, four GEMMs and their
+    backward (Korthikanti et al. 2022 §4)."""
+    model, cluster, dtype_bytes = work.model, work.cluster, work.dtype_bytes
+    batch = work.micro_seqs * (model.heads // work.layout.tp)  # the GEMMs' batch, stacked into rows
+    rows, keys, head_dim = batch * work.tokens // work.micro_seqs, work.seq, model.head_dim
+    scores_t, values_t = (
+        gemm_time(rows, keys, head_dim, cluster, dtype_bytes),
+        gemm_time(rows, head_dim, keys, cluster, dtype_bytes),
+    )
     scores = rows * keys
-    fwd = scores_t + values_t + elementwise_time(9 * scores, c)
-    return fwd, scores_t + 3 * values_t + elementwise_time(11 * scores, c)
+    fwd = scores_t + values_t + elementwise_time(9 * scores, cluster)
+    return fwd, scores_t + 3 * values_t + elementwise_time(11 * scores, cluster)
 
 
 @lru_cache(maxsize=8192)
 def layer_time(work: Work) -> StageTime:
     """One transformer layer, one microbatch, on one rank of a (tp, cp) group."""
-    model, cluster, tp, b, tokens = (
+    model, cluster, tp, dtype_bytes, tokens = (
         work.model,
         work.cluster,
         work.layout.tp,
@@ -92,26 +108,33 @@ def layer_time(work: Work) -> StageTime:
         work.tokens,
     )
     fwd = wgrad = dgrad = 0.0
-    for i, (n, k) in enumerate(matmuls(work)):
-        fwd += gemm_time(tokens, n, k, cluster, b)
-        dgrad += gemm_time(tokens, k, n, cluster, b)
-        wgrad += gemm_time(k, n, tokens, cluster, b)
+    for i, (out_dim, k) in enumerate(matmuls(work)):
+        fwd += gemm_time(tokens, out_dim, k, cluster, dtype_bytes)
+        dgrad += gemm_time(tokens, k, out_dim, cluster, dtype_bytes)
+        wgrad += gemm_time(k, out_dim, tokens, cluster, dtype_bytes)
         if i % 2 and work.recompute == "per-op":
-            dgrad += gemm_time(tokens, n, k, cluster, b)  # recomputed: every other matmul
+            dgrad += gemm_time(
+                tokens, out_dim, k, cluster, dtype_bytes
+            )  # recomputed: every other matmul
     if work.attention == "materialized":
         a_fwd, a_bwd = materialized_attention(work)
     else:
-        # CP ranks hold chunks i and 2·CP−1−i: causal, tokens·seq/2 pairs (Llama 3 §3.3.2); on a CPU profile
-        # the chunks take torch's explicit-mask kernel, which computes all pairs
+        # CP ranks hold chunks i and 2·CP−1−i: causal, tokens·seq/2 pairs (Llama 3 §3.3.2); on a CPU
+        # profile the chunks take torch's explicit-mask kernel, which computes all pairs
         all_pairs = work.layout.cp > 1 and bool(cluster.gpu.attention)
         a_fwd, a_bwd = attention_time(
             tokens, work.seq, model.heads // tp, model.head_dim, cluster, not all_pairs
         )
-    t = traffic(work)
-    fwd += a_fwd + elementwise_time(tokens * t.forward, cluster)
-    dgrad += a_bwd + elementwise_time(tokens * (t.backward + t.redo), cluster)
-    # the CPU time a CPU profile measured fourd's TP (DTensor) and FSDP to add per layer, a third forward
-    cpu = cluster.gpu.tp_layer_us * (tp > 1) + cluster.gpu.fsdp_layer_us * work.fsdp
+    per_token = traffic(work)
+    fwd += a_fwd + elementwise_time(tokens * per_token.forward, cluster)
+    dgrad += a_bwd + elementwise_time(tokens * (per_token.backward + per_token.redo), cluster)
+    # the CPU time a CPU profile measured fourd's TP (DTensor) and FSDP to add per layer, a third
+    # forward
+    cpu = 0.0
+    if tp > 1:
+        cpu += cluster.gpu.tp_layer_us
+    if work.fsdp:
+        cpu += cluster.gpu.fsdp_layer_us
     fwd, dgrad = fwd + cpu * 1e-6 / 3, dgrad + cpu * 2e-6 / 3
     tp_f, tp_b, cp_f, cp_b = layer_comm(work)
     fwd_comm, bwd_comm = tp_f + cp_f, tp_b + cp_b
@@ -126,23 +149,24 @@ def layer_time(work: Work) -> StageTime:
 
 
 def _head_time(work: Work, tp_group: Group) -> StageTime:
-    """Final norm, output projection (vocabulary split over TP) and torch's cross-entropy on the logits."""
-    cluster, tokens, tp, b = work.cluster, work.tokens, work.layout.tp, work.dtype_bytes
-    dim, v, sp = work.model.dim, work.model.vocab // tp, work.sequence_parallel
-    norm = 4 * dim * b * tokens / (tp if sp else 1)
-    loss_f, loss_b, _ = loss_bytes(b)
-    fwd = gemm_time(tokens, v, dim, cluster, b) + elementwise_time(
-        norm + loss_f * tokens * v, cluster
+    """Final norm, output projection (vocabulary split over TP) and torch's cross-entropy on the
+    logits."""
+    cluster, tokens, tp, dtype_bytes = work.cluster, work.tokens, work.layout.tp, work.dtype_bytes
+    dim, vocab_shard, seq_parallel = work.model.dim, work.model.vocab // tp, work.sequence_parallel
+    norm = 4 * dim * dtype_bytes * tokens / (tp if seq_parallel else 1)
+    loss_f, loss_b, _ = loss_bytes(dtype_bytes)
+    fwd = gemm_time(tokens, vocab_shard, dim, cluster, dtype_bytes) + elementwise_time(
+        norm + loss_f * tokens * vocab_shard, cluster
     )
-    dgrad = gemm_time(tokens, dim, v, cluster, b) + elementwise_time(
-        2 * norm + loss_b * tokens * v, cluster
+    dgrad = gemm_time(tokens, dim, vocab_shard, cluster, dtype_bytes) + elementwise_time(
+        2 * norm + loss_b * tokens * vocab_shard, cluster
     )
-    wgrad = gemm_time(dim, v, tokens, cluster, b)
-    act = tokens * dim * b
-    # the vocabulary-parallel loss all-reduces max, sum and target logit; SP gathers the input first and
-    # reduce-scatters its gradient, plain TP all-reduces the gradient
+    wgrad = gemm_time(dim, vocab_shard, tokens, cluster, dtype_bytes)
+    act = tokens * dim * dtype_bytes
+    # the vocabulary-parallel loss all-reduces max, sum and target logit; SP gathers the input first
+    # and reduce-scatters its gradient, plain TP all-reduces the gradient
     loss = collective_time("all_reduce", 3 * 4 * tokens, tp_group, cluster)
-    if not sp:
+    if not seq_parallel:
         return StageTime(
             fwd, dgrad, wgrad, loss, collective_time("all_reduce", act, tp_group, cluster)
         )
@@ -153,61 +177,72 @@ def _head_time(work: Work, tp_group: Group) -> StageTime:
 
 
 def compute_share(layout, cluster: Cluster) -> float:
-    """How much slower each rank computes where ranks share a server's cores (CPU profiles): ranks beyond
-    `concurrent_ranks` take turns, and the busy cores together reach the all-core peak."""
+    """How much slower each rank computes where ranks share a server's cores (CPU profiles): ranks
+    beyond `concurrent_ranks` take turns, and the busy cores together reach the all-core peak."""
     slots = cluster.node.concurrent_ranks
     if not slots:
         return 1.0
     gpu, busy = cluster.gpu, min(layout.world, cluster.node.gpus, slots)
-    one = max(s.tflops for s in gpu.gemm) if gpu.gemm else gpu.peak_tflops / slots
+    one = max(sample.tflops for sample in gpu.gemm) if gpu.gemm else gpu.peak_tflops / slots
     return cluster.core_share(layout.world) * max(1.0, busy * one / gpu.peak_tflops)
 
 
 @lru_cache(maxsize=16384)
 def stage_time(work: Work, layers: int, first: bool = False, last: bool = False) -> StageTime:
-    """One microbatch through a pipeline stage of `layers` layers (plus the embedding if `first`, the output
-    and loss if `last`) on one GPU; TP and CP collectives included as exposed communication."""
-    tp_group, c = placement(work.layout)["tp"], work.cluster
-    t = layer_time(work).scaled(layers)
-    if first:  # the vocabulary-parallel lookup: partial rows reduce-scattered into the SP shard (or all-reduced)
+    """One microbatch through a pipeline stage of `layers` layers (plus the embedding if `first`,
+    the output and loss if `last`) on one GPU; TP and CP collectives included as exposed
+    communication."""
+    tp_group, cluster = placement(work.layout)["tp"], work.cluster
+    stage = layer_time(work).scaled(layers)
+    if first:
+        # the vocabulary-parallel lookup: partial rows reduce-scattered into the SP shard (or
+        # all-reduced)
         act = work.tokens * work.model.dim * work.dtype_bytes
         ops = ("reduce_scatter", "all_gather") if work.sequence_parallel else ("all_reduce", "none")
-        comm = [collective_time(op, act, tp_group, c) if op != "none" else 0.0 for op in ops]
-        t = t + StageTime(elementwise_time(act, c), elementwise_time(2 * act, c), 0.0, *comm)
+        comm = [collective_time(op, act, tp_group, cluster) if op != "none" else 0.0 for op in ops]
+        stage = stage + StageTime(
+            elementwise_time(act, cluster), elementwise_time(2 * act, cluster), 0.0, *comm
+        )
     if last:
-        t = t + _head_time(work, tp_group)
-    return t.scaled(
-        compute_share(work.layout, c), comm=1.0
+        stage = stage + _head_time(work, tp_group)
+    return stage.scaled(
+        compute_share(work.layout, cluster), comm=1.0
     )  # collective_time counts the core share itself
 
 
 def chunk_times(job: Job) -> list[StageTime]:
-    """StageTime of each global pipeline stage 0 .. pp·V−1 in model order (stage s runs on rank s % pp)."""
+    """StageTime of each global pipeline stage 0 .. pp·V−1 in model order (stage s runs on rank s %
+    pp)."""
     counts = stage_layers(job.model.layers, job.layout.pp, job.par.virtual_stages)
-    return [stage_time(job.work, n, s == 0, s == len(counts) - 1) for s, n in enumerate(counts)]
+    return [
+        stage_time(job.work, layers, stage == 0, stage == len(counts) - 1)
+        for stage, layers in enumerate(counts)
+    ]
 
 
 @lru_cache(maxsize=16384)
 def slowest_rank(work: Work, p: int, virtual_stages: int) -> tuple[int, StageTime]:
-    """The pipeline rank with the most work per microbatch (embedding and head included), and that work."""
+    """The pipeline rank with the most work per microbatch (embedding and head included), and that
+    work."""
     per_rank, _, kinds = rank_shapes(
         work.model, p, virtual_stages
     )  # equal layers, equal time: one of each kind
-    times = {r: stage_time(work, per_rank[r], r == 0, r == p - 1) for r in kinds}
-    r = max(times, key=lambda r: times[r].forward + times[r].backward)
-    return r, times[r]
+    times = {rank: stage_time(work, per_rank[rank], rank == 0, rank == p - 1) for rank in kinds}
+    rank = max(times, key=lambda rank: times[rank].forward + times[rank].backward)
+    return rank, times[rank]
 
 
 def p2p_time(job: Job) -> float:
-    """One activation (or its gradient) sent between adjacent pipeline ranks, at the slowest boundary (where the
-    pipeline spans servers some neighbours are on two). With SP each TP rank sends its shard; blocking
-    (DeepSpeed's engine) partitions it over TP too and gathers it on arrival."""
+    """One activation (or its gradient) sent between adjacent pipeline ranks, at the slowest
+    boundary (where the pipeline spans servers some neighbours are on two). With SP each TP rank
+    sends its shard; blocking (DeepSpeed's engine) partitions it over TP too and gathers it on
+    arrival."""
     work, lay = job.work, job.layout
     full = work.tokens * work.model.dim * work.dtype_bytes
     split = work.sequence_parallel or job.pipeline_comm == "blocking"
-    gather = collective_time("all_gather", full, placement(lay)["tp"], job.cluster) * (
-        split > work.sequence_parallel
-    )
+    gather = 0.0
+    if split and not work.sequence_parallel:
+        gather = collective_time("all_gather", full, placement(lay)["tp"], job.cluster)
     return (
         collective_time("send", full / (lay.tp if split else 1), placement(lay)["pp"], job.cluster)
         + gather
@@ -217,8 +252,8 @@ def p2p_time(job: Job) -> float:
 def bubble_time(
     schedule: str, pp: int, microbatches: int, virtual_stages: int, stage: StageTime
 ) -> float:
-    """Idle time of a pipeline rank per step for per-microbatch times `stage` (all its layers): the closed forms
-    of fourd.schedules' lists (docs/simulators.md)."""
+    """Idle time of a pipeline rank per step for per-microbatch times `stage` (all its layers): the
+    closed forms of fourd.schedules' lists (docs/simulators.md)."""
     p, v = pp, virtual_stages
     whole = stage.forward + stage.backward
     if schedule in ("gpipe", "1f1b"):
@@ -235,7 +270,8 @@ class StepTime:
     step_s: float
     compute_s: float  # m · (t_f + t_b) of the slowest pipeline rank, TP/CP communication included
     bubble_s: float
-    p2p_s: float  # pipeline sends on the critical path (warm-up and cool-down; blocking, every microbatch's)
+    # pipeline sends on the critical path (warm-up and cool-down; blocking, every microbatch's)
+    p2p_s: float
     dp_exposed_s: float  # data-parallel collectives not hidden behind compute
     dp_total_s: float  # all data-parallel collectives of the step
     overlap_s: float  # compute slowed by collectives running beside it
@@ -247,66 +283,105 @@ class StepTime:
 
 
 def _dp_exposure(job: Job, t: StageTime, bubble: float, layers: int) -> tuple[float, float]:
-    """(exposed, total) seconds of the slowest rank's ZeRO/DDP traffic, one bucket per layer: what compute around
-    it cannot hide, and the last bucket, are exposed (docs/planner.md: what each ZeRO stage moves)."""
-    lay, par, c = job.layout, job.par, job.cluster
-    m, shard, n = par.microbatches, shard_group(lay, par.hsdp_replicas), max(1, layers)
+    """(exposed, total) seconds of the slowest rank's ZeRO/DDP traffic, one bucket per layer: what
+    compute around it cannot hide, and the last bucket, are exposed (docs/planner.md: what each ZeRO
+    stage moves)."""
+    lay, par, cluster = job.layout, job.par, job.cluster
+    microbatches, shard, buckets = (
+        par.microbatches,
+        shard_group(lay, par.hsdp_replicas),
+        max(1, layers),
+    )
     params = max_rank_params(job.model, lay.pp, par.virtual_stages, lay.tp)
 
-    def ct(op: str, nbytes: float, group=shard) -> float:
-        return n * collective_time(op, nbytes / n, group, c)
+    def bucketed(op: str, nbytes: float, group=shard) -> float:
+        return buckets * collective_time(op, nbytes / buckets, group, cluster)
 
-    ag, rs = ct("all_gather", params * job.dtype_bytes), ct("reduce_scatter", 4 * params)
-    across = ct("all_reduce", 4 * params / shard.size, replica_group(lay, par.hsdp_replicas))
+    gather, scatter = (
+        bucketed("all_gather", params * job.dtype_bytes),
+        bucketed("reduce_scatter", 4 * params),
+    )
+    across = bucketed("all_reduce", 4 * params / shard.size, replica_group(lay, par.hsdp_replicas))
     tail, head = (
         t.backward + bubble / 2,
         t.forward + bubble / 2,
     )  # last backward and cool-down; warm-up
-    r = (
-        1 if c.cpu else m
+    reduces = (
+        1 if cluster.cpu else microbatches
     )  # ZeRO 2, 3 reduce each microbatch's grads; fourd's FSDP (CPU profiles) the last one's
     phases = {
-        0: [(ct("all_reduce", 4 * params), tail, 1)],
-        1: [(rs, tail, 1), (ag, head, 1)],
-        2: [(r * rs, r * t.backward, r), (ag, head, 1)],
-        3: [(m * ag, m * t.forward, m), (m * ag + r * (rs + across), m * t.backward, m)],
+        0: [(bucketed("all_reduce", 4 * params), tail, 1)],
+        1: [(scatter, tail, 1), (gather, head, 1)],
+        2: [(reduces * scatter, reduces * t.backward, reduces), (gather, head, 1)],
+        3: [
+            (microbatches * gather, microbatches * t.forward, microbatches),
+            (
+                microbatches * gather + reduces * (scatter + across),
+                microbatches * t.backward,
+                microbatches,
+            ),
+        ],
     }[par.zero]
     total = sum(x for x, _, _ in phases)
-    exposed = sum(max(0.0, x - window) + x / (n * k) for x, window, k in phases)
+    exposed = sum(max(0.0, x - window) + x / (buckets * k) for x, window, k in phases)
     return min(exposed, total), total
 
 
 def step_time(job: Job) -> StepTime:
     """Seconds per optimizer step, and where they go."""
     lay, par = job.layout, job.par
-    p, m = lay.pp, par.microbatches
-    slow, t = slowest_rank(job.work, p, par.virtual_stages)
+    pp, microbatches = lay.pp, par.microbatches
+    slow, stage = slowest_rank(job.work, pp, par.virtual_stages)
     blocking = job.pipeline_comm == "blocking"
-    params = max_rank_params(job.model, p, par.virtual_stages, lay.tp)
-    if blocking:  # DeepSpeed's engine adds each backward's BF16 weight gradients into FP32 ones, a pass of its own
-        t = t + StageTime(
+    params = max_rank_params(job.model, pp, par.virtual_stages, lay.tp)
+    if blocking:
+        # DeepSpeed's engine adds each backward's BF16 weight gradients into FP32 ones, a pass of
+        # its own
+        stage = stage + StageTime(
             0.0, 0.0, elementwise_time(GRAD_ACCUMULATE_BYTES * params, job.cluster), 0.0, 0.0
         )
-    # overlapped, the sends of warm-up and cool-down are on the critical path; blocking, each microbatch after
-    # the first also waits for a middle rank's four (two on a two-rank pipeline): docs/planner.md
-    p2p = (2 * (p - 1) + blocking * 2 * min(2, p - 1) * (m - 1)) * p2p_time(job) if p > 1 else 0.0
-    layers = rank_shapes(job.model, p, par.virtual_stages)[0][slow]
+    # overlapped, the sends of warm-up and cool-down are on the critical path; blocking, each
+    # microbatch after the first also waits for a middle rank's four (two on a two-rank pipeline):
+    # docs/planner.md
+    sends = 2 * (pp - 1)
+    if blocking:
+        sends += 2 * min(2, pp - 1) * (microbatches - 1)
+    p2p = sends * p2p_time(job) if pp > 1 else 0.0
+    layers = rank_shapes(job.model, pp, par.virtual_stages)[0][slow]
     tp_f, tp_b, cp_f, cp_b = layer_comm(job.work)
     redo = 2 if par.recompute == "full" else 1
-    compute = m * (t.forward + t.backward)
-    bubble = bubble_time(par.schedule, p, m, par.virtual_stages, t) if p > 1 else 0.0
-    # CPU profiles: half the ranks work through warm-up and cool-down, on the cores the waiting half leave
+    compute = microbatches * (stage.forward + stage.backward)
+    bubble = (
+        bubble_time(par.schedule, pp, microbatches, par.virtual_stages, stage) if pp > 1 else 0.0
+    )
+    # CPU profiles: half the ranks work through warm-up and cool-down, on the cores the waiting half
+    # leave
     server = min(lay.world, job.cluster.node.gpus)
     bubble *= job.cluster.core_share(server // 2) / job.cluster.core_share(server)
-    exposed, total = _dp_exposure(job, t, bubble, layers)
+    exposed, total = _dp_exposure(job, stage, bubble, layers)
     if job.cluster.cpu or blocking:
-        # on CPUs collectives run on the cores compute needs; DeepSpeed's engine reduces after the last backward
+        # on CPUs collectives run on the cores compute needs; DeepSpeed's engine reduces after the
+        # last backward
         exposed = total
     overlap = OVERLAP_SLOWDOWN * (total - exposed)
     owned = params / (shard_group(lay, par.hsdp_replicas).size if par.zero >= 1 else 1)
     optimizer = optimizer_time(owned, job.cluster, job.dtype_bytes)
     step = compute + bubble + p2p + exposed + overlap + optimizer
-    tp_comm, cp_comm = m * layers * (tp_f * redo + tp_b), m * layers * (cp_f * redo + cp_b)
+    tp_comm, cp_comm = (
+        microbatches * layers * (tp_f * redo + tp_b),
+        microbatches * layers * (cp_f * redo + cp_b),
+    )
     return StepTime(
-        step, compute, bubble, p2p, exposed, total, overlap, optimizer, tp_comm, cp_comm, slow, t
+        step,
+        compute,
+        bubble,
+        p2p,
+        exposed,
+        total,
+        overlap,
+        optimizer,
+        tp_comm,
+        cp_comm,
+        slow,
+        stage,
     )

@@ -1,4 +1,5 @@
-"""The readable report of a plan and of a search: tables with units, and why the numbers are what they are."""
+"""The readable report of a plan and of a search: tables with units, and why the numbers are what
+they are."""
 
 from __future__ import annotations
 
@@ -44,49 +45,59 @@ def _bubble_shape(p: int, m: int, v: int, schedule: str) -> str:
 
 def why(plan: Plan) -> list[str]:
     """Sentences explaining where the step goes."""
-    c, s, lay = plan.config, plan.step, plan.config.layout
+    config, step, lay = plan.config, plan.step, plan.config.layout
     lines, per_replica = [], plan.global_seqs // lay.dp
     if lay.pp > 1:
         lines.append(
-            f"Pipeline bubble: each replica gets {plural(per_replica, 'sequence')}, so {plural(c.microbatches, 'microbatch')}; the "
-            f"{c.schedule} schedule idles {_bubble_shape(lay.pp, c.microbatches, c.virtual_stages, c.schedule)} = "
-            f"{_pct(s.bubble_s / s.compute_s)} of compute ({_pct(plan.bubble_fraction)} of the step)."
+            f"Pipeline bubble: each replica gets {plural(per_replica, 'sequence')}, so "
+            f"{plural(config.microbatches, 'microbatch')}; the {config.schedule} schedule idles "
+            f"{_bubble_shape(lay.pp, config.microbatches, config.virtual_stages, config.schedule)} "
+            f"= {_pct(step.bubble_s / step.compute_s)} of compute ({_pct(plan.bubble_fraction)} of "
+            "the step)."
         )
     if (
         lay.pp > 1 and lay.dp % 2 == 0
     ):  # the same global batch on half the replicas, each twice the sequences
         half = Layout(lay.tp, lay.cp, lay.pp, lay.dp // 2)
         other = evaluate(
-            replace(plan.job, par=replace(c, layout=half, microbatches=2 * c.microbatches))
+            replace(
+                plan.job, par=replace(config, layout=half, microbatches=2 * config.microbatches)
+            )
         )
         lines.append(
-            f"With half the replicas (dp={half.dp}, {2 * per_replica} sequences and {other.config.microbatches} "
-            f"microbatches each, same global batch on {other.gpus:,} GPUs) the bubble would be "
-            f"{_pct(other.step.bubble_s / other.step.compute_s)} of compute and MFU {_pct(other.mfu)} instead of "
-            f"{_pct(plan.mfu)}: fewer sequences per replica mean fewer microbatches to fill the pipeline."
+            f"With half the replicas (dp={half.dp}, {2 * per_replica} sequences and "
+            f"{other.config.microbatches} microbatches each, same global batch on {other.gpus:,} "
+            f"GPUs) the bubble would be {_pct(other.step.bubble_s / other.step.compute_s)} of "
+            f"compute and MFU {_pct(other.mfu)} instead of {_pct(plan.mfu)}: fewer sequences per "
+            "replica mean fewer microbatches to fill the pipeline."
         )
     for part, what in (
-        (s.tp_comm_s, "TP collectives (not overlapped)"),
-        (s.cp_comm_s, "CP all-gathers of K and V"),
+        (step.tp_comm_s, "TP collectives (not overlapped)"),
+        (step.cp_comm_s, "CP all-gathers of K and V"),
     ):
-        lines += [f"{what} take {_pct(part / s.step_s)} of the step."] if part else []
-    if s.dp_total_s:
+        lines += [f"{what} take {_pct(part / step.step_s)} of the step."] if part else []
+    if step.dp_total_s:
         lines.append(
-            f"Data-parallel traffic: {s.dp_total_s:.3f} s per step, {s.dp_exposed_s:.3f} s of it exposed "
-            f"(the rest hides behind compute and slows it by {s.overlap_s:.3f} s)."
+            f"Data-parallel traffic: {step.dp_total_s:.3f} s per step, {step.dp_exposed_s:.3f} s "
+            f"of it exposed (the rest hides behind compute and slows it by {step.overlap_s:.3f} s)."
         )
     return lines
 
 
 def plan_report(plan: Plan, train_tokens: float | None = None) -> str:
-    c, s, mem, cl = plan.config, plan.step, plan.memory, plan.cluster
-    sched = c.schedule + (f" V={c.virtual_stages}" if c.schedule == "interleaved" else "")
+    config, step, mem, cluster = plan.config, plan.step, plan.memory, plan.cluster
+    sched = config.schedule + (
+        f" V={config.virtual_stages}" if config.schedule == "interleaved" else ""
+    )
     out = [
-        f"fourd plan: {plan.gpus:,} × {cl.gpu.name} ({cl.name}, {(plan.job.precision or cl.dtype).upper()}), model with "
-        f"{si(plan.model.params())} parameters, {plan.seq:,}-token sequences, {plan.global_seqs * plan.seq:,} "
-        f"tokens per step",
-        f"  {c.layout} · {sched} · {plural(c.microbatches, 'microbatch')} of {plan.micro_seqs} × {plan.seq:,} tokens · ZeRO "
-        f"{c.zero} · recompute {c.recompute} · {'compiled' if plan.job.compiled else 'eager'}"
+        f"fourd plan: {plan.gpus:,} × {cluster.gpu.name} ({cluster.name}, "
+        f"{(plan.job.precision or cluster.dtype).upper()}), model with {si(plan.model.params())} "
+        f"parameters, {plan.seq:,}-token sequences, {plan.global_seqs * plan.seq:,} tokens per "
+        "step",
+        f"  {config.layout} · {sched} · {plural(config.microbatches, 'microbatch')} of "
+        f"{plan.micro_seqs} × "
+        f"{plan.seq:,} tokens · ZeRO {config.zero} · recompute {config.recompute} · "
+        f"{'compiled' if plan.job.compiled else 'eager'}"
         f"{' · blocking pipeline sends' if plan.job.pipeline_comm == 'blocking' else ''}",
     ]
     out += (
@@ -96,41 +107,42 @@ def plan_report(plan: Plan, train_tokens: float | None = None) -> str:
     )
     out += ["", "Placement (ranks innermost first: TP, CP, PP, DP)"]
     out += [
-        f"  {d}={getattr(c.layout, d):<6} {WHERE[group_level(g, cl)]}"
-        for d, g in placement(c.layout).items()
+        f"  {dim}={getattr(config.layout, dim):<6} {WHERE[group_level(g, cluster)]}"
+        for dim, g in placement(config.layout).items()
     ]
     g = mem.gb()
     out += ["", "Memory per GPU (the fullest pipeline rank)        GB"]
     out += [f"  {label:<44} {g[key]:>7.1f}" for key, label in MEMORY]
-    total = f"total of {cl.gpu.memory_gb:.0f} GB"
+    total = f"total of {cluster.gpu.memory_gb:.0f} GB"
     out.append(
-        f"  {total:<44} {g['total'] + g['reserve']:>7.1f}  {'fits' if plan.fits else 'DOES NOT FIT'}"
+        f"  {total:<44} {g['total'] + g['reserve']:>7.1f}  "
+        f"{'fits' if plan.fits else 'DOES NOT FIT'}"
     )
     out.append(f"  {'and the allocator cache (freed when short)':<44} {g['fragmentation']:>7.1f}")
     rows = [
-        ("compute (TP and CP collectives included)", s.compute_s),
-        ("  of which TP collectives", s.tp_comm_s),
-        ("  of which CP collectives", s.cp_comm_s),
-        ("pipeline bubble", s.bubble_s),
-        ("pipeline sends on the critical path", s.p2p_s),
-        ("data-parallel collectives, exposed", s.dp_exposed_s),
-        ("compute slowed by overlapped collectives", s.overlap_s),
-        ("optimizer update", s.optimizer_s),
+        ("compute (TP and CP collectives included)", step.compute_s),
+        ("  of which TP collectives", step.tp_comm_s),
+        ("  of which CP collectives", step.cp_comm_s),
+        ("pipeline bubble", step.bubble_s),
+        ("pipeline sends on the critical path", step.p2p_s),
+        ("data-parallel collectives, exposed", step.dp_exposed_s),
+        ("compute slowed by overlapped collectives", step.overlap_s),
+        ("optimizer update", step.optimizer_s),
     ]
     out += ["", "Step time                                          s      share"]
     out += [
-        f"  {a:<44} {v:>9.3f}  {_pct(v / s.step_s):>7}"
-        for a, v in rows
-        if v or not a.startswith("  ")
+        f"  {term:<44} {seconds:>9.3f}  {_pct(seconds / step.step_s):>7}"
+        for term, seconds in rows
+        if seconds or not term.startswith("  ")
     ]
-    out += [f"  {'step':<44} {s.step_s:>9.3f}", "", "Throughput"]
+    out += [f"  {'step':<44} {step.step_s:>9.3f}", "", "Throughput"]
     out += [
-        f"  {a:<43}{v:>14}"
-        for a, v in (
+        f"  {term:<43}{seconds:>14}"
+        for term, seconds in (
             ("tokens/s", f"{plan.tokens_per_s:,.0f}"),
             ("model TFLOP/s per GPU", f"{plan.tflops_per_gpu:.1f}"),
             ("hardware TFLOP/s per GPU (recomputation)", f"{plan.hw_tflops_per_gpu:.1f}"),
-            (f"MFU (of {cl.gpu.peak_tflops:g} TFLOP/s peak)", _pct(plan.mfu)),
+            (f"MFU (of {cluster.gpu.peak_tflops:g} TFLOP/s peak)", _pct(plan.mfu)),
             ("bubble fraction of the step", _pct(plan.bubble_fraction)),
             *(
                 [
@@ -148,25 +160,33 @@ def plan_report(plan: Plan, train_tokens: float | None = None) -> str:
 
 
 def search_report(plans: list[Plan], top: int, train_tokens: float | None = None) -> str:
-    head = f"  {'layout':<26} {'schedule':<14} {'m':>4} {'mbs':>4} {'zero':>4} {'recompute':<9} {'GB':>6} {'step s':>8} "
+    head = (
+        f"  {'layout':<26} {'schedule':<14} {'m':>4} {'mbs':>4} {'zero':>4} {'recompute':<9} "
+        f"{'GB':>6} {'step s':>8} "
+    )
     out = [
-        f"searched {len(plans):,} configurations, {sum(p.fits for p in plans):,} fit in memory; the best:",
+        f"searched {len(plans):,} configurations, {sum(plan.fits for plan in plans):,} fit in "
+        "memory; the best:",
         "",
         plan_report(plans[0], train_tokens),
         "",
         f"Top {min(top, len(plans))} (fitting first, by tokens/s)",
         head + f"{'tokens/s':>12} {'MFU':>7}",
     ]
-    for p in plans[:top]:
-        c = p.config
-        sched = c.schedule + (f" V={c.virtual_stages}" if c.schedule == "interleaved" else "")
+    for plan in plans[:top]:
+        config = plan.config
+        sched = config.schedule + (
+            f" V={config.virtual_stages}" if config.schedule == "interleaved" else ""
+        )
         out.append(
-            f"  {str(c.layout):<26} {sched:<14} {c.microbatches:>4} {p.micro_seqs:>4} {c.zero:>4} {c.recompute:<9} "
-            f"{(p.memory.total + p.memory.reserve) / 1e9:>6.1f}{'' if p.fits else '!'} {p.step.step_s:>8.3f} "
-            f"{p.tokens_per_s:>12,.0f} {_pct(p.mfu):>7}"
+            f"  {str(config.layout):<26} {sched:<14} {config.microbatches:>4} {plan.micro_seqs:>4} "
+            f"{config.zero:>4} {config.recompute:<9} "
+            f"{(plan.memory.total + plan.memory.reserve) / 1e9:>6.1f}{'' if plan.fits else '!'} "
+            f"{plan.step.step_s:>8.3f} {plan.tokens_per_s:>12,.0f} {_pct(plan.mfu):>7}"
         )
     if not plans[0].fits:
         out.append(
-            "  (!: does not fit; no configuration fits: add GPUs, shorten sequences or use a bigger GPU)"
+            "  (!: does not fit; no configuration fits: add GPUs, shorten sequences or use a "
+            "bigger GPU)"
         )
     return "\n".join(out)

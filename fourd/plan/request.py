@@ -1,5 +1,6 @@
-"""The one resolver of planner requests (`fourd plan`, `fourd sim step`, the lab, the trainer): settings parsed
-and checked in one place, defaults filled one way, those left open named. Entry points: docs/planner.md."""
+"""The one resolver of planner requests (`fourd plan`, `fourd sim step`, the lab, the trainer):
+settings parsed and checked in one place, defaults filled one way, those left open named. Entry
+points: docs/planner.md."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ ALLOWED: dict[Any, tuple] = {}  # parser -> the values it takes
 
 
 class BadValue(FourdError, argparse.ArgumentTypeError):
-    """A value out of range: argparse names the flag it came with, other callers see a FourdError."""
+    """A value out of range: argparse names the flag it came with, other callers see a
+    FourdError."""
 
 
 def bounded(kind: type, lo: float, hi: float = math.inf, what: str = ""):
@@ -43,7 +45,12 @@ def bounded(kind: type, lo: float, hi: float = math.inf, what: str = ""):
                 f"{str(text)[:40]!r} is not {'a number' if kind is float else 'a whole number'}"
             ) from None
         if not (math.isfinite(value) and lo <= value <= hi):
-            top = "" if hi == math.inf else f" to {hi:,}" if kind is int else f" to {hi:.10g}"
+            if hi == math.inf:
+                top = ""
+            elif kind is int:
+                top = f" to {hi:,}"
+            else:
+                top = f" to {hi:.10g}"
             raise BadValue(f"{value} is out of range: give {what} from {lo:.10g}{top}")
         return value
 
@@ -67,16 +74,21 @@ def choice(allowed, kind: type = str):
 
 
 def count(text) -> float:
-    """A positive amount: `16777216`, `16M` (K, M, G binary: 16M = 2^24), `15.6T` (B, T decimal), `4e6`."""
-    t = str(text).strip()
+    """A positive amount: `16777216`, `16M` (K, M, G binary: 16M = 2^24), `15.6T` (B, T decimal),
+    `4e6`."""
+    token = str(text).strip()
     try:
         value = (
-            float(t[:-1]) * _SUFFIX[t[-1].upper()] if t and t[-1].upper() in _SUFFIX else float(t)
+            float(token[:-1]) * _SUFFIX[token[-1].upper()]
+            if token and token[-1].upper() in _SUFFIX
+            else float(token)
         )
     except ValueError:
-        raise BadValue(f"{t[:40]!r} is not a count: write e.g. 16777216, 16M or 15.6T") from None
+        raise BadValue(
+            f"{token[:40]!r} is not a count: write e.g. 16777216, 16M or 15.6T"
+        ) from None
     if not (math.isfinite(value) and value > 0):
-        raise BadValue(f"{t[:40]!r} must be a positive finite count, e.g. 16M or 15.6T")
+        raise BadValue(f"{token[:40]!r} must be a positive finite count, e.g. 16M or 15.6T")
     return value
 
 
@@ -87,7 +99,8 @@ def on_off(text) -> bool:
 
 
 ALLOWED[on_off] = ("on", "off")
-# Every setting a request takes: its parser (for text and typed values alike) and its --help; None pins nothing.
+# Every setting a request takes: its parser (for text and typed values alike) and its --help; None
+# pins nothing.
 SETTINGS: dict[str, tuple[Any, str]] = {
     "gpus": (
         bounded(int, 1, MAX_GPUS),
@@ -129,14 +142,15 @@ FLAGS = {"precision": "--dtype", "compiled": "--compile"}
 
 
 def add_arguments(p) -> None:
-    """`fourd plan`'s flags; `fourd sim step` takes them too. On a CPU profile (`fourd calibrate` writes one)
-    --seq, --global-batch-tokens and --sequence-parallel default to what `fourd train` runs."""
-    g = p.add_mutually_exclusive_group()
-    g.add_argument(
+    """`fourd plan`'s flags; `fourd sim step` takes them too. On a CPU profile (`fourd calibrate`
+    writes one) --seq, --global-batch-tokens and --sequence-parallel default to what `fourd train`
+    runs."""
+    models = p.add_mutually_exclusive_group()
+    models.add_argument(
         "--model",
         help=f"preset: debug, small, llama3-8b, llama3-70b, llama3-405b (default {DEFAULT_MODEL})",
     )
-    g.add_argument(
+    models.add_argument(
         "--model-spec",
         type=parse_model_spec,
         help="layers=,dim=,ffn=,heads=,kv_heads=,vocab=[,head_dim=][,mlp=gelu]",
@@ -144,7 +158,7 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--cluster", help=f"cluster profile name or .toml path (default {DEFAULT_CLUSTER})"
     )
-    for key, (parse, text) in ((k, v) for k, v in SETTINGS.items() if v[1]):
+    for key, (parse, text) in ((k, setting) for k, setting in SETTINGS.items() if setting[1]):
         metavar = (
             "{" + ",".join(map(str, ALLOWED[parse])) + "}" if parse in ALLOWED else key.upper()
         )
@@ -173,8 +187,8 @@ def add_arguments(p) -> None:
 
 @dataclass(frozen=True)
 class Request:
-    """A resolved request: what runs (`base`, whose Parallelism the search replaces), on how many GPUs, the
-    settings the user pinned and the ones left to the planner."""
+    """A resolved request: what runs (`base`, whose Parallelism the search replaces), on how many
+    GPUs, the settings the user pinned and the ones left to the planner."""
 
     base: Job
     gpus: int
@@ -186,14 +200,16 @@ class Request:
 
 
 def resolve_inputs(args) -> Request:
-    """The request `fourd plan`'s flags (`add_arguments`) describe, as every command that takes them reads it."""
+    """The request `fourd plan`'s flags (`add_arguments`) describe, as every command that takes them
+    reads it."""
     model = args.model_spec or get_preset(args.model or DEFAULT_MODEL)
     cluster = load_cluster(args.cluster or DEFAULT_CLUSTER)
     return resolve(model, cluster, {k: getattr(args, k) for k in SETTINGS if k != "global_seqs"})
 
 
 def _values(values: Mapping[str, Any]) -> dict[str, Any]:
-    """Every setting, parsed and range-checked (None: not given), whether it came as text or typed."""
+    """Every setting, parsed and range-checked (None: not given), whether it came as text or
+    typed."""
     if bad := ", ".join(sorted(set(values) - set(SETTINGS))):
         raise FourdError(f"unknown planner setting(s) {bad}; known: {', '.join(SETTINGS)}")
     out: dict[str, Any] = dict.fromkeys(SETTINGS)
@@ -223,50 +239,57 @@ def _batch(v: dict, seq: int, cluster: Cluster) -> int:
 
 
 def _even_batch(seqs: int, parts: int) -> int:
-    """A batch given in tokens, to the nearest multiple of the replicas × microbatches that share it (said);
-    fewer sequences than parts stay as they are, for the layout check to refuse."""
+    """A batch given in tokens, to the nearest multiple of the replicas × microbatches that share it
+    (said); fewer sequences than parts stay as they are, for the layout check to refuse."""
     even = round(seqs / parts) * parts if seqs >= parts else seqs
     if even != seqs:
         print(
-            f"fourd: note: {seqs} sequences do not split into {parts} equal parts: planned with {even}",
+            f"fourd: note: {seqs} sequences do not split into {parts} equal parts: planned with "
+            f"{even}",
             file=sys.stderr,
         )
     return even
 
 
 def resolve(model: ModelConfig, cluster: Cluster, values: Mapping[str, Any]) -> Request:
-    """The one resolver: `values` names any of SETTINGS (text or typed; None or absent: open or defaulted)."""
-    v = _values(values)
+    """The one resolver: `values` names any of SETTINGS (text or typed; None or absent: open or
+    defaulted)."""
+    given = _values(values)
     if cluster.cpu:
         from fourd.config import DataSection, ParallelSection
-    seq = v["seq"] or (DataSection().seq_len if cluster.cpu else model.max_seq)
-    sp = v["sequence_parallel"]
-    sp = (ParallelSection().sequence_parallel if cluster.cpu else True) if sp is None else sp
-    layout, gpus, global_seqs = v["layout"], v["gpus"], _batch(v, seq, cluster)
+    seq = given["seq"] or (DataSection().seq_len if cluster.cpu else model.max_seq)
+    seq_parallel = given["sequence_parallel"]
+    if seq_parallel is None:
+        seq_parallel = ParallelSection().sequence_parallel if cluster.cpu else True
+    layout, gpus, global_seqs = given["layout"], given["gpus"], _batch(given, seq, cluster)
     if layout is None and gpus is None:
         raise FourdError("give the number of GPUs or a layout (its product is the number of GPUs)")
     gpus = gpus or layout.world
     if layout is not None and layout.world != gpus:
         raise FourdError(
-            f"layout {layout} uses {layout.world} GPUs but {gpus} are asked: make the product of the degrees equal {gpus}"
+            f"layout {layout} uses {layout.world} GPUs but {gpus} are asked: make the product of "
+            f"the degrees equal {gpus}"
         )
-    schedule = v["schedule"] or ("interleaved" if (v["virtual_stages"] or 1) > 1 else None)
+    schedule = given["schedule"] or ("interleaved" if (given["virtual_stages"] or 1) > 1 else None)
     check_stages(
-        schedule or "interleaved", 2, 1, v["virtual_stages"] or 1
+        schedule or "interleaved", 2, 1, given["virtual_stages"] or 1
     )  # with or without a layout
-    fixed = {k: v[k] for k in OPEN} | {"schedule": schedule, "sequence_parallel": sp}
-    fixed["hsdp_replicas"] = v["hsdp_replicas"] or 1
+    fixed = {k: given[k] for k in OPEN} | {"schedule": schedule, "sequence_parallel": seq_parallel}
+    fixed["hsdp_replicas"] = given["hsdp_replicas"] or 1
     open_ = tuple(
         name.replace("_", " ")
         for name in OPEN
         if fixed[name] is None and (schedule in (None, "interleaved") or name != "virtual_stages")
     )
-    if layout is not None and not v["global_seqs"]:
+    if layout is not None and not given["global_seqs"]:
         global_seqs = _even_batch(global_seqs, layout.dp * (fixed["microbatches"] or 1))
-    if (
-        layout is not None
-    ):  # name what is wrong with the user's own settings before searching the rest
-        zero = 3 * (fixed["hsdp_replicas"] > 1) if fixed["zero"] is None else fixed["zero"]
+    # name what is wrong with the user's own settings before searching the rest
+    if layout is not None:
+        zero = fixed["zero"]
+        if zero is None:  # HSDP shards with ZeRO 3 unless told otherwise
+            zero = 0
+            if fixed["hsdp_replicas"] > 1:
+                zero = 3
         mine = Parallelism(
             layout=layout,
             schedule=schedule or "1f1b",
@@ -274,37 +297,45 @@ def resolve(model: ModelConfig, cluster: Cluster, values: Mapping[str, Any]) -> 
             virtual_stages=fixed["virtual_stages"] or 1,
             zero=zero,
             recompute=fixed["recompute"] or "none",
-            sequence_parallel=sp,
+            sequence_parallel=seq_parallel,
             hsdp_replicas=fixed["hsdp_replicas"],
         )
         layout_check(model, mine, seq, global_seqs)
     # compiled blocks are faster and keep less; a CPU profile predicts fourd train, which runs eager
-    compiled = (not cluster.cpu) if v["compiled"] is None else v["compiled"]
-    open_ += ("compile",) * (v["compiled"] is None and not cluster.cpu)
-    attention, comm = v["attention"] or "flash", v["pipeline_comm"] or "overlapped"
+    compiled = (not cluster.cpu) if given["compiled"] is None else given["compiled"]
+    if given["compiled"] is None and not cluster.cpu:
+        open_ += ("compile",)
+    attention, comm = given["attention"] or "flash", given["pipeline_comm"] or "overlapped"
     base = Job(
-        model,
-        cluster,
-        Parallelism(layout=Layout()),
-        seq,
-        global_seqs,
-        v["precision"],
-        compiled,
-        attention,
-        comm,
+        model=model,
+        cluster=cluster,
+        par=Parallelism(layout=Layout()),
+        seq=seq,
+        global_seqs=global_seqs,
+        precision=given["precision"],
+        compiled=compiled,
+        attention=attention,
+        pipeline_comm=comm,
     )
-    return Request(base, gpus, fixed, open_, v["train_tokens"])
+    return Request(
+        base=base, gpus=gpus, fixed=fixed, open=open_, train_tokens=given["train_tokens"]
+    )
 
 
 def plans(req: Request) -> list[Plan]:
-    """Every configuration the request allows, fitting first, fastest first; FourdError when there is none."""
+    """Every configuration the request allows, fitting first, fastest first; FourdError when there
+    is none."""
     found = search(req.base, req.gpus, req.fixed, req.open)
     if not found:
-        b, m = req.base, req.fixed["microbatches"]
+        base, microbatches = req.base, req.fixed["microbatches"]
+        in_microbatches = the_microbatches = ""
+        if microbatches:
+            in_microbatches = f" in {microbatches} microbatches per replica"
+            the_microbatches = ", the microbatches"
         raise FourdError(
-            f"no configuration of {req.gpus} GPUs runs this model with {b.seq}-token sequences and "
-            f"{b.global_seqs} sequences per step{f' in {m} microbatches per replica' if m else ''}: change the "
-            f"number of GPUs, the sequence length{', the microbatches' if m else ''} or the global batch"
+            f"no configuration of {req.gpus} GPUs runs this model with {base.seq}-token sequences "
+            f"and {base.global_seqs} sequences per step{in_microbatches}: change the number of "
+            f"GPUs, the sequence length{the_microbatches} or the global batch"
         )
     return found
 
@@ -312,8 +343,8 @@ def plans(req: Request) -> list[Plan]:
 def best_plan(
     model: ModelConfig, cluster: Cluster | str, gpus: int, seq: int, global_seqs: int, fixed=None
 ) -> Plan:
-    """The fastest plan that fits (the smallest if none does) for `gpus` GPUs; `fixed` pins settings by their
-    SETTINGS names (a layout as a Layout or its text), the rest are searched."""
+    """The fastest plan that fits (the smallest if none does) for `gpus` GPUs; `fixed` pins settings
+    by their SETTINGS names (a layout as a Layout or its text), the rest are searched."""
     cluster = load_cluster(cluster) if isinstance(cluster, str) else cluster
     return plans(
         resolve(
@@ -325,8 +356,8 @@ def best_plan(
 def rank_peak_memory_gb(
     model: ModelConfig, cluster: Cluster | str, par: Parallelism, seq: int, global_seqs: int
 ):
-    """GB (10^9 bytes) the fullest GPU holds at its peak: tensors, the allocator's cache and the runtime's
-    reserve; FourdError if the configuration cannot run."""
+    """GB (10^9 bytes) the fullest GPU holds at its peak: tensors, the allocator's cache and the
+    runtime's reserve; FourdError if the configuration cannot run."""
     from fourd.plan.memory import GB, peak_memory
 
     cluster = load_cluster(cluster) if isinstance(cluster, str) else cluster

@@ -1,5 +1,5 @@
-"""Plans and the search: one configuration evaluated (memory, time, MFU), and every valid configuration for
-N GPUs ranked by tokens/s among those that fit."""
+"""Plans and the search: one configuration evaluated (memory, time, MFU), and every valid
+configuration for N GPUs ranked by tokens/s among those that fit."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ MIN_CP_TOKENS = (
 )
 
 
-# The settings a user pinned, by Parallelism's field names; None leaves one to the planner (fastest that fits).
+# The settings a user pinned, by Parallelism's field names; None leaves one to the planner (fastest
+# that fits).
 OPEN = ("layout", "schedule", "virtual_stages", "microbatches", "zero", "recompute")
 
 
@@ -49,7 +50,8 @@ class Plan:
 
     @property
     def model_flops(self) -> float:
-        """FLOPs of one step: 6·(N − input embedding) + 12·L·H·Q·T per token (PaLM appendix B, as Megatron counts)."""
+        """FLOPs of one step: 6·(N − input embedding) + 12·L·H·Q·T per token (PaLM appendix B, as
+        Megatron counts)."""
         return self.global_seqs * self.seq * self.model.flops_per_token(self.seq)
 
     @property
@@ -59,17 +61,18 @@ class Plan:
     @property
     def hw_tflops_per_gpu(self) -> float:
         """Model FLOPs and the recomputed forward's (docs/planner.md says what each mode redoes)."""
-        m, work, rc = self.model, self.job.work, self.config.recompute
+        model, work, rc = self.model, self.job.work, self.config.recompute
         attention = (
-            4 * m.layers * m.heads * m.head_dim * self.seq
+            4 * model.layers * model.heads * model.head_dim * self.seq
         )  # Q·Kᵀ and P·V forward, per token
-        mm = [2 * n * k * work.layout.tp * m.layers for n, k in matmuls(work)]
+        mm = [2 * out_dim * k * work.layout.tp * model.layers for out_dim, k in matmuls(work)]
         extra = {"full": sum(mm) + attention, "per-op": sum(mm[1::2])}.get(rc, 0.0)
-        extra += attention * (rc == "selective" and work.attention == "materialized")
-        return self.tflops_per_gpu * (1 + extra / m.flops_per_token(self.seq))
+        if rc == "selective" and work.attention == "materialized":
+            extra += attention
+        return self.tflops_per_gpu * (1 + extra / model.flops_per_token(self.seq))
 
     def to_json(self, train_tokens: float | None = None) -> dict:
-        c, s, lay, job = self.config, self.step, self.config.layout, self.job
+        config, step, lay, job = self.config, self.step, self.config.layout, self.job
         out = {"model": self.model.to_dict(), "cluster": self.cluster.name, "gpus": self.gpus}
         out |= {
             "dtype": job.precision or self.cluster.dtype,
@@ -78,24 +81,24 @@ class Plan:
         }
         out |= {
             "pipeline_comm": job.pipeline_comm,
-            "layout": {d: getattr(lay, d) for d in ("tp", "cp", "pp", "dp")},
+            "layout": {dim: getattr(lay, dim) for dim in ("tp", "cp", "pp", "dp")},
         }
         out |= {
-            k: getattr(c, k)
+            k: getattr(config, k)
             for k in ("schedule", "microbatches", "virtual_stages", "zero", "recompute")
         }
-        out |= {"sequence_parallel": c.sequence_parallel}
+        out |= {"sequence_parallel": config.sequence_parallel}
         out |= {
-            "hsdp_replicas": c.hsdp_replicas,
+            "hsdp_replicas": config.hsdp_replicas,
             "micro_batch_seqs": self.micro_seqs,
             "seq": self.seq,
         }
         out |= {
             "global_batch_tokens": self.global_seqs * self.seq,
             "fits": self.fits,
-            "step_time_s": s.step_s,
+            "step_time_s": step.step_s,
         }
-        out |= {"memory_gb": {k: round(v, 3) for k, v in self.memory.gb().items()}}
+        out |= {"memory_gb": {k: round(gb, 3) for k, gb in self.memory.gb().items()}}
         out |= {"memory_capacity_gb": self.cluster.gpu.memory_gb, "tokens_per_s": self.tokens_per_s}
         out |= {
             k: getattr(self, k)
@@ -112,9 +115,11 @@ class Plan:
             "overlap",
             "optimizer",
         )
-        out["breakdown_s"] = {k: getattr(s, f"{k}_s") for k in parts}
-        out["placement"] = {d: group_level(g, self.cluster) for d, g in placement(lay).items()}
-        out["stage_layers"] = stage_layers(self.model.layers, lay.pp, c.virtual_stages)
+        out["breakdown_s"] = {k: getattr(step, f"{k}_s") for k in parts}
+        out["placement"] = {
+            dim: group_level(group, self.cluster) for dim, group in placement(lay).items()
+        }
+        out["stage_layers"] = stage_layers(self.model.layers, lay.pp, config.virtual_stages)
         out["chosen_by_planner"] = list(self.chosen)
         if train_tokens:
             out |= {
@@ -129,24 +134,29 @@ def evaluate(job: Job, chosen=()) -> Plan:
     return Plan(job, step_time(job), peak_memory(job)[1], tuple(chosen))
 
 
-# ---- the search ---------------------------------------------------------------------------------------------
+# ---- the search ----------------------------------------------------------------------------------
 
 
-def _divisors(n: int) -> list[int]:
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
+def _divisors(number: int) -> list[int]:
+    small = [divisor for divisor in range(1, math.isqrt(number) + 1) if number % divisor == 0]
+    return sorted(set(small + [number // divisor for divisor in small]))
 
 
 def layouts(model, gpus: int, seq: int, global_seqs: int) -> list[Layout]:
-    """Every (tp, cp, pp, dp) with tp·cp·pp·dp = gpus that splits the model, the sequence and the batch."""
+    """Every (tp, cp, pp, dp) with tp·cp·pp·dp = gpus that splits the model, the sequence and the
+    batch."""
     out = []
-    for tp in (t for t in _divisors(gpus) if tp_ok(model, t)):
+    for tp in (tp_degree for tp_degree in _divisors(gpus) if tp_ok(model, tp_degree)):
         for cp in (
-            c
-            for c in _divisors(gpus // tp)
-            if seq % (2 * c) == 0 and (c == 1 or seq // c >= MIN_CP_TOKENS)
+            cp_degree
+            for cp_degree in _divisors(gpus // tp)
+            if seq % (2 * cp_degree) == 0 and (cp_degree == 1 or seq // cp_degree >= MIN_CP_TOKENS)
         ):
-            for pp in (p for p in _divisors(gpus // (tp * cp)) if split_ok(model.layers, p)):
+            for pp in (
+                pp_degree
+                for pp_degree in _divisors(gpus // (tp * cp))
+                if split_ok(model.layers, pp_degree)
+            ):
                 if global_seqs % (gpus // (tp * cp * pp)) == 0:
                     out.append(Layout(tp, cp, pp, gpus // (tp * cp * pp)))
     return out
@@ -156,64 +166,67 @@ def _virtual_stages(layers: int, pp: int) -> list[int]:
     """V values that split the layers cleanly: every stage the same, or first and last one fewer."""
     top = (layers + 2) // pp + 1
     return [
-        v
-        for v in range(2, top)
-        if split_ok(layers, pp * v) and 0 in (layers % (pp * v), (layers + 2) % (pp * v))
+        stages
+        for stages in range(2, top)
+        if split_ok(layers, pp * stages)
+        and 0 in (layers % (pp * stages), (layers + 2) % (pp * stages))
     ]
 
 
 def configs(model, gpus: int, seq: int, global_seqs: int, fixed: dict):
     """Every Parallelism the fixed settings allow, recomputation "none" (see `search`)."""
-    sp = fixed["sequence_parallel"]
+    seq_parallel = fixed["sequence_parallel"]
     for lay in [fixed["layout"]] if fixed["layout"] else layouts(model, gpus, seq, global_seqs):
         per_replica = global_seqs // lay.dp
-        counts = [per_replica // s for s in MICRO_SEQS if per_replica % s == 0]
+        counts = [per_replica // seqs for seqs in MICRO_SEQS if per_replica % seqs == 0]
         if fixed["microbatches"]:
             counts = [fixed["microbatches"]] if per_replica % fixed["microbatches"] == 0 else []
-        # left open, GPipe is never chosen (1F1B's bubble, more memory), nor ZeRO 0 where data parallelism
-        # shards (ZeRO 1 moves fewer bytes and shards the optimizer); unsharded every ZeRO stage is the same
-        zeros = (
-            [fixed["zero"]]
-            if fixed["zero"] is not None
-            else [0]
-            if lay.cp * lay.dp == 1
-            else ZERO_STAGES[1:]
-        )
+        # left open, GPipe is never chosen (1F1B's bubble, more memory), nor ZeRO 0 where data
+        # parallelism shards (ZeRO 1 moves fewer bytes and shards the optimizer); unsharded every
+        # ZeRO stage is the same
+        if fixed["zero"] is not None:
+            zeros: list[int] | tuple[int, ...] = [fixed["zero"]]
+        elif lay.cp * lay.dp == 1:
+            zeros = [0]
+        else:
+            zeros = ZERO_STAGES[1:]
         for sched in [fixed["schedule"]] if fixed["schedule"] else SCHEDULES:
-            if (sp and (seq // lay.cp) % lay.tp) or (
+            if (seq_parallel and (seq // lay.cp) % lay.tp) or (
                 fixed["schedule"] is None and sched != "1f1b" and (lay.pp == 1 or sched == "gpipe")
             ):
                 continue  # without a pipeline every schedule is the same
-            vs = [fixed["virtual_stages"] or 1] if lay.pp == 1 else [1]
+            stage_counts = [fixed["virtual_stages"] or 1] if lay.pp == 1 else [1]
             if sched == "interleaved" and lay.pp > 1:
-                vs = (
+                stage_counts = (
                     [fixed["virtual_stages"]]
                     if fixed["virtual_stages"]
                     else _virtual_stages(model.layers, lay.pp)
                 )
-            # interleaving fewer microbatches than ranks idles most of the time: only when nothing else is left
+            # interleaving fewer microbatches than ranks idles most of the time: only when nothing
+            # else is left
             few = sched == "interleaved" and max(counts, default=0) >= lay.pp
-            ms = [m for m in counts if m >= lay.pp or not few]
+            micro_counts = [micro for micro in counts if micro >= lay.pp or not few]
             hsdp = fixed["hsdp_replicas"]
             yield from (
                 Parallelism(
                     layout=lay,
                     schedule=sched,
-                    microbatches=m,
-                    virtual_stages=v,
-                    zero=z,
+                    microbatches=micro,
+                    virtual_stages=virtual,
+                    zero=zero,
                     recompute="none",
-                    sequence_parallel=sp,
+                    sequence_parallel=seq_parallel,
                     hsdp_replicas=hsdp,
                 )
-                for v in vs
-                for m in ms
-                for z in zeros
+                for virtual in stage_counts
+                for micro in micro_counts
+                for zero in zeros
             )
 
 
 def valid(job: Job) -> bool:
-    """Whether fourd.layout.check lets the job run (the search skips what pinned settings rule out)."""
+    """Whether fourd.layout.check lets the job run (the search skips what pinned settings rule
+    out)."""
     try:
         layout_check(job.model, job.par, job.seq, job.global_seqs)
     except FourdError:
@@ -222,9 +235,9 @@ def valid(job: Job) -> bool:
 
 
 def search(base: Job, gpus: int, fixed: dict, chosen=()) -> list[Plan]:
-    """Plans for every configuration of `gpus` GPUs for `base`'s model, cluster, sequence and batch (its own
-    Parallelism is ignored), fitting ones first, fastest first. Recomputation, when left open, is the
-    lightest that fits (RECOMPUTE's order): each costs time and saves memory."""
+    """Plans for every configuration of `gpus` GPUs for `base`'s model, cluster, sequence and batch
+    (its own Parallelism is ignored), fitting ones first, fastest first. Recomputation, when left
+    open, is the lightest that fits (RECOMPUTE's order): each costs time and saves memory."""
     plans, capacity = [], base.cluster.gpu.memory_gb * GB
     pinned = (
         any(fixed[k] is not None for k in OPEN) or fixed["hsdp_replicas"] > 1
@@ -233,11 +246,15 @@ def search(base: Job, gpus: int, fixed: dict, chosen=()) -> list[Plan]:
         job = replace(base, par=par)
         if pinned and not valid(job):
             continue
-        for rc in [fixed["recompute"]] if fixed["recompute"] else RECOMPUTE:
-            job = job if rc == "none" else replace(base, par=replace(par, recompute=rc))
+        for recompute in [fixed["recompute"]] if fixed["recompute"] else RECOMPUTE:
+            job = (
+                job if recompute == "none" else replace(base, par=replace(par, recompute=recompute))
+            )
             memory = peak_memory(job)[1]
             if memory.fits(capacity):
                 break
         plans.append(Plan(job, step_time(job), memory, tuple(chosen)))
-    plans.sort(key=lambda p: (not p.fits, -p.tokens_per_s if p.fits else p.memory.total))
+    plans.sort(
+        key=lambda plan: (not plan.fits, -plan.tokens_per_s if plan.fits else plan.memory.total)
+    )
     return plans
