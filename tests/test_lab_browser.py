@@ -236,6 +236,8 @@ def test_screenshot_of_the_bench_is_kept(page, url):
     forward (1 and 2 units each, for 16 GPUs × 16 microbatches) and both cover what the timeline says."""
     page.goto(f"{url}?p=16&m=16&schedule=gpipe")
     expect(page.locator("#idle")).to_have_text("48.4 %")
+    # the planner and cluster panels fill in from their own requests: the page's height settles after
+    page.wait_for_load_state("networkidle")
     ARTIFACTS.mkdir(exist_ok=True)
     shot = ARTIFACTS / "lab-bench-p16-m16-gpipe.png"
     page.screenshot(path=str(shot), full_page=True)

@@ -163,11 +163,14 @@ def _prefetched(batches: Iterator[list[str]]) -> Iterator[list[str]]:
 
 
 class _Progress:
-    """A tqdm bar on a terminal (stderr); elsewhere a plain line on stdout every 10 seconds. The
-    closing line goes to stdout either way: bad input stays the one line on stderr."""
+    """A tqdm bar on a terminal (stderr); elsewhere a plain line every 10 seconds, on stdout for
+    `fourd data prepare` and on stderr for the token cache `fourd train` builds (whose first stdout
+    line names the run). The closing line of `fourd data prepare` goes to stdout either way: bad
+    input stays the one line on stderr."""
 
-    def __init__(self, total_bytes: int, label: str):
+    def __init__(self, total_bytes: int, label: str, stream=None):
         self.total, self.label, self.done, self.tokens = total_bytes, label, 0, 0
+        self.stream = stream or sys.stdout
         self.start = self.last = time.monotonic()
         self.bar = None
         if sys.stderr.isatty():
@@ -182,7 +185,7 @@ class _Progress:
             self.bar.update(nbytes)
         elif time.monotonic() - self.last >= 10:
             self.last = time.monotonic()
-            print(self.line(), flush=True)
+            print(self.line(), file=self.stream, flush=True)
 
     def line(self) -> str:
         seconds = time.monotonic() - self.start
@@ -228,7 +231,9 @@ class _State:
         return state
 
 
-def _tokenize(request: Request, folder: Path, state: _State, tok, eod: dict, dtype: str) -> None:
+def _tokenize(
+    request: Request, folder: Path, state: _State, tok, eod: dict, dtype: str, cache_entry: bool
+) -> None:
     """Stream every source from the saved position on, closing a shard at the first document end at
     or past shard_tokens (whatever the batches) and saving the position after it."""
     eod_ids = np.asarray(eod["ids"], dtype=np.int64)
@@ -236,6 +241,7 @@ def _tokenize(request: Request, folder: Path, state: _State, tok, eod: dict, dty
     progress = _Progress(
         sum(s.size for s in request.sources),
         f"fourd data prepare {folder.name.removeprefix('.').split('.partial')[0]}",
+        stream=sys.stderr if cache_entry else sys.stdout,
     )
     progress.advance(sum(s["size"] for s in state.sources), 0)
     first = state.position["source"]
@@ -273,7 +279,8 @@ def _tokenize(request: Request, folder: Path, state: _State, tok, eod: dict, dty
         for suffix in (".bin", ".idx"):
             (folder / f"{shard.name}{suffix}").unlink()
     progress.close()
-    print(progress.line(), flush=True)
+    if not cache_entry:
+        print(progress.line(), flush=True)
 
 
 def prepare_into(
@@ -303,7 +310,7 @@ def prepare_into(
     try:
         partial.mkdir(parents=True, exist_ok=True)
         state = _State.resume(partial, key)
-        _tokenize(request, partial, state, tok, eod, dtype_for(vocab))
+        _tokenize(request, partial, state, tok, eod, dtype_for(vocab), cache_entry)
     except FourdError:  # bad input: nothing is left half written (an interruption keeps its shards)
         shutil.rmtree(partial, ignore_errors=True)
         raise
