@@ -189,7 +189,7 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
         "fourd/parallel/recompute.py",
         "keep = count % 2 == 1  # the 1st",
         "keep = count % 2 == 0  # the 1st",
-        ("tests/test_contract_recompute.py::test_per_op_recomputes_wk_wo_and_w3",),
+        ("tests/test_contract_recompute.py::test_per_op_keeps_the_bytes_the_planner_counts",),
     ),
     "planner's per-op hardware FLOPs charge the kept matmuls": (
         "fourd/plan/search.py",
