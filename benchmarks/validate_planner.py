@@ -32,6 +32,7 @@ from validation.runs import Run, load  # noqa: E402
 
 from fourd.plan import block, kernels, memory, perf, request  # noqa: E402
 from fourd.plan.cluster import Cluster, load_cluster  # noqa: E402
+from fourd.plan.stack import DEFAULT_STACK, preset_names  # noqa: E402
 
 GIB = 2**30
 DOCS = ROOT / "docs" / "planner.md"
@@ -78,6 +79,12 @@ def recompute(run: Run) -> str:
     return "per-op" if run.recompute_detail.startswith("torchtitan per-op") else run.recompute
 
 
+def planner_stack(run: Run) -> str:
+    """The planner's stack for a row: its own, or fourd's switches where the planner has no preset
+    (Meta's Llama 3 stack)."""
+    return run.stack if run.stack in preset_names() else DEFAULT_STACK
+
+
 def predict(run: Run, efficiency: dict[str, float] | None = None):
     """fourd's plan for a row: its settings pinned, the rest the planner's fastest."""
     lay = run.parsed_layout
@@ -95,6 +102,9 @@ def predict(run: Run, efficiency: dict[str, float] | None = None):
         "hsdp_replicas": run.hsdp_replicas,
         "attention": "materialized" if run.attention_kernel == "materialized" else "flash",
         "pipeline_comm": run.pipeline_comm,
+        "stack": planner_stack(run),
+        "tp_overlap": run.tp_overlap,
+        "dp_overlap": run.dp_overlap,
         "virtual_stages": run.virtual_stages or None,
         "microbatches": run.global_batch_seqs // lay.dp // run.microbatch_seqs
         if run.microbatch_seqs

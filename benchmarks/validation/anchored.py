@@ -32,22 +32,6 @@ from fourd.plan.anchor import predict as anchored_plan  # noqa: E402
 from fourd.plan.intervals import Group, generation, scale  # noqa: E402
 from validation.runs import Run, load  # noqa: E402
 
-# The software stack of each source (the stack presets' names where the planner has one).
-STACKS = {
-    "llama3": "meta-llama3",
-    "narayanan2021": "megatron-core",
-    "korthikanti2022": "megatron-core",
-    "bloom": "deepspeed",
-    "mtnlg": "deepspeed",
-    "opt": "fsdp",
-    "llmfoundry": "fsdp",
-    "torchtitan-h100-2412": "fsdp",
-    "torchtitan-a100": "fsdp",
-    "torchtitan-h200-2506": "fsdp",
-    "ibm-fsdp-2403": "fsdp",
-    "ibm-fsdp-2405": "fsdp",
-    "fourd-h200": "fourd",
-}
 # Sources that publish runs of one code base at different dates: one family, one series.
 FAMILIES = {"ibm-fsdp-2403": "ibm-fsdp", "ibm-fsdp-2405": "ibm-fsdp"}
 GPU_NAMES = {"A100-SXM-40GB": "A100", "A100-SXM-80GB": "A100", "H100-SXM-80GB": "H100"}
@@ -55,11 +39,6 @@ GPU_NAMES = {"A100-SXM-40GB": "A100", "A100-SXM-80GB": "A100", "H100-SXM-80GB": 
 
 def chip(run: Run) -> str:
     return GPU_NAMES.get(run.gpu, run.gpu.split("-")[0])
-
-
-def stack(run: Run) -> str:
-    """The row's stack: its own `stack` where runs.toml names one, else its source's."""
-    return getattr(run, "stack", "") or STACKS.get(run.source, run.source)
 
 
 def series(runs: list[Run]) -> list[list[Run]]:
@@ -79,6 +58,8 @@ def series(runs: list[Run]) -> list[list[Run]]:
             run.attention_kernel,
             run.pipeline_comm,
             run.sequence_parallel,
+            run.stack,
+            run.tp_overlap,
         )
         groups.setdefault(key, []).append(run)
     out = [sorted(g, key=lambda r: r.gpus) for g in groups.values()]
@@ -102,7 +83,7 @@ def anchored_rows(runs: list[Run]) -> list[dict]:
             cluster=plan_a.cluster,
             values={},
             step_time_s=first.step_time_s_derived,
-            stack=stack(first),
+            stack=first.stack,
         )
         pinned = pin(anchor, plan_a)
         for run in group[1:]:
@@ -138,7 +119,7 @@ def residual_rows(runs: list[Run]) -> list[dict]:
             "quantity": quantity,
             "anchored": anchored,
             "generation": generation(chip(run)),
-            "stack": stack(run),
+            "stack": run.stack,
             "scale": scale(run.gpus),
             "residual": math.log(published / predicted),
         }

@@ -11,6 +11,7 @@ The schema, the sources and how each figure was derived: README.md beside this f
 from __future__ import annotations
 
 import sys
+import types
 import typing
 from collections import Counter
 from dataclasses import MISSING, dataclass, field, fields
@@ -32,7 +33,7 @@ from fourd.layout import (
     parse_layout,
 )
 from fourd.model.config import ModelConfig, get_preset, parse_model_spec
-from fourd.plan.job import PIPELINE_COMM
+from fourd.plan.stack import PIPELINE_COMM
 from fourd.schedules import SCHEDULES
 
 PATH = Path(__file__).with_name("runs.toml")
@@ -46,7 +47,19 @@ ATTENTION_KERNELS = (
 )  # fused (FlashAttention family) or the s x s scores in memory
 MEMORY_KINDS = ("allocated", "reserved")  # torch.cuda.max_memory_allocated / max_memory_reserved
 # The software that ran a row (README.md, "Stacks"); rows with a first prediction must name theirs.
-STACKS = ("fourd", "megatron-core", "megatron-lm", "deepspeed", "fsdp", "paddle", "jax-xla")
+# the software stack of each row: the planner's presets (fourd/plan/stacks/), and Meta's own Llama 3
+# stack, which the planner plans with fourd's switches
+STACKS = (
+    "fourd",
+    "fsdp",
+    "megatron-core",
+    "nemo",
+    "megatron-lm",
+    "deepspeed",
+    "paddle",
+    "jax-xla",
+    "meta-llama3",
+)
 
 
 @dataclass(frozen=True)
@@ -101,7 +114,10 @@ class Run:
         "overlapped"  # "blocking": DeepSpeed's pipeline engine (sends wait; gradients reduced last)
     )
     fit: bool = False
-    stack: str = ""  # one of STACKS
+    stack: str = ""  # one of STACKS (required)
+    # what the source states of its stack's overlap, where it differs from the stack's default
+    tp_overlap: bool | None = None  # TP communication beside the GEMMs
+    dp_overlap: bool | None = None  # DP reductions and gathers beside compute
     first_prediction_s: float = 0.0  # the planner's step time before any change for this source
     unstated: list[str] = field(
         default_factory=list
@@ -132,7 +148,10 @@ def _typed(cls, table: dict, what: str):
             f"runs.toml {what}: {problem}: the keys are those of the schema in README.md"
         )
     for name, value in table.items():
-        want = typing.get_origin(hints[name]) or hints[name]
+        hint = hints[name]
+        if isinstance(hint, types.UnionType):  # `bool | None`: given, it is the bool
+            hint = next(arg for arg in typing.get_args(hint) if arg is not type(None))
+        want = typing.get_origin(hint) or hint
         ok = isinstance(value, (int, float)) if want is float else isinstance(value, want)
         if not ok or (want in (int, float) and isinstance(value, bool)):
             raise FourdError(
@@ -177,7 +196,7 @@ def _check_run(run: Run, sources: dict[str, Source]) -> None:
     ):
         _choose(run, name, allowed)
     _choose(run, "memory_kind", MEMORY_KINDS if run.memory_gib else ("",))
-    _choose(run, "stack", STACKS if run.stack or run.first_prediction_s else ("",))
+    _choose(run, "stack", STACKS)
     _check_first_prediction(run, sources[run.source])
     bad = set(run.unstated) - {f.name for f in fields(Run)}
     if bad:

@@ -23,6 +23,7 @@ from fourd.plan import request
 from fourd.plan.cluster import Cluster, load_cluster
 from fourd.plan.memory import GB
 from fourd.plan.search import Plan
+from fourd.plan.stack import load_stack
 
 # Keys the anchor must give, and the optional ones the planner reads; any other key is ignored.
 REQUIRED = (
@@ -51,6 +52,8 @@ INHERITED = (
     "compiled",
     "attention",
     "pipeline_comm",
+    "tp_overlap",
+    "dp_overlap",
 )
 # ... and, when the target names neither GPUs nor a layout, its layout too: the anchor's own
 # configuration.
@@ -137,7 +140,9 @@ def load_anchor(path: str | Path) -> Anchor:
         "precision": data.get("dtype"),
         "hsdp_replicas": data.get("hsdp_replicas"),
     }
-    values |= {k: data.get(k) for k in request.SETTINGS if k in data and k not in values}
+    values |= {
+        k: data.get(k) for k in request.SETTINGS if k in data and k not in values and k != "stack"
+    }
     values = {k: value for k, value in values.items() if k in request.SETTINGS}
     return Anchor(
         path=where,
@@ -159,8 +164,14 @@ def chip(cluster: Cluster) -> str:
 
 
 def _with_stack(values: dict, stack: str) -> dict:
-    """The anchor's stack for the planner, where the planner knows stacks (a `stack` setting)."""
-    return values | {"stack": stack} if "stack" in request.SETTINGS else values
+    """The anchor's stack for the planner where it has a profile of it (fourd.plan.stack); a stack
+    it has none of (a private fork, Meta's own) is planned with fourd's switches, and the anchor
+    pins its rate."""
+    try:
+        load_stack(stack)
+    except FourdError:
+        return values
+    return values | {"stack": stack}
 
 
 def own_plan(anchor: Anchor) -> Plan:

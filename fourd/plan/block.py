@@ -102,7 +102,7 @@ def traffic(work: Work) -> Traffic:
     """Memory-bound bytes and kept activations of one layer, per token, on one rank, under the job's
     recomputation (docs/planner.md's recomputation row says what each keeps)."""
     dims, swiglu = sizes(work), work.model.mlp == "swiglu"
-    act_bytes, stream_bytes, eager = dims.b, dims.r, not work.compiled
+    act_bytes, stream_bytes, eager = dims.b, dims.r, not work.fused
     repeat = 0  # GQA: K and V copied to every query head
     if dims.kv_used != dims.kv:
         repeat = 2 * act_bytes * (dims.kv + dims.kv_used)

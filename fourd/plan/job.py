@@ -9,15 +9,12 @@ from functools import cached_property
 from fourd.layout import Layout, Parallelism, layer_split
 from fourd.model.config import ModelConfig
 from fourd.plan.cluster import DTYPE_BYTES, Cluster
+from fourd.plan.stack import load_stack
 
 ATTENTION = (
     "flash",
     "materialized",
 )  # a fused kernel, or the s × s scores written to memory (Megatron 2021-22)
-PIPELINE_COMM = (
-    "overlapped",
-    "blocking",
-)  # beside compute (Megatron, torchtitan, fourd), or waited for (DeepSpeed)
 
 
 @dataclass(frozen=True)
@@ -32,10 +29,11 @@ class Work:
     recompute: str
     sequence_parallel: bool
     dtype_bytes: int
-    compiled: bool
+    fused: bool  # elementwise ops fused: torch.compile, or the stack's own kernels
     attention: str = "flash"
     autocast: bool = False  # BF16 autocast over FP32 weights: the residual stream stays FP32
     fsdp: bool = False  # each layer an FSDP unit (ZeRO 1-3 over more than one rank)
+    tp_overlap: bool = False  # TP collectives in chunks beside their GEMMs (with SP only)
 
     @property
     def tokens(self) -> int:
@@ -53,7 +51,9 @@ class Job:
     torch.compile'd (fused kernels); `attention` is "flash" (a fused kernel) or "materialized" (the
     s × s scores in memory); `pipeline_comm` "blocking": each send waits for its receiver, each
     backward adds its gradients into FP32 ones by a pass of its own and they are reduced after the
-    last backward (DeepSpeed's pipeline engine)."""
+    last backward (DeepSpeed's pipeline engine); `stack` names the software stack
+    (fourd.plan.stack: its fused kernels, TP and DP overlap); `tp_overlap` and `dp_overlap` None take
+    the stack's."""
 
     model: ModelConfig
     cluster: Cluster
@@ -64,6 +64,14 @@ class Job:
     compiled: bool = False
     attention: str = "flash"
     pipeline_comm: str = "overlapped"
+    stack: str = "fourd"
+    tp_overlap: bool | None = None
+    dp_overlap: bool | None = None
+
+    @property
+    def dp_overlapped(self) -> bool:
+        """Data-parallel traffic beside compute: as pinned, else the stack's."""
+        return load_stack(self.stack).dp_overlap if self.dp_overlap is None else self.dp_overlap
 
     @property
     def layout(self) -> Layout:
@@ -85,6 +93,8 @@ class Job:
         # with BF16 copies of them (FSDP's and DDP's mixed precision, as torchtitan, llm-foundry and
         # Megatron do)
         autocast = self.dtype_bytes == 2 and par.layout.cp * par.layout.dp == 1
+        stack = load_stack(self.stack)
+        tp_overlap = stack.tp_overlap if self.tp_overlap is None else self.tp_overlap
         return Work(
             self.model,
             self.cluster,
@@ -94,10 +104,11 @@ class Job:
             par.recompute,
             par.sequence_parallel,
             self.dtype_bytes,
-            self.compiled,
+            self.compiled or stack.fused_kernels,
             self.attention,
             autocast,
             par.zero >= 1 and par.shard_ranks > 1,
+            tp_overlap and par.sequence_parallel and par.layout.tp > 1,
         )
 
     def __hash__(self) -> int:

@@ -98,6 +98,43 @@ def materialized_attention(work: Work) -> tuple[float, float]:
 
 
 @lru_cache(maxsize=8192)
+def layer_gemms(work: Work) -> tuple[float, float, float]:
+    """(forward, input-gradient, weight-gradient) seconds of one layer's linear layers, one
+    microbatch, on one rank of a (tp, cp) group."""
+    cluster, dtype_bytes, tokens = work.cluster, work.dtype_bytes, work.tokens
+    fwd = dgrad = wgrad = 0.0
+    for out_dim, k in matmuls(work):
+        fwd += gemm_time(tokens, out_dim, k, cluster, dtype_bytes)
+        dgrad += gemm_time(tokens, k, out_dim, cluster, dtype_bytes)
+        wgrad += gemm_time(k, out_dim, tokens, cluster, dtype_bytes)
+    return fwd, dgrad, wgrad
+
+
+def overlapped(comm_s: float, gemm_s: float, chunks: int) -> tuple[float, float]:
+    """(exposed, hidden) seconds of collectives of `comm_s` run in `chunks` pieces beside GEMMs of
+    `gemm_s` (Transformer Engine's userbuffers and torch's async TP split each TP all-gather and
+    reduce-scatter into one piece per rank, pipelined with the GEMM's pieces): what the GEMMs cannot
+    cover, max(0, c − g), plus the one piece that has nothing to overlap with, min(c, g)/chunks."""
+    exposed = max(0.0, comm_s - gemm_s) + min(comm_s, gemm_s) / chunks
+    return exposed, comm_s - exposed
+
+
+@lru_cache(maxsize=8192)
+def exposed_layer_comm(work: Work) -> tuple[float, float, float, float, float, float]:
+    """(TP forward, TP backward, CP forward, CP backward, forward slowdown, backward slowdown)
+    seconds of one layer: layer_comm, with TP overlap (work.tp_overlap) only the exposed part of
+    TP's collectives, and the GEMMs slowed by OVERLAP_SLOWDOWN of the part hidden beside them."""
+    tp_f, tp_b, cp_f, cp_b = layer_comm(work)
+    if not work.tp_overlap:
+        return tp_f, tp_b, cp_f, cp_b, 0.0, 0.0
+    fwd, dgrad, wgrad = layer_gemms(work)
+    tp = work.layout.tp
+    tp_f, hidden_f = overlapped(tp_f, fwd, tp)
+    tp_b, hidden_b = overlapped(tp_b, dgrad + wgrad, tp)
+    return tp_f, tp_b, cp_f, cp_b, OVERLAP_SLOWDOWN * hidden_f, OVERLAP_SLOWDOWN * hidden_b
+
+
+@lru_cache(maxsize=8192)
 def layer_time(work: Work) -> StageTime:
     """One transformer layer, one microbatch, on one rank of a (tp, cp) group."""
     model, cluster, tp, dtype_bytes, tokens = (
@@ -107,15 +144,11 @@ def layer_time(work: Work) -> StageTime:
         work.dtype_bytes,
         work.tokens,
     )
-    fwd = wgrad = dgrad = 0.0
-    for i, (out_dim, k) in enumerate(matmuls(work)):
-        fwd += gemm_time(tokens, out_dim, k, cluster, dtype_bytes)
-        dgrad += gemm_time(tokens, k, out_dim, cluster, dtype_bytes)
-        wgrad += gemm_time(k, out_dim, tokens, cluster, dtype_bytes)
-        if i % 2 and work.recompute == "per-op":
-            dgrad += gemm_time(
-                tokens, out_dim, k, cluster, dtype_bytes
-            )  # recomputed: every other matmul
+    fwd, dgrad, wgrad = layer_gemms(work)
+    if work.recompute == "per-op":
+        # recomputed: every other matmul's forward
+        for out_dim, k in matmuls(work)[1::2]:
+            dgrad += gemm_time(tokens, out_dim, k, cluster, dtype_bytes)
     if work.attention == "materialized":
         a_fwd, a_bwd = materialized_attention(work)
     else:
@@ -136,7 +169,8 @@ def layer_time(work: Work) -> StageTime:
     if work.fsdp:
         cpu += cluster.gpu.fsdp_layer_us
     fwd, dgrad = fwd + cpu * 1e-6 / 3, dgrad + cpu * 2e-6 / 3
-    tp_f, tp_b, cp_f, cp_b = layer_comm(work)
+    tp_f, tp_b, cp_f, cp_b, slow_f, slow_b = exposed_layer_comm(work)
+    fwd, dgrad = fwd + slow_f, dgrad + slow_b
     fwd_comm, bwd_comm = tp_f + cp_f, tp_b + cp_b
     if work.recompute == "full":
         dgrad += fwd
@@ -332,7 +366,7 @@ def step_time(job: Job) -> StepTime:
     lay, par = job.layout, job.par
     pp, microbatches = lay.pp, par.microbatches
     slow, stage = slowest_rank(job.work, pp, par.virtual_stages)
-    blocking = job.pipeline_comm == "blocking"
+    blocking = job.pipeline_comm == "blocking" and pp > 1  # DeepSpeed's pipeline engine
     params = max_rank_params(job.model, pp, par.virtual_stages, lay.tp)
     if blocking:
         # DeepSpeed's engine adds each backward's BF16 weight gradients into FP32 ones, a pass of
@@ -340,15 +374,17 @@ def step_time(job: Job) -> StepTime:
         stage = stage + StageTime(
             0.0, 0.0, elementwise_time(GRAD_ACCUMULATE_BYTES * params, job.cluster), 0.0, 0.0
         )
-    # overlapped, the sends of warm-up and cool-down are on the critical path; blocking, each
-    # microbatch after the first also waits for a middle rank's four (two on a two-rank pipeline):
+    # overlapped, the sends of warm-up and cool-down are on the critical path: the first microbatch
+    # crosses every boundary between the p·V stages forward (each stage on the next rank) and the
+    # last one back, 2(p·V − 1) sends (2(p − 1) without interleaving); blocking, each microbatch
+    # after the first also waits for a middle rank's four (two on a two-rank pipeline):
     # docs/planner.md
-    sends = 2 * (pp - 1)
+    sends = 2 * (pp * par.virtual_stages - 1)
     if blocking:
         sends += 2 * min(2, pp - 1) * (microbatches - 1)
     p2p = sends * p2p_time(job) if pp > 1 else 0.0
     layers = rank_shapes(job.model, pp, par.virtual_stages)[0][slow]
-    tp_f, tp_b, cp_f, cp_b = layer_comm(job.work)
+    tp_f, tp_b, cp_f, cp_b, _, _ = exposed_layer_comm(job.work)
     redo = 2 if par.recompute == "full" else 1
     compute = microbatches * (stage.forward + stage.backward)
     bubble = (
@@ -359,9 +395,9 @@ def step_time(job: Job) -> StepTime:
     server = min(lay.world, job.cluster.node.gpus)
     bubble *= job.cluster.core_share(server // 2) / job.cluster.core_share(server)
     exposed, total = _dp_exposure(job, stage, bubble, layers)
-    if job.cluster.cpu or blocking:
-        # on CPUs collectives run on the cores compute needs; DeepSpeed's engine reduces after the
-        # last backward
+    if job.cluster.cpu or blocking or not job.dp_overlapped:
+        # on CPUs collectives run on the cores compute needs; DeepSpeed's engine, and a stack that
+        # does not overlap DP traffic, reduce after the last backward
         exposed = total
     overlap = OVERLAP_SLOWDOWN * (total - exposed)
     owned = params / (shard_group(lay, par.hsdp_replicas).size if par.zero >= 1 else 1)

@@ -84,6 +84,13 @@ def why(plan: Plan) -> list[str]:
     return lines
 
 
+def kernels_word(job) -> str:
+    """How the blocks' elementwise ops run: compiled, the stack's fused kernels, or eager."""
+    if job.compiled:
+        return "compiled"
+    return "fused kernels" if job.work.fused else "eager"
+
+
 def plan_report(plan: Plan, train_tokens: float | None = None) -> str:
     config, step, mem, cluster = plan.config, plan.step, plan.memory, plan.cluster
     sched = config.schedule + (
@@ -97,7 +104,9 @@ def plan_report(plan: Plan, train_tokens: float | None = None) -> str:
         f"  {config.layout} · {sched} · {plural(config.microbatches, 'microbatch')} of "
         f"{plan.micro_seqs} × "
         f"{plan.seq:,} tokens · ZeRO {config.zero} · recompute {config.recompute} · "
-        f"{'compiled' if plan.job.compiled else 'eager'}"
+        f"{kernels_word(plan.job)} · stack {plan.job.stack}"
+        f"{' · TP overlapped' if plan.job.work.tp_overlap else ''}"
+        f"{'' if plan.job.dp_overlapped else ' · DP after backward'}"
         f"{' · blocking pipeline sends' if plan.job.pipeline_comm == 'blocking' else ''}",
     ]
     out += (

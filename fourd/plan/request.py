@@ -16,8 +16,9 @@ from fourd.layout import PRECISIONS, RECOMPUTE, ZERO_STAGES, Layout, Parallelism
 from fourd.layout import check as layout_check
 from fourd.model.config import ModelConfig, get_preset, parse_model_spec
 from fourd.plan.cluster import Cluster, load_cluster
-from fourd.plan.job import ATTENTION, PIPELINE_COMM, Job
+from fourd.plan.job import ATTENTION, Job
 from fourd.plan.search import OPEN, Plan, search
+from fourd.plan.stack import DEFAULT_STACK, PIPELINE_COMM, load_stack, parse_stack, preset_names
 from fourd.schedules import SCHEDULES, check_stages
 
 DEFAULT_MODEL = "llama3-405b"
@@ -133,7 +134,21 @@ SETTINGS: dict[str, tuple[Any, str]] = {
     ),
     "pipeline_comm": (
         choice(PIPELINE_COMM),
-        "overlapped (default) or blocking (DeepSpeed's pipeline engine)",
+        "overlapped or blocking (DeepSpeed's pipeline engine); default: the stack's",
+    ),
+    "stack": (
+        parse_stack,
+        f"software stack: {', '.join(preset_names())}, or a .toml profile (default "
+        f"{DEFAULT_STACK}; docs/planner.md: what each switches)",
+    ),
+    "tp_overlap": (
+        on_off,
+        "TP all-gathers and reduce-scatters overlapped with their GEMMs (needs sequence "
+        "parallelism; default: the stack's)",
+    ),
+    "dp_overlap": (
+        on_off,
+        "data-parallel reductions and gathers overlapped with compute (default: the stack's)",
     ),
     "train_tokens": (count, "token budget of the whole run, e.g. 15.6T, for training_days"),
     "global_seqs": (bounded(int, 1, 1 << 40), ""),  # the trainer's exact batch, in sequences
@@ -301,11 +316,20 @@ def resolve(model: ModelConfig, cluster: Cluster, values: Mapping[str, Any]) -> 
             hsdp_replicas=fixed["hsdp_replicas"],
         )
         layout_check(model, mine, seq, global_seqs)
-    # compiled blocks are faster and keep less; a CPU profile predicts fourd train, which runs eager
-    compiled = (not cluster.cpu) if given["compiled"] is None else given["compiled"]
-    if given["compiled"] is None and not cluster.cpu:
+    # compiled blocks are faster and keep less; a CPU profile predicts fourd train, which runs eager;
+    # a stack with fused kernels of its own has nothing to compile
+    stack = load_stack(given["stack"] or DEFAULT_STACK)
+    compiled = not (cluster.cpu or stack.fused_kernels)
+    if given["compiled"] is not None:
+        compiled = given["compiled"]
+    elif compiled:
         open_ += ("compile",)
-    attention, comm = given["attention"] or "flash", given["pipeline_comm"] or "overlapped"
+    if given["tp_overlap"] and not seq_parallel and layout is not None and layout.tp > 1:
+        raise FourdError(
+            "TP overlap runs with sequence parallelism only (it overlaps SP's all-gathers and "
+            "reduce-scatters with the GEMMs): add --sequence-parallel on or drop --tp-overlap on"
+        )
+    attention, comm = given["attention"] or "flash", given["pipeline_comm"] or stack.pipeline_comm
     base = Job(
         model=model,
         cluster=cluster,
@@ -316,6 +340,9 @@ def resolve(model: ModelConfig, cluster: Cluster, values: Mapping[str, Any]) -> 
         compiled=compiled,
         attention=attention,
         pipeline_comm=comm,
+        stack=given["stack"] or DEFAULT_STACK,
+        tp_overlap=given["tp_overlap"],
+        dp_overlap=given["dp_overlap"],
     )
     return Request(
         base=base, gpus=gpus, fixed=fixed, open=open_, train_tokens=given["train_tokens"]

@@ -78,6 +78,9 @@ class Plan:
             "dtype": job.precision or self.cluster.dtype,
             "compiled": job.compiled,
             "attention": job.attention,
+            "stack": job.stack,
+            "tp_overlap": job.work.tp_overlap,
+            "dp_overlap": job.dp_overlapped,
         }
         out |= {
             "pipeline_comm": job.pipeline_comm,

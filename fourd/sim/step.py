@@ -583,10 +583,16 @@ def simulate_step(
     """One step of `job` (a StepResult). `slow_gpu = (global rank, factor)`: that GPU, and with it
     its TP/CP group, computes factor× slower; `throttle` ≥ 1 slows every GPU alike."""
     lay, par = job.layout, job.par
-    if job.pipeline_comm != "overlapped":
+    if job.pipeline_comm != "overlapped" and lay.pp > 1:
         raise FourdError(
             "the step simulator runs overlapped pipeline communication only; the "
             "planner models blocking"
+        )
+    if not job.dp_overlapped and not job.cluster.cpu:
+        raise FourdError(
+            f"the step simulator overlaps data-parallel traffic with compute only; stack "
+            f"{job.stack} reduces after the backward, which the planner models: use `fourd plan` "
+            "or --dp-overlap on"
         )
     layers = [max(1, count) for count in stage_layers(job.model.layers, lay.pp, par.virtual_stages)]
     # before building: F and B per layer and microbatch, or F, I and W with zero bubble

@@ -1,0 +1,95 @@
+"""Software-stack profiles (TOML, docs/planner.md "Stacks"): what a training stack does that changes
+a step's time, as physical switches, never a fitted efficiency of its own. Presets in
+fourd/plan/stacks/, user profiles in $FOURD_HOME/stacks/ (they win), or a path."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import tomllib
+
+from fourd.config import fourd_home
+from fourd.errors import FourdError, did_you_mean
+
+PRESET_DIR = Path(__file__).parent / "stacks"
+DEFAULT_STACK = "fourd"
+PIPELINE_COMM = (
+    "overlapped",
+    "blocking",
+)  # beside compute (Megatron, torchtitan, fourd), or waited for (DeepSpeed's pipeline engine)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stack:
+    """A stack's switches. `fused_kernels`: the elementwise ops (norms, RoPE, activations, bias and
+    residual adds) run fused into few kernels, as torch.compile fuses them (Transformer Engine,
+    Megatron's fused kernels, XLA), so the block's memory traffic is the fused count;
+    `tp_overlap`: with sequence parallelism, each TP all-gather and reduce-scatter runs in chunks
+    beside the GEMM it feeds or follows (Transformer Engine's userbuffers, torch's async TP);
+    `dp_overlap`: data-parallel gradient reductions and parameter gathers run beside the backward
+    and forward (FSDP's prefetch, Megatron's --overlap-grad-reduce and --overlap-param-gather, XLA's
+    scheduler); without it they follow the last backward, all exposed; `pipeline_comm`: the default
+    of `--pipeline-comm`."""
+
+    name: str
+    description: str = ""
+    fused_kernels: bool = False
+    tp_overlap: bool = False
+    dp_overlap: bool = True
+    pipeline_comm: str = "overlapped"
+
+
+def preset_names() -> list[str]:
+    return sorted(path.stem for path in PRESET_DIR.glob("*.toml"))
+
+
+def _find(name_or_path: str) -> Path:
+    """The profile's file: a path, a user profile, or a preset; FourdError naming the choices."""
+    as_path = Path(name_or_path)
+    if as_path.suffix == ".toml" or "/" in name_or_path:
+        if not as_path.is_file():
+            raise FourdError(f"stack profile {name_or_path} not found: give an existing .toml file")
+        return as_path
+    for folder in (fourd_home() / "stacks", PRESET_DIR):
+        candidate = folder / f"{name_or_path}.toml"
+        if candidate.is_file():
+            return candidate
+    names = preset_names()
+    raise FourdError(
+        f"unknown stack {name_or_path!r}{did_you_mean(name_or_path, names)}: presets "
+        f"{', '.join(names)}, a file in $FOURD_HOME/stacks/, or a path to a .toml profile"
+    )
+
+
+@lru_cache(maxsize=64)
+def load_stack(name_or_path: str = DEFAULT_STACK) -> Stack:
+    """The stack called `name_or_path` (user profiles first, then presets) or the one at that
+    path."""
+    path = _find(name_or_path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise FourdError(f"{path}: not a readable TOML stack profile ({e}); fix it") from None
+    fields = {"name": str, "description": str, "fused_kernels": bool, "tp_overlap": bool}
+    fields |= {"dp_overlap": bool, "pipeline_comm": str}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise FourdError(
+            f"{path}: unknown stack key(s) {', '.join(unknown)}; known: {', '.join(fields)}"
+        )
+    for key, kind in fields.items():
+        if key in data and not isinstance(data[key], kind):
+            raise FourdError(f"{path}: {key} must be a {kind.__name__}, not {data[key]!r}")
+    if data.get("pipeline_comm", "overlapped") not in PIPELINE_COMM:
+        raise FourdError(
+            f"{path}: pipeline_comm = {data['pipeline_comm']!r}; allowed: {', '.join(PIPELINE_COMM)}"
+        )
+    return Stack(**{"name": path.stem} | data)
+
+
+def parse_stack(text: str) -> str:
+    """A `--stack` value: a name or path that loads (the planner carries it as given)."""
+    load_stack(str(text))
+    return str(text)

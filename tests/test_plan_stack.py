@@ -1,0 +1,218 @@
+"""Software-stack profiles (fourd.plan.stack): each switch changes exactly the term it names."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fourd.errors import FourdError
+from fourd.layout import Layout, Parallelism
+from fourd.model.config import get_preset
+from fourd.plan import request
+from fourd.plan.cluster import load_cluster
+from fourd.plan.job import Job
+from fourd.plan.kernels import gemm_time
+from fourd.plan.perf import (
+    OVERLAP_SLOWDOWN,
+    layer_comm,
+    layer_gemms,
+    layer_time,
+    p2p_time,
+    step_time,
+)
+from fourd.plan.stack import load_stack, preset_names
+from fourd.sim.step import simulate_step
+
+H100 = load_cluster("dgx-h100")
+L8B = get_preset("llama3-8b")
+L70B = get_preset("llama3-70b")
+
+
+def job(layout, microbatches=8, sp=True, **fields):
+    par = Parallelism(
+        layout=layout,
+        schedule="1f1b",
+        microbatches=microbatches,
+        zero=1,
+        recompute="none",
+        sequence_parallel=sp,
+    )
+    return Job(L8B, H100, par, 4096, layout.dp * microbatches, **fields)
+
+
+def test_every_preset_loads_and_names_itself():
+    names = preset_names()
+    assert names == [
+        "deepspeed",
+        "fourd",
+        "fsdp",
+        "jax-xla",
+        "megatron-core",
+        "megatron-lm",
+        "nemo",
+        "paddle",
+    ]
+    for name in names:
+        stack = load_stack(name)
+        assert stack.name == name and stack.description
+    assert load_stack("fourd") == dataclasses.replace(
+        load_stack("fsdp"), name="fourd", description=load_stack("fourd").description
+    )
+    nemo, core = load_stack("nemo"), load_stack("megatron-core")
+    assert (nemo.fused_kernels, nemo.tp_overlap, nemo.dp_overlap) == (True, True, True)
+    assert (core.fused_kernels, core.tp_overlap, core.dp_overlap) == (True, False, False)
+    assert load_stack("deepspeed").pipeline_comm == "blocking"
+
+
+def test_a_stacks_fused_kernels_are_compiles_fused_count():
+    layout = Layout(2, 1, 1, 4)
+    fused = step_time(job(layout, stack="megatron-core", dp_overlap=True))
+    compiled = step_time(job(layout, compiled=True))
+    eager = step_time(job(layout))
+    assert fused.step_s == compiled.step_s < eager.step_s
+
+
+def test_tp_overlap_exposes_what_the_gemms_cannot_cover_and_one_chunk():
+    layout = Layout(8, 1, 1, 1)
+    plain, overlapped = job(layout), job(layout, tp_overlap=True)
+    assert overlapped.work.tp_overlap and not plain.work.tp_overlap
+    tp_f, tp_b, _, _ = layer_comm(plain.work)
+    fwd, dgrad, wgrad = layer_gemms(plain.work)
+    # one chunk of eight has nothing beside it; the GEMMs here outlast the collectives
+    assert tp_f < fwd and tp_b < dgrad + wgrad
+    want_f, want_b = tp_f / 8, tp_b / 8
+    got, base = layer_time(overlapped.work), layer_time(plain.work)
+    assert got.forward_comm_s == pytest.approx(want_f, rel=1e-12)
+    assert got.backward_comm_s == pytest.approx(want_b, rel=1e-12)
+    # the hidden seven eighths slow the GEMMs beside them by OVERLAP_SLOWDOWN
+    assert got.forward_s == pytest.approx(base.forward_s + OVERLAP_SLOWDOWN * 7 * tp_f / 8)
+    assert got.input_grad_s == pytest.approx(base.input_grad_s + OVERLAP_SLOWDOWN * 7 * tp_b / 8)
+    # the step reports the exposed TP time
+    step = step_time(overlapped)
+    assert step.tp_comm_s == pytest.approx(8 * 32 * (want_f + want_b), rel=1e-12)
+
+
+def test_tp_overlap_longer_than_its_gemms_leaves_the_excess_exposed():
+    # one GPU's worth of GEMM for a tiny model, over a slow network: communication dominates
+    slow = dataclasses.replace(
+        H100, node=dataclasses.replace(H100.node, gpus=1)
+    )  # TP across servers: NIC-bound
+    small = get_preset("small")
+    par = Parallelism(layout=Layout(4, 1, 1, 1), microbatches=1, sequence_parallel=True)
+    plain = Job(small, slow, par, 256, 1)
+    over = dataclasses.replace(plain, tp_overlap=True)
+    tp_f, _, _, _ = layer_comm(plain.work)
+    fwd, _, _ = layer_gemms(plain.work)
+    assert tp_f > fwd
+    assert layer_time(over.work).forward_comm_s == pytest.approx(tp_f - fwd + fwd / 4, rel=1e-12)
+
+
+def test_tp_overlap_needs_sequence_parallelism():
+    assert not job(Layout(8, 1, 1, 1), sp=False, tp_overlap=True).work.tp_overlap
+    with pytest.raises(FourdError, match="TP overlap runs with sequence parallelism only"):
+        request.resolve(
+            L8B,
+            H100,
+            {"layout": "tp=8", "tp_overlap": "on", "sequence_parallel": "off", "seq": 4096},
+        )
+
+
+def test_without_dp_overlap_every_reduction_is_exposed():
+    layout = Layout(2, 1, 1, 4)
+    overlapped = step_time(job(layout, stack="megatron-core", dp_overlap=True))
+    after = step_time(job(layout, stack="megatron-core"))
+    assert overlapped.dp_exposed_s < overlapped.dp_total_s == after.dp_total_s == after.dp_exposed_s
+    assert after.overlap_s == 0.0
+    assert after.step_s == pytest.approx(
+        overlapped.step_s - overlapped.dp_exposed_s - overlapped.overlap_s + after.dp_total_s
+    )
+    with pytest.raises(FourdError, match="overlaps data-parallel traffic with compute only"):
+        simulate_step(job(layout, stack="megatron-core"))
+
+
+def test_blocking_sends_need_a_pipeline():
+    layout = Layout(1, 1, 1, 8)
+    assert step_time(job(layout, pipeline_comm="blocking")) == step_time(job(layout))
+
+
+def test_interleaving_sends_cross_every_stage_boundary():
+    par = Parallelism(
+        layout=Layout(8, 1, 4, 2),
+        schedule="interleaved",
+        microbatches=8,
+        virtual_stages=5,
+        sequence_parallel=True,
+    )
+    interleaved = Job(L70B, H100, par, 4096, 16)
+    assert step_time(interleaved).p2p_s == pytest.approx(2 * (4 * 5 - 1) * p2p_time(interleaved))
+    plain = dataclasses.replace(
+        interleaved, par=dataclasses.replace(par, schedule="1f1b", virtual_stages=1)
+    )
+    assert step_time(plain).p2p_s == pytest.approx(2 * (4 - 1) * p2p_time(plain))
+
+
+def test_a_user_stack_wins_and_bad_files_are_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("FOURD_HOME", str(tmp_path))
+    (tmp_path / "stacks").mkdir()
+    mine = tmp_path / "stacks" / "fourd.toml"
+    mine.write_text('description = "mine"\nfused_kernels = true\n')
+    load_stack.cache_clear()
+    try:
+        assert load_stack("fourd").description == "mine" and load_stack("fourd").fused_kernels
+        mine.write_text("fused_kernel = true\n")
+        load_stack.cache_clear()
+        with pytest.raises(FourdError, match=r"unknown stack key\(s\) fused_kernel"):
+            load_stack("fourd")
+        mine.write_text('tp_overlap = "yes"\n')
+        load_stack.cache_clear()
+        with pytest.raises(FourdError, match="tp_overlap must be a bool"):
+            load_stack("fourd")
+    finally:
+        load_stack.cache_clear()
+    with pytest.raises(FourdError, match="did you mean `nemo`"):
+        load_stack("nemoo")
+
+
+def _plan(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "fourd", "plan", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_the_cli_names_the_stack_and_its_switches():
+    common = ["--model", "llama3-8b", "--cluster", "dgx-h100", "--layout", "tp=8,dp=4"]
+    common += ["--seq", "4096", "--global-batch-tokens", str(32 * 4096), "--microbatches", "8"]
+    done = _plan(*common, "--stack", "nemo", "--json")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert (out["stack"], out["tp_overlap"], out["dp_overlap"], out["compiled"]) == (
+        "nemo",
+        True,
+        True,
+        False,
+    )
+    text = _plan(*common, "--stack", "megatron-core").stdout
+    assert "fused kernels · stack megatron-core · DP after backward" in text
+    assert "compile" not in text.split("chosen by the planner")[1].splitlines()[0]
+    bad = _plan(*common, "--stack", "megatron")
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.startswith("fourd: error: unknown stack 'megatron'")
+    assert len(bad.stderr.splitlines()) == 1
+    no_sp = _plan(*common, "--tp-overlap", "on", "--sequence-parallel", "off")
+    assert (
+        no_sp.returncode == 2 and "TP overlap runs with sequence parallelism only" in no_sp.stderr
+    )
+
+
+def test_gemm_time_of_the_layer_is_its_matmuls():
+    work = job(Layout(2, 1, 1, 1)).work
+    fwd, _, _ = layer_gemms(work)
+    tokens = work.tokens
+    shapes = [(4096 // 2, 4096), (1024 // 2, 4096), (1024 // 2, 4096), (4096, 4096 // 2)]
+    shapes += [(14336 // 2, 4096), (14336 // 2, 4096), (4096, 14336 // 2)]
+    assert fwd == pytest.approx(sum(gemm_time(tokens, n, k, H100, 2) for n, k in shapes))
