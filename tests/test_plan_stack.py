@@ -20,6 +20,7 @@ from fourd.plan.perf import (
     layer_gemms,
     layer_time,
     p2p_time,
+    sp_collectives,
     step_time,
 )
 from fourd.plan.stack import load_stack, preset_names
@@ -74,39 +75,44 @@ def test_a_stacks_fused_kernels_are_compiles_fused_count():
     assert fused.step_s == compiled.step_s < eager.step_s
 
 
-def test_tp_overlap_exposes_what_the_gemms_cannot_cover_and_one_chunk():
+def test_tp_overlap_exposes_the_first_chunk_of_each_chunked_collective():
     layout = Layout(8, 1, 1, 1)
     plain, overlapped = job(layout), job(layout, tp_overlap=True)
     assert overlapped.work.tp_overlap and not plain.work.tp_overlap
     tp_f, tp_b, _, _ = layer_comm(plain.work)
+    gather, scatter = sp_collectives(plain.work)
+    assert tp_f == 2 * (gather + scatter) and tp_b == 4 * gather + 2 * scatter
     fwd, dgrad, wgrad = layer_gemms(plain.work)
-    # one chunk of eight has nothing beside it; the GEMMs here outlast the collectives
-    assert tp_f < fwd and tp_b < dgrad + wgrad
-    want_f, want_b = tp_f / 8, tp_b / 8
+    assert tp_f < fwd and tp_b < dgrad + wgrad  # the GEMMs here outlast the collectives
+    # Transformer Engine's defaults: forward all-gathers in 8 ring chunks, reduce-scatters in 4
+    # pipelined splits; backward two all-gathers in ring chunks, the rest in bulk beside a GEMM
+    want_f = 2 * gather / 8 + 2 * scatter / 4
+    want_b = 2 * gather / 8
     got, base = layer_time(overlapped.work), layer_time(plain.work)
     assert got.forward_comm_s == pytest.approx(want_f, rel=1e-12)
     assert got.backward_comm_s == pytest.approx(want_b, rel=1e-12)
-    # the hidden seven eighths slow the GEMMs beside them by OVERLAP_SLOWDOWN
-    assert got.forward_s == pytest.approx(base.forward_s + OVERLAP_SLOWDOWN * 7 * tp_f / 8)
-    assert got.input_grad_s == pytest.approx(base.input_grad_s + OVERLAP_SLOWDOWN * 7 * tp_b / 8)
-    # the step reports the exposed TP time
+    # the hidden rest slows the GEMMs beside them by OVERLAP_SLOWDOWN
+    assert got.forward_s == pytest.approx(base.forward_s + OVERLAP_SLOWDOWN * (tp_f - want_f))
+    assert got.input_grad_s == pytest.approx(base.input_grad_s + OVERLAP_SLOWDOWN * (tp_b - want_b))
+    # the step reports the exposed TP time: 8 microbatches of 32 layers
     step = step_time(overlapped)
     assert step.tp_comm_s == pytest.approx(8 * 32 * (want_f + want_b), rel=1e-12)
 
 
 def test_tp_overlap_longer_than_its_gemms_leaves_the_excess_exposed():
-    # one GPU's worth of GEMM for a tiny model, over a slow network: communication dominates
-    slow = dataclasses.replace(
-        H100, node=dataclasses.replace(H100.node, gpus=1)
-    )  # TP across servers: NIC-bound
+    # TP over the NICs of one-GPU servers, a tiny model: communication outlasts the GEMMs
+    slow = dataclasses.replace(H100, node=dataclasses.replace(H100.node, gpus=1))
     small = get_preset("small")
     par = Parallelism(layout=Layout(4, 1, 1, 1), microbatches=1, sequence_parallel=True)
     plain = Job(small, slow, par, 256, 1)
     over = dataclasses.replace(plain, tp_overlap=True)
     tp_f, _, _, _ = layer_comm(plain.work)
+    gather, scatter = sp_collectives(plain.work)
     fwd, _, _ = layer_gemms(plain.work)
     assert tp_f > fwd
-    assert layer_time(over.work).forward_comm_s == pytest.approx(tp_f - fwd + fwd / 4, rel=1e-12)
+    first_chunks = 2 * gather / 4 + 2 * scatter / 4
+    want = tp_f - fwd + fwd * first_chunks / tp_f
+    assert layer_time(over.work).forward_comm_s == pytest.approx(want, rel=1e-12)
 
 
 def test_tp_overlap_needs_sequence_parallelism():

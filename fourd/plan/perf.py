@@ -72,13 +72,21 @@ def layer_comm(work: Work) -> tuple[float, float, float, float]:
         kv_gather,
         kv_gather + collective_time("reduce_scatter", kv_bytes, groups["cp"], cluster),
     )
-    tp_group = groups["tp"]
     if not work.sequence_parallel:
-        reduce = collective_time("all_reduce", act, tp_group, cluster)
+        reduce = collective_time("all_reduce", act, groups["tp"], cluster)
         return (2 * reduce, 2 * reduce, *cp_times)
-    gather = collective_time("all_gather", act, tp_group, cluster)
-    scatter = collective_time("reduce_scatter", act, tp_group, cluster)
+    gather, scatter = sp_collectives(work)
     return (2 * (gather + scatter), 4 * gather + 2 * scatter, *cp_times)
+
+
+def sp_collectives(work: Work) -> tuple[float, float]:
+    """(all-gather, reduce-scatter) seconds of one of SP's TP collectives of a layer's activation."""
+    act = work.tokens * work.model.dim * work.dtype_bytes
+    tp_group = placement(work.layout)["tp"]
+    return (
+        collective_time("all_gather", act, tp_group, work.cluster),
+        collective_time("reduce_scatter", act, tp_group, work.cluster),
+    )
 
 
 def materialized_attention(work: Work) -> tuple[float, float]:
@@ -110,27 +118,39 @@ def layer_gemms(work: Work) -> tuple[float, float, float]:
     return fwd, dgrad, wgrad
 
 
-def overlapped(comm_s: float, gemm_s: float, chunks: int) -> tuple[float, float]:
-    """(exposed, hidden) seconds of collectives of `comm_s` run in `chunks` pieces beside GEMMs of
-    `gemm_s` (Transformer Engine's userbuffers and torch's async TP split each TP all-gather and
-    reduce-scatter into one piece per rank, pipelined with the GEMM's pieces): what the GEMMs cannot
-    cover, max(0, c − g), plus the one piece that has nothing to overlap with, min(c, g)/chunks."""
-    exposed = max(0.0, comm_s - gemm_s) + min(comm_s, gemm_s) / chunks
+# Transformer Engine's userbuffers defaults (transformer_engine/pytorch/module/base.py, v1.4-1.7,
+# `initialize_ub`): the forward's all-gathers (qkv_fprop, fc1_fprop) in `ring_exchange`, one chunk
+# per TP rank; its reduce-scatters (proj_fprop, fc2_fprop) `pipeline`d in 4 splits; backward, the
+# row-parallel layers' all-gathers of the output gradient (proj_dgrad, fc2_dgrad) in ring exchange,
+# and the rest `bulk`, the whole collective beside another GEMM (qkv and fc1's dgrad and wgrad)
+PIPELINE_SPLITS = 4
+
+
+def overlapped(comm_s: float, gemm_s: float, unhidden: float) -> tuple[float, float]:
+    """(exposed, hidden) seconds of collectives of `comm_s` run beside GEMMs of `gemm_s`, of which a
+    share `unhidden` (the first chunk of each chunked collective) has nothing to overlap with: what
+    the GEMMs cannot cover, max(0, c − g), plus min(c, g)·unhidden."""
+    exposed = max(0.0, comm_s - gemm_s) + min(comm_s, gemm_s) * unhidden
     return exposed, comm_s - exposed
 
 
 @lru_cache(maxsize=8192)
 def exposed_layer_comm(work: Work) -> tuple[float, float, float, float, float, float]:
     """(TP forward, TP backward, CP forward, CP backward, forward slowdown, backward slowdown)
-    seconds of one layer: layer_comm, with TP overlap (work.tp_overlap) only the exposed part of
-    TP's collectives, and the GEMMs slowed by OVERLAP_SLOWDOWN of the part hidden beside them."""
+    seconds of one layer: layer_comm, with TP overlap (work.tp_overlap: SP's two all-gathers and
+    two reduce-scatters forward, four and two backward) only the exposed part of TP's collectives,
+    chunked as Transformer Engine's defaults chunk them (PIPELINE_SPLITS above), and the GEMMs
+    slowed by OVERLAP_SLOWDOWN of the part hidden beside them."""
     tp_f, tp_b, cp_f, cp_b = layer_comm(work)
     if not work.tp_overlap:
         return tp_f, tp_b, cp_f, cp_b, 0.0, 0.0
     fwd, dgrad, wgrad = layer_gemms(work)
+    gather, scatter = sp_collectives(work)
     tp = work.layout.tp
-    tp_f, hidden_f = overlapped(tp_f, fwd, tp)
-    tp_b, hidden_b = overlapped(tp_b, dgrad + wgrad, tp)
+    first_chunks_f = 2 * gather / tp + 2 * scatter / PIPELINE_SPLITS
+    first_chunks_b = 2 * gather / tp  # the bulk ones have a whole GEMM beside them
+    tp_f, hidden_f = overlapped(tp_f, fwd, first_chunks_f / tp_f)
+    tp_b, hidden_b = overlapped(tp_b, dgrad + wgrad, first_chunks_b / tp_b)
     return tp_f, tp_b, cp_f, cp_b, OVERLAP_SLOWDOWN * hidden_f, OVERLAP_SLOWDOWN * hidden_b
 
 
