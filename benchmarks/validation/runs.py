@@ -46,7 +46,16 @@ ATTENTION_KERNELS = (
 )  # fused (FlashAttention family) or the s x s scores in memory
 MEMORY_KINDS = ("allocated", "reserved")  # torch.cuda.max_memory_allocated / max_memory_reserved
 # The software that ran a row (README.md, "Stacks"); rows with a first prediction must name theirs.
-STACKS = ("fourd", "megatron-core", "megatron-lm", "deepspeed", "fsdp", "paddle", "jax-xla")
+STACKS = (
+    "fourd",
+    "megatron-core",
+    "megatron-lm",
+    "deepspeed",
+    "fsdp",
+    "paddle",
+    "jax-xla",
+    "nanotron",
+)
 
 
 @dataclass(frozen=True)
