@@ -47,8 +47,8 @@ ATTENTION_KERNELS = (
 )  # fused (FlashAttention family) or the s x s scores in memory
 MEMORY_KINDS = ("allocated", "reserved")  # torch.cuda.max_memory_allocated / max_memory_reserved
 # The software that ran a row (README.md, "Stacks"); rows with a first prediction must name theirs.
-# the software stack of each row: the planner's presets (fourd/plan/stacks/), and Meta's own Llama 3
-# stack, which the planner plans with fourd's switches
+# the software stack of each row: the planner's presets (fourd/plan/stacks/), and stacks the planner
+# has no preset of (Meta's own Llama 3 stack, Hugging Face's nanotron), planned with fourd's switches
 STACKS = (
     "fourd",
     "fsdp",
@@ -59,6 +59,7 @@ STACKS = (
     "paddle",
     "jax-xla",
     "meta-llama3",
+    "nanotron",
 )
 
 
