@@ -101,7 +101,7 @@ def predict(run: Run, efficiency: dict[str, float] | None = None):
         "compiled": run.compiled,
         "hsdp_replicas": run.hsdp_replicas,
         "attention": "materialized" if run.attention_kernel == "materialized" else "flash",
-        "pipeline_comm": run.pipeline_comm,
+        "pipeline_comm": run.pipeline_comm or None,
         "stack": planner_stack(run),
         "tp_overlap": run.tp_overlap,
         "dp_overlap": run.dp_overlap,

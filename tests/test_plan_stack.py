@@ -65,6 +65,8 @@ def test_every_preset_loads_and_names_itself():
     assert (nemo.fused_kernels, nemo.tp_overlap, nemo.dp_overlap) == (True, True, True)
     assert (core.fused_kernels, core.tp_overlap, core.dp_overlap) == (True, False, False)
     assert load_stack("deepspeed").pipeline_comm == "blocking"
+    for name in ("megatron-core", "nemo", "megatron-lm"):
+        assert load_stack(name).pipeline_comm == "synchronous"
 
 
 def test_a_stacks_fused_kernels_are_compiles_fused_count():
@@ -157,6 +159,42 @@ def test_interleaving_sends_cross_every_stage_boundary():
         interleaved, par=dataclasses.replace(par, schedule="1f1b", virtual_stages=1)
     )
     assert step_time(plain).p2p_s == pytest.approx(2 * (4 - 1) * p2p_time(plain))
+
+
+def test_synchronous_sends_wait_for_each_microbatchs_exchanges():
+    par = Parallelism(
+        layout=Layout(8, 1, 4, 2),
+        schedule="interleaved",
+        microbatches=8,
+        virtual_stages=5,
+        sequence_parallel=True,
+    )
+    overlapped = Job(L70B, H100, par, 4096, 16)
+    synchronous = dataclasses.replace(overlapped, pipeline_comm="synchronous")
+    one = p2p_time(overlapped)
+    assert p2p_time(synchronous) == one  # with SP each TP rank sends its shard alike
+    # warm-up and cool-down's 2(p·V − 1), and each later microbatch's two exchanges per stage
+    want = (2 * (4 * 5 - 1) + 2 * 5 * (8 - 1)) * one
+    assert step_time(synchronous).p2p_s == pytest.approx(want)
+    assert step_time(synchronous).step_s == pytest.approx(
+        step_time(overlapped).step_s + want - step_time(overlapped).p2p_s
+    )
+    planned = request.plans(
+        request.resolve(
+            L70B,
+            H100,
+            {
+                "layout": "tp=8,pp=4,dp=2",
+                "schedule": "interleaved",
+                "virtual_stages": 5,
+                "microbatches": 8,
+                "global_seqs": 16,
+                "seq": 4096,
+                "stack": "megatron-core",
+            },
+        )
+    )[0]
+    assert planned.job.pipeline_comm == "synchronous"
 
 
 def test_a_user_stack_wins_and_bad_files_are_named(tmp_path, monkeypatch):

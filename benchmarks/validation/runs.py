@@ -111,9 +111,8 @@ class Run:
     step_time_s: float = 0.0
     memory_gib: float = 0.0  # peak per GPU
     memory_kind: str = ""
-    pipeline_comm: str = (
-        "overlapped"  # "blocking": DeepSpeed's pipeline engine (sends wait; gradients reduced last)
-    )
+    # "blocking": DeepSpeed's pipeline engine (sends wait; gradients reduced last); "": the stack's
+    pipeline_comm: str = ""
     fit: bool = False
     stack: str = ""  # one of STACKS (required)
     # what the source states of its stack's overlap, where it differs from the stack's default
@@ -193,7 +192,7 @@ def _check_run(run: Run, sources: dict[str, Source]) -> None:
         ("zero", ZERO_STAGES),
         ("precision", PRECISIONS),
         ("attention_kernel", ATTENTION_KERNELS),
-        ("pipeline_comm", PIPELINE_COMM),
+        ("pipeline_comm", ("", *PIPELINE_COMM)),
     ):
         _choose(run, name, allowed)
     _choose(run, "memory_kind", MEMORY_KINDS if run.memory_gib else ("",))

@@ -49,11 +49,12 @@ class Job:
     """A training run: `global_seqs` sequences of `seq` tokens per optimizer step, cut as `par`
     says. `precision` None trains in the profile's precision; `compiled` runs the blocks
     torch.compile'd (fused kernels); `attention` is "flash" (a fused kernel) or "materialized" (the
-    s × s scores in memory); `pipeline_comm` "blocking": each send waits for its receiver, each
+    s × s scores in memory); `pipeline_comm` "synchronous": each microbatch's exchanges are
+    waited for (Megatron); "blocking": each send waits for its receiver, each
     backward adds its gradients into FP32 ones by a pass of its own and they are reduced after the
     last backward (DeepSpeed's pipeline engine); `stack` names the software stack
     (fourd.plan.stack: its fused kernels, TP and DP overlap); `tp_overlap` and `dp_overlap` None take
-    the stack's."""
+    the stack's (`pipeline_comm` is the stack's where request.resolve builds the job)."""
 
     model: ModelConfig
     cluster: Cluster

@@ -293,7 +293,7 @@ def p2p_time(job: Job) -> float:
     arrival."""
     work, lay = job.work, job.layout
     full = work.tokens * work.model.dim * work.dtype_bytes
-    split = work.sequence_parallel or job.pipeline_comm == "blocking"
+    split = work.sequence_parallel or job.pipeline_comm != "overlapped"
     gather = 0.0
     if split and not work.sequence_parallel:
         gather = collective_time("all_gather", full, placement(lay)["tp"], job.cluster)
@@ -396,12 +396,15 @@ def step_time(job: Job) -> StepTime:
         )
     # overlapped, the sends of warm-up and cool-down are on the critical path: the first microbatch
     # crosses every boundary between the p·V stages forward (each stage on the next rank) and the
-    # last one back, 2(p·V − 1) sends (2(p − 1) without interleaving); blocking, each microbatch
-    # after the first also waits for a middle rank's four (two on a two-rank pipeline):
-    # docs/planner.md
+    # last one back, 2(p·V − 1) sends (2(p − 1) without interleaving); synchronous (Megatron's
+    # batched exchanges, each waited for), each later microbatch also waits for its rank's two
+    # exchanges per stage it runs, 2·V; blocking, each microbatch after the first also waits for a
+    # middle rank's four (two on a two-rank pipeline): docs/planner.md
     sends = 2 * (pp * par.virtual_stages - 1)
     if blocking:
         sends += 2 * min(2, pp - 1) * (microbatches - 1)
+    elif job.pipeline_comm == "synchronous":
+        sends += 2 * par.virtual_stages * (microbatches - 1)
     p2p = sends * p2p_time(job) if pp > 1 else 0.0
     layers = rank_shapes(job.model, pp, par.virtual_stages)[0][slow]
     tp_f, tp_b, cp_f, cp_b, _, _ = exposed_layer_comm(job.work)

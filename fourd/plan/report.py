@@ -84,6 +84,9 @@ def why(plan: Plan) -> list[str]:
     return lines
 
 
+PIPELINE_WORDS = {"blocking": " · blocking pipeline sends", "synchronous": " · synchronous sends"}
+
+
 def kernels_word(job) -> str:
     """How the blocks' elementwise ops run: compiled, the stack's fused kernels, or eager."""
     if job.compiled:
@@ -107,7 +110,7 @@ def plan_report(plan: Plan, train_tokens: float | None = None) -> str:
         f"{kernels_word(plan.job)} · stack {plan.job.stack}"
         f"{' · TP overlapped' if plan.job.work.tp_overlap else ''}"
         f"{'' if plan.job.dp_overlapped else ' · DP after backward'}"
-        f"{' · blocking pipeline sends' if plan.job.pipeline_comm == 'blocking' else ''}",
+        f"{PIPELINE_WORDS.get(plan.job.pipeline_comm, '') if plan.config.layout.pp > 1 else ''}",
     ]
     out += (
         [f"  chosen by the planner (fastest that fits): {', '.join(plan.chosen)}"]

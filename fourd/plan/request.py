@@ -134,7 +134,8 @@ SETTINGS: dict[str, tuple[Any, str]] = {
     ),
     "pipeline_comm": (
         choice(PIPELINE_COMM),
-        "overlapped or blocking (DeepSpeed's pipeline engine); default: the stack's",
+        "overlapped, synchronous (Megatron's waited exchanges) or blocking (DeepSpeed's pipeline "
+        "engine); default: the stack's",
     ),
     "stack": (
         parse_stack,

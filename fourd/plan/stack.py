@@ -15,10 +15,10 @@ from fourd.errors import FourdError, did_you_mean
 
 PRESET_DIR = Path(__file__).parent / "stacks"
 DEFAULT_STACK = "fourd"
-PIPELINE_COMM = (
-    "overlapped",
-    "blocking",
-)  # beside compute (Megatron, torchtitan, fourd), or waited for (DeepSpeed's pipeline engine)
+# pipeline sends beside compute (torchtitan, fourd), each microbatch's exchanges waited for
+# (Megatron's batch_isend_irecv and device synchronize), or DeepSpeed's pipeline engine (blocking
+# sends, a gradient-accumulation pass, gradients reduced after the last backward)
+PIPELINE_COMM = ("overlapped", "synchronous", "blocking")
 
 
 @dataclass(frozen=True, kw_only=True)
