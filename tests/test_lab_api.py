@@ -8,6 +8,10 @@ import pytest
 
 from fourd.errors import FourdError
 from fourd.lab import api
+from fourd.model.config import get_preset
+from fourd.plan import request
+from fourd.plan.cluster import load_cluster
+from fourd.plan.stack import preset_names
 from fourd.schedules import build_schedule
 from fourd.sim.step import timeline
 
@@ -237,12 +241,30 @@ def test_plan_panel_is_fourd_plan_with_one_memory_bar_per_pipeline_rank():
             {**PLAN_405B, "cluster": "../x"},
             "cluster='../x': give a cluster profile name such as llama3-h100",
         ),
+        (
+            {**PLAN_405B, "stack": "/etc/passwd.toml"},
+            "stack='/etc/passwd.toml': choose one of deepspeed, fourd, fsdp, jax-xla, megatron-core, "
+            "megatron-lm, nemo, paddle",
+        ),
     ],
 )
 def test_plan_panel_refuses_bad_settings(q, message):
     with pytest.raises(FourdError) as e:
         api.plan(q)
     assert str(e.value) == message
+
+
+def test_plan_panel_plans_on_the_chosen_stack_as_fourd_plan_does():
+    assert api.options({})["stacks"] == preset_names()
+    q = {**PLAN_405B, "stack": "nemo"}
+    plan = api.plan(q)["plan"]
+    assert (plan["stack"], plan["tp_overlap"], plan["dp_overlap"]) == ("nemo", True, True)
+    model, cluster = get_preset("llama3-405b"), load_cluster("llama3-h100")
+    values = {"virtual_stages" if k == "v" else k: v for k, v in q.items() if k != "model"}
+    values.pop("cluster")
+    same = request.plans(request.resolve(model, cluster, values))[0]
+    assert plan["step_time_s"] == same.step.step_s
+    assert plan["step_time_s"] < api.plan(PLAN_405B)["plan"]["step_time_s"]
 
 
 def test_simulated_trace_runs_the_schedules_actions_with_transfers():

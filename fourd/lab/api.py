@@ -17,6 +17,7 @@ from fourd.plan import intervals, request
 from fourd.plan.job import stage_layers
 from fourd.plan.memory import rank_memories
 from fourd.plan.report import why
+from fourd.plan.stack import DEFAULT_STACK, preset_names
 from fourd.schedules import SCHEDULES, build_schedule
 from fourd.sim.step import UNIT, idle_fractions, simulate_step, timeline
 from fourd.sim.trace import chrome_trace
@@ -165,7 +166,7 @@ PLAN_PARAMS: tuple[str, ...] = (
     "v",
     "seq",
 )
-PLAN_PARAMS += ("global_batch_tokens", "zero", "recompute")
+PLAN_PARAMS += ("global_batch_tokens", "zero", "recompute", "stack")
 
 
 def _best_plan(q: dict[str, str]):
@@ -180,6 +181,8 @@ def _best_plan(q: dict[str, str]):
         for k, v in q.items()
         if k not in ("model", "cluster")
     }
+    if "stack" in values:  # a preset's name: a path would let any page read files here
+        values["stack"] = _choice(q, "stack", preset_names(), DEFAULT_STACK)
     return request.plans(request.resolve(model, cluster, values))[0]
 
 
@@ -283,13 +286,14 @@ def trace(q: dict[str, str], *, trace_dir: Path, **_) -> dict:
 
 
 def options(q: dict[str, str], **_) -> dict:
-    """What the page's selectors offer: model presets, cluster profiles, schedules and the bench's
-    ranges."""
+    """What the page's selectors offer: model presets, cluster profiles, software stacks, schedules
+    and the bench's ranges."""
     _known(q)
     names = {
         "models": list(PRESETS),
         "clusters": clusters.preset_names(),
         "schedules": list(SCHEDULES),
+        "stacks": preset_names(),
     }
     return names | {"ranges": {"p": P_RANGE, "m": M_RANGE, "v": V_RANGE}}
 

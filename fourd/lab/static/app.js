@@ -285,7 +285,7 @@ async function updatePlan() {
   $("plan-config").textContent = `${lay} · ${plan.schedule}${plan.schedule === "interleaved" ? ` V=${plan.virtual_stages}` : ""}`
     + ` · ${count(plan.microbatches, "microbatch", "microbatches")} of ${count(plan.micro_batch_seqs, "sequence")}`
     + ` · ZeRO ${plan.zero}`
-    + ` · recompute ${plan.recompute}${chosen}`;
+    + ` · recompute ${plan.recompute} · stack ${plan.stack}${chosen}`;
   $("plan-why").replaceChildren(...data.why.map((t) => el("li", { text: t })));
   const cap = data.gpu_memory_gb;
   const used = (m) => MEMORY_PARTS.reduce((sum, part) => sum + m[part], 0);
@@ -321,6 +321,7 @@ async function loadOptions() {
   };
   fill($("plan-model"), data.models, "llama3-405b");
   fill($("plan-cluster"), data.clusters, "llama3-h100");
+  fill($("plan-stack"), data.stacks, "fourd");
 }
 
 // ---------------------------------------------------------------- traces
