@@ -145,14 +145,18 @@ def test_blocking_sends_need_a_pipeline():
     assert step_time(job(layout, pipeline_comm="blocking")) == step_time(job(layout))
 
 
+# 70B on tp=8, pp=4, dp=2: interleaved, 5 stages per rank, 8 microbatches
+INTERLEAVED = Parallelism(
+    layout=Layout(8, 1, 4, 2),
+    schedule="interleaved",
+    microbatches=8,
+    virtual_stages=5,
+    sequence_parallel=True,
+)
+
+
 def test_interleaving_sends_cross_every_stage_boundary():
-    par = Parallelism(
-        layout=Layout(8, 1, 4, 2),
-        schedule="interleaved",
-        microbatches=8,
-        virtual_stages=5,
-        sequence_parallel=True,
-    )
+    par = INTERLEAVED
     interleaved = Job(L70B, H100, par, 4096, 16)
     assert step_time(interleaved).p2p_s == pytest.approx(2 * (4 * 5 - 1) * p2p_time(interleaved))
     plain = dataclasses.replace(
@@ -162,14 +166,7 @@ def test_interleaving_sends_cross_every_stage_boundary():
 
 
 def test_synchronous_sends_wait_for_each_microbatchs_exchanges():
-    par = Parallelism(
-        layout=Layout(8, 1, 4, 2),
-        schedule="interleaved",
-        microbatches=8,
-        virtual_stages=5,
-        sequence_parallel=True,
-    )
-    overlapped = Job(L70B, H100, par, 4096, 16)
+    overlapped = Job(L70B, H100, INTERLEAVED, 4096, 16)
     synchronous = dataclasses.replace(overlapped, pipeline_comm="synchronous")
     one = p2p_time(overlapped)
     assert p2p_time(synchronous) == one  # with SP each TP rank sends its shard alike
