@@ -585,8 +585,9 @@ def simulate_step(
     lay, par = job.layout, job.par
     if job.pipeline_comm != "overlapped" and lay.pp > 1:
         raise FourdError(
-            "the step simulator runs overlapped pipeline communication only; the "
-            "planner models blocking"
+            f"the step simulator runs overlapped pipeline communication only, not "
+            f"{job.pipeline_comm} (stack {job.stack}), which the planner models: use `fourd plan` "
+            "or --pipeline-comm overlapped"
         )
     if not job.dp_overlapped and not job.cluster.cpu:
         raise FourdError(
