@@ -52,6 +52,7 @@ def test_every_preset_loads_and_names_itself():
         "jax-xla",
         "megatron-core",
         "megatron-lm",
+        "nanotron",
         "nemo",
         "paddle",
     ]
@@ -75,6 +76,10 @@ def test_a_stacks_fused_kernels_are_compiles_fused_count():
     compiled = step_time(job(layout, compiled=True))
     eager = step_time(job(layout))
     assert fused.step_s == compiled.step_s < eager.step_s
+    # pinned for one plan either way, whatever the stack says
+    assert step_time(job(layout, fused_kernels=True)).step_s == compiled.step_s
+    unfused = job(layout, stack="megatron-core", dp_overlap=True, fused_kernels=False)
+    assert step_time(unfused).step_s == eager.step_s
 
 
 def test_tp_overlap_exposes_the_first_chunk_of_each_chunked_collective():

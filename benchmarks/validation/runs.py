@@ -118,6 +118,7 @@ class Run:
     # what the source states of its stack's overlap, where it differs from the stack's default
     tp_overlap: bool | None = None  # TP communication beside the GEMMs
     dp_overlap: bool | None = None  # DP reductions and gathers beside compute
+    fused_kernels: bool | None = None  # the blocks' elementwise ops in fused kernels
     first_prediction_s: float = 0.0  # the planner's step time before any change for this source
     unstated: list[str] = field(
         default_factory=list

@@ -54,6 +54,7 @@ INHERITED = (
     "pipeline_comm",
     "tp_overlap",
     "dp_overlap",
+    "fused_kernels",
 )
 # ... and, when the target names neither GPUs nor a layout, its layout too: the anchor's own
 # configuration.

@@ -53,8 +53,8 @@ class Job:
     waited for (Megatron); "blocking": each send waits for its receiver, each
     backward adds its gradients into FP32 ones by a pass of its own and they are reduced after the
     last backward (DeepSpeed's pipeline engine); `stack` names the software stack
-    (fourd.plan.stack: its fused kernels, TP and DP overlap); `tp_overlap` and `dp_overlap` None take
-    the stack's (`pipeline_comm` is the stack's where request.resolve builds the job)."""
+    (fourd.plan.stack: its fused kernels, TP and DP overlap); `fused_kernels`, `tp_overlap` and
+    `dp_overlap` None take the stack's (`pipeline_comm` is the stack's where request.resolve builds the job)."""
 
     model: ModelConfig
     cluster: Cluster
@@ -68,6 +68,7 @@ class Job:
     stack: str = "fourd"
     tp_overlap: bool | None = None
     dp_overlap: bool | None = None
+    fused_kernels: bool | None = None
 
     @property
     def dp_overlapped(self) -> bool:
@@ -105,7 +106,8 @@ class Job:
             par.recompute,
             par.sequence_parallel,
             self.dtype_bytes,
-            self.compiled or stack.fused_kernels,
+            self.compiled
+            or (stack.fused_kernels if self.fused_kernels is None else self.fused_kernels),
             self.attention,
             autocast,
             par.zero >= 1 and par.shard_ranks > 1,

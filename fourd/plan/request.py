@@ -147,6 +147,11 @@ SETTINGS: dict[str, tuple[Any, str]] = {
         "TP all-gathers and reduce-scatters overlapped with their GEMMs (needs sequence "
         "parallelism; default: the stack's)",
     ),
+    "fused_kernels": (
+        on_off,
+        "the blocks' elementwise ops in fused kernels of the stack's own (Transformer Engine, Triton, "
+        "XLA), as compiled (default: the stack's)",
+    ),
     "dp_overlap": (
         on_off,
         "data-parallel reductions and gathers overlapped with compute (default: the stack's)",
@@ -320,7 +325,8 @@ def resolve(model: ModelConfig, cluster: Cluster, values: Mapping[str, Any]) -> 
     # compiled blocks are faster and keep less; a CPU profile predicts fourd train, which runs eager;
     # a stack with fused kernels of its own has nothing to compile
     stack = load_stack(given["stack"] or DEFAULT_STACK)
-    compiled = not (cluster.cpu or stack.fused_kernels)
+    fused = stack.fused_kernels if given["fused_kernels"] is None else given["fused_kernels"]
+    compiled = not (cluster.cpu or fused)
     if given["compiled"] is not None:
         compiled = given["compiled"]
     elif compiled:
@@ -344,6 +350,7 @@ def resolve(model: ModelConfig, cluster: Cluster, values: Mapping[str, Any]) -> 
         stack=given["stack"] or DEFAULT_STACK,
         tp_overlap=given["tp_overlap"],
         dp_overlap=given["dp_overlap"],
+        fused_kernels=given["fused_kernels"],
     )
     return Request(
         base=base, gpus=gpus, fixed=fixed, open=open_, train_tokens=given["train_tokens"]

@@ -81,6 +81,7 @@ class Plan:
             "stack": job.stack,
             "tp_overlap": job.work.tp_overlap,
             "dp_overlap": job.dp_overlapped,
+            "fused_kernels": job.work.fused,
         }
         out |= {
             "pipeline_comm": job.pipeline_comm,
