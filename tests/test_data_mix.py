@@ -1,15 +1,20 @@
-"""Mixtures of prepared datasets: exact shares per block, samples from (seed, index) alone, and
-`fourd train --data.mix` resumed bit for bit and equal at tp=2,dp=2 to one process."""
+"""Mixtures of prepared datasets: exact shares per block, samples from (seed, index) alone,
+`fourd train --data.mix` resumed bit for bit and equal at tp=2,dp=2 to one process, and recorded
+with absolute paths."""
 
 import json
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import run_fourd
 
-from fourd.data.dataset import MIX_BLOCK, Mixture, TokenDataset, open_prepared
+from fourd.config import load_toml
+from fourd.data.dataset import MIX_BLOCK, Mixture, TokenDataset, absolute_mix, open_prepared
 from fourd.data.prepare import Request, prepare_into
 from fourd.data.sources import list_sources
+from fourd.errors import FourdError
 
 
 def positions(tmp_path, name, count, offset):
@@ -91,3 +96,82 @@ def test_a_mixture_at_tp2_dp2_gives_the_losses_of_one_process(mix, reference, tm
     assert code == 0, err[-2000:]
     assert len(reference) == 3
     assert max(abs(x - y) / abs(x) for x, y in zip(losses(tmp_path), reference)) < 1e-5
+
+
+def test_a_mix_made_absolute_keeps_its_weights_as_written_and_its_order(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    here = tmp_path.resolve()
+    spec = "web=0.70, ~/code=3e-1,../a=b=2"
+    absolute = f"{here}/web=0.70,{here}/home/code=3e-1,{here.parent}/a=b=2"
+    assert absolute_mix(spec) == absolute
+    assert absolute_mix(absolute) == absolute
+    with pytest.raises(FourdError) as e:
+        absolute_mix("web=0.7,code")
+    assert str(e.value) == (
+        "data.mix item 'code' is not DIR=WEIGHT: give e.g. data/a=0.7,data/b=0.3"
+    )
+
+
+def folder_of(spec):
+    """The folder the `mix` fixture prepared its datasets a and b in."""
+    return Path(spec.split(",")[0].rpartition("=")[0]).parent
+
+
+RELATIVE = "a=0.70,b=0.3"  # the `mix` fixture's datasets named from their folder, 0.7 as 0.70
+
+
+@pytest.fixture(scope="module")
+def relative_run(mix, tmp_path_factory):
+    """Two steps on the mixture named by relative paths, the held-out loss evaluated at each step
+    over one global batch of held-out windows."""
+    run = tmp_path_factory.mktemp("relative") / "run"
+    argv = ("train", *common(RELATIVE), "--steps", 2, "--eval.every", 1, "--eval.batches", 1)
+    code, _, err = run_fourd(*argv, "--run-dir", run, cwd=folder_of(mix), timeout=500)
+    assert code == 0, err
+    return run
+
+
+def absolute_spec(mix):
+    folder = folder_of(mix).resolve()
+    return f"{folder / 'a'}=0.70,{folder / 'b'}=0.3"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_relative_data_mix_is_recorded_with_absolute_paths(mix, relative_run):
+    config = load_toml(relative_run / "config.toml")
+    assert config["data"]["mix"] == absolute_spec(mix)
+    manifest = json.loads((relative_run / "checkpoints/step-2/manifest.json").read_text())
+    assert manifest["train"]["config"]["data"]["mix"] == absolute_spec(mix)
+    assert manifest["train"]["data"]["path"] == absolute_spec(mix)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_relative_mixture_run_resumes_from_another_directory(relative_run, reference, tmp_path):
+    run = shutil.copytree(relative_run, tmp_path / "run")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    code, out, err = run_fourd("train", "--resume", run, "--steps", 3, cwd=elsewhere, timeout=500)
+    assert code == 0, err
+    assert "resuming from checkpoint" in out
+    assert losses(run) == reference  # bit for bit
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_run_that_recorded_a_relative_mix_resumes_from_its_directory(
+    mix, relative_run, reference, tmp_path
+):
+    """As runs of fourd before data.mix was made absolute recorded it: the same datasets."""
+    run = shutil.copytree(relative_run, tmp_path / "run")
+    config = run / "config.toml"
+    config.write_text(config.read_text().replace(absolute_spec(mix), RELATIVE))
+    assert f'mix = "{RELATIVE}"' in config.read_text()
+    code, _, err = run_fourd(
+        "train", "--resume", run, "--steps", 3, cwd=folder_of(mix), timeout=500
+    )
+    assert code == 0, err
+    assert losses(run) == reference
+    assert load_toml(config)["data"]["mix"] == absolute_spec(mix)
