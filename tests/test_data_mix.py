@@ -1,6 +1,6 @@
 """Mixtures of prepared datasets: exact shares per block, samples from (seed, index) alone,
-`fourd train --data.mix` resumed bit for bit and equal at tp=2,dp=2 to one process, and recorded
-with absolute paths."""
+`fourd train --data.mix` resumed bit for bit and equal at tp=2,dp=2 to one process, recorded with
+absolute paths, and `fourd generate --eval-holdout` scoring the held-out windows the run scored."""
 
 import json
 import shutil
@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from conftest import run_fourd
 
+from fourd.cli import main
 from fourd.config import load_toml
 from fourd.data.dataset import MIX_BLOCK, Mixture, TokenDataset, absolute_mix, open_prepared
 from fourd.data.prepare import Request, prepare_into
@@ -175,3 +176,46 @@ def test_a_run_that_recorded_a_relative_mix_resumes_from_its_directory(
     assert code == 0, err
     assert losses(run) == reference
     assert load_toml(config)["data"]["mix"] == absolute_spec(mix)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_eval_holdout_of_a_mixture_run_gives_the_held_out_loss_it_logged(
+    mix, relative_run, tmp_path, monkeypatch, capsys
+):
+    from fourd.hf.inference import load_model, perplexity
+
+    monkeypatch.chdir(tmp_path)  # no dataset here: the run's record names them
+    step = relative_run / "checkpoints/step-2"
+    window = 4 * 32 + 1  # the run's eval.batches 1: global_batch 4 windows of data.seq_len 32
+    argv = ["generate", "--ckpt", str(step), "--eval-holdout", "--eval-tokens", str(window)]
+    assert main([*argv, "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    logged = [json.loads(line) for line in open(relative_run / "metrics.jsonl")]
+    assert logged[1]["step"] == 2
+    assert got["tokens"] == window - 1
+    assert got["nll_per_token"] == pytest.approx(logged[1]["val_loss"], rel=1e-6, abs=0)
+    # a mixture's held-out windows are its first dataset's held-out tail (data.holdout_fraction 0.01)
+    first = open_prepared(folder_of(mix) / "a")
+    start = first.held_out_start(0.01)
+    model, _ = load_model(step)
+    assert got == perplexity(model, first.read(start, start + window).tolist(), 32)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_eval_holdout_of_a_mixture_run_refuses_another_corpus(
+    mix, relative_run, monkeypatch, capsys
+):
+    monkeypatch.chdir(folder_of(mix))
+    step = str(relative_run / "checkpoints/step-2")
+    capsys.readouterr()
+    assert main(["generate", "--ckpt", step, "--eval-holdout", "a"]) == 2
+    where = folder_of(mix).resolve()
+    assert capsys.readouterr().err.splitlines() == [
+        f"fourd: error: --eval-holdout '{where / 'a'}' differs from the run's "
+        f"'{absolute_spec(mix)}'; leave --eval-holdout out to use the run's"
+    ]
+    argv = ["generate", "--ckpt", step, "--eval-holdout", RELATIVE, "--eval-tokens", "129"]
+    assert main([*argv, "--json"]) == 0  # the run's own mixture, named from here: no contradiction
+    assert json.loads(capsys.readouterr().out)["tokens"] == 128
