@@ -66,6 +66,7 @@ _CONFIG_DATA = {
     "seq_len": int,
     "cache_dir": str,
     "holdout_fraction": float,
+    "mix": str,
 }
 
 

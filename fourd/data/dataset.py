@@ -278,25 +278,42 @@ def prepare(data_path: str, tokenizer_spec: str, cache_dir: str = "") -> TokenDa
 MIX_BLOCK = 4096  # samples per block of a mixture: each block holds every dataset's exact share
 
 
-def parse_mix(spec: str) -> list[tuple[str, float]]:
-    """`DIR_A=0.7,DIR_B=0.3` as [(DIR_A, 0.7), (DIR_B, 0.3)]; every weight a positive number."""
-    parts = []
+def _mix_items(spec: str) -> list[tuple[str, str]]:
+    """`DIR_A=0.7,DIR_B=0.3` as [(DIR_A, "0.7"), (DIR_B, "0.3")]: each weight's text as given."""
+    items = []
     for item in spec.split(","):
         path, equals, weight = item.strip().rpartition("=")
-        try:
-            value = float(weight)
-        except ValueError:
-            value = float("nan")
         if not equals or not path:
             raise FourdError(
                 f"data.mix item {item.strip()!r} is not DIR=WEIGHT: give e.g. data/a=0.7,data/b=0.3"
             )
+        items.append((path, weight))
+    return items
+
+
+def parse_mix(spec: str) -> list[tuple[str, float]]:
+    """`DIR_A=0.7,DIR_B=0.3` as [(DIR_A, 0.7), (DIR_B, 0.3)]; every weight a positive number."""
+    parts = []
+    for path, weight in _mix_items(spec):
+        try:
+            value = float(weight)
+        except ValueError:
+            value = float("nan")
         if not value > 0 or value == float("inf"):
             raise FourdError(
                 f"data.mix weight of {path} is {weight!r}, not a positive number: give a weight > 0"
             )
         parts.append((path, value))
     return parts
+
+
+def absolute_mix(spec: str) -> str:
+    """data.mix with every DIR made absolute, its weights' text and the order kept, so that a run's
+    recorded data.mix names the same datasets from any working directory (as data.path does)."""
+    parse_mix(spec)  # a bad spec is refused in the words it was given
+    return ",".join(
+        f"{Path(path).expanduser().resolve()}={weight}" for path, weight in _mix_items(spec)
+    )
 
 
 def _block_counts(weights: tuple[float, ...]) -> list[int]:

@@ -20,8 +20,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fourd.config import DataSection
 from fourd.data.corpus import read_regular
-from fourd.data.dataset import prepare
+from fourd.data.dataset import absolute_mix, open_data
 from fourd.errors import FourdError
 from fourd.hf.convert import run_tokenizer, tokenizer_spec
 
@@ -183,36 +184,56 @@ def _same(given: Any, recorded: Any, flag: str) -> Any:
     return given
 
 
+def _corpus(given: str, mixture: bool) -> str:
+    """--eval-holdout's CORPUS as a run records it: absolute paths, each DIR of a mixture's."""
+    if mixture and "=" in given:
+        return absolute_mix(given)
+    return str(Path(given).expanduser().resolve())
+
+
 def holdout_ids(args, manifest: dict) -> list[int]:
-    """The tail of the run's corpus that `fourd train` kept out of training (today's defaults for
-    runs that recorded no data: the standard library, 1 %)."""
+    """The held-out tail that `fourd train` evaluates on (for a mixture, its first dataset's), from
+    the data the run recorded (today's defaults for runs that recorded none: the standard library,
+    the default data.holdout_fraction)."""
     data = manifest.get("train", {}).get("data", {})
     # typed by the manifest's schema
     recorded = manifest.get("train", {}).get("config", {}).get("data", {})
+    mix = recorded.get("mix", "")
     given = None
     if args.eval_holdout:
-        given = str(Path(args.eval_holdout).expanduser().resolve())
-    path = None  # the run recorded no corpus
-    if data.get("path"):
-        path = str(Path(data["path"]).expanduser().resolve())
-    elif "path" in data:
-        path = ""  # the standard library
-    corpus = _same(given, path, "--eval-holdout") or ""
+        given = _corpus(args.eval_holdout, bool(mix))
+    path = ""
+    if mix:
+        mix = _same(given, absolute_mix(mix), "--eval-holdout")
+    else:
+        recorded_path = None  # the run recorded no corpus
+        if data.get("path"):
+            recorded_path = str(Path(data["path"]).expanduser().resolve())
+        elif "path" in data:
+            recorded_path = ""  # the standard library
+        path = _same(given, recorded_path, "--eval-holdout") or ""
     fraction = _same(args.holdout_fraction, recorded.get("holdout_fraction"), "--holdout-fraction")
-    cache = prepare(corpus, tokenizer_spec(args.tokenizer, data), recorded.get("cache_dir", ""))
+    section = DataSection(
+        path=path,
+        mix=mix,
+        tokenizer=tokenizer_spec(args.tokenizer, data),
+        cache_dir=recorded.get("cache_dir", ""),
+    )
+    if fraction is not None:
+        section.holdout_fraction = fraction
+    cache = open_data(section)
     changed = (
-        f"the corpus {corpus or 'standard library'!r} has {cache.tokens} tokens, "
+        f"the corpus {mix or path or 'standard library'!r} has {cache.tokens} tokens, "
         f"{data.get('tokens')} when the run trained: it changed, so its tail is not the held-out "
         "part; use --eval-file"
     )
     _refuse_if(data.get("tokens") not in (None, cache.tokens), changed)
-    if fraction is None:
-        fraction = 0.01  # the default of runs that recorded none
-    train_tokens, _ = cache.split(1, fraction)  # as training cut it
-    ids = cache.array()[train_tokens:].tolist()
+    # The trainer's own stream; where its held-out tail starts depends on neither seq_len nor seed.
+    tail = cache.stream(1, 0, section.holdout_fraction).holdout()
+    count = len(tail)
     if args.eval_tokens > 0:
-        return ids[: args.eval_tokens]
-    return ids
+        count = min(count, args.eval_tokens)
+    return tail[0:count].tolist()
 
 
 def _run_eval(args, model, tok, manifest: dict) -> int:

@@ -31,6 +31,7 @@ from pathlib import Path
 from fourd.ckpt.store import checkpoints
 from fourd.config import Config, build_config, fourd_home, load_toml, model_config, parallelism
 from fourd.config import check as check_config
+from fourd.data.dataset import absolute_mix, open_data
 from fourd.errors import FourdError, plural, si
 from fourd.hf.convert import load_weights
 from fourd.layout import DIMS, check, parse_layout
@@ -120,6 +121,8 @@ def _absolute(cfg) -> None:
         value = getattr(getattr(cfg, section), key)
         if value and (key != "tokenizer" or Path(value).expanduser().is_file()):
             setattr(getattr(cfg, section), key, str(Path(value).expanduser().resolve()))
+    if cfg.data.mix:
+        cfg.data.mix = absolute_mix(cfg.data.mix)
 
 
 def _resuming(args) -> tuple[Path | None, dict]:
@@ -231,15 +234,15 @@ def _configure(args):
             "drop the model settings to train its model"
         )
     if resumed is not None:
-        _check_kept(Config.from_dict(saved or cfg.to_dict()), cfg, mcfg, resumed)
+        kept = Config.from_dict(saved or cfg.to_dict())
+        _absolute(kept)  # a data.mix recorded relative (before fourd made it absolute) is kept
+        _check_kept(kept, cfg, mcfg, resumed)
     return cfg, mcfg, resumed
 
 
 def prepare(args):
     """Everything that can fail on bad input, done before any worker starts: (cfg, layout, cache,
     data record)."""
-    from fourd.data.dataset import open_data
-
     cfg, mcfg, resumed = _configure(args)
     here = (
         machine(cfg) if cfg.parallel.layout == "auto" else None
