@@ -201,8 +201,8 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
     ),
     "planner's per-op backward times the kept matmuls again": (
         "fourd/plan/perf.py",
-        'if i % 2 and work.recompute == "per-op":',
-        'if not i % 2 and work.recompute == "per-op":',
+        "for out_dim, k in matmuls(work)[1::2]:",
+        "for out_dim, k in matmuls(work)[0::2]:",
         (
             "tests/test_contract_recompute.py::test_planner_charges_the_recomputed_matmuls_in_backward_time",
         ),
