@@ -49,12 +49,12 @@ class Job:
     """A training run: `global_seqs` sequences of `seq` tokens per optimizer step, cut as `par`
     says. `precision` None trains in the profile's precision; `compiled` runs the blocks
     torch.compile'd (fused kernels); `attention` is "flash" (a fused kernel) or "materialized" (the
-    s × s scores in memory); `pipeline_comm` "synchronous": each microbatch's exchanges are
-    waited for (Megatron); "blocking": each send waits for its receiver, each
-    backward adds its gradients into FP32 ones by a pass of its own and they are reduced after the
-    last backward (DeepSpeed's pipeline engine); `stack` names the software stack
-    (fourd.plan.stack: its fused kernels, TP and DP overlap); `fused_kernels`, `tp_overlap` and
-    `dp_overlap` None take the stack's (`pipeline_comm` is the stack's where request.resolve builds the job)."""
+    s × s scores in memory). `pipeline_comm`: "overlapped"; "synchronous", each microbatch's
+    exchanges waited for (Megatron); "blocking", each send waits for its receiver, each backward
+    adds its gradients into FP32 ones by a pass of its own and they are reduced after the last
+    backward (DeepSpeed's pipeline engine). `stack` names the software stack (fourd.plan.stack);
+    `fused_kernels`, `tp_overlap` and `dp_overlap` None take the stack's switch (request.resolve
+    also fills `pipeline_comm` from the stack)."""
 
     model: ModelConfig
     cluster: Cluster
@@ -70,10 +70,16 @@ class Job:
     dp_overlap: bool | None = None
     fused_kernels: bool | None = None
 
+    def switch(self, name: str) -> bool:
+        """The stack switch `name` (fused_kernels, tp_overlap, dp_overlap): as pinned, else the
+        stack's."""
+        pinned = getattr(self, name)
+        return getattr(load_stack(self.stack), name) if pinned is None else pinned
+
     @property
     def dp_overlapped(self) -> bool:
-        """Data-parallel traffic beside compute: as pinned, else the stack's."""
-        return load_stack(self.stack).dp_overlap if self.dp_overlap is None else self.dp_overlap
+        """Data-parallel traffic beside compute."""
+        return self.switch("dp_overlap")
 
     @property
     def layout(self) -> Layout:
@@ -95,8 +101,8 @@ class Job:
         # with BF16 copies of them (FSDP's and DDP's mixed precision, as torchtitan, llm-foundry and
         # Megatron do)
         autocast = self.dtype_bytes == 2 and par.layout.cp * par.layout.dp == 1
-        stack = load_stack(self.stack)
-        tp_overlap = stack.tp_overlap if self.tp_overlap is None else self.tp_overlap
+        fused = self.compiled or self.switch("fused_kernels")
+        tp_overlap = self.switch("tp_overlap") and par.sequence_parallel and par.layout.tp > 1
         return Work(
             self.model,
             self.cluster,
@@ -106,12 +112,11 @@ class Job:
             par.recompute,
             par.sequence_parallel,
             self.dtype_bytes,
-            self.compiled
-            or (stack.fused_kernels if self.fused_kernels is None else self.fused_kernels),
+            fused,
             self.attention,
             autocast,
             par.zero >= 1 and par.shard_ranks > 1,
-            tp_overlap and par.sequence_parallel and par.layout.tp > 1,
+            tp_overlap,
         )
 
     def __hash__(self) -> int:
