@@ -271,7 +271,7 @@ def pin(anchor: Anchor, plan: Plan) -> Pinned:
         )
     overhead = None
     if anchor.peak_memory_gb is not None:
-        overhead = anchor.peak_memory_gb - peak_gb(plan)
+        overhead = anchor.peak_memory_gb - plan.peak_gb
     return Pinned(
         rate=rate,
         step_cost_s=step_cost,
@@ -280,11 +280,6 @@ def pin(anchor: Anchor, plan: Plan) -> Pinned:
         measured_s=measured,
         modelled_s=times.step_s,
     )
-
-
-def peak_gb(plan: Plan) -> float:
-    """The plan's peak memory per GPU: tensors and the runtime's reserve (what must fit), GB."""
-    return (plan.memory.total + plan.memory.reserve) / GB
 
 
 def predict(plan: Plan, pinned: Pinned) -> Plan:

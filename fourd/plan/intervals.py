@@ -159,11 +159,9 @@ def _plan_keys(plan, stack: str | None) -> tuple[str, str, str]:
 
 def plan_intervals(plan, anchored: bool = False, stack: str | None = None) -> dict:
     """The plan's step time, MFU and memory intervals: {key: [low, high] or None}."""
-    from fourd.plan.anchor import peak_gb
-
     gen, stack_name, size = _plan_keys(plan, stack)
     time = interval(plan.step.step_s, "time", anchored, gen, stack_name, size)
-    memory = interval(peak_gb(plan), "memory", anchored, gen, stack_name, size)
+    memory = interval(plan.peak_gb, "memory", anchored, gen, stack_name, size)
     # MFU is the inverse of the step time: a slower step, a lower MFU
     mfu = (
         None
@@ -179,10 +177,8 @@ def plan_intervals(plan, anchored: bool = False, stack: str | None = None) -> di
 
 def json_keys(plan, anchored: bool = False, stack: str | None = None) -> dict:
     """`--json`'s interval keys, the level and the peak memory they bracket."""
-    from fourd.plan.anchor import peak_gb
-
     out = plan_intervals(plan, anchored, stack)
-    return out | {"interval_level": table()[0], "peak_memory_gb": peak_gb(plan)}
+    return out | {"interval_level": table()[0], "peak_memory_gb": plan.peak_gb}
 
 
 def _span(pair, form: str) -> str:
@@ -195,8 +191,6 @@ def _span(pair, form: str) -> str:
 
 def report_lines(plan, anchored: bool = False, stack: str | None = None) -> list[str]:
     """The text report's interval section."""
-    from fourd.plan.anchor import peak_gb
-
     got, level = plan_intervals(plan, anchored, stack), table()[0]
     kind = "anchored" if anchored else "unanchored"
     return [
@@ -206,7 +200,7 @@ def report_lines(plan, anchored: bool = False, stack: str | None = None) -> list
         f"{_span(got['step_time_s_interval'], '{:.4g} s')}",
         f"  MFU            {100 * plan.mfu:>10.1f} %     "
         f"{_span(got['mfu_interval'] and [100 * x for x in got['mfu_interval']], '{:.1f} %')}",
-        f"  peak memory    {peak_gb(plan):>10.1f} GB    "
+        f"  peak memory    {plan.peak_gb:>10.1f} GB    "
         f"{_span(got['memory_gb_interval'], '{:.1f} GB')}",
     ]
 

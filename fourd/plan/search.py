@@ -44,6 +44,12 @@ class Plan:
     micro_seqs = property(lambda self: self.job.micro_seqs)
     gpus = property(lambda self: self.job.layout.world)
     fits = property(lambda self: self.memory.fits(self.cluster.gpu.memory_gb * GB))
+
+    @property
+    def peak_gb(self) -> float:
+        """Peak memory per GPU: tensors and the runtime's reserve (what must fit), GB."""
+        return (self.memory.total + self.memory.reserve) / GB
+
     tokens_per_s = property(lambda self: self.global_seqs * self.seq / self.step.step_s)
     mfu = property(lambda self: self.tflops_per_gpu / self.cluster.gpu.peak_tflops)
     bubble_fraction = property(lambda self: self.step.bubble_s / self.step.step_s)
