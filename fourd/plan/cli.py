@@ -11,6 +11,8 @@ examples:
   fourd plan --model-spec layers=96,dim=12288,ffn=49152,heads=96,vocab=51200,mlp=gelu \\
              --cluster selene-a100 --layout tp=8,pp=16,dp=8 --seq 2048 --global-batch-tokens 3M \\
              --pipeline-comm blocking
+  fourd plan --model llama3-70b --cluster dgx-h100 --layout tp=8,pp=4,dp=16 --seq 8192 \\
+             --stack nemo                                   # NeMo's switches
   fourd plan --anchor runs/X/anchor.json --layout tp=2,dp=2  # from a measured step
 """
 
