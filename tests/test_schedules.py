@@ -104,3 +104,76 @@ def test_impossible_combinations_name_the_fix():
         build_schedule("pipedream", 4, 8)
     with pytest.raises(FourdError, match="^microbatches = 0 must be a positive integer$"):
         build_schedule("gpipe", 4, 0)
+
+
+def test_each_count_must_be_a_positive_integer_and_is_named():
+    for args, message in [
+        (("gpipe", 0, 1), "pipeline ranks = 0 must be a positive integer"),
+        (("gpipe", True, 1), "pipeline ranks = True must be a positive integer"),
+        (("gpipe", 2.0, 1), "pipeline ranks = 2.0 must be a positive integer"),
+        (("gpipe", 2, False), "microbatches = False must be a positive integer"),
+        (("gpipe", 2, -1), "microbatches = -1 must be a positive integer"),
+        (("interleaved", 2, 4, 0), "virtual stages = 0 must be a positive integer"),
+        (("interleaved", 2, 4, True), "virtual stages = True must be a positive integer"),
+    ]:
+        with pytest.raises(FourdError) as refused:
+            build_schedule(*args)
+        assert str(refused.value) == message, args
+
+
+def test_a_schedule_name_read_from_a_file_is_compared_by_value():
+    # a name built at run time (a config file's) is a different str object than the literal
+    name = "".join(["inter", "leaved"])
+    assert name == SCHEDULES[2] and name is not SCHEDULES[2]
+    s = build_schedule(name, 2, 4, 2)
+    assert (s.stages, s.actions()) == (4, 32)
+
+
+def test_validate_names_each_malformed_schedule_exactly():
+    good = build_schedule("1f1b", 2, 2)  # stages 0..1, microbatches 0..1
+    r0, r1 = good.ranks
+    f00 = Action("F", 0, 0)
+    out_of_range = "is out of range (kinds F/B/I/W, stages 0..1, microbatches 0..1)"
+    cases = [
+        ((r0,), "schedule x: 1 rank lists for pp = 2"),
+        ((r0, r1, ()), "schedule x: 3 rank lists for pp = 2"),
+        ((r0 + (Action("X", 0, 0),), r1), f"schedule x: action X0.0 {out_of_range}"),
+        ((r0 + (Action("F", 2, 0),), r1), f"schedule x: action F2.0 {out_of_range}"),
+        ((r0, r1 + (Action("F", -1, 0),)), f"schedule x: action F-1.0 {out_of_range}"),
+        ((r0 + (Action("F", 0, 2),), r1), f"schedule x: action F0.2 {out_of_range}"),
+        ((r0 + (Action("F", 0, -1),), r1), f"schedule x: action F0.-1 {out_of_range}"),
+        ((r0 + (f00,), r1), "schedule x: F0.0 appears twice"),
+        ((r0, r1 + (f00,)), "schedule x: F0.0 is on rank 1 but stage 0 lives on rank 0"),
+    ]
+    for ranks, message in cases:
+        with pytest.raises(FourdError) as refused:
+            validate(Schedule("x", 2, 2, 1, ranks))
+        assert str(refused.value) == message, ranks
+
+
+def test_validate_wants_one_f_and_either_one_b_or_one_i_and_one_w():
+    f, b, i, w = (Action(kind, 0, 0) for kind in "FBIW")
+    need = (
+        "schedule x: stage 0 microbatch 0 needs exactly one F and either one B or one I and one W"
+    )
+    for actions in [(b,), (f,), (f, i), (f, w), (f, b, i), (f, b, w), (f, b, i, w)]:
+        with pytest.raises(FourdError) as refused:
+            validate(Schedule("x", 1, 1, 1, (actions,)))
+        assert str(refused.value) == need, actions
+    validate(Schedule("x", 1, 1, 1, ((f, b),)))
+    validate(Schedule("x", 1, 1, 1, ((f, i, w),)))
+    late = Schedule("x", 1, 1, 1, ((b, f),))
+    with pytest.raises(FourdError) as refused:
+        validate(late)
+    assert str(refused.value) == "schedule x deadlocks: every rank waits (rank 0 at B0.0)"
+
+
+def test_a_built_schedule_is_immutable_and_hashable():
+    s = build_schedule("1f1b", 2, 2)
+    assert hash(s.ranks[0][0]) == hash(Action("F", 0, 0))
+    assert {s.ranks[0][0], Action("F", 0, 0)} == {Action("F", 0, 0)}
+    with pytest.raises(AttributeError):
+        s.ranks[0][0].stage = 1  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        s.pp = 3  # type: ignore[misc]
+    assert hash(s) == hash(build_schedule("1f1b", 2, 2))
