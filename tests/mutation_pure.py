@@ -36,7 +36,11 @@ PYTEST += " -m 'not slow and not mutation'"
 MODULES: dict[str, tuple[str, ...]] = {
     "fourd/schedules.py": ("tests/test_schedules.py", "tests/test_lab_api.py"),
     "fourd/layout.py": ("tests/test_parallel_layout.py", "tests/test_contract_limits.py"),
-    "fourd/config.py": ("tests/test_contract_limits.py", "tests/test_train_loop.py"),
+    "fourd/config.py": (
+        "tests/test_contract_limits.py",
+        "tests/test_train_loop.py",
+        "tests/test_contract_config.py",
+    ),
     "fourd/comm/__init__.py": ("tests/test_contract_bus.py",),
     "fourd/sim/faults.py": ("tests/test_sim_faults.py",),
     "fourd/sim/step.py": ("tests/test_sim_step.py", "tests/test_sim_pipeline.py"),
