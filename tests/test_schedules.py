@@ -3,7 +3,7 @@
 import pytest
 
 from fourd.errors import FourdError
-from fourd.schedules import SCHEDULES, Action, Schedule, build_schedule, validate
+from fourd.schedules import SCHEDULES, Action, Schedule, build_schedule, check_stages, validate
 
 
 def _grid():
@@ -177,3 +177,35 @@ def test_a_built_schedule_is_immutable_and_hashable():
     with pytest.raises(AttributeError):
         s.pp = 3  # type: ignore[misc]
     assert hash(s) == hash(build_schedule("1f1b", 2, 2))
+
+
+def test_the_stages_of_a_rank_at_any_pipeline_degree():
+    # loop placement: rank r holds stages r, r + pp, r + 2·pp, ...
+    s = build_schedule("interleaved", 3, 3, 3)
+    assert [s.stages_of_rank(r) for r in range(3)] == [[0, 3, 6], [1, 4, 7], [2, 5, 8]]
+    assert [s.stage_rank(stage) for stage in range(9)] == [0, 1, 2] * 3
+
+
+def test_a_pipeline_of_more_than_256_stages_is_built():
+    # CPython keeps one object per small int (up to 256): stage numbers beyond it are compared by value
+    s = build_schedule("1f1b", 300, 2)
+    assert (s.stages, s.actions()) == (300, 1200)
+    assert [str(a) for a in s.ranks[299]] == ["F299.0", "B299.0", "F299.1", "B299.1"]
+
+
+def test_a_deadlock_names_only_the_ranks_left_waiting():
+    # rank 0 runs a W before its I and waits there for ever; rank 1 (the last stage) finishes
+    # all of its 300 actions (more than CPython's small ints), and is left out
+    m = 150
+    r0 = [Action("F", 0, j) for j in range(m)]
+    r0 += [action for j in range(m) for action in (Action("W", 0, j), Action("I", 0, j))]
+    r1 = [action for j in range(m) for action in (Action("F", 1, j), Action("B", 1, j))]
+    with pytest.raises(FourdError) as refused:
+        validate(Schedule("x", 2, m, 1, (tuple(r0), tuple(r1))))
+    assert str(refused.value) == "schedule x deadlocks: every rank waits (rank 0 at W0.0)"
+
+
+def test_check_stages_means_one_virtual_stage_unless_told():
+    check_stages("1f1b", 4, 8)  # the planner's and the layout check's entry: no error
+    with pytest.raises(FourdError, match="^2 virtual stages need the interleaved schedule"):
+        check_stages("1f1b", 4, 8, 2)
