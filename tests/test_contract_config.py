@@ -31,6 +31,69 @@ from fourd.layout import Layout, Parallelism
 SECTIONS = "model, data, train, parallel, checkpoint, eval, fault, run"
 
 
+# The configuration of `fourd train` without flags, written out here by hand (as the limits are in
+# test_contract_limits.py): a default changed by mistake changes one of these. Those the docs state:
+# seq_len 256, global_batch 16, no SP (docs/planner.md), ZeRO 2 (docs/parallelism.md), checkpoint.keep 3
+# and timeout_s 300 (docs/fault-tolerance.md), eval.batches 4 (README); compile unset: on CUDA only.
+DEFAULTS = {
+    "model": {"preset": "small"},
+    "data": {
+        "path": "",
+        "tokenizer": "byte",
+        "seq_len": 256,
+        "cache_dir": "",
+        "holdout_fraction": 0.01,
+        "mix": "",
+    },
+    "train": {
+        "steps": 300,
+        "global_batch": 16,
+        "lr": 0.003,
+        "min_lr": 0.0003,
+        "warmup_steps": 20,
+        "weight_decay": 0.1,
+        "beta1": 0.9,
+        "beta2": 0.95,
+        "grad_clip": 1.0,
+        "seed": 0,
+        "dtype": "auto",
+        "compile": None,
+        "fp8": False,
+        "log_every": 1,
+        "timeout_s": 300.0,
+        "init_from": "",
+    },
+    "parallel": {
+        "layout": "dp=1",
+        "schedule": "1f1b",
+        "microbatches": 1,
+        "virtual_stages": 1,
+        "zero": 2,
+        "hsdp_replicas": 1,
+        "recompute": "none",
+        "sequence_parallel": False,
+    },
+    "checkpoint": {"interval": 0, "keep": 3, "async_save": False},
+    "eval": {"every": 0, "batches": 4},
+    "fault": {"kill_rank": -1, "at_step": -1, "hang_rank": -1},
+    "run": {"dir": "", "max_restarts": 0, "trace": True},
+}
+
+
+def test_every_default_is_the_one_written_out():
+    given = Config().to_dict()
+    model = given.pop("model")
+    assert {key: value for key, value in model.items() if value is not None} == DEFAULTS["model"]
+    assert given == {section: DEFAULTS[section] for section in given}
+    assert list(given) == list(DEFAULTS)[1:]
+    # and the defaults make a run: the checks pass, the small model (max_seq 1024) takes 256 tokens
+    cfg = build_config(None, {}, [])
+    assert (model_config(cfg).max_seq, parallelism(cfg)) == (
+        1024,
+        Parallelism(layout=Layout(), zero=2),
+    )
+
+
 def _set(key, value):
     cfg = Config()
     set_value(cfg, key, value)
