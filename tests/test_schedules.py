@@ -149,6 +149,13 @@ def test_validate_names_each_malformed_schedule_exactly():
         with pytest.raises(FourdError) as refused:
             validate(Schedule("x", 2, 2, 1, ranks))
         assert str(refused.value) == message, ranks
+    # the ranges in the line are the schedule's own: 3 stages, 3 microbatches
+    three = build_schedule("gpipe", 3, 3).ranks
+    with pytest.raises(FourdError) as refused:
+        validate(Schedule("y", 3, 3, 1, (three[0] + (Action("F", 0, 3),), *three[1:])))
+    assert str(refused.value) == (
+        "schedule y: action F0.3 is out of range (kinds F/B/I/W, stages 0..2, microbatches 0..2)"
+    )
 
 
 def test_validate_wants_one_f_and_either_one_b_or_one_i_and_one_w():
