@@ -141,6 +141,8 @@ def test_validate_names_each_malformed_schedule_exactly():
         ((r0 + (Action("F", 2, 0),), r1), f"schedule x: action F2.0 {out_of_range}"),
         ((r0, r1 + (Action("F", -1, 0),)), f"schedule x: action F-1.0 {out_of_range}"),
         ((r0 + (Action("F", 0, 2),), r1), f"schedule x: action F0.2 {out_of_range}"),
+        ((r0 + (Action("F", 0, 3),), r1), f"schedule x: action F0.3 {out_of_range}"),
+        ((r0 + (Action("F", 4, 0),), r1), f"schedule x: action F4.0 {out_of_range}"),
         ((r0 + (Action("F", 0, -1),), r1), f"schedule x: action F0.-1 {out_of_range}"),
         ((r0 + (f00,), r1), "schedule x: F0.0 appears twice"),
         ((r0, r1 + (f00,)), "schedule x: F0.0 is on rank 1 but stage 0 lives on rank 0"),
