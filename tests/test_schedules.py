@@ -218,3 +218,12 @@ def test_check_stages_means_one_virtual_stage_unless_told():
     check_stages("1f1b", 4, 8)  # the planner's and the layout check's entry: no error
     with pytest.raises(FourdError, match="^2 virtual stages need the interleaved schedule"):
         check_stages("1f1b", 4, 8, 2)
+
+
+def test_peak_in_flight_counts_sets_released_and_taken_again():
+    # a valid order of one's own: the peak, 2, comes after a backward has released a set
+    order = ("F0.0", "B0.0", "F0.1", "F0.2", "B0.1", "B0.2")
+    actions = tuple(Action(w[0], int(w[1]), int(w[3])) for w in order)
+    own = Schedule("mine", 1, 3, 1, (actions,))
+    validate(own)
+    assert own.peak_in_flight(0) == 2
