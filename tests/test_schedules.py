@@ -227,3 +227,25 @@ def test_peak_in_flight_counts_sets_released_and_taken_again():
     own = Schedule("mine", 1, 3, 1, (actions,))
     validate(own)
     assert own.peak_in_flight(0) == 2
+
+
+def test_a_backward_waits_for_the_next_stages_backward_not_its_forward():
+    # rank 0's B0.0 needs stage 1's input gradient, from B1.0, which rank 1 runs after F1.1,
+    # which needs F0.1, which rank 0 runs after B0.0: a deadlock, though F1.0 has run
+    f, b = (lambda stage, j: Action("F", stage, j)), (lambda stage, j: Action("B", stage, j))
+    ranks = ((f(0, 0), b(0, 0), f(0, 1), b(0, 1)), (f(1, 0), f(1, 1), b(1, 0), b(1, 1)))
+    with pytest.raises(FourdError) as refused:
+        validate(Schedule("x", 2, 2, 1, ranks))
+    assert str(refused.value) == (
+        "schedule x deadlocks: every rank waits (rank 0 at B0.0; rank 1 at F1.1)"
+    )
+
+
+def test_only_the_interleaved_schedule_takes_virtual_stages():
+    for name in ("gpipe", "1f1b", "zero-bubble"):
+        with pytest.raises(FourdError) as refused:
+            build_schedule(name, 2, 4, 2)
+        assert str(refused.value) == (
+            f"2 virtual stages need the interleaved schedule ({name} runs one stage per rank): "
+            "choose the interleaved schedule or one virtual stage"
+        )
