@@ -348,6 +348,13 @@ def test_the_model_is_the_preset_with_the_set_keys_on_top():
     assert (model.layers, model.dim, model.max_seq) == (2, 64, 256)
     cfg = _checked(model__preset="debug", data__seq_len=256)
     assert model_config(cfg).layers == 4  # the debug preset's, layers left unset
+    # every key set is on top, whatever its name
+    cfg = _checked(model__preset="debug", model__vocab=512, model__rope_theta=1e4, model__ffn=128)
+    assert (model_config(cfg).vocab, model_config(cfg).rope_theta, model_config(cfg).ffn) == (
+        512,
+        1e4,
+        128,
+    )
     cfg = _checked(model__preset="debug", data__seq_len=257)
     assert _refused(model_config, cfg) == (
         "data.seq_len = 257 is longer than the model's max_seq = 256: raise --model.max_seq or "
