@@ -263,6 +263,9 @@ def test_malformed_overrides_are_refused_with_the_form():
     assert _refused(parse_overrides, ["--modle"], ["--model", "--steps"]) == (
         f"unrecognised argument '--modle' (did you mean `--model`?): {form}"
     )
+    assert _refused(parse_overrides, ["--modle=debug"], ["--model"]) == (
+        f"unrecognised argument '--modle=debug' (did you mean `--model`?): {form}"
+    )
     assert _refused(parse_overrides, ["--train.steps"]) == (
         "--train.steps needs a value: --train.steps=VALUE"
     )
@@ -315,10 +318,10 @@ def test_a_fault_names_a_rank_of_the_layout_and_a_step_of_the_run(key):
     assert _refused(_checked, parallel__layout="dp=2", **{fault: 2}, fault__at_step=1) == (
         f"fault.{key} = 2 is not a rank of the 2-rank layout: choose 0 .. 1"
     )
-    for step in (-1, 0, 6):
-        assert _refused(_checked, **{fault: 0}, train__steps=5, fault__at_step=step) == (
-            f"fault.{key} needs fault.at_step, a step in 1 .. 5 (it is {step})"
-        )
+    for rank, step in [(0, -1), (0, 0), (0, 6), (1, -1), (1, 6)]:
+        assert _refused(
+            _checked, parallel__layout="dp=2", **{fault: rank}, train__steps=5, fault__at_step=step
+        ) == (f"fault.{key} needs fault.at_step, a step in 1 .. 5 (it is {step})")
     # an auto layout is checked once the planner has chosen it: any rank passes here
     _checked(parallel__layout="auto", **{fault: 1000}, fault__at_step=1)
 
