@@ -161,6 +161,22 @@ def test_a_value_of_the_wrong_kind_is_refused_in_one_line(key, value, message):
     assert _refused(set_value, Config(), key, value) == message
 
 
+@pytest.mark.parametrize(
+    "key, value, what",
+    [
+        ("train.beta1", 1.5, "in [0, 1)"),
+        ("train.beta2", 2.0, "in [0, 1)"),
+        ("data.holdout_fraction", 0.6, "in [0, 0.5)"),
+        ("train.seed", 2**63 + 1, "in 0 .. 2^63 - 1"),
+        ("train.timeout_s", -1.0, "in (0, 1e6] seconds"),
+        ("train.timeout_s", 1e7, "in (0, 1e6] seconds"),
+    ],
+)
+def test_values_far_beyond_a_bound_are_refused_too(key, value, what):
+    # test_contract_limits.py takes each bound's nearest values; these lie further out
+    assert _refused(set_value, Config(), key, value) == f"{key} = {value!r} must be {what}"
+
+
 def test_unknown_keys_are_refused_with_the_keys_there_are():
     assert _refused(set_value, Config(), "lr", 1) == (
         f"unknown config key 'lr': sections are {SECTIONS} (use section.key)"
@@ -315,9 +331,10 @@ def test_a_fault_names_a_rank_of_the_layout_and_a_step_of_the_run(key):
     fault = f"fault__{key}"
     _checked(parallel__layout="dp=2", **{fault: 1}, fault__at_step=1)
     _checked(parallel__layout="dp=2", **{fault: 0}, train__steps=5, fault__at_step=5)
-    assert _refused(_checked, parallel__layout="dp=2", **{fault: 2}, fault__at_step=1) == (
-        f"fault.{key} = 2 is not a rank of the 2-rank layout: choose 0 .. 1"
-    )
+    for rank in (2, 3):
+        assert _refused(_checked, parallel__layout="dp=2", **{fault: rank}, fault__at_step=1) == (
+            f"fault.{key} = {rank} is not a rank of the 2-rank layout: choose 0 .. 1"
+        )
     for rank, step in [(0, -1), (0, 0), (0, 6), (1, -1), (1, 6)]:
         assert _refused(
             _checked, parallel__layout="dp=2", **{fault: rank}, train__steps=5, fault__at_step=step
