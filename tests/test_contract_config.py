@@ -343,6 +343,21 @@ def test_a_fault_names_a_rank_of_the_layout_and_a_step_of_the_run(key):
     _checked(parallel__layout="auto", **{fault: 1000}, fault__at_step=1)
 
 
+def test_the_layout_is_read_for_the_rules_unless_it_is_auto():
+    # as a flag gives it: a string made at run time, not the literal "auto"
+    cfg = build_config(
+        None, {}, ["--parallel.layout=auto", "--fault.kill_rank=1000", "--fault.at_step=1"]
+    )
+    assert (cfg.parallel.layout, cfg.fault.kill_rank) == ("auto", 1000)
+    # any other text is a layout, even one that sorts before "auto"
+    assert _refused(_checked, parallel__layout="  dp=2", fault__kill_rank=2, fault__at_step=1) == (
+        "fault.kill_rank = 2 is not a rank of the 2-rank layout: choose 0 .. 1"
+    )
+    assert _refused(_checked, parallel__layout="DP=2") == (
+        "layout 'DP=2': bad item 'DP=2'; write key=value with keys tp, cp, pp, dp"
+    )
+
+
 def test_an_auto_layout_bounds_fault_ranks_at_two_to_the_62():
     _checked(parallel__layout="auto", fault__kill_rank=2**62 - 1, fault__at_step=1)
     assert _refused(
