@@ -1,5 +1,6 @@
 """Corpora, the token cache and the sample stream: order, the held-out tail, bad data."""
 
+import dataclasses
 import json
 import os
 import socket
@@ -9,8 +10,22 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fourd.config import build_config
-from fourd.data.dataset import SampleStream, TokenCache, prepare
+from fourd.config import DataSection, build_config
+from fourd.data.dataset import (
+    MIX_BLOCK,
+    Mixture,
+    SampleStream,
+    TokenCache,
+    TokenDataset,
+    _block_counts,
+    held_out_start,
+    is_prepared,
+    open_data,
+    open_prepared,
+    parse_mix,
+    prepare,
+    split,
+)
 from fourd.data.sources import DocumentReader, list_sources
 from fourd.errors import FourdError
 
@@ -242,3 +257,192 @@ def test_config_layers_and_refusals(tmp_path):
     toml.write_text("[train\nsteps=")
     with pytest.raises(FourdError, match="is not valid TOML"):
         build_config(str(toml), {}, [])
+
+
+# --- the dataset's pieces, each with numbers worked out by hand -----------------------------------------
+
+
+def _shards(tmp_path, counts, tokens=None, dtype="uint16"):
+    """A dataset of shard files whose token at stream position i is i."""
+    names, start = [], 0
+    for k, count in enumerate(counts):
+        name = f"s{k}.bin"
+        np.arange(start, start + count, dtype=dtype).tofile(tmp_path / name)
+        names.append((name, count))
+        start += count
+    return TokenDataset(
+        path=tmp_path,
+        tokens=start if tokens is None else tokens,
+        vocab_size=max(start, 1),
+        dtype=dtype,
+        source="shards",
+        shards=tuple(names),
+    )
+
+
+def test_reads_cross_shard_boundaries_and_stop_at_the_streams_end(tmp_path):
+    data = _shards(tmp_path, [4, 0, 6], tokens=9)  # an empty shard; the last id not in the stream
+    assert data.read(2, 7).tolist() == [2, 3, 4, 5, 6]
+    assert data.read(0, 4).tolist() == [0, 1, 2, 3]
+    assert data.read(4, 5).tolist() == [4]
+    assert data.read(7, 20).tolist() == [7, 8]
+    assert data.read(9, 12).tolist() == [] and data.read(9, 12).dtype == np.int64
+    assert data.read(3, 5).dtype == np.int64
+    assert data.array().tolist() == list(range(9))
+    (tmp_path / "one").mkdir()
+    one = _shards(tmp_path / "one", [5], tokens=4)
+    assert one.array().tolist() == [0, 1, 2, 3]
+    assert data.document_starts() is None  # no .idx files
+
+
+def test_the_held_out_tail_starts_at_a_document_start_when_one_lies_in_it():
+    assert held_out_start(1000, 0.1, None) == 900
+    assert held_out_start(1000, 0.1, np.array([], dtype=np.int64)) == 900
+    assert held_out_start(1000, 0.1, np.array([0, 850, 905, 990])) == 905
+    assert held_out_start(1000, 0.1, np.array([0, 850, 900, 990])) == 900
+    assert held_out_start(1000, 0.1, np.array([0, 850])) == 900  # the last document is long
+    assert held_out_start(1000, 0.1, np.array([0, 850, 1000])) == 900  # a start at the very end
+
+
+def test_the_manifests_held_out_start_is_used_for_its_own_fraction(tmp_path):
+    data = TokenCache(
+        path=tmp_path, tokens=1000, vocab_size=1000, dtype="uint16", source="x", holdout=(0.1, 950)
+    )
+    assert data.held_out_start(0.1) == 950
+    assert data.held_out_start(0.2) == 800  # another fraction: computed, no document index
+    assert data.split(16, 0.1) == (950, 59)  # (950 − 1) // 16
+
+
+def test_split_counts_windows_and_refuses_a_corpus_too_short():
+    assert split(1000, 16, 0.1) == (900, 56)  # (900 − 1) // 16
+    assert split(1000, 16, 0.1, lambda fraction: 905) == (905, 56)
+    assert split(17, 16, 0.0) == (17, 1)  # one window of 16 + 1 tokens
+    for fraction in (0.5, -0.1):
+        with pytest.raises(FourdError) as e:
+            split(1000, 16, fraction)
+        assert str(e.value) == f"data.holdout_fraction = {fraction} must be in [0, 0.5)"
+    # 23 tokens keep int(23 · 0.75) = 17 for training; 22 keep 16
+    for tokens, fraction, need, percent in [(16, 0.0, 17, "0%"), (22, 0.25, 23, "25%")]:
+        with pytest.raises(FourdError) as e:
+            split(tokens, 16, fraction)
+        assert str(e.value) == (
+            f"the corpus has {tokens} tokens, too few for one training sequence: {need} are needed "
+            f"(data.seq_len 16 + 1, plus the held-out {percent}); give more text or a smaller "
+            "data.seq_len"
+        )
+
+
+def test_the_held_out_span_reads_like_an_array(tmp_path):
+    s = SampleStream(_positions(tmp_path, 1000), 16, seed=0, holdout_fraction=0.1)
+    span = s.holdout()
+    assert (len(span), s.held_out_tokens) == (100, 100)
+    assert span[2:5].tolist() == [902, 903, 904]
+    assert span[5:2].tolist() == []
+    assert span[-3:].tolist() == [997, 998, 999]
+    assert np.asarray(span).tolist() == list(range(900, 1000))
+    assert np.asarray(span).dtype == np.int64 and np.asarray(span, dtype=np.int32).dtype == np.int32
+    assert span.tolist() == list(range(900, 1000))
+
+
+def test_a_folder_is_a_prepared_dataset_only_with_its_manifest(tmp_path):
+    assert not is_prepared("") and not is_prepared(str(tmp_path))
+    with pytest.raises(FourdError) as e:
+        open_prepared(tmp_path)
+    assert str(e.value).startswith(f"{tmp_path}/manifest.json cannot be read (")
+    assert str(e.value).endswith(
+        "): the folder is not a complete prepared dataset; prepare it again with `fourd data prepare`"
+    )
+    (tmp_path / "progress.json").write_text("{}")
+    with pytest.raises(FourdError) as e:
+        prepare(str(tmp_path), "byte", str(tmp_path / "cache"))
+    assert str(e.value) == (
+        f"data.path {tmp_path} is an unfinished prepared dataset (no manifest.json): run its "
+        "`fourd data prepare` again (or `fourd data merge` after its tasks) to finish it"
+    )
+
+
+def test_a_prepared_folder_is_read_as_it_is_and_named_by_its_source(tmp_path):
+    f = tmp_path / "c.txt"
+    f.write_text("abc " * 100)
+    entry = prepare(str(f), "byte", str(tmp_path / "cache"))
+    assert is_prepared(str(entry.path)) and entry.source == str(f)
+    again = prepare(str(entry.path), "", str(tmp_path / "elsewhere"))
+    assert (again.path, again.tokens, again.source) == (entry.path, 400, str(f))
+    assert not (tmp_path / "elsewhere").exists()
+    d = tmp_path / "docs"
+    d.mkdir()
+    (d / "a.txt").write_text("first")
+    (d / "b.txt").write_text("second")
+    assert prepare(str(d), "byte", str(tmp_path / "cache")).source == f"{d} (2 files)"
+
+
+def test_the_default_cache_is_named_when_it_cannot_be_made(tmp_path, monkeypatch):
+    monkeypatch.setenv("FOURD_HOME", "/proc/no-home")
+    (tmp_path / "c.txt").write_text("some text")
+    with pytest.raises(FourdError) as e:
+        prepare(str(tmp_path / "c.txt"), "byte")
+    assert str(e.value).startswith(
+        "the default cache under $FOURD_HOME '/proc/no-home/cache' cannot hold the token cache ("
+    )
+
+
+def test_mix_specs_are_dir_weight_pairs_of_positive_weights():
+    assert parse_mix("a=0.7,b=0.3") == [("a", 0.7), ("b", 0.3)]
+    assert parse_mix(" x/y=2 , z=1e-3") == [("x/y", 2.0), ("z", 0.001)]
+    assert parse_mix("a=b=1") == [("a=b", 1.0)]
+    for item in ("a", "=0.5"):
+        with pytest.raises(FourdError) as e:
+            parse_mix(f"{item},c=1")
+        assert str(e.value) == (
+            f"data.mix item {item!r} is not DIR=WEIGHT: give e.g. data/a=0.7,data/b=0.3"
+        )
+    for weight in ("0", "-1", "inf", "nan", "x", ""):
+        with pytest.raises(FourdError) as e:
+            parse_mix(f"c=1,a={weight}")
+        assert str(e.value) == (
+            f"data.mix weight of a is {weight!r}, not a positive number: give a weight > 0"
+        )
+
+
+def test_block_counts_are_exact_shares_rounded_by_the_largest_remainder():
+    assert MIX_BLOCK == 4096
+    assert _block_counts((1.0,)) == [4096]
+    assert _block_counts((3.0, 1.0)) == [3072, 1024]
+    assert _block_counts((0.7, 0.3)) == [2867, 1229]  # 2867.2 and 1228.8: the .8 rounds up
+    assert _block_counts((1.0, 2.0)) == [1365, 2731]  # 1365.33 and 2730.67
+    assert _block_counts((1.0, 1.0, 1.0)) == [1366, 1365, 1365]  # a tie: the first
+
+
+def test_a_mixture_names_its_parts_and_holds_out_its_firsts_tail(tmp_path):
+    a = _shards(tmp_path, [1000])
+    (tmp_path / "b").mkdir()
+    b = _shards(tmp_path / "b", [3000])
+    b = dataclasses.replace(b, vocab_size=5000, identity="other", tokenizer="t.json")
+    mix = Mixture(parts=(a, b), weights=(0.7, 0.3), spec="a=0.7,b=0.3")
+    assert (mix.tokens, mix.vocab_size, mix.identity, mix.tokenizer) == (4000, 5000, "", "byte")
+    assert mix.source == "mixture shards 0.7, shards 0.3"
+    stream = mix.stream(16, seed=0, holdout_fraction=0.1)
+    assert stream.held_out_tokens == 100
+    assert stream.holdout().tolist() == list(range(900, 1000))
+    assert stream.samples(0, 3).shape == (3, 17)
+
+
+def test_the_data_section_names_a_mixture_or_a_path_not_both(tmp_path):
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.txt").write_text(name * 500)
+    cache = str(tmp_path / "cache")
+    section = DataSection(mix=f"{tmp_path}/a.txt=1,{tmp_path}/b.txt=3", cache_dir=cache)
+    mix = open_data(section)
+    assert (mix.weights, mix.tokens, [p.source for p in mix.parts]) == (
+        (1.0, 3.0),
+        1000,
+        [f"{tmp_path}/a.txt", f"{tmp_path}/b.txt"],
+    )
+    one = open_data(DataSection(path=f"{tmp_path}/a.txt", cache_dir=cache))
+    assert (one.tokens, one.source) == (500, f"{tmp_path}/a.txt")
+    with pytest.raises(FourdError) as e:
+        open_data(DataSection(path="x", mix="a=1"))
+    assert str(e.value) == (
+        "data.mix and data.path = 'x' are both set: give one (data.mix names every dataset of the "
+        "mixture)"
+    )
