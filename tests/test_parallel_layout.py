@@ -328,3 +328,23 @@ def test_sequence_parallelism_cuts_each_cp_ranks_tokens():
         "sequence parallelism cuts each rank's 6 tokens into tp=4 parts: choose a sequence length that "
         "is a multiple of cp·tp = 8, or turn sequence parallelism off"
     )
+
+
+def test_the_rank_formula_at_degrees_that_are_not_powers_of_two():
+    lay = Layout(tp=3, cp=2, pp=5, dp=3)
+    assert lay.rank(tp=1, cp=1, pp=3, dp=2) == 1 + 3 * (1 + 2 * (3 + 5 * 2)) == 82
+    assert lay.coords(82) == {"tp": 1, "cp": 1, "pp": 3, "dp": 2}
+    assert [lay.rank(**lay.coords(r)) for r in range(lay.world)] == list(range(90))
+    assert Layout(tp=3, pp=3).rank(tp=1, pp=1) == 4
+
+
+def test_layer_splits_with_many_leftover_layers_and_too_few_layers():
+    # 12 in 8: 14 = 8 + 6, the six leftovers to the two edges and the first four middle stages
+    assert layer_split(12, 8) == [1, 2, 2, 2, 2, 1, 1, 1]
+    assert layer_split(12, 8, fewer_first_last=False) == [1, 2, 2, 2, 2, 1, 1, 1]
+    # one layer cannot fill four stages, even with the edges holding only embedding and output
+    with pytest.raises(FourdError) as e:
+        layer_split(1, 4, empty_edges=True)
+    assert str(e.value) == (
+        "1 layers cannot fill 4 pipeline stages: lower pp or the virtual stages"
+    )
