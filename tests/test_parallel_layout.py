@@ -348,3 +348,27 @@ def test_layer_splits_with_many_leftover_layers_and_too_few_layers():
     assert str(e.value) == (
         "1 layers cannot fill 4 pipeline stages: lower pp or the virtual stages"
     )
+
+
+def test_refusals_at_odd_degrees():
+    with pytest.raises(ValueError) as e:
+        Layout(tp=3).rank(tp=3)
+    assert str(e.value) == "tp index 3 outside 0..2 of layout tp=3,cp=1,pp=1,dp=1"
+    with pytest.raises(ValueError) as e:
+        Layout(tp=2, pp=2, dp=2).coords(9)  # past the end, not only at it
+    assert str(e.value) == "rank 9 outside 0..7 of layout tp=2,cp=1,pp=2,dp=2"
+    with pytest.raises(FourdError) as e:
+        check(
+            DEBUG, Parallelism(layout=Layout(dp=3), zero=3, hsdp_replicas=2), seq=64, global_seqs=6
+        )
+    assert str(e.value) == (
+        "HSDP replicas = 2 with ZeRO stage 3: HSDP is ZeRO 3 inside each replica group, and the "
+        "replicas must divide dp=3: choose among 1, 3 with ZeRO stage 3"
+    )
+    with pytest.raises(FourdError) as e:
+        check(DEBUG, Parallelism(layout=Layout(cp=2)), seq=6, global_seqs=8)
+    assert str(e.value) == (
+        "sequence length 6 is not a multiple of 2·cp = 4 (context parallelism cuts each sequence "
+        "into 2·cp chunks): choose a multiple of 4, or a smaller cp"
+    )
+    assert layer_split(4, 4, fewer_first_last=False) == [1, 1, 1, 1]  # as many layers as stages
