@@ -372,3 +372,25 @@ def test_refusals_at_odd_degrees():
         "into 2·cp chunks): choose a multiple of 4, or a smaller cp"
     )
     assert layer_split(4, 4, fewer_first_last=False) == [1, 1, 1, 1]  # as many layers as stages
+
+
+def test_more_edges_of_the_batch_the_tokens_and_the_heads():
+    with pytest.raises(FourdError) as e:
+        check(DEBUG, Parallelism(layout=Layout(dp=2), microbatches=2), seq=64, global_seqs=2)
+    assert str(e.value) == (
+        "the global batch of 2 sequences does not split into dp × microbatches = 2 × 2 equal parts: "
+        "choose a global batch that is a multiple of 4"
+    )
+    # 68 tokens at cp = 1 are 68 a rank: 4 equal parts of 17
+    kv4 = with_overrides(DEBUG, kv_heads=4)
+    check(kv4, Parallelism(layout=Layout(tp=4), sequence_parallel=True), seq=68, global_seqs=1)
+    # an odd KV head count: its own count is a choice
+    three = ModelConfig(layers=2, dim=48, ffn=96, heads=3, kv_heads=3, vocab=255)
+    with pytest.raises(FourdError) as e:
+        check(three, Parallelism(layout=Layout(tp=2)), seq=8, global_seqs=1)
+    assert str(e.value) == (
+        "tp=2 cannot cut the model's heads (3), KV heads (3), FFN width (96) and vocabulary (255) "
+        "into equal parts: choose tp among 1, 3"
+    )
+    # the embedding and the output a stage each, at any size
+    assert split_ok(300, 302) and not split_ok(300, 301) and not split_ok(300, 303)
