@@ -394,3 +394,15 @@ def test_more_edges_of_the_batch_the_tokens_and_the_heads():
     )
     # the embedding and the output a stage each, at any size
     assert split_ok(300, 302) and not split_ok(300, 301) and not split_ok(300, 303)
+
+
+def test_a_parallelism_is_an_immutable_value_named_by_keywords():
+    par = Parallelism(layout=Layout(pp=2), microbatches=4)
+    assert par == Parallelism(layout=Layout(pp=2), microbatches=4)
+    assert hash(par) == hash(Parallelism(layout=Layout(pp=2), microbatches=4))
+    with pytest.raises(AttributeError):
+        par.zero = 3  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        par.layout.tp = 2  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        Parallelism(Layout(), "1f1b")  # type: ignore[misc]
