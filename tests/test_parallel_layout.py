@@ -406,3 +406,33 @@ def test_a_parallelism_is_an_immutable_value_named_by_keywords():
         par.layout.tp = 2  # type: ignore[misc]
     with pytest.raises(TypeError):
         Parallelism(Layout(), "1f1b")  # type: ignore[misc]
+
+
+def test_indices_past_the_end_and_past_256():
+    lay = Layout(tp=2, pp=2, dp=2)
+    with pytest.raises(ValueError) as e:
+        lay.rank(pp=3)
+    assert str(e.value) == "pp index 3 outside 0..1 of layout tp=2,cp=1,pp=2,dp=2"
+    # CPython keeps one object per int only up to 256: ranks and degrees past it compare by value
+    big = Layout(tp=8, cp=16, pp=16, dp=8)
+    with pytest.raises(ValueError) as e:
+        big.coords(16384)
+    assert str(e.value) == "rank 16384 outside 0..16383 of layout tp=8,cp=16,pp=16,dp=8"
+    with pytest.raises(ValueError) as e:
+        Layout(dp=300).rank(dp=300)
+    assert str(e.value) == "dp index 300 outside 0..299 of layout tp=1,cp=1,pp=1,dp=300"
+
+
+def test_the_stage_refusal_names_the_two_extra_stages_of_a_small_model():
+    two = ModelConfig(layers=2, dim=64, ffn=176, heads=4, kv_heads=2, vocab=256)
+    with pytest.raises(FourdError) as e:
+        check(two, Parallelism(layout=Layout(pp=3)), seq=64, global_seqs=8)
+    assert str(e.value) == (
+        "pp=3 with 1 virtual stage makes 3 pipeline stages for 2 layers: use at most 2 stages, or "
+        "exactly 4 (the embedding and the output a stage each)"
+    )
+
+
+def test_a_shard_group_is_a_whole_number_of_ranks():
+    par = Parallelism(layout=Layout(cp=2, dp=4), zero=3, hsdp_replicas=2)
+    assert par.shard_ranks == 4 and isinstance(par.shard_ranks, int)
