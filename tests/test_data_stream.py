@@ -1,5 +1,6 @@
 """Corpora, the token cache and the sample stream: order, the held-out tail, bad data."""
 
+import base64
 import dataclasses
 import json
 import os
@@ -446,3 +447,39 @@ def test_the_data_section_names_a_mixture_or_a_path_not_both(tmp_path):
         "data.mix and data.path = 'x' are both set: give one (data.mix names every dataset of the "
         "mixture)"
     )
+
+
+def _bpe(path):
+    """A tiktoken BPE file: the 256 bytes, then two merges."""
+    tokens = [bytes([b]) for b in range(256)] + [b"ab", b"abc"]
+    path.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for r, t in enumerate(tokens)))
+    return str(path)
+
+
+def test_datasets_of_other_tokenizers_are_refused_by_name(tmp_path):
+    pytest.importorskip("tiktoken")
+    (tmp_path / "c.txt").write_text("abc " * 100)
+    cache = str(tmp_path / "cache")
+    by_bytes = prepare(str(tmp_path / "c.txt"), "byte", cache).path
+    by_bpe = prepare(str(tmp_path / "c.txt"), _bpe(tmp_path / "t.model"), cache).path
+    assert by_bytes != by_bpe
+    with pytest.raises(FourdError) as e:
+        open_data(DataSection(mix=f"{by_bytes}=1,{by_bpe}=1", cache_dir=cache))
+    assert str(e.value) == (
+        f"data.mix: {by_bpe} was tokenized by another tokenizer than {by_bytes}: prepare every "
+        "dataset of a mixture with the same tokenizer"
+    )
+    with pytest.raises(FourdError) as e:
+        prepare(str(by_bytes), str(tmp_path / "t.model"), cache)
+    assert str(e.value) == (
+        f"data.path {by_bytes} was prepared with another tokenizer than data.tokenizer "
+        f"{tmp_path / 't.model'}: drop data.tokenizer to use its own"
+    )
+    assert prepare(str(by_bpe), str(tmp_path / "t.model"), cache).path == by_bpe  # its own
+
+
+def test_one_shard_is_read_as_a_memory_map_of_its_own_type(tmp_path):
+    one = _shards(tmp_path, [5], tokens=4, dtype="uint32")
+    whole = one.array()
+    assert isinstance(whole, np.memmap) and whole.dtype == np.uint32
+    assert whole.tolist() == [0, 1, 2, 3]
