@@ -483,3 +483,13 @@ def test_one_shard_is_read_as_a_memory_map_of_its_own_type(tmp_path):
     whole = one.array()
     assert isinstance(whole, np.memmap) and whole.dtype == np.uint32
     assert whole.tolist() == [0, 1, 2, 3]
+
+
+def test_a_long_document_index_and_the_default_held_out_share(tmp_path):
+    # 300 document starts (past CPython's 256 small ints), none in the tail: the point itself
+    assert held_out_start(10_000, 0.1, np.arange(300)) == 9000
+    assert held_out_start(10_000, 0.1, np.arange(0, 10_000, 30)) == 9000  # a start at 9000
+    assert held_out_start(10_000, 0.1, np.arange(5, 10_000, 30)) == 9005
+    # without a fraction, 1 % is held out, as data.holdout_fraction's default
+    s = SampleStream(_positions(tmp_path, 1000), 16, seed=0)
+    assert (s.train_tokens, s.windows, s.held_out_tokens) == (990, 61, 10)
