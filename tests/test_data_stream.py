@@ -493,3 +493,54 @@ def test_a_long_document_index_and_the_default_held_out_share(tmp_path):
     # without a fraction, 1 % is held out, as data.holdout_fraction's default
     s = SampleStream(_positions(tmp_path, 1000), 16, seed=0)
     assert (s.train_tokens, s.windows, s.held_out_tokens) == (990, 61, 10)
+
+
+def test_more_edges_of_the_split_and_the_shards(tmp_path):
+    with pytest.raises(FourdError) as e:
+        split(1000, 16, 0.6)
+    assert str(e.value) == "data.holdout_fraction = 0.6 must be in [0, 0.5)"
+    # 18 tokens keep int(18 · 0.95) = 17 for training; 17 keep 16
+    with pytest.raises(FourdError) as e:
+        split(17, 16, 0.05)
+    assert "too few for one training sequence: 18 are needed" in str(e.value)
+    data = _shards(tmp_path, [1, 2])  # a shard of one token
+    assert data.read(0, 3).tolist() == [0, 1, 2] and data.read(0, 1).tolist() == [0]
+
+
+@pytest.mark.parametrize(
+    "manifest", ['{"tokens": "many"', "{}", '{"shards": 5, "holdout": {}}', '["a list"]']
+)
+def test_a_manifest_that_cannot_be_read_is_one_line(tmp_path, manifest):
+    (tmp_path / "manifest.json").write_text(manifest)
+    with pytest.raises(FourdError) as e:
+        open_prepared(tmp_path)
+    assert str(e.value).startswith(f"{tmp_path}/manifest.json cannot be read (")
+    assert str(e.value).endswith("prepare it again with `fourd data prepare`")
+
+
+def test_a_prepared_corpus_holds_out_whole_documents_at_any_fraction(tmp_path):
+    d = tmp_path / "docs"
+    d.mkdir()
+    (d / "a.txt").write_text("a" * 600)
+    (d / "b.txt").write_text("b" * 400)
+    data = prepare(str(d), "byte", str(tmp_path / "cache"))
+    # 600 + the blank line + 400 = 1002 tokens, the second document from 602
+    assert (data.tokens, data.document_starts().tolist()) == (1002, [0, 602])
+    # 45 % held out: the point int(1002 · 0.55) = 551 moves on to the start of b
+    s = data.stream(16, seed=0, holdout_fraction=0.45)
+    assert (s.train_tokens, s.holdout().tolist()) == (602, [98] * 400)
+
+
+def test_one_jsonl_file_is_named_with_its_count(tmp_path):
+    f = tmp_path / "d.jsonl"
+    f.write_text(json.dumps({"text": "one"}) + "\n" + json.dumps({"text": "two"}) + "\n")
+    assert prepare(str(f), "byte", str(tmp_path / "cache")).source == f"{f} (1 files)"
+
+
+def test_datasets_and_mixtures_are_immutable(tmp_path):
+    data = _shards(tmp_path, [4])
+    with pytest.raises(AttributeError):
+        data.tokens = 3  # type: ignore[misc]
+    mix = Mixture(parts=(data,), weights=(1.0,), spec="x=1")
+    with pytest.raises(AttributeError):
+        mix.spec = "y=1"  # type: ignore[misc]
