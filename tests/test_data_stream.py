@@ -469,6 +469,12 @@ def test_datasets_of_other_tokenizers_are_refused_by_name(tmp_path):
         f"data.mix: {by_bpe} was tokenized by another tokenizer than {by_bytes}: prepare every "
         "dataset of a mixture with the same tokenizer"
     )
+    with pytest.raises(FourdError) as e:  # in either order
+        open_data(DataSection(mix=f"{by_bpe}=1,{by_bytes}=1", cache_dir=cache))
+    assert str(e.value) == (
+        f"data.mix: {by_bytes} was tokenized by another tokenizer than {by_bpe}: prepare every "
+        "dataset of a mixture with the same tokenizer"
+    )
     with pytest.raises(FourdError) as e:
         prepare(str(by_bytes), str(tmp_path / "t.model"), cache)
     assert str(e.value) == (
