@@ -550,3 +550,34 @@ def test_datasets_and_mixtures_are_immutable(tmp_path):
     mix = Mixture(parts=(data,), weights=(1.0,), spec="x=1")
     with pytest.raises(AttributeError):
         mix.spec = "y=1"  # type: ignore[misc]
+
+
+def test_reads_that_end_before_a_shard_or_start_past_the_last(tmp_path):
+    data = _shards(tmp_path, [4, 0, 6], tokens=9)
+    assert data.read(0, 2).tolist() == [0, 1]  # the later shards begin after it
+    assert data.read(10, 12).tolist() == [] and data.read(10, 12).dtype == np.int64
+    # no tail held out: the held-out span is empty
+    s = SampleStream(_positions(tmp_path, 1000), 16, seed=0, holdout_fraction=0.0)
+    assert (len(s.holdout()), s.holdout().tolist(), s.held_out_tokens) == (0, [], 0)
+
+
+def test_every_part_of_a_mixture_is_read_in_its_own_order(tmp_path):
+    # part b's token at position i is 100,000 + i: a sample's first token says whose it is
+    a = _shards(tmp_path, [3000])
+    np.arange(100_000, 102_000, dtype=np.uint32).tofile(tmp_path / "b.bin")
+    b = TokenDataset(
+        path=tmp_path / "b.bin", tokens=2000, vocab_size=102_000, dtype="uint32", source="b"
+    )
+    mix = Mixture(parts=(a, b), weights=(3.0, 1.0), spec="a=3,b=1")
+    stream = mix.stream(8, seed=1, holdout_fraction=0.0)
+    firsts = [int(stream.sample(i)[0]) for i in range(MIX_BLOCK)]
+    for part, count in ((0, 3072), (1, 1024)):  # 3/4 and 1/4 of the block
+        mine = [first for first in firsts if (first >= 100_000) == bool(part)]
+        own = mix.parts[part].stream(8, seed=1, holdout_fraction=0.0)
+        assert mine == [int(own.sample(k)[0]) for k in range(count)], part
+
+
+def test_a_cache_dir_is_made_with_its_parents(tmp_path):
+    (tmp_path / "c.txt").write_text("some text " * 10)
+    data = prepare(str(tmp_path / "c.txt"), "byte", str(tmp_path / "x" / "y" / "cache"))
+    assert data.path.parent == tmp_path / "x" / "y" / "cache" and data.tokens == 100
