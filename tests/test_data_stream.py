@@ -449,9 +449,9 @@ def test_the_data_section_names_a_mixture_or_a_path_not_both(tmp_path):
     )
 
 
-def _bpe(path):
-    """A tiktoken BPE file: the 256 bytes, then two merges."""
-    tokens = [bytes([b]) for b in range(256)] + [b"ab", b"abc"]
+def _bpe(path, merges=(b"ab", b"abc")):
+    """A tiktoken BPE file: the 256 bytes, then the merges."""
+    tokens = [bytes([b]) for b in range(256)] + list(merges)
     path.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for r, t in enumerate(tokens)))
     return str(path)
 
@@ -581,3 +581,23 @@ def test_a_cache_dir_is_made_with_its_parents(tmp_path):
     (tmp_path / "c.txt").write_text("some text " * 10)
     data = prepare(str(tmp_path / "c.txt"), "byte", str(tmp_path / "x" / "y" / "cache"))
     assert data.path.parent == tmp_path / "x" / "y" / "cache" and data.tokens == 100
+
+
+def test_a_prepared_folder_refuses_another_bpe_whichever_sorts_first(tmp_path):
+    pytest.importorskip("tiktoken")
+    (tmp_path / "c.txt").write_text("abc bca " * 50)
+    cache = str(tmp_path / "cache")
+    one, two = _bpe(tmp_path / "one.model"), _bpe(tmp_path / "two.model", (b"bc", b"bca"))
+    folders = {spec: prepare(str(tmp_path / "c.txt"), spec, cache).path for spec in (one, two)}
+    for spec, other in ((one, two), (two, one)):
+        with pytest.raises(FourdError) as e:
+            prepare(str(folders[other]), spec, cache)
+        assert str(e.value) == (
+            f"data.path {folders[other]} was prepared with another tokenizer than data.tokenizer "
+            f"{spec}: drop data.tokenizer to use its own"
+        )
+
+
+def test_a_document_start_past_the_stream_is_not_the_held_out_start():
+    # an index may list the start after the last end-of-document ids, past `tokens`
+    assert held_out_start(1000, 0.1, np.array([0, 1002])) == 900
