@@ -601,3 +601,21 @@ def test_a_prepared_folder_refuses_another_bpe_whichever_sorts_first(tmp_path):
 def test_a_document_start_past_the_stream_is_not_the_held_out_start():
     # an index may list the start after the last end-of-document ids, past `tokens`
     assert held_out_start(1000, 0.1, np.array([0, 1002])) == 900
+
+
+def test_odd_sequence_lengths_and_runs_of_mixture_samples(tmp_path):
+    # windows of 15 + 1 tokens: a sample is 16 positions from a multiple of 15
+    s = SampleStream(_positions(tmp_path, 1000), 15, seed=0, holdout_fraction=0.1)
+    for i in range(5):
+        row = s.sample(i).tolist()
+        assert len(row) == 16 and row == list(range(row[0], row[0] + 16)) and row[0] % 15 == 0
+    # 20 tokens keep int(20 · 0.9) = 18 = 17 + 1 for training; 19 keep 17
+    with pytest.raises(FourdError) as e:
+        split(10, 17, 0.1)
+    assert "too few for one training sequence: 20 are needed (data.seq_len 17 + 1" in str(e.value)
+    # a run of samples is the samples one by one
+    mix = Mixture(parts=(_shards(tmp_path, [3000]),), weights=(1.0,), spec="a=1")
+    stream = mix.stream(8, seed=0, holdout_fraction=0.0)
+    assert np.array_equal(stream.samples(5, 3), np.stack([stream.sample(i) for i in (5, 6, 7)]))
+    # the first document start at or after the point, whatever the index holds
+    assert held_out_start(1000, 0.1, np.array([950])) == 950
