@@ -619,3 +619,20 @@ def test_odd_sequence_lengths_and_runs_of_mixture_samples(tmp_path):
     assert np.array_equal(stream.samples(5, 3), np.stack([stream.sample(i) for i in (5, 6, 7)]))
     # the first document start at or after the point, whatever the index holds
     assert held_out_start(1000, 0.1, np.array([950])) == 950
+
+
+def test_a_run_of_samples_a_later_block_first_and_no_tail_on_a_prepared_corpus(tmp_path):
+    s = SampleStream(_positions(tmp_path, 1000), 16, seed=0, holdout_fraction=0.1)
+    assert np.array_equal(s.samples(5, 3), np.stack([s.sample(i) for i in (5, 6, 7)]))
+    # a fresh mixture stream asked first for a sample of its second block (a resumed run)
+    mix = Mixture(parts=(_shards(tmp_path, [3000]),), weights=(1.0,), spec="a=1")
+    fresh, warm = mix.stream(8, 0, 0.0), mix.stream(8, 0, 0.0)
+    warm.sample(0)
+    assert np.array_equal(fresh.sample(MIX_BLOCK + 3), warm.sample(MIX_BLOCK + 3))
+    # no tail held out of a corpus prepared with 1 %: every token trains
+    d = tmp_path / "docs"
+    d.mkdir()
+    (d / "a.txt").write_text("a" * 600)
+    (d / "b.txt").write_text("b" * 400)
+    data = prepare(str(d), "byte", str(tmp_path / "cache"))
+    assert (data.held_out_start(0.0), data.stream(16, 0, 0.0).held_out_tokens) == (1002, 0)
