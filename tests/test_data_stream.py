@@ -636,3 +636,12 @@ def test_a_run_of_samples_a_later_block_first_and_no_tail_on_a_prepared_corpus(t
     (d / "b.txt").write_text("b" * 400)
     data = prepare(str(d), "byte", str(tmp_path / "cache"))
     assert (data.held_out_start(0.0), data.stream(16, 0, 0.0).held_out_tokens) == (1002, 0)
+
+
+def test_a_mixture_of_one_dataset_reads_its_samples_in_order(tmp_path):
+    part = _shards(tmp_path, [3000])
+    mix = Mixture(parts=(part,), weights=(1.0,), spec="a=1")
+    stream, own = mix.stream(8, 0, 0.0), part.stream(8, 0, 0.0)
+    assert [stream.sample(i).tolist() for i in range(5)] == [
+        own.sample(i).tolist() for i in range(5)
+    ]
