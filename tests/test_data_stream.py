@@ -1,5 +1,7 @@
 """Corpora, the token cache and the sample stream: order, the held-out tail, bad data."""
 
+import base64
+import dataclasses
 import json
 import os
 import socket
@@ -9,8 +11,22 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fourd.config import build_config
-from fourd.data.dataset import SampleStream, TokenCache, prepare
+from fourd.config import DataSection, build_config
+from fourd.data.dataset import (
+    MIX_BLOCK,
+    Mixture,
+    SampleStream,
+    TokenCache,
+    TokenDataset,
+    _block_counts,
+    held_out_start,
+    is_prepared,
+    open_data,
+    open_prepared,
+    parse_mix,
+    prepare,
+    split,
+)
 from fourd.data.sources import DocumentReader, list_sources
 from fourd.errors import FourdError
 
@@ -242,3 +258,390 @@ def test_config_layers_and_refusals(tmp_path):
     toml.write_text("[train\nsteps=")
     with pytest.raises(FourdError, match="is not valid TOML"):
         build_config(str(toml), {}, [])
+
+
+# --- the dataset's pieces, each with numbers worked out by hand -----------------------------------------
+
+
+def _shards(tmp_path, counts, tokens=None, dtype="uint16"):
+    """A dataset of shard files whose token at stream position i is i."""
+    names, start = [], 0
+    for k, count in enumerate(counts):
+        name = f"s{k}.bin"
+        np.arange(start, start + count, dtype=dtype).tofile(tmp_path / name)
+        names.append((name, count))
+        start += count
+    return TokenDataset(
+        path=tmp_path,
+        tokens=start if tokens is None else tokens,
+        vocab_size=max(start, 1),
+        dtype=dtype,
+        source="shards",
+        shards=tuple(names),
+    )
+
+
+def test_reads_cross_shard_boundaries_and_stop_at_the_streams_end(tmp_path):
+    data = _shards(tmp_path, [4, 0, 6], tokens=9)  # an empty shard; the last id not in the stream
+    assert data.read(2, 7).tolist() == [2, 3, 4, 5, 6]
+    assert data.read(0, 4).tolist() == [0, 1, 2, 3]
+    assert data.read(4, 5).tolist() == [4]
+    assert data.read(7, 20).tolist() == [7, 8]
+    assert data.read(9, 12).tolist() == [] and data.read(9, 12).dtype == np.int64
+    assert data.read(3, 5).dtype == np.int64
+    assert data.array().tolist() == list(range(9))
+    (tmp_path / "one").mkdir()
+    one = _shards(tmp_path / "one", [5], tokens=4)
+    assert one.array().tolist() == [0, 1, 2, 3]
+    assert data.document_starts() is None  # no .idx files
+
+
+def test_the_held_out_tail_starts_at_a_document_start_when_one_lies_in_it():
+    assert held_out_start(1000, 0.1, None) == 900
+    assert held_out_start(1000, 0.1, np.array([], dtype=np.int64)) == 900
+    assert held_out_start(1000, 0.1, np.array([0, 850, 905, 990])) == 905
+    assert held_out_start(1000, 0.1, np.array([0, 850, 900, 990])) == 900
+    assert held_out_start(1000, 0.1, np.array([0, 850])) == 900  # the last document is long
+    assert held_out_start(1000, 0.1, np.array([0, 850, 1000])) == 900  # a start at the very end
+
+
+def test_the_manifests_held_out_start_is_used_for_its_own_fraction(tmp_path):
+    data = TokenCache(
+        path=tmp_path, tokens=1000, vocab_size=1000, dtype="uint16", source="x", holdout=(0.1, 950)
+    )
+    assert data.held_out_start(0.1) == 950
+    assert data.held_out_start(0.2) == 800  # another fraction: computed, no document index
+    assert data.split(16, 0.1) == (950, 59)  # (950 − 1) // 16
+
+
+def test_split_counts_windows_and_refuses_a_corpus_too_short():
+    assert split(1000, 16, 0.1) == (900, 56)  # (900 − 1) // 16
+    assert split(1000, 16, 0.1, lambda fraction: 905) == (905, 56)
+    assert split(17, 16, 0.0) == (17, 1)  # one window of 16 + 1 tokens
+    for fraction in (0.5, -0.1):
+        with pytest.raises(FourdError) as e:
+            split(1000, 16, fraction)
+        assert str(e.value) == f"data.holdout_fraction = {fraction} must be in [0, 0.5)"
+    # 23 tokens keep int(23 · 0.75) = 17 for training; 22 keep 16
+    for tokens, fraction, need, percent in [(16, 0.0, 17, "0%"), (22, 0.25, 23, "25%")]:
+        with pytest.raises(FourdError) as e:
+            split(tokens, 16, fraction)
+        assert str(e.value) == (
+            f"the corpus has {tokens} tokens, too few for one training sequence: {need} are needed "
+            f"(data.seq_len 16 + 1, plus the held-out {percent}); give more text or a smaller "
+            "data.seq_len"
+        )
+
+
+def test_the_held_out_span_reads_like_an_array(tmp_path):
+    s = SampleStream(_positions(tmp_path, 1000), 16, seed=0, holdout_fraction=0.1)
+    span = s.holdout()
+    assert (len(span), s.held_out_tokens) == (100, 100)
+    assert span[2:5].tolist() == [902, 903, 904]
+    assert span[5:2].tolist() == []
+    assert span[-3:].tolist() == [997, 998, 999]
+    assert np.asarray(span).tolist() == list(range(900, 1000))
+    assert np.asarray(span).dtype == np.int64 and np.asarray(span, dtype=np.int32).dtype == np.int32
+    assert span.tolist() == list(range(900, 1000))
+
+
+def test_a_folder_is_a_prepared_dataset_only_with_its_manifest(tmp_path):
+    assert not is_prepared("") and not is_prepared(str(tmp_path))
+    with pytest.raises(FourdError) as e:
+        open_prepared(tmp_path)
+    assert str(e.value).startswith(f"{tmp_path}/manifest.json cannot be read (")
+    assert str(e.value).endswith(
+        "): the folder is not a complete prepared dataset; prepare it again with `fourd data prepare`"
+    )
+    (tmp_path / "progress.json").write_text("{}")
+    with pytest.raises(FourdError) as e:
+        prepare(str(tmp_path), "byte", str(tmp_path / "cache"))
+    assert str(e.value) == (
+        f"data.path {tmp_path} is an unfinished prepared dataset (no manifest.json): run its "
+        "`fourd data prepare` again (or `fourd data merge` after its tasks) to finish it"
+    )
+
+
+def test_a_prepared_folder_is_read_as_it_is_and_named_by_its_source(tmp_path):
+    f = tmp_path / "c.txt"
+    f.write_text("abc " * 100)
+    entry = prepare(str(f), "byte", str(tmp_path / "cache"))
+    assert is_prepared(str(entry.path)) and entry.source == str(f)
+    again = prepare(str(entry.path), "", str(tmp_path / "elsewhere"))
+    assert (again.path, again.tokens, again.source) == (entry.path, 400, str(f))
+    assert not (tmp_path / "elsewhere").exists()
+    d = tmp_path / "docs"
+    d.mkdir()
+    (d / "a.txt").write_text("first")
+    (d / "b.txt").write_text("second")
+    assert prepare(str(d), "byte", str(tmp_path / "cache")).source == f"{d} (2 files)"
+
+
+def test_the_default_cache_is_named_when_it_cannot_be_made(tmp_path, monkeypatch):
+    monkeypatch.setenv("FOURD_HOME", "/proc/no-home")
+    (tmp_path / "c.txt").write_text("some text")
+    with pytest.raises(FourdError) as e:
+        prepare(str(tmp_path / "c.txt"), "byte")
+    assert str(e.value).startswith(
+        "the default cache under $FOURD_HOME '/proc/no-home/cache' cannot hold the token cache ("
+    )
+
+
+def test_mix_specs_are_dir_weight_pairs_of_positive_weights():
+    assert parse_mix("a=0.7,b=0.3") == [("a", 0.7), ("b", 0.3)]
+    assert parse_mix(" x/y=2 , z=1e-3") == [("x/y", 2.0), ("z", 0.001)]
+    assert parse_mix("a=b=1") == [("a=b", 1.0)]
+    for item in ("a", "=0.5"):
+        with pytest.raises(FourdError) as e:
+            parse_mix(f"{item},c=1")
+        assert str(e.value) == (
+            f"data.mix item {item!r} is not DIR=WEIGHT: give e.g. data/a=0.7,data/b=0.3"
+        )
+    for weight in ("0", "-1", "inf", "nan", "x", ""):
+        with pytest.raises(FourdError) as e:
+            parse_mix(f"c=1,a={weight}")
+        assert str(e.value) == (
+            f"data.mix weight of a is {weight!r}, not a positive number: give a weight > 0"
+        )
+
+
+def test_block_counts_are_exact_shares_rounded_by_the_largest_remainder():
+    assert MIX_BLOCK == 4096
+    assert _block_counts((1.0,)) == [4096]
+    assert _block_counts((3.0, 1.0)) == [3072, 1024]
+    assert _block_counts((0.7, 0.3)) == [2867, 1229]  # 2867.2 and 1228.8: the .8 rounds up
+    assert _block_counts((1.0, 2.0)) == [1365, 2731]  # 1365.33 and 2730.67
+    assert _block_counts((1.0, 1.0, 1.0)) == [1366, 1365, 1365]  # a tie: the first
+
+
+def test_a_mixture_names_its_parts_and_holds_out_its_firsts_tail(tmp_path):
+    a = _shards(tmp_path, [1000])
+    (tmp_path / "b").mkdir()
+    b = _shards(tmp_path / "b", [3000])
+    b = dataclasses.replace(b, vocab_size=5000, identity="other", tokenizer="t.json")
+    mix = Mixture(parts=(a, b), weights=(0.7, 0.3), spec="a=0.7,b=0.3")
+    assert (mix.tokens, mix.vocab_size, mix.identity, mix.tokenizer) == (4000, 5000, "", "byte")
+    assert mix.source == "mixture shards 0.7, shards 0.3"
+    stream = mix.stream(16, seed=0, holdout_fraction=0.1)
+    assert stream.held_out_tokens == 100
+    assert stream.holdout().tolist() == list(range(900, 1000))
+    assert stream.samples(0, 3).shape == (3, 17)
+
+
+def test_the_data_section_names_a_mixture_or_a_path_not_both(tmp_path):
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.txt").write_text(name * 500)
+    cache = str(tmp_path / "cache")
+    section = DataSection(mix=f"{tmp_path}/a.txt=1,{tmp_path}/b.txt=3", cache_dir=cache)
+    mix = open_data(section)
+    assert (mix.weights, mix.tokens, [p.source for p in mix.parts]) == (
+        (1.0, 3.0),
+        1000,
+        [f"{tmp_path}/a.txt", f"{tmp_path}/b.txt"],
+    )
+    one = open_data(DataSection(path=f"{tmp_path}/a.txt", cache_dir=cache))
+    assert (one.tokens, one.source) == (500, f"{tmp_path}/a.txt")
+    with pytest.raises(FourdError) as e:
+        open_data(DataSection(path="x", mix="a=1"))
+    assert str(e.value) == (
+        "data.mix and data.path = 'x' are both set: give one (data.mix names every dataset of the "
+        "mixture)"
+    )
+
+
+def _bpe(path, merges=(b"ab", b"abc")):
+    """A tiktoken BPE file: the 256 bytes, then the merges."""
+    tokens = [bytes([b]) for b in range(256)] + list(merges)
+    path.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for r, t in enumerate(tokens)))
+    return str(path)
+
+
+def test_datasets_of_other_tokenizers_are_refused_by_name(tmp_path):
+    pytest.importorskip("tiktoken")
+    (tmp_path / "c.txt").write_text("abc " * 100)
+    cache = str(tmp_path / "cache")
+    by_bytes = prepare(str(tmp_path / "c.txt"), "byte", cache).path
+    by_bpe = prepare(str(tmp_path / "c.txt"), _bpe(tmp_path / "t.model"), cache).path
+    assert by_bytes != by_bpe
+    with pytest.raises(FourdError) as e:
+        open_data(DataSection(mix=f"{by_bytes}=1,{by_bpe}=1", cache_dir=cache))
+    assert str(e.value) == (
+        f"data.mix: {by_bpe} was tokenized by another tokenizer than {by_bytes}: prepare every "
+        "dataset of a mixture with the same tokenizer"
+    )
+    with pytest.raises(FourdError) as e:  # in either order
+        open_data(DataSection(mix=f"{by_bpe}=1,{by_bytes}=1", cache_dir=cache))
+    assert str(e.value) == (
+        f"data.mix: {by_bytes} was tokenized by another tokenizer than {by_bpe}: prepare every "
+        "dataset of a mixture with the same tokenizer"
+    )
+    with pytest.raises(FourdError) as e:
+        prepare(str(by_bytes), str(tmp_path / "t.model"), cache)
+    assert str(e.value) == (
+        f"data.path {by_bytes} was prepared with another tokenizer than data.tokenizer "
+        f"{tmp_path / 't.model'}: drop data.tokenizer to use its own"
+    )
+    assert prepare(str(by_bpe), str(tmp_path / "t.model"), cache).path == by_bpe  # its own
+
+
+def test_one_shard_is_read_as_a_memory_map_of_its_own_type(tmp_path):
+    one = _shards(tmp_path, [5], tokens=4, dtype="uint32")
+    whole = one.array()
+    assert isinstance(whole, np.memmap) and whole.dtype == np.uint32
+    assert whole.tolist() == [0, 1, 2, 3]
+
+
+def test_a_long_document_index_and_the_default_held_out_share(tmp_path):
+    # 300 document starts (past CPython's 256 small ints), none in the tail: the point itself
+    assert held_out_start(10_000, 0.1, np.arange(300)) == 9000
+    assert held_out_start(10_000, 0.1, np.arange(0, 10_000, 30)) == 9000  # a start at 9000
+    assert held_out_start(10_000, 0.1, np.arange(5, 10_000, 30)) == 9005
+    # without a fraction, 1 % is held out, as data.holdout_fraction's default
+    s = SampleStream(_positions(tmp_path, 1000), 16, seed=0)
+    assert (s.train_tokens, s.windows, s.held_out_tokens) == (990, 61, 10)
+
+
+def test_more_edges_of_the_split_and_the_shards(tmp_path):
+    with pytest.raises(FourdError) as e:
+        split(1000, 16, 0.6)
+    assert str(e.value) == "data.holdout_fraction = 0.6 must be in [0, 0.5)"
+    # 18 tokens keep int(18 · 0.95) = 17 for training; 17 keep 16
+    with pytest.raises(FourdError) as e:
+        split(17, 16, 0.05)
+    assert "too few for one training sequence: 18 are needed" in str(e.value)
+    data = _shards(tmp_path, [1, 2])  # a shard of one token
+    assert data.read(0, 3).tolist() == [0, 1, 2] and data.read(0, 1).tolist() == [0]
+
+
+@pytest.mark.parametrize(
+    "manifest", ['{"tokens": "many"', "{}", '{"shards": 5, "holdout": {}}', '["a list"]']
+)
+def test_a_manifest_that_cannot_be_read_is_one_line(tmp_path, manifest):
+    (tmp_path / "manifest.json").write_text(manifest)
+    with pytest.raises(FourdError) as e:
+        open_prepared(tmp_path)
+    assert str(e.value).startswith(f"{tmp_path}/manifest.json cannot be read (")
+    assert str(e.value).endswith("prepare it again with `fourd data prepare`")
+
+
+def test_a_prepared_corpus_holds_out_whole_documents_at_any_fraction(tmp_path):
+    d = tmp_path / "docs"
+    d.mkdir()
+    (d / "a.txt").write_text("a" * 600)
+    (d / "b.txt").write_text("b" * 400)
+    data = prepare(str(d), "byte", str(tmp_path / "cache"))
+    # 600 + the blank line + 400 = 1002 tokens, the second document from 602
+    assert (data.tokens, data.document_starts().tolist()) == (1002, [0, 602])
+    # 45 % held out: the point int(1002 · 0.55) = 551 moves on to the start of b
+    s = data.stream(16, seed=0, holdout_fraction=0.45)
+    assert (s.train_tokens, s.holdout().tolist()) == (602, [98] * 400)
+
+
+def test_one_jsonl_file_is_named_with_its_count(tmp_path):
+    f = tmp_path / "d.jsonl"
+    f.write_text(json.dumps({"text": "one"}) + "\n" + json.dumps({"text": "two"}) + "\n")
+    assert prepare(str(f), "byte", str(tmp_path / "cache")).source == f"{f} (1 files)"
+
+
+def test_datasets_and_mixtures_are_immutable(tmp_path):
+    data = _shards(tmp_path, [4])
+    with pytest.raises(AttributeError):
+        data.tokens = 3  # type: ignore[misc]
+    mix = Mixture(parts=(data,), weights=(1.0,), spec="x=1")
+    with pytest.raises(AttributeError):
+        mix.spec = "y=1"  # type: ignore[misc]
+
+
+def test_reads_that_end_before_a_shard_or_start_past_the_last(tmp_path):
+    data = _shards(tmp_path, [4, 0, 6], tokens=9)
+    assert data.read(0, 2).tolist() == [0, 1]  # the later shards begin after it
+    assert data.read(10, 12).tolist() == [] and data.read(10, 12).dtype == np.int64
+    # no tail held out: the held-out span is empty
+    s = SampleStream(_positions(tmp_path, 1000), 16, seed=0, holdout_fraction=0.0)
+    assert (len(s.holdout()), s.holdout().tolist(), s.held_out_tokens) == (0, [], 0)
+
+
+def test_every_part_of_a_mixture_is_read_in_its_own_order(tmp_path):
+    # part b's token at position i is 100,000 + i: a sample's first token says whose it is
+    a = _shards(tmp_path, [3000])
+    np.arange(100_000, 102_000, dtype=np.uint32).tofile(tmp_path / "b.bin")
+    b = TokenDataset(
+        path=tmp_path / "b.bin", tokens=2000, vocab_size=102_000, dtype="uint32", source="b"
+    )
+    mix = Mixture(parts=(a, b), weights=(3.0, 1.0), spec="a=3,b=1")
+    stream = mix.stream(8, seed=1, holdout_fraction=0.0)
+    firsts = [int(stream.sample(i)[0]) for i in range(MIX_BLOCK)]
+    for part, count in ((0, 3072), (1, 1024)):  # 3/4 and 1/4 of the block
+        mine = [first for first in firsts if (first >= 100_000) == bool(part)]
+        own = mix.parts[part].stream(8, seed=1, holdout_fraction=0.0)
+        assert mine == [int(own.sample(k)[0]) for k in range(count)], part
+
+
+def test_a_cache_dir_is_made_with_its_parents(tmp_path):
+    (tmp_path / "c.txt").write_text("some text " * 10)
+    data = prepare(str(tmp_path / "c.txt"), "byte", str(tmp_path / "x" / "y" / "cache"))
+    assert data.path.parent == tmp_path / "x" / "y" / "cache" and data.tokens == 100
+
+
+def test_a_prepared_folder_refuses_another_bpe_whichever_sorts_first(tmp_path):
+    pytest.importorskip("tiktoken")
+    (tmp_path / "c.txt").write_text("abc bca " * 50)
+    cache = str(tmp_path / "cache")
+    one, two = _bpe(tmp_path / "one.model"), _bpe(tmp_path / "two.model", (b"bc", b"bca"))
+    folders = {spec: prepare(str(tmp_path / "c.txt"), spec, cache).path for spec in (one, two)}
+    for spec, other in ((one, two), (two, one)):
+        with pytest.raises(FourdError) as e:
+            prepare(str(folders[other]), spec, cache)
+        assert str(e.value) == (
+            f"data.path {folders[other]} was prepared with another tokenizer than data.tokenizer "
+            f"{spec}: drop data.tokenizer to use its own"
+        )
+
+
+def test_a_document_start_past_the_stream_is_not_the_held_out_start():
+    # an index may list the start after the last end-of-document ids, past `tokens`
+    assert held_out_start(1000, 0.1, np.array([0, 1002])) == 900
+
+
+def test_odd_sequence_lengths_and_runs_of_mixture_samples(tmp_path):
+    # windows of 15 + 1 tokens: a sample is 16 positions from a multiple of 15
+    s = SampleStream(_positions(tmp_path, 1000), 15, seed=0, holdout_fraction=0.1)
+    for i in range(5):
+        row = s.sample(i).tolist()
+        assert len(row) == 16 and row == list(range(row[0], row[0] + 16)) and row[0] % 15 == 0
+    # 20 tokens keep int(20 · 0.9) = 18 = 17 + 1 for training; 19 keep 17
+    with pytest.raises(FourdError) as e:
+        split(10, 17, 0.1)
+    assert "too few for one training sequence: 20 are needed (data.seq_len 17 + 1" in str(e.value)
+    # a run of samples is the samples one by one
+    mix = Mixture(parts=(_shards(tmp_path, [3000]),), weights=(1.0,), spec="a=1")
+    stream = mix.stream(8, seed=0, holdout_fraction=0.0)
+    assert np.array_equal(stream.samples(5, 3), np.stack([stream.sample(i) for i in (5, 6, 7)]))
+    # the first document start at or after the point, whatever the index holds
+    assert held_out_start(1000, 0.1, np.array([950])) == 950
+
+
+def test_a_run_of_samples_a_later_block_first_and_no_tail_on_a_prepared_corpus(tmp_path):
+    s = SampleStream(_positions(tmp_path, 1000), 16, seed=0, holdout_fraction=0.1)
+    assert np.array_equal(s.samples(5, 3), np.stack([s.sample(i) for i in (5, 6, 7)]))
+    # a fresh mixture stream asked first for a sample of its second block (a resumed run)
+    mix = Mixture(parts=(_shards(tmp_path, [3000]),), weights=(1.0,), spec="a=1")
+    fresh, warm = mix.stream(8, 0, 0.0), mix.stream(8, 0, 0.0)
+    warm.sample(0)
+    assert np.array_equal(fresh.sample(MIX_BLOCK + 3), warm.sample(MIX_BLOCK + 3))
+    # no tail held out of a corpus prepared with 1 %: every token trains
+    d = tmp_path / "docs"
+    d.mkdir()
+    (d / "a.txt").write_text("a" * 600)
+    (d / "b.txt").write_text("b" * 400)
+    data = prepare(str(d), "byte", str(tmp_path / "cache"))
+    assert (data.held_out_start(0.0), data.stream(16, 0, 0.0).held_out_tokens) == (1002, 0)
+
+
+def test_a_mixture_of_one_dataset_reads_its_samples_in_order(tmp_path):
+    part = _shards(tmp_path, [3000])
+    mix = Mixture(parts=(part,), weights=(1.0,), spec="a=1")
+    stream, own = mix.stream(8, 0, 0.0), part.stream(8, 0, 0.0)
+    assert [stream.sample(i).tolist() for i in range(5)] == [
+        own.sample(i).tolist() for i in range(5)
+    ]
