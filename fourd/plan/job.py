@@ -9,7 +9,7 @@ from functools import cached_property
 from fourd.layout import Layout, Parallelism, layer_split
 from fourd.model.config import ModelConfig
 from fourd.plan.cluster import DTYPE_BYTES, Cluster
-from fourd.plan.stack import load_stack
+from fourd.plan.stack import load_stack, switch
 
 ATTENTION = (
     "flash",
@@ -73,8 +73,7 @@ class Job:
     def switch(self, name: str) -> bool:
         """The stack switch `name` (fused_kernels, tp_overlap, dp_overlap): as pinned, else the
         stack's."""
-        pinned = getattr(self, name)
-        return getattr(load_stack(self.stack), name) if pinned is None else pinned
+        return switch(load_stack(self.stack), name, getattr(self, name))
 
     @property
     def dp_overlapped(self) -> bool:

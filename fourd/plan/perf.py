@@ -134,24 +134,43 @@ def overlapped(comm_s: float, gemm_s: float, unhidden: float) -> tuple[float, fl
     return exposed, comm_s - exposed
 
 
+@dataclass(frozen=True, kw_only=True)
+class LayerComm:
+    """Seconds of one layer's collectives on the critical path, and what hidden ones cost the GEMMs
+    beside them."""
+
+    tp_forward: float
+    tp_backward: float
+    cp_forward: float
+    cp_backward: float
+    forward_slowdown: float = 0.0
+    backward_slowdown: float = 0.0
+
+
 @lru_cache(maxsize=8192)
-def exposed_layer_comm(work: Work) -> tuple[float, float, float, float, float, float]:
-    """(TP forward, TP backward, CP forward, CP backward, forward slowdown, backward slowdown)
-    seconds of one layer: layer_comm, with TP overlap (work.tp_overlap: SP's two all-gathers and
+def exposed_layer_comm(work: Work) -> LayerComm:
+    """One layer's collectives: layer_comm, with TP overlap (work.tp_overlap: SP's two all-gathers and
     two reduce-scatters forward, four and two backward) only the exposed part of TP's collectives,
     chunked as Transformer Engine's defaults chunk them (PIPELINE_SPLITS above), and the GEMMs
     slowed by OVERLAP_SLOWDOWN of the part hidden beside them."""
     tp_f, tp_b, cp_f, cp_b = layer_comm(work)
     if not work.tp_overlap:
-        return tp_f, tp_b, cp_f, cp_b, 0.0, 0.0
+        return LayerComm(tp_forward=tp_f, tp_backward=tp_b, cp_forward=cp_f, cp_backward=cp_b)
     fwd, dgrad, wgrad = layer_gemms(work)
     gather, scatter = sp_collectives(work)
     tp = work.layout.tp
     first_chunks_f = 2 * gather / tp + 2 * scatter / PIPELINE_SPLITS
     first_chunks_b = 2 * gather / tp  # the bulk ones have a whole GEMM beside them
-    tp_f, hidden_f = overlapped(tp_f, fwd, first_chunks_f / tp_f)
-    tp_b, hidden_b = overlapped(tp_b, dgrad + wgrad, first_chunks_b / tp_b)
-    return tp_f, tp_b, cp_f, cp_b, OVERLAP_SLOWDOWN * hidden_f, OVERLAP_SLOWDOWN * hidden_b
+    exposed_f, hidden_f = overlapped(tp_f, fwd, first_chunks_f / tp_f)
+    exposed_b, hidden_b = overlapped(tp_b, dgrad + wgrad, first_chunks_b / tp_b)
+    return LayerComm(
+        tp_forward=exposed_f,
+        tp_backward=exposed_b,
+        cp_forward=cp_f,
+        cp_backward=cp_b,
+        forward_slowdown=OVERLAP_SLOWDOWN * hidden_f,
+        backward_slowdown=OVERLAP_SLOWDOWN * hidden_b,
+    )
 
 
 @lru_cache(maxsize=8192)
@@ -189,9 +208,11 @@ def layer_time(work: Work) -> StageTime:
     if work.fsdp:
         cpu += cluster.gpu.fsdp_layer_us
     fwd, dgrad = fwd + cpu * 1e-6 / 3, dgrad + cpu * 2e-6 / 3
-    tp_f, tp_b, cp_f, cp_b, slow_f, slow_b = exposed_layer_comm(work)
-    fwd, dgrad = fwd + slow_f, dgrad + slow_b
-    fwd_comm, bwd_comm = tp_f + cp_f, tp_b + cp_b
+    comm = exposed_layer_comm(work)
+    fwd += comm.forward_slowdown
+    dgrad += comm.backward_slowdown
+    fwd_comm = comm.tp_forward + comm.cp_forward
+    bwd_comm = comm.tp_backward + comm.cp_backward
     if work.recompute == "full":
         dgrad += fwd
         bwd_comm += fwd_comm
@@ -407,7 +428,7 @@ def step_time(job: Job) -> StepTime:
         sends += 2 * par.virtual_stages * (microbatches - 1)
     p2p = sends * p2p_time(job) if pp > 1 else 0.0
     layers = rank_shapes(job.model, pp, par.virtual_stages)[0][slow]
-    tp_f, tp_b, cp_f, cp_b, _, _ = exposed_layer_comm(job.work)
+    comm = exposed_layer_comm(job.work)
     redo = 2 if par.recompute == "full" else 1
     compute = microbatches * (stage.forward + stage.backward)
     bubble = (
@@ -426,10 +447,8 @@ def step_time(job: Job) -> StepTime:
     owned = params / (shard_group(lay, par.hsdp_replicas).size if par.zero >= 1 else 1)
     optimizer = optimizer_time(owned, job.cluster, job.dtype_bytes)
     step = compute + bubble + p2p + exposed + overlap + optimizer
-    tp_comm, cp_comm = (
-        microbatches * layers * (tp_f * redo + tp_b),
-        microbatches * layers * (cp_f * redo + cp_b),
-    )
+    tp_comm = microbatches * layers * (comm.tp_forward * redo + comm.tp_backward)
+    cp_comm = microbatches * layers * (comm.cp_forward * redo + comm.cp_backward)
     return StepTime(
         step,
         compute,

@@ -18,7 +18,14 @@ from fourd.model.config import ModelConfig, get_preset, parse_model_spec
 from fourd.plan.cluster import Cluster, load_cluster
 from fourd.plan.job import ATTENTION, Job
 from fourd.plan.search import OPEN, Plan, search
-from fourd.plan.stack import DEFAULT_STACK, PIPELINE_COMM, load_stack, parse_stack, preset_names
+from fourd.plan.stack import (
+    DEFAULT_STACK,
+    PIPELINE_COMM,
+    load_stack,
+    parse_stack,
+    preset_names,
+    switch,
+)
 from fourd.schedules import SCHEDULES, check_stages
 
 DEFAULT_MODEL = "llama3-405b"
@@ -325,7 +332,7 @@ def resolve(model: ModelConfig, cluster: Cluster, values: Mapping[str, Any]) -> 
     # compiled blocks are faster and keep less; a CPU profile predicts fourd train, which runs eager;
     # a stack with fused kernels of its own has nothing to compile
     stack = load_stack(given["stack"] or DEFAULT_STACK)
-    fused = stack.fused_kernels if given["fused_kernels"] is None else given["fused_kernels"]
+    fused = switch(stack, "fused_kernels", given["fused_kernels"])
     compiled = not (cluster.cpu or fused)
     if given["compiled"] is not None:
         compiled = given["compiled"]

@@ -41,6 +41,12 @@ class Stack:
     pipeline_comm: str = "overlapped"
 
 
+def switch(stack: Stack, name: str, pinned: bool | None) -> bool:
+    """The stack switch `name` (fused_kernels, tp_overlap, dp_overlap) of one plan: as pinned, else
+    the stack's."""
+    return getattr(stack, name) if pinned is None else pinned
+
+
 def preset_names() -> list[str]:
     return sorted(path.stem for path in PRESET_DIR.glob("*.toml"))
 
