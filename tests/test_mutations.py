@@ -248,6 +248,24 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
             "tests/test_contract_train.py::test_sigterm_to_one_worker_stops_all_and_a_resumed_fine_tuning_run_continues_exactly",
         ),
     ),
+    "FP8 converts the output projection too": (
+        "fourd/parallel/apply.py",
+        'return isinstance(module, torch.nn.Linear) and fqn != "output"',
+        "return isinstance(module, torch.nn.Linear)",
+        (
+            "tests/test_contract_fp8_path.py::"
+            "test_fp8_converts_every_block_linear_and_keeps_the_output_projection_in_bf16",
+        ),
+    ),
+    "an open search offers schedules the stack does not run": (
+        "fourd/plan/search.py",
+        'better = [name for name in stack.schedules if name != "gpipe"]',
+        'better = ["1f1b", "interleaved", "zero-bubble"]',
+        (
+            "tests/test_plan_stack.py::"
+            "test_an_open_search_keeps_to_the_schedules_and_zero_stages_the_stack_runs",
+        ),
+    ),
 }
 
 
