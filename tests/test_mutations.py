@@ -257,6 +257,18 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
             "test_fp8_converts_every_block_linear_and_keeps_the_output_projection_in_bf16",
         ),
     ),
+    "no checkpoint at the last step unless it falls on the interval": (
+        "fourd/train/worker.py",
+        "return step == steps or bool(interval and step % interval == 0)",
+        "return bool(interval and step % interval == 0)",
+        ("tests/test_contract_arith.py::test_a_checkpoint_every_interval_and_at_the_last_step",),
+    ),
+    "the planner's training days leave out the token budget's last day": (
+        "fourd/plan/search.py",
+        '"training_days": train_tokens / self.tokens_per_s / 86400,',
+        '"training_days": train_tokens // self.tokens_per_s // 86400,',
+        ("tests/test_plan_cli.py::test_training_days_from_a_token_budget",),
+    ),
     "an open search offers schedules the stack does not run": (
         "fourd/plan/search.py",
         'better = [name for name in stack.schedules if name != "gpipe"]',
