@@ -1,5 +1,7 @@
-"""Kernel-time and search rules a one-line bug could break without moving the suite's rows: attention
-on a GPU profile with no attention figures, and interleaving's microbatch floor in the search."""
+"""Planner rules a one-line bug could break without moving the suite's rows: attention on a GPU
+profile with no attention figures, interleaving's microbatch floor in the search, a token batch
+rounded to the nearest even split, ranks sharing one CPU server's cores, and the note for a schedule a
+stack does not run on the smallest pipeline."""
 
 import dataclasses
 
@@ -7,7 +9,7 @@ import pytest
 
 from fourd.model.config import get_preset
 from fourd.plan import request
-from fourd.plan.cluster import load_cluster
+from fourd.plan.cluster import Cluster, Network, Node, load_cluster
 from fourd.plan.kernels import attention_time, gemm_time
 
 H100 = load_cluster("dgx-h100")
@@ -38,3 +40,43 @@ def test_interleaving_is_searched_with_no_fewer_microbatches_than_stages_when_it
         2,
         4,
     }
+
+
+def test_a_token_batch_goes_to_the_nearest_even_split_up_as_well_as_down(capsys):
+    model, seqs = get_preset("llama3-8b"), 2048
+    for dp, planned in ((96, 2016), (80, 2080)):  # 21.33 and 25.6 sequences per replica
+        values = {"layout": f"dp={dp}", "seq": 4096, "global_batch_tokens": seqs * 4096}
+        assert request.resolve(model, H100, values).base.global_seqs == planned
+        assert capsys.readouterr().err == (
+            f"fourd: note: {seqs} sequences do not split into {dp} equal parts: planned with "
+            f"{planned}\n"
+        )
+
+
+def test_ranks_share_the_cores_of_their_own_server_only():
+    cpu = Cluster(
+        name="two-cores",
+        description="",
+        gpu=H100.gpu,
+        node=Node(gpus=8, intra_bw_gbps=1.0, concurrent_ranks=2),
+        network=Network(nic_bw_gbps=1.0),
+    )
+    assert [cpu.core_share(ranks) for ranks in (1, 2, 4, 8, 16, 64)] == [
+        1.0,
+        1.0,
+        2.0,
+        4.0,
+        4.0,
+        4.0,
+    ]
+    assert H100.core_share(64) == 1.0  # GPUs share nothing
+
+
+def test_a_schedule_the_stack_lacks_is_noted_on_a_two_stage_pipeline(capsys):
+    values = {"layout": "tp=8,pp=2,dp=4", "seq": 4096, "stack": "megatron-core"}
+    request.resolve(get_preset("llama3-70b"), H100, values | {"schedule": "zero-bubble"})
+    assert "megatron-core stack runs the schedules 1f1b, interleaved" in capsys.readouterr().err
+    request.resolve(
+        get_preset("llama3-70b"), H100, values | {"layout": "tp=8,dp=8", "schedule": "zero-bubble"}
+    )
+    assert capsys.readouterr().err == ""  # without a pipeline every schedule is the same
