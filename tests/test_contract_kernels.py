@@ -11,6 +11,7 @@ from fourd.model.config import get_preset
 from fourd.plan import request
 from fourd.plan.cluster import Cluster, Network, Node, load_cluster
 from fourd.plan.kernels import attention_time, gemm_time
+from fourd.plan.perf import exposed_layer_comm
 
 H100 = load_cluster("dgx-h100")
 
@@ -80,3 +81,18 @@ def test_a_schedule_the_stack_lacks_is_noted_on_a_two_stage_pipeline(capsys):
         get_preset("llama3-70b"), H100, values | {"layout": "tp=8,dp=8", "schedule": "zero-bubble"}
     )
     assert capsys.readouterr().err == ""  # without a pipeline every schedule is the same
+
+
+def test_full_recomputation_charges_the_forwards_tp_and_cp_collectives_twice():
+    values = {"layout": "tp=4,cp=2,dp=1", "seq": 8192, "microbatches": 2}
+    values |= {"global_batch_tokens": 2 * 8192, "sequence_parallel": False}
+    model = get_preset("llama3-8b")
+    plain = request.plans(request.resolve(model, H100, values | {"recompute": "none"}))[0]
+    full = request.plans(request.resolve(model, H100, values | {"recompute": "full"}))[0]
+    comm = exposed_layer_comm(full.job.work)
+    assert comm == exposed_layer_comm(plain.job.work)
+    runs = 2 * model.layers  # microbatches × layers
+    assert plain.step.tp_comm_s == pytest.approx(runs * (comm.tp_forward + comm.tp_backward))
+    assert full.step.tp_comm_s == pytest.approx(runs * (2 * comm.tp_forward + comm.tp_backward))
+    assert full.step.cp_comm_s == pytest.approx(runs * (2 * comm.cp_forward + comm.cp_backward))
+    assert comm.tp_forward > 0 and comm.cp_forward > 0
