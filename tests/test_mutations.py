@@ -269,6 +269,15 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
         '"training_days": train_tokens // self.tokens_per_s // 86400,',
         ("tests/test_plan_cli.py::test_training_days_from_a_token_budget",),
     ),
+    "a run directory holding only metrics is taken without --resume": (
+        "fourd/train/cli.py",
+        'if (d / "checkpoints").exists() or (d / "metrics.jsonl").exists():',
+        'if (d / "checkpoints").exists():',
+        (
+            "tests/test_contract_run_dir.py::"
+            "test_a_run_directory_holding_a_run_is_refused_without_resume[metrics.jsonl]",
+        ),
+    ),
     "an open search offers schedules the stack does not run": (
         "fourd/plan/search.py",
         'better = [name for name in stack.schedules if name != "gpipe"]',
