@@ -353,3 +353,54 @@ def test_a_stacks_bad_capability_list_is_named(tmp_path, monkeypatch, line, name
             load_stack("mine")
     finally:
         load_stack.cache_clear()
+
+
+def test_a_profile_names_only_what_differs_from_the_defaults(tmp_path, monkeypatch):
+    monkeypatch.setenv("FOURD_HOME", str(tmp_path))
+    (tmp_path / "stacks").mkdir()
+    (tmp_path / "stacks" / "mine.toml").write_text('description = "only this"\n')
+    load_stack.cache_clear()
+    try:
+        mine = load_stack("mine")
+    finally:
+        load_stack.cache_clear()
+    assert (mine.fused_kernels, mine.tp_overlap, mine.dp_overlap) == (False, False, True)
+    assert (mine.pipeline_comm, mine.schedules, mine.zero, mine.pipeline_zero) == (
+        "overlapped",
+        ("gpipe", "1f1b", "interleaved", "zero-bubble"),
+        (0, 1, 2, 3),
+        (0, 1, 2, 3),
+    )
+
+
+def test_a_profile_by_path_from_here_and_unreadable_ones_are_one_line(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "here.toml").write_text('description = "by path"\nfused_kernels = true\n')
+    assert load_stack("here.toml").fused_kernels and load_stack("here.toml").name == "here"
+    with pytest.raises(FourdError, match=r"^stack profile gone\.toml not found: give an existing"):
+        load_stack("gone.toml")
+    (tmp_path / "binary.toml").write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(FourdError, match=r"binary\.toml: not a readable TOML stack profile"):
+        load_stack("binary.toml")
+    (tmp_path / "folder.toml").mkdir()
+    with pytest.raises(FourdError, match=r"^stack profile folder\.toml not found"):
+        load_stack("folder.toml")
+    load_stack.cache_clear()
+
+
+def test_what_a_stack_lacks_is_said_with_and_without_a_pipeline():
+    lm, deepspeed = load_stack("megatron-lm"), load_stack("deepspeed")
+    assert (
+        lm.lacks(1, schedule="zero-bubble") == ""
+    )  # without a pipeline every schedule is the same
+    assert (
+        lm.lacks(2, schedule="zero-bubble")
+        == "runs the schedules 1f1b, interleaved, not zero-bubble"
+    )
+    assert lm.lacks(1, zero=3) == "runs ZeRO 0, not ZeRO 3"
+    assert deepspeed.lacks(1, zero=3) == ""
+    assert deepspeed.lacks(4, zero=3) == "runs ZeRO 0, 1 with pipeline parallelism, not ZeRO 3"
+    assert deepspeed.lacks(4, schedule="interleaved", zero=2) == (
+        "runs the schedules 1f1b, not interleaved and runs ZeRO 0, 1 with pipeline parallelism, "
+        "not ZeRO 2"
+    )

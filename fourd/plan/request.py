@@ -370,8 +370,8 @@ def _note_beyond_stack(stack, schedule: str | None, zero: int | None, layout) ->
     not run: it is planned as asked; the open settings keep to the stack's. Without a layout a
     pinned schedule is read as meant for a pipeline, a pinned ZeRO stage as without one."""
     gaps = (
-        stack.lacks(schedule=schedule, pp=layout.pp if layout is not None else 2),
-        stack.lacks(zero=zero, pp=layout.pp if layout is not None else 1),
+        stack.lacks(layout.pp if layout is not None else 2, schedule=schedule),
+        stack.lacks(layout.pp if layout is not None else 1, zero=zero),
     )
     reason = " and ".join(gap for gap in gaps if gap)
     if reason:

@@ -56,7 +56,7 @@ class Stack:
             return tuple(stage for stage in self.zero if stage in self.pipeline_zero)
         return self.zero
 
-    def lacks(self, schedule: str | None = None, zero: int | None = None, pp: int = 1) -> str:
+    def lacks(self, pp: int, schedule: str | None = None, zero: int | None = None) -> str:
         """What of `schedule` and ZeRO stage `zero` on `pp` pipeline stages the stack does not run,
         as a phrase; "" when it runs both (None: not asked; without a pipeline every schedule is
         the same)."""
