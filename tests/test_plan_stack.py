@@ -399,7 +399,7 @@ def test_what_a_stack_lacks_is_said_with_and_without_a_pipeline():
     )
     assert lm.lacks(1, zero=3) == "runs ZeRO 0, not ZeRO 3"
     assert deepspeed.lacks(1, zero=3) == ""
-    assert deepspeed.lacks(4, zero=3) == "runs ZeRO 0, 1 with pipeline parallelism, not ZeRO 3"
+    assert deepspeed.lacks(2, zero=3) == "runs ZeRO 0, 1 with pipeline parallelism, not ZeRO 3"
     assert deepspeed.lacks(4, schedule="interleaved", zero=2) == (
         "runs the schedules 1f1b, not interleaved and runs ZeRO 0, 1 with pipeline parallelism, "
         "not ZeRO 2"
