@@ -9,8 +9,18 @@ import pytest
 
 from fourd.model.config import get_preset
 from fourd.plan import request
-from fourd.plan.cluster import Cluster, Network, Node, load_cluster
-from fourd.plan.kernels import attention_time, gemm_time
+from fourd.plan.cluster import Cluster, Group, Network, Node, group_bandwidth, load_cluster
+from fourd.plan.kernels import (
+    ADAM_BYTES,
+    FA_BACKWARD_FLOPS,
+    FA_HALF_LENGTH,
+    HBM_EFFICIENCY,
+    KERNEL_LAUNCH_S,
+    attention_time,
+    collective_time,
+    gemm_time,
+    optimizer_time,
+)
 from fourd.plan.perf import exposed_layer_comm
 
 H100 = load_cluster("dgx-h100")
@@ -26,7 +36,8 @@ def test_attention_without_kernel_figures_is_two_gemms_per_head_over_half_the_sq
     full_fwd, full_bwd = attention_time(tokens, tokens, heads, head_dim, bare, causal=False)
     assert full_fwd == pytest.approx(square, rel=1e-12)
     assert causal_fwd == pytest.approx(square / 2, rel=1e-12)
-    assert causal_bwd / causal_fwd == pytest.approx(full_bwd / full_fwd, rel=1e-12)
+    assert causal_bwd == pytest.approx(causal_fwd * FA_BACKWARD_FLOPS, rel=1e-12)
+    assert full_bwd == pytest.approx(full_fwd * FA_BACKWARD_FLOPS, rel=1e-12)
 
 
 def test_interleaving_is_searched_with_no_fewer_microbatches_than_stages_when_it_can_be():
@@ -96,3 +107,47 @@ def test_full_recomputation_charges_the_forwards_tp_and_cp_collectives_twice():
     assert full.step.tp_comm_s == pytest.approx(runs * (2 * comm.tp_forward + comm.tp_backward))
     assert full.step.cp_comm_s == pytest.approx(runs * (2 * comm.cp_forward + comm.cp_backward))
     assert comm.tp_forward > 0 and comm.cp_forward > 0
+
+
+def test_fused_attention_runs_at_its_efficiency_times_l_over_l_plus_384():
+    gpu = H100.gpu
+    for kv_len in (512, 4096):
+        fwd, bwd = attention_time(kv_len, kv_len, 8, 128, H100, causal=True)
+        flops = 4.0 * kv_len * kv_len / 2 * 128 * 8
+        rate = gpu.peak_tflops * 1e12 * kv_len / (kv_len + FA_HALF_LENGTH)
+        assert fwd == pytest.approx(flops / (rate * gpu.attention_fwd_efficiency), rel=1e-12)
+        bwd_rate = rate * (gpu.attention_bwd_efficiency or gpu.attention_fwd_efficiency)
+        assert bwd == pytest.approx(flops * FA_BACKWARD_FLOPS / bwd_rate, rel=1e-12)
+
+
+def test_a_thin_gemm_is_bound_by_its_three_matrices_bytes():
+    m, n, k = 65536, 16, 65536  # a 65536 × 65536 matrix read once for 16 columns: memory-bound
+    bytes_moved = 2 * (m * k + k * n + m * n)
+    memory = bytes_moved / (H100.gpu.hbm_bw_gbps * HBM_EFFICIENCY * 1e9)
+    assert gemm_time(m, n, k, H100) == pytest.approx(memory + KERNEL_LAUNCH_S, rel=1e-12)
+
+
+def test_adam_moves_its_bytes_per_parameter_at_hbm_efficiency():
+    rate = H100.gpu.hbm_bw_gbps * HBM_EFFICIENCY * 1e9
+    for dtype_bytes in (2, 4):
+        assert optimizer_time(1e9, H100, dtype_bytes) == pytest.approx(
+            1e9 * ADAM_BYTES[dtype_bytes] / rate, rel=1e-12
+        )
+
+
+def test_a_collectives_latency_is_its_ring_or_tree_steps_and_nothing_moves_for_no_bytes():
+    inside = Group(4, 1, 8)
+    bus_bw, latency = group_bandwidth(inside, H100)
+    tiny = 1.0
+    assert collective_time("all_gather", tiny, inside, H100) == pytest.approx(
+        3 * latency + 3 / 4 * tiny / bus_bw, rel=1e-12
+    )
+    assert collective_time("reduce_scatter", tiny, inside, H100) == pytest.approx(
+        3 * latency + 3 / 4 * tiny / bus_bw, rel=1e-12
+    )
+    pair = Group(2, 1, 8)
+    pair_bw, pair_latency = group_bandwidth(pair, H100)
+    assert collective_time("all_reduce", tiny, pair, H100) == pytest.approx(
+        2 * pair_latency + tiny / pair_bw, rel=1e-12
+    )
+    assert collective_time("all_gather", 0.0, inside, H100) == 0.0
