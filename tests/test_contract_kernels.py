@@ -9,7 +9,16 @@ import pytest
 
 from fourd.model.config import get_preset
 from fourd.plan import request
-from fourd.plan.cluster import Cluster, Group, Network, Node, group_bandwidth, load_cluster
+from fourd.plan.cluster import (
+    Cluster,
+    CollectiveSample,
+    GemmSample,
+    Group,
+    Network,
+    Node,
+    group_bandwidth,
+    load_cluster,
+)
 from fourd.plan.kernels import (
     ADAM_BYTES,
     FA_BACKWARD_FLOPS,
@@ -18,6 +27,7 @@ from fourd.plan.kernels import (
     KERNEL_LAUNCH_S,
     attention_time,
     collective_time,
+    elementwise_time,
     gemm_time,
     optimizer_time,
 )
@@ -151,3 +161,49 @@ def test_a_collectives_latency_is_its_ring_or_tree_steps_and_nothing_moves_for_n
         2 * pair_latency + tiny / pair_bw, rel=1e-12
     )
     assert collective_time("all_gather", 0.0, inside, H100) == 0.0
+
+
+def test_elementwise_bytes_move_at_hbm_efficiency():
+    assert elementwise_time(1e9, H100) == pytest.approx(
+        1e9 / (H100.gpu.hbm_bw_gbps * HBM_EFFICIENCY * 1e9), rel=1e-12
+    )
+
+
+def test_measured_gemm_rates_are_interpolated_by_inverse_distance_to_the_fourth_power():
+    """Two samples 2 and 8 TFLOP/s at 2^30 and 2^32 FLOPs: at 2^31 (log2 distance 1 from each) the
+    weights are equal, at their own points each sample's rate, at 2^31.5 weights 1/1.5^4 and 1/0.5^4."""
+    samples = (GemmSample(1024, 1024, 512, 2.0), GemmSample(2048, 2048, 512, 8.0))
+    measured = dataclasses.replace(H100, gpu=dataclasses.replace(H100.gpu, gemm=samples))
+
+    def rate(m, n, k):
+        return 2 * m * n * k / gemm_time(m, n, k, measured) / 1e12
+
+    assert rate(1024, 1024, 512) == pytest.approx(2.0)
+    assert rate(2048, 2048, 512) == pytest.approx(8.0)
+    assert rate(2048, 1024, 512) == pytest.approx(5.0)  # 2^31 FLOPs
+    near, far = 1 / 0.5**4, 1 / 1.5**4
+    assert rate(2048, 2048, 362) == pytest.approx(
+        (near * 8.0 + far * 2.0) / (near + far), rel=1e-3
+    )  # 2^31.5 FLOPs, k rounded
+
+
+def test_a_measured_collective_fit_wins_and_a_send_uses_the_two_rank_fit():
+    fits = (
+        CollectiveSample("all_gather", 4, 1e-3, 1e-9),
+        CollectiveSample("send", 2, 2e-3, 2e-9),
+    )
+    measured = dataclasses.replace(H100, collectives=fits)
+    four = Group(4, 1, 8)
+    assert collective_time("all_gather", 1e6, four, measured) == pytest.approx(1e-3 + 1e-3)
+    assert collective_time("send", 1e6, four, measured) == pytest.approx(2e-3 + 2e-3)
+    assert collective_time("reduce_scatter", 1e6, four, measured) == collective_time(
+        "reduce_scatter", 1e6, four, H100
+    )  # no fit for it: the ring model
+
+
+def test_a_send_across_servers_drives_one_nic_each_end():
+    across = Group(2, 8, 16)  # ranks 0 and 8: two servers
+    one_nic, latency = group_bandwidth(across, H100, 1)
+    assert collective_time("send", 1e9, across, H100) == pytest.approx(
+        latency + 1e9 / one_nic, rel=1e-12
+    )
