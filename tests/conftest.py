@@ -43,3 +43,8 @@ def pytest_collection_modifyitems(config, items):
         ]
         if shared and not getattr(item.module, "SPREAD", False):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    # the modules with multi-process (slow) tests first, each module's tests together and in order: the
+    # workers hand out work in this order, so the last minutes are filled with quick tests instead of
+    # one worker finishing a long training run while the other waits
+    slow_modules = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.module.__name__ not in slow_modules)

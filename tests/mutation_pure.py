@@ -44,6 +44,12 @@ MODULES: dict[str, tuple[str, ...]] = {
     "fourd/sim/step.py": ("tests/test_sim_step.py", "tests/test_sim_pipeline.py"),
     "fourd/sim/network.py": ("tests/test_sim_step.py", "tests/test_contract_network.py"),
     "fourd/plan/memory.py": ("tests/test_plan_arith.py", "tests/test_contract_limits.py"),
+    "fourd/plan/stack.py": ("tests/test_plan_stack.py", "tests/test_contract_kernels.py"),
+    "fourd/plan/kernels.py": (
+        "tests/test_plan_model.py",
+        "tests/test_contract_bus.py",
+        "tests/test_contract_kernels.py",
+    ),
     "fourd/data/dataset.py": ("tests/test_data_stream.py", "tests/test_data_mix.py"),
 }
 # tests in those files that pin another module, left out of the module's runs: hypothesis's 150 corpora of

@@ -18,6 +18,7 @@ from fourd.data.dataset import split
 from fourd.errors import FourdError, RunFailed
 from fourd.train.launch import outcome
 from fourd.train.step import lr_at
+from fourd.train.worker import checkpoint_due
 
 
 def test_exit_status_of_returned_workers():
@@ -59,3 +60,10 @@ def test_held_out_split_exactly():
     assert "too few for one training sequence: 6 are needed (data.seq_len 4 + 1" in str(
         refused.value
     )
+
+
+def test_a_checkpoint_every_interval_and_at_the_last_step():
+    assert [step for step in range(1, 11) if checkpoint_due(step, 10, 4)] == [4, 8, 10]
+    assert [step for step in range(1, 9) if checkpoint_due(step, 8, 4)] == [4, 8]
+    assert [step for step in range(1, 6) if checkpoint_due(step, 5, 0)] == [5]  # none between
+    assert [step for step in range(1, 4) if checkpoint_due(step, 3, 1)] == [1, 2, 3]

@@ -248,6 +248,45 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
             "tests/test_contract_train.py::test_sigterm_to_one_worker_stops_all_and_a_resumed_fine_tuning_run_continues_exactly",
         ),
     ),
+    "FP8 converts the output projection too": (
+        "fourd/parallel/apply.py",
+        'return isinstance(module, torch.nn.Linear) and fqn != "output"',
+        "return isinstance(module, torch.nn.Linear)",
+        (
+            "tests/test_contract_fp8_path.py::"
+            "test_fp8_converts_every_block_linear_and_keeps_the_output_projection_in_bf16",
+        ),
+    ),
+    "no checkpoint at the last step unless it falls on the interval": (
+        "fourd/train/worker.py",
+        "return step == steps or bool(interval and step % interval == 0)",
+        "return bool(interval and step % interval == 0)",
+        ("tests/test_contract_arith.py::test_a_checkpoint_every_interval_and_at_the_last_step",),
+    ),
+    "the planner's training days leave out the token budget's last day": (
+        "fourd/plan/search.py",
+        '"training_days": train_tokens / self.tokens_per_s / 86400,',
+        '"training_days": train_tokens // self.tokens_per_s // 86400,',
+        ("tests/test_plan_cli.py::test_training_days_from_a_token_budget",),
+    ),
+    "a run directory holding only metrics is taken without --resume": (
+        "fourd/train/cli.py",
+        'if (d / "checkpoints").exists() or (d / "metrics.jsonl").exists():',
+        'if (d / "checkpoints").exists():',
+        (
+            "tests/test_contract_run_dir.py::"
+            "test_a_run_directory_holding_a_run_is_refused_without_resume[metrics.jsonl]",
+        ),
+    ),
+    "an open search offers schedules the stack does not run": (
+        "fourd/plan/search.py",
+        'better = [name for name in stack.schedules if name != "gpipe"]',
+        'better = ["1f1b", "interleaved", "zero-bubble"]',
+        (
+            "tests/test_plan_stack.py::"
+            "test_an_open_search_keeps_to_the_schedules_and_zero_stages_the_stack_runs",
+        ),
+    ),
 }
 
 

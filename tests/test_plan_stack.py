@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 
@@ -59,8 +60,9 @@ def test_every_preset_loads_and_names_itself():
     for name in names:
         stack = load_stack(name)
         assert stack.name == name and stack.description
-    assert load_stack("fourd") == dataclasses.replace(
-        load_stack("fsdp"), name="fourd", description=load_stack("fourd").description
+    fourd, fsdp = load_stack("fourd"), load_stack("fsdp")
+    assert fourd == dataclasses.replace(
+        fsdp, name="fourd", description=fourd.description, zero=(0, 1, 2, 3)
     )
     nemo, core = load_stack("nemo"), load_stack("megatron-core")
     assert (nemo.fused_kernels, nemo.tp_overlap, nemo.dp_overlap) == (True, True, True)
@@ -262,3 +264,143 @@ def test_gemm_time_of_the_layer_is_its_matmuls():
     shapes = [(4096 // 2, 4096), (1024 // 2, 4096), (1024 // 2, 4096), (4096, 4096 // 2)]
     shapes += [(14336 // 2, 4096), (14336 // 2, 4096), (4096, 14336 // 2)]
     assert fwd == pytest.approx(sum(gemm_time(tokens, n, k, H100, 2) for n, k in shapes))
+
+
+def _searched(stack, gpus=64, **values):
+    """Every candidate of an open search of Llama 3 70B on `gpus` H100 on `stack`."""
+    values = {"gpus": gpus, "seq": 4096, "stack": stack} | values
+    return request.plans(request.resolve(L70B, H100, values))
+
+
+def test_an_open_search_keeps_to_the_schedules_and_zero_stages_the_stack_runs():
+    for name in preset_names():
+        stack = load_stack(name)
+        tried = {
+            (plan.config.schedule, plan.config.zero, plan.config.layout.pp > 1)
+            for plan in _searched(name)
+            if plan.config.layout.dp * plan.config.layout.cp > 1
+        }
+        piped = {(schedule, zero) for schedule, zero, pipelined in tried if pipelined}
+        flat = {(schedule, zero) for schedule, zero, pipelined in tried if not pipelined}
+        assert piped == {
+            (schedule, zero)
+            for schedule in stack.schedules
+            if schedule != "gpipe" or stack.schedules == ("gpipe",)
+            for zero in [stage for stage in stack.zero_stages(2) if stage > 0] or [0]
+        }, name
+        assert flat == {("1f1b", zero) for zero in [s for s in stack.zero if s > 0] or [0]}, name
+    deepspeed = load_stack("deepspeed")
+    assert deepspeed.schedules == ("1f1b",) and deepspeed.zero_stages(2) == (0, 1)
+    assert deepspeed.zero_stages(1) == (0, 1, 2, 3)
+    assert load_stack("megatron-core").schedules == ("1f1b", "interleaved")
+    assert load_stack("megatron-core").zero == (0, 1)
+
+
+def test_a_stack_that_runs_only_gpipe_and_no_sharding_is_searched_as_such(tmp_path, monkeypatch):
+    monkeypatch.setenv("FOURD_HOME", str(tmp_path))
+    (tmp_path / "stacks").mkdir()
+    (tmp_path / "stacks" / "mine.toml").write_text('schedules = ["gpipe"]\nzero = [0]\n')
+    load_stack.cache_clear()
+    try:
+        tried = {(p.config.schedule, p.config.zero, p.config.layout.pp) for p in _searched("mine")}
+    finally:
+        load_stack.cache_clear()
+    assert {(schedule, zero) for schedule, zero, pp in tried if pp > 1} == {("gpipe", 0)}
+    assert {(schedule, zero) for schedule, zero, pp in tried if pp == 1} == {("1f1b", 0)}
+
+
+def test_hsdp_left_open_is_zero_3_on_any_stack():
+    plans = _searched("megatron-core", layout="tp=8,dp=8", hsdp_replicas=2)
+    assert {plan.config.zero for plan in plans} == {3}
+
+
+def test_a_pinned_setting_the_stack_does_not_run_is_planned_with_one_note(capsys):
+    common = {"layout": "tp=8,pp=4,dp=2", "seq": 4096, "stack": "megatron-core"}
+    plan = request.plans(request.resolve(L70B, H100, common | {"schedule": "zero-bubble"}))[0]
+    assert plan.config.schedule == "zero-bubble"
+    assert capsys.readouterr().err == (
+        "fourd: note: the megatron-core stack runs the schedules 1f1b, interleaved, not "
+        "zero-bubble: planned as asked\n"
+    )
+    deepspeed = common | {"stack": "deepspeed", "zero": 3}
+    assert request.plans(request.resolve(L70B, H100, deepspeed))[0].config.zero == 3
+    assert capsys.readouterr().err == (
+        "fourd: note: the deepspeed stack runs ZeRO 0, 1 with pipeline parallelism, not ZeRO 3: "
+        "planned as asked\n"
+    )
+    request.plans(request.resolve(L70B, H100, common | {"schedule": "interleaved", "zero": 1}))
+    request.resolve(L70B, H100, {"gpus": 64, "seq": 4096, "stack": "deepspeed", "zero": 3})
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize(
+    "line, named",
+    [
+        ('schedules = ["zb"]', "schedules = ['zb']"),
+        ("zero = []", "zero = []"),
+        ("zero = [true]", "zero = [True]"),
+        ("pipeline_zero = [1, 1]", "pipeline_zero = [1, 1]"),
+        ('schedules = "1f1b"', "schedules must be a list"),
+    ],
+)
+def test_a_stacks_bad_capability_list_is_named(tmp_path, monkeypatch, line, named):
+    monkeypatch.setenv("FOURD_HOME", str(tmp_path))
+    (tmp_path / "stacks").mkdir()
+    (tmp_path / "stacks" / "mine.toml").write_text(line + "\n")
+    load_stack.cache_clear()
+    try:
+        with pytest.raises(FourdError, match=re.escape(named)):
+            load_stack("mine")
+    finally:
+        load_stack.cache_clear()
+
+
+def test_a_profile_names_only_what_differs_from_the_defaults(tmp_path, monkeypatch):
+    monkeypatch.setenv("FOURD_HOME", str(tmp_path))
+    (tmp_path / "stacks").mkdir()
+    (tmp_path / "stacks" / "mine.toml").write_text('description = "only this"\n')
+    load_stack.cache_clear()
+    try:
+        mine = load_stack("mine")
+    finally:
+        load_stack.cache_clear()
+    assert (mine.fused_kernels, mine.tp_overlap, mine.dp_overlap) == (False, False, True)
+    assert (mine.pipeline_comm, mine.schedules, mine.zero, mine.pipeline_zero) == (
+        "overlapped",
+        ("gpipe", "1f1b", "interleaved", "zero-bubble"),
+        (0, 1, 2, 3),
+        (0, 1, 2, 3),
+    )
+
+
+def test_a_profile_by_path_from_here_and_unreadable_ones_are_one_line(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "here.toml").write_text('description = "by path"\nfused_kernels = true\n')
+    assert load_stack("here.toml").fused_kernels and load_stack("here.toml").name == "here"
+    with pytest.raises(FourdError, match=r"^stack profile gone\.toml not found: give an existing"):
+        load_stack("gone.toml")
+    (tmp_path / "binary.toml").write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(FourdError, match=r"binary\.toml: not a readable TOML stack profile"):
+        load_stack("binary.toml")
+    (tmp_path / "folder.toml").mkdir()
+    with pytest.raises(FourdError, match=r"^stack profile folder\.toml not found"):
+        load_stack("folder.toml")
+    load_stack.cache_clear()
+
+
+def test_what_a_stack_lacks_is_said_with_and_without_a_pipeline():
+    lm, deepspeed = load_stack("megatron-lm"), load_stack("deepspeed")
+    assert (
+        lm.lacks(1, schedule="zero-bubble") == ""
+    )  # without a pipeline every schedule is the same
+    assert (
+        lm.lacks(2, schedule="zero-bubble")
+        == "runs the schedules 1f1b, interleaved, not zero-bubble"
+    )
+    assert lm.lacks(1, zero=3) == "runs ZeRO 0, not ZeRO 3"
+    assert deepspeed.lacks(1, zero=3) == ""
+    assert deepspeed.lacks(2, zero=3) == "runs ZeRO 0, 1 with pipeline parallelism, not ZeRO 3"
+    assert deepspeed.lacks(4, schedule="interleaved", zero=2) == (
+        "runs the schedules 1f1b, not interleaved and runs ZeRO 0, 1 with pipeline parallelism, "
+        "not ZeRO 2"
+    )

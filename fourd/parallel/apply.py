@@ -131,9 +131,14 @@ def check_fp8(cfg: Config) -> None:
         ) from None
 
 
+def fp8_converts(module: torch.nn.Module, fqn: str) -> bool:
+    """Whether FP8 training converts this linear layer of a stage (torchao's `module_filter_fn`):
+    every one but the output projection, which stays in BF16 since its FP8 error reaches the loss
+    directly (torchtitan does the same)."""
+    return isinstance(module, torch.nn.Linear) and fqn != "output"
+
+
 def _fp8(stage: torch.nn.Module) -> None:
     from torchao.float8 import convert_to_float8_training
 
-    # The output projection stays in BF16: its FP8 error reaches the loss directly (torchtitan does
-    # the same).
-    convert_to_float8_training(stage, module_filter_fn=lambda module, fqn: fqn != "output")
+    convert_to_float8_training(stage, module_filter_fn=fp8_converts)

@@ -103,7 +103,7 @@ def elementwise_time(nbytes: float, cluster: Cluster) -> float:
     return nbytes / (cluster.gpu.elementwise_gbps or cluster.gpu.hbm_bw_gbps * HBM_EFFICIENCY) / 1e9
 
 
-def optimizer_time(params: float, cluster: Cluster, dtype_bytes: int = 2) -> float:
+def optimizer_time(params: float, cluster: Cluster, dtype_bytes: int) -> float:
     """Seconds of an Adam update of `params` parameters: ADAM_BYTES each at HBM bandwidth, or
     measured."""
     rate = cluster.gpu.optimizer_gbps or cluster.gpu.hbm_bw_gbps * HBM_EFFICIENCY

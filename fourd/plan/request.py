@@ -332,6 +332,7 @@ def resolve(model: ModelConfig, cluster: Cluster, values: Mapping[str, Any]) -> 
     # compiled blocks are faster and keep less; a CPU profile predicts fourd train, which runs eager;
     # a stack with fused kernels of its own has nothing to compile
     stack = load_stack(given["stack"] or DEFAULT_STACK)
+    _note_beyond_stack(stack, schedule, fixed["zero"], layout)
     fused = switch(stack, "fused_kernels", given["fused_kernels"])
     compiled = not (cluster.cpu or fused)
     if given["compiled"] is not None:
@@ -362,6 +363,19 @@ def resolve(model: ModelConfig, cluster: Cluster, values: Mapping[str, Any]) -> 
     return Request(
         base=base, gpus=gpus, fixed=fixed, open=open_, train_tokens=given["train_tokens"]
     )
+
+
+def _note_beyond_stack(stack, schedule: str | None, zero: int | None, layout) -> None:
+    """Say so (one `fourd: note:` line) when a pinned schedule or ZeRO stage is one the stack does
+    not run: it is planned as asked; the open settings keep to the stack's. Without a layout a
+    pinned schedule is read as meant for a pipeline, a pinned ZeRO stage as without one."""
+    gaps = (
+        stack.lacks(layout.pp if layout is not None else 2, schedule=schedule),
+        stack.lacks(layout.pp if layout is not None else 1, zero=zero),
+    )
+    reason = " and ".join(gap for gap in gaps if gap)
+    if reason:
+        print(f"fourd: note: the {stack.name} stack {reason}: planned as asked", file=sys.stderr)
 
 
 def plans(req: Request) -> list[Plan]:

@@ -7,14 +7,14 @@ import math
 from dataclasses import dataclass, field, replace
 
 from fourd.errors import FourdError
-from fourd.layout import RECOMPUTE, ZERO_STAGES, Layout, Parallelism, split_ok, tp_ok
+from fourd.layout import RECOMPUTE, Layout, Parallelism, split_ok, tp_ok
 from fourd.layout import check as layout_check
 from fourd.plan.block import matmuls
 from fourd.plan.cluster import group_level, placement
 from fourd.plan.job import Job, stage_layers
 from fourd.plan.memory import GB, Memory, peak_memory
 from fourd.plan.perf import StepTime, step_time
-from fourd.schedules import SCHEDULES
+from fourd.plan.stack import Stack, load_stack
 
 MICRO_SEQS = (1, 2, 4, 8, 16)  # sequences per microbatch the search tries
 MIN_CP_TOKENS = (
@@ -183,28 +183,44 @@ def _virtual_stages(layers: int, pp: int) -> list[int]:
     ]
 
 
-def configs(model, gpus: int, seq: int, global_seqs: int, fixed: dict):
-    """Every Parallelism the fixed settings allow, recomputation "none" (see `search`)."""
+def _schedules(pinned: str | None, pp: int, stack: Stack) -> list[str]:
+    """The schedules to try: the pinned one; without a pipeline 1F1B (every schedule is the same);
+    else the stack's, GPipe only when the stack has nothing else (1F1B's bubble, more memory)."""
+    if pinned:
+        return [pinned]
+    if pp == 1:
+        return ["1f1b"]
+    better = [name for name in stack.schedules if name != "gpipe"]
+    return better or list(stack.schedules)
+
+
+def _zero_stages(pinned: int | None, lay: Layout, hsdp_replicas: int, stack: Stack) -> list[int]:
+    """The ZeRO stages to try: the pinned one; with HSDP 3 (HSDP is ZeRO 3 in replica groups);
+    unsharded, 0 (every stage is the same); else the stack's sharded stages, ZeRO 0 only when it
+    has no other (ZeRO 1 moves fewer bytes and shards the optimizer)."""
+    if pinned is not None:
+        return [pinned]
+    if hsdp_replicas > 1:
+        return [3]
+    if lay.cp * lay.dp == 1:
+        return [0]
+    runs = stack.zero_stages(lay.pp)
+    return [stage for stage in runs if stage > 0] or list(runs) or [0]
+
+
+def configs(model, gpus: int, seq: int, global_seqs: int, fixed: dict, stack: Stack):
+    """Every Parallelism the fixed settings allow, recomputation "none" (see `search`); settings
+    left open keep to what `stack` runs (its schedules and ZeRO stages)."""
     seq_parallel = fixed["sequence_parallel"]
     for lay in [fixed["layout"]] if fixed["layout"] else layouts(model, gpus, seq, global_seqs):
         per_replica = global_seqs // lay.dp
         counts = [per_replica // seqs for seqs in MICRO_SEQS if per_replica % seqs == 0]
         if fixed["microbatches"]:
             counts = [fixed["microbatches"]] if per_replica % fixed["microbatches"] == 0 else []
-        # left open, GPipe is never chosen (1F1B's bubble, more memory), nor ZeRO 0 where data
-        # parallelism shards (ZeRO 1 moves fewer bytes and shards the optimizer); unsharded every
-        # ZeRO stage is the same
-        if fixed["zero"] is not None:
-            zeros: list[int] | tuple[int, ...] = [fixed["zero"]]
-        elif lay.cp * lay.dp == 1:
-            zeros = [0]
-        else:
-            zeros = ZERO_STAGES[1:]
-        for sched in [fixed["schedule"]] if fixed["schedule"] else SCHEDULES:
-            if (seq_parallel and (seq // lay.cp) % lay.tp) or (
-                fixed["schedule"] is None and sched != "1f1b" and (lay.pp == 1 or sched == "gpipe")
-            ):
-                continue  # without a pipeline every schedule is the same
+        for sched in _schedules(fixed["schedule"], lay.pp, stack):
+            if seq_parallel and (seq // lay.cp) % lay.tp:
+                continue
+            zeros = _zero_stages(fixed["zero"], lay, fixed["hsdp_replicas"], stack)
             stage_counts = [fixed["virtual_stages"] or 1] if lay.pp == 1 else [1]
             if sched == "interleaved" and lay.pp > 1:
                 stage_counts = (
@@ -252,7 +268,8 @@ def search(base: Job, gpus: int, fixed: dict, chosen=()) -> list[Plan]:
     pinned = (
         any(fixed[k] is not None for k in OPEN) or fixed["hsdp_replicas"] > 1
     )  # else every config is valid
-    for par in configs(base.model, gpus, base.seq, base.global_seqs, fixed):
+    stack = load_stack(base.stack)
+    for par in configs(base.model, gpus, base.seq, base.global_seqs, fixed, stack):
         job = replace(base, par=par)
         if pinned and not valid(job):
             continue

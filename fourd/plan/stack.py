@@ -12,6 +12,8 @@ import tomllib
 
 from fourd.config import fourd_home
 from fourd.errors import FourdError, did_you_mean
+from fourd.layout import ZERO_STAGES
+from fourd.schedules import SCHEDULES
 
 PRESET_DIR = Path(__file__).parent / "stacks"
 DEFAULT_STACK = "fourd"
@@ -31,7 +33,12 @@ class Stack:
     `dp_overlap`: data-parallel gradient reductions and parameter gathers run beside the backward
     and forward (FSDP's prefetch, Megatron's --overlap-grad-reduce and --overlap-param-gather, XLA's
     scheduler); without it they follow the last backward, all exposed; `pipeline_comm`: the default
-    of `--pipeline-comm`."""
+    of `--pipeline-comm`.
+
+    What the stack can run, which a search over open settings keeps to: `schedules`, the pipeline
+    schedules it implements; `zero`, its ZeRO stages (sharding of optimizer state, gradients and
+    weights); `pipeline_zero`, those it allows with pipeline parallelism (DeepSpeed's pipeline engine:
+    0 and 1 only)."""
 
     name: str
     description: str = ""
@@ -39,6 +46,28 @@ class Stack:
     tp_overlap: bool = False
     dp_overlap: bool = True
     pipeline_comm: str = "overlapped"
+    schedules: tuple[str, ...] = SCHEDULES
+    zero: tuple[int, ...] = ZERO_STAGES
+    pipeline_zero: tuple[int, ...] = ZERO_STAGES
+
+    def zero_stages(self, pp: int) -> tuple[int, ...]:
+        """The ZeRO stages the stack runs on a layout with `pp` pipeline stages."""
+        if pp > 1:
+            return tuple(stage for stage in self.zero if stage in self.pipeline_zero)
+        return self.zero
+
+    def lacks(self, pp: int, schedule: str | None = None, zero: int | None = None) -> str:
+        """What of `schedule` and ZeRO stage `zero` on `pp` pipeline stages the stack does not run,
+        as a phrase; "" when it runs both (None: not asked; without a pipeline every schedule is
+        the same)."""
+        missing = []
+        if schedule is not None and pp > 1 and schedule not in self.schedules:
+            missing.append(f"runs the schedules {', '.join(self.schedules)}, not {schedule}")
+        stages = self.zero_stages(pp)
+        if zero is not None and zero not in stages:
+            where = " with pipeline parallelism" if pp > 1 else ""
+            missing.append(f"runs ZeRO {', '.join(map(str, stages))}{where}, not ZeRO {zero}")
+        return " and ".join(missing)
 
 
 def switch(stack: Stack, name: str, pinned: bool | None) -> bool:
@@ -80,6 +109,7 @@ def load_stack(name_or_path: str = DEFAULT_STACK) -> Stack:
         raise FourdError(f"{path}: not a readable TOML stack profile ({e}); fix it") from None
     fields = {"name": str, "description": str, "fused_kernels": bool, "tp_overlap": bool}
     fields |= {"dp_overlap": bool, "pipeline_comm": str}
+    fields |= {"schedules": list, "zero": list, "pipeline_zero": list}
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise FourdError(
@@ -92,7 +122,21 @@ def load_stack(name_or_path: str = DEFAULT_STACK) -> Stack:
         raise FourdError(
             f"{path}: pipeline_comm = {data['pipeline_comm']!r}; allowed: {', '.join(PIPELINE_COMM)}"
         )
-    return Stack(**{"name": path.stem} | data)
+    for key, allowed in (("schedules", SCHEDULES), ("zero", ZERO_STAGES)):
+        _check_choices(path, key, data.get(key, list(allowed)), allowed)
+    _check_choices(path, "pipeline_zero", data.get("pipeline_zero", list(ZERO_STAGES)), ZERO_STAGES)
+    lists = {key: tuple(data[key]) for key in ("schedules", "zero", "pipeline_zero") if key in data}
+    return Stack(**{"name": path.stem} | data | lists)
+
+
+def _check_choices(path: Path, key: str, values: list, allowed: tuple) -> None:
+    """A list key of a stack profile: a non-empty list of known choices, each once."""
+    unknown = [value for value in values if value not in allowed or isinstance(value, bool)]
+    if not values or unknown or len(set(values)) != len(values):
+        raise FourdError(
+            f"{path}: {key} = {values!r}; give a non-empty list of distinct values from "
+            f"{', '.join(map(str, allowed))}"
+        )
 
 
 def parse_stack(text: str) -> str:

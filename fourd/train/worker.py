@@ -126,6 +126,12 @@ def run_worker(cfg: Config, cache: TokenCache, data: dict, peak: tuple[float, st
         dist.destroy_process_group()
 
 
+def checkpoint_due(step: int, steps: int, interval: int) -> bool:
+    """Whether a checkpoint is saved after `step` of `steps`: every `interval` steps (0: none
+    between) and at the last step (the contract's `fourd train` section)."""
+    return step == steps or bool(interval and step % interval == 0)
+
+
 class _Run:
     """A worker's run: its part of the model, the optimizer, data, checkpointer and outputs; `loop`
     trains."""
@@ -214,7 +220,7 @@ class _Run:
                 return self._end(self._diverged(row))
             if self.writer is not None:
                 self.writer.log(row, show=step % t.log_every == 0 or step == t.steps)
-            if step == t.steps or (interval and step % interval == 0):
+            if checkpoint_due(step, t.steps, interval):
                 self.ckpt.save(step, sample)
                 saved = step
                 if first_save is None:
