@@ -36,8 +36,8 @@ from fourd.plan.memory import (
 )
 from fourd.schedules import build_schedule
 
-# 10 layers of 46,208 parameters (q, k and v, o: 3 · 4,096; w1, w2, w3: 3 · 64 · 176; two norms: 128),
-# an embedding of 2,049 · 64 = 131,136: more than twice a layer, so ZeRO-3 gathers more on the edges;
+# 10 layers of 46,208 parameters (q, k and v, o: 3 · 4,096; w1, w2, w3: 3 · 64 · 176; norms: 128),
+# an embedding of 2,049 · 64 = 131,136: over twice a layer, so ZeRO-3 gathers more on the edges;
 # an odd vocabulary, so the embedding and the final norm's 64 share no bit
 MODEL = ModelConfig(layers=10, dim=64, ffn=176, heads=4, kv_heads=2, vocab=2049)
 LAYER, EMBEDDING = 46_208, 131_136
@@ -132,7 +132,7 @@ def test_names_read_from_a_file_are_matched_by_value():
     """A schedule, recomputation or MLP named in a TOML file or on the command line is a new
     string, not the literal."""
     gpipe, one_f_one_b = "".join(["gp", "ipe"]), "".join(["1f", "1b"])
-    assert [in_flight(gpipe, 4, 6, 1, 0), in_flight(one_f_one_b, 4, 6, 1, 0)] == [6, 4]
+    assert [in_flight(gpipe, 4, 6, 1, 3), in_flight(one_f_one_b, 4, 6, 1, 0)] == [6, 4]
     swiglu = dataclasses.replace(MODEL, mlp="".join(["swi", "glu"]))
     assert stage_params(swiglu, [10], 0) == 10 * LAYER + 2 * EMBEDDING + 64
     full = "".join(["fu", "ll"])
