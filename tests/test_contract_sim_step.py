@@ -1,0 +1,325 @@
+"""The step simulator (fourd.sim.step) on steps small enough to time by hand, in one process (fast):
+
+- two pipeline ranks on two servers, one NIC each of 1,024 B/s: an activation of 1,024 B takes 1 s,
+  a gradient bucket of 4 B per parameter shares its NIC with the gradient sent back;
+- which collectives each ZeRO stage runs, and their names; the links between neighbours;
+- a straggler: its optimizer step is slowed too; one replica class or two;
+- the refusals at their edges: the pieces a step may run, the pipeline communication, the slow GPU;
+- the idle shares of a trace that does not start at 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from fourd.errors import FourdError
+from fourd.layout import Layout, Parallelism
+from fourd.model.config import ModelConfig
+from fourd.plan.cluster import load_cluster
+from fourd.plan.job import Job
+from fourd.plan.kernels import optimizer_time
+from fourd.schedules import Action, Schedule, build_schedule
+from fourd.sim import step
+from fourd.sim.step import Event, build_comm, idle_fractions, simulate, simulate_step, timeline
+
+UNIT = {"F": 1, "B": 2, "I": 1, "W": 1}
+# 2 layers of 464 parameters (q 64, k and v 128, o 64, w1 w2 w3 3 · 64, norms 16), an embedding of
+# 64: stage 0 holds 528, stage 1 536 (the output and the final norm's 8)
+TINY = ModelConfig(layers=2, dim=8, ffn=8, heads=1, kv_heads=1, vocab=8)
+
+
+def _cluster(tmp_path, gpus_per_node=1, nic_bps=1024.0, nvlink_bps=4096.0, latency_us=0.0, eff=1.0):
+    path = tmp_path / f"c{gpus_per_node}-{eff}.toml"
+    path.write_text(f"""name = "tiny"
+[gpu]
+name = "x"
+peak_tflops = 1.0
+memory_gb = 80.0
+hbm_bw_gbps = 1.0
+[node]
+gpus = {gpus_per_node}
+intra_bw_gbps = {nvlink_bps / 1e9!r}
+intra_latency_us = {latency_us}
+intra_efficiency = {eff}
+[network]
+nic_bw_gbps = {nic_bps / 1e9!r}
+latency_us = {latency_us}
+nic_efficiency = {eff}
+""")
+    return load_cluster(str(path))
+
+
+def _job(cluster, layout=None, **par):
+    """TINY, one 64-token sequence per microbatch and replica: an activation is 64 · 8 · 2 B."""
+    layout = layout or Layout(pp=2, dp=2)
+    par = Parallelism(layout=layout, **{"microbatches": 1, "zero": 0, **par})
+    return Job(TINY, cluster, par, 64, layout.dp * par.microbatches)
+
+
+def test_two_ranks_over_nics_by_hand(tmp_path):
+    """GPipe, one microbatch, DDP over dp = 2 (the other replica is represented): F0 [0, 1], its
+    activation over the NIC [1, 2], F1 [2, 3], B1 [3, 5]; then stage 1's 2,144 B all-reduce and the
+    1,024 B gradient to rank 0 share rank 1's NIC, 512 B/s each: the gradient lands at 7, the
+    all-reduce has 1,120 B left at 1,024 B/s, 8.09375. B0 [7, 9], its 2,112 B all-reduce alone,
+    11.0625, then its 0.5 s optimizer step: 11.5625."""
+    comm = build_comm(_job(_cluster(tmp_path)))
+    r = simulate(build_schedule("gpipe", 2, 1), [UNIT] * 2, comm=comm, optimizer_s=[0.5, 0.25])
+    assert [[(e.kind, e.start, e.end) for e in rank] for rank in r.events] == [
+        [("F", 0, 1), ("B", 7, 9)],
+        [("F", 2, 3), ("B", 3, 5)],
+    ]
+    assert [(t.kind, t.rank, t.name, t.start, t.end) for t in r.transfers] == [
+        ("pp", 0, "act 0.0 to rank 1", 1, 2),
+        ("pp", 1, "grad 1.0 to rank 0", 5, 7),
+        ("ar", 1, "all_reduce stage 1 layer 0", 5, 8.09375),
+        ("ar", 0, "all_reduce stage 0 layer 0", 9, 11.0625),
+    ]
+    assert r.step_time_s == 11.5625
+    assert (r.busy_s, r.optimizer_s, r.pipeline_span_s) == ([3, 3], [0.5, 0.25], 9)
+    assert r.per_rank_idle_fraction == [1 - 3.5 / 11.5625, 1 - 3.25 / 11.5625]
+    assert r.bubble_fraction == 1 - 3 / 9
+
+
+def test_the_links_of_a_job(tmp_path):
+    """Neighbours on one server talk over NVLink, on two over NICs, each with its latency; a DP ring
+    with k members per server sends 1/k of its bytes through each NIC and all over NVLink."""
+    cluster = _cluster(tmp_path, gpus_per_node=4, latency_us=2.0)
+    comm = build_comm(_job(cluster, Layout(tp=2, pp=2, dp=4)))  # pp ranks 0 and 2, dp stride 4
+    assert comm.capacity == {
+        "nic_out": 1024.0,
+        "nic_in": 1024.0,
+        "nvl_out": 4096.0,
+        "nvl_in": 4096.0,
+    }
+    nvlink = (("nvl_out", "nvl_in"), 4096.0, 2e-6)
+    assert comm.p2p == {(0, 0): nvlink, (0, 1): nvlink, (1, 0): nvlink, (1, 1): nvlink}
+    assert comm.p2p_bytes == 64 * 8 * 2  # without sequence parallelism every TP rank sends all
+    # the dp group, ranks 0, 4, 8, 12: one member per server
+    assert comm.dp_links == (("nic_out", 1.0), ("nic_in", 1.0))
+    assert comm.dp_params == [528 / 2, 536 / 2]
+    # pp ranks 0 and 16 on 8-GPU servers (tp = 4, cp = 4): two servers, the NICs; links that reach
+    # half their rate
+    cluster = _cluster(tmp_path, gpus_per_node=8, latency_us=3.0, eff=0.5)
+    comm = build_comm(_job(cluster, Layout(tp=4, cp=4, pp=2), sequence_parallel=True))
+    assert comm.p2p[(0, 1)] == (("nic_out", "nic_in"), 512.0, 3e-6)
+    assert comm.p2p[(1, 1)] == (("nvl_out", "nvl_in"), 2048.0, 3e-6)
+    assert comm.capacity == {"nic_out": 512.0, "nic_in": 512.0, "nvl_out": 2048.0, "nvl_in": 2048.0}
+    assert comm.p2p_bytes == 64 / 4 * 8 * 2 / 4  # a CP rank's tokens, its SP shard
+    # dp = 4 with tp = 2 on 4-GPU servers: ranks 0, 2 on one server, 4, 6 on the next
+    comm = build_comm(_job(cluster, Layout(tp=2, dp=4)))
+    assert comm.dp_links == (("nvl_out", 1.0), ("nvl_in", 1.0))  # all 4 on one 8-GPU server
+    comm = build_comm(_job(_cluster(tmp_path, gpus_per_node=4), Layout(tp=2, dp=4)))
+    assert comm.dp_links == (
+        ("nic_out", 0.5),
+        ("nic_in", 0.5),
+        ("nvl_out", 1.0),
+        ("nvl_in", 1.0),
+    )
+
+
+def _collectives(tmp_path, zero, microbatches=2):
+    comm = build_comm(_job(_cluster(tmp_path), zero=zero, microbatches=microbatches))
+    sched = build_schedule("1f1b", 2, microbatches)
+    r = simulate(sched, [UNIT] * 2, layers=[2, 2], comm=comm)
+    return r, [(t.kind, t.rank, t.name) for t in r.transfers if t.kind != "pp"]
+
+
+def test_which_collectives_each_zero_stage_runs(tmp_path):
+    """Two layers a stage, two microbatches. DDP all-reduces each layer once, after the stage's
+    last backward; ZeRO-1 gathers each stage's layers once before its first forward and
+    reduce-scatters once; ZeRO-2 reduce-scatters every microbatch; ZeRO-3 gathers before every
+    forward and backward too."""
+
+    def names(kind, op, rank, times):
+        return sorted([(kind, rank, f"{op} stage {rank} layer {i}") for i in (0, 1)] * times)
+
+    _, ddp = _collectives(tmp_path, 0)
+    assert sorted(ddp) == names("ar", "all_reduce", 0, 1) + names("ar", "all_reduce", 1, 1)
+    for zero, gathers, scatters in ((1, 1, 1), (2, 1, 2), (3, 4, 2)):
+        _, found = _collectives(tmp_path, zero)
+        for rank in (0, 1):
+            mine = [t for t in found if t[1] == rank]
+            assert sorted(t for t in mine if t[0] == "ag") == names(
+                "ag", "all_gather", rank, gathers
+            ), (zero, rank)
+            assert sorted(t for t in mine if t[0] == "rs") == names(
+                "rs", "reduce_scatter", rank, scatters
+            ), (zero, rank)
+
+
+def test_a_zero1_forward_waits_for_its_weights_and_its_event_spans_its_pieces(tmp_path):
+    """ZeRO-1 gathers stage 0's two layers from time 0, one after the other: 528 · 2 B / 2 each,
+    of which a ring of 2 moves half, 264 B at 1,024 B/s. F0.0's first half starts when the first
+    arrives, 0.2578125; its second, at 0.7578125, finds the second there (0.515625); the event runs
+    from the first piece's start to the last's end."""
+    r, _ = _collectives(tmp_path, 1)
+    first = r.events[0][0]
+    assert (first.kind, first.microbatch) == ("F", 0)
+    assert (first.start, first.end) == (0.2578125, 1.2578125)
+
+
+def test_a_bucket_of_a_third_of_a_stage_is_not_rounded(tmp_path):
+    """ZeRO-2 on one pipeline rank of 1,064 parameters in 3 buckets: each reduce-scatters 4 ·
+    1,064 / 3 B, half of it over the ring of 2, alone on the NIC."""
+    comm = build_comm(_job(_cluster(tmp_path), Layout(dp=2), zero=2))
+    r = simulate(build_schedule("1f1b", 1, 1), [UNIT], layers=[3], comm=comm)
+    scatters = [t.end - t.start for t in r.transfers if t.kind == "rs"]
+    assert scatters == pytest.approx([4 * 1064 / 3 / 2 / 1024] * 3, rel=1e-12)
+
+
+def test_ddp_reduces_after_the_last_backward_of_a_long_list(tmp_path):
+    """200 microbatches on one rank: the last backward is its 400th action (CPython keeps one
+    object per int only up to 256)."""
+    comm = build_comm(_job(_cluster(tmp_path), Layout(dp=2), microbatches=200))
+    r = simulate(build_schedule("1f1b", 1, 200), [UNIT], comm=comm)
+    reduces = [t for t in r.transfers if t.kind == "ar"]
+    assert [(t.name, t.start) for t in reduces] == [("all_reduce stage 0 layer 0", 600)]
+
+
+def test_a_zero2_optimizer_step_waits_for_every_microbatchs_gradients(tmp_path):
+    """ZeRO-2: each microbatch's gradients are reduce-scattered apart; the optimizer step starts
+    after the last of them."""
+    r, _ = _collectives(tmp_path, 2)
+    last_scatter = max(t.end for t in r.transfers if t.kind == "rs" and t.rank == 0)
+    comm = build_comm(_job(_cluster(tmp_path), zero=2, microbatches=2))
+    timed = simulate(
+        build_schedule("1f1b", 2, 2), [UNIT] * 2, layers=[2, 2], comm=comm, optimizer_s=[1, 0]
+    )
+    assert timed.step_time_s == pytest.approx(last_scatter + 1, rel=1e-12)
+
+
+def test_neighbours_of_three_ranks_are_named_by_the_rank_they_reach(tmp_path):
+    cluster = _cluster(tmp_path)
+    comm = build_comm(_job(cluster, Layout(pp=3)))
+    r = simulate(build_schedule("gpipe", 3, 1), [UNIT] * 3, comm=comm)
+    assert [t.name for t in r.transfers] == [
+        "act 0.0 to rank 1",
+        "act 1.0 to rank 2",
+        "grad 2.0 to rank 1",
+        "grad 1.0 to rank 0",
+    ]
+    # a link's bytes cross its two ends once: 1 s an activation
+    assert [t.end - t.start for t in r.transfers] == [1, 1, 1, 1]
+
+
+def test_transfers_in_opposite_directions_share_no_link(tmp_path):
+    """Interleaved, two ranks of two stages: each rank sends activations and gradients to the
+    other while the other sends to it (12 to 13 s); a NIC's out and in links are apart, so each
+    transfer takes its 1 s alone."""
+    comm = build_comm(_job(_cluster(tmp_path), Layout(pp=2)))
+    r = simulate(build_schedule("interleaved", 2, 2, 2), [UNIT] * 4, comm=comm)
+    assert [t.end - t.start for t in r.transfers] == [1] * 12
+    assert r.step_time_s == 21
+
+
+def test_a_stragglers_optimizer_step_is_slowed_too():
+    sched = build_schedule("gpipe", 1, 1)
+    # one replica: it is the straggler's, and stands for itself
+    alone = simulate(sched, [UNIT], optimizer_s=[5], slow=(0, 2), dp=1)
+    assert (alone.step_time_s, alone.optimizer_s, alone.slow_events) == (16, [10], None)
+    assert [(e.start, e.end) for e in alone.events[0]] == [(0, 2), (2, 6)]
+    # two replicas: the healthy one stands for the others and keeps its pace
+    two = simulate(sched, [UNIT], optimizer_s=[5], slow=(0, 2), dp=2)
+    assert (two.step_time_s, two.optimizer_s) == (16, [5])
+    assert two.events == timeline(sched, UNIT)
+    assert [(e.start, e.end) for e in two.slow_events[0]] == [(0, 2), (2, 6)]
+
+
+def test_the_pieces_a_step_may_run():
+    step._check_size(200_000)
+    with pytest.raises(FourdError) as refused:
+        step._check_size(200_001)
+    assert str(refused.value) == (
+        "this step has 200,001 compute pieces to simulate, more than 200,000: use fewer "
+        "microbatches, virtual stages or pipeline ranks"
+    )
+    # F and B of 50,001 layer pieces, for the healthy replicas and the straggler's
+    with pytest.raises(FourdError, match="200,004 compute pieces"):
+        simulate(build_schedule("gpipe", 1, 1), [UNIT], layers=[50_001], slow=(0, 2.0), dp=2)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
+def test_a_step_is_sized_before_its_schedule_is_built(tmp_path, schedule):
+    """33,334 microbatches of two layers: 133,336 F and B pieces fit (the next check, a slow GPU
+    outside the layout, refuses it), 200,004 F, I and W do not."""
+    par = Parallelism(layout=Layout(), schedule=schedule, microbatches=33_334)
+    job = Job(TINY, _cluster(tmp_path), par, 64, 33_334)
+    refusal = {"1f1b": "slow GPU 9:2.0", "zero-bubble": "200,004 compute pieces"}[schedule]
+    with pytest.raises(FourdError, match=refusal):
+        simulate_step(job, slow_gpu=(9, 2.0))
+
+
+def test_the_pipeline_and_the_data_parallel_traffic_it_simulates(tmp_path):
+    cluster = _cluster(tmp_path)
+    for other in ("synchronous", "blocking"):
+        with pytest.raises(
+            FourdError, match=f"overlapped pipeline communication only, not {other}"
+        ):
+            simulate_step(dataclasses.replace(_job(cluster), pipeline_comm=other))
+    # one pipeline rank sends nothing between stages: any pipeline communication is the same
+    one = dataclasses.replace(_job(cluster, Layout(dp=2)), pipeline_comm="synchronous")
+    assert simulate_step(one).step_time_s > 0
+    late = dataclasses.replace(_job(cluster, Layout(dp=2)), dp_overlap=False)
+    with pytest.raises(FourdError, match="reduces after the backward"):
+        simulate_step(late)
+
+
+@pytest.mark.parametrize("gpu,factor", [(-1, 2.0), (4, 2.0), (0, 0.0), (0, float("inf"))])
+def test_a_slow_gpu_is_a_rank_of_the_layout_and_a_finite_positive_factor(tmp_path, gpu, factor):
+    job = _job(_cluster(tmp_path))
+    with pytest.raises(FourdError) as refused:
+        simulate_step(job, slow_gpu=(gpu, factor))
+    assert str(refused.value) == (
+        f"slow GPU {gpu}:{factor}: give a rank in 0..3 of layout tp=1,cp=1,pp=2,dp=2 and a "
+        "factor > 0"
+    )
+    assert simulate_step(job, slow_gpu=(3, 1.5)).slow_events is not None
+
+
+def test_the_optimizer_steps_over_the_shards_unrounded(tmp_path):
+    """ZeRO-1 over dp = 3: each rank updates a third of its stage's 528 or 536 parameters."""
+    cluster = _cluster(tmp_path)
+    job = _job(cluster, Layout(pp=2, dp=3), zero=1)
+    assert simulate_step(job, comm=False).optimizer_s == [
+        optimizer_time(528 / 3, cluster, 2),
+        optimizer_time(536 / 3, cluster, 2),
+    ]
+
+
+def test_zero_bubble_idles_p_minus_1_units_on_each_rank():
+    """ZB-H1 with F = I = W = 1: 3m + p − 1 units, each rank idle p − 1 (Qi et al. 2023)."""
+    for p, m in ((2, 2), (3, 4), (4, 5)):
+        r = simulate(build_schedule("zero-bubble", p, m), [UNIT] * p)
+        assert r.step_time_s == 3 * m + p - 1
+        assert [r.step_time_s - busy for busy in r.busy_s] == [p - 1] * p
+
+
+def test_a_step_of_no_time_has_no_bubble():
+    r = simulate(build_schedule("1f1b", 2, 2), [{"F": 0, "B": 0}] * 2)
+    assert (r.step_time_s, r.pipeline_span_s, r.bubble_fraction) == (0, 0, 0.0)
+
+
+def test_a_stalled_step_names_the_first_gpu_left_waiting():
+    """Rank 0 runs its backward before the forward it needs: both ranks wait for ever."""
+    f0, b0, f1, b1 = Action("F", 0, 0), Action("B", 0, 0), Action("F", 1, 0), Action("B", 1, 0)
+    stuck = Schedule(
+        name="stuck", pp=2, microbatches=1, virtual_stages=1, ranks=((b0, f0), (f1, b1))
+    )
+    with pytest.raises(RuntimeError, match=r"^simulation stalled at \(0, 0\): .*kind='B', stage=0"):
+        simulate(stuck, [UNIT] * 2)
+
+
+def test_idle_shares_of_a_trace_that_starts_late():
+    def event(rank, start, end):
+        return Event(rank=rank, stage=rank, kind="F", microbatch=0, start=start, end=end)
+
+    step_s, idle = idle_fractions([[event(0, 10, 14)], [event(1, 12, 20)]])
+    assert (step_s, idle) == (10, [0.6, 0.2])
+
+
+def test_a_comm_is_named_by_keywords(tmp_path):
+    comm = build_comm(_job(_cluster(tmp_path)))
+    with pytest.raises(TypeError):
+        step.Comm(*dataclasses.astuple(comm))  # type: ignore[misc]
