@@ -1,7 +1,9 @@
 """The trainer's own path (build_parallel, build_optimizer, train_step) on real gloo ranks equals one process:
 recomputation (selective, full) at tp=2,pp=2,dp=2 equals none within 1e-6, ZeRO 1 equals ZeRO 0 and one process
 (and resumes from its checkpoints exactly), a pipeline of layers + 2 stages (embedding and output a stage each) and
-compiled blocks under TP and PP equal one process within 1e-5 (compiled on one process: 1e-4)."""
+compiled blocks under TP and PP equal one eager process within 1e-4, the tolerance of compiled blocks on one
+process (inductor's fused kernels round differently from eager ones, and by how much depends on the CPU's vector
+width: 1.1e-5 on an AVX-512 Xeon)."""
 
 from contextlib import nullcontext
 
@@ -16,6 +18,7 @@ from fourd.parallel.cp import cp_shard
 from fourd.train.step import build_optimizer, train_step
 
 STEPS, SEQ, BATCH = 3, 32, 4
+COMPILED_TOL = 1e-4  # compiled blocks against eager ones
 BASE = {"model.preset": "debug", "data.seq_len": SEQ, "train.global_batch": BATCH, "train.lr": 3e-3}
 
 
@@ -129,8 +132,9 @@ def test_layers_plus_two_stages_zero1_recompute_under_cp_and_compile_equal_one_p
     for name in FOUR_RANKS:
         ref = refs["2 layers" if "2 layers" in name else "4 layers"]
         assert _merged(per_rank, name).keys() == ref[2].keys(), name
+        tol = COMPILED_TOL if "compiled" in name else 1e-5
         for rank, results in enumerate(per_rank):
-            _assert_same(f"{name} rank {rank}", results[name], ref, 1e-5)
+            _assert_same(f"{name} rank {rank}", results[name], ref, tol)
     # the 4 stages: the embedding alone, one layer each, the norm and output projection alone
     assert [sorted(results["pp=4 over 2 layers"][2]) for results in per_rank] == [
         ["tok_embeddings.weight"],
@@ -195,4 +199,4 @@ def test_zero1_checkpoint_resumes_exactly_at_zero1_and_zero0(tmp_path):
 def test_compiled_blocks_train_within_1e_4_of_eager_on_cpu():
     eager = trainer_run(0, 1, _config())
     compiled = trainer_run(0, 1, _config(train__compile=True))
-    _assert_same("compiled", compiled, eager, 1e-4)
+    _assert_same("compiled", compiled, eager, COMPILED_TOL)
