@@ -1,0 +1,268 @@
+"""The step-time model's parts on one layer, one stage and one step worked out by hand from the kernel
+times they are made of (fourd/plan/perf.py): materialized attention, what each recomputation adds to the
+backward, the CPU time of TP and FSDP, the embedding and the head, the slowest pipeline rank, the
+pipeline send, and the data-parallel traffic each ZeRO stage leaves exposed. The suite's rows pin the
+sum of these; each test here names one term, so a bug in it fails a test that says where."""
+
+import dataclasses
+
+import pytest
+
+from fourd.layout import Layout, Parallelism
+from fourd.model.config import ModelConfig, get_preset
+from fourd.plan.block import matmuls, traffic
+from fourd.plan.cluster import load_cluster, placement, replica_group, shard_group
+from fourd.plan.job import Job, Work
+from fourd.plan.kernels import collective_time, elementwise_time, gemm_time
+from fourd.plan.memory import max_rank_params
+from fourd.plan.perf import (
+    StageTime,
+    _dp_exposure,
+    layer_time,
+    materialized_attention,
+    p2p_time,
+    slowest_rank,
+    stage_time,
+)
+
+H100 = load_cluster("dgx-h100")
+MODEL = get_preset("llama3-8b")
+SEQ = 4096
+TP2 = Layout(tp=2)
+
+
+def _work(layout: Layout = TP2, **changes) -> Work:
+    base = Work(
+        model=MODEL,
+        cluster=H100,
+        layout=layout,
+        seq=SEQ,
+        micro_seqs=2,
+        recompute="none",
+        sequence_parallel=True,
+        dtype_bytes=2,
+        fused=False,
+    )
+    return dataclasses.replace(base, **changes)
+
+
+def _close(got: float, want: float) -> None:
+    assert got == pytest.approx(want, rel=1e-12, abs=1e-15)
+
+
+def test_materialized_attention_is_two_batched_gemms_forward_four_backward_and_the_scores_bytes():
+    work = _work(attention="materialized")
+    rows = 2 * (MODEL.heads // 2) * SEQ  # sequences × heads on this TP rank × queries
+    scores = gemm_time(rows, SEQ, MODEL.head_dim, H100, 2)  # Q·Kᵀ
+    values = gemm_time(rows, MODEL.head_dim, SEQ, H100, 2)  # P·V
+    pairs = rows * SEQ
+    forward, backward = materialized_attention(work)
+    _close(forward, scores + values + elementwise_time(9 * pairs, H100))
+    _close(backward, scores + 3 * values + elementwise_time(11 * pairs, H100))
+
+
+def _redo_bytes(work: Work) -> float:
+    """The memory-bound bytes a layer's backward runs, recomputation's included."""
+    per_token = traffic(work)
+    return elementwise_time(work.tokens * (per_token.backward + per_token.redo), work.cluster)
+
+
+def test_selective_recomputation_redoes_the_materialized_attention_core_and_no_flash_kernel():
+    for attention in ("materialized", "flash"):
+        none = _work(attention=attention)
+        selective = _work(attention=attention, recompute="selective")
+        core = materialized_attention(none)[0] if attention == "materialized" else 0.0
+        extra = _redo_bytes(selective) - _redo_bytes(none)
+        _close(layer_time(selective).input_grad_s, layer_time(none).input_grad_s + core + extra)
+        assert layer_time(selective).forward_s == layer_time(none).forward_s
+
+
+def test_per_op_recomputation_redoes_every_other_matmuls_forward_in_the_backward():
+    none, per_op = _work(), _work(recompute="per-op")
+    redone = sum(gemm_time(none.tokens, out_dim, k, H100, 2) for out_dim, k in matmuls(none)[1::2])
+    assert redone > 0 and len(matmuls(none)[1::2]) == len(matmuls(none)) // 2
+    extra = _redo_bytes(per_op) - _redo_bytes(none)
+    _close(layer_time(per_op).input_grad_s, layer_time(none).input_grad_s + redone + extra)
+
+
+def test_full_recomputation_adds_the_whole_forward_to_the_backward():
+    none, full = layer_time(_work()), layer_time(_work(recompute="full"))
+    extra = _redo_bytes(_work(recompute="full")) - _redo_bytes(_work())
+    _close(full.input_grad_s, none.input_grad_s + none.forward_s + extra)
+    _close(full.backward_comm_s, none.backward_comm_s + none.forward_comm_s)
+
+
+def test_a_profiles_tp_and_fsdp_cpu_time_goes_a_third_to_the_forward_two_thirds_to_the_backward():
+    measured = dataclasses.replace(
+        H100, gpu=dataclasses.replace(H100.gpu, tp_layer_us=900.0, fsdp_layer_us=600.0)
+    )
+    for layout, fsdp, added_us in (
+        (Layout(tp=2), False, 900.0),
+        (Layout(tp=1, dp=2), True, 600.0),
+        (Layout(tp=2, dp=2), True, 1500.0),
+        (Layout(tp=1, dp=2), False, 0.0),
+    ):
+        plain = layer_time(_work(layout, fsdp=fsdp))
+        with_cpu = layer_time(_work(layout, fsdp=fsdp, cluster=measured))
+        _close(with_cpu.forward_s, plain.forward_s + added_us * 1e-6 / 3)
+        _close(with_cpu.input_grad_s, plain.input_grad_s + added_us * 2e-6 / 3)
+        assert with_cpu.weight_grad_s == plain.weight_grad_s
+
+
+def test_the_first_stage_adds_the_vocabulary_parallel_lookup():
+    for sp in (True, False):
+        work = _work(sequence_parallel=sp)
+        act = work.tokens * MODEL.dim * 2
+        tp = placement(work.layout)["tp"]
+        if sp:  # partial rows reduce-scattered into the SP shard, the gradient gathered back
+            comm = (
+                collective_time("reduce_scatter", act, tp, H100),
+                collective_time("all_gather", act, tp, H100),
+            )
+        else:  # all-reduced forward, nothing backward
+            comm = (collective_time("all_reduce", act, tp, H100), 0.0)
+        lookup = StageTime(elementwise_time(act, H100), elementwise_time(2 * act, H100), 0.0, *comm)
+        assert stage_time(work, 0, first=True) == lookup
+        assert stage_time(work, 3, first=True) == layer_time(work).scaled(3) + lookup
+
+
+def test_the_last_stage_adds_the_norm_output_projection_and_cross_entropy():
+    tokens, dim, shard = 2 * SEQ, MODEL.dim, MODEL.vocab // 2
+    logits = tokens * shard
+    for sp in (True, False):
+        work = _work(sequence_parallel=sp)
+        tp = placement(work.layout)["tp"]
+        act = tokens * dim * 2
+        norm = 4 * dim * 2 * tokens / (2 if sp else 1)  # the final RMSNorm's bytes, SP-sharded
+        forward = gemm_time(tokens, shard, dim, H100, 2) + elementwise_time(
+            norm + 18 * logits, H100
+        )  # BF16 logits: 18 B each forward (cast, log-softmax), 22 backward
+        input_grad = gemm_time(tokens, dim, shard, H100, 2) + elementwise_time(
+            2 * norm + 22 * logits, H100
+        )
+        weight_grad = gemm_time(dim, shard, tokens, H100, 2)
+        loss = collective_time("all_reduce", 12 * tokens, tp, H100)  # max, sum, target: FP32
+        if sp:
+            comm = (collective_time("all_gather", act, tp, H100) + loss,)
+            comm += (collective_time("reduce_scatter", act, tp, H100),)
+        else:
+            comm = (loss, collective_time("all_reduce", act, tp, H100))
+        head = StageTime(forward, input_grad, weight_grad, *comm)
+        got = stage_time(work, 0, last=True)
+        for field in ("forward_s", "input_grad_s", "weight_grad_s"):
+            _close(getattr(got, field), getattr(head, field))
+        _close(got.forward_comm_s, head.forward_comm_s)
+        _close(got.backward_comm_s, head.backward_comm_s)
+
+
+def test_the_slowest_of_four_pipeline_ranks_is_the_last_with_the_head():
+    work = _work(Layout(tp=2, pp=4))
+    rank, time = slowest_rank(work, 4, 1)
+    assert (rank, time) == (3, stage_time(work, MODEL.layers // 4, False, True))
+
+
+# 10 layers on 4 ranks: 2, 3, 3 and 2; the last rank's head (a vocabulary of 8,192 over a dimension of
+# 256) takes longer forward than a layer, and less than a layer's forward and backward
+NARROW = ModelConfig(layers=10, dim=256, ffn=1024, heads=4, kv_heads=4, vocab=8192, max_seq=SEQ)
+
+
+def test_the_slowest_rank_has_the_most_forward_and_backward_not_the_most_forward():
+    work = _work(Layout(pp=4), model=NARROW, micro_seqs=1, sequence_parallel=False)
+    middle, last = stage_time(work, 3, False, False), stage_time(work, 2, False, True)
+    assert last.forward > middle.forward
+    assert middle.forward + middle.backward > last.forward + last.backward
+    assert slowest_rank(work, 4, 1) == (1, middle)
+
+
+def _job(layout: Layout, pipeline_comm: str = "overlapped", sp: bool = False, **par) -> Job:
+    parallel = Parallelism(layout=layout, sequence_parallel=sp, **par)
+    return Job(MODEL, H100, parallel, SEQ, 8 * layout.dp, pipeline_comm=pipeline_comm)
+
+
+def test_a_pipeline_send_is_split_over_tp_with_sp_or_unless_overlapped_and_gathered_without_sp():
+    layout = Layout(tp=2, pp=2)
+    groups = placement(layout)
+    for comm, sp, split, gathered in (
+        ("overlapped", False, False, False),
+        ("overlapped", True, True, False),
+        ("synchronous", False, True, True),
+        ("blocking", False, True, True),
+        ("synchronous", True, True, False),
+    ):
+        job = _job(layout, comm, sp, microbatches=4)
+        full = job.work.tokens * MODEL.dim * 2
+        want = collective_time("send", full / (2 if split else 1), groups["pp"], H100)
+        if gathered:
+            want += collective_time("all_gather", full, groups["tp"], H100)
+        _close(p2p_time(job), want)
+
+
+LAYERS = 7  # buckets, one per layer: the slowest rank's layers (a count that does not divide bytes)
+
+
+def _buckets(op: str, nbytes: float, group) -> float:
+    return LAYERS * collective_time(op, nbytes / LAYERS, group, H100)
+
+
+def _exposure(job: Job, t: StageTime, bubble: float = 0.0) -> tuple[float, float]:
+    return _dp_exposure(job, t, bubble, LAYERS)
+
+
+def test_zero_0_all_reduces_after_the_last_backward_and_its_last_bucket_is_exposed():
+    job = _job(Layout(dp=8), zero=0, microbatches=4)
+    params = max_rank_params(MODEL, 1, 1, 1)
+    reduce = _buckets("all_reduce", 4 * params, shard_group(job.layout))
+    hidden = StageTime(0.0, 10.0, 0.0, 0.0, 0.0)  # a backward far longer than the traffic
+    assert _exposure(job, hidden) == pytest.approx((reduce / LAYERS, reduce), rel=1e-12)
+    half = StageTime(0.0, reduce / 4, 0.0, 0.0, 0.0)  # with the bubble's half: covers half
+    exposed, total = _exposure(job, half, bubble=reduce / 2)
+    _close(exposed, reduce / 2 + reduce / LAYERS)
+    _close(total, reduce)
+    bare = StageTime(0.0, 0.0, 0.0, 0.0, 0.0)
+    assert _exposure(job, bare) == pytest.approx((reduce, reduce), rel=1e-12)
+
+
+def test_zero_1_and_2_reduce_scatter_gradients_and_gather_the_weights_once():
+    job1 = _job(Layout(dp=8), zero=1, microbatches=4)
+    job2 = dataclasses.replace(job1, par=dataclasses.replace(job1.par, zero=2))
+    params, group = max_rank_params(MODEL, 1, 1, 1), shard_group(job1.layout)
+    scatter = _buckets("reduce_scatter", 4 * params, group)  # FP32 gradients
+    gather = _buckets("all_gather", 2 * params, group)  # BF16 weights
+    t = StageTime(gather / 2, scatter / 2, 0.0, 0.0, 0.0)
+    exposed, total = _exposure(job1, t)
+    _close(total, scatter + gather)
+    _close(exposed, scatter / 2 + scatter / LAYERS + gather / 2 + gather / LAYERS)
+    # ZeRO 2 reduce-scatters every microbatch's gradients, each beside its own backward
+    exposed, total = _exposure(job2, t)
+    _close(total, 4 * scatter + gather)
+    _close(exposed, 4 * scatter / 2 + scatter / LAYERS + gather / 2 + gather / LAYERS)
+
+
+def test_zero_3_gathers_the_weights_for_every_forward_and_backward_and_hsdp_all_reduces_shards():
+    for replicas in (1, 2):
+        job = _job(Layout(dp=8), zero=3, microbatches=4, hsdp_replicas=replicas)
+        params, group = max_rank_params(MODEL, 1, 1, 1), shard_group(job.layout, replicas)
+        scatter = _buckets("reduce_scatter", 4 * params, group)
+        gather = _buckets("all_gather", 2 * params, group)
+        across = _buckets(
+            "all_reduce", 4 * params / group.size, replica_group(job.layout, replicas)
+        )
+        assert (across > 0) == (replicas > 1)
+        t = StageTime(gather / 2, gather, 0.0, 0.0, 0.0)
+        forward_phase, backward_phase = 4 * gather, 4 * (gather + scatter + across)
+        exposed, total = _exposure(job, t)
+        _close(total, forward_phase + backward_phase)
+        want = (forward_phase - 4 * t.forward) + forward_phase / (LAYERS * 4)
+        want += (backward_phase - 4 * t.backward) + backward_phase / (LAYERS * 4)
+        _close(exposed, want)
+
+
+def test_fourd_on_cpu_reduce_scatters_zero_2_gradients_once_after_the_last_microbatch():
+    cpu = dataclasses.replace(H100, node=dataclasses.replace(H100.node, concurrent_ranks=2))
+    job = dataclasses.replace(_job(Layout(dp=8), zero=2, microbatches=4), cluster=cpu)
+    params, group = max_rank_params(MODEL, 1, 1, 1), shard_group(job.layout)
+    scatter = LAYERS * collective_time("reduce_scatter", 4 * params / LAYERS, group, cpu)
+    gather = LAYERS * collective_time("all_gather", 2 * params / LAYERS, group, cpu)
+    assert _exposure(job, StageTime(0.0, 0.0, 0.0, 0.0, 0.0))[1] == pytest.approx(
+        scatter + gather, rel=1e-12
+    )
