@@ -32,6 +32,15 @@ PYTEST = (
 )
 PYTEST += " -m 'not slow and not mutation'"
 
+PLANNER_TESTS = (
+    "tests/test_plan_validation.py",
+    "tests/test_plan_first_predictions.py",
+    "tests/test_plan_model.py",
+    "tests/test_plan_arith.py",
+    "tests/test_contract_kernels.py",
+    "tests/test_contract_perf.py",
+    "tests/test_plan_stack.py",
+)
 # module: the fast tests that pin it (single-process, seconds)
 MODULES: dict[str, tuple[str, ...]] = {
     "fourd/schedules.py": ("tests/test_schedules.py", "tests/test_lab_api.py"),
@@ -51,6 +60,9 @@ MODULES: dict[str, tuple[str, ...]] = {
         "tests/test_contract_kernels.py",
     ),
     "fourd/data/dataset.py": ("tests/test_data_stream.py", "tests/test_data_mix.py"),
+    # the suite's pinned figures first: most mutants of the step-time model move them
+    "fourd/plan/perf.py": PLANNER_TESTS,
+    "fourd/plan/block.py": PLANNER_TESTS,
 }
 # tests in those files that pin another module, left out of the module's runs: hypothesis's 150 corpora of
 # fourd.data.sources take 2.5 s of test_data_stream.py's 4
