@@ -32,6 +32,7 @@ PYTEST = (
 )
 PYTEST += " -m 'not slow and not mutation'"
 
+# the planner's fast tests, the suite's pinned figures first: most mutants of the step-time model move them
 PLANNER_TESTS = (
     "tests/test_plan_validation.py",
     "tests/test_plan_first_predictions.py",
@@ -60,7 +61,6 @@ MODULES: dict[str, tuple[str, ...]] = {
         "tests/test_contract_kernels.py",
     ),
     "fourd/data/dataset.py": ("tests/test_data_stream.py", "tests/test_data_mix.py"),
-    # the suite's pinned figures first: most mutants of the step-time model move them
     "fourd/plan/perf.py": PLANNER_TESTS,
     "fourd/plan/block.py": PLANNER_TESTS,
 }
