@@ -106,6 +106,7 @@ def predict(run: Run, efficiency: dict[str, float] | None = None):
         "tp_overlap": run.tp_overlap,
         "dp_overlap": run.dp_overlap,
         "fused_kernels": run.fused_kernels,
+        "shared_kv": run.shared_kv,
         "virtual_stages": run.virtual_stages or None,
         "microbatches": run.global_batch_seqs // lay.dp // run.microbatch_seqs
         if run.microbatch_seqs

@@ -62,7 +62,8 @@ MODULES: dict[str, tuple[str, ...]] = {
     ),
     "fourd/data/dataset.py": ("tests/test_data_stream.py", "tests/test_data_mix.py"),
     "fourd/plan/perf.py": PLANNER_TESTS,
-    "fourd/plan/block.py": PLANNER_TESTS,
+    # and the block measured: its forward bytes and kept tensors (imports torch: about 3 s a mutant)
+    "fourd/plan/block.py": (*PLANNER_TESTS, "tests/test_contract_block.py"),
 }
 # tests in those files that pin another module, left out of the module's runs: hypothesis's 150 corpora of
 # fourd.data.sources take 2.5 s of test_data_stream.py's 4

@@ -62,7 +62,7 @@ def test_every_preset_loads_and_names_itself():
         assert stack.name == name and stack.description
     fourd, fsdp = load_stack("fourd"), load_stack("fsdp")
     assert fourd == dataclasses.replace(
-        fsdp, name="fourd", description=fourd.description, zero=(0, 1, 2, 3)
+        fsdp, name="fourd", description=fourd.description, zero=(0, 1, 2, 3), shared_kv=True
     )
     nemo, core = load_stack("nemo"), load_stack("megatron-core")
     assert (nemo.fused_kernels, nemo.tp_overlap, nemo.dp_overlap) == (True, True, True)
@@ -74,14 +74,17 @@ def test_every_preset_loads_and_names_itself():
 
 def test_a_stacks_fused_kernels_are_compiles_fused_count():
     layout = Layout(2, 1, 1, 4)
-    fused = step_time(job(layout, stack="megatron-core", dp_overlap=True))
-    compiled = step_time(job(layout, compiled=True))
-    eager = step_time(job(layout))
-    assert fused.step_s == compiled.step_s < eager.step_s
+    fused_job = job(layout, stack="megatron-core", dp_overlap=True)
+    compiled_job, eager_job = job(layout, compiled=True), job(layout)
+    # the same fused count; besides it fourd's attention reads the shared K/V heads of Llama 3's GQA
+    # and Megatron's stack copies them, which costs time
+    assert fused_job.work == dataclasses.replace(compiled_job.work, shared_kv=False)
+    fused, compiled, eager = (step_time(j) for j in (fused_job, compiled_job, eager_job))
+    assert compiled.step_s < fused.step_s < eager.step_s
     # pinned for one plan either way, whatever the stack says
     assert step_time(job(layout, fused_kernels=True)).step_s == compiled.step_s
     unfused = job(layout, stack="megatron-core", dp_overlap=True, fused_kernels=False)
-    assert step_time(unfused).step_s == eager.step_s
+    assert unfused.work == dataclasses.replace(eager_job.work, shared_kv=False)
 
 
 def test_tp_overlap_exposes_the_first_chunk_of_each_chunked_collective():

@@ -15,9 +15,10 @@ HARNESS = ROOT / "benchmarks" / "validate_planner.py"
 DATA = ROOT / "benchmarks" / "validation" / "runs.toml"
 # validate_planner.py --json, 2026-12-02: the 114-row suite of 2026-12-01 gave 0.07617088890506425 and
 # 0.06503238757005594 with the stacks of 2026-12-02; the 34 rows pre-registered on 2026-12-02 (nanotron,
-# OLMo-core, TinyLlama, MaxText, FlagPerf on H100) are in it now, each on its stack
-OUT_OF_SAMPLE_MEAN = 0.08992954304830025
-MEMORY_MEAN = 0.05472446813976739
+# OLMo-core, TinyLlama, MaxText, FlagPerf on H100) are in it now, each on its stack; 0.08992954304830025
+# and 0.05472446813976739 before the block's count followed what autograd keeps (2026-12-02, refitted)
+OUT_OF_SAMPLE_MEAN = 0.08905048855253575
+MEMORY_MEAN = 0.05689710306513873
 
 pytestmark = pytest.mark.skipif(
     not DATA.is_file(), reason="benchmarks/validation/runs.toml is not in this checkout"

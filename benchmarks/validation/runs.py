@@ -119,6 +119,7 @@ class Run:
     tp_overlap: bool | None = None  # TP communication beside the GEMMs
     dp_overlap: bool | None = None  # DP reductions and gathers beside compute
     fused_kernels: bool | None = None  # the blocks' elementwise ops in fused kernels
+    shared_kv: bool | None = None  # GQA's K/V heads read uncopied by the attention kernel
     first_prediction_s: float = 0.0  # the planner's step time before any change for this source
     unstated: list[str] = field(
         default_factory=list

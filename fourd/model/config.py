@@ -40,15 +40,18 @@ class ModelConfig:
 
     # Parameter counts, exactly as the torch model allocates them (tested against it on the meta
     # device).
-    def layer_params(self) -> int:
+    def layer_matrix_params(self) -> int:
+        """A layer's weight matrices: the attention's four, and w1, w2, w3 (SwiGLU) or two (GeLU)."""
         query = self.dim * self.heads * self.head_dim
         key_value = 2 * self.dim * self.kv_heads * self.head_dim
         out = self.heads * self.head_dim * self.dim
-        if self.mlp == "swiglu":  # w1, w2, w3 and two RMSNorm weights
-            mats, norms = 3, 2 * self.dim
-        else:  # two matrices and two LayerNorms, each with a bias
-            mats, norms = 2, 4 * self.dim
-        return query + key_value + out + mats * self.dim * self.ffn + norms
+        mlp_matrices = 3 if self.mlp == "swiglu" else 2
+        return query + key_value + out + mlp_matrices * self.dim * self.ffn
+
+    def layer_params(self) -> int:
+        """The matrices and the norms: two RMSNorm weights, or two LayerNorms with a bias each."""
+        norms = 2 * self.dim if self.mlp == "swiglu" else 4 * self.dim
+        return self.layer_matrix_params() + norms
 
     def embedding_params(self) -> int:
         # the input embedding; the output projection is the same size (untied)

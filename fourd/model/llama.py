@@ -24,7 +24,6 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x_float = x.float()
         """x / √(mean(x²) + eps) · weight, in FP32 (Zhang & Sennrich 2019)."""
         x_float = x.float()
         normed = x_float * torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -26,9 +26,7 @@ class Sizes:
     h: int
     q: int
     kv: int
-    kv_used: (
-        int  # K and V as attention reads them: repeated to every query head in fourd's GQA code
-    )
+    kv_used: int  # K and V as attention reads them: repeated to every query head unless shared
     f: int
     heads: int  # local query heads
     b: int  # activation bytes
@@ -41,13 +39,15 @@ def sizes(work: Work) -> Sizes:
     heads, kv_heads = model.heads // tp, max(1, model.kv_heads // tp)
     act_bytes = work.dtype_bytes
     stream_bytes = F32 if work.autocast else act_bytes
-    eager_gqa = work.attention == "flash" and heads != kv_heads
+    # the stacks that copy each K and V head to its query heads before a flash kernel (torchtitan's
+    # repeat_kv); SDPA's enable_gqa (fourd) shares them
+    copies_kv = work.attention == "flash" and heads != kv_heads and not work.shared_kv
     return Sizes(
         norm=model.dim / (tp if work.sequence_parallel else 1),
         h=model.dim,
         q=heads * model.head_dim,
         kv=kv_heads * model.head_dim,
-        kv_used=(heads if eager_gqa else kv_heads) * model.head_dim,
+        kv_used=(heads if copies_kv else kv_heads) * model.head_dim,
         f=model.ffn // tp,
         heads=heads,
         b=act_bytes,
@@ -112,21 +112,17 @@ def traffic(work: Work) -> Traffic:
             + 2 * (2 * stream_bytes + act_bytes) * dims.norm
             + 5 * dims.casts * (stream_bytes + act_bytes) * dims.h
         )  # and adds, casts
-        attn = (
-            _rope_eager(dims.q, act_bytes)
-            + _rope_eager(dims.kv, act_bytes)
-            + repeat
-            + 2 * act_bytes * dims.q
-        )  # and the heads' reshape
+        # the attention kernel writes its output token-major, so the heads' reshape copies nothing
+        attn = _rope_eager(dims.q, act_bytes) + _rope_eager(dims.kv, act_bytes) + repeat
         act = 5 * act_bytes * dims.f  # silu, then the product
         # the norms' FP32 results and each linear's input (with sequence parallelism its shard,
-        # gathered again in backward); besides them the norms' FP32 inputs, RoPE's FP32 copies,
-        # attention's inputs and output and the MLP's tensors
+        # gathered again in backward); besides them the norms' FP32 inputs, attention's inputs and
+        # output, and the MLP's four tensors. RoPE keeps nothing of its own: its products' other
+        # factors are the cos and sin tables, which need no gradient.
         outputs = 2 * F32 * dims.norm + (5 if dims.casts else 2) * act_bytes * dims.norm
         kept = (
             2 * F32 * dims.norm
-            + F32 * (dims.q + dims.kv)
-            + act_bytes * (3 * dims.q + 2 * dims.kv_used)
+            + act_bytes * (2 * dims.q + 2 * dims.kv_used)
             + 4 * act_bytes * dims.f
         )
     else:

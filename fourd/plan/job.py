@@ -34,6 +34,7 @@ class Work:
     autocast: bool = False  # BF16 autocast over FP32 weights: the residual stream stays FP32
     fsdp: bool = False  # each layer an FSDP unit (ZeRO 1-3 over more than one rank)
     tp_overlap: bool = False  # TP collectives in chunks beside their GEMMs (with SP only)
+    shared_kv: bool = False  # attention reads each K and V head for all its query heads, uncopied
 
     @property
     def tokens(self) -> int:
@@ -53,7 +54,7 @@ class Job:
     exchanges waited for (Megatron); "blocking", each send waits for its receiver, each backward
     adds its gradients into FP32 ones by a pass of its own and they are reduced after the last
     backward (DeepSpeed's pipeline engine). `stack` names the software stack (fourd.plan.stack);
-    `fused_kernels`, `tp_overlap` and `dp_overlap` None take the stack's switch (request.resolve
+    `fused_kernels`, `tp_overlap`, `dp_overlap` and `shared_kv` None take the stack's switch (request.resolve
     also fills `pipeline_comm` from the stack)."""
 
     model: ModelConfig
@@ -69,10 +70,11 @@ class Job:
     tp_overlap: bool | None = None
     dp_overlap: bool | None = None
     fused_kernels: bool | None = None
+    shared_kv: bool | None = None
 
     def switch(self, name: str) -> bool:
-        """The stack switch `name` (fused_kernels, tp_overlap, dp_overlap): as pinned, else the
-        stack's."""
+        """The stack switch `name` (fused_kernels, tp_overlap, dp_overlap, shared_kv): as pinned,
+        else the stack's."""
         return switch(load_stack(self.stack), name, getattr(self, name))
 
     @property
@@ -116,6 +118,7 @@ class Job:
             autocast,
             par.zero >= 1 and par.shard_ranks > 1,
             tp_overlap,
+            self.switch("shared_kv"),
         )
 
     def __hash__(self) -> int:

@@ -18,7 +18,7 @@ GPU_TILES = (
     (256, 128),
 )  # output tiles cuBLAS picks among for large BF16 GEMMs
 GEMM_K_OVERHEAD = (
-    348  # a tile's prologue and epilogue, in units of the inner dimension k: rate · k / (k + this)
+    358  # a tile's prologue and epilogue, in units of the inner dimension k: rate · k / (k + this)
 )
 FA_BACKWARD_FLOPS = (
     2.5  # FlashAttention's backward redoes QK^T: 5 matmuls to the forward's 2 (Dao 2023 §3.1)

@@ -85,7 +85,7 @@ class Memory:
     grads: float
     optimizer: float
     activations: float
-    other: float  # logits of the loss, gathered ZeRO-3 buffers
+    other: float  # logits of the loss, gathered ZeRO-3 buffers, autocast's BF16 weight copies
     fragmentation: float  # what the caching allocator keeps reserved beyond the tensors
     reserve: float  # the runtime's: CUDA context, NCCL's buffers
 
@@ -136,6 +136,11 @@ def rank_memories(job: Job, ranks) -> list[Memory]:
         loss_bytes(b)[2] * work.tokens * model.vocab / lay.tp
     )  # the loss's, for one microbatch: the last rank
     layer = model.layer_params()
+    # BF16 autocast over FP32 weights casts each weight matrix to BF16 once per autocast region (one
+    # a microbatch, or one around a pipeline's schedule) and the matmul keeps the copy for its
+    # backward: a rank holds one copy of its layers' matrices and the output projection's
+    cast_bytes_per_layer = model.layer_matrix_params() / lay.tp * b if work.autocast else 0.0
+    cast_bytes_head = model.embedding_params() / lay.tp * b if work.autocast else 0.0
     gathered = edge = 0.0
     if par.zero == 3:
         gathered = 2 * layer / lay.tp * b  # FSDP's gathered layer and the next
@@ -149,9 +154,9 @@ def rank_memories(job: Job, ranks) -> list[Memory]:
             * layers[rank]
             * per_layer
         )
-        other = common
+        other = common + layers[rank] * cast_bytes_per_layer
         if rank == lay.pp - 1:
-            other += logits
+            other += logits + cast_bytes_head
         other += gathered
         if rank in (0, lay.pp - 1):
             other += edge

@@ -159,6 +159,12 @@ SETTINGS: dict[str, tuple[Any, str]] = {
         "the blocks' elementwise ops in fused kernels of the stack's own (Transformer Engine, Triton, "
         "XLA), as compiled (default: the stack's)",
     ),
+    "shared_kv": (
+        on_off,
+        "with grouped-query attention, the attention kernel reads each K/V head for all its query "
+        "heads, uncopied (SDPA's enable_gqa; off: copied first, as torchtitan's repeat_kv; default: "
+        "the stack's)",
+    ),
     "dp_overlap": (
         on_off,
         "data-parallel reductions and gathers overlapped with compute (default: the stack's)",
@@ -359,6 +365,7 @@ def resolve(model: ModelConfig, cluster: Cluster, values: Mapping[str, Any]) -> 
         tp_overlap=given["tp_overlap"],
         dp_overlap=given["dp_overlap"],
         fused_kernels=given["fused_kernels"],
+        shared_kv=given["shared_kv"],
     )
     return Request(
         base=base, gpus=gpus, fixed=fixed, open=open_, train_tokens=given["train_tokens"]

@@ -33,7 +33,9 @@ class Stack:
     `dp_overlap`: data-parallel gradient reductions and parameter gathers run beside the backward
     and forward (FSDP's prefetch, Megatron's --overlap-grad-reduce and --overlap-param-gather, XLA's
     scheduler); without it they follow the last backward, all exposed; `pipeline_comm`: the default
-    of `--pipeline-comm`.
+    of `--pipeline-comm`; `shared_kv`: with grouped-query attention, the attention kernel reads each
+    K and V head for all of its query heads (SDPA's enable_gqa); without it they are copied to every
+    query head first (torchtitan's repeat_kv), and the copies are kept for backward.
 
     What the stack can run, which a search over open settings keeps to: `schedules`, the pipeline
     schedules it implements; `zero`, its ZeRO stages (sharding of optimizer state, gradients and
@@ -46,6 +48,7 @@ class Stack:
     tp_overlap: bool = False
     dp_overlap: bool = True
     pipeline_comm: str = "overlapped"
+    shared_kv: bool = False
     schedules: tuple[str, ...] = SCHEDULES
     zero: tuple[int, ...] = ZERO_STAGES
     pipeline_zero: tuple[int, ...] = ZERO_STAGES
@@ -71,7 +74,8 @@ class Stack:
 
 
 def switch(stack: Stack, name: str, pinned: bool | None) -> bool:
-    """The stack switch `name` (fused_kernels, tp_overlap, dp_overlap) of one plan: as pinned, else
+    """The stack switch `name` (fused_kernels, tp_overlap, dp_overlap, shared_kv) of one plan: as
+    pinned, else
     the stack's."""
     return getattr(stack, name) if pinned is None else pinned
 
@@ -108,7 +112,7 @@ def load_stack(name_or_path: str = DEFAULT_STACK) -> Stack:
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
         raise FourdError(f"{path}: not a readable TOML stack profile ({e}); fix it") from None
     fields = {"name": str, "description": str, "fused_kernels": bool, "tp_overlap": bool}
-    fields |= {"dp_overlap": bool, "pipeline_comm": str}
+    fields |= {"dp_overlap": bool, "pipeline_comm": str, "shared_kv": bool}
     fields |= {"schedules": list, "zero": list, "pipeline_zero": list}
     unknown = sorted(set(data) - set(fields))
     if unknown:

@@ -1,0 +1,176 @@
+"""The planner's count of what one eager block moves and keeps equals what fourd's block does.
+
+fourd.plan.block counts, op by op, the bytes the memory-bound kernels of fourd.model.llama's block read
+and write, and the bytes autograd keeps for backward. Both are measured here on the block itself, on CPU,
+with a dispatch mode that sees every aten op (forward traffic) and saved-tensor hooks that see every
+tensor autograd keeps, and compared with the planner's numbers exactly: in FP32, and in BF16 autocast
+over FP32 weights (fourd's precision on one GPU: an FP32 residual stream, one BF16 cast per linear), with
+grouped-query attention and without. fourd.plan.memory's BF16 copies of the weights that autocast makes
+are measured the same way.
+
+Conventions of the count, applied to the measurement: matmuls and the attention kernel are timed as
+GEMMs, not counted here; views move nothing; tensors of one number a token (the norms' 1/rms) and the
+cos and sin tables (one row a position) are below the per-element count's resolution."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from fourd.layout import Layout, Parallelism
+from fourd.model.config import get_preset, with_overrides
+from fourd.model.llama import Rope, TransformerBlock
+from fourd.plan.block import traffic
+from fourd.plan.cluster import load_cluster
+from fourd.plan.job import Job
+from fourd.plan.memory import rank_memories
+from fourd.plan.stack import load_stack
+
+# 3 × 37 tokens: no weight's or table's element count is a multiple of 111, so the count's
+# token-sized tensors are told apart by size alone
+BATCH, SEQ = 3, 37
+TOKENS = BATCH * SEQ
+GQA = get_preset("debug")  # dim 64, 4 heads sharing 2 K/V heads, FFN 176
+MHA = with_overrides(GQA, kv_heads=4)
+CLUSTER = load_cluster("dgx-h100")
+# the GEMMs and the attention kernel, timed apart from the memory-bound ops
+NOT_COUNTED = ("aten.mm", "aten.addmm", "aten.bmm", "aten._scaled_dot_product", "aten._unsafe_view")
+
+
+def _job(cfg, precision: str, recompute: str = "none") -> Job:
+    par = Parallelism(layout=Layout(), recompute=recompute)
+    return Job(model=cfg, cluster=CLUSTER, par=par, seq=SEQ, global_seqs=BATCH, precision=precision)
+
+
+def _token_sized(tensor: torch.Tensor) -> bool:
+    """More than one element a token, and a whole number of them."""
+    return tensor.numel() % TOKENS == 0 and tensor.numel() // TOKENS > 1
+
+
+class _MemoryBoundBytes(TorchDispatchMode):
+    """Bytes each memory-bound op reads and writes: its distinct token-sized tensors, in and out."""
+
+    def __init__(self, tables: list[torch.Tensor]):
+        super().__init__()
+        self.tables = {table.untyped_storage().data_ptr() for table in tables}
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        returns = func._schema.returns
+        is_view = any(ret.alias_info is not None and not ret.alias_info.is_write for ret in returns)
+        if is_view or str(func).startswith(NOT_COUNTED):
+            return out
+        seen = set()
+        for tensor in tree_flatten((args, kwargs, out))[0]:
+            if not isinstance(tensor, torch.Tensor) or not _token_sized(tensor):
+                continue
+            key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape)
+            if tensor.untyped_storage().data_ptr() in self.tables or key in seen:
+                continue
+            seen.add(key)
+            self.bytes += tensor.numel() * tensor.element_size()
+        return out
+
+
+def _block(cfg, autocast: bool):
+    """One block of `cfg`, its rope rows for SEQ and an input that needs a gradient."""
+    torch.manual_seed(0)
+    block = TransformerBlock(cfg)
+    cos, sin = Rope(cfg.head_dim, cfg.max_seq, cfg.rope_theta)(SEQ)
+    x = torch.randn(BATCH, SEQ, cfg.dim, requires_grad=True)
+    amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
+    return block, cos, sin, x, amp
+
+
+def _forward_bytes_per_token(cfg, autocast: bool) -> float:
+    block, cos, sin, x, amp = _block(cfg, autocast)
+    with amp, _MemoryBoundBytes([cos, sin]) as counted:
+        block(x, cos, sin)
+    return counted.bytes / TOKENS
+
+
+def _saved(cfg, autocast: bool) -> tuple[float, float]:
+    """(activation bytes a token, weight-copy bytes) autograd keeps after one block's forward: every
+    distinct storage a saved tensor holds, the block's input included (the previous block's output)."""
+    block, cos, sin, x, amp = _block(cfg, autocast)
+    own = {t.untyped_storage().data_ptr() for t in (cos, sin, *block.parameters())}
+    saved: dict[int, torch.Tensor] = {}
+
+    def pack(tensor):
+        if tensor.untyped_storage().data_ptr() not in own:
+            saved[tensor.untyped_storage().data_ptr()] = tensor
+        return tensor
+
+    with amp, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        block(x, cos, sin)
+    activations = weights = 0.0
+    for tensor in saved.values():
+        if _token_sized(tensor):
+            activations += tensor.untyped_storage().nbytes() / TOKENS
+        elif tensor.shape[-1] != 1:  # not a per-token scalar: a BF16 copy of a weight
+            weights += tensor.untyped_storage().nbytes()
+    return activations, weights
+
+
+CASES = [
+    pytest.param(cfg, precision, id=f"{name}-{precision}")
+    for name, cfg in (("gqa", GQA), ("mha", MHA))
+    for precision in ("fp32", "bf16")
+]
+
+
+@pytest.mark.parametrize("cfg, precision", CASES)
+def test_forward_bytes_equal_the_blocks_memory_bound_ops(cfg, precision):
+    work = _job(cfg, precision).work
+    assert work.autocast == (precision == "bf16") and not work.fused
+    assert _forward_bytes_per_token(cfg, work.autocast) == traffic(work).forward
+
+
+@pytest.mark.parametrize("cfg, precision", CASES)
+def test_kept_bytes_equal_what_autograd_saves(cfg, precision):
+    work = _job(cfg, precision).work
+    activations, _ = _saved(cfg, work.autocast)
+    assert activations == traffic(work).saved
+
+
+def test_the_debug_blocks_bytes_by_hand():
+    """FP32, GQA (4 heads, 2 K/V heads of 16), dim 64, FFN 176, elements a token: each RMSNorm moves
+    x² (8 B), the mean's read (4), x · 1/rms (8) and · weight (8); the two residual adds 12 each;
+    RoPE on Q (64) and K (32) 36 B an element (the products on halves and the stack); SiLU and the
+    product 20 B an element of the FFN. Kept: the two norms' inputs, results and linear inputs,
+    Q, K, V and the attention output, its log-sum-exp (4 heads), and the MLP's four tensors."""
+    work = _job(GQA, "fp32").work
+    norms = 2 * 28 * 64 + 2 * 12 * 64
+    rope = 36 * (64 + 32)
+    mlp = 20 * 176
+    assert traffic(work).forward == norms + rope + mlp == 12_096
+    kept = 4 * (3 * 2 * 64 + (64 + 32 + 32 + 64) + 4 * 176) + 4 * 4
+    assert traffic(work).saved == kept == 5_136
+
+
+def test_a_stack_that_copies_kv_heads_keeps_the_copies():
+    """torchtitan's repeat_kv copies each K/V head to its query heads: the copy is read and written
+    (2 · 2 B · (kv + q) a token), and attention keeps the copies, 2 · 2 B · (q − kv) more."""
+    shared = _job(GQA, "bf16").work
+    copied = dataclasses.replace(shared, shared_kv=False)
+    assert load_stack("fourd").shared_kv and not load_stack("fsdp").shared_kv
+    assert traffic(copied).forward - traffic(shared).forward == 2 * 2 * (32 + 64)
+    assert traffic(copied).saved - traffic(shared).saved == 2 * 2 * (64 - 32)
+
+
+def test_autocast_keeps_one_bf16_copy_of_each_weight_matrix():
+    """The BF16 copies autograd keeps are the layer's seven matrices, 2 B an element; the planner's
+    memory adds them for each layer of the rank, and the output projection's on the last."""
+    _, copies = _saved(GQA, autocast=True)
+    assert copies == 2 * GQA.layer_matrix_params() == 2 * (64 * (64 + 32 + 32 + 64) + 3 * 64 * 176)
+    assert _saved(GQA, autocast=False)[1] == 0
+    bf16, fp32 = (rank_memories(_job(GQA, p), [0])[0] for p in ("bf16", "fp32"))
+    logits = 10 * TOKENS * GQA.vocab  # torch's loss on BF16 logits holds 10 B a logit
+    head = 2 * GQA.vocab * GQA.dim
+    assert bf16.other == logits + GQA.layers * copies + head
+    assert fp32.other == 12 * TOKENS * GQA.vocab  # FP32 logits: 12 B, no copies
