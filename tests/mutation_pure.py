@@ -22,7 +22,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".mutation"
-COPIED = ("fourd", "tests", "configs", "pyproject.toml")
+# what the tests read besides the package: benchmarks/ holds the validation suite whose pinned figures the
+# planner's tests check (without it they skip, and a mutant of the model survives them)
+COPIED = ("fourd", "tests", "configs", "benchmarks", "pyproject.toml")
 COSMIC_RAY = str(Path(sys.executable).parent / "cosmic-ray")  # the environment's, beside its python
 # the copy's fourd first on the path, not the one installed in the environment
 PYTEST = (
@@ -80,6 +82,7 @@ def _digest(module: str) -> str:
     for path in (module, *MODULES[module]):
         sha.update((ROOT / path).read_bytes())
     sha.update(repr(DESELECT.get(module, ())).encode())
+    sha.update(repr(COPIED).encode())
     return sha.hexdigest()[:16]
 
 
@@ -106,9 +109,15 @@ def _run(module: str) -> None:
     stamp, command = CACHE / f"{name}.digest", f"{PYTEST.format(work=work)} {tests}"
     _copy(work)
     started = time.perf_counter()
-    control = subprocess.run(command, shell=True, cwd=work, capture_output=True)
+    control = subprocess.run(f"{command} -rs", shell=True, cwd=work, capture_output=True)
     if control.returncode != 0:
         raise SystemExit(f"{module}: its tests fail unmutated:\n{control.stdout.decode()[-2000:]}")
+    skipped = [line for line in control.stdout.decode().splitlines() if line.startswith("SKIPPED")]
+    if skipped:  # a test that skips in the copy kills no mutant
+        raise SystemExit(
+            f"{module}: {len(skipped)} of its tests skip in the copy ({skipped[0]}): add what they "
+            "read to COPIED in tests/mutation_pure.py"
+        )
     timeout = max(20.0, 10 * (time.perf_counter() - started))
     config = work / "cosmic-ray.toml"
     config.write_text(

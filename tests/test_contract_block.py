@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from fourd.layout import Layout, Parallelism
-from fourd.model.config import get_preset, with_overrides
+from fourd.model.config import ModelConfig, get_preset, with_overrides
 from fourd.model.llama import Rope, TransformerBlock
 from fourd.plan.block import traffic
 from fourd.plan.cluster import load_cluster
@@ -174,3 +174,43 @@ def test_autocast_keeps_one_bf16_copy_of_each_weight_matrix():
     head = 2 * GQA.vocab * GQA.dim
     assert bf16.other == logits + GQA.layers * copies + head
     assert fp32.other == 12 * TOKENS * GQA.vocab  # FP32 logits: 12 B, no copies
+
+
+def _tp2_work(model, **changes):
+    """One rank of tp=2 with sequence parallelism, BF16 weights (a data-parallel wrapper's), flash."""
+    par = Parallelism(layout=Layout(tp=2, dp=2), sequence_parallel=True)
+    job = Job(model=model, cluster=CLUSTER, par=par, seq=SEQ, global_seqs=2 * BATCH)
+    return dataclasses.replace(job.work, **changes)
+
+
+def test_a_fused_llama_block_by_hand():
+    """Llama 3 8B on one of 2 TP ranks with SP (norm stream 2,048 wide, Q 2,048, K and V 512 each,
+    FFN 7,168, 16 heads), BF16, K and V shared: each fused add-and-norm reads the stream and the
+    branch and writes both (2 · 4 B an element of the stream, twice), RoPE reads and writes Q and K,
+    SwiGLU reads two and writes one. Kept: the stream twice, the two norm outputs, Q, K, V, the
+    attention output and its log-sum-exp, w1's and w3's outputs and their product; backward 1.5×."""
+    model = get_preset("llama3-8b")
+    work = _tp2_work(model, fused=True, shared_kv=True)
+    assert not work.autocast and work.dtype_bytes == 2
+    forward = 2 * 2 * 4 * 2048 + 2 * 2 * (2048 + 512) + 3 * 2 * 7168
+    assert traffic(work).forward == forward
+    assert traffic(work).backward == 1.5 * forward
+    kept = 2 * 2 * 2048 + 2 * 2 * 2048 + 2 * (2 * 2048 + 2 * 512) + 3 * 2 * 7168 + 4 * 16
+    assert traffic(work).saved == kept
+    # copied K and V heads: the copy reads 512 and writes 2,048 elements of each, and is what is kept
+    copied = dataclasses.replace(work, shared_kv=False)
+    assert traffic(copied).forward == forward + 2 * 2 * (512 + 2048)
+    assert traffic(copied).saved == kept + 2 * 2 * (2048 - 512)
+
+
+def test_an_eager_gpt_block_by_hand():
+    """A GPT block (GeLU, LayerNorm, 8 heads of 64, FFN 2,048 over a 512-wide stream) on one of 2 TP
+    ranks with SP, BF16: each native LayerNorm reads the stream and writes its output (2 · 2 B), each
+    residual add reads two and writes one (3 · 2 B), GeLU reads and writes (2 · 2 B an element of the
+    FFN's 1,024 on this rank); backward 1.5×."""
+    gpt = ModelConfig(layers=2, dim=512, ffn=2048, heads=8, kv_heads=8, vocab=256, mlp="gelu")
+    work = _tp2_work(gpt)
+    forward = (2 * 4 + 2 * 6) * 256 + 2 * 2 * 1024
+    assert traffic(work).forward == forward
+    assert traffic(work).backward == 1.5 * forward
+    assert traffic(dataclasses.replace(work, fused=True)).forward == 2 * 2 * 4 * 256 + 2 * 2 * 1024

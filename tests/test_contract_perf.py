@@ -11,18 +11,26 @@ import pytest
 from fourd.layout import Layout, Parallelism
 from fourd.model.config import ModelConfig, get_preset
 from fourd.plan.block import matmuls, traffic
-from fourd.plan.cluster import load_cluster, placement, replica_group, shard_group
+from fourd.plan.cluster import AttentionSample, load_cluster, placement, replica_group, shard_group
 from fourd.plan.job import Job, Work
-from fourd.plan.kernels import collective_time, elementwise_time, gemm_time
+from fourd.plan.kernels import (
+    attention_time,
+    collective_time,
+    elementwise_time,
+    gemm_time,
+    optimizer_time,
+)
 from fourd.plan.memory import max_rank_params
 from fourd.plan.perf import (
     StageTime,
     _dp_exposure,
+    exposed_layer_comm,
     layer_time,
     materialized_attention,
     p2p_time,
     slowest_rank,
     stage_time,
+    step_time,
 )
 
 H100 = load_cluster("dgx-h100")
@@ -266,3 +274,82 @@ def test_fourd_on_cpu_reduce_scatters_zero_2_gradients_once_after_the_last_micro
     assert _exposure(job, StageTime(0.0, 0.0, 0.0, 0.0, 0.0))[1] == pytest.approx(
         scatter + gather, rel=1e-12
     )
+
+
+def test_a_steps_pipeline_sends_by_how_the_stack_exchanges():
+    """Overlapped: warm-up and cool-down cross every boundary, 2(p·V − 1) sends; synchronous
+    (Megatron) adds 2·V for each later microbatch; blocking (DeepSpeed) a middle rank's four, two
+    on a two-rank pipeline."""
+    microbatches = 8
+    for pp, virtual, comm, sends in (
+        (2, 1, "overlapped", 2),
+        (4, 2, "overlapped", 14),
+        (4, 2, "synchronous", 14 + 4 * 7),
+        (2, 1, "blocking", 2 + 2 * 7),
+        (4, 1, "blocking", 6 + 4 * 7),
+    ):
+        schedule = "interleaved" if virtual > 1 else "1f1b"
+        job = _job(
+            Layout(pp=pp),
+            comm,
+            microbatches=microbatches,
+            virtual_stages=virtual,
+            schedule=schedule,
+        )
+        _close(step_time(job).p2p_s, sends * p2p_time(job))
+
+
+def test_zero_1_hides_the_weight_gather_behind_the_forward_and_half_the_bubble():
+    job = _job(Layout(dp=8), zero=1, microbatches=4)
+    params, group = max_rank_params(MODEL, 1, 1, 1), shard_group(job.layout)
+    gather = _buckets("all_gather", 2 * params, group)
+    scatter = _buckets("reduce_scatter", 4 * params, group)
+    # a backward that hides the scatter, a forward of a tenth of the gather, a bubble of half of it
+    t = StageTime(gather / 10, 2 * scatter, 0.0, 0.0, 0.0)
+    exposed, _ = _exposure(job, t, bubble=gather / 2)
+    _close(exposed, scatter / LAYERS + (gather - gather / 10 - gather / 4) + gather / LAYERS)
+
+
+def test_attention_on_a_cpu_profile_is_causal_without_cp_and_all_pairs_with_it():
+    """fourd's CP chunks take torch's explicit-mask kernel on a CPU, which computes every pair;
+    without CP the causal kernel computes half of them."""
+    sample = AttentionSample(
+        seq=SEQ,
+        head_dim=MODEL.head_dim,
+        fwd_tflops=10.0,
+        bwd_tflops=5.0,
+        masked_fwd_tflops=4.0,
+        masked_bwd_tflops=2.0,
+    )
+    cpu = dataclasses.replace(H100, gpu=dataclasses.replace(H100.gpu, attention=(sample,)))
+    heads = MODEL.heads // 2
+    for cp, causal in ((1, True), (2, False)):
+        work = _work(Layout(tp=2, cp=cp), cluster=cpu)
+        plain = dataclasses.replace(work, cluster=H100)
+        kernel = attention_time(work.tokens, SEQ, heads, MODEL.head_dim, cpu, causal)
+        ours = attention_time(work.tokens, SEQ, heads, MODEL.head_dim, H100, True)
+        gemms = layer_time(work).forward_s - kernel[0]
+        _close(gemms, layer_time(plain).forward_s - ours[0])
+
+
+def test_cp_gathers_the_local_kv_heads_forward_and_gathers_and_scatters_them_backward():
+    """Llama 3 §3.3.2: each CP rank all-gathers the K and V of its TP rank's KV heads (at least one:
+    fewer KV heads than TP ranks are replicated), and reduce-scatters their gradients."""
+    for model, tp, local_kv in ((MODEL, 2, 4), (dataclasses.replace(MODEL, kv_heads=2), 4, 1)):
+        work = _work(Layout(tp=tp, cp=2), model=model, sequence_parallel=False)
+        kv_bytes = 2 * local_kv * MODEL.head_dim * 2 * SEQ * 2  # K and V, 2 sequences, BF16
+        cp = placement(work.layout)["cp"]
+        gather = collective_time("all_gather", kv_bytes, cp, H100)
+        scatter = collective_time("reduce_scatter", kv_bytes, cp, H100)
+        comm = exposed_layer_comm(work)
+        _close(comm.cp_forward, gather)
+        _close(comm.cp_backward, gather + scatter)
+
+
+def test_the_optimizer_steps_the_parameters_its_rank_owns():
+    """ZeRO 1-3 shard the optimizer state over the data-parallel ranks; ZeRO 0 steps every
+    parameter on every rank."""
+    params = max_rank_params(MODEL, 1, 1, 1)
+    for zero, owned in ((0, params), (1, params / 8), (2, params / 8), (3, params / 8)):
+        job = _job(Layout(dp=8), zero=zero, microbatches=1)
+        _close(step_time(job).optimizer_s, optimizer_time(owned, H100, 2))
