@@ -22,13 +22,20 @@ from fourd.plan.kernels import (
 )
 from fourd.plan.memory import max_rank_params
 from fourd.plan.perf import (
+    OVERLAP_SLOWDOWN,
     StageTime,
     _dp_exposure,
+    bubble_time,
+    compute_share,
     exposed_layer_comm,
+    layer_comm,
+    layer_gemms,
     layer_time,
     materialized_attention,
+    overlapped,
     p2p_time,
     slowest_rank,
+    sp_collectives,
     stage_time,
     step_time,
 )
@@ -353,3 +360,44 @@ def test_the_optimizer_steps_the_parameters_its_rank_owns():
     for zero, owned in ((0, params), (1, params / 8), (2, params / 8), (3, params / 8)):
         job = _job(Layout(dp=8), zero=zero, microbatches=1)
         _close(step_time(job).optimizer_s, optimizer_time(owned, H100, 2))
+
+
+def test_tp_overlap_hides_the_backwards_collectives_behind_both_gradient_gemms():
+    """With TP overlap, the backward's six SP collectives (four all-gathers, two reduce-scatters) run
+    beside the input- and the weight-gradient GEMMs together; only their first chunks, the
+    all-gathers' 1/tp each, have nothing beside them. On NVLink the GEMMs are the longer; over a
+    link a thousand times slower the collectives are, and what the GEMMs cover is their sum."""
+    slow_node = dataclasses.replace(H100.node, intra_bw_gbps=H100.node.intra_bw_gbps / 1000)
+    slow = dataclasses.replace(H100, node=slow_node, collectives=())
+    for cluster, comm_longer in ((H100, False), (slow, True)):
+        work = _work(Layout(tp=8), micro_seqs=1, tp_overlap=True, cluster=cluster)
+        plain = layer_comm(work)
+        _, dgrad, wgrad = layer_gemms(work)
+        gather, _ = sp_collectives(work)
+        assert (plain[1] > dgrad + wgrad) == comm_longer
+        exposed, hidden = overlapped(plain[1], dgrad + wgrad, 2 * gather / 8 / plain[1])
+        comm = exposed_layer_comm(work)
+        _close(comm.tp_backward, exposed)
+        _close(comm.backward_slowdown, OVERLAP_SLOWDOWN * hidden)
+        assert 0 < exposed < plain[1]
+
+
+def test_zero_bubbles_idle_time_is_what_the_deferred_weight_gradients_cannot_fill():
+    """Zero-bubble (Qi et al. 2023): each of p − 1 warm-up slots idles for a forward, an input
+    gradient and its communication less the weight gradient that fills it; none when the weight
+    gradient is the longer."""
+    short = StageTime(0.3, 0.4, 0.2, 0.0, 0.05)
+    _close(bubble_time("zero-bubble", 2, 8, 1, short), 0.3 + 0.4 + 0.05 - 0.2)
+    _close(bubble_time("zero-bubble", 4, 8, 1, short), 3 * (0.3 + 0.4 + 0.05 - 0.2))
+    filled = StageTime(0.1, 0.1, 0.5, 0.0, 0.0)
+    assert bubble_time("zero-bubble", 4, 8, 1, filled) == 0.0
+
+
+def test_ranks_beyond_the_cores_take_turns_and_a_profile_without_gemm_samples_shares_its_peak():
+    """A CPU profile of 2 cores: 4 ranks take turns, twice as slow; without measured GEMMs each
+    core computes at its share of the all-core peak, so 2 busy ranks reach it exactly."""
+    node = dataclasses.replace(H100.node, gpus=8, concurrent_ranks=2)
+    cpu = dataclasses.replace(H100, node=node, gpu=dataclasses.replace(H100.gpu, gemm=()))
+    assert compute_share(Layout(dp=2), cpu) == 1.0
+    assert compute_share(Layout(dp=4), cpu) == 2.0
+    assert compute_share(Layout(dp=2), H100) == 1.0
