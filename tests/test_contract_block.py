@@ -214,3 +214,9 @@ def test_an_eager_gpt_block_by_hand():
     assert traffic(work).forward == forward
     assert traffic(work).backward == 1.5 * forward
     assert traffic(dataclasses.replace(work, fused=True)).forward == 2 * 2 * 4 * 256 + 2 * 2 * 1024
+    # fourd's selective recomputation keeps the stream twice and each matmul's output but those
+    # that feed the stream (the attention's and the MLP's output projections), and the attention's
+    # output and log-sum-exp: the fused QKV (256 + 2 · 256 on this rank), the first MLP matrix's
+    # 1,024, the attention output's 256
+    selective = dataclasses.replace(work, recompute="selective")
+    assert traffic(selective).saved == 2 * 2 * 256 + 2 * ((256 + 2 * 256) + 1024 + 256) + 4 * 4

@@ -401,3 +401,15 @@ def test_ranks_beyond_the_cores_take_turns_and_a_profile_without_gemm_samples_sh
     assert compute_share(Layout(dp=2), cpu) == 1.0
     assert compute_share(Layout(dp=4), cpu) == 2.0
     assert compute_share(Layout(dp=2), H100) == 1.0
+
+
+def test_on_a_cpu_the_pipeline_bubble_runs_on_the_cores_the_waiting_half_leaves():
+    """8 ranks on 2 cores: while half the ranks wait in warm-up and cool-down, the 4 others share
+    the cores at half the crowding, so the bubble costs half its time at 8 ranks' speed."""
+    node = dataclasses.replace(H100.node, gpus=8, concurrent_ranks=2)
+    cpu = dataclasses.replace(H100, node=node)
+    job = dataclasses.replace(_job(Layout(pp=2, dp=4), microbatches=4), cluster=cpu)
+    step = step_time(job)
+    whole = bubble_time("1f1b", 2, 4, 1, step.per_microbatch)
+    _close(step.bubble_s, whole * cpu.core_share(4) / cpu.core_share(8))
+    assert (cpu.core_share(4), cpu.core_share(8)) == (2.0, 4.0)
