@@ -197,6 +197,9 @@ def test_a_fused_llama_block_by_hand():
     assert traffic(work).backward == 1.5 * forward
     kept = 2 * 2 * 2048 + 2 * 2 * 2048 + 2 * (2 * 2048 + 2 * 512) + 3 * 2 * 7168 + 4 * 16
     assert traffic(work).saved == kept
+    # in FP32 every element is 4 B
+    fp32 = dataclasses.replace(work, dtype_bytes=4)
+    assert traffic(fp32).forward == 2 * 2 * 8 * 2048 + 2 * 4 * (2048 + 512) + 3 * 4 * 7168
     # copied K and V heads: the copy reads 512 and writes 2,048 elements of each, and is what is kept
     copied = dataclasses.replace(work, shared_kv=False)
     assert traffic(copied).forward == forward + 2 * 2 * (512 + 2048)
@@ -220,3 +223,15 @@ def test_an_eager_gpt_block_by_hand():
     # 1,024, the attention output's 256
     selective = dataclasses.replace(work, recompute="selective")
     assert traffic(selective).saved == 2 * 2 * 256 + 2 * ((256 + 2 * 256) + 1024 + 256) + 4 * 4
+
+
+def test_materialized_attention_keeps_its_scores_only_without_recomputation():
+    """Korthikanti et al. 2022 §4: the s × s scores' softmax output, dropout mask and output, 5 B per
+    head per key a token (2 + 1 + 2), are kept without recomputation; selective recomputation redoes
+    the attention core and keeps the rest, what a flash kernel's block keeps."""
+    gpt = ModelConfig(layers=2, dim=512, ffn=2048, heads=8, kv_heads=8, vocab=256, mlp="gelu")
+    flash = _tp2_work(gpt)
+    materialized = dataclasses.replace(flash, attention="materialized")
+    assert traffic(materialized).saved == traffic(flash).saved + 5 * 4 * SEQ
+    selective = dataclasses.replace(materialized, recompute="selective")
+    assert traffic(selective).saved == traffic(flash).saved
