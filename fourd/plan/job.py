@@ -54,8 +54,8 @@ class Job:
     exchanges waited for (Megatron); "blocking", each send waits for its receiver, each backward
     adds its gradients into FP32 ones by a pass of its own and they are reduced after the last
     backward (DeepSpeed's pipeline engine). `stack` names the software stack (fourd.plan.stack);
-    `fused_kernels`, `tp_overlap`, `dp_overlap` and `shared_kv` None take the stack's switch (request.resolve
-    also fills `pipeline_comm` from the stack)."""
+    `fused_kernels`, `tp_overlap`, `dp_overlap` and `shared_kv` None take the stack's switch
+    (request.resolve also fills `pipeline_comm` from the stack)."""
 
     model: ModelConfig
     cluster: Cluster
