@@ -294,6 +294,7 @@ def test_a_steps_pipeline_sends_by_how_the_stack_exchanges():
         (4, 2, "synchronous", 14 + 4 * 7),
         (2, 1, "blocking", 2 + 2 * 7),
         (4, 1, "blocking", 6 + 4 * 7),
+        (3, 1, "blocking", 4 + 4 * 7),
     ):
         schedule = "interleaved" if virtual > 1 else "1f1b"
         job = _job(
@@ -413,3 +414,11 @@ def test_on_a_cpu_the_pipeline_bubble_runs_on_the_cores_the_waiting_half_leaves(
     whole = bubble_time("1f1b", 2, 4, 1, step.per_microbatch)
     _close(step.bubble_s, whole * cpu.core_share(4) / cpu.core_share(8))
     assert (cpu.core_share(4), cpu.core_share(8)) == (2.0, 4.0)
+
+
+def test_a_rank_of_one_layer_reduces_its_gradients_in_one_bucket_all_exposed():
+    job = _job(Layout(dp=8), zero=0, microbatches=4)
+    params = max_rank_params(MODEL, 1, 1, 1)
+    reduce = collective_time("all_reduce", 4 * params, shard_group(job.layout), H100)
+    hidden = StageTime(0.0, 10.0, 0.0, 0.0, 0.0)
+    assert _dp_exposure(job, hidden, 0.0, 1) == pytest.approx((reduce, reduce), rel=1e-12)
