@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_flatten
 from fourd.layout import Layout, Parallelism
 from fourd.model.config import ModelConfig, get_preset, with_overrides
 from fourd.model.llama import Rope, TransformerBlock
-from fourd.plan.block import traffic
+from fourd.plan.block import loss_bytes, traffic
 from fourd.plan.cluster import load_cluster
 from fourd.plan.job import Job
 from fourd.plan.memory import rank_memories
@@ -200,10 +200,13 @@ def test_a_fused_llama_block_by_hand():
     # in FP32 every element is 4 B
     fp32 = dataclasses.replace(work, dtype_bytes=4)
     assert traffic(fp32).forward == 2 * 2 * 8 * 2048 + 2 * 4 * (2048 + 512) + 3 * 4 * 7168
+    assert traffic(fp32).saved == 2 * (kept - 4 * 16) + 4 * 16  # the log-sum-exp is FP32 in both
     # copied K and V heads: the copy reads 512 and writes 2,048 elements of each, and is what is kept
     copied = dataclasses.replace(work, shared_kv=False)
     assert traffic(copied).forward == forward + 2 * 2 * (512 + 2048)
     assert traffic(copied).saved == kept + 2 * 2 * (2048 - 512)
+    copied_fp32 = dataclasses.replace(fp32, shared_kv=False)
+    assert traffic(copied_fp32).forward == traffic(fp32).forward + 2 * 4 * (512 + 2048)
 
 
 def test_an_eager_gpt_block_by_hand():
@@ -223,6 +226,9 @@ def test_an_eager_gpt_block_by_hand():
     # 1,024, the attention output's 256
     selective = dataclasses.replace(work, recompute="selective")
     assert traffic(selective).saved == 2 * 2 * 256 + 2 * ((256 + 2 * 256) + 1024 + 256) + 4 * 4
+    # in FP32 every kept element is 4 B
+    selective_fp32 = dataclasses.replace(selective, dtype_bytes=4)
+    assert traffic(selective_fp32).saved == 2 * 4 * 256 + 4 * ((256 + 2 * 256) + 1024 + 256) + 4 * 4
 
 
 def test_materialized_attention_keeps_its_scores_only_without_recomputation():
@@ -235,3 +241,13 @@ def test_materialized_attention_keeps_its_scores_only_without_recomputation():
     assert traffic(materialized).saved == traffic(flash).saved + 5 * 4 * SEQ
     selective = dataclasses.replace(materialized, recompute="selective")
     assert traffic(selective).saved == traffic(flash).saved
+
+
+def test_the_loss_bytes_by_hand():
+    """torch's cross-entropy per logit: log-softmax reads the logits twice (the max, then the sum of
+    exponentials) and writes the log-probabilities, 12 B in FP32; backward, nll_loss writes their
+    gradient (4), and log-softmax's backward reads it with them and writes the logits' (12); BF16
+    logits add the cast to FP32 and back, 2 + 4 B each way. Held: the log-probabilities, their
+    gradient and its cast to the logits' precision."""
+    assert loss_bytes(4) == (12, 16, 12)
+    assert loss_bytes(2) == (12 + 6, 16 + 6, 10)
