@@ -11,7 +11,14 @@ import pytest
 from fourd.layout import Layout, Parallelism
 from fourd.model.config import ModelConfig, get_preset
 from fourd.plan.block import matmuls, traffic
-from fourd.plan.cluster import AttentionSample, load_cluster, placement, replica_group, shard_group
+from fourd.plan.cluster import (
+    AttentionSample,
+    GemmSample,
+    load_cluster,
+    placement,
+    replica_group,
+    shard_group,
+)
 from fourd.plan.job import Job, Work
 from fourd.plan.kernels import (
     attention_time,
@@ -399,9 +406,9 @@ def test_ranks_beyond_the_cores_take_turns_and_a_profile_without_gemm_samples_sh
     core computes at its share of the all-core peak, so 2 busy ranks reach it exactly."""
     node = dataclasses.replace(H100.node, gpus=8, concurrent_ranks=2)
     cpu = dataclasses.replace(H100, node=node, gpu=dataclasses.replace(H100.gpu, gemm=()))
-    assert compute_share(Layout(dp=2), cpu) == 1.0
-    assert compute_share(Layout(dp=4), cpu) == 2.0
-    assert compute_share(Layout(dp=2), H100) == 1.0
+    assert compute_share(2, cpu) == 1.0
+    assert compute_share(4, cpu) == 2.0
+    assert compute_share(2, H100) == 1.0
 
 
 def test_on_a_cpu_the_pipeline_bubble_runs_on_the_cores_the_waiting_half_leaves():
@@ -414,6 +421,20 @@ def test_on_a_cpu_the_pipeline_bubble_runs_on_the_cores_the_waiting_half_leaves(
     whole = bubble_time("1f1b", 2, 4, 1, step.per_microbatch)
     _close(step.bubble_s, whole * cpu.core_share(4) / cpu.core_share(8))
     assert (cpu.core_share(4), cpu.core_share(8)) == (2.0, 4.0)
+
+
+def test_on_a_cpu_the_pipeline_bubble_runs_on_uncrowded_cores():
+    """2 ranks on 2 cores whose best single-core GEMM is 0.6 of the all-core peak: both busy, each
+    computes 1.2 times slower (the cores share the memory bus and the all-core clock); in warm-up
+    and cool-down one rank computes alone, at its own rate, so the bubble costs 1 / 1.2 of its time
+    at the crowded rate."""
+    node = dataclasses.replace(H100.node, gpus=8, concurrent_ranks=2)
+    sample = GemmSample(m=256, n=256, k=256, tflops=0.6 * H100.gpu.peak_tflops)
+    cpu = dataclasses.replace(H100, node=node, gpu=dataclasses.replace(H100.gpu, gemm=(sample,)))
+    assert (compute_share(1, cpu), compute_share(2, cpu)) == (1.0, pytest.approx(1.2))
+    job = dataclasses.replace(_job(Layout(pp=2), microbatches=4), cluster=cpu)
+    step = step_time(job)
+    _close(step.bubble_s, bubble_time("1f1b", 2, 4, 1, step.per_microbatch) / 1.2)
 
 
 def test_a_rank_of_one_layer_reduces_its_gradients_in_one_bucket_all_exposed():

@@ -251,15 +251,21 @@ def _head_time(work: Work, tp_group: Group) -> StageTime:
     )
 
 
-def compute_share(layout, cluster: Cluster) -> float:
-    """How much slower each rank computes where ranks share a server's cores (CPU profiles): ranks
-    beyond `concurrent_ranks` take turns, and the busy cores together reach the all-core peak."""
+def compute_share(ranks: int, cluster: Cluster) -> float:
+    """How much slower each rank computes while `ranks` ranks are busy on a server whose cores they
+    share (CPU profiles; GPUs: 1): ranks beyond `concurrent_ranks` take turns, and the busy cores
+    together reach the all-core peak, not one core's rate times the cores (they share the memory
+    bus and the all-core clock):
+
+        share = core_share(ranks) · max(1, busy · one core's best GEMM rate / all-core peak)
+
+    with busy = min(ranks, cores)."""
     slots = cluster.node.concurrent_ranks
     if not slots:
         return 1.0
-    gpu, busy = cluster.gpu, min(layout.world, cluster.node.gpus, slots)
+    gpu, busy = cluster.gpu, min(ranks, cluster.node.gpus, slots)
     one = max(sample.tflops for sample in gpu.gemm) if gpu.gemm else gpu.peak_tflops / slots
-    return cluster.core_share(layout.world) * max(1.0, busy * one / gpu.peak_tflops)
+    return cluster.core_share(ranks) * max(1.0, busy * one / gpu.peak_tflops)
 
 
 @lru_cache(maxsize=16384)
@@ -280,9 +286,8 @@ def stage_time(work: Work, layers: int, first: bool = False, last: bool = False)
         )
     if last:
         stage = stage + _head_time(work, tp_group)
-    return stage.scaled(
-        compute_share(work.layout, cluster), comm=1.0
-    )  # collective_time counts the core share itself
+    # collective_time counts the core share itself
+    return stage.scaled(compute_share(work.layout.world, cluster), comm=1.0)
 
 
 def chunk_times(job: Job) -> list[StageTime]:
@@ -435,9 +440,9 @@ def step_time(job: Job) -> StepTime:
         bubble_time(par.schedule, pp, microbatches, par.virtual_stages, stage) if pp > 1 else 0.0
     )
     # CPU profiles: half the ranks work through warm-up and cool-down, on the cores the waiting half
-    # leave
+    # leave, as crowded as half the ranks make them
     server = min(lay.world, job.cluster.node.gpus)
-    bubble *= job.cluster.core_share(server // 2) / job.cluster.core_share(server)
+    bubble *= compute_share(server // 2, job.cluster) / compute_share(server, job.cluster)
     exposed, total = _dp_exposure(job, stage, bubble, layers)
     if job.cluster.cpu or blocking or not job.dp_overlapped:
         # on CPUs collectives run on the cores compute needs; DeepSpeed's engine, and a stack that
