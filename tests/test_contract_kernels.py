@@ -10,6 +10,7 @@ import pytest
 from fourd.model.config import get_preset
 from fourd.plan import request
 from fourd.plan.cluster import (
+    AttentionSample,
     Cluster,
     CollectiveSample,
     GemmSample,
@@ -121,7 +122,7 @@ def test_full_recomputation_charges_the_forwards_tp_and_cp_collectives_twice():
 
 def test_fused_attention_runs_at_its_efficiency_times_l_over_l_plus_384():
     gpu = H100.gpu
-    for kv_len in (512, 4096):
+    for kv_len in (512, 640, 4096):  # 640 shares a bit with 384: a sum, not a bitwise or
         fwd, bwd = attention_time(kv_len, kv_len, 8, 128, H100, causal=True)
         flops = 4.0 * kv_len * kv_len / 2 * 128 * 8
         rate = gpu.peak_tflops * 1e12 * kv_len / (kv_len + FA_HALF_LENGTH)
@@ -161,6 +162,11 @@ def test_a_collectives_latency_is_its_ring_or_tree_steps_and_nothing_moves_for_n
         2 * pair_latency + tiny / pair_bw, rel=1e-12
     )
     assert collective_time("all_gather", 0.0, inside, H100) == 0.0
+    three = Group(3, 1, 8)  # a tree's 2·ceil(log2 3) = 4 steps
+    three_bw, three_latency = group_bandwidth(three, H100)
+    assert collective_time("all_reduce", tiny, three, H100) == pytest.approx(
+        4 * three_latency + 2 * 2 / 3 * tiny / three_bw, rel=1e-12
+    )
 
 
 def test_elementwise_bytes_move_at_hbm_efficiency():
@@ -207,3 +213,48 @@ def test_a_send_across_servers_drives_one_nic_each_end():
     assert collective_time("send", 1e9, across, H100) == pytest.approx(
         latency + 1e9 / one_nic, rel=1e-12
     )
+
+
+def test_the_fit_for_this_op_and_this_group_size_is_used_whatever_the_order_of_the_fits():
+    fits = (
+        CollectiveSample("reduce_scatter", 4, 5e-3, 5e-9),
+        CollectiveSample("all_gather", 8, 3e-3, 3e-9),
+        CollectiveSample("all_gather", 4, 1e-3, 1e-9),
+    )
+    measured = dataclasses.replace(H100, collectives=fits)
+    assert collective_time("all_gather", 1e6, Group(4, 1, 8), measured) == pytest.approx(2e-3)
+
+
+def test_a_cpu_fit_measured_with_fewer_ranks_busy_is_slowed_by_the_ratio_of_core_shares():
+    """Two ranks a server's two cores can run at once: a 2-rank fit used in a world of 3 busy
+    ranks runs core_share(3) / core_share(2) = 1.5 / 1 times slower."""
+    cpu = Cluster(
+        name="two-core",
+        description="",
+        gpu=dataclasses.replace(H100.gpu, sms=None),
+        node=Node(gpus=8, intra_bw_gbps=10.0, concurrent_ranks=2),
+        network=Network(nic_bw_gbps=10.0),
+        collectives=(CollectiveSample("all_reduce", 2, 1e-3, 1e-9),),
+    )
+    assert collective_time("all_reduce", 1e6, Group(2, 1, 3), cpu) == pytest.approx(1.5 * 2e-3)
+
+
+def test_a_gpu_without_sms_or_samples_runs_a_gemm_at_its_sustained_rate_with_no_launch():
+    gpu = dataclasses.replace(H100.gpu, sms=None)
+    bare = dataclasses.replace(H100, gpu=gpu)
+    flops = 2.0 * 4096**3
+    assert gemm_time(4096, 4096, 4096, bare) == pytest.approx(
+        flops / (gpu.peak_tflops * 1e12 * gpu.gemm_efficiency), rel=1e-12
+    )
+
+
+def test_unmasked_attention_uses_the_explicit_mask_rates_only_when_every_sample_has_both():
+    tokens, heads, head_dim = 4096, 8, 128
+    flops = 4.0 * tokens * tokens * head_dim * heads
+    both = AttentionSample(tokens, head_dim, 100.0, 80.0, 50.0, 40.0)
+    half = AttentionSample(tokens, head_dim, 100.0, 80.0, 50.0, None)
+    for samples, (fwd_rate, bwd_rate) in (((both,), (50.0, 40.0)), ((half,), (100.0, 80.0))):
+        profile = dataclasses.replace(H100, gpu=dataclasses.replace(H100.gpu, attention=samples))
+        fwd, bwd = attention_time(tokens, tokens, heads, head_dim, profile, causal=False)
+        assert fwd == pytest.approx(flops / (fwd_rate * 1e12), rel=1e-12)
+        assert bwd == pytest.approx(flops * FA_BACKWARD_FLOPS / (bwd_rate * 1e12), rel=1e-12)

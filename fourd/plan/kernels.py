@@ -152,10 +152,10 @@ def attention_time(
 # ---- collectives: nccl-tests conventions, the one table of fourd ---------------------------------
 
 # bytes each rank sends = factor · nbytes (nbytes: all-gather's output, reduce-scatter's input), and
-# ring steps latency steps: a ring's n−1 (all-reduce 2(n−1)); NCCL's double binary tree all-reduces
-# in 2·log2(n)
+# latency steps: a ring's n−1; an all-reduce takes NCCL's double binary tree, 2·ceil(log2 n) steps,
+# never more than a ring's 2(n−1)
 _STEPS = {
-    "all_reduce": lambda n: min(2 * (n - 1), 2 * math.ceil(math.log2(n))),
+    "all_reduce": lambda n: 2 * math.ceil(math.log2(n)),
     "send": lambda n: 1,
 }
 
