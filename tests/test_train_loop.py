@@ -202,10 +202,17 @@ def test_bad_config_file_exits_2(tmp_path):
 @pytest.mark.timeout(400)
 def test_two_node_launch_equals_one_agent(home, tmp_path):
     """Two launcher agents on 127.0.0.1, as two nodes would run torchrun, one rendezvous endpoint; their losses
-    are those of one agent running both ranks, so the two nodes reduced their gradients together."""
+    are those of one agent running both ranks, so the two nodes reduced their gradients together. Each worker
+    ends without the interpreter's finalization (its exit handlers never run), where gloo's threads torn down
+    could abort a run that had ended well (SIGABRT, and the agent fails the job)."""
     args = (*DEBUG, "--layout", "dp=2", "--steps", 3)
     code, _, err = train(home, *args, "--run-dir", tmp_path / "one")
     assert code == 0, err
+    entry = tmp_path / "entry.py"  # `python -m fourd`, with an exit handler that says when it runs
+    entry.write_text(
+        "import atexit\nfrom fourd.cli import main\n"
+        "atexit.register(print, 'finalized')\nraise SystemExit(main())\n"
+    )
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
     cmd += [
         "--rdzv-backend",
@@ -215,7 +222,7 @@ def test_two_node_launch_equals_one_agent(home, tmp_path):
         "--rdzv-id",
         "two-nodes",
     ]
-    cmd += ["-m", "fourd", "train", *map(str, args), "--run-dir", str(tmp_path / "two"), CACHE]
+    cmd += [str(entry), "train", *map(str, args), "--run-dir", str(tmp_path / "two"), CACHE]
     env = dict(os.environ, OMP_NUM_THREADS="1", FOURD_HOME=str(home), PYTHONPATH=str(ROOT))
     agents = [
         subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -223,6 +230,7 @@ def test_two_node_launch_equals_one_agent(home, tmp_path):
     ]
     outs = [a.communicate(timeout=300)[0] for a in agents]
     assert [a.returncode for a in agents] == [0, 0], outs
+    assert not any("finalized" in out for out in outs), outs
     one, two = rows(tmp_path / "one"), rows(tmp_path / "two")
     assert [x["step"] for x in two] == [1, 2, 3]
     for a, b in zip(one, two):

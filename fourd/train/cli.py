@@ -37,7 +37,7 @@ from fourd.hf.convert import load_weights
 from fourd.layout import DIMS, check, parse_layout
 from fourd.measure.peak import device_peak_flops
 from fourd.train.auto import check_memory, choose, machine, use_cuda
-from fourd.train.launch import attempt, launch_local, outcome, under_torchrun
+from fourd.train.launch import attempt, launch_local, under_torchrun
 
 # short flag -> config key
 FLAGS = {
@@ -309,7 +309,7 @@ def _start(cfg) -> None:
 
 def run(args) -> int:
     cfg, layout, cache, data = prepare(args)
-    from fourd.train.worker import worker_entry
+    from fourd.train.worker import torchrun_worker, worker_entry
 
     device = "cuda" if use_cuda(cfg) else "cpu"
     peak = device_peak_flops(device, fourd_home())
@@ -323,7 +323,7 @@ def run(args) -> int:
             flush=True,
         )
     if under_torchrun():
-        return outcome([worker_entry(cfg.to_dict(), cache, data, peak)])
+        torchrun_worker(cfg.to_dict(), cache, data, peak)
     return launch_local(
         layout.world, cfg.run.max_restarts, worker_entry, cfg.to_dict(), cache, data, peak
     )

@@ -15,6 +15,7 @@ import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -35,7 +36,7 @@ from fourd.sim.trace import document, label, span, write_trace
 from fourd.train.anchor_file import write_anchor
 from fourd.train.auto import predict, resident_bytes, use_cuda
 from fourd.train.heartbeat import Heartbeat
-from fourd.train.launch import LAUNCH_DIR_ENV, attempt
+from fourd.train.launch import LAUNCH_DIR_ENV, attempt, outcome
 from fourd.train.metrics import MetricsWriter, summary_table
 from fourd.train.step import build_optimizer, eval_step, lr_at, train_step
 
@@ -60,10 +61,29 @@ def worker_entry(
         return run_worker(cfg, cache, data, peak)
     except Exception as e:
         _report(e, cfg)
-        code = 2 if type(e) is FourdError else 1
-    # Without the interpreter's finalization: the failure's frames still hold the run's process groups, and
-    # gloo's threads torn down there can abort the process ("terminate called without an active exception")
-    # after its one line is out, adding a second line to stderr.
+        end_process(2 if type(e) is FourdError else 1)
+
+
+def torchrun_worker(
+    cfg_dict: dict, cache: TokenCache, data: dict, peak: tuple[float, str]
+) -> NoReturn:
+    """A worker torchrun started: it runs as `worker_entry`, says a failure every rank met at
+    once in one line, and ends with the run's exit status (no launcher of fourd's collects it)."""
+    result = worker_entry(cfg_dict, cache, data, peak)
+    try:
+        code = outcome([result])
+    except RunFailed as error:
+        print(f"fourd: error: {error}", file=sys.stderr)
+        code = error.exit_code
+    end_process(code)
+
+
+def end_process(code: int) -> NoReturn:
+    """Exit now, without the interpreter's finalization. A worker's process groups are destroyed by
+    then, but gloo's threads torn down during finalization still abort the process now and then
+    ("terminate called without an active exception", SIGABRT): after a failure's one line it
+    adds a second, and after a run that ended well under torchrun the agent sees exit -6 and fails
+    the job. Whatever the run writes is closed before this (`_Run._end`)."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
