@@ -196,9 +196,15 @@ def test_the_slowest_rank_has_the_most_forward_and_backward_not_the_most_forward
     assert slowest_rank(work, 4, 1) == (1, middle)
 
 
-def _job(layout: Layout, pipeline_comm: str = "overlapped", sp: bool = False, **par) -> Job:
+def _job(
+    layout: Layout,
+    pipeline_comm: str = "overlapped",
+    sp: bool = False,
+    stack: str = "fourd",
+    **par,
+) -> Job:
     parallel = Parallelism(layout=layout, sequence_parallel=sp, **par)
-    return Job(MODEL, H100, parallel, SEQ, 8 * layout.dp, pipeline_comm=pipeline_comm)
+    return Job(MODEL, H100, parallel, SEQ, 8 * layout.dp, pipeline_comm=pipeline_comm, stack=stack)
 
 
 def test_a_pipeline_send_is_split_over_tp_with_sp_or_unless_overlapped_and_gathered_without_sp():
@@ -245,7 +251,9 @@ def test_zero_0_all_reduces_after_the_last_backward_and_its_last_bucket_is_expos
 
 
 def test_zero_1_and_2_reduce_scatter_gradients_and_gather_the_weights_once():
-    job1 = _job(Layout(dp=8), zero=1, microbatches=4)
+    """Beside the next forward (nemo: Megatron's --overlap-param-gather) or, where the stack
+    gathers inside the optimizer's step (DeepSpeed's stages 1 and 2), all of it exposed."""
+    job1 = _job(Layout(dp=8), zero=1, microbatches=4, stack="nemo")
     job2 = dataclasses.replace(job1, par=dataclasses.replace(job1.par, zero=2))
     params, group = max_rank_params(MODEL, 1, 1, 1), shard_group(job1.layout)
     scatter = _buckets("reduce_scatter", 4 * params, group)  # FP32 gradients
@@ -254,10 +262,16 @@ def test_zero_1_and_2_reduce_scatter_gradients_and_gather_the_weights_once():
     exposed, total = _exposure(job1, t)
     _close(total, scatter + gather)
     _close(exposed, scatter / 2 + scatter / LAYERS + gather / 2 + gather / LAYERS)
+    exposed, total = _exposure(dataclasses.replace(job1, stack="deepspeed"), t)
+    _close(total, scatter + gather)
+    _close(exposed, scatter / 2 + scatter / LAYERS + gather)
     # ZeRO 2 reduce-scatters every microbatch's gradients, each beside its own backward
     exposed, total = _exposure(job2, t)
     _close(total, 4 * scatter + gather)
     _close(exposed, 4 * scatter / 2 + scatter / LAYERS + gather / 2 + gather / LAYERS)
+    exposed, total = _exposure(dataclasses.replace(job2, stack="deepspeed"), t)
+    _close(total, 4 * scatter + gather)
+    _close(exposed, 4 * scatter / 2 + scatter / LAYERS + gather)
 
 
 def test_zero_3_gathers_the_weights_for_every_forward_and_backward_and_hsdp_all_reduces_shards():
@@ -315,7 +329,7 @@ def test_a_steps_pipeline_sends_by_how_the_stack_exchanges():
 
 
 def test_zero_1_hides_the_weight_gather_behind_the_forward_and_half_the_bubble():
-    job = _job(Layout(dp=8), zero=1, microbatches=4)
+    job = _job(Layout(dp=8), zero=1, microbatches=4, stack="nemo")
     params, group = max_rank_params(MODEL, 1, 1, 1), shard_group(job.layout)
     gather = _buckets("all_gather", 2 * params, group)
     scatter = _buckets("reduce_scatter", 4 * params, group)

@@ -51,11 +51,11 @@ nic_efficiency = {eff}
     return load_cluster(str(path))
 
 
-def _job(cluster, layout=None, **par):
+def _job(cluster, layout=None, stack="fourd", **par):
     """TINY, one 64-token sequence per microbatch and replica: an activation is 64 · 8 · 2 B."""
     layout = layout or Layout(pp=2, dp=2)
     par = Parallelism(layout=layout, **{"microbatches": 1, "zero": 0, **par})
-    return Job(TINY, cluster, par, 64, layout.dp * par.microbatches)
+    return Job(TINY, cluster, par, 64, layout.dp * par.microbatches, stack=stack)
 
 
 def test_two_ranks_over_nics_by_hand(tmp_path):
@@ -119,8 +119,9 @@ def test_the_links_of_a_job(tmp_path):
     )
 
 
-def _collectives(tmp_path, zero, microbatches=2):
-    comm = build_comm(_job(_cluster(tmp_path), zero=zero, microbatches=microbatches))
+def _collectives(tmp_path, zero, microbatches=2, stack="nemo"):
+    """nemo: Megatron's --overlap-param-gather, ZeRO 1's weights gathered beside the forward."""
+    comm = build_comm(_job(_cluster(tmp_path), zero=zero, microbatches=microbatches, stack=stack))
     sched = build_schedule("1f1b", 2, microbatches)
     r = simulate(sched, [UNIT] * 2, layers=[2, 2], comm=comm)
     return r, [(t.kind, t.rank, t.name) for t in r.transfers if t.kind != "pp"]
@@ -158,6 +159,9 @@ def test_a_zero1_forward_waits_for_its_weights_and_its_event_spans_its_pieces(tm
     first = r.events[0][0]
     assert (first.kind, first.microbatch) == ("F", 0)
     assert (first.start, first.end) == (0.2578125, 1.2578125)
+    # fourd's ShardedAdamW gathers inside the optimizer's step: the forward has its weights at 0
+    r, _ = _collectives(tmp_path, 1, stack="fourd")
+    assert (r.events[0][0].start, r.events[0][0].end) == (0, 1)
 
 
 def test_a_bucket_of_a_third_of_a_stage_is_not_rounded(tmp_path):

@@ -12,9 +12,10 @@ from fourd.errors import FourdError
 from fourd.layout import Layout, Parallelism
 from fourd.model.config import get_preset
 from fourd.plan import request
-from fourd.plan.cluster import load_cluster
+from fourd.plan.cluster import load_cluster, shard_group
 from fourd.plan.job import Job
-from fourd.plan.kernels import gemm_time
+from fourd.plan.kernels import collective_time, gemm_time
+from fourd.plan.memory import max_rank_params
 from fourd.plan.perf import (
     OVERLAP_SLOWDOWN,
     layer_comm,
@@ -30,6 +31,16 @@ from fourd.sim.step import simulate_step
 H100 = load_cluster("dgx-h100")
 L8B = get_preset("llama3-8b")
 L70B = get_preset("llama3-70b")
+
+
+@pytest.fixture
+def user_stacks(tmp_path, monkeypatch):
+    """$FOURD_HOME/stacks/ of a fresh home, with the profile cache cleared around the test."""
+    monkeypatch.setenv("FOURD_HOME", str(tmp_path))
+    (tmp_path / "stacks").mkdir()
+    load_stack.cache_clear()
+    yield tmp_path / "stacks"
+    load_stack.cache_clear()
 
 
 def job(layout, microbatches=8, sp=True, **fields):
@@ -62,7 +73,12 @@ def test_every_preset_loads_and_names_itself():
         assert stack.name == name and stack.description
     fourd, fsdp = load_stack("fourd"), load_stack("fsdp")
     assert fourd == dataclasses.replace(
-        fsdp, name="fourd", description=fourd.description, zero=(0, 1, 2, 3), shared_kv=True
+        fsdp,
+        name="fourd",
+        description=fourd.description,
+        zero=(0, 1, 2, 3),
+        shared_kv=True,
+        gather_in_step=(1,),
     )
     nemo, core = load_stack("nemo"), load_stack("megatron-core")
     assert (nemo.fused_kernels, nemo.tp_overlap, nemo.dp_overlap) == (True, True, True)
@@ -80,7 +96,7 @@ def test_a_stacks_fused_kernels_are_compiles_fused_count():
     # and Megatron's stack copies them, which costs time
     assert fused_job.work == dataclasses.replace(compiled_job.work, shared_kv=False)
     fused, compiled, eager = (step_time(j) for j in (fused_job, compiled_job, eager_job))
-    assert compiled.step_s < fused.step_s < eager.step_s
+    assert compiled.compute_s < fused.compute_s < eager.compute_s
     # pinned for one plan either way, whatever the stack says
     assert step_time(job(layout, fused_kernels=True)).step_s == compiled.step_s
     unfused = job(layout, stack="megatron-core", dp_overlap=True, fused_kernels=False)
@@ -204,24 +220,18 @@ def test_synchronous_sends_wait_for_each_microbatchs_exchanges():
     assert planned.job.pipeline_comm == "synchronous"
 
 
-def test_a_user_stack_wins_and_bad_files_are_named(tmp_path, monkeypatch):
-    monkeypatch.setenv("FOURD_HOME", str(tmp_path))
-    (tmp_path / "stacks").mkdir()
-    mine = tmp_path / "stacks" / "fourd.toml"
+def test_a_user_stack_wins_and_bad_files_are_named(user_stacks):
+    mine = user_stacks / "fourd.toml"
     mine.write_text('description = "mine"\nfused_kernels = true\n')
+    assert load_stack("fourd").description == "mine" and load_stack("fourd").fused_kernels
+    mine.write_text("fused_kernel = true\n")
     load_stack.cache_clear()
-    try:
-        assert load_stack("fourd").description == "mine" and load_stack("fourd").fused_kernels
-        mine.write_text("fused_kernel = true\n")
-        load_stack.cache_clear()
-        with pytest.raises(FourdError, match=r"unknown stack key\(s\) fused_kernel"):
-            load_stack("fourd")
-        mine.write_text('tp_overlap = "yes"\n')
-        load_stack.cache_clear()
-        with pytest.raises(FourdError, match="tp_overlap must be a bool"):
-            load_stack("fourd")
-    finally:
-        load_stack.cache_clear()
+    with pytest.raises(FourdError, match=r"unknown stack key\(s\) fused_kernel"):
+        load_stack("fourd")
+    mine.write_text('tp_overlap = "yes"\n')
+    load_stack.cache_clear()
+    with pytest.raises(FourdError, match="tp_overlap must be a bool"):
+        load_stack("fourd")
     with pytest.raises(FourdError, match="did you mean `nemo`"):
         load_stack("nemoo")
 
@@ -299,15 +309,9 @@ def test_an_open_search_keeps_to_the_schedules_and_zero_stages_the_stack_runs():
     assert load_stack("megatron-core").zero == (0, 1)
 
 
-def test_a_stack_that_runs_only_gpipe_and_no_sharding_is_searched_as_such(tmp_path, monkeypatch):
-    monkeypatch.setenv("FOURD_HOME", str(tmp_path))
-    (tmp_path / "stacks").mkdir()
-    (tmp_path / "stacks" / "mine.toml").write_text('schedules = ["gpipe"]\nzero = [0]\n')
-    load_stack.cache_clear()
-    try:
-        tried = {(p.config.schedule, p.config.zero, p.config.layout.pp) for p in _searched("mine")}
-    finally:
-        load_stack.cache_clear()
+def test_a_stack_that_runs_only_gpipe_and_no_sharding_is_searched_as_such(user_stacks):
+    (user_stacks / "mine.toml").write_text('schedules = ["gpipe"]\nzero = [0]\n')
+    tried = {(p.config.schedule, p.config.zero, p.config.layout.pp) for p in _searched("mine")}
     assert {(schedule, zero) for schedule, zero, pp in tried if pp > 1} == {("gpipe", 0)}
     assert {(schedule, zero) for schedule, zero, pp in tried if pp == 1} == {("1f1b", 0)}
 
@@ -344,30 +348,21 @@ def test_a_pinned_setting_the_stack_does_not_run_is_planned_with_one_note(capsys
         ("zero = [true]", "zero = [True]"),
         ("pipeline_zero = [1, 1]", "pipeline_zero = [1, 1]"),
         ('schedules = "1f1b"', "schedules must be a list"),
+        ("gather_in_step = [3]", "gather_in_step = [3]"),
+        ("gather_in_step = [1, 1]", "gather_in_step = [1, 1]"),
     ],
 )
-def test_a_stacks_bad_capability_list_is_named(tmp_path, monkeypatch, line, named):
-    monkeypatch.setenv("FOURD_HOME", str(tmp_path))
-    (tmp_path / "stacks").mkdir()
-    (tmp_path / "stacks" / "mine.toml").write_text(line + "\n")
-    load_stack.cache_clear()
-    try:
-        with pytest.raises(FourdError, match=re.escape(named)):
-            load_stack("mine")
-    finally:
-        load_stack.cache_clear()
+def test_a_stacks_bad_capability_list_is_named(user_stacks, line, named):
+    (user_stacks / "mine.toml").write_text(line + "\n")
+    with pytest.raises(FourdError, match=re.escape(named)):
+        load_stack("mine")
 
 
-def test_a_profile_names_only_what_differs_from_the_defaults(tmp_path, monkeypatch):
-    monkeypatch.setenv("FOURD_HOME", str(tmp_path))
-    (tmp_path / "stacks").mkdir()
-    (tmp_path / "stacks" / "mine.toml").write_text('description = "only this"\n')
-    load_stack.cache_clear()
-    try:
-        mine = load_stack("mine")
-    finally:
-        load_stack.cache_clear()
+def test_a_profile_names_only_what_differs_from_the_defaults(user_stacks):
+    (user_stacks / "mine.toml").write_text('description = "only this"\n')
+    mine = load_stack("mine")
     assert (mine.fused_kernels, mine.tp_overlap, mine.dp_overlap) == (False, False, True)
+    assert (mine.shared_kv, mine.gather_in_step) == (False, ())
     assert (mine.pipeline_comm, mine.schedules, mine.zero, mine.pipeline_zero) == (
         "overlapped",
         ("gpipe", "1f1b", "interleaved", "zero-bubble"),
@@ -407,3 +402,54 @@ def test_what_a_stack_lacks_is_said_with_and_without_a_pipeline():
         "runs the schedules 1f1b, not interleaved and runs ZeRO 0, 1 with pipeline parallelism, "
         "not ZeRO 2"
     )
+
+
+def test_a_gather_inside_the_optimizer_step_is_exposed_whole(user_stacks):
+    """ZeRO 1's weight all-gather beside the next forward hides all but its last bucket (one per
+    layer) when the forward is longer; inside the optimizer's step (nanotron, DeepSpeed, fourd's
+    ShardedAdamW) none of it hides: the step grows by the rest, less the slowdown it no longer
+    causes."""
+    (user_stacks / "inside.toml").write_text("gather_in_step = [1]\n")
+    (user_stacks / "beside.toml").write_text("gather_in_step = []\n")
+    layout = Layout(2, 1, 1, 4)
+    inside, beside = (step_time(job(layout, stack=name)) for name in ("inside", "beside"))
+    layers = L8B.layers
+    params = max_rank_params(L8B, 1, 1, 2)
+    gather = layers * collective_time("all_gather", 2 * params / layers, shard_group(layout), H100)
+    assert gather < beside.per_microbatch.forward_s  # beside the forward, it would hide
+    assert inside.dp_total_s == pytest.approx(beside.dp_total_s, rel=1e-12)
+    more_exposed = gather - gather / layers
+    assert inside.dp_exposed_s - beside.dp_exposed_s == pytest.approx(more_exposed, rel=1e-9)
+    assert inside.step_s - beside.step_s == pytest.approx(
+        more_exposed * (1 - OVERLAP_SLOWDOWN), rel=1e-9
+    )
+    assert [load_stack(name).gather_in_step for name in ("nanotron", "deepspeed", "fourd")] == [
+        (1,),
+        (1, 2),
+        (1,),
+    ]
+    # ZeRO 3 gathers for every forward and backward: the switch leaves it alone
+    zero3 = Parallelism(layout=layout, schedule="1f1b", microbatches=8, zero=3, recompute="none")
+    assert step_time(Job(L8B, H100, zero3, 4096, 32, stack="inside")) == step_time(
+        Job(L8B, H100, zero3, 4096, 32, stack="beside")
+    )
+
+
+def test_the_step_simulator_gathers_after_the_update_and_ends_when_the_weights_arrive(
+    user_stacks,
+):
+    (user_stacks / "inside.toml").write_text("gather_in_step = [1]\n")
+    (user_stacks / "beside.toml").write_text("gather_in_step = []\n")
+    layout = Layout(2, 1, 2, 2)
+    inside, beside = (simulate_step(job(layout, stack=name)) for name in ("inside", "beside"))
+    for rank, events in enumerate(inside.events):
+        gathers = [t for t in inside.transfers if t.kind == "ag" and t.rank == rank]
+        reduced = max(t.end for t in inside.transfers if t.kind == "rs" and t.rank == rank)
+        update_end = max(events[-1].end, reduced) + inside.optimizer_s[rank]
+        assert len(gathers) == L8B.layers // 2  # one bucket per layer of the rank's stage
+        assert min(t.start for t in gathers) == pytest.approx(update_end, rel=1e-12)
+    last_gather = max(t.end for t in inside.transfers if t.kind == "ag")
+    assert inside.step_time_s == pytest.approx(last_gather, rel=1e-12)
+    assert inside.step_time_s > beside.step_time_s
+    # beside the forward: the first gather starts with the step, before the first forward
+    assert min(t.start for t in beside.transfers if t.kind == "ag") == 0

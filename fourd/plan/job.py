@@ -83,6 +83,12 @@ class Job:
         return self.switch("dp_overlap")
 
     @property
+    def gathers_in_step(self) -> bool:
+        """ZeRO 1 or 2's weight all-gather inside the optimizer's step, exposed (the stack's
+        `gather_in_step`), not beside the next forward."""
+        return self.par.zero in load_stack(self.stack).gather_in_step
+
+    @property
     def layout(self) -> Layout:
         return self.par.layout
 

@@ -389,10 +389,15 @@ def _dp_exposure(job: Job, t: StageTime, bubble: float, layers: int) -> tuple[fl
     reduces = (
         1 if cluster.cpu else microbatches
     )  # ZeRO 2, 3 reduce each microbatch's grads; fourd's FSDP (CPU profiles) the last one's
+    # ZeRO 1 and 2 gather the updated weights beside the next step's warm-up, or inside the
+    # optimizer's step, where nothing hides them (the stack's gather_in_step)
+    beside_forward, in_step = gather, 0.0
+    if job.gathers_in_step:
+        beside_forward, in_step = 0.0, gather
     phases = {
         0: [(bucketed("all_reduce", 4 * params), tail, 1)],
-        1: [(scatter, tail, 1), (gather, head, 1)],
-        2: [(reduces * scatter, reduces * t.backward, reduces), (gather, head, 1)],
+        1: [(scatter, tail, 1), (beside_forward, head, 1)],
+        2: [(reduces * scatter, reduces * t.backward, reduces), (beside_forward, head, 1)],
         3: [
             (microbatches * gather, microbatches * t.forward, microbatches),
             (
@@ -402,8 +407,8 @@ def _dp_exposure(job: Job, t: StageTime, bubble: float, layers: int) -> tuple[fl
             ),
         ],
     }[par.zero]
-    total = sum(x for x, _, _ in phases)
-    exposed = sum(max(0.0, x - window) + x / (buckets * k) for x, window, k in phases)
+    total = in_step + sum(x for x, _, _ in phases)
+    exposed = in_step + sum(max(0.0, x - window) + x / (buckets * k) for x, window, k in phases)
     return min(exposed, total), total
 
 

@@ -81,6 +81,11 @@ def why(plan: Plan) -> list[str]:
             f"Data-parallel traffic: {step.dp_total_s:.3f} s per step, {step.dp_exposed_s:.3f} s "
             f"of it exposed (the rest hides behind compute and slows it by {step.overlap_s:.3f} s)."
         )
+        if plan.job.gathers_in_step and step.dp_exposed_s:
+            lines.append(
+                f"Stack {plan.job.stack} gathers ZeRO {config.zero}'s updated weights inside the "
+                "optimizer's step, where no compute hides them."
+            )
     return lines
 
 

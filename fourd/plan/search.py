@@ -88,6 +88,7 @@ class Plan:
             "tp_overlap": job.work.tp_overlap,
             "dp_overlap": job.dp_overlapped,
             "fused_kernels": job.work.fused,
+            "gather_in_step": job.gathers_in_step,
         }
         out |= {
             "pipeline_comm": job.pipeline_comm,

@@ -21,6 +21,8 @@ DEFAULT_STACK = "fourd"
 # (Megatron's batch_isend_irecv and device synchronize), or DeepSpeed's pipeline engine (blocking
 # sends, a gradient-accumulation pass, gradients reduced after the last backward)
 PIPELINE_COMM = ("overlapped", "synchronous", "blocking")
+# the ZeRO stages that keep whole weights between steps, gathered once per step after the update
+GATHERED_STAGES = (1, 2)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,7 +37,11 @@ class Stack:
     scheduler); without it they follow the last backward, all exposed; `pipeline_comm`: the default
     of `--pipeline-comm`; `shared_kv`: with grouped-query attention, the attention kernel reads each
     K and V head for all of its query heads (SDPA's enable_gqa); without it they are copied to every
-    query head first (torchtitan's repeat_kv), and the copies are kept for backward.
+    query head first (torchtitan's repeat_kv), and the copies are kept for backward;
+    `gather_in_step`: the ZeRO stages (of 1 and 2) whose weight all-gather runs inside the
+    optimizer's step, after the update, exposed (nanotron's ZeroDistributedOptimizer, DeepSpeed's
+    stage 1 and 2, fourd's ShardedAdamW); the others gather beside the next step's forward, layer
+    by layer (FSDP's prefetch, Megatron's --overlap-param-gather).
 
     What the stack can run, which a search over open settings keeps to: `schedules`, the pipeline
     schedules it implements; `zero`, its ZeRO stages (sharding of optimizer state, gradients and
@@ -49,6 +55,7 @@ class Stack:
     dp_overlap: bool = True
     pipeline_comm: str = "overlapped"
     shared_kv: bool = False
+    gather_in_step: tuple[int, ...] = ()
     schedules: tuple[str, ...] = SCHEDULES
     zero: tuple[int, ...] = ZERO_STAGES
     pipeline_zero: tuple[int, ...] = ZERO_STAGES
@@ -113,7 +120,7 @@ def load_stack(name_or_path: str = DEFAULT_STACK) -> Stack:
         raise FourdError(f"{path}: not a readable TOML stack profile ({e}); fix it") from None
     fields = {"name": str, "description": str, "fused_kernels": bool, "tp_overlap": bool}
     fields |= {"dp_overlap": bool, "pipeline_comm": str, "shared_kv": bool}
-    fields |= {"schedules": list, "zero": list, "pipeline_zero": list}
+    fields |= {"schedules": list, "zero": list, "pipeline_zero": list, "gather_in_step": list}
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise FourdError(
@@ -129,7 +136,13 @@ def load_stack(name_or_path: str = DEFAULT_STACK) -> Stack:
     for key, allowed in (("schedules", SCHEDULES), ("zero", ZERO_STAGES)):
         _check_choices(path, key, data.get(key, list(allowed)), allowed)
     _check_choices(path, "pipeline_zero", data.get("pipeline_zero", list(ZERO_STAGES)), ZERO_STAGES)
-    lists = {key: tuple(data[key]) for key in ("schedules", "zero", "pipeline_zero") if key in data}
+    if data.get("gather_in_step"):  # may be empty: every gather beside the forward
+        _check_choices(path, "gather_in_step", data["gather_in_step"], GATHERED_STAGES)
+    lists = {
+        key: tuple(data[key])
+        for key in ("schedules", "zero", "pipeline_zero", "gather_in_step")
+        if key in data
+    }
     return Stack(**{"name": path.stem} | data | lists)
 
 

@@ -107,6 +107,7 @@ class Comm:
     dp_links: tuple  # (port, share of the ring's bytes) per GPU
     dp_params: list  # each stage's parameters on one GPU (one bucket per layer)
     weight_bytes: int  # per parameter: weights move in the compute precision, gradients in FP32
+    gather_in_step: bool = False  # ZeRO 1 and 2 gather after the optimizer's update, not beside F
 
 
 def build_comm(job: Job) -> Comm:
@@ -157,6 +158,7 @@ def build_comm(job: Job) -> Comm:
         dp_links=dp_links,
         dp_params=stage_params_on_gpu(job),
         weight_bytes=job.dtype_bytes,
+        gather_in_step=job.gathers_in_step,
     )
 
 
@@ -222,7 +224,27 @@ def simulate(
                 after=[],
             )
             sim.pieces[gpu].append(optimizer_step)
+            if zero in (1, 2) and comm is not None and comm.gather_in_step:
+                sim.pieces[gpu] += _gather_after_update(sim, gpu, optimizer_step, layers)
     return sim.run()
+
+
+def _gather_after_update(sim: _Engine, who: tuple[int, int], update: _Piece, layers) -> list:
+    """ZeRO 1 and 2 on a stack that gathers inside the optimizer's step: the update enqueues the
+    all-gather of each of the rank's stages' weights, layer by layer, and the step ends when the
+    last arrives (an empty piece that waits for them all)."""
+    comm = sim.comm
+    assert comm is not None
+    keys = []
+    for stage in sim.schedule.stages_of_rank(who[1]):
+        layer_bytes = comm.dp_params[stage] * comm.weight_bytes / layers[stage]
+        for layer in range(layers[stage]):
+            key = ("ag", stage, 0, layer)
+            update.after.append(("enqueue", (*who, "ag"), key, layer_bytes))
+            keys.append((who[0], "coll", key))
+    if not keys:
+        return []
+    return [_Piece(action=update.action, part=0, parts=1, dur=0, needs=tuple(keys), after=[])]
 
 
 def _check_size(pieces: int) -> None:
@@ -265,7 +287,8 @@ def _rank_pieces(sim: _Engine, who: tuple[int, int], costs, layers, factor, zero
     }
     pieces = []
     rs_keys = sim.rs_keys.setdefault(who, [])
-    if zero in (1, 2):
+    gathered_before = zero in (1, 2) and not (comm and comm.gather_in_step)
+    if gathered_before:
         _prefetch_weights(
             sim,
             who,
@@ -276,7 +299,7 @@ def _rank_pieces(sim: _Engine, who: tuple[int, int], costs, layers, factor, zero
     for index, action in enumerate(actions):
         stage = action.stage
         gather = zero is not None and (
-            (zero in (1, 2) and index == first_forward.get(stage))
+            (gathered_before and index == first_forward.get(stage))
             or (zero == 3 and action.kind != "W")
         )
         reduce = (
