@@ -63,6 +63,9 @@ MODULES: dict[str, tuple[str, ...]] = {
     "fourd/plan/perf.py": PLANNER_TESTS,
     # and the block measured: its forward bytes and kept tensors (imports torch: about 3 s a mutant)
     "fourd/plan/block.py": (*PLANNER_TESTS, "tests/test_contract_block.py"),
+    # the suite's anchored series, intervals and coverage are pinned beside the model's own figures
+    "fourd/plan/intervals.py": ("tests/test_plan_intervals.py", "tests/test_plan_validation.py"),
+    "fourd/plan/anchor.py": ("tests/test_plan_anchor.py", "tests/test_plan_validation.py"),
 }
 # tests in those files that pin another module, left out of the module's runs: hypothesis's 150 corpora of
 # fourd.data.sources take 2.5 s of test_data_stream.py's 4
