@@ -2,6 +2,7 @@
 
     python tests/mutation_pure.py [MODULE ...]     # default: every module of MODULES, in order
     python tests/mutation_pure.py --report         # the table of what the sessions hold so far
+    python tests/mutation_pure.py --recheck MODULE # its survivors against its tests as they are now
 
 Each module runs in its own copy of the repository (cosmic-ray rewrites the file it mutates in place) under
 .mutation/, with its session (an SQLite file) kept there: a second run does only the mutants not yet tried,
@@ -63,9 +64,19 @@ MODULES: dict[str, tuple[str, ...]] = {
     "fourd/plan/perf.py": PLANNER_TESTS,
     # and the block measured: its forward bytes and kept tensors (imports torch: about 3 s a mutant)
     "fourd/plan/block.py": (*PLANNER_TESTS, "tests/test_contract_block.py"),
+    # a planned run: its switches as the stack or the flags set them, its microbatch, its work
+    "fourd/plan/job.py": (*PLANNER_TESTS, "tests/test_contract_job.py"),
     # the suite's anchored series, intervals and coverage are pinned beside the model's own figures
-    "fourd/plan/intervals.py": ("tests/test_plan_intervals.py", "tests/test_plan_validation.py"),
-    "fourd/plan/anchor.py": ("tests/test_plan_anchor.py", "tests/test_plan_validation.py"),
+    "fourd/plan/intervals.py": (
+        "tests/test_contract_intervals.py",
+        "tests/test_plan_intervals.py",
+        "tests/test_plan_validation.py",
+    ),
+    "fourd/plan/anchor.py": (
+        "tests/test_contract_anchor.py",
+        "tests/test_plan_anchor.py",
+        "tests/test_plan_validation.py",
+    ),
 }
 # tests in those files that pin another module, left out of the module's runs: hypothesis's 150 corpora of
 # fourd.data.sources take 2.5 s of test_data_stream.py's 4
@@ -189,9 +200,42 @@ def report() -> str:
     return "\n".join(rows)
 
 
+def recheck(module: str) -> list[str]:
+    """Each surviving mutant of the module's session applied (its diff, with `patch`) to a fresh copy
+    of the current tree and run against the module's current tests: the diffs of those that still
+    pass. A session runs against the tests of its start; this says which survivors the tests added
+    since kill."""
+    work = CACHE / "work" / f"{_name(module)}.recheck"
+    _copy(work)
+    pristine = (work / module).read_text()
+    tests = " ".join(MODULES[module])
+    command = f"{PYTEST.format(work=work)} {tests}"
+    alive = []
+    for diff in survivors(module):
+        (work / module).write_text(pristine)
+        body = diff.split("\n", 1)[1]  # after cosmic-ray's "--- mutation diff ---" line
+        patch = subprocess.run(
+            ["patch", "-p1", "-s", "--no-backup-if-mismatch"], input=body.encode(), cwd=work
+        )
+        if patch.returncode != 0:
+            raise SystemExit(f"{module}: a survivor's diff no longer applies:\n{body}")
+        if subprocess.run(command, shell=True, cwd=work, capture_output=True).returncode == 0:
+            alive.append(diff)
+    shutil.rmtree(work)
+    return alive
+
+
 def main(argv: list[str]) -> int:
     if argv == ["--report"]:
         print(report())
+        return 0
+    if argv[:1] == ["--recheck"]:
+        for module in argv[1:]:
+            alive = recheck(module)
+            print("\n".join(alive))
+            print(
+                f"{module}: {len(alive)} of {len(survivors(module))} survivors still pass its tests"
+            )
         return 0
     if argv == ["--survivors"]:
         for module in MODULES:
