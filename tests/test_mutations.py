@@ -70,7 +70,7 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
     ),
     "checkpoint verify skips the SHA-256 comparison": (
         "fourd/ckpt/store.py",
-        'if _sha256_file(path) != want["sha256"]:',
+        'if sha256_file(path) != want["sha256"]:',
         "if False:",
         ("tests/test_ckpt_store.py::test_bit_flip_is_named",),
     ),

@@ -16,6 +16,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fourd.digest import sha256_file
 from fourd.errors import FourdError
 from fourd.model.config import ModelConfig
 
@@ -187,14 +188,6 @@ def read_manifest(directory: str | os.PathLike) -> dict:
     return manifest
 
 
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        while block := file.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def verify(directory: str | os.PathLike) -> dict:
     """Check every file against the manifest; FourdError names the first missing or altered file."""
     manifest = read_manifest(directory)
@@ -211,7 +204,7 @@ def verify(directory: str | os.PathLike) -> dict:
                 f"{path}: {path.stat().st_size} bytes, manifest says "
                 f"{want['bytes']}; the file is damaged"
             )
-        if _sha256_file(path) != want["sha256"]:
+        if sha256_file(path) != want["sha256"]:
             raise FourdError(f"{path}: SHA-256 differs from {MANIFEST}; the file is damaged")
     return manifest
 
@@ -302,7 +295,7 @@ def write_manifest(
     files = {
         path.relative_to(directory).as_posix(): {
             "bytes": path.stat().st_size,
-            "sha256": _sha256_file(path),
+            "sha256": sha256_file(path),
         }
         for path in data
     }

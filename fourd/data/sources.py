@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fourd.data.corpus import read_regular, stdlib_files
+from fourd.digest import sha256_file
 from fourd.errors import FourdError
 
 FIX = "give a text file, a folder of text files or a .jsonl file"
@@ -30,7 +31,7 @@ _PSEUDO = ("proc", "sys", "dev")  # kernel file systems: their files have no fix
 # first.
 BATCH_DOCUMENTS = 1024
 BATCH_BYTES = 16 << 20
-_CHUNK = 8 << 20  # bytes read at a time when hashing or decompressing
+_CHUNK = 8 << 20  # bytes read at a time when decompressing
 
 
 @dataclass(frozen=True)
@@ -187,14 +188,6 @@ def _jsonl_documents(source: Source, field: str, reader: _HashingReader) -> Iter
         ) from None
 
 
-def _hash_file(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _column_documents(source: Source, field: str) -> Iterator[str]:
     """The `field` column of a Parquet file (row group by row group) or of an Arrow stream file."""
     pa = _require("pyarrow", "reading Parquet and Arrow files")
@@ -242,7 +235,7 @@ class DocumentReader:
         if kind in ("parquet", "arrow"):
             refuse_irregular(self.source.path)
             yield from (d for d in _column_documents(self.source, self.field) if d)
-            self.sha256 = _hash_file(self.source.path)
+            self.sha256 = sha256_file(Path(self.source.path))
             return
         if kind == "text":
             raw = read_regular(self.source.path, "data file", FIX)

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-from fourd.data.prepare import FORMAT, MANIFEST, VERSION, sha256_file
+from fourd.data.prepare import FORMAT, MANIFEST, VERSION
+from fourd.digest import sha256_file
 from fourd.errors import FourdError
 
 
