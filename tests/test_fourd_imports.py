@@ -11,7 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 # Lowest first; a module imports from its own package or a lower layer, never from its own layer or above.
 LAYERS = [
-    {"errors", "compat"},
+    {"errors", "compat", "digest"},
     {"schedules", "model"},
     {"layout"},
     {"config"},
