@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Lowest first; a module imports from its own package or a lower layer, never from its own layer or above.
 LAYERS = [
     {"errors", "compat", "digest"},
-    {"schedules", "model"},
+    {"schedules", "model", "manifest"},
     {"layout"},
     {"config"},
     {"data", "comm"},

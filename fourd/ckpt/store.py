@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from fourd.digest import sha256_file
 from fourd.errors import FourdError
+from fourd.manifest import MANIFEST, read_manifest_json
 from fourd.model.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -29,7 +30,6 @@ warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 
 FORMAT = "fourd-checkpoint"
 VERSION = 1
-MANIFEST = "manifest.json"
 CHECKPOINTS = "checkpoints"
 _SHA = "sha256"  # a kind: 64 lowercase hexadecimal digits
 _KINDS = {
@@ -150,24 +150,14 @@ def inside(folder: str | os.PathLike, rel: object, source: str) -> Path:
 def read_manifest(directory: str | os.PathLike) -> dict:
     """manifest.json, checked against its schema: any missing or wrong-typed field is one
     FourdError."""
+    manifest = read_manifest_json(
+        directory,
+        format_name=FORMAT,
+        version=VERSION,
+        what="a fourd checkpoint",
+        remedy="use a checkpoint this fourd wrote (`fourd ckpt verify DIR` checks one)",
+    )
     path = Path(directory) / MANIFEST
-    if not path.is_file():
-        raise FourdError(
-            f"{directory}: no {MANIFEST}; not a fourd checkpoint (or an incomplete one)"
-        )
-    try:
-        manifest = json.loads(path.read_bytes())
-    except (ValueError, RecursionError) as e:
-        raise FourdError(
-            f"{path}: not valid JSON ({str(e)[:80]}); the checkpoint is damaged"
-        ) from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise FourdError(f"{path}: format is not {FORMAT!r}; not a fourd checkpoint")
-    if manifest.get("version") != VERSION:
-        raise FourdError(
-            f"{path}: version {manifest.get('version')!r} is not supported (this "
-            f"fourd reads {VERSION})"
-        )
     where = str(path)
     _check(where, "", manifest, _TOP, required=("step", "layout", "model", "model_digest", "files"))
     model_config(where, manifest["model"])

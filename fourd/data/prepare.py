@@ -30,10 +30,10 @@ import numpy as np
 from fourd.data.sources import DocumentReader, Source
 from fourd.data.tokenizer import load_tokenizer
 from fourd.errors import FourdError, plural
+from fourd.manifest import MANIFEST
 
 FORMAT = "fourd-tokens"
 VERSION = 1
-MANIFEST = "manifest.json"
 PROGRESS = "progress.json"
 SHARD_TOKENS = 1 << 28  # a shard closes at the first document end past 268M tokens (512 MiB uint16)
 BLANK_LINE = "\n\n"

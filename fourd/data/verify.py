@@ -2,35 +2,25 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
-from fourd.data.prepare import FORMAT, MANIFEST, VERSION
+from fourd.data.prepare import FORMAT, VERSION
 from fourd.digest import sha256_file
 from fourd.errors import FourdError
+from fourd.manifest import read_manifest_json
 
 
 def read_manifest(folder: str) -> dict:
-    path = Path(folder).expanduser() / MANIFEST
-    if not path.is_file():
-        raise FourdError(
-            f"{folder}: no {MANIFEST}; not a prepared dataset (or an unfinished one): "
-            "run `fourd data prepare` to finish it"
-        )
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise FourdError(f"{path}: not valid JSON ({str(e)[:60]}); prepare it again") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise FourdError(f"{path}: format is not {FORMAT!r}; not a fourd prepared dataset")
-    if manifest.get("version") != VERSION:
-        raise FourdError(
-            f"{path}: version {manifest.get('version')!r} is not supported (this fourd reads "
-            f"{VERSION}): prepare it again"
-        )
-    return manifest
+    """The dataset's manifest.json, checked for its format and version."""
+    return read_manifest_json(
+        folder,
+        format_name=FORMAT,
+        version=VERSION,
+        what="a prepared dataset",
+        remedy="prepare it again with `fourd data prepare`",
+    )
 
 
 def verify(folder: str) -> dict:

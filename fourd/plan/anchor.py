@@ -69,7 +69,7 @@ class Anchor:
     path: str
     model: ModelConfig
     cluster: Cluster
-    values: dict
+    values: dict[str, Any]
     step_time_s: float
     peak_memory_gb: float | None = None
     forward_backward_s: float | None = None
