@@ -77,15 +77,28 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _parent(pid: int) -> int:
+    """The parent process of `pid` (from /proc), or -1 once it has ended."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
 def _workers(pid: int) -> list[int]:
-    """The training workers launcher `pid` started (multiprocessing's spawned children), oldest first."""
+    """The training workers launcher `pid` started, oldest first: multiprocessing's spawned
+    children, or (CPU runs) the children of its forkserver, which is itself the launcher's child."""
     found = []
     for child in sorted(_children(pid)):
         try:
             cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+        if b"resource_tracker" in cmdline:
+            continue
+        spawned = b"spawn_main" in cmdline
+        forked = b"multiprocessing.forkserver" in cmdline and _parent(child) != pid
+        if spawned or forked:
             found.append(child)
     return found
 

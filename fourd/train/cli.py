@@ -324,6 +324,16 @@ def run(args) -> int:
         )
     if under_torchrun():
         torchrun_worker(cfg.to_dict(), cache, data, peak)
+    # CPU workers fork from one process that imported torch and fourd.train.worker once; CUDA
+    # workers spawn, each its own fresh interpreter
+    preload = ("fourd.train.worker",) if device == "cpu" else ()
     return launch_local(
-        layout.world, cfg.run.max_restarts, worker_entry, cfg.to_dict(), cache, data, peak
+        layout.world,
+        cfg.run.max_restarts,
+        worker_entry,
+        cfg.to_dict(),
+        cache,
+        data,
+        peak,
+        preload=preload,
     )

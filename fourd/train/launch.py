@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import multiprocessing
 import os
 import signal
 import sys
@@ -88,8 +89,42 @@ def _failure(e, folder: Path, max_restarts: int) -> FourdError:
     )
 
 
-def launch_local(nproc: int, max_restarts: int, entrypoint, *args) -> int:
-    """Run entrypoint(*args) in nproc local workers; returns the exit status fourd should give."""
+# multiprocessing's forkserver listens on TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX, an AF_UNIX socket
+# whose path may hold 107 bytes on Linux (sockaddr_un.sun_path)
+_SOCKET_PATH_MAX = 107
+_FORKSERVER_SOCKET_NAME = len("/pymp-xxxxxxxx/listener-xxxxxxxx")
+
+
+def _forkserver_fits() -> bool:
+    """True when multiprocessing's forkserver socket fits below this TMPDIR; else workers spawn."""
+    return len(tempfile.gettempdir()) + _FORKSERVER_SOCKET_NAME <= _SOCKET_PATH_MAX
+
+
+def _start_method(preload: list[str]) -> str:
+    """'forkserver' preloading `preload` when modules to preload are given and its socket fits, so
+    each worker forks from a process that has imported torch and fourd once (seconds saved per
+    worker, docs/testing.md); else 'spawn', a fresh interpreter per worker."""
+    if not preload or not _forkserver_fits():
+        return "spawn"
+    multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
+    return "forkserver"
+
+
+def _with_launch_env(launch_env: dict[str, str], entrypoint, *args):
+    """entrypoint(*args) in a worker with this launch's FOURD_* variables: a forkserver started by
+    an earlier launch of the same process holds that launch's environment, not this one's."""
+    for name in [name for name in os.environ if name.startswith("FOURD_")]:
+        del os.environ[name]
+    os.environ.update(launch_env)
+    return entrypoint(*args)
+
+
+def launch_local(
+    nproc: int, max_restarts: int, entrypoint, *args, preload: tuple[str, ...] = ()
+) -> int:
+    """Run entrypoint(*args) in nproc local workers; returns the exit status fourd should give.
+    `preload` names modules a forkserver imports once for all workers (CPU runs); without it each
+    worker is a fresh spawned interpreter."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -114,7 +149,8 @@ def launch_local(nproc: int, max_restarts: int, entrypoint, *args) -> int:
             rdzv_endpoint=f"127.0.0.1:{free_port()}",
             rdzv_configs={"timeout": 120},
         )
-        kw |= dict(max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn")
+        start_method = _start_method(list(preload))
+        kw |= dict(max_restarts=max_restarts, monitor_interval=0.1, start_method=start_method)
         # not SIGINT and SIGTERM: the agent would turn them into an exception that kills unsaved
         # workers
         kw |= dict(
@@ -122,7 +158,11 @@ def launch_local(nproc: int, max_restarts: int, entrypoint, *args) -> int:
             logs_specs=DefaultLogsSpecs(log_dir=os.path.join(tmp, "logs")),
         )
         try:
-            results = elastic_launch(LaunchConfig(**kw), entrypoint)(*args)
+            launch_env = {
+                name: value for name, value in os.environ.items() if name.startswith("FOURD_")
+            }
+            workers = elastic_launch(LaunchConfig(**kw), _with_launch_env)
+            results = workers(launch_env, entrypoint, *args)
         except ChildFailedError as e:
             if got:
                 print(
