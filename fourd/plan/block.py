@@ -97,87 +97,96 @@ def _rope_eager(elements: int, act_bytes: int) -> float:
     return (16 + 12 + 8 + (2 * (act_bytes + F32) if act_bytes < F32 else 0)) * elements
 
 
+def _eager_llama_bytes(dims: Sizes, repeat: float) -> tuple[float, float, float]:
+    """(forward bytes, kept bytes, norm and linear inputs kept) per token of fourd's eager Llama
+    block: its RMSNorms, adds and casts, RoPE, SwiGLU, and the GQA copies `repeat`."""
+    act_bytes, stream_bytes = dims.b, dims.r
+    norms = (
+        2 * _norm_eager(dims)
+        + 2 * (2 * stream_bytes + act_bytes) * dims.norm
+        + 5 * dims.casts * (stream_bytes + act_bytes) * dims.h
+    )  # and adds, casts
+    # the attention kernel writes its output token-major, so the heads' reshape copies nothing
+    attn = _rope_eager(dims.q, act_bytes) + _rope_eager(dims.kv, act_bytes) + repeat
+    act = 5 * act_bytes * dims.f  # silu, then the product
+    # the norms' FP32 results and each linear's input (with sequence parallelism its shard,
+    # gathered again in backward); besides them the norms' FP32 inputs, attention's inputs and
+    # output, and the MLP's four tensors. RoPE keeps nothing of its own: its products' other
+    # factors are the cos and sin tables, which need no gradient.
+    outputs = 2 * F32 * dims.norm + (5 if dims.casts else 2) * act_bytes * dims.norm
+    kept = (
+        2 * F32 * dims.norm + act_bytes * (2 * dims.q + 2 * dims.kv_used) + 4 * act_bytes * dims.f
+    )
+    return norms + attn + act, kept, outputs
+
+
+def _fused_or_gpt_bytes(
+    dims: Sizes, repeat: float, swiglu: bool, eager: bool
+) -> tuple[float, float, float]:
+    """(forward bytes, kept bytes, norm outputs kept) per token of a fused (compiled or the stack's
+    kernels) block, or an eager GPT block; `repeat`: the GQA copies."""
+    act_bytes, stream_bytes = dims.b, dims.r
+    # a fused add-and-norm reads the stream and the branch and writes both; eager GPT blocks run
+    # native LayerNorm (one kernel) and the adds apart
+    if eager:
+        norm_bytes = 2 * (stream_bytes + act_bytes) + 2 * (2 * stream_bytes + act_bytes)
+    else:
+        norm_bytes = 4 * (stream_bytes + act_bytes)
+    norms = norm_bytes * dims.norm
+    attn = repeat  # GPT blocks add their biases inside the GEMMs
+    if swiglu:
+        attn = 2 * act_bytes * (dims.q + dims.kv) + repeat  # RoPE
+    act = (3 if swiglu else 2) * act_bytes * dims.f
+    outputs = 2 * act_bytes * dims.norm
+    kept = (
+        2 * stream_bytes * dims.norm
+        + act_bytes * (2 * dims.q + 2 * dims.kv_used)
+        + (3 if swiglu else 2) * act_bytes * dims.f
+    )
+    return norms + attn + act, kept, outputs
+
+
+def _recomputed(work: Work, dims: Sizes, forward: float, kept: float) -> Traffic:
+    """The layer's traffic under the job's recomputation, from its `forward` bytes and the bytes
+    `kept` without recomputation (docs/planner.md's recomputation row says what each keeps)."""
+    act_bytes, stream_bytes = dims.b, dims.r
+    backward = BACKWARD[work.model.mlp == "swiglu" and not work.fused] * forward
+    if work.recompute == "full":
+        return Traffic(forward, backward, stream_bytes * dims.norm, 0.0)
+    if work.recompute == "per-op":
+        inputs = matmuls(work)[::2]
+        # row-parallel outputs: SP shards
+        saved = sum(dims.norm if width == dims.h else width for width, _ in inputs) + dims.q
+        kept_per_op = stream_bytes * dims.norm + act_bytes * saved + F32 * dims.heads
+        return Traffic(forward, backward, kept_per_op, forward)
+    if work.recompute == "selective" and work.attention == "flash":
+        # fourd's policy (fourd.parallel.recompute): wo and w2 feed the residual stream, backward
+        # needs neither of their outputs
+        unsaved = (3, 6) if work.model.mlp == "swiglu" else (1, 3)
+        saved_outputs = (width for i, (width, _) in enumerate(matmuls(work)) if i not in unsaved)
+        saved = sum(saved_outputs) + dims.q  # and attention's output
+        kept_selective = 2 * stream_bytes * dims.norm + act_bytes * saved + F32 * dims.heads
+        return Traffic(forward, backward, kept_selective, forward)
+    if work.attention == "materialized" and work.recompute == "none":
+        # softmax output, dropout mask and output (Korthikanti et al. 2022 §4)
+        kept += 5 * dims.heads * work.seq
+    return Traffic(forward, backward, kept, 0.0)
+
+
 @lru_cache(maxsize=4096)
 def traffic(work: Work) -> Traffic:
     """Memory-bound bytes and kept activations of one layer, per token, on one rank, under the job's
     recomputation (docs/planner.md's recomputation row says what each keeps)."""
-    dims, swiglu = sizes(work), work.model.mlp == "swiglu"
-    act_bytes, stream_bytes, eager = dims.b, dims.r, not work.fused
+    dims, swiglu, eager = sizes(work), work.model.mlp == "swiglu", not work.fused
     repeat = 0  # GQA: K and V copied to every query head
     if dims.kv_used != dims.kv:
-        repeat = 2 * act_bytes * (dims.kv + dims.kv_used)
+        repeat = 2 * dims.b * (dims.kv + dims.kv_used)
     if swiglu and eager:
-        norms = (
-            2 * _norm_eager(dims)
-            + 2 * (2 * stream_bytes + act_bytes) * dims.norm
-            + 5 * dims.casts * (stream_bytes + act_bytes) * dims.h
-        )  # and adds, casts
-        # the attention kernel writes its output token-major, so the heads' reshape copies nothing
-        attn = _rope_eager(dims.q, act_bytes) + _rope_eager(dims.kv, act_bytes) + repeat
-        act = 5 * act_bytes * dims.f  # silu, then the product
-        # the norms' FP32 results and each linear's input (with sequence parallelism its shard,
-        # gathered again in backward); besides them the norms' FP32 inputs, attention's inputs and
-        # output, and the MLP's four tensors. RoPE keeps nothing of its own: its products' other
-        # factors are the cos and sin tables, which need no gradient.
-        outputs = 2 * F32 * dims.norm + (5 if dims.casts else 2) * act_bytes * dims.norm
-        kept = (
-            2 * F32 * dims.norm
-            + act_bytes * (2 * dims.q + 2 * dims.kv_used)
-            + 4 * act_bytes * dims.f
-        )
+        forward, kept, outputs = _eager_llama_bytes(dims, repeat)
     else:
-        # a fused add-and-norm reads the stream and the branch and writes both; eager GPT blocks run
-        # native LayerNorm (one kernel) and the adds apart
-        norms = (
-            4 * (stream_bytes + act_bytes)
-            if not eager
-            else 2 * (stream_bytes + act_bytes) + 2 * (2 * stream_bytes + act_bytes)
-        ) * dims.norm
-        attn = repeat  # GPT blocks add their biases inside the GEMMs
-        if swiglu:
-            attn = 2 * act_bytes * (dims.q + dims.kv) + repeat  # RoPE
-        act = (3 if swiglu else 2) * act_bytes * dims.f
-        outputs = 2 * act_bytes * dims.norm
-        kept = (
-            2 * stream_bytes * dims.norm
-            + act_bytes * (2 * dims.q + 2 * dims.kv_used)
-            + (3 if swiglu else 2) * act_bytes * dims.f
-        )
+        forward, kept, outputs = _fused_or_gpt_bytes(dims, repeat, swiglu, eager)
     kept += outputs + F32 * dims.heads  # and attention's logsumexp
-    forward = norms + attn + act
-    backward = BACKWARD[swiglu and eager] * forward
-    if work.recompute == "full":
-        return Traffic(forward, backward, stream_bytes * dims.norm, 0.0)
-    if work.recompute == "per-op":
-        saved = (
-            sum(dims.norm if width == dims.h else width for width, _ in matmuls(work)[::2]) + dims.q
-        )  # row-parallel outputs: SP shards
-        return Traffic(
-            forward,
-            backward,
-            stream_bytes * dims.norm + act_bytes * saved + F32 * dims.heads,
-            forward,
-        )
-    if (
-        work.recompute == "selective" and work.attention == "flash"
-    ):  # fourd's policy (fourd.parallel.recompute)
-        out = (
-            (3, 6) if swiglu else (1, 3)
-        )  # wo and w2 feed the residual stream: backward needs neither
-        saved = (
-            sum(width for i, (width, _) in enumerate(matmuls(work)) if i not in out) + dims.q
-        )  # and attention's output
-        return Traffic(
-            forward,
-            backward,
-            2 * stream_bytes * dims.norm + act_bytes * saved + F32 * dims.heads,
-            forward,
-        )
-    if work.attention == "materialized" and work.recompute == "none":
-        kept += (
-            5 * dims.heads * work.seq
-        )  # softmax output, dropout mask and output (Korthikanti et al. 2022 §4)
-    return Traffic(forward, backward, kept, 0.0)
+    return _recomputed(work, dims, forward, kept)
 
 
 def loss_bytes(b: int) -> tuple[float, float, float]:

@@ -412,6 +412,39 @@ def _dp_exposure(job: Job, t: StageTime, bubble: float, layers: int) -> tuple[fl
     return min(exposed, total), total
 
 
+def _pipeline_sends_time(job: Job) -> float:
+    """Seconds of pipeline sends on the critical path of a step. Overlapped, the sends of warm-up
+    and cool-down are on it: the first microbatch crosses every boundary between the p·V stages
+    forward (each stage on the next rank) and the last one back, 2(p·V − 1) sends (2(p − 1)
+    without interleaving); synchronous (Megatron's batched exchanges, each waited for), each later
+    microbatch also waits for its rank's two exchanges per stage it runs, 2·V; blocking
+    (DeepSpeed's pipeline engine), each microbatch after the first also waits for a middle rank's
+    four (two on a two-rank pipeline): docs/planner.md."""
+    pp, par = job.layout.pp, job.par
+    if pp <= 1:
+        return 0.0
+    later_microbatches = par.microbatches - 1
+    sends = 2 * (pp * par.virtual_stages - 1)
+    if job.pipeline_comm == "blocking":
+        sends += 2 * min(2, pp - 1) * later_microbatches
+    elif job.pipeline_comm == "synchronous":
+        sends += 2 * par.virtual_stages * later_microbatches
+    return sends * p2p_time(job)
+
+
+def _bubble_seconds(job: Job, stage: StageTime) -> float:
+    """The schedule's bubble per step on the slowest rank, whose stages take `stage` per
+    microbatch. CPU profiles: half the ranks work through warm-up and cool-down, on the cores the
+    waiting half leave, as crowded as half the ranks make them."""
+    lay, par = job.layout, job.par
+    bubble = 0.0
+    if lay.pp > 1:
+        bubble = bubble_time(par.schedule, lay.pp, par.microbatches, par.virtual_stages, stage)
+    server = min(lay.world, job.cluster.node.gpus)
+    crowding = compute_share(server // 2, job.cluster) / compute_share(server, job.cluster)
+    return bubble * crowding
+
+
 def step_time(job: Job) -> StepTime:
     """Seconds per optimizer step, and where they go."""
     lay, par = job.layout, job.par
@@ -425,29 +458,12 @@ def step_time(job: Job) -> StepTime:
         stage = stage + StageTime(
             0.0, 0.0, elementwise_time(GRAD_ACCUMULATE_BYTES * params, job.cluster), 0.0, 0.0
         )
-    # overlapped, the sends of warm-up and cool-down are on the critical path: the first microbatch
-    # crosses every boundary between the p·V stages forward (each stage on the next rank) and the
-    # last one back, 2(p·V − 1) sends (2(p − 1) without interleaving); synchronous (Megatron's
-    # batched exchanges, each waited for), each later microbatch also waits for its rank's two
-    # exchanges per stage it runs, 2·V; blocking, each microbatch after the first also waits for a
-    # middle rank's four (two on a two-rank pipeline): docs/planner.md
-    sends = 2 * (pp * par.virtual_stages - 1)
-    if blocking:
-        sends += 2 * min(2, pp - 1) * (microbatches - 1)
-    elif job.pipeline_comm == "synchronous":
-        sends += 2 * par.virtual_stages * (microbatches - 1)
-    p2p = sends * p2p_time(job) if pp > 1 else 0.0
+    p2p = _pipeline_sends_time(job)
     layers = rank_shapes(job.model, pp, par.virtual_stages)[0][slow]
     comm = exposed_layer_comm(job.work)
     redo = 2 if par.recompute == "full" else 1
     compute = microbatches * (stage.forward + stage.backward)
-    bubble = (
-        bubble_time(par.schedule, pp, microbatches, par.virtual_stages, stage) if pp > 1 else 0.0
-    )
-    # CPU profiles: half the ranks work through warm-up and cool-down, on the cores the waiting half
-    # leave, as crowded as half the ranks make them
-    server = min(lay.world, job.cluster.node.gpus)
-    bubble *= compute_share(server // 2, job.cluster) / compute_share(server, job.cluster)
+    bubble = _bubble_seconds(job, stage)
     exposed, total = _dp_exposure(job, stage, bubble, layers)
     if job.cluster.cpu or blocking or not job.dp_overlapped:
         # on CPUs collectives run on the cores compute needs; DeepSpeed's engine, and a stack that

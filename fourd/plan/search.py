@@ -25,6 +25,18 @@ MIN_CP_TOKENS = (
 # The settings a user pinned, by Parallelism's field names; None leaves one to the planner (fastest
 # that fits).
 OPEN = ("layout", "schedule", "virtual_stages", "microbatches", "zero", "recompute")
+# StepTime's terms (fields `<term>_s`) in a plan's JSON breakdown_s, seconds
+BREAKDOWN = (
+    "compute",
+    "tp_comm",
+    "cp_comm",
+    "bubble",
+    "p2p",
+    "dp_exposed",
+    "dp_total",
+    "overlap",
+    "optimizer",
+)
 
 
 @dataclass(frozen=True)
@@ -115,18 +127,7 @@ class Plan:
             k: getattr(self, k)
             for k in ("tflops_per_gpu", "hw_tflops_per_gpu", "mfu", "bubble_fraction")
         }
-        parts = (
-            "compute",
-            "tp_comm",
-            "cp_comm",
-            "bubble",
-            "p2p",
-            "dp_exposed",
-            "dp_total",
-            "overlap",
-            "optimizer",
-        )
-        out["breakdown_s"] = {k: getattr(step, f"{k}_s") for k in parts}
+        out["breakdown_s"] = {term: getattr(step, f"{term}_s") for term in BREAKDOWN}
         out["placement"] = {
             dim: group_level(group, self.cluster) for dim, group in placement(lay).items()
         }
