@@ -59,17 +59,12 @@ _TOKENIZER_FILES = {
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument(
-        "--from", dest="src_format", required=True, choices=("hf", "fourd"), help="format of SRC"
-    )
-    parser.add_argument(
-        "src", metavar="SRC", help="directory to read (fourd: a checkpoint or a run directory)"
-    )
-    parser.add_argument(
-        "--to", dest="dst_format", required=True, choices=("hf", "fourd"), help="format of DST"
-    )
-    parser.add_argument("dst", metavar="DST", help="directory to create (must not exist)")
-    parser.add_argument(
+    add = parser.add_argument
+    add("--from", dest="src_format", required=True, choices=("hf", "fourd"), help="format of SRC")
+    add("src", metavar="SRC", help="directory to read (fourd: a checkpoint or a run directory)")
+    add("--to", dest="dst_format", required=True, choices=("hf", "fourd"), help="format of DST")
+    add("dst", metavar="DST", help="directory to create (must not exist)")
+    add(
         "--shard-mb",
         type=int,
         default=5000,

@@ -77,18 +77,23 @@ def build_parallel(cfg: Config, device: torch.device, rank: int, world: int) -> 
         _per_block(cfg, stage, par, device)
         if dp_mesh is not None:
             apply_dp(stage, dp_mesh, par.zero)
-    runner = None
-    if schedule is not None:
-        runner = PipelineRunner(stages, schedule, mesh["pp"], cross_entropy, device=device)
     return Parallel(
         setting=par,
         rank=rank,
         coords=coords,
         mesh=mesh,
         stages=stages,
-        runner=runner,
+        runner=_pipeline_runner(stages, schedule, mesh, device),
         dp_mesh=dp_mesh,
     )
+
+
+def _pipeline_runner(stages: list, schedule: Any, mesh: Any, device: torch.device) -> Any:
+    """The executor that runs this rank's stages on the pipeline schedule; None without pipeline
+    parallelism (no schedule: one stage, run directly)."""
+    if schedule is None:
+        return None
+    return PipelineRunner(stages, schedule, mesh["pp"], cross_entropy, device=device)
 
 
 def _per_block(cfg: Config, stage: torch.nn.Module, par: Parallelism, device: torch.device) -> None:

@@ -48,34 +48,18 @@ def trace_path(text: str) -> Path:
 
 def add_arguments(parser):
     plan_arguments(parser)  # the same model, cluster, layout and run flags as `fourd plan`
-    parser.add_argument(
-        "--no-comm", action="store_true", help="every transfer free: the schedule's figures alone"
-    )
-    parser.add_argument(
-        "--slow-gpu",
-        type=slow_gpu,
-        metavar="RANK:FACTOR",
-        help="GPU RANK computes FACTOR times slower",
-    )
-    parser.add_argument(
+    add = parser.add_argument
+    add("--no-comm", action="store_true", help="every transfer free: the schedule's figures alone")
+    add("--slow-gpu", type=slow_gpu, metavar="RANK:FACTOR", help="GPU RANK is FACTOR times slower")
+    add(
         "--diurnal",
         type=bounded(float, 0, 100),
         default=0.0,
         metavar="PCT",
         help="daily clock throttle amplitude in percent (Llama 3 saw 1-2 %%), largest at 15:00",
     )
-    parser.add_argument(
-        "--hour",
-        type=bounded(float, 0, 24),
-        default=15.0,
-        help="time of day for --diurnal (default 15)",
-    )
-    parser.add_argument(
-        "--trace",
-        type=trace_path,
-        metavar="FILE.json",
-        help="write a Chrome trace (open it in Perfetto)",
-    )
+    add("--hour", type=bounded(float, 0, 24), default=15.0, help="--diurnal's hour (default 15)")
+    add("--trace", type=trace_path, metavar="FILE.json", help="a Chrome trace to open in Perfetto")
 
 
 def diurnal_factor(pct: float, hour: float) -> float:
