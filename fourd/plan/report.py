@@ -8,6 +8,7 @@ from dataclasses import replace
 from fourd.errors import plural, si
 from fourd.layout import Layout
 from fourd.plan.cluster import group_level, placement
+from fourd.plan.perf import StepTime
 from fourd.plan.search import Plan, evaluate
 
 WHERE = {
@@ -100,42 +101,63 @@ def kernels_word(job) -> str:
 
 
 def plan_report(plan: Plan, train_tokens: float | None = None) -> str:
-    config, step, mem, cluster = plan.config, plan.step, plan.memory, plan.cluster
-    sched = config.schedule + (
-        f" V={config.virtual_stages}" if config.schedule == "interleaved" else ""
-    )
-    out = [
-        f"fourd plan: {plan.gpus:,} × {cluster.gpu.name} ({cluster.name}, "
-        f"{(plan.job.precision or cluster.dtype).upper()}), model with {si(plan.model.params())} "
-        f"parameters, {plan.seq:,}-token sequences, {plan.global_seqs * plan.seq:,} tokens per "
-        "step",
-        f"  {config.layout} · {sched} · {plural(config.microbatches, 'microbatch')} of "
-        f"{plan.micro_seqs} × "
-        f"{plan.seq:,} tokens · ZeRO {config.zero} · recompute {config.recompute} · "
-        f"{kernels_word(plan.job)} · stack {plan.job.stack}"
-        f"{' · TP overlapped' if plan.job.work.tp_overlap else ''}"
-        f"{'' if plan.job.dp_overlapped else ' · DP after backward'}"
-        f"{PIPELINE_WORDS.get(plan.job.pipeline_comm, '') if plan.config.layout.pp > 1 else ''}",
-    ]
-    out += (
-        [f"  chosen by the planner (fastest that fits): {', '.join(plan.chosen)}"]
-        if plan.chosen
-        else []
-    )
+    """The text report of one plan: what runs, where each group sits, memory, step time,
+    throughput, and why."""
+    out = _header_lines(plan)
     out += ["", "Placement (ranks innermost first: TP, CP, PP, DP)"]
     out += [
-        f"  {dim}={getattr(config.layout, dim):<6} {WHERE[group_level(g, cluster)]}"
-        for dim, g in placement(config.layout).items()
+        f"  {dim}={getattr(plan.config.layout, dim):<6} {WHERE[group_level(group, plan.cluster)]}"
+        for dim, group in placement(plan.config.layout).items()
     ]
-    g = mem.gb()
-    out += ["", "Memory per GPU (the fullest pipeline rank)        GB"]
-    out += [f"  {label:<44} {g[key]:>7.1f}" for key, label in MEMORY]
-    total = f"total of {cluster.gpu.memory_gb:.0f} GB"
-    out.append(
-        f"  {total:<44} {g['total'] + g['reserve']:>7.1f}  "
-        f"{'fits' if plan.fits else 'DOES NOT FIT'}"
-    )
-    out.append(f"  {'and the allocator cache (freed when short)':<44} {g['fragmentation']:>7.1f}")
+    out += _memory_lines(plan)
+    out += _step_lines(plan.step)
+    out += _throughput_lines(plan, train_tokens)
+    return "\n".join(out + ["", "Why"] + [f"  - {line}" for line in why(plan)])
+
+
+def _header_lines(plan: Plan) -> list[str]:
+    """The report's first lines: GPUs, model, tokens per step, and the configuration that runs
+    (with the settings the planner chose, when it chose any)."""
+    config, cluster, job = plan.config, plan.cluster, plan.job
+    schedule = config.schedule
+    if config.schedule == "interleaved":
+        schedule += f" V={config.virtual_stages}"
+    pipeline_words = PIPELINE_WORDS.get(job.pipeline_comm, "") if config.layout.pp > 1 else ""
+    out = [
+        f"fourd plan: {plan.gpus:,} × {cluster.gpu.name} ({cluster.name}, "
+        f"{(job.precision or cluster.dtype).upper()}), model with {si(plan.model.params())} "
+        f"parameters, {plan.seq:,}-token sequences, {plan.global_seqs * plan.seq:,} tokens per "
+        "step",
+        f"  {config.layout} · {schedule} · {plural(config.microbatches, 'microbatch')} of "
+        f"{plan.micro_seqs} × "
+        f"{plan.seq:,} tokens · ZeRO {config.zero} · recompute {config.recompute} · "
+        f"{kernels_word(job)} · stack {job.stack}"
+        f"{' · TP overlapped' if job.work.tp_overlap else ''}"
+        f"{'' if job.dp_overlapped else ' · DP after backward'}"
+        f"{pipeline_words}",
+    ]
+    if plan.chosen:
+        out.append(f"  chosen by the planner (fastest that fits): {', '.join(plan.chosen)}")
+    return out
+
+
+def _memory_lines(plan: Plan) -> list[str]:
+    """The memory table of the fullest pipeline rank, its total against the GPU's, and the
+    allocator's cache."""
+    gigabytes = plan.memory.gb()
+    out = ["", "Memory per GPU (the fullest pipeline rank)        GB"]
+    out += [f"  {label:<44} {gigabytes[key]:>7.1f}" for key, label in MEMORY]
+    total = f"total of {plan.cluster.gpu.memory_gb:.0f} GB"
+    verdict = "fits" if plan.fits else "DOES NOT FIT"
+    out.append(f"  {total:<44} {gigabytes['total'] + gigabytes['reserve']:>7.1f}  {verdict}")
+    cache = "and the allocator cache (freed when short)"
+    out.append(f"  {cache:<44} {gigabytes['fragmentation']:>7.1f}")
+    return out
+
+
+def _step_lines(step: StepTime) -> list[str]:
+    """The step-time table: each term, its share of the step (the "of which" rows only when
+    not zero), and the step."""
     rows = [
         ("compute (TP and CP collectives included)", step.compute_s),
         ("  of which TP collectives", step.tp_comm_s),
@@ -146,34 +168,30 @@ def plan_report(plan: Plan, train_tokens: float | None = None) -> str:
         ("compute slowed by overlapped collectives", step.overlap_s),
         ("optimizer update", step.optimizer_s),
     ]
-    out += ["", "Step time                                          s      share"]
+    out = ["", "Step time                                          s      share"]
     out += [
         f"  {term:<44} {seconds:>9.3f}  {_pct(seconds / step.step_s):>7}"
         for term, seconds in rows
         if seconds or not term.startswith("  ")
     ]
-    out += [f"  {'step':<44} {step.step_s:>9.3f}", "", "Throughput"]
-    out += [
-        f"  {term:<43}{seconds:>14}"
-        for term, seconds in (
-            ("tokens/s", f"{plan.tokens_per_s:,.0f}"),
-            ("model TFLOP/s per GPU", f"{plan.tflops_per_gpu:.1f}"),
-            ("hardware TFLOP/s per GPU (recomputation)", f"{plan.hw_tflops_per_gpu:.1f}"),
-            (f"MFU (of {cluster.gpu.peak_tflops:g} TFLOP/s peak)", _pct(plan.mfu)),
-            ("bubble fraction of the step", _pct(plan.bubble_fraction)),
-            *(
-                [
-                    (
-                        f"days for {train_tokens:.3g} tokens",
-                        f"{train_tokens / plan.tokens_per_s / 86400:.1f}",
-                    )
-                ]
-                if train_tokens
-                else []
-            ),
-        )
+    out.append(f"  {'step':<44} {step.step_s:>9.3f}")
+    return out
+
+
+def _throughput_lines(plan: Plan, train_tokens: float | None) -> list[str]:
+    """Tokens/s, model and hardware TFLOP/s per GPU, MFU, the bubble's share and, given a
+    token budget, the days it takes."""
+    rows = [
+        ("tokens/s", f"{plan.tokens_per_s:,.0f}"),
+        ("model TFLOP/s per GPU", f"{plan.tflops_per_gpu:.1f}"),
+        ("hardware TFLOP/s per GPU (recomputation)", f"{plan.hw_tflops_per_gpu:.1f}"),
+        (f"MFU (of {plan.cluster.gpu.peak_tflops:g} TFLOP/s peak)", _pct(plan.mfu)),
+        ("bubble fraction of the step", _pct(plan.bubble_fraction)),
     ]
-    return "\n".join(out + ["", "Why"] + [f"  - {line}" for line in why(plan)])
+    if train_tokens:
+        days = train_tokens / plan.tokens_per_s / 86400
+        rows.append((f"days for {train_tokens:.3g} tokens", f"{days:.1f}"))
+    return ["", "Throughput"] + [f"  {term:<43}{value:>14}" for term, value in rows]
 
 
 def search_report(plans: list[Plan], top: int, train_tokens: float | None = None) -> str:
