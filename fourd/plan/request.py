@@ -21,6 +21,7 @@ from fourd.plan.search import OPEN, Plan, search
 from fourd.plan.stack import (
     DEFAULT_STACK,
     PIPELINE_COMM,
+    Stack,
     load_stack,
     parse_stack,
     preset_names,
@@ -295,15 +296,8 @@ def resolve(model: ModelConfig, cluster: Cluster, values: Mapping[str, Any]) -> 
     seq_parallel = given["sequence_parallel"]
     if seq_parallel is None:
         seq_parallel = ParallelSection().sequence_parallel if cluster.cpu else True
-    layout, gpus, global_seqs = given["layout"], given["gpus"], _batch(given, seq, cluster)
-    if layout is None and gpus is None:
-        raise FourdError("give the number of GPUs or a layout (its product is the number of GPUs)")
-    gpus = gpus or layout.world
-    if layout is not None and layout.world != gpus:
-        raise FourdError(
-            f"layout {layout} uses {layout.world} GPUs but {gpus} are asked: make the product of "
-            f"the degrees equal {gpus}"
-        )
+    layout, gpus = _layout_and_gpus(given)
+    global_seqs = _batch(given, seq, cluster)
     schedule = given["schedule"] or ("interleaved" if (given["virtual_stages"] or 1) > 1 else None)
     check_stages(
         schedule or "interleaved", 2, 1, given["virtual_stages"] or 1
@@ -319,38 +313,17 @@ def resolve(model: ModelConfig, cluster: Cluster, values: Mapping[str, Any]) -> 
         global_seqs = _even_batch(global_seqs, layout.dp * (fixed["microbatches"] or 1))
     # name what is wrong with the user's own settings before searching the rest
     if layout is not None:
-        zero = fixed["zero"]
-        if zero is None:  # HSDP shards with ZeRO 3 unless told otherwise
-            zero = 0
-            if fixed["hsdp_replicas"] > 1:
-                zero = 3
-        mine = Parallelism(
-            layout=layout,
-            schedule=schedule or "1f1b",
-            microbatches=fixed["microbatches"] or 1,
-            virtual_stages=fixed["virtual_stages"] or 1,
-            zero=zero,
-            recompute=fixed["recompute"] or "none",
-            sequence_parallel=seq_parallel,
-            hsdp_replicas=fixed["hsdp_replicas"],
-        )
-        layout_check(model, mine, seq, global_seqs)
-    # compiled blocks are faster and keep less; a CPU profile predicts fourd train, which runs eager;
-    # a stack with fused kernels of its own has nothing to compile
+        layout_check(model, _pinned_parallelism(layout, fixed), seq, global_seqs)
     stack = load_stack(given["stack"] or DEFAULT_STACK)
     _note_beyond_stack(stack, schedule, fixed["zero"], layout)
-    fused = switch(stack, "fused_kernels", given["fused_kernels"])
-    compiled = not (cluster.cpu or fused)
-    if given["compiled"] is not None:
-        compiled = given["compiled"]
-    elif compiled:
+    compiled = _compiled(cluster, stack, given)
+    if compiled and given["compiled"] is None:
         open_ += ("compile",)
     if given["tp_overlap"] and not seq_parallel and layout is not None and layout.tp > 1:
         raise FourdError(
             "TP overlap runs with sequence parallelism only (it overlaps SP's all-gathers and "
             "reduce-scatters with the GEMMs): add --sequence-parallel on or drop --tp-overlap on"
         )
-    attention, comm = given["attention"] or "flash", given["pipeline_comm"] or stack.pipeline_comm
     base = Job(
         model=model,
         cluster=cluster,
@@ -359,8 +332,8 @@ def resolve(model: ModelConfig, cluster: Cluster, values: Mapping[str, Any]) -> 
         global_seqs=global_seqs,
         precision=given["precision"],
         compiled=compiled,
-        attention=attention,
-        pipeline_comm=comm,
+        attention=given["attention"] or "flash",
+        pipeline_comm=given["pipeline_comm"] or stack.pipeline_comm,
         stack=given["stack"] or DEFAULT_STACK,
         tp_overlap=given["tp_overlap"],
         dp_overlap=given["dp_overlap"],
@@ -370,6 +343,49 @@ def resolve(model: ModelConfig, cluster: Cluster, values: Mapping[str, Any]) -> 
     return Request(
         base=base, gpus=gpus, fixed=fixed, open=open_, train_tokens=given["train_tokens"]
     )
+
+
+def _layout_and_gpus(given: dict[str, Any]) -> tuple[Layout | None, int]:
+    """The layout (None: searched) and the GPU count, the one given or the layout's product;
+    refused when neither is given or the two disagree."""
+    layout, gpus = given["layout"], given["gpus"]
+    if layout is None and gpus is None:
+        raise FourdError("give the number of GPUs or a layout (its product is the number of GPUs)")
+    gpus = gpus or layout.world
+    if layout is not None and layout.world != gpus:
+        raise FourdError(
+            f"layout {layout} uses {layout.world} GPUs but {gpus} are asked: make the product of "
+            f"the degrees equal {gpus}"
+        )
+    return layout, gpus
+
+
+def _pinned_parallelism(layout: Layout, fixed: dict[str, Any]) -> Parallelism:
+    """The user's layout with the settings they pinned and defaults for the open ones, to check
+    before the search: HSDP shards with ZeRO 3 unless told otherwise."""
+    zero = fixed["zero"]
+    if zero is None:
+        zero = 3 if fixed["hsdp_replicas"] > 1 else 0
+    return Parallelism(
+        layout=layout,
+        schedule=fixed["schedule"] or "1f1b",
+        microbatches=fixed["microbatches"] or 1,
+        virtual_stages=fixed["virtual_stages"] or 1,
+        zero=zero,
+        recompute=fixed["recompute"] or "none",
+        sequence_parallel=fixed["sequence_parallel"],
+        hsdp_replicas=fixed["hsdp_replicas"],
+    )
+
+
+def _compiled(cluster: Cluster, stack: Stack, given: dict[str, Any]) -> bool:
+    """Whether blocks are compiled: as given, else yes (faster, keeping less) except on a CPU
+    profile (it predicts `fourd train`, which runs eager) and on a stack with fused kernels of
+    its own (nothing left to compile)."""
+    if given["compiled"] is not None:
+        return given["compiled"]
+    fused = switch(stack, "fused_kernels", given["fused_kernels"])
+    return not (cluster.cpu or fused)
 
 
 def _note_beyond_stack(stack, schedule: str | None, zero: int | None, layout) -> None:
