@@ -268,23 +268,36 @@ def _needs(action: Action, replica: int, stages: int) -> list:
     return needs
 
 
+def _dp_bytes(comm) -> tuple[list, list]:
+    """Per stage, the bytes of its weights (as the DP collectives move them) and of its FP32
+    gradients; none without communication."""
+    params = comm.dp_params if comm else []
+    weight_bytes = [count * comm.weight_bytes for count in params]
+    grad_bytes = [4 * count for count in params]  # gradients in FP32
+    return weight_bytes, grad_bytes
+
+
+def _stage_marks(actions) -> tuple[dict, dict]:
+    """Per stage, the index of its first forward and of its last backward (B or W) among a rank's
+    actions."""
+    first_forward: dict = {}
+    last_grad: dict = {}
+    for index, action in enumerate(actions):
+        if action.kind == "F":
+            first_forward.setdefault(action.stage, index)
+        if action.kind in ("B", "W"):
+            last_grad[action.stage] = index
+    return first_forward, last_grad
+
+
 def _rank_pieces(sim: _Engine, who: tuple[int, int], costs, layers, factor, zero):
     """A rank's compute pieces for one replica class, with the DP buckets they gate and emit."""
     replica, rank = who
     schedule = sim.schedule
     comm = sim.comm
     actions = schedule.ranks[rank]
-    params: list = []
-    weight_bytes: list = []
-    if comm:
-        params = comm.dp_params
-        weight_bytes = [count * comm.weight_bytes for count in params]
-    grad_bytes = [4 * count for count in params]  # gradients in FP32
-    last_grad = {action.stage: i for i, action in enumerate(actions) if action.kind in ("B", "W")}
-    # the first forward of each stage wins
-    first_forward = {
-        action.stage: i for i, action in reversed(list(enumerate(actions))) if action.kind == "F"
-    }
+    weight_bytes, grad_bytes = _dp_bytes(comm)
+    first_forward, last_grad = _stage_marks(actions)
     pieces = []
     rs_keys = sim.rs_keys.setdefault(who, [])
     gathered_before = zero in (1, 2) and not (comm and comm.gather_in_step)
