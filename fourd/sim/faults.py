@@ -121,6 +121,39 @@ def _check_size(runs: int, slots: int) -> None:
         )
 
 
+def _check_inputs(
+    gpus: int,
+    days: float,
+    runs: int,
+    interval_s: float | None,
+    checkpoint_s: float,
+    restart_s: float,
+) -> None:
+    """Refuse (one line) a count or time that is not finite, or not positive (checkpoint and
+    restart times may be 0)."""
+    positive = [gpus, runs, days]
+    if interval_s is not None:
+        positive.append(interval_s)
+    finite = math.isfinite(sum(positive) + checkpoint_s + restart_s)
+    if not (finite and min(positive) > 0 and min(checkpoint_s, restart_s) >= 0):
+        raise FourdError(
+            f"{gpus} GPUs, {days} days, {runs} runs, checkpoint interval {interval_s} s, "
+            f"checkpoint {checkpoint_s} s, restart {restart_s} s: each must be finite, and "
+            "positive (the last two may be 0)"
+        )
+
+
+def _by_component(rng, rates: dict[str, float], total_unexpected: int, runs: int) -> dict:
+    """The mean unexpected interruptions per run by component: all runs' interruptions drawn
+    into components in proportion to their rates (one multinomial draw)."""
+    names = list(rates)
+    probs = np.array([rates[name] for name in names]) / sum(rates.values())
+    counts = np.zeros(len(names), dtype=int)
+    if total_unexpected:
+        counts = rng.multinomial(total_unexpected, probs)
+    return {name: counts[i] / runs for i, name in enumerate(names)}
+
+
 def simulate(
     gpus: int,
     days: float,
@@ -132,16 +165,7 @@ def simulate(
 ) -> FaultResult:
     """`runs` independent runs of `days` days; the checkpoint interval defaults to Daly's
     optimum."""
-    positive = [gpus, runs, days]
-    if interval_s is not None:
-        positive.append(interval_s)
-    finite = math.isfinite(sum(positive) + checkpoint_s + restart_s)
-    if not (finite and min(positive) > 0 and min(checkpoint_s, restart_s) >= 0):
-        raise FourdError(
-            f"{gpus} GPUs, {days} days, {runs} runs, checkpoint interval {interval_s} s, "
-            f"checkpoint {checkpoint_s} s, restart {restart_s} s: each must be finite, and "
-            "positive (the last two may be 0)"
-        )
+    _check_inputs(gpus, days, runs, interval_s, checkpoint_s, restart_s)
     tau = interval_s
     if tau is None:
         tau = daly_interval(checkpoint_s, mtbf_s(gpus))
@@ -162,12 +186,6 @@ def simulate(
         arrivals, happened, planned, horizon, (tau, checkpoint_s, restart_s)
     )
     n_unexpected = unexpected.sum(axis=1)
-    names = list(rates)
-    probs = np.array([rates[name] for name in names]) / sum(rates.values())
-    total_unexpected = int(n_unexpected.sum())
-    counts = np.zeros(len(names), dtype=int)
-    if total_unexpected:
-        counts = rng.multinomial(total_unexpected, probs)
 
     def per_run(x):
         return np.where(live, x, 0.0).sum(axis=1)
@@ -181,7 +199,7 @@ def simulate(
         restart_s=restart_s,
         unexpected=n_unexpected,
         planned=planned.sum(axis=1),
-        by_component={name: counts[i] / runs for i, name in enumerate(names)},
+        by_component=_by_component(rng, rates, int(n_unexpected.sum()), runs),
         useful_s=per_run(useful),
         lost_s=per_run(lost),
         restart_total_s=per_run(downtime),
