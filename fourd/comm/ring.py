@@ -71,15 +71,14 @@ def ring_all_reduce(
     if ranks == 1 or tensor.numel() == 0:
         return stats
     rank = dist.get_rank(group)
-    next_rank = (rank + 1) % ranks
-    prev_rank = (rank - 1) % ranks
+    next_rank, prev_rank = (rank + 1) % ranks, (rank - 1) % ranks  # the ring's neighbours
 
     flat, buf = _flat_padded(tensor, ranks)
     stats.pad_elems = buf.numel() - flat.numel()
     chunk = buf.numel() // ranks
     chunks = buf.view(ranks, chunk)
-    n_seg = max(1, min(chunk, -(-chunk * buf.element_size() // segment_bytes)))
-    bounds = [chunk * j // n_seg for j in range(n_seg + 1)]
+    bounds = _segment_bounds(chunk, buf.element_size(), segment_bytes)
+    n_seg = len(bounds) - 1
     incoming = torch.empty(chunk, dtype=buf.dtype, device=buf.device)
     combine = _COMBINE[op]
 
@@ -119,8 +118,21 @@ def ring_all_reduce(
         pending = following
         stats.steps += 1
 
+    _copy_back(tensor, flat, buf)
+    return stats
+
+
+def _segment_bounds(chunk: int, element_size: int, segment_bytes: int) -> list[int]:
+    """Element offsets that cut a chunk of `chunk` elements into ceil(chunk bytes / segment_bytes)
+    near-equal segments (at least one, and none smaller than one element)."""
+    segments = max(1, min(chunk, -(-chunk * element_size // segment_bytes)))
+    return [chunk * j // segments for j in range(segments + 1)]
+
+
+def _copy_back(tensor: torch.Tensor, flat: torch.Tensor, buf: torch.Tensor) -> None:
+    """The reduced values into `tensor`: from the padded buffer, without its padding, when the
+    ring ran on a copy."""
     if buf is not flat:
         flat.copy_(buf[: flat.numel()])
     if flat.data_ptr() != tensor.data_ptr():
         tensor.copy_(flat.view_as(tensor))
-    return stats
