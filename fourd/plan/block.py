@@ -177,7 +177,9 @@ def _recomputed(work: Work, dims: Sizes, forward: float, kept: float) -> Traffic
 def traffic(work: Work) -> Traffic:
     """Memory-bound bytes and kept activations of one layer, per token, on one rank, under the job's
     recomputation (docs/planner.md's recomputation row says what each keeps)."""
-    dims, swiglu, eager = sizes(work), work.model.mlp == "swiglu", not work.fused
+    dims = sizes(work)
+    swiglu = work.model.mlp == "swiglu"
+    eager = not work.fused
     repeat = 0  # GQA: K and V copied to every query head
     if dims.kv_used != dims.kv:
         repeat = 2 * dims.b * (dims.kv + dims.kv_used)
