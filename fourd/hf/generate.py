@@ -95,45 +95,14 @@ def _check_ids(ids: list, vocab: int, what: str) -> None:
 def run(args) -> int:
     from fourd.hf.inference import generate, load_model
 
-    _refuse_if(
-        args.max_new_tokens < 1, f"--max-new-tokens {args.max_new_tokens} must be at least 1"
-    )
-    _refuse_if(not 0 < args.top_p <= 1, f"--top-p {args.top_p} must be in (0, 1]")
-    _refuse_if(
-        not 0 < args.temperature < math.inf,
-        f"--temperature {args.temperature} must be a finite number > 0",
-    )
-    _refuse_if(args.eval_tokens < 0, f"--eval-tokens {args.eval_tokens} must be >= 0 (0: all)")
-    _refuse_if(
-        args.eval_seq is not None and args.eval_seq < 1,
-        f"--eval-seq {args.eval_seq} must be at least 1",
-    )
+    _refuse_numbers_out_of_range(args)
     model, manifest = load_model(args.ckpt)
     tok = run_tokenizer(manifest, args.tokenizer)
     cfg = model.cfg
     if args.eval_file is not None or args.eval_holdout is not None:
         return _run_eval(args, model, tok, manifest)
-    try:
-        if args.prompt_ids is not None:
-            prompt = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
-        else:
-            prompt = tok.encode(args.prompt)
-    except ValueError:
-        raise FourdError(
-            f"--prompt-ids {args.prompt_ids!r}: give integers separated by commas, e.g. 5,17,42"
-        ) from None
-    _refuse_if(not prompt, "the prompt is empty: give --prompt text or --prompt-ids")
-    eos = manifest.get("hf_config", {}).get("eos_token_id")  # a model converted from Hugging Face
-    if args.stop_id is not None:
-        stop = args.stop_id
-    elif isinstance(eos, int):
-        stop = [eos]
-    else:
-        stop = eos or []
-    _refuse_if(
-        not isinstance(stop, list),
-        f"manifest.json: hf_config.eos_token_id = {eos!r} is not token ids",
-    )
+    prompt = _prompt_ids(args, tok)
+    stop = _stop_ids(args, manifest)
     _check_ids(prompt, cfg.vocab, "prompt id")
     stop_source = "eos_token_id"
     if args.stop_id:
@@ -154,7 +123,7 @@ def run(args) -> int:
         stop_ids=stop,
     )
     rate = len(ids) / max(time.perf_counter() - began, 1e-9)
-    text = tok.decode([i for i in ids if i < tok.vocab_size])
+    text = tok.decode([token for token in ids if token < tok.vocab_size])
     out = {
         "ids": ids,
         "prompt_ids": prompt,
@@ -164,6 +133,54 @@ def run(args) -> int:
     }
     _print(args, out, text)
     return 0
+
+
+def _refuse_numbers_out_of_range(args) -> None:
+    """Refuse --max-new-tokens, --top-p, --temperature, --eval-tokens, --eval-seq out of range."""
+    _refuse_if(
+        args.max_new_tokens < 1, f"--max-new-tokens {args.max_new_tokens} must be at least 1"
+    )
+    _refuse_if(not 0 < args.top_p <= 1, f"--top-p {args.top_p} must be in (0, 1]")
+    _refuse_if(
+        not 0 < args.temperature < math.inf,
+        f"--temperature {args.temperature} must be a finite number > 0",
+    )
+    _refuse_if(args.eval_tokens < 0, f"--eval-tokens {args.eval_tokens} must be >= 0 (0: all)")
+    _refuse_if(
+        args.eval_seq is not None and args.eval_seq < 1,
+        f"--eval-seq {args.eval_seq} must be at least 1",
+    )
+
+
+def _prompt_ids(args, tok) -> list[int]:
+    """The prompt's token ids, from --prompt-ids or the encoded --prompt; refuses an empty one."""
+    try:
+        if args.prompt_ids is not None:
+            prompt = [int(piece) for piece in args.prompt_ids.split(",") if piece.strip()]
+        else:
+            prompt = tok.encode(args.prompt)
+    except ValueError:
+        raise FourdError(
+            f"--prompt-ids {args.prompt_ids!r}: give integers separated by commas, e.g. 5,17,42"
+        ) from None
+    _refuse_if(not prompt, "the prompt is empty: give --prompt text or --prompt-ids")
+    return prompt
+
+
+def _stop_ids(args, manifest: dict) -> list[int]:
+    """The ids that end generation: --stop-id's, else the manifest's eos_token_id (none without)."""
+    eos = manifest.get("hf_config", {}).get("eos_token_id")  # a model converted from Hugging Face
+    if args.stop_id is not None:
+        stop = args.stop_id
+    elif isinstance(eos, int):
+        stop = [eos]
+    else:
+        stop = eos or []
+    _refuse_if(
+        not isinstance(stop, list),
+        f"manifest.json: hf_config.eos_token_id = {eos!r} is not token ids",
+    )
+    return stop
 
 
 def _print(args, out: dict, text: str) -> None:

@@ -78,56 +78,64 @@ def summary_table(
     checkpoint was first saved (a save holds memory of its own: 0.19 GB a rank at `make run`)."""
     if not rows:
         return "no steps run"
-    timed = rows[1:] or rows  # the first step pays for warm-up
+    items = _measured_items(rows, predicted, first_save)
+    if predicted and "note" in predicted:
+        items.append(("planner", predicted["note"]))
+    evaluated = [row for row in rows if "val_loss" in row]
+    if evaluated:
+        last = evaluated[-1]
+        held_out = (
+            f"{last['val_loss']:.4f}, perplexity {last['val_ppl']:.2f}, at step {last['step']}"
+        )
+        items.append(("held-out loss", held_out))
+    if "bubble_fraction" in rows[-1]:
+        bubble = _mean_after_warmup(rows, "bubble_fraction")
+        items.append(("pipeline bubble", f"{100 * bubble:.1f} % (measured)"))
+    items += list(extra.items())
+    width = max(len(name) for name, _ in items)
+    line = "-" * (width + 3 + max(len(value) for _, value in items))
+    return "\n".join([line] + [f"{name:<{width}}   {value}" for name, value in items] + [line])
 
-    def mean(key: str) -> float:
-        return sum(row[key] for row in timed) / len(timed)
 
-    got = {key: mean(key) for key in ("tokens_per_s", "step_time_s", "mfu")}
+def _mean_after_warmup(rows: list[dict], key: str) -> float:
+    """The mean of `key` over the steps after the first (it pays for warm-up), or of a lone step."""
+    timed = rows[1:] or rows
+    return sum(row[key] for row in timed) / len(timed)
+
+
+def _measured_items(
+    rows: list[dict], predicted: dict | None, first_save: int | None
+) -> list[tuple[str, str]]:
+    """The rows steps, loss, tokens/s, step time, MFU and peak memory, with the planner's beside."""
+    got = {key: _mean_after_warmup(rows, key) for key in ("tokens_per_s", "step_time_s", "mfu")}
     peak_gb = max(row["peak_mem_gb"] for row in rows)
     training = [row for row in rows if first_save is None or row["step"] <= first_save]
     got["peak_mem_gb"] = max(row["peak_mem_gb"] for row in training)
     memory = f"{peak_gb:.2f} GB per rank"
     if got["peak_mem_gb"] < peak_gb:
         memory += f" ({got['peak_mem_gb']:.2f} GB before the first checkpoint save)"
-
-    def beside(key: str, form: str) -> str:
-        planned, measured = (predicted or {}).get(key), got[key]
-        if planned is None:
-            return ""
-        return f"; planner {form.format(planned)} ({(planned - measured) / measured:+.0%})"
-
-    items = [
+    planned = predicted or {}
+    losses = f"{rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f}"
+    lowest_loss = min(row["loss"] for row in rows)
+    throughput = f"{got['tokens_per_s']:,.0f} (mean after the first step)"
+    return [
         ("steps", f"{rows[0]['step']} .. {rows[-1]['step']}"),
+        ("loss", f"{losses} (min {lowest_loss:.4f})"),
+        ("tokens/s", throughput + _planner_beside(planned, got, "tokens_per_s", "{:,.0f}")),
         (
-            "loss",
-            f"{rows[0]['loss']:.4f} -> {rows[-1]['loss']:.4f} "
-            f"(min {min(row['loss'] for row in rows):.4f})",
+            "step time",
+            seconds(got["step_time_s"]) + _planner_beside(planned, got, "step_time_s", "{:.3f} s"),
         ),
-        (
-            "tokens/s",
-            f"{got['tokens_per_s']:,.0f} (mean after the first step)"
-            + beside("tokens_per_s", "{:,.0f}"),
-        ),
-        ("step time", seconds(got["step_time_s"]) + beside("step_time_s", "{:.3f} s")),
-        ("MFU", f"{100 * got['mfu']:.2f} %" + beside("mfu", "{:.2%}")),
-        (
-            "peak memory",
-            memory + beside("peak_mem_gb", "{:.2f} GB"),
-        ),
+        ("MFU", f"{100 * got['mfu']:.2f} %" + _planner_beside(planned, got, "mfu", "{:.2%}")),
+        ("peak memory", memory + _planner_beside(planned, got, "peak_mem_gb", "{:.2f} GB")),
     ]
-    if predicted and "note" in predicted:
-        items.append(("planner", predicted["note"]))
-    for r in [r for r in rows if "val_loss" in r][-1:]:
-        items.append(
-            (
-                "held-out loss",
-                f"{r['val_loss']:.4f}, perplexity {r['val_ppl']:.2f}, at step {r['step']}",
-            )
-        )
-    if "bubble_fraction" in rows[-1]:
-        items.append(("pipeline bubble", f"{100 * mean('bubble_fraction'):.1f} % (measured)"))
-    items += list(extra.items())
-    width = max(len(k) for k, _ in items)
-    line = "-" * (width + 3 + max(len(v) for _, v in items))
-    return "\n".join([line] + [f"{k:<{width}}   {v}" for k, v in items] + [line])
+
+
+def _planner_beside(planned: dict, got: dict[str, float], key: str, form: str) -> str:
+    """The planner's figure for `key` and its error (predicted - measured) / measured, or ''."""
+    planner_figure = planned.get(key)
+    measured = got[key]
+    if planner_figure is None:
+        return ""
+    error = (planner_figure - measured) / measured
+    return f"; planner {form.format(planner_figure)} ({error:+.0%})"
