@@ -16,9 +16,13 @@ import statistics
 import time
 from collections import namedtuple
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fourd.errors import FourdError
 from fourd.measure.timing import best_seconds, gemm_tflops, torch_for
+
+if TYPE_CHECKING:
+    from fourd.model.config import ModelConfig
 
 CPU_DEVICES = 8  # CPU worker processes taken as one node
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -143,18 +147,23 @@ def elementwise_rate(device: str = "cpu", tokens: int = 4096, seconds: float = 0
     """GB/s, in fourd.plan.block's counted bytes, of a `small` layer's memory-bound ops run as the
     model does: two RMSNorms, RoPE on q and k, the GQA repeat of k and v, SiLU·mul, two residual
     adds, forward and backward."""
-    torch, dtype, _ = torch_for(device)
-    import torch.nn.functional as F
-
-    from fourd.layout import Layout, Parallelism
     from fourd.model.config import get_preset
-    from fourd.model.llama import RMSNorm, apply_rope, rope_table
-    from fourd.plan.block import traffic
-    from fourd.plan.cluster import load_cluster
-    from fourd.plan.job import Job
 
     cfg, seq = get_preset("small"), 256
     tokens *= _scale(device)
+    total = _block_ops_seconds(cfg, seq, tokens, device, seconds)
+    return tokens * _block_bytes_per_token(cfg, seq, device) / total / 1e9
+
+
+def _block_ops_seconds(
+    cfg: ModelConfig, seq: int, tokens: int, device: str, seconds: float
+) -> float:
+    """Seconds of one forward and backward of the layer's memory-bound ops over `tokens` tokens."""
+    torch, dtype, _ = torch_for(device)
+    import torch.nn.functional as F
+
+    from fourd.model.llama import RMSNorm, apply_rope, rope_table
+
     cos, sin = (
         tensor.to(device) for tensor in rope_table(cfg.head_dim, torch.arange(seq), cfg.rope_theta)
     )
@@ -192,7 +201,16 @@ def elementwise_rate(device: str = "cpu", tokens: int = 4096, seconds: float = 0
         ]
 
     grads = [torch.randn_like(tensor) for tensor in forward()]
-    total = best_seconds(lambda: torch.autograd.backward(forward(), grads), seconds, device)
+    return best_seconds(lambda: torch.autograd.backward(forward(), grads), seconds, device)
+
+
+def _block_bytes_per_token(cfg: ModelConfig, seq: int, device: str) -> float:
+    """Bytes per token that fourd.plan.block counts for the layer's ops, forward plus backward."""
+    from fourd.layout import Layout, Parallelism
+    from fourd.plan.block import traffic
+    from fourd.plan.cluster import load_cluster
+    from fourd.plan.job import Job
+
     job = Job(
         model=cfg,
         cluster=load_cluster("dgx-h100"),
@@ -202,7 +220,7 @@ def elementwise_rate(device: str = "cpu", tokens: int = 4096, seconds: float = 0
         precision=_precision(device),
     )
     counted = traffic(job.work)
-    return tokens * (counted.forward + counted.backward) / total / 1e9
+    return counted.forward + counted.backward
 
 
 def optimizer_rate(device: str = "cpu", seconds: float = 0.1) -> float:
@@ -368,29 +386,10 @@ def _machine(device: str) -> dict:
 
 def measure(plan: str, device: str = "cpu") -> dict:
     """Every figure of the profile, measured now on `device`."""
-    import torch
-
     from fourd.comm.launch import run_workers
 
     sweep, machine = PLANS[plan], _machine(device)
-    scale = _scale(device)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        machine.update(
-            gemm=[(size, gemm_tflops(size, device=device)) for size in sweep.squares],
-            gemm_shapes=training_gemms(
-                [count * scale for count in sweep.tokens],
-                [width * scale for width in sweep.dims],
-                device,
-            ),
-            attention=attention_rates(sweep.seqs, sweep.head_dims, device),
-            copy_gbps=copy_gbps(device),
-            elementwise_gbps=elementwise_rate(device),
-            optimizer_gbps=optimizer_rate(device),
-        )
-    finally:
-        torch.set_num_threads(before)
+    machine.update(_one_thread_rates(sweep, device))
     nproc = min(max(sweep.groups), machine["devices"])
     workers = []
     rows = []
@@ -410,26 +409,57 @@ def measure(plan: str, device: str = "cpu") -> dict:
         if group_size <= nproc and (op != "send" or group_size == 2)
     }
     if device == "cpu":
-        # One worker per core, as `fourd train` runs, keeps every core busy even when other work
-        # delays one; a threaded matmul waits for its slowest thread, so on a busy machine it can
-        # fall below that sum.
-        threaded = [
-            gemm_tflops(size, threads=machine["cores"], seconds=0.3) for size in (512, 1024, 2048)
-        ]
-        machine["concurrent_tflops"] = sum(worker["concurrent_tflops"] for worker in workers)
-        machine["peak_tflops"] = max(
-            threaded + [machine["concurrent_tflops"]] + [count for _, count in machine["gemm"]]
-        )
-        over = run_workers(_layer_overheads, 2, (), timeout_s=300)[0]
-        # beyond the collectives' latency, which the planner counts apart: TP all-reduces twice
-        # forward and twice backward; ZeRO 3 gathers a layer forward and backward and
-        # reduce-scatters its gradients
-        alpha = {op: machine["fits"][(op, 2)][0] for op in OPS}
-        machine["tp_layer_s"] = max(0.0, over["tp"] - 4 * alpha["all_reduce"])
-        machine["fsdp_layer_s"] = max(
-            0.0, over["fsdp"] - 2 * alpha["all_gather"] - alpha["reduce_scatter"]
-        )
+        machine.update(_cpu_figures(machine, workers))
     return machine
+
+
+def _one_thread_rates(sweep: Sweep, device: str) -> dict:
+    """The device's matmul, attention, copy, eager block op and AdamW rates, on one CPU thread."""
+    import torch
+
+    scale = _scale(device)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return dict(
+            gemm=[(size, gemm_tflops(size, device=device)) for size in sweep.squares],
+            gemm_shapes=training_gemms(
+                [count * scale for count in sweep.tokens],
+                [width * scale for width in sweep.dims],
+                device,
+            ),
+            attention=attention_rates(sweep.seqs, sweep.head_dims, device),
+            copy_gbps=copy_gbps(device),
+            elementwise_gbps=elementwise_rate(device),
+            optimizer_gbps=optimizer_rate(device),
+        )
+    finally:
+        torch.set_num_threads(before)
+
+
+def _cpu_figures(machine: dict, workers: list[dict]) -> dict:
+    """The CPU's concurrent and peak TFLOP/s and the seconds TP and FSDP add to each layer."""
+    from fourd.comm.launch import run_workers
+
+    # One worker per core, as `fourd train` runs, keeps every core busy even when other work
+    # delays one; a threaded matmul waits for its slowest thread, so on a busy machine it can
+    # fall below that sum.
+    threaded = [
+        gemm_tflops(size, threads=machine["cores"], seconds=0.3) for size in (512, 1024, 2048)
+    ]
+    concurrent = sum(worker["concurrent_tflops"] for worker in workers)
+    peak = max(threaded + [concurrent] + [count for _, count in machine["gemm"]])
+    over = run_workers(_layer_overheads, 2, (), timeout_s=300)[0]
+    # beyond the collectives' latency, which the planner counts apart: TP all-reduces twice
+    # forward and twice backward; ZeRO 3 gathers a layer forward and backward and
+    # reduce-scatters its gradients
+    alpha = {op: machine["fits"][(op, 2)][0] for op in OPS}
+    return {
+        "concurrent_tflops": concurrent,
+        "peak_tflops": peak,
+        "tp_layer_s": max(0.0, over["tp"] - 4 * alpha["all_reduce"]),
+        "fsdp_layer_s": max(0.0, over["fsdp"] - 2 * alpha["all_gather"] - alpha["reduce_scatter"]),
+    }
 
 
 def _samples(machine: dict) -> list[str]:
@@ -471,40 +501,17 @@ def profile_toml(machine: dict, command: str) -> str:
     figures."""
     cpu = machine["sms"] is None
     today = datetime.date.today().isoformat()
-    if ("send", 2) in machine["fits"]:
-        alpha, beta = machine["fits"][("send", 2)]
-        link = f"{1 / beta / 1e9:.4g}   # send/recv between two workers"
-    else:  # one device: its own copies, 5 us to start one
-        alpha, beta = 5e-6, 1 / (machine["copy_gbps"] * 1e9)
-        link = f"{1 / beta / 1e9:.4g}   # no second device"
+    alpha, beta, link = _node_link(machine)
+    dtype = "bf16"
     if cpu:
-        dtype, peak_source = "fp32", "best FP32 matmul, all cores"
-    else:
-        dtype, peak_source = "bf16", "datasheet dense BF16"
+        dtype = "fp32"
     out = [
         "# Written by `fourd calibrate`; rerun it to refresh.",
         'name = "local"',
         f'description = "{machine["name"]} x {machine["devices"]}, measured on {today}"',
         f'dtype = "{dtype}"',
         "",
-        "[gpu]",
-        f'name = "{machine["name"]}"',
-        f"peak_tflops = {machine['peak_tflops']:.6g}   # {peak_source}",
-        f"memory_gb = {machine['memory_gb']:.4g}",
-        f"hbm_bw_gbps = {machine['copy_gbps']:.4g}   # a 64 MB copy, read and write",
-        f"elementwise_gbps = {machine['elementwise_gbps']:.4g}   # fourd's eager block ops, in "
-        "fourd.plan.block's bytes",
-        f"optimizer_gbps = {machine['optimizer_gbps']:.4g}   # AdamW, in the planner's "
-        "32 bytes per parameter",
-    ]
-    if cpu:
-        out += [
-            f"tp_layer_us = {machine['tp_layer_s'] * 1e6:.4g}",
-            f"fsdp_layer_us = {machine['fsdp_layer_s'] * 1e6:.4g}",
-        ]
-    else:
-        out += [f"sms = {machine['sms']}", "memory_reserve_gb = 1.0   # the CUDA context"]
-    out += [
+        *_gpu_table(machine, cpu),
         "",
         "[node]",
         f"gpus = {machine['devices']}",
@@ -527,6 +534,43 @@ def profile_toml(machine: dict, command: str) -> str:
         "",
     ]
     return "\n".join(out + _samples(machine))
+
+
+def _node_link(machine: dict) -> tuple[float, float, str]:
+    """(alpha s, beta s/byte, intra_bw_gbps's value and comment) of the link between two devices."""
+    if ("send", 2) in machine["fits"]:
+        alpha, beta = machine["fits"][("send", 2)]
+        link = f"{1 / beta / 1e9:.4g}   # send/recv between two workers"
+    else:  # one device: its own copies, 5 us to start one
+        alpha, beta = 5e-6, 1 / (machine["copy_gbps"] * 1e9)
+        link = f"{1 / beta / 1e9:.4g}   # no second device"
+    return alpha, beta, link
+
+
+def _gpu_table(machine: dict, cpu: bool) -> list[str]:
+    """The lines of the profile's [gpu] table, from its header to its last entry."""
+    peak_source = "datasheet dense BF16"
+    if cpu:
+        peak_source = "best FP32 matmul, all cores"
+    out = [
+        "[gpu]",
+        f'name = "{machine["name"]}"',
+        f"peak_tflops = {machine['peak_tflops']:.6g}   # {peak_source}",
+        f"memory_gb = {machine['memory_gb']:.4g}",
+        f"hbm_bw_gbps = {machine['copy_gbps']:.4g}   # a 64 MB copy, read and write",
+        f"elementwise_gbps = {machine['elementwise_gbps']:.4g}   # fourd's eager block ops, in "
+        "fourd.plan.block's bytes",
+        f"optimizer_gbps = {machine['optimizer_gbps']:.4g}   # AdamW, in the planner's "
+        "32 bytes per parameter",
+    ]
+    if cpu:
+        out += [
+            f"tp_layer_us = {machine['tp_layer_s'] * 1e6:.4g}",
+            f"fsdp_layer_us = {machine['fsdp_layer_s'] * 1e6:.4g}",
+        ]
+    else:
+        out += [f"sms = {machine['sms']}", "memory_reserve_gb = 1.0   # the CUDA context"]
+    return out
 
 
 def add_arguments(parser):
