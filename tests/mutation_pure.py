@@ -77,6 +77,34 @@ MODULES: dict[str, tuple[str, ...]] = {
         "tests/test_plan_anchor.py",
         "tests/test_plan_validation.py",
     ),
+    # the text report: its tables, its verdicts and its reasons
+    "fourd/plan/report.py": (
+        "tests/test_plan_report.py",
+        "tests/test_plan_model.py",
+        "tests/test_plan_cli.py",
+    ),
+    # the request: flags and values parsed, checked and defaulted before any search
+    "fourd/plan/request.py": (
+        "tests/test_plan_request.py",
+        "tests/test_plan_cli.py",
+        "tests/test_contract_limits.py",
+        "tests/test_cli_bad_input.py",
+        "tests/test_plan_model.py",
+        "tests/test_plan_validation.py",
+    ),
+    # the cluster's profile and where each group of ranks sits in it
+    "fourd/plan/cluster.py": (
+        *PLANNER_TESTS,
+        "tests/test_plan_request.py",
+        "tests/test_plan_cli.py",
+        "tests/test_contract_limits.py",
+    ),
+    # the search: candidates, their order, the best that fits
+    "fourd/plan/search.py": (
+        *PLANNER_TESTS,
+        "tests/test_plan_cli.py",
+        "tests/test_contract_recompute.py",
+    ),
 }
 # tests in those files that pin another module, left out of the module's runs: hypothesis's 150 corpora of
 # fourd.data.sources take 2.5 s of test_data_stream.py's 4
