@@ -85,6 +85,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     ),
     # the request: flags and values parsed, checked and defaulted before any search
     "fourd/plan/request.py": (
+        "tests/test_plan_request_values.py",
         "tests/test_plan_request.py",
         "tests/test_plan_cli.py",
         "tests/test_contract_limits.py",
