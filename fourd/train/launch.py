@@ -103,7 +103,8 @@ def _forkserver_fits() -> bool:
 def _start_method(preload: list[str]) -> str:
     """'forkserver' preloading `preload` when modules to preload are given and its socket fits, so
     each worker forks from a process that has imported torch and fourd once (seconds saved per
-    worker, docs/testing.md); else 'spawn', a fresh interpreter per worker."""
+    worker: an 8-rank debug run 28.2 -> 15.2 s, single runs of 2026-12-04); else 'spawn', a fresh
+    interpreter per worker."""
     if not preload or not _forkserver_fits():
         return "spawn"
     multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
