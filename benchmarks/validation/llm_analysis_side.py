@@ -35,7 +35,8 @@ GPU_NAMES = {
     "A100-SXM-80GB": "a100-sxm-80gb",
     "H100-SXM-80GB": "h100-sxm-80gb",
 }
-RECOMPUTE = {"none": 0, "selective": 1, "full": 2}  # llm-analysis's ActivationRecomputation
+# llm-analysis's ActivationRecomputation; fourd's per-op (every other matmul) has no match there: its selective
+RECOMPUTE = {"none": 0, "selective": 1, "per-op": 1, "full": 2}
 
 
 def _import():
