@@ -107,6 +107,7 @@ def predict(run: Run, efficiency: dict[str, float] | None = None):
         "dp_overlap": run.dp_overlap,
         "fused_kernels": run.fused_kernels,
         "shared_kv": run.shared_kv,
+        "fused_attention": run.fused_attention or None,
         "virtual_stages": run.virtual_stages or None,
         "microbatches": run.global_batch_seqs // lay.dp // run.microbatch_seqs
         if run.microbatch_seqs

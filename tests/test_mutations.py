@@ -191,6 +191,24 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
         "keep = count % 2 == 0  # the 1st",
         ("tests/test_contract_recompute.py::test_per_op_keeps_the_bytes_the_planner_counts",),
     ),
+    "planner runs cuDNN's attention on a GPU without its figures": (
+        "fourd/plan/job.py",
+        'if asked == "cudnn" and self.cluster.gpu.cudnn_attention_fwd_efficiency is None:',
+        'if asked == "cudnn" and self.cluster.gpu.cudnn_attention_fwd_efficiency is not None:',
+        (
+            "tests/test_plan_stack.py::"
+            "test_the_attention_kernel_is_the_stacks_and_cudnn_runs_only_where_the_gpu_has_its_figures",
+        ),
+    ),
+    "planner's cuDNN attention takes FlashAttention-2's backward": (
+        "fourd/plan/kernels.py",
+        "forward, backward = gpu.cudnn_attention_fwd_efficiency, gpu.cudnn_attention_bwd_efficiency",
+        "forward = gpu.cudnn_attention_fwd_efficiency",
+        (
+            "tests/test_plan_stack.py::"
+            "test_cudnn_attention_is_faster_by_exactly_its_efficiencies_and_nothing_else_moves",
+        ),
+    ),
     "planner's per-op hardware FLOPs charge the kept matmuls": (
         "fourd/plan/search.py",
         '"per-op": sum(mm[1::2])',

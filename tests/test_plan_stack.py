@@ -90,7 +90,7 @@ def test_every_preset_loads_and_names_itself():
 
 def test_a_stacks_fused_kernels_are_compiles_fused_count():
     layout = Layout(2, 1, 1, 4)
-    fused_job = job(layout, stack="megatron-core", dp_overlap=True)
+    fused_job = job(layout, stack="megatron-core", dp_overlap=True, fused_attention="flash2")
     compiled_job, eager_job = job(layout, compiled=True), job(layout)
     # the same fused count; besides it fourd's attention reads the shared K/V heads of Llama 3's GQA
     # and Megatron's stack copies them, which costs time
@@ -99,7 +99,13 @@ def test_a_stacks_fused_kernels_are_compiles_fused_count():
     assert compiled.compute_s < fused.compute_s < eager.compute_s
     # pinned for one plan either way, whatever the stack says
     assert step_time(job(layout, fused_kernels=True)).step_s == compiled.step_s
-    unfused = job(layout, stack="megatron-core", dp_overlap=True, fused_kernels=False)
+    unfused = job(
+        layout,
+        stack="megatron-core",
+        dp_overlap=True,
+        fused_kernels=False,
+        fused_attention="flash2",
+    )
     assert unfused.work == dataclasses.replace(eager_job.work, shared_kv=False)
 
 
@@ -258,7 +264,7 @@ def test_the_cli_names_the_stack_and_its_switches():
         False,
     )
     text = _plan(*common, "--stack", "megatron-core").stdout
-    assert "fused kernels · stack megatron-core · DP after backward" in text
+    assert "fused kernels · stack megatron-core · cuDNN attention · DP after backward" in text
     assert "compile" not in text.split("chosen by the planner")[1].splitlines()[0]
     bad = _plan(*common, "--stack", "megatron")
     assert bad.returncode == 2 and bad.stdout == ""
@@ -453,3 +459,76 @@ def test_the_step_simulator_gathers_after_the_update_and_ends_when_the_weights_a
     assert inside.step_time_s > beside.step_time_s
     # beside the forward: the first gather starts with the step, before the first forward
     assert min(t.start for t in beside.transfers if t.kind == "ag") == 0
+
+
+# ---- the fused attention kernel a stack runs ------------------------------------------------------
+
+
+def test_the_attention_kernel_is_the_stacks_and_cudnn_runs_only_where_the_gpu_has_its_figures():
+    assert [load_stack(name).fused_attention for name in ("nemo", "megatron-core", "jax-xla")] == [
+        "cudnn"
+    ] * 3
+    others = ("fourd", "fsdp", "deepspeed", "megatron-lm", "nanotron", "paddle")
+    assert {load_stack(name).fused_attention for name in others} == {"flash2"}
+    layout = Layout(2, 1, 1, 4)
+    assert job(layout, stack="nemo").work.fused_attention == "cudnn"
+    assert job(layout, stack="fsdp").work.fused_attention == "flash2"
+    # pinned for one plan either way
+    assert job(layout, stack="nemo", fused_attention="flash2").work.fused_attention == "flash2"
+    assert job(layout, fused_attention="cudnn").work.fused_attention == "cudnn"
+    # an A100 profile has no cuDNN figures (Transformer Engine runs FlashAttention-2 there)
+    a100 = dataclasses.replace(job(layout, stack="nemo"), cluster=load_cluster("selene-a100"))
+    assert a100.work.fused_attention == "flash2"
+
+
+def test_cudnn_attention_is_faster_by_exactly_its_efficiencies_and_nothing_else_moves():
+    layout = Layout(2, 1, 1, 4)
+    flash, cudnn = (job(layout, fused_attention=kernel).work for kernel in ("flash2", "cudnn"))
+    gpu = H100.gpu
+    # Llama 3 8B, a microbatch of one 4,096-token sequence, TP 2: 16 query heads of 128 on this rank
+    pairs = 4096 * 4096 / 2
+    flops = 4 * pairs * 128 * 16
+    peak = 989e12 * 4096 / (4096 + 384)
+    by_hand = {
+        "flash2": (flops / (peak * 0.35), 2.5 * flops / (peak * 0.25)),
+        "cudnn": (flops / (peak * 0.56), 2.5 * flops / (peak * 0.40)),
+    }
+    assert (gpu.attention_fwd_efficiency, gpu.attention_bwd_efficiency) == (0.35, 0.25)
+    assert (gpu.cudnn_attention_fwd_efficiency, gpu.cudnn_attention_bwd_efficiency) == (0.56, 0.40)
+    fast, slow = layer_time(cudnn), layer_time(flash)
+    gain_f = by_hand["flash2"][0] - by_hand["cudnn"][0]
+    gain_b = by_hand["flash2"][1] - by_hand["cudnn"][1]
+    assert slow.forward_s - fast.forward_s == pytest.approx(gain_f, rel=1e-9)
+    assert slow.input_grad_s - fast.input_grad_s == pytest.approx(gain_b, rel=1e-9)
+    assert (slow.weight_grad_s, slow.forward_comm_s, slow.backward_comm_s) == (
+        fast.weight_grad_s,
+        fast.forward_comm_s,
+        fast.backward_comm_s,
+    )
+
+
+def test_a_stacks_unknown_attention_kernel_is_one_line(user_stacks):
+    (user_stacks / "mine.toml").write_text('fused_attention = "flash3"\n')
+    with pytest.raises(FourdError, match=r"fused_attention = 'flash3'; allowed: flash2, cudnn"):
+        load_stack("mine")
+
+
+def test_the_cli_names_the_attention_kernel_that_runs():
+    common = ["--model", "llama3-8b", "--layout", "tp=8,dp=4", "--seq", "4096"]
+    common += ["--global-batch-tokens", str(32 * 4096), "--microbatches", "8"]
+    for cluster, stack, runs in (
+        ("dgx-h100", "nemo", "cudnn"),
+        ("selene-a100", "nemo", "flash2"),
+        ("dgx-h100", "fsdp", "flash2"),
+    ):
+        done = _plan(*common, "--cluster", cluster, "--stack", stack, "--json")
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["fused_attention"] == runs
+    text = _plan(*common, "--cluster", "dgx-h100", "--fused-attention", "cudnn").stdout
+    assert "stack fourd · cuDNN attention" in text
+    flash = _plan(
+        *common, "--cluster", "dgx-h100", "--stack", "nemo", "--fused-attention", "flash2"
+    )
+    assert flash.returncode == 0 and "cuDNN" not in flash.stdout
+    bad = _plan(*common, "--fused-attention", "flash3")
+    assert bad.returncode == 2 and len(bad.stderr.splitlines()) == 1

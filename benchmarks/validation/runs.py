@@ -33,7 +33,7 @@ from fourd.layout import (
     parse_layout,
 )
 from fourd.model.config import ModelConfig, get_preset, parse_model_spec
-from fourd.plan.stack import PIPELINE_COMM
+from fourd.plan.stack import FUSED_ATTENTION, PIPELINE_COMM
 from fourd.schedules import SCHEDULES
 
 PATH = Path(__file__).with_name("runs.toml")
@@ -120,6 +120,7 @@ class Run:
     dp_overlap: bool | None = None  # DP reductions and gathers beside compute
     fused_kernels: bool | None = None  # the blocks' elementwise ops in fused kernels
     shared_kv: bool | None = None  # GQA's K/V heads read uncopied by the attention kernel
+    fused_attention: str = ""  # the fused attention kernel where it differs from the stack's
     first_prediction_s: float = 0.0  # the planner's step time before any change for this source
     unstated: list[str] = field(
         default_factory=list
@@ -195,6 +196,7 @@ def _check_run(run: Run, sources: dict[str, Source]) -> None:
         ("precision", PRECISIONS),
         ("attention_kernel", ATTENTION_KERNELS),
         ("pipeline_comm", ("", *PIPELINE_COMM)),
+        ("fused_attention", ("", *FUSED_ATTENTION)),
     ):
         _choose(run, name, allowed)
     _choose(run, "memory_kind", MEMORY_KINDS if run.memory_gib else ("",))

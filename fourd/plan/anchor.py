@@ -55,6 +55,7 @@ INHERITED = (
     "tp_overlap",
     "dp_overlap",
     "fused_kernels",
+    "fused_attention",
 )
 # ... and, when the target names neither GPUs nor a layout, its layout too: the anchor's own
 # configuration.

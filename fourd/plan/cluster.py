@@ -60,6 +60,10 @@ class GPU:
         None  # fused attention kernels; None: as GEMMs of that shape
     )
     attention_bwd_efficiency: float | None = None
+    # cuDNN's fused attention (Transformer Engine's FusedAttention, the kernel a stack with
+    # `fused_attention = "cudnn"` runs); None: the GPU has no such figures, the flash ones serve
+    cudnn_attention_fwd_efficiency: float | None = None
+    cudnn_attention_bwd_efficiency: float | None = None
     memory_reserve_gb: float = 0.0  # the runtime's own: CUDA context, NCCL's buffers
     gemm: tuple[GemmSample, ...] = ()  # measured square GEMMs
     gemm_shapes: tuple[

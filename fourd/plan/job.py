@@ -35,6 +35,7 @@ class Work:
     fsdp: bool = False  # each layer an FSDP unit (ZeRO 1-3 over more than one rank)
     tp_overlap: bool = False  # TP collectives in chunks beside their GEMMs (with SP only)
     shared_kv: bool = False  # attention reads each K and V head for all its query heads, uncopied
+    fused_attention: str = "flash2"  # the fused attention kernel family (fourd.plan.stack)
 
     @property
     def tokens(self) -> int:
@@ -54,8 +55,8 @@ class Job:
     exchanges waited for (Megatron); "blocking", each send waits for its receiver, each backward
     adds its gradients into FP32 ones by a pass of its own and they are reduced after the last
     backward (DeepSpeed's pipeline engine). `stack` names the software stack (fourd.plan.stack);
-    `fused_kernels`, `tp_overlap`, `dp_overlap` and `shared_kv` None take the stack's switch
-    (request.resolve also fills `pipeline_comm` from the stack)."""
+    `fused_kernels`, `tp_overlap`, `dp_overlap`, `shared_kv` and `fused_attention` None take the
+    stack's (request.resolve also fills `pipeline_comm` from the stack)."""
 
     model: ModelConfig
     cluster: Cluster
@@ -71,11 +72,22 @@ class Job:
     dp_overlap: bool | None = None
     fused_kernels: bool | None = None
     shared_kv: bool | None = None
+    fused_attention: str | None = None
 
     def switch(self, name: str) -> bool:
         """The stack switch `name` (fused_kernels, tp_overlap, dp_overlap, shared_kv): as pinned,
         else the stack's."""
         return switch(load_stack(self.stack), name, getattr(self, name))
+
+    @property
+    def attention_kernel(self) -> str:
+        """The fused attention kernel family that runs: as pinned, else the stack's; cuDNN's only
+        where the GPU profile has its figures (Transformer Engine prefers it on Hopper alone),
+        FlashAttention-2 elsewhere."""
+        asked = self.fused_attention or load_stack(self.stack).fused_attention
+        if asked == "cudnn" and self.cluster.gpu.cudnn_attention_fwd_efficiency is None:
+            return "flash2"
+        return asked
 
     @property
     def dp_overlapped(self) -> bool:
@@ -125,6 +137,7 @@ class Job:
             par.zero >= 1 and par.shard_ranks > 1,
             tp_overlap,
             self.switch("shared_kv"),
+            self.attention_kernel,
         )
 
     def __hash__(self) -> int:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 
 from fourd.comm import bus_factor
-from fourd.plan.cluster import Cluster, Group, group_bandwidth
+from fourd.plan.cluster import GPU, Cluster, Group, group_bandwidth
 
 KERNEL_LAUNCH_S = 4e-6  # CUDA kernel launch and tail, per GEMM on a GPU
 GPU_TILES = (
@@ -111,11 +111,19 @@ def optimizer_time(params: float, cluster: Cluster, dtype_bytes: int) -> float:
 
 
 def attention_time(
-    q_tokens: int, kv_len: int, heads: int, head_dim: int, cluster: Cluster, causal: bool = True
+    q_tokens: int,
+    kv_len: int,
+    heads: int,
+    head_dim: int,
+    cluster: Cluster,
+    causal: bool = True,
+    kernel: str = "flash2",
 ) -> tuple[float, float]:
     """(forward, backward) seconds of fused attention, q_tokens queries per head against kv_len keys
     (causal: half the pairs; measured rates win, non-causal ones there from the explicit-mask
-    kernel)."""
+    kernel). Without measured rates: FLOPs at peak · efficiency · L/(L + FA_HALF_LENGTH), the
+    efficiencies of the kernel family `kernel` ("cudnn": cuDNN's fused attention where the profile
+    has its figures, else FlashAttention-2's)."""
     gpu = cluster.gpu
     pairs = q_tokens * kv_len * (0.5 if causal else 1.0)
     fwd_flops = 4.0 * pairs * head_dim * heads
@@ -142,11 +150,20 @@ def attention_time(
         # No fused-kernel figure: two batched matmuls, at the measured GEMM rate.
         per_head = gemm_time(q_tokens, kv_len, head_dim, cluster) * 2 * (0.5 if causal else 1.0)
         return per_head * heads, per_head * heads * FA_BACKWARD_FLOPS
+    fwd_eff, bwd_eff = attention_efficiencies(gpu, kernel)
     peak = gpu.peak_tflops * 1e12 * kv_len / (kv_len + FA_HALF_LENGTH)
-    bwd_eff = gpu.attention_bwd_efficiency or gpu.attention_fwd_efficiency
-    return fwd_flops / (peak * gpu.attention_fwd_efficiency), fwd_flops * FA_BACKWARD_FLOPS / (
-        peak * bwd_eff
-    )
+    return fwd_flops / (peak * fwd_eff), fwd_flops * FA_BACKWARD_FLOPS / (peak * bwd_eff)
+
+
+def attention_efficiencies(gpu: GPU, kernel: str) -> tuple[float, float]:
+    """(forward, backward) share of peak of the fused attention family `kernel` on long sequences:
+    cuDNN's where asked for and the profile has them, else FlashAttention-2's (a backward figure
+    missing: the forward's)."""
+    forward, backward = gpu.attention_fwd_efficiency, gpu.attention_bwd_efficiency
+    if kernel == "cudnn" and gpu.cudnn_attention_fwd_efficiency:
+        forward, backward = gpu.cudnn_attention_fwd_efficiency, gpu.cudnn_attention_bwd_efficiency
+    assert forward is not None  # the caller checked the profile has fused-attention figures
+    return forward, backward or forward
 
 
 # ---- collectives: nccl-tests conventions, the one table of fourd ---------------------------------

@@ -195,7 +195,13 @@ def layer_time(work: Work) -> StageTime:
         # profile the chunks take torch's explicit-mask kernel, which computes all pairs
         all_pairs = work.layout.cp > 1 and bool(cluster.gpu.attention)
         a_fwd, a_bwd = attention_time(
-            tokens, work.seq, model.heads // tp, model.head_dim, cluster, not all_pairs
+            tokens,
+            work.seq,
+            model.heads // tp,
+            model.head_dim,
+            cluster,
+            not all_pairs,
+            work.fused_attention,
         )
     per_token = traffic(work)
     fwd += a_fwd + elementwise_time(tokens * per_token.forward, cluster)

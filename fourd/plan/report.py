@@ -100,6 +100,11 @@ def kernels_word(job) -> str:
     return "fused kernels" if job.work.fused else "eager"
 
 
+def _cudnn_attention(job) -> bool:
+    """Attention in cuDNN's fused kernel (not FlashAttention-2's, not the scores in memory)."""
+    return job.work.attention == "flash" and job.work.fused_attention == "cudnn"
+
+
 def plan_report(plan: Plan, train_tokens: float | None = None) -> str:
     """The text report of one plan: what runs, where each group sits, memory, step time,
     throughput, and why."""
@@ -133,6 +138,7 @@ def _header_lines(plan: Plan) -> list[str]:
         f"{plan.seq:,} tokens · ZeRO {config.zero} · recompute {config.recompute} · "
         f"{kernels_word(job)} · stack {job.stack}"
         f"{' · TP overlapped' if job.work.tp_overlap else ''}"
+        f"{' · cuDNN attention' if _cudnn_attention(job) else ''}"
         f"{'' if job.dp_overlapped else ' · DP after backward'}"
         f"{pipeline_words}",
     ]

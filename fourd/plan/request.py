@@ -20,6 +20,7 @@ from fourd.plan.job import ATTENTION, Job
 from fourd.plan.search import OPEN, Plan, search
 from fourd.plan.stack import (
     DEFAULT_STACK,
+    FUSED_ATTENTION,
     PIPELINE_COMM,
     Stack,
     load_stack,
@@ -169,6 +170,11 @@ SETTINGS: dict[str, tuple[Any, str]] = {
     "dp_overlap": (
         on_off,
         "data-parallel reductions and gathers overlapped with compute (default: the stack's)",
+    ),
+    "fused_attention": (
+        choice(FUSED_ATTENTION),
+        "the fused attention kernel: flash2 (FlashAttention-2) or cudnn (cuDNN's, Transformer "
+        "Engine's choice on Hopper); default: the stack's",
     ),
     "train_tokens": (count, "token budget of the whole run, e.g. 15.6T, for training_days"),
     "global_seqs": (bounded(int, 1, 1 << 40), ""),  # the trainer's exact batch, in sequences
@@ -339,6 +345,7 @@ def resolve(model: ModelConfig, cluster: Cluster, values: Mapping[str, Any]) -> 
         dp_overlap=given["dp_overlap"],
         fused_kernels=given["fused_kernels"],
         shared_kv=given["shared_kv"],
+        fused_attention=given["fused_attention"],
     )
     return Request(
         base=base, gpus=gpus, fixed=fixed, open=open_, train_tokens=given["train_tokens"]

@@ -100,6 +100,7 @@ class Plan:
             "tp_overlap": job.work.tp_overlap,
             "dp_overlap": job.dp_overlapped,
             "fused_kernels": job.work.fused,
+            "fused_attention": job.work.fused_attention,
             "gather_in_step": job.gathers_in_step,
         }
         out |= {

@@ -23,6 +23,9 @@ DEFAULT_STACK = "fourd"
 PIPELINE_COMM = ("overlapped", "synchronous", "blocking")
 # the ZeRO stages that keep whole weights between steps, gathered once per step after the update
 GATHERED_STAGES = (1, 2)
+# the fused attention kernel families: FlashAttention-2 (flash-attn 2, torch SDPA's flash backend),
+# and cuDNN's fused attention (Transformer Engine's FusedAttention)
+FUSED_ATTENTION = ("flash2", "cudnn")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,7 +44,9 @@ class Stack:
     `gather_in_step`: the ZeRO stages (of 1 and 2) whose weight all-gather runs inside the
     optimizer's step, after the update, exposed (nanotron's ZeroDistributedOptimizer, DeepSpeed's
     stage 1 and 2, fourd's ShardedAdamW); the others gather beside the next step's forward, layer
-    by layer (FSDP's prefetch, Megatron's --overlap-param-gather).
+    by layer (FSDP's prefetch, Megatron's --overlap-param-gather); `fused_attention`: the fused
+    attention kernel family the stack runs, "flash2" (FlashAttention-2) or "cudnn" (cuDNN's fused
+    attention, where the GPU profile has its figures; Transformer Engine prefers it on Hopper).
 
     What the stack can run, which a search over open settings keeps to: `schedules`, the pipeline
     schedules it implements; `zero`, its ZeRO stages (sharding of optimizer state, gradients and
@@ -56,6 +61,7 @@ class Stack:
     pipeline_comm: str = "overlapped"
     shared_kv: bool = False
     gather_in_step: tuple[int, ...] = ()
+    fused_attention: str = "flash2"
     schedules: tuple[str, ...] = SCHEDULES
     zero: tuple[int, ...] = ZERO_STAGES
     pipeline_zero: tuple[int, ...] = ZERO_STAGES
@@ -119,7 +125,7 @@ def load_stack(name_or_path: str = DEFAULT_STACK) -> Stack:
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
         raise FourdError(f"{path}: not a readable TOML stack profile ({e}); fix it") from None
     fields = {"name": str, "description": str, "fused_kernels": bool, "tp_overlap": bool}
-    fields |= {"dp_overlap": bool, "pipeline_comm": str, "shared_kv": bool}
+    fields |= {"dp_overlap": bool, "pipeline_comm": str, "shared_kv": bool, "fused_attention": str}
     fields |= {"schedules": list, "zero": list, "pipeline_zero": list, "gather_in_step": list}
     unknown = sorted(set(data) - set(fields))
     if unknown:
@@ -132,6 +138,11 @@ def load_stack(name_or_path: str = DEFAULT_STACK) -> Stack:
     if data.get("pipeline_comm", "overlapped") not in PIPELINE_COMM:
         raise FourdError(
             f"{path}: pipeline_comm = {data['pipeline_comm']!r}; allowed: {', '.join(PIPELINE_COMM)}"
+        )
+    if data.get("fused_attention", "flash2") not in FUSED_ATTENTION:
+        raise FourdError(
+            f"{path}: fused_attention = {data['fused_attention']!r}; allowed: "
+            f"{', '.join(FUSED_ATTENTION)}"
         )
     for key, allowed in (("schedules", SCHEDULES), ("zero", ZERO_STAGES)):
         _check_choices(path, key, data.get(key, list(allowed)), allowed)
