@@ -53,10 +53,18 @@ MODULES: dict[str, tuple[str, ...]] = {
     # collecting it imports torch (5 s a mutant): test_contract_config.py reads the same refusals in-process
     "fourd/config.py": ("tests/test_contract_limits.py", "tests/test_contract_config.py"),
     "fourd/comm/__init__.py": ("tests/test_contract_bus.py",),
-    "fourd/sim/faults.py": ("tests/test_sim_faults.py",),
-    "fourd/sim/step.py": ("tests/test_sim_step.py", "tests/test_sim_pipeline.py"),
+    "fourd/sim/faults.py": ("tests/test_sim_faults.py", "tests/test_contract_faults.py"),
+    "fourd/sim/step.py": (
+        "tests/test_sim_step.py",
+        "tests/test_sim_pipeline.py",
+        "tests/test_contract_sim_step.py",
+    ),
     "fourd/sim/network.py": ("tests/test_sim_step.py", "tests/test_contract_network.py"),
-    "fourd/plan/memory.py": ("tests/test_plan_arith.py", "tests/test_contract_limits.py"),
+    "fourd/plan/memory.py": (
+        "tests/test_plan_arith.py",
+        "tests/test_contract_limits.py",
+        "tests/test_contract_memory.py",
+    ),
     "fourd/plan/stack.py": ("tests/test_plan_stack.py", "tests/test_contract_kernels.py"),
     # the suite's pinned figures move with any GEMM, attention or collective time
     "fourd/plan/kernels.py": (*PLANNER_TESTS, "tests/test_contract_bus.py"),
