@@ -110,6 +110,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     ),
     # the search: candidates, their order, the best that fits
     "fourd/plan/search.py": (
+        "tests/test_contract_search.py",
         *PLANNER_TESTS,
         "tests/test_plan_cli.py",
         "tests/test_contract_recompute.py",

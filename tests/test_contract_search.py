@@ -1,0 +1,196 @@
+"""The planner's search (fourd.plan.search) on cases worked out by hand: which layouts it enumerates, which
+configurations it tries for each, and the hardware FLOPs and bubble share it reports of a plan.
+
+Written from the survivors of `make mutation-pure MODULES=fourd/plan/search.py` (2026-12-05): each test
+names the rule it holds; docs/testing.md lists the survivors and which test kills each."""
+
+from __future__ import annotations
+
+import pytest
+
+from fourd.layout import Layout, Parallelism
+from fourd.model.config import parse_model_spec
+from fourd.plan.cluster import load_cluster
+from fourd.plan.job import Job
+from fourd.plan.search import MICRO_SEQS, configs, evaluate, layouts, search
+from fourd.plan.stack import load_stack
+
+H100 = load_cluster("dgx-h100")
+# 4 layers of 4 heads of 64: TP may be 1, 2 or 4 (whole heads, FFN and vocabulary on each rank)
+SMALL = parse_model_spec("layers=4,dim=256,ffn=1024,heads=4,kv_heads=4,vocab=1024")
+OPEN = {
+    "layout": None,
+    "schedule": None,
+    "virtual_stages": None,
+    "microbatches": None,
+    "zero": None,
+    "recompute": None,
+    "sequence_parallel": True,
+    "hsdp_replicas": 1,
+}
+
+
+def _as_tuples(found: list[Layout]) -> set[tuple[int, int, int, int]]:
+    return {(lay.tp, lay.cp, lay.pp, lay.dp) for lay in found}
+
+
+def test_the_layouts_of_8_gpus_by_hand():
+    """tp from {1, 2, 4} (4 heads), cp such that each rank keeps at least 1,024 of the 4,096 tokens in
+    two equal chunks (1, 2, 4), pp such that every stage has a layer (1, 2, 4), dp the rest; every
+    product is 8 and dp divides the 8 sequences."""
+    want = {
+        (1, 1, 1, 8),
+        (1, 1, 2, 4),
+        (1, 1, 4, 2),
+        (1, 2, 1, 4),
+        (1, 2, 2, 2),
+        (1, 2, 4, 1),
+        (1, 4, 1, 2),
+        (1, 4, 2, 1),
+        (2, 1, 1, 4),
+        (2, 1, 2, 2),
+        (2, 1, 4, 1),
+        (2, 2, 1, 2),
+        (2, 2, 2, 1),
+        (2, 4, 1, 1),
+        (4, 1, 1, 2),
+        (4, 1, 2, 1),
+        (4, 2, 1, 1),
+    }
+    assert _as_tuples(layouts(SMALL, 8, 4096, 8)) == want
+
+
+def test_context_parallelism_is_tried_down_to_1024_tokens_a_rank_and_never_below():
+    # 4,096 tokens: CP 4 leaves exactly 1,024 a rank (tried), CP 8 leaves 512 (not)
+    cps = {lay.cp for lay in layouts(SMALL, 16, 4096, 16)}
+    assert cps == {1, 2, 4}
+    # a sequence shorter than 1,024 tokens still runs without CP
+    assert {lay.cp for lay in layouts(SMALL, 8, 512, 8)} == {1}
+    # CP cuts a sequence into 2·CP equal chunks: 4,100 tokens take CP 2 (4 chunks of 1,025), not CP 4
+    assert {lay.cp for lay in layouts(SMALL, 8, 4100, 8)} == {1, 2}
+
+
+def test_batch_that_no_replica_count_divides_leaves_those_layouts_out():
+    # 6 sequences on 8 GPUs: dp 1 and 2 divide them, dp 4 and 8 do not
+    assert {lay.dp for lay in layouts(SMALL, 8, 4096, 6)} == {1, 2}
+
+
+def test_sequence_parallelism_skips_layouts_whose_sequence_tp_does_not_divide():
+    """With SP each TP rank holds seq/cp/tp tokens between the blocks: 1,030 tokens split over TP 2 (515
+    each) but not over TP 4; without SP every TP degree stays."""
+    stack = load_stack("fourd")
+    with_sp = {par.layout.tp for par in configs(SMALL, 4, 1030, 4, OPEN, stack)}
+    without = {
+        par.layout.tp
+        for par in configs(SMALL, 4, 1030, 4, OPEN | {"sequence_parallel": False}, stack)
+    }
+    assert (with_sp, without) == ({1, 2}, {1, 2, 4})
+
+
+def test_an_unsharded_layout_tries_zero_0_only_and_a_sharded_one_the_stacks_sharded_stages():
+    stack = load_stack("fourd")
+    by_layout: dict[tuple, set[int]] = {}
+    for par in configs(SMALL, 4, 4096, 8, OPEN, stack):
+        by_layout.setdefault((par.layout.cp, par.layout.dp), set()).add(par.zero)
+    assert by_layout[(1, 1)] == {0}  # one replica, no CP: nothing to shard over
+    assert by_layout[(1, 4)] == {1, 2, 3}
+    assert by_layout[(2, 2)] == {1, 2, 3}  # CP ranks shard too (FSDP over dp x cp)
+    fsdp = load_stack("fsdp")  # runs ZeRO 0, 2 and 3
+    assert {par.zero for par in configs(SMALL, 4, 4096, 8, OPEN, fsdp) if par.layout.dp == 4} == {
+        2,
+        3,
+    }
+
+
+def test_only_interleaved_schedules_get_virtual_stages():
+    stack = load_stack("fourd")
+    pinned = OPEN | {"layout": Layout(1, 1, 2, 2), "virtual_stages": 2}
+    got = {(par.schedule, par.virtual_stages) for par in configs(SMALL, 4, 4096, 8, pinned, stack)}
+    # pinned V 2 on a 4-layer, 2-stage pipeline: interleaved with 2, the others with 1
+    assert got == {("1f1b", 1), ("interleaved", 2), ("zero-bubble", 1)}
+    opened = OPEN | {"layout": Layout(1, 1, 2, 2)}
+    stages = {par.virtual_stages for par in configs(SMALL, 4, 4096, 8, opened, stack)}
+    # V 2: 4 chunks of a layer; V 3: 6 chunks, the first and last holding only the embedding and the
+    # output (layers + 2 chunks); V 4 and more leave a chunk empty
+    assert stages == {1, 2, 3}
+
+
+def test_microbatch_sizes_tried_are_1_2_4_8_and_16_sequences():
+    assert MICRO_SEQS == (1, 2, 4, 8, 16)
+    stack = load_stack("fourd")
+    pinned = OPEN | {"layout": Layout(1, 1, 1, 1), "schedule": "1f1b", "zero": 0}
+    counts = {par.microbatches for par in configs(SMALL, 1, 4096, 48, pinned, stack)}
+    # 48 sequences a replica: 48, 24, 12, 6 and 3 microbatches
+    assert counts == {48, 24, 12, 6, 3}
+
+
+def test_hsdp_alone_still_checks_each_layout():
+    """HSDP is the one setting besides the open ones that rules layouts out: with 2 replica groups a
+    layout needs an even number of data-parallel ranks, so the search keeps to those."""
+    base = Job(SMALL, H100, Parallelism(layout=Layout()), 4096, 8)
+    plans = search(base, 4, OPEN | {"hsdp_replicas": 2})
+    assert plans and all(plan.config.layout.dp % 2 == 0 for plan in plans)
+    assert {plan.config.zero for plan in plans} == {3}
+
+
+def _plan(recompute: str, attention: str = "flash", tp: int = 2):
+    par = Parallelism(
+        layout=Layout(tp, 1, 1, 1),
+        schedule="1f1b",
+        microbatches=1,
+        zero=0,
+        recompute=recompute,
+        sequence_parallel=True,
+    )
+    return evaluate(Job(SMALL, H100, par, 4096, 1, attention=attention))
+
+
+def _linear_flops_per_token() -> float:
+    """Forward FLOPs of one layer's linear layers per token, the whole layer (every TP rank): Q, K, V, O
+    and the SwiGLU's three matrices."""
+    h, f = 256, 1024
+    return 2 * (4 * h * h + 3 * h * f)
+
+
+def test_full_recomputation_adds_the_whole_forward_to_the_hardware_flops():
+    layers, heads, head_dim, seq = 4, 4, 64, 4096
+    attention = 4 * layers * heads * head_dim * seq  # Q·Kᵀ and P·V forward, per token
+    redone = layers * _linear_flops_per_token() + attention
+    for tp in (1, 2):
+        plan = _plan("full", tp=tp)
+        per_token = SMALL.flops_per_token(seq)
+        assert plan.hw_tflops_per_gpu == pytest.approx(
+            plan.tflops_per_gpu * (1 + redone / per_token), rel=1e-12
+        )
+    # the scores in memory change nothing here: full redoes the attention core once either way
+    materialized = _plan("full", attention="materialized")
+    assert materialized.hw_tflops_per_gpu == pytest.approx(
+        materialized.tflops_per_gpu * (1 + redone / SMALL.flops_per_token(seq)), rel=1e-12
+    )
+
+
+def test_per_op_and_selective_recomputation_in_the_hardware_flops_on_two_tp_ranks():
+    h, f, layers, seq = 256, 1024, 4, 4096
+    # per-op redoes every other matmul of wq, wk, wv, wo, w1, w3, w2: wk, wo and w3
+    per_op = layers * 2 * (h * h + h * h + h * f)
+    plan = _plan("per-op")
+    assert plan.hw_tflops_per_gpu == pytest.approx(
+        plan.tflops_per_gpu * (1 + per_op / SMALL.flops_per_token(seq)), rel=1e-12
+    )
+    # selective redoes no matmul; with the scores in memory it redoes the attention core
+    flash = _plan("selective")
+    assert flash.hw_tflops_per_gpu == flash.tflops_per_gpu
+    materialized = _plan("selective", attention="materialized")
+    core = 4 * layers * 4 * 64 * seq
+    assert materialized.hw_tflops_per_gpu == pytest.approx(
+        materialized.tflops_per_gpu * (1 + core / SMALL.flops_per_token(seq)), rel=1e-12
+    )
+
+
+def test_the_bubble_share_is_the_bubble_over_the_step():
+    par = Parallelism(
+        layout=Layout(1, 1, 4, 1), schedule="1f1b", microbatches=4, zero=0, recompute="none"
+    )
+    plan = evaluate(Job(SMALL, H100, par, 4096, 4))
+    assert 0 < plan.step.bubble_s < plan.step.step_s
+    assert plan.bubble_fraction == plan.step.bubble_s / plan.step.step_s
