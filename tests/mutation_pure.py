@@ -54,10 +54,11 @@ MODULES: dict[str, tuple[str, ...]] = {
     "fourd/config.py": ("tests/test_contract_limits.py", "tests/test_contract_config.py"),
     "fourd/comm/__init__.py": ("tests/test_contract_bus.py",),
     "fourd/sim/faults.py": ("tests/test_sim_faults.py", "tests/test_contract_faults.py"),
+    # the contract tests first: they run in a second, and -x stops at the first failure
     "fourd/sim/step.py": (
+        "tests/test_contract_sim_step.py",
         "tests/test_sim_step.py",
         "tests/test_sim_pipeline.py",
-        "tests/test_contract_sim_step.py",
     ),
     "fourd/sim/network.py": ("tests/test_sim_step.py", "tests/test_contract_network.py"),
     "fourd/plan/memory.py": (
