@@ -209,6 +209,30 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
             "test_cudnn_attention_is_faster_by_exactly_its_efficiencies_and_nothing_else_moves",
         ),
     ),
+    "planner's bubble share floors the division": (
+        "fourd/plan/search.py",
+        "self.step.bubble_s / self.step.step_s",
+        "self.step.bubble_s // self.step.step_s",
+        ("tests/test_contract_search.py::test_the_bubble_share_is_the_bubble_over_the_step",),
+    ),
+    "the search leaves out CP of exactly 1,024 tokens a rank": (
+        "fourd/plan/search.py",
+        "seq // cp_degree >= MIN_CP_TOKENS",
+        "seq // cp_degree > MIN_CP_TOKENS",
+        (
+            "tests/test_contract_search.py::"
+            "test_context_parallelism_is_tried_down_to_1024_tokens_a_rank_and_never_below",
+        ),
+    ),
+    "full recomputation's hardware FLOPs leave out the attention core": (
+        "fourd/plan/search.py",
+        '"full": sum(mm) + attention',
+        '"full": sum(mm)',
+        (
+            "tests/test_contract_search.py::"
+            "test_full_recomputation_adds_the_whole_forward_to_the_hardware_flops",
+        ),
+    ),
     "planner's per-op hardware FLOPs charge the kept matmuls": (
         "fourd/plan/search.py",
         '"per-op": sum(mm[1::2])',
