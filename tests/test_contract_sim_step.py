@@ -327,3 +327,24 @@ def test_a_comm_is_named_by_keywords(tmp_path):
     comm = build_comm(_job(_cluster(tmp_path)))
     with pytest.raises(TypeError):
         step.Comm(*dataclasses.astuple(comm))  # type: ignore[misc]
+
+
+def test_a_stack_that_gathers_in_the_step_gathers_each_ranks_own_stage_after_its_update(tmp_path):
+    """fourd's ZeRO 1 (ShardedAdamW broadcasts after the update): each rank gathers its own stage's two
+    layers once, starting when its update ends (no optimizer time given: the update takes 0, so when
+    its last reduce-scatter ends). Rank 0, the last to finish, has its NIC to itself: stage 0's
+    528 · 2 B / 2 a layer, of which a ring of 2 moves half, 264 B at 1,024 B/s, one layer after the
+    other. The step ends when the last weights arrive."""
+    r, _ = _collectives(tmp_path, 1, stack="fourd")
+    gathers = {}
+    for rank in (0, 1):
+        mine = [t for t in r.transfers if t.kind == "ag" and t.rank == rank]
+        gathers[rank] = sorted(mine, key=lambda t: t.start)
+        names = [t.name for t in gathers[rank]]
+        assert names == [f"all_gather stage {rank} layer {i}" for i in (0, 1)]
+        reduced = max(t.end for t in r.transfers if t.kind == "rs" and t.rank == rank)
+        assert gathers[rank][0].start == reduced
+    first, second = gathers[0]
+    assert (first.end - first.start, second.start) == (264 / 1024, first.end)
+    assert second.end - second.start == 264 / 1024
+    assert r.step_time_s == max(t.end for t in r.transfers if t.kind == "ag")
