@@ -34,6 +34,16 @@ from validation.runs import Run, load  # noqa: E402
 
 # Sources that publish runs of one code base at different dates: one family, one series.
 FAMILIES = {"ibm-fsdp-2403": "ibm-fsdp", "ibm-fsdp-2405": "ibm-fsdp"}
+# Releases of one benchmark suite, each with its own software (never one series), whose rows are not
+# independent: intervals are judged with them left out together.
+RELEASES = {"dgxc-benchmarking-h100-2504": "dgxc-benchmarking-h100"}
+
+
+def left_out_with(source: str) -> str:
+    """The sources a row's interval is judged without: its family or suite, as one."""
+    return FAMILIES.get(source, RELEASES.get(source, source))
+
+
 GPU_NAMES = {"A100-SXM-40GB": "A100", "A100-SXM-80GB": "A100", "H100-SXM-80GB": "H100"}
 
 
@@ -115,7 +125,7 @@ def residual_rows(runs: list[Run]) -> list[dict]:
     def row(run: Run, quantity: str, anchored: bool, predicted: float, published: float) -> dict:
         return {
             "id": run.id,
-            "source": run.source,
+            "source": left_out_with(run.source),
             "quantity": quantity,
             "anchored": anchored,
             "generation": generation(chip(run)),
@@ -139,8 +149,9 @@ def residual_rows(runs: list[Run]) -> list[dict]:
 
 
 def coverage(rows: list[dict], level: float = intervals.LEVEL) -> list[dict]:
-    """Leave-one-source-out: each row's interval from the groups of the other sources' rows alone, and
-    whether the row falls inside it (rows with no group left get no interval and are not counted)."""
+    """Leave-one-source-out: each row's interval from the groups of the other sources' rows alone (a
+    family or a suite's releases left out as one), and whether the row falls inside it (rows with no
+    group left get no interval and are not counted)."""
     out = []
     for source in sorted({r["source"] for r in rows}):
         groups = intervals.groups_of([r for r in rows if r["source"] != source], level)
