@@ -193,3 +193,22 @@ def test_search_lists_each_candidates_interval_and_says_when_too_close(halves):
         "  the two best overlap: too close to call (measure both, or anchor on a run)",
     ]
     assert len(intervals.search_lines([plans[0], _plan(9.0)])) == 4
+
+
+def test_megatrons_three_stacks_share_one_group_and_the_others_keep_their_own(monkeypatch):
+    """NeMo runs Megatron-Core, which grew out of Megatron-LM: a plan on any of the three takes the
+    "megatron" group; other stacks are their own."""
+    assert [intervals.stack_family(name) for name in ("nemo", "megatron-core", "megatron-lm")] == [
+        "megatron"
+    ] * 3
+    assert [intervals.stack_family(name) for name in ("fsdp", "deepspeed", "meta-llama3")] == [
+        "fsdp",
+        "deepspeed",
+        "meta-llama3",
+    ]
+    groups = (_group(key=("A100", "megatron", "cluster"), width=LN2),)
+    monkeypatch.setattr(intervals, "table", lambda: (0.5, groups))
+    for stack in ("nemo", "megatron-core", "megatron-lm"):
+        got = intervals.plan_intervals(_plan(stack=stack))
+        assert got["step_time_s_interval"] == [1.0, 4.0], stack
+    assert intervals.plan_intervals(_plan(stack="fsdp"))["step_time_s_interval"] is None

@@ -29,7 +29,7 @@ from validate_planner import memory_gib, predict, recompute  # noqa: E402
 from fourd.plan import intervals  # noqa: E402
 from fourd.plan.anchor import Anchor, pin  # noqa: E402
 from fourd.plan.anchor import predict as anchored_plan  # noqa: E402
-from fourd.plan.intervals import Group, generation, scale  # noqa: E402
+from fourd.plan.intervals import Group, generation, scale, stack_family  # noqa: E402
 from validation.runs import Run, load  # noqa: E402
 
 # Sources that publish runs of one code base at different dates: one family, one series.
@@ -129,7 +129,7 @@ def residual_rows(runs: list[Run]) -> list[dict]:
             "quantity": quantity,
             "anchored": anchored,
             "generation": generation(chip(run)),
-            "stack": run.stack,
+            "stack": stack_family(run.stack),
             "scale": scale(run.gpus),
             "residual": math.log(published / predicted),
         }

@@ -32,10 +32,19 @@ SCALES = ((8, "node"), (1024, "cluster"))
 WIDEST = "large"
 # The GPU generations of the suite's rows: an H200 is an H100 die with more memory.
 GENERATIONS = {"A100": "A100", "H100": "H100", "H200": "H100"}
+# Stacks of one code base share their groups: NeMo runs Megatron-Core, which grew out of Megatron-LM,
+# so a row of one is judged by the others' rows before by every row of its GPU (docs/planner.md,
+# Intervals: chosen on the suite).
+STACK_FAMILIES = {"nemo": "megatron", "megatron-core": "megatron", "megatron-lm": "megatron"}
 
 
 def scale(gpus: int) -> str:
     return next((name for top, name in SCALES if gpus <= top), WIDEST)
+
+
+def stack_family(stack: str) -> str:
+    """The group key of a stack: its family (STACK_FAMILIES), else itself."""
+    return STACK_FAMILIES.get(stack, stack)
 
 
 def generation(gpu_name: str) -> str:
@@ -151,10 +160,11 @@ def interval(
 
 
 def _plan_keys(plan, stack: str | None) -> tuple[str, str, str]:
-    """A plan's (generation, stack, scale); the stack the planner names (the anchor's, or the plan's
-    own where the planner knows stacks), else ANY."""
+    """A plan's (generation, stack family, scale); the stack the planner names (the anchor's, or the
+    plan's own where the planner knows stacks), else ANY."""
     name = stack or getattr(plan.job, "stack", None) or ANY
-    return generation(plan.cluster.gpu.name), str(getattr(name, "name", name)), scale(plan.gpus)
+    family = stack_family(str(getattr(name, "name", name)))
+    return generation(plan.cluster.gpu.name), family, scale(plan.gpus)
 
 
 def plan_intervals(plan, anchored: bool = False, stack: str | None = None) -> dict:
