@@ -104,6 +104,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     ),
     # the cluster's profile and where each group of ranks sits in it
     "fourd/plan/cluster.py": (
+        "tests/test_contract_cluster.py",
         *PLANNER_TESTS,
         "tests/test_plan_request.py",
         "tests/test_plan_cli.py",

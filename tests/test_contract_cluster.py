@@ -1,0 +1,227 @@
+"""Cluster profiles and where each parallel group lands in them (fourd.plan.cluster), worked out by hand on
+a small profile: 8 GPUs a server, 16 a rack, 32 a pod; NVLink 450 GB/s at 0.8, a 50 GB/s NIC per GPU at
+0.9, pods joined at 4:1.
+
+Written for `make mutation-pure MODULES=fourd/plan/cluster.py` (2026-12-05): each test names the rule it
+holds."""
+
+from __future__ import annotations
+
+import pytest
+
+from fourd.errors import FourdError
+from fourd.layout import Layout
+from fourd.plan.cluster import (
+    Group,
+    group_bandwidth,
+    group_level,
+    group_levels,
+    load_cluster,
+    members_per_node,
+    placement,
+    replica_group,
+    shard_group,
+)
+
+PROFILE = """name = "small"
+description = "8 GPUs a server, 16 a rack, 32 a pod"
+[gpu]
+name = "H100 SXM 80GB"
+peak_tflops = 989.0
+memory_gb = 80.0
+hbm_bw_gbps = 3350.0
+sms = 132
+[node]
+gpus = 8
+intra_bw_gbps = 450.0
+intra_latency_us = 5.0
+intra_efficiency = 0.8
+[network]
+nic_bw_gbps = 50.0
+latency_us = 10.0
+nic_efficiency = 0.9
+gpus_per_rack = 16
+gpus_per_pod = 32
+cross_pod_oversubscription = 4.0
+"""
+
+
+@pytest.fixture
+def small(tmp_path):
+    path = tmp_path / "small.toml"
+    path.write_text(PROFILE)
+    return load_cluster(str(path))
+
+
+def test_tp_8_is_inside_a_server_and_a_single_rank_is_nowhere(small):
+    assert group_levels(Group(8, 1, 64), small) == {"nvlink": 8}
+    assert group_level(Group(8, 1, 64), small) == "nvlink"
+    assert group_levels(Group(1, 1, 8), small) == {}
+    assert group_level(Group(1, 1, 8), small) == "single"
+
+
+def test_tp_3_on_8_gpu_servers_straddles_servers_racks_and_counts_each_group():
+    """Groups of 3 in 24 ranks start at 0, 3, ..., 21: six lie inside a server, 6-8 crosses two servers of
+    rack 0, 15-17 crosses from rack 0 to rack 1 (one pod); each has a single member on one server."""
+    cluster = _profile()
+    assert group_levels(Group(3, 1, 24), cluster) == {"nvlink": 6, "rack": 1, "pod": 1}
+    assert group_level(Group(3, 1, 24), cluster) == "pod"
+    assert members_per_node(Group(3, 1, 24), cluster) == 1
+
+
+def test_strided_groups_land_by_their_reach(small):
+    # ranks r and r + 8: two servers of one rack; r, r + 16, r + 32, r + 48: two pods
+    assert group_levels(Group(2, 8, 16), small) == {"rack": 8}
+    assert group_levels(Group(4, 16, 64), small) == {"cross-pod": 16}
+    assert members_per_node(Group(4, 16, 64), small) == 1  # a stride of a server or more: one each
+    # 16 consecutive ranks: two whole servers, eight members on each
+    assert group_levels(Group(16, 1, 64), small) == {"rack": 4}
+    assert members_per_node(Group(16, 1, 64), small) == 8
+
+
+def test_a_group_of_2_per_server_counts_2_members(small):
+    # stride 4 over 16 ranks: r, r+4, r+8, r+12 with r in 0..3: two members on each of two servers
+    assert group_levels(Group(4, 4, 16), small) == {"rack": 4}
+    assert members_per_node(Group(4, 4, 16), small) == 2
+
+
+def test_bandwidth_and_latency_of_a_ring_by_where_it_lies(small):
+    nvlink, nic = 450e9 * 0.8, 50e9 * 0.9
+    within, across = 5.0 * 1e-6, 10.0 * 1e-6  # the profile's microseconds
+    assert group_bandwidth(Group(8, 1, 64), small) == (nvlink, within)
+    # across servers each member per server drives its own NIC, capped by NVLink
+    assert group_bandwidth(Group(2, 8, 16), small) == (nic, across)
+    assert group_bandwidth(Group(4, 4, 16), small) == (2 * nic, across)
+    assert group_bandwidth(Group(16, 1, 64), small) == (min(nvlink, 8 * nic), across)
+    assert group_bandwidth(Group(16, 1, 64), small, channels=1) == (nic, across)
+    # across pods: 32 GPUs of a pod, 2 members of each group in a pod, 1 channel each: 16 channels
+    # cross; the pod's 32 NICs' worth of uplink at 4:1 over 16 is 0.5 NIC each
+    assert group_bandwidth(Group(4, 16, 64), small) == (0.5 * nic, across)
+
+
+def test_each_dimension_of_a_layout_is_placed_innermost_first():
+    lay = Layout(2, 3, 4, 5)
+    assert placement(lay) == {
+        "tp": Group(2, 1, 120),
+        "cp": Group(3, 2, 120),
+        "pp": Group(4, 6, 120),
+        "dp": Group(5, 24, 120),
+    }
+
+
+def test_the_shard_group_is_cp_times_dp_and_hsdp_cuts_it_into_replicas():
+    assert shard_group(Layout(2, 2, 2, 1)) == Group(2, 2, 8)  # CP alone: stride TP
+    assert shard_group(Layout(2, 2, 2, 4)) == Group(8, 4, 32)  # cp·dp, stride tp·pp
+    assert shard_group(Layout(2, 2, 2, 4), replicas=2) == Group(4, 4, 32)
+    assert replica_group(Layout(2, 2, 2, 4), 2) == Group(2, 16, 32)
+
+
+def test_cpu_ranks_take_turns_on_the_cores_and_gpus_never(tmp_path):
+    path = tmp_path / "cpu.toml"
+    path.write_text(
+        PROFILE.replace('name = "H100 SXM 80GB"', 'name = "cpu x86"').replace(
+            "gpus = 8\n", "gpus = 8\nconcurrent_ranks = 2\n"
+        )
+    )
+    cpu, gpu = load_cluster(str(path)), _profile()
+    assert cpu.cpu and not gpu.cpu
+    # turns: the busy ranks on one server (at most its 8) over the 2 that run at once, at least 1
+    assert [cpu.core_share(ranks) for ranks in (1, 2, 4, 8, 16)] == [1.0, 1.0, 2.0, 4.0, 4.0]
+    assert [gpu.core_share(ranks) for ranks in (1, 16)] == [1.0, 1.0]
+
+
+def test_a_profile_reads_its_tables_and_its_defaults(small):
+    assert (small.name, small.description, small.dtype) == (
+        "small",
+        "8 GPUs a server, 16 a rack, 32 a pod",
+        "bf16",
+    )
+    assert small.gpu.gemm_efficiency == 0.7  # the default when a profile gives none
+    assert small.gpu.cudnn_attention_fwd_efficiency is None
+    assert (small.node.gpus, small.network.gpus_per_rack, small.network.gpus_per_pod) == (8, 16, 32)
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (
+            ("nic_bw_gbps = 50.0", "nic_bw_gbps = 0.0"),
+            "network.nic_bw_gbps = 0.0 must be finite, above 0",
+        ),
+        (("nic_bw_gbps = 50.0", "nic_bw_gbps = -1.0"), "must be finite, above 0"),
+        (
+            ("latency_us = 10.0", "latency_us = -1.0"),
+            "network.latency_us = -1.0 must be finite, at least 0",
+        ),
+        (("gpus = 8", 'gpus = "8"'), "node.gpus = '8' must be of type int"),
+        (("gpus = 8", "gpus = true"), "node.gpus = True must be of type int"),
+        (("sms = 132", "sms = 132\nwarp = 4"), "unknown key(s) warp in [gpu]"),
+        (("[network]", 'dtype = "fp16"\n[network]'), "unknown key(s) dtype in [node]"),
+        (
+            ('name = "small"', 'name = "small"\ndtype = "fp16"'),
+            "dtype = 'fp16'; allowed: bf16, fp32",
+        ),
+        (("[network]", "[nope]"), "missing the [network] table"),
+        (("hbm_bw_gbps = 3350.0\n", ""), "[gpu] is incomplete"),
+        (("peak_tflops = 989.0", "peak_tflops = inf"), "must be finite, above 0"),
+    ],
+)
+def test_a_bad_profile_is_refused_in_one_line_naming_the_key(tmp_path, change, named):
+    path = tmp_path / "bad.toml"
+    path.write_text(PROFILE.replace(*change, 1))
+    with pytest.raises(FourdError) as refused:
+        load_cluster(str(path))
+    assert named in str(refused.value)
+    assert "\n" not in str(refused.value)
+
+
+def test_a_profile_without_its_network_is_refused(tmp_path):
+    path = tmp_path / "no-network.toml"
+    path.write_text(PROFILE.split("[network]")[0])
+    with pytest.raises(FourdError, match=r"missing the \[network\] table; see docs/planner.md"):
+        load_cluster(str(path))
+
+
+def test_zero_is_allowed_where_a_profile_may_have_none_of_it(tmp_path):
+    path = tmp_path / "zeros.toml"
+    text = PROFILE.replace("latency_us = 10.0", "latency_us = 0.0")
+    text = text.replace("intra_latency_us = 5.0", "intra_latency_us = 0")
+    path.write_text(
+        text.replace("sms = 132", "sms = 132\nmemory_reserve_gb = 0\ntp_layer_us = 0.0")
+    )
+    cluster = load_cluster(str(path))
+    assert (cluster.network.latency_us, cluster.node.intra_latency_us) == (0.0, 0)
+    assert (cluster.gpu.memory_reserve_gb, cluster.gpu.tp_layer_us) == (0, 0.0)
+
+
+def test_measured_samples_are_read_and_checked(tmp_path):
+    path = tmp_path / "measured.toml"
+    samples = (
+        "\n[[gpu.gemm]]\nm = 1024\nn = 1024\nk = 1024\ntflops = 0.05\n"
+        "[[gpu.attention]]\nseq = 256\nhead_dim = 32\nfwd_tflops = 0.03\nbwd_tflops = 0.025\n"
+        '[[collectives]]\nop = "all_reduce"\nnproc = 2\nalpha_s = 0.0\nbeta_s_per_byte = 1e-9\n'
+    )
+    gpu_samples, collective = samples.split("[[collectives]]")
+    path.write_text(
+        PROFILE.replace("[node]", gpu_samples + "[node]") + "[[collectives]]" + collective
+    )
+    cluster = load_cluster(str(path))
+    assert [(s.m, s.tflops) for s in cluster.gpu.gemm] == [(1024, 0.05)]
+    assert [(s.seq, s.bwd_tflops) for s in cluster.gpu.attention] == [(256, 0.025)]
+    assert [(c.op, c.nproc, c.alpha_s) for c in cluster.collectives] == [("all_reduce", 2, 0.0)]
+    bad = PROFILE.replace(
+        "[node]", gpu_samples.replace("tflops = 0.05", "tflops = -0.05") + "[node]"
+    )
+    path.write_text(bad)
+    with pytest.raises(FourdError, match=r"gpu.gemm.tflops = -0.05 must be finite, above 0"):
+        load_cluster(str(path))
+
+
+def _profile():
+    """The small profile, written to a fresh file (for tests without tmp_path)."""
+    import tempfile
+    from pathlib import Path
+
+    folder = Path(tempfile.mkdtemp())
+    (folder / "small.toml").write_text(PROFILE)
+    return load_cluster(str(folder / "small.toml"))
