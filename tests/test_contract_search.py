@@ -108,11 +108,11 @@ def test_only_interleaved_schedules_get_virtual_stages():
     got = {(par.schedule, par.virtual_stages) for par in configs(SMALL, 4, 4096, 8, pinned, stack)}
     # pinned V 2 on a 4-layer, 2-stage pipeline: interleaved with 2, the others with 1
     assert got == {("1f1b", 1), ("interleaved", 2), ("zero-bubble", 1)}
-    opened = OPEN | {"layout": Layout(1, 1, 2, 2)}
+    opened = OPEN | {"layout": Layout(1, 1, 2, 2), "schedule": "interleaved"}
     stages = {par.virtual_stages for par in configs(SMALL, 4, 4096, 8, opened, stack)}
     # V 2: 4 chunks of a layer; V 3: 6 chunks, the first and last holding only the embedding and the
-    # output (layers + 2 chunks); V 4 and more leave a chunk empty
-    assert stages == {1, 2, 3}
+    # output (layers + 2 chunks); V 4 and more leave a chunk empty; V 1 is 1F1B, not interleaving
+    assert stages == {2, 3}
 
 
 def test_microbatch_sizes_tried_are_1_2_4_8_and_16_sequences():
@@ -194,3 +194,57 @@ def test_the_bubble_share_is_the_bubble_over_the_step():
     plan = evaluate(Job(SMALL, H100, par, 4096, 4))
     assert 0 < plan.step.bubble_s < plan.step.step_s
     assert plan.bubble_fraction == plan.step.bubble_s / plan.step.step_s
+
+
+def test_virtual_stage_counts_split_the_layers_evenly_or_with_lighter_edges():
+    from fourd.plan.search import _virtual_stages
+
+    # 4 layers on 2 ranks: V 2 (4 chunks of 1), V 3 (6 chunks, the edges holding no layer)
+    assert _virtual_stages(4, 2) == [2, 3]
+    # 6 layers on 2 ranks: V 2 (4 chunks: 1, 2, 2, 1), V 3 (6 of 1), V 4 (8 chunks, empty edges)
+    assert _virtual_stages(6, 2) == [2, 3, 4]
+    assert _virtual_stages(2, 2) == [2]  # 4 chunks: the two layers inside, the edges' empty
+    assert _virtual_stages(1, 2) == []
+
+
+def test_every_layout_spans_exactly_the_gpus_asked_for():
+    # a long sequence lets CP go to 16; every degree divides what is left of the 16 GPUs
+    found = layouts(SMALL, 16, 65536, 16)
+    assert found and all(lay.tp * lay.cp * lay.pp * lay.dp == 16 for lay in found)
+    assert {lay.cp for lay in found} == {1, 2, 4, 8, 16}
+    assert {lay.pp for lay in found} == {1, 2, 4}  # 8 and 16 stages would leave stages empty
+    # a batch of 240 sequences, which almost every replica count divides, on 12 and 16 GPUs
+    for gpus in (12, 16):
+        found = layouts(SMALL, gpus, 65536, 240)
+        assert all(lay.tp * lay.cp * lay.pp * lay.dp == gpus for lay in found), gpus
+
+
+def test_an_odd_replica_count_is_sharded_too():
+    stack = load_stack("fourd")
+    pinned = OPEN | {"layout": Layout(1, 1, 1, 3), "schedule": "1f1b"}
+    assert {par.zero for par in configs(SMALL, 3, 4096, 6, pinned, stack)} == {1, 2, 3}
+
+
+def test_pinned_microbatches_that_do_not_divide_a_replicas_batch_leave_the_layout_out():
+    stack = load_stack("fourd")
+    pinned = OPEN | {"layout": Layout(1, 1, 1, 2), "microbatches": 3}
+    assert list(configs(SMALL, 2, 4096, 8, pinned, stack)) == []  # 4 sequences a replica
+    assert {par.microbatches for par in configs(SMALL, 2, 4096, 12, pinned, stack)} == {3}
+
+
+def test_interleaving_pinned_without_a_pipeline_runs_one_stage_a_rank():
+    stack = load_stack("fourd")
+    pinned = OPEN | {"layout": Layout(1, 1, 1, 2), "schedule": "interleaved"}
+    assert {par.virtual_stages for par in configs(SMALL, 2, 4096, 8, pinned, stack)} == {1}
+
+
+def test_a_plans_rates_and_peak_memory_by_hand():
+    par = Parallelism(
+        layout=Layout(1, 1, 2, 1), schedule="1f1b", microbatches=3, zero=0, recompute="none"
+    )
+    plan = evaluate(Job(SMALL, H100, par, 4096, 3))
+    step = plan.step.step_s
+    assert plan.tokens_per_s == 3 * 4096 / step
+    assert plan.tflops_per_gpu == 3 * 4096 * SMALL.flops_per_token(4096) / step / 2 / 1e12
+    assert plan.memory.reserve == 2.0e9  # the profile's 2 GB for the CUDA context and NCCL
+    assert plan.peak_gb == (plan.memory.total + plan.memory.reserve) / 1e9
