@@ -225,3 +225,23 @@ def _profile():
     folder = Path(tempfile.mkdtemp())
     (folder / "small.toml").write_text(PROFILE)
     return load_cluster(str(folder / "small.toml"))
+
+
+def test_a_group_that_spans_two_servers_counts_its_fewest_members_on_either(small):
+    # groups of 3 in 9 ranks: only 6-8 leaves its server, 2 members on the first, 1 on the last
+    assert group_levels(Group(3, 1, 9), small) == {"nvlink": 2, "rack": 1}
+    assert members_per_node(Group(3, 1, 9), small) == 1
+
+
+def test_a_stride_of_a_whole_period_counts_each_group_once(small):
+    # ranks r and r + 32: two pods, one group per r < 32
+    assert group_levels(Group(2, 32, 64), small) == {"cross-pod": 32}
+
+
+def test_the_pods_uplinks_are_shared_by_every_crossing_channel_unrounded(small):
+    """Stride 10 over 40 ranks: a pod holds 3 members of a group (32 // 10), so 32 / 3 channels of the
+    pod's cross; its 32 NICs' worth at 4:1 over them is 0.75 NIC each."""
+    nic = 50e9 * 0.9
+    assert group_level(Group(4, 10, 40), small) == "cross-pod"
+    bandwidth, _ = group_bandwidth(Group(4, 10, 40), small)
+    assert bandwidth == pytest.approx(32 * nic / 4 / (32 / 3), rel=1e-12)
