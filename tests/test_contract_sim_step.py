@@ -348,3 +348,55 @@ def test_a_stack_that_gathers_in_the_step_gathers_each_ranks_own_stage_after_its
     assert (first.end - first.start, second.start) == (264 / 1024, first.end)
     assert second.end - second.start == 264 / 1024
     assert r.step_time_s == max(t.end for t in r.transfers if t.kind == "ag")
+
+
+def test_a_gradient_bucket_is_keyed_per_microbatch_only_where_each_microbatch_reduces():
+    """DDP all-reduces and ZeRO 1 reduce-scatters once a step (microbatch 0 in the key); ZeRO 2 and 3
+    reduce-scatter each microbatch's gradients apart."""
+    backward = Action("B", 3, 5)
+    keys = [step._reduce_key(backward, 1, zero) for zero in (0, 1, 2, 3)]
+    assert keys == [("ar", 3, 0, 1), ("rs", 3, 0, 1), ("rs", 3, 5, 1), ("rs", 3, 5, 1)]
+
+
+def test_weight_buckets_of_a_third_of_a_stage_are_not_rounded(tmp_path):
+    """One pipeline rank of 1,064 parameters in 3 buckets over a ring of 2: ZeRO 1 gathers each bucket
+    once before the forward, 2 · 1,064 / 3 B of which the ring moves half at 1,024 B/s; ZeRO 3 gathers
+    them for the forward (alone on the NIC: timed here) and again for the backward."""
+    bucket = 2 * 1064 / 3 / 2 / 1024
+    # nemo gathers ZeRO 1's weights beside the forward (fourd's ZeRO 1 gathers after the update)
+    for zero, gathers, stack in ((1, 3, "nemo"), (3, 6, "fsdp")):
+        comm = build_comm(_job(_cluster(tmp_path), Layout(dp=2), zero=zero, stack=stack))
+        r = simulate(build_schedule("1f1b", 1, 1), [UNIT], layers=[3], comm=comm)
+        times = [t.end - t.start for t in r.transfers if t.kind == "ag"]
+        assert len(times) == gathers
+        assert times[:3] == pytest.approx([bucket] * 3, rel=1e-12), zero
+
+
+def test_a_transfer_names_the_replica_class_and_the_rank_that_sends(tmp_path):
+    """A straggler on rank 1 of one of two replicas: both classes reduce gradients; each transfer says
+    which class and which pipeline rank sent it."""
+    comm = build_comm(_job(_cluster(tmp_path), zero=1, microbatches=2, stack="nemo"))
+    r = simulate(
+        build_schedule("1f1b", 2, 2), [UNIT] * 2, layers=[2, 2], comm=comm, slow=(1, 2), dp=2
+    )
+    sent = {(t.replica, t.rank, t.kind) for t in r.transfers if t.kind != "pp"}
+    assert sent == {
+        (replica, rank, kind) for replica in (0, 1) for rank in (0, 1) for kind in ("ag", "rs")
+    }
+
+
+def test_unit_costs_split_a_backward_into_equal_halves():
+    assert step.UNIT == {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+    assert step.UNIT["B"] == step.UNIT["I"] + step.UNIT["W"]
+
+
+def test_stage_costs_carry_tp_collectives_unless_asked_not_to(tmp_path):
+    job = _job(_cluster(tmp_path, gpus_per_node=2), Layout(tp=2, pp=2), microbatches=1)
+    with_comm, without = step.stage_costs(job), step.stage_costs(job, comm=False)
+    from fourd.plan.perf import chunk_times
+
+    for chunk, costs, bare in zip(chunk_times(job), with_comm, without):
+        assert chunk.forward_comm_s > 0
+        assert costs["F"] == chunk.forward_s + chunk.forward_comm_s
+        assert bare["F"] == chunk.forward_s
+        assert costs["B"] == costs["I"] + costs["W"]
