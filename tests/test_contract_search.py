@@ -129,7 +129,13 @@ def test_hsdp_alone_still_checks_each_layout():
     layout needs an even number of data-parallel ranks, so the search keeps to those."""
     base = Job(SMALL, H100, Parallelism(layout=Layout()), 4096, 8)
     plans = search(base, 4, OPEN | {"hsdp_replicas": 2})
-    assert plans and all(plan.config.layout.dp % 2 == 0 for plan in plans)
+    # every layout of 4 GPUs whose 2 or 4 replicas split into 2 groups, and no other
+    assert _as_tuples([plan.config.layout for plan in plans]) == {
+        (1, 1, 1, 4),
+        (1, 1, 2, 2),
+        (1, 2, 1, 2),
+        (2, 1, 1, 2),
+    }
     assert {plan.config.zero for plan in plans} == {3}
 
 
