@@ -245,3 +245,47 @@ def test_the_pods_uplinks_are_shared_by_every_crossing_channel_unrounded(small):
     assert group_level(Group(4, 10, 40), small) == "cross-pod"
     bandwidth, _ = group_bandwidth(Group(4, 10, 40), small)
     assert bandwidth == pytest.approx(32 * nic / 4 / (32 / 3), rel=1e-12)
+
+
+def test_a_stride_of_two_periods_counts_each_group_once(small):
+    # ranks r and r + 64 for r < 64: 64 groups, each across pods
+    assert group_levels(Group(2, 64, 128), small) == {"cross-pod": 64}
+
+
+def test_two_members_a_server_drive_two_channels_across_pods(small):
+    """Stride 4 over 64 ranks: 16 members, 2 on each server, the group across both pods: 32 / 8 groups'
+    worth of a pod's members, 2 channels each, 8 channels cross; 32 NICs at 4:1 over 8 is a whole NIC
+    each, so the ring runs at 2 NICs."""
+    nic = 50e9 * 0.9
+    assert members_per_node(Group(16, 4, 64), small) == 2
+    assert group_bandwidth(Group(16, 4, 64), small)[0] == 2 * nic
+
+
+def test_a_profile_leaving_out_the_optional_figures_takes_the_documented_defaults(tmp_path):
+    path = tmp_path / "bare.toml"
+    path.write_text(
+        '[gpu]\nname = "x"\npeak_tflops = 1.0\nmemory_gb = 1.0\nhbm_bw_gbps = 1.0\n'
+        "[node]\ngpus = 8\nintra_bw_gbps = 1.0\n[network]\nnic_bw_gbps = 1.0\n"
+    )
+    bare = load_cluster(str(path))
+    assert (bare.node.intra_latency_us, bare.node.intra_efficiency, bare.node.concurrent_ranks) == (
+        5.0,
+        1.0,
+        None,
+    )
+    net = bare.network
+    assert (net.latency_us, net.nic_efficiency, net.gpus_per_rack, net.gpus_per_pod) == (
+        10.0,
+        1.0,
+        16,
+        3072,
+    )
+    assert net.cross_pod_oversubscription == 1.0
+    assert (bare.name, bare.description, bare.dtype, bare.collectives) == ("bare", "", "bf16", ())
+    gpu = bare.gpu
+    assert (gpu.sms, gpu.gemm_efficiency, gpu.attention_fwd_efficiency, gpu.memory_reserve_gb) == (
+        None,
+        0.7,
+        None,
+        0.0,
+    )
