@@ -289,3 +289,13 @@ def test_a_profile_leaving_out_the_optional_figures_takes_the_documented_default
         None,
         0.0,
     )
+
+
+def test_at_8_to_1_the_pods_uplinks_halve_each_crossing_channel(tmp_path):
+    path = tmp_path / "thin.toml"
+    path.write_text(
+        PROFILE.replace("cross_pod_oversubscription = 4.0", "cross_pod_oversubscription = 8.0")
+    )
+    thin, nic = load_cluster(str(path)), 50e9 * 0.9
+    # as above, 8 channels cross; 32 NICs at 8:1 over 8 is half a NIC each, two a server
+    assert group_bandwidth(Group(16, 4, 64), thin)[0] == 2 * (32 * nic / 8 / 8)
