@@ -290,6 +290,12 @@ def test_the_optimizer_steps_over_the_shards_unrounded(tmp_path):
         optimizer_time(528 / 3, cluster, 2),
         optimizer_time(536 / 3, cluster, 2),
     ]
+    # ZeRO 0: every replica updates all of its stage
+    unsharded = _job(cluster, Layout(pp=2, dp=3), zero=0)
+    assert simulate_step(unsharded, comm=False).optimizer_s == [
+        optimizer_time(528, cluster, 2),
+        optimizer_time(536, cluster, 2),
+    ]
 
 
 def test_zero_bubble_idles_p_minus_1_units_on_each_rank():
