@@ -299,3 +299,15 @@ def test_at_8_to_1_the_pods_uplinks_halve_each_crossing_channel(tmp_path):
     thin, nic = load_cluster(str(path)), 50e9 * 0.9
     # as above, 8 channels cross; 32 NICs at 8:1 over 8 is half a NIC each, two a server
     assert group_bandwidth(Group(16, 4, 64), thin)[0] == 2 * (32 * nic / 8 / 8)
+
+
+def test_a_strided_group_counts_its_fewest_members_on_its_first_server(small):
+    # stride 2 over 12 ranks: 6, 8, 10 and 7, 9, 11 each have one member on server 0, two on server 1
+    assert group_levels(Group(3, 2, 12), small) == {"nvlink": 2, "rack": 2}
+    assert members_per_node(Group(3, 2, 12), small) == 1
+
+
+def test_a_profile_named_by_a_relative_toml_file_is_read_from_here(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.toml").write_text(PROFILE)
+    assert load_cluster("mine.toml").name == "small"
