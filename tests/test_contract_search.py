@@ -254,3 +254,13 @@ def test_a_plans_rates_and_peak_memory_by_hand():
     assert plan.tflops_per_gpu == 3 * 4096 * SMALL.flops_per_token(4096) / step / 2 / 1e12
     assert plan.memory.reserve == 2.0e9  # the profile's 2 GB for the CUDA context and NCCL
     assert plan.peak_gb == (plan.memory.total + plan.memory.reserve) / 1e9
+
+
+def test_interleaving_tries_no_fewer_microbatches_than_ranks_when_it_has_enough():
+    stack = load_stack("fourd")
+    pinned = OPEN | {"layout": Layout(1, 1, 2, 1), "schedule": "interleaved"}
+    # 8 sequences a replica: 8, 4, 2 or 1 microbatches; one microbatch on 2 ranks would idle them
+    got = {par.microbatches for par in configs(SMALL, 2, 4096, 8, pinned, stack)}
+    assert got == {8, 4, 2}
+    # 1 sequence: one microbatch is all there is, so it stays
+    assert {par.microbatches for par in configs(SMALL, 2, 4096, 1, pinned, stack)} == {1}
