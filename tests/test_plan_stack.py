@@ -14,7 +14,7 @@ from fourd.model.config import get_preset
 from fourd.plan import request
 from fourd.plan.cluster import load_cluster, shard_group
 from fourd.plan.job import Job
-from fourd.plan.kernels import collective_time, gemm_time
+from fourd.plan.kernels import attention_time, collective_time, gemm_time
 from fourd.plan.memory import max_rank_params
 from fourd.plan.perf import (
     OVERLAP_SLOWDOWN,
@@ -505,6 +505,31 @@ def test_cudnn_attention_is_faster_by_exactly_its_efficiencies_and_nothing_else_
         fast.forward_comm_s,
         fast.backward_comm_s,
     )
+
+
+def test_each_attention_kernel_runs_heads_of_64_at_its_measured_share_of_heads_of_128():
+    """Shah et al. 2024, Fig. 5-6 (H100 SXM, 16k tokens): FlashAttention-2 299 and 291 TFLOP/s at head
+    dim 64 against 335 and 322 at 128, cuDNN 388 and 433 against 539 and 516; log2-linear between."""
+    a100 = load_cluster("dgx-a100-40gb")
+    tokens, heads = 8192, 16
+    pairs = tokens * tokens / 2
+    cases = (
+        (H100, "flash2", (0.35, 0.25), (299 / 335, 291 / 322)),
+        (H100, "cudnn", (0.56, 0.40), (388 / 539, 433 / 516)),
+        (a100, "cudnn", (0.68, 0.52), (299 / 335, 291 / 322)),  # no cuDNN figures: FlashAttention-2
+    )
+    for cluster, kernel, (fwd_eff, bwd_eff), (fwd_share, bwd_share) in cases:
+        peak = cluster.gpu.peak_tflops * 1e12 * tokens / (tokens + 384)
+        for head_dim, toward_128 in ((32, 0.0), (64, 0.0), (96, 0.5849625007211562), (128, 1.0)):
+            fwd, bwd = attention_time(tokens, tokens, heads, head_dim, cluster, True, kernel)
+            flops = 4 * pairs * head_dim * heads
+            fwd_rate = peak * fwd_eff * (fwd_share + (1 - fwd_share) * toward_128)
+            bwd_rate = peak * bwd_eff * (bwd_share + (1 - bwd_share) * toward_128)
+            assert fwd == pytest.approx(flops / fwd_rate, rel=1e-12)
+            assert bwd == pytest.approx(2.5 * flops / bwd_rate, rel=1e-12)
+        wide = attention_time(tokens, tokens, heads, 256, cluster, True, kernel)
+        narrow = attention_time(tokens, tokens, heads, 128, cluster, True, kernel)
+        assert wide == pytest.approx((2 * narrow[0], 2 * narrow[1]), rel=1e-12)  # no gain above 128
 
 
 def test_a_stacks_unknown_attention_kernel_is_one_line(user_stacks):

@@ -56,9 +56,8 @@ class GPU:
     hbm_bw_gbps: float
     sms: int | None = None  # streaming multiprocessors, for wave quantization; None on CPUs
     gemm_efficiency: float = 0.7  # sustained fraction of peak on large GEMMs
-    attention_fwd_efficiency: float | None = (
-        None  # fused attention kernels; None: as GEMMs of that shape
-    )
+    # FlashAttention-2's share of peak on long sequences at head dim 128; None: as GEMMs of that shape
+    attention_fwd_efficiency: float | None = None
     attention_bwd_efficiency: float | None = None
     # cuDNN's fused attention (Transformer Engine's FusedAttention, the kernel a stack with
     # `fused_attention = "cudnn"` runs); None: the GPU has no such figures, the flash ones serve

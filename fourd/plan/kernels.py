@@ -24,6 +24,13 @@ FA_BACKWARD_FLOPS = (
     2.5  # FlashAttention's backward redoes QK^T: 5 matmuls to the forward's 2 (Dao 2023 §3.1)
 )
 FA_HALF_LENGTH = 384  # attention kernels lose efficiency on short sequences: eff · L/(L+384)
+# Each fused attention family's rate at head dim 64 over its rate at head dim 128, (forward, backward):
+# Shah et al. 2024 (FlashAttention-3), Fig. 5-6, H100 SXM, 16k tokens, causal forward and the backward
+# charts: FlashAttention-2 299/335 and 291/322 TFLOP/s, cuDNN 388/539 and 433/516
+HEAD_DIM_64_SHARE = {
+    "flash2": (299 / 335, 291 / 322),
+    "cudnn": (388 / 539, 433 / 516),
+}
 ADAM_BYTES = {
     2: 30,
     4: 32,
@@ -122,8 +129,8 @@ def attention_time(
     """(forward, backward) seconds of fused attention, q_tokens queries per head against kv_len keys
     (causal: half the pairs; measured rates win, non-causal ones there from the explicit-mask
     kernel). Without measured rates: FLOPs at peak · efficiency · L/(L + FA_HALF_LENGTH), the
-    efficiencies of the kernel family `kernel` ("cudnn": cuDNN's fused attention where the profile
-    has its figures, else FlashAttention-2's)."""
+    efficiencies of the kernel family `kernel` at `head_dim` ("cudnn": cuDNN's fused attention where
+    the profile has its figures, else FlashAttention-2's)."""
     gpu = cluster.gpu
     pairs = q_tokens * kv_len * (0.5 if causal else 1.0)
     fwd_flops = 4.0 * pairs * head_dim * heads
@@ -150,20 +157,37 @@ def attention_time(
         # No fused-kernel figure: two batched matmuls, at the measured GEMM rate.
         per_head = gemm_time(q_tokens, kv_len, head_dim, cluster) * 2 * (0.5 if causal else 1.0)
         return per_head * heads, per_head * heads * FA_BACKWARD_FLOPS
-    fwd_eff, bwd_eff = attention_efficiencies(gpu, kernel)
+    fwd_eff, bwd_eff = attention_efficiencies(gpu, kernel, head_dim)
     peak = gpu.peak_tflops * 1e12 * kv_len / (kv_len + FA_HALF_LENGTH)
     return fwd_flops / (peak * fwd_eff), fwd_flops * FA_BACKWARD_FLOPS / (peak * bwd_eff)
 
 
-def attention_efficiencies(gpu: GPU, kernel: str) -> tuple[float, float]:
-    """(forward, backward) share of peak of the fused attention family `kernel` on long sequences:
-    cuDNN's where asked for and the profile has them, else FlashAttention-2's (a backward figure
-    missing: the forward's)."""
+def attention_efficiencies(gpu: GPU, kernel: str, head_dim: int = 128) -> tuple[float, float]:
+    """(forward, backward) share of peak of the fused attention family `kernel` on long sequences
+    with heads of `head_dim`: cuDNN's where asked for and the profile has them, else
+    FlashAttention-2's (a backward figure missing: the forward's), times the family's
+    head_dim_share (the profiles' figures are at head dim 128)."""
+    family = "flash2"
     forward, backward = gpu.attention_fwd_efficiency, gpu.attention_bwd_efficiency
     if kernel == "cudnn" and gpu.cudnn_attention_fwd_efficiency:
+        family = "cudnn"
         forward, backward = gpu.cudnn_attention_fwd_efficiency, gpu.cudnn_attention_bwd_efficiency
     assert forward is not None  # the caller checked the profile has fused-attention figures
-    return forward, backward or forward
+    forward_share, backward_share = head_dim_share(family, head_dim)
+    return forward * forward_share, (backward or forward) * backward_share
+
+
+def head_dim_share(family: str, head_dim: int) -> tuple[float, float]:
+    """(forward, backward) share of the kernel family's head-dim-128 rate that heads of `head_dim`
+    run at: HEAD_DIM_64_SHARE at 64 and below, all of it at 128 and above, linear in log2(head_dim)
+    between: smaller heads do less matmul work per score the softmax exponentiates (Shah et al. 2024,
+    Fig. 5-6, measure 64 and 128 side by side on H100; the same shares are taken on every GPU)."""
+    at_64 = HEAD_DIM_64_SHARE[family]
+    toward_128 = min(max(math.log2(head_dim / 64), 0.0), 1.0)
+    return (
+        at_64[0] + (1.0 - at_64[0]) * toward_128,
+        at_64[1] + (1.0 - at_64[1]) * toward_128,
+    )
 
 
 # ---- collectives: nccl-tests conventions, the one table of fourd ---------------------------------
