@@ -209,6 +209,15 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
             "test_cudnn_attention_is_faster_by_exactly_its_efficiencies_and_nothing_else_moves",
         ),
     ),
+    "planner's attention runs every head dimension at head dim 128's rate": (
+        "fourd/plan/kernels.py",
+        "forward_share, backward_share = head_dim_share(family, head_dim)",
+        "forward_share, backward_share = head_dim_share(family, 128)",
+        (
+            "tests/test_plan_stack.py::"
+            "test_each_attention_kernel_runs_heads_of_64_at_its_measured_share_of_heads_of_128",
+        ),
+    ),
     "planner's bubble share floors the division": (
         "fourd/plan/search.py",
         "self.step.bubble_s / self.step.step_s",
