@@ -241,29 +241,32 @@ def report() -> str:
     return "\n".join(rows)
 
 
-def recheck(module: str) -> list[str]:
+def recheck(module: str) -> tuple[list[str], list[str]]:
     """Each surviving mutant of the module's session applied (its diff, with `patch`) to a fresh copy
-    of the current tree and run against the module's current tests: the diffs of those that still
-    pass. A session runs against the tests of its start; this says which survivors the tests added
-    since kill."""
+    of the current tree and run against the module's current tests: (the diffs of those that still
+    pass, the diffs that no longer apply to the module as it is now). A session runs against the
+    tests of its start; this says which survivors the tests added since kill."""
     work = CACHE / "work" / f"{_name(module)}.recheck"
     _copy(work)
     pristine = (work / module).read_text()
     tests = " ".join(MODULES[module])
     command = f"{PYTEST.format(work=work)} {tests}"
-    alive = []
+    alive, stale = [], []
     for diff in survivors(module):
         (work / module).write_text(pristine)
         body = diff.split("\n", 1)[1]  # after cosmic-ray's "--- mutation diff ---" line
         patch = subprocess.run(
-            ["patch", "-p1", "-s", "--no-backup-if-mismatch"], input=body.encode(), cwd=work
+            ["patch", "-p1", "-s", "--no-backup-if-mismatch", "-r", "-"],
+            input=body.encode(),
+            cwd=work,
+            capture_output=True,
         )
         if patch.returncode != 0:
-            raise SystemExit(f"{module}: a survivor's diff no longer applies:\n{body}")
-        if subprocess.run(command, shell=True, cwd=work, capture_output=True).returncode == 0:
+            stale.append(diff)
+        elif subprocess.run(command, shell=True, cwd=work, capture_output=True).returncode == 0:
             alive.append(diff)
     shutil.rmtree(work)
-    return alive
+    return alive, stale
 
 
 def main(argv: list[str]) -> int:
@@ -272,10 +275,13 @@ def main(argv: list[str]) -> int:
         return 0
     if argv[:1] == ["--recheck"]:
         for module in argv[1:]:
-            alive = recheck(module)
+            alive, stale = recheck(module)
             print("\n".join(alive))
+            if stale:
+                print("no longer apply:\n" + "\n".join(stale))
             print(
                 f"{module}: {len(alive)} of {len(survivors(module))} survivors still pass its tests"
+                + (f", {len(stale)} no longer apply to it" if stale else "")
             )
         return 0
     if argv == ["--survivors"]:

@@ -387,3 +387,117 @@ def test_the_gather_in_step_sentence_needs_both_the_stack_and_exposed_dp_time(ca
         plan, _ = _plan(case)
     named = any(line.startswith(f"Stack {plan.job.stack} gathers ") for line in why(plan))
     assert named == bool(plan.job.gathers_in_step and plan.step.dp_exposed_s)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_bubble_sentence_stands_for_pipelines_only(case):
+    plan, _ = _plan(case)
+    stated = any(line.startswith("Pipeline bubble:") for line in why(plan))
+    assert stated == (plan.config.layout.pp > 1)
+    assert {_plan(case)[0].config.layout.pp > 1 for case in CASES} == {True, False}
+
+
+def _interleaved_bubble(microbatches: int, virtual_stages: int) -> str:
+    """The bubble sentence of Llama 3 70B on 8 stages of TP 8, two replicas, 4,096-token sequences,
+    as many sequences a replica as microbatches."""
+    request = resolve(
+        get_preset("llama3-70b"),
+        load_cluster("dgx-h100"),
+        {
+            "layout": "tp=8,pp=8,dp=2",
+            "seq": 4096,
+            "global_batch_tokens": 2 * microbatches * 4096,
+            "schedule": "interleaved",
+            "virtual_stages": virtual_stages,
+            "microbatches": microbatches,
+        },
+    )
+    return why(plans(request)[0])[0]
+
+
+def test_the_interleaved_bubble_names_its_numbers_on_each_side_of_m_equal_p():
+    """80 layers on 8 stages of V = 5 chunks (2 layers each): m = 4 < p = 8 counts what the
+    interleaving saves, (7 − 4·3/5)/4; m = 8 and m = 16 (m ≥ p) divide by V·m."""
+    assert "idles (p−1−(V−1)(m−1)/V)/m = (7−4·3/5)/4 = " in _interleaved_bubble(4, 5)
+    assert "idles (p−1)/(V·m) = 7/(5·8) = " in _interleaved_bubble(8, 5)
+    assert "idles (p−1)/(V·m) = 7/(5·16) = " in _interleaved_bubble(16, 5)
+
+
+def test_cudnn_attention_is_named_where_it_runs_and_nowhere_else():
+    """cuDNN's kernel runs where the stack (or the flag) asks for it, attention is fused and the
+    GPU has its figures: Megatron-Core on H100; not with FlashAttention-2, not with the scores
+    materialized, not on an A100."""
+    base = {"layout": "tp=8,dp=2", "seq": 4096, "global_batch_tokens": "1M"}
+    for cluster, settings, named in (
+        ("dgx-h100", {"stack": "megatron-core"}, True),
+        ("dgx-h100", {"fused_attention": "cudnn"}, True),
+        ("dgx-h100", {"stack": "megatron-core", "fused_attention": "flash2"}, False),
+        ("dgx-h100", {}, False),
+        ("dgx-h100", {"fused_attention": "cudnn", "attention": "materialized"}, False),
+        ("dgx-a100-40gb", {"stack": "megatron-core"}, False),
+    ):
+        request = resolve(get_preset("llama3-8b"), load_cluster(cluster), base | settings)
+        settings_line = plan_report(plans(request)[0]).splitlines()[1]
+        assert (" · cuDNN attention" in settings_line) == named, (cluster, settings)
+
+
+def test_the_search_reports_its_best_plan_in_full_and_marks_only_what_does_not_fit():
+    """The full report is the first (best) plan's; the closing note stands only when the best does
+    not fit. Llama 3 8B on 4 A100s of 40 GB at 4,096 tokens: some configurations fit, most not."""
+    request = resolve(
+        get_preset("llama3-8b"), load_cluster("dgx-a100-40gb"), {"gpus": 4, "seq": 4096}
+    )
+    found = plans(request)
+    assert found[0].fits and not found[-1].fits
+    text = search_report(found, len(found), None)
+    best = plan_report(found[0], None)
+    assert text.split("\n\n", 1)[1].startswith(best)
+    assert "(!: does not fit" not in text
+    marked = [line for line in text.splitlines() if re.search(r"\d!\s", line)]
+    assert len(marked) == sum(not plan.fits for plan in found)
+
+
+def test_the_search_table_names_v_for_interleaved_rows_only():
+    request = resolve(
+        get_preset("llama3-70b"),
+        load_cluster("dgx-h100"),
+        {"gpus": 64, "seq": 4096, "global_batch_tokens": "1M", "layout": "tp=8,pp=8,dp=1"},
+    )
+    found = plans(request)
+    schedules = {plan.config.schedule for plan in found}
+    assert {"interleaved", "zero-bubble", "1f1b"} <= schedules
+    lines = search_report(found, len(found), None).splitlines()
+    rows = lines[lines.index(f"Top {len(found)} (fitting first, by tokens/s)") + 2 :]
+    for plan, row in zip(found, rows):
+        named = f" {plan.config.schedule} V={plan.config.virtual_stages} " in row
+        assert named == (plan.config.schedule == "interleaved"), row
+
+
+def test_when_only_the_best_fits_the_search_adds_no_note():
+    """Llama 3 8B on 2 H100s, ZeRO and microbatches open: of 15 configurations only one fits."""
+    settings = {"layout": "dp=2", "seq": 4096, "global_batch_tokens": "128K"}
+    settings |= {"recompute": "full", "schedule": "1f1b", "compiled": "off"}
+    found = plans(resolve(get_preset("llama3-8b"), load_cluster("dgx-h100"), settings))
+    assert [plan.fits for plan in found] == [True] + [False] * 14
+    lines = search_report(found, 3, None).splitlines()
+    assert "does not fit" not in lines[-1]
+    assert [bool(re.search(r"\d!\s", line)) for line in lines[-3:]] == [False, True, True]
+
+
+def test_an_interleaved_schedule_of_one_virtual_stage_idles_as_1f1b():
+    """Interleaving pinned with V = 1: the bubble is (p−1)/m, not (p−1)/(V·m) with V = 1 written."""
+    request = resolve(
+        get_preset("llama3-70b"),
+        load_cluster("dgx-h100"),
+        {
+            "layout": "tp=8,pp=8,dp=2",
+            "seq": 4096,
+            "global_batch_tokens": "1M",
+            "schedule": "interleaved",
+            "virtual_stages": 1,
+        },
+    )
+    plan = plans(request)[0]
+    assert (plan.config.schedule, plan.config.virtual_stages) == ("interleaved", 1)
+    m = plan.config.microbatches
+    assert f"the interleaved schedule idles (p−1)/m = 7/{m} = " in why(plan)[0]

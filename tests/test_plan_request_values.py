@@ -141,3 +141,73 @@ def test_hsdp_replicas_default_the_checked_zero_stage(replicas, zero):
     assert pinned.zero == zero
     assert (pinned.schedule, pinned.microbatches, pinned.virtual_stages) == ("1f1b", 1, 1)
     assert pinned.recompute == "none"
+
+
+def test_a_choice_quotes_at_most_40_characters_of_what_was_given():
+    text = "x" * 39 + "yz"
+    with pytest.raises(request.BadValue) as refused:
+        request.SETTINGS["zero"][0](text)
+    assert str(refused.value) == f"{text[:40]!r}: choose one of 0, 1, 2, 3"
+
+
+def test_a_batch_rounds_to_the_replicas_times_the_pinned_microbatches(capsys):
+    """130 sequences over 4 replicas of 3 microbatches: 10.83 × 12, planned as 11 × 12 = 132."""
+    values = {"layout": "tp=8,dp=4", "seq": 4096, "global_batch_tokens": 130 * 4096}
+    resolved = request.resolve(L8B, H100, values | {"microbatches": 3})
+    assert resolved.base.global_seqs == 132
+    note = "fourd: note: 130 sequences do not split into 12 equal parts: planned with 132\n"
+    assert capsys.readouterr().err == note
+
+
+@pytest.mark.parametrize(
+    ("settings", "chosen"),
+    [
+        ({}, ("schedule", "virtual stages", "microbatches", "zero", "recompute", "compile")),
+        ({"schedule": "1f1b"}, ("microbatches", "zero", "recompute", "compile")),
+        (
+            {"schedule": "interleaved"},
+            ("virtual stages", "microbatches", "zero", "recompute", "compile"),
+        ),
+        (
+            {"stack": "megatron-core"},
+            ("schedule", "virtual stages", "microbatches", "zero", "recompute"),
+        ),
+        ({"compiled": "on"}, ("schedule", "virtual stages", "microbatches", "zero", "recompute")),
+    ],
+)
+def test_what_the_planner_chooses_is_what_the_request_left_open(settings, chosen):
+    """Virtual stages are open only where the schedule may interleave; compilation only where the
+    stack would compile (fourd's eager blocks on a GPU, not Megatron-Core's fused kernels) and it
+    was not pinned."""
+    values = {"layout": "tp=8,pp=4", "seq": 4096, "global_batch_tokens": "1M"}
+    assert request.resolve(L8B, H100, values | settings).open == chosen
+
+
+def test_no_virtual_stages_asked_leaves_the_schedule_open():
+    values = {"layout": "tp=8,pp=4", "seq": 4096, "global_batch_tokens": "1M"}
+    resolved = request.resolve(L8B, H100, values)
+    assert resolved.fixed["schedule"] is None and "schedule" in resolved.open
+
+
+def test_the_flags_are_the_settings_with_help_and_top_defaults_to_ten():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    request.add_arguments(parser)
+    flags = {option for action in parser._actions for option in action.option_strings}
+    assert "--global-seqs" not in flags  # set by callers, not a flag: it has no help text
+    assert {"--global-batch-tokens", "--virtual-stages", "--top"} <= flags
+    assert parser.parse_args([]).top == 10
+
+
+def test_without_a_layout_a_pinned_schedule_is_meant_for_a_pipeline_and_zero_for_none(capsys):
+    """DeepSpeed runs 1F1B only, and ZeRO 2 and 3 only without a pipeline: with no layout, a pinned
+    interleaved schedule is noted (as on pp > 1) and a pinned ZeRO 3 is not (as on pp = 1)."""
+    values = {"gpus": 16, "seq": 4096, "global_batch_tokens": "1M", "stack": "deepspeed"}
+    request.resolve(L8B, H100, values | {"schedule": "interleaved"})
+    assert capsys.readouterr().err == (
+        "fourd: note: the deepspeed stack runs the schedules 1f1b, not interleaved: planned as "
+        "asked\n"
+    )
+    request.resolve(L8B, H100, values | {"zero": 3})
+    assert capsys.readouterr().err == ""
