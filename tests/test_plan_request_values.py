@@ -211,3 +211,12 @@ def test_without_a_layout_a_pinned_schedule_is_meant_for_a_pipeline_and_zero_for
     )
     request.resolve(L8B, H100, values | {"zero": 3})
     assert capsys.readouterr().err == ""
+
+
+def test_a_range_without_a_top_names_its_bottom_only():
+    with pytest.raises(request.BadValue) as refused:
+        request.bounded(int, 1)("0")
+    assert str(refused.value) == "0 is out of range: give a whole number from 1"
+    with pytest.raises(request.BadValue) as refused:
+        request.bounded(float, 0.5)("inf")
+    assert str(refused.value) == "inf is out of range: give a number from 0.5"
