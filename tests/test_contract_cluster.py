@@ -7,11 +7,18 @@ holds."""
 
 from __future__ import annotations
 
+import re
+from collections import Counter
+from pathlib import Path
+
 import pytest
 
 from fourd.errors import FourdError
 from fourd.layout import Layout
 from fourd.plan.cluster import (
+    AttentionSample,
+    CollectiveSample,
+    GemmSample,
     Group,
     group_bandwidth,
     group_level,
@@ -311,3 +318,133 @@ def test_a_profile_named_by_a_relative_toml_file_is_read_from_here(tmp_path, mon
     monkeypatch.chdir(tmp_path)
     (tmp_path / "mine.toml").write_text(PROFILE)
     assert load_cluster("mine.toml").name == "small"
+
+
+SIX = """name = "six"
+description = "6 GPUs a server, 18 a rack, 36 a pod"
+[gpu]
+name = "H100 SXM 80GB"
+peak_tflops = 989.0
+memory_gb = 80.0
+hbm_bw_gbps = 3350.0
+[node]
+gpus = 6
+intra_bw_gbps = 450.0
+[network]
+nic_bw_gbps = 50.0
+gpus_per_rack = 18
+gpus_per_pod = 36
+"""
+
+
+def _placed_rank_by_rank(group, cluster):
+    """Every group of the dimension placed member by member (ranks b + i·stride, b running over each
+    block of size·stride ranks): how many lie inside one server, rack or pod or across pods, and the
+    fewest members a group that spans servers has on one server."""
+    blocks = {
+        "nvlink": cluster.node.gpus,
+        "rack": cluster.network.gpus_per_rack,
+        "pod": cluster.network.gpus_per_pod,
+    }
+    counts: dict[str, int] = {}
+    fewest = group.size
+    for block_start in range(0, group.world, group.size * group.stride):
+        for offset in range(group.stride):
+            members = [block_start + offset + i * group.stride for i in range(group.size)]
+            if group.size == 1:
+                continue
+            level = next(
+                (
+                    name
+                    for name, block in blocks.items()
+                    if len({member // block for member in members}) == 1
+                ),
+                "cross-pod",
+            )
+            counts[level] = counts.get(level, 0) + 1
+            on_server = Counter(member // cluster.node.gpus for member in members)
+            if len(on_server) > 1:
+                fewest = min(fewest, *on_server.values())
+    return counts, fewest
+
+
+@pytest.mark.parametrize("profile", ["small", "six"])
+def test_every_group_lands_where_placing_it_rank_by_rank_puts_it(small, tmp_path, profile):
+    """Sizes and strides that are and are not powers of two, on 8- and 6-GPU servers, with up to 40
+    groups (more than one period of first ranks) and strides past a pod."""
+    cluster = small
+    if profile == "six":
+        path = tmp_path / "six.toml"
+        path.write_text(SIX)
+        cluster = load_cluster(str(path))
+    for size in (2, 3, 4, 5, 8):
+        for stride in (1, 2, 3, 4, 5, 6, 8, 10, 12, 24, 48):
+            for groups in (1, 3, 40):
+                group = Group(size, stride, size * stride * groups)
+                counts, fewest = _placed_rank_by_rank(group, cluster)
+                assert group_levels(group, cluster) == counts, group
+                assert members_per_node(group, cluster) == fewest, group
+
+
+def test_a_stride_past_a_pod_crosses_with_one_channel_a_group(small):
+    """Stride 64 over a 32-GPU pod: each group has one member in each of two pods, so a pod's 32
+    members cross on 32 channels; 32 NICs at 4:1 over them leave a quarter of a NIC each."""
+    nic = 50e9 * 0.9
+    assert group_bandwidth(Group(2, 64, 128), small)[0] == 32 * nic / 4 / 32
+
+
+def test_the_uplinks_share_is_not_rounded_to_whole_bytes(tmp_path):
+    """At 7:1, 0.85 of a 50 GB/s NIC, a stride of 10 (32 / 3 crossing channels): neither division
+    gives a whole number of bytes/s."""
+    path = tmp_path / "odd.toml"
+    path.write_text(
+        PROFILE.replace(
+            "cross_pod_oversubscription = 4.0", "cross_pod_oversubscription = 7.0"
+        ).replace("nic_efficiency = 0.9", "nic_efficiency = 0.85")
+    )
+    odd = load_cluster(str(path))
+    nic = 50.0 * 1e9 * 0.85
+    assert group_bandwidth(Group(4, 10, 40), odd)[0] == 32 * nic / 7.0 / (32 / 3)
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (
+            ("nic_bw_gbps = 50.0", 'nic_bw_gbps = "fast"'),
+            "network.nic_bw_gbps = 'fast' must be of type float",
+        ),
+        (("sms = 132", 'sms = "many"'), "gpu.sms = 'many' must be of type int"),
+    ],
+)
+def test_a_value_of_the_wrong_type_names_the_type_its_field_takes(tmp_path, change, named):
+    """A float field takes ints too, and names float; an optional field names its type, not None."""
+    path = tmp_path / "bad.toml"
+    path.write_text(PROFILE.replace(*change, 1))
+    with pytest.raises(FourdError, match=re.escape(named)):
+        load_cluster(str(path))
+
+
+def test_a_profile_the_kernel_will_not_read_or_not_utf8_is_refused_in_one_line(tmp_path):
+    """/proc/self/mem is a file every user may open, and reading it from its start fails (EIO)."""
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(b'name = "\xff\xfe"\n')
+    for path in (Path("/proc/self/mem"), binary):
+        with pytest.raises(FourdError) as refused:
+            load_cluster(str(path))
+        assert str(refused.value).startswith(f"{path}: not a readable TOML profile (")
+        assert "\n" not in str(refused.value)
+
+
+def test_every_part_of_a_profile_is_an_immutable_value(small):
+    import dataclasses
+
+    sample = GemmSample(m=1, n=1, k=1, tflops=1.0)
+    parts = [small, small.gpu, small.node, small.network, sample]
+    parts += [AttentionSample(seq=1, head_dim=1, fwd_tflops=1.0, bwd_tflops=1.0)]
+    parts += [CollectiveSample(op="all_reduce", nproc=2, alpha_s=0.0, beta_s_per_byte=0.0)]
+    parts += [Group(2, 1, 2)]
+    for part in parts:
+        field = dataclasses.fields(part)[0].name
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(part, field, None)

@@ -264,3 +264,93 @@ def test_interleaving_tries_no_fewer_microbatches_than_ranks_when_it_has_enough(
     assert got == {8, 4, 2}
     # 1 sequence: one microbatch is all there is, so it stays
     assert {par.microbatches for par in configs(SMALL, 2, 4096, 1, pinned, stack)} == {1}
+
+
+def test_context_parallelism_of_degrees_that_are_not_powers_of_two():
+    """A CP rank takes two halves of a sequence (load balance): the sequence must split into 2·cp
+    parts, 6 for cp = 3 and 8 for cp = 4, whatever the powers of two say (3,078 is 6 · 513, 4,104 is
+    8 · 513: neither is a multiple of 2^cp)."""
+    assert 3 in {lay.cp for lay in layouts(SMALL, 3, 3078, 3)}
+    assert 4 in {lay.cp for lay in layouts(SMALL, 4, 4104, 4)}
+
+
+def test_a_layout_sharded_over_context_ranks_alone_tries_the_sharded_stages():
+    """cp = 3, dp = 1: three ranks hold the same weights, so ZeRO shards over them."""
+    stack = load_stack("fourd")
+    pinned = OPEN | {"layout": Layout(1, 3, 1, 1), "schedule": "1f1b"}
+    assert {par.zero for par in configs(SMALL, 3, 3078, 1, pinned, stack)} == {1, 2, 3}
+
+
+def test_sequence_parallelism_needs_a_cp_ranks_tokens_to_split_over_tp():
+    """tp = 4, cp = 2 on 2,052 tokens: a CP rank holds 1,026, which 4 TP ranks do not split."""
+    stack = load_stack("fourd")
+    pinned = OPEN | {"layout": Layout(4, 2, 1, 1)}
+    assert list(configs(SMALL, 8, 2052, 1, pinned, stack)) == []
+    unsplit = pinned | {"sequence_parallel": False}
+    assert {par.layout for par in configs(SMALL, 8, 2052, 1, unsplit, stack)} == {
+        Layout(4, 2, 1, 1)
+    }
+
+
+def test_virtual_stages_pinned_without_a_pipeline_reach_the_validator():
+    """The search passes a pinned V on (the layout's check then names it), it does not drop it."""
+    stack = load_stack("fourd")
+    pinned = OPEN | {"layout": Layout(1, 1, 1, 2), "schedule": "1f1b", "virtual_stages": 2}
+    assert {par.virtual_stages for par in configs(SMALL, 2, 4096, 8, pinned, stack)} == {2}
+
+
+def test_zero_bubble_keeps_its_few_microbatch_counts():
+    """Only interleaving drops counts below the ranks when larger ones exist; zero-bubble keeps them."""
+    stack = load_stack("fourd")
+    pinned = OPEN | {"layout": Layout(1, 1, 2, 1), "schedule": "zero-bubble"}
+    assert {par.microbatches for par in configs(SMALL, 2, 4096, 8, pinned, stack)} == {8, 4, 2, 1}
+
+
+def test_four_layers_on_three_ranks_interleave_two_stages_each():
+    """6 chunks for 4 layers: the edges hold only the embedding and the output."""
+    from fourd.plan.search import _virtual_stages
+
+    assert _virtual_stages(4, 3) == [2]
+
+
+def test_full_recomputation_adds_its_attention_core_at_a_length_that_is_not_a_power_of_two():
+    """At 3,072 tokens the linear layers' 2^23 FLOPs a token and the attention core's 3 · 2^22 share
+    a bit: the hardware FLOPs add them."""
+    layers, heads, head_dim, seq = 4, 4, 64, 3072
+    redone = layers * _linear_flops_per_token() + 4 * layers * heads * head_dim * seq
+    par = Parallelism(
+        layout=Layout(1, 1, 1, 1), schedule="1f1b", microbatches=1, zero=0, recompute="full"
+    )
+    plan = evaluate(Job(SMALL, H100, par, seq, 1))
+    assert plan.hw_tflops_per_gpu == pytest.approx(
+        plan.tflops_per_gpu * (1 + redone / SMALL.flops_per_token(seq)), rel=1e-12
+    )
+
+
+def test_a_stack_whose_sharded_stages_a_pipeline_excludes_falls_back_to_zero_0(
+    tmp_path, monkeypatch
+):
+    """A user stack that shards only with ZeRO 2 and 3 and pipelines only with ZeRO 0 and 1: on a
+    pipelined layout nothing it shards with is left, so the search tries ZeRO 0."""
+    monkeypatch.setenv("FOURD_HOME", str(tmp_path))
+    (tmp_path / "stacks").mkdir()
+    (tmp_path / "stacks" / "late.toml").write_text("zero = [2, 3]\npipeline_zero = [0, 1]\n")
+    stack = load_stack("late")
+    pinned = OPEN | {"layout": Layout(1, 1, 2, 2), "schedule": "1f1b"}
+    assert {par.zero for par in configs(SMALL, 4, 4096, 8, pinned, stack)} == {0}
+
+
+def test_a_plan_is_an_immutable_value():
+    import dataclasses
+
+    plan = _plan("none")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.chosen = ("tp",)  # type: ignore[misc]
+
+
+def test_the_json_rounds_memory_to_the_megabyte_and_counts_training_days_unrounded():
+    plan = _plan("none")
+    out = plan.to_json(train_tokens=1e12)
+    assert out["memory_gb"] == {key: round(gb, 3) for key, gb in plan.memory.gb().items()}
+    assert any(round(gb, 3) != round(gb, 4) for gb in plan.memory.gb().values())
+    assert out["training_days"] == 1e12 / plan.tokens_per_s / 86400

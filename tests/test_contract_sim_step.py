@@ -319,6 +319,11 @@ def test_a_stalled_step_names_the_first_gpu_left_waiting():
     )
     with pytest.raises(RuntimeError, match=r"^simulation stalled at \(0, 0\): .*kind='B', stage=0"):
         simulate(stuck, [UNIT] * 2)
+    # rank 0 runs F0 and waits at B0 for a gradient; rank 1 waits at its first action, B1: the line
+    # names the piece rank 0 is at, not the one at rank 1's position
+    later = dataclasses.replace(stuck, ranks=((f0, b0), (b1, f1)))
+    with pytest.raises(RuntimeError, match=r"^simulation stalled at \(0, 0\): .*kind='B', stage=0"):
+        simulate(later, [UNIT] * 2)
 
 
 def test_idle_shares_of_a_trace_that_starts_late():
@@ -370,7 +375,7 @@ def test_weight_buckets_of_a_third_of_a_stage_are_not_rounded(tmp_path):
     them for the forward (alone on the NIC: timed here) and again for the backward."""
     bucket = 2 * 1064 / 3 / 2 / 1024
     # nemo gathers ZeRO 1's weights beside the forward (fourd's ZeRO 1 gathers after the update)
-    for zero, gathers, stack in ((1, 3, "nemo"), (3, 6, "fsdp")):
+    for zero, gathers, stack in ((1, 3, "nemo"), (3, 6, "fsdp"), (1, 3, "fourd")):
         comm = build_comm(_job(_cluster(tmp_path), Layout(dp=2), zero=zero, stack=stack))
         r = simulate(build_schedule("1f1b", 1, 1), [UNIT], layers=[3], comm=comm)
         times = [t.end - t.start for t in r.transfers if t.kind == "ag"]
@@ -406,3 +411,169 @@ def test_stage_costs_carry_tp_collectives_unless_asked_not_to(tmp_path):
         assert costs["F"] == chunk.forward_s + chunk.forward_comm_s
         assert bare["F"] == chunk.forward_s
         assert costs["B"] == costs["I"] + costs["W"]
+
+
+def test_the_pipeline_span_runs_from_the_first_start_to_the_last_end(tmp_path):
+    """ZeRO-1 gathered beside the forward: the first forward waits for its weights, so the span starts
+    at 0.2578125, not at 0."""
+    r, _ = _collectives(tmp_path, 1)
+    first_start = min(rank[0].start for rank in r.events)
+    assert first_start == 0.2578125
+    assert r.pipeline_span_s == max(rank[-1].end for rank in r.events) - first_start
+
+
+def test_an_action_split_into_three_layers_sends_and_ends_with_its_last_piece(tmp_path):
+    """ZeRO-1 beside the forward, three layers a stage: the first forward of each stage runs as three
+    pieces, each after its layer's weights; its activation leaves, and its event ends, when the
+    third ends."""
+    comm = build_comm(_job(_cluster(tmp_path), zero=1, stack="nemo"))
+    r = simulate(build_schedule("1f1b", 2, 1), [UNIT] * 2, layers=[3, 3], comm=comm)
+    forward = r.events[0][0]
+    (sent,) = [t for t in r.transfers if t.name == "act 0.0 to rank 1"]
+    assert (forward.kind, sent.start) == ("F", forward.end)
+    assert forward.end - forward.start == pytest.approx(1, rel=1e-12)
+    assert r.events[1][0].start >= sent.end
+
+
+def test_zero_bubble_sends_activations_after_f_only_and_zero3_gathers_for_f_and_i_only(tmp_path):
+    """ZB-H1 on two ranks, two microbatches, one layer a stage: one activation and one input gradient
+    cross per microbatch; ZeRO-3 gathers a layer's weights before each F and each I, never for W
+    (the weight gradient needs the layer's input and output gradient, not its weights)."""
+    comm = build_comm(_job(_cluster(tmp_path), zero=3, microbatches=2, stack="fsdp"))
+    r = simulate(build_schedule("zero-bubble", 2, 2), [UNIT] * 2, layers=[1, 1], comm=comm)
+    assert sorted(t.name for t in r.transfers if t.kind == "pp") == [
+        "act 0.0 to rank 1",
+        "act 0.1 to rank 1",
+        "grad 1.0 to rank 0",
+        "grad 1.1 to rank 0",
+    ]
+    for rank in (0, 1):
+        assert len([t for t in r.transfers if t.kind == "ag" and t.rank == rank]) == 4
+
+
+def test_a_straggler_past_the_256th_rank_of_a_300_stage_pipeline():
+    """GPipe, one microbatch, F = 1 and B = 2 on each of 300 stages: 900 units; rank 280 of the
+    straggler's replica twice as slow: 903. (CPython keeps one object per int only up to 256.)"""
+    sched = build_schedule("gpipe", 300, 1)
+    r = simulate(sched, [UNIT] * 300, slow=(280, 2), dp=2)
+    assert r.step_time_s == 903
+    assert [(e.kind, e.end - e.start) for e in r.slow_events[280]] == [("F", 2), ("B", 4)]
+    assert (r.events[299][-1].end, r.events[0][-1].end) == (302, 900)
+
+
+def test_neighbours_on_one_server_past_the_256th_talk_over_nvlink(tmp_path):
+    """516 pipeline ranks, two a server: ranks 514 and 515 share server 257."""
+    cluster = _cluster(tmp_path, gpus_per_node=2)
+    model = ModelConfig(layers=514, dim=8, ffn=8, heads=1, kv_heads=1, vocab=8)
+    par = Parallelism(layout=Layout(pp=516), microbatches=1, zero=0)
+    comm = build_comm(Job(model, cluster, par, 64, 1))
+    assert comm.p2p[(514, 515)][0] == ("nvl_out", "nvl_in")
+    assert comm.p2p[(513, 514)][0] == ("nic_out", "nic_in")
+
+
+def test_a_slow_gpu_of_a_negative_factor_is_refused(tmp_path):
+    with pytest.raises(FourdError, match=r"slow GPU 0:-1.0: .* and a factor > 0"):
+        simulate_step(_job(_cluster(tmp_path)), slow_gpu=(0, -1.0))
+
+
+def test_the_bubble_share_of_a_step_shorter_than_a_second():
+    """1F1B, two ranks, two microbatches, F 0.1 s and B 0.2 s: a span of 0.9 s, 0.6 s busy a rank."""
+    r = simulate(build_schedule("1f1b", 2, 2), [{"F": 0.1, "B": 0.2}] * 2)
+    assert r.pipeline_span_s == pytest.approx(0.9, rel=1e-12)
+    assert r.bubble_fraction == pytest.approx(1 / 3, rel=1e-12)
+
+
+def test_every_sharded_stage_steps_the_optimizer_over_its_shard(tmp_path):
+    cluster = _cluster(tmp_path)
+    for zero in (2, 3):
+        job = _job(cluster, Layout(pp=2, dp=3), zero=zero, stack="fsdp")
+        assert simulate_step(job, comm=False).optimizer_s == [
+            optimizer_time(528 / 3, cluster, 2),
+            optimizer_time(536 / 3, cluster, 2),
+        ], zero
+
+
+def test_events_and_transfers_are_immutable_and_results_named_by_keywords(tmp_path):
+    event = Event(rank=0, stage=0, kind="F", microbatch=0, start=0, end=1)
+    transfer = step.Transfer(replica=0, rank=0, kind="pp", name="x", start=0, end=1)
+    comm = build_comm(_job(_cluster(tmp_path)))
+    for value in (event, transfer, comm):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            value.rank = 1  # type: ignore[misc]
+    for cls, value in ((Event, event), (step.Transfer, transfer)):
+        with pytest.raises(TypeError):
+            cls(*dataclasses.astuple(value))
+    result = simulate(build_schedule("gpipe", 1, 1), [UNIT])
+    with pytest.raises(TypeError):
+        step.StepResult(*[getattr(result, f.name) for f in dataclasses.fields(result)])
+    # a Comm left without the flag gathers ZeRO 1's weights beside the forward
+    fields = {f.name: getattr(comm, f.name) for f in dataclasses.fields(comm)}
+    del fields["gather_in_step"]
+    assert step.Comm(**fields).gather_in_step is False
+
+
+def test_the_simulators_options_are_keywords_and_one_replica_is_the_stragglers():
+    sched = build_schedule("gpipe", 1, 1)
+    with pytest.raises(TypeError):
+        simulate(sched, [UNIT], [1])  # type: ignore[misc]
+    alone = simulate(sched, [UNIT], slow=(0, 2))
+    assert (alone.step_time_s, alone.slow_events) == (6, None)
+
+
+def test_a_delivery_lands_after_its_latency_even_with_a_later_one_waiting(tmp_path):
+    """GPipe, two ranks on two servers, two microbatches, a 3 s latency: activation 0 crosses [1, 2]
+    and lands at 2 + 3; activation 1 crosses [2, 3] and lands later. Rank 1 starts at the first."""
+    folder = tmp_path / "latency"
+    folder.mkdir()
+    comm = build_comm(_job(_cluster(folder, latency_us=3e6), microbatches=2))
+    latency = comm.p2p[(0, 1)][2]
+    r = simulate(build_schedule("gpipe", 2, 2), [UNIT] * 2, comm=comm)
+    assert r.events[1][0].start == 2 + latency
+
+
+def test_a_schedule_of_no_actions_spans_nothing():
+    empty = Schedule(name="empty", pp=1, microbatches=0, virtual_stages=1, ranks=((),))
+    r = simulate(empty, [UNIT])
+    assert (r.step_time_s, r.pipeline_span_s, r.events) == (0, 0.0, [[]])
+
+
+def test_a_stage_of_one_layer_gathers_and_reduces_one_bucket(tmp_path):
+    r = simulate_step(_job(_cluster(tmp_path), zero=1, microbatches=2, stack="nemo"))
+    for rank in (0, 1):
+        names = sorted(t.name for t in r.transfers if t.rank == rank and t.kind in ("ag", "rs"))
+        assert names == [f"all_gather stage {rank} layer 0", f"reduce_scatter stage {rank} layer 0"]
+
+
+def test_one_gpu_is_simulated_without_a_slow_gpu(tmp_path):
+    r = simulate_step(_job(_cluster(tmp_path), Layout()))
+    assert r.step_time_s > 0 and r.slow_events is None
+
+
+def test_a_stage_of_300_layers_split_into_its_buckets_ends_each_action_with_its_last(tmp_path):
+    """ZeRO-1 beside the forward on one rank of 300 layers (past CPython's 256 cached ints): the
+    forward and the backward each run as 300 pieces and record one event each."""
+    model = ModelConfig(layers=300, dim=8, ffn=8, heads=1, kv_heads=1, vocab=8)
+    par = Parallelism(layout=Layout(dp=2), microbatches=1, zero=1)
+    comm = build_comm(Job(model, _cluster(tmp_path), par, 64, 2, stack="nemo"))
+    r = simulate(build_schedule("1f1b", 1, 1), [UNIT], layers=[300], comm=comm)
+    assert [e.kind for e in r.events[0]] == ["F", "B"]
+    assert len([t for t in r.transfers if t.kind == "rs"]) == 300
+
+
+def test_zero_bubble_records_every_weight_gradient(tmp_path):
+    comm = build_comm(_job(_cluster(tmp_path), zero=3, microbatches=2, stack="fsdp"))
+    r = simulate(build_schedule("zero-bubble", 2, 2), [UNIT] * 2, layers=[1, 1], comm=comm)
+    for rank in (0, 1):
+        assert sorted(e.kind for e in r.events[rank]) == ["F", "F", "I", "I", "W", "W"]
+
+
+def test_the_last_of_300_stages_sends_no_activation(tmp_path):
+    """300 pipeline ranks on one-GPU servers, one microbatch: 299 activations forward, 299 input
+    gradients back."""
+    model = ModelConfig(layers=298, dim=8, ffn=8, heads=1, kv_heads=1, vocab=8)
+    par = Parallelism(layout=Layout(pp=300), microbatches=1, zero=0)
+    comm = build_comm(Job(model, _cluster(tmp_path), par, 64, 1))
+    r = simulate(build_schedule("gpipe", 300, 1), [UNIT] * 300, comm=comm)
+    names = [t.name for t in r.transfers]
+    assert len(names) == 598
+    assert sum(name.startswith("act") for name in names) == 299
