@@ -118,6 +118,18 @@ MODULES: dict[str, tuple[str, ...]] = {
         *PLANNER_TESTS,
         "tests/test_plan_cli.py",
     ),
+    # the corpora a dataset is prepared from: kinds, readers, fields, refusals
+    "fourd/data/sources.py": (
+        "tests/test_data_prepare.py",
+        "tests/test_data_stream.py",
+        "tests/test_data_mix.py",
+    ),
+    # the byte, Hugging Face and tiktoken tokenizers and the BPE ranks file
+    "fourd/data/tokenizer.py": (
+        "tests/test_data_tokenizer.py",
+        "tests/test_data_prepare.py",
+        "tests/test_data_stream.py",
+    ),
 }
 # tests in those files that pin another module, left out of the module's runs: hypothesis's 150 corpora of
 # fourd.data.sources take 2.5 s of test_data_stream.py's 4
