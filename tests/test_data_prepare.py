@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -320,3 +321,21 @@ def test_ranks_that_prepare_the_same_cache_entry_at_once_agree(tmp_path, bpe):
     (entry,) = paths
     assert os.listdir(tmp_path / "cache") == [os.path.basename(entry)]
     assert run_fourd("data", "verify", entry)[0] == 0
+
+
+def test_a_dataset_dict_folder_lists_its_splits_arrow_files_in_its_order(tmp_path):
+    """`DatasetDict.save_to_disk`: dataset_dict.json names the splits, each a Dataset folder; their
+    files come split by split in the listed order (not the alphabetical one)."""
+    root = tmp_path / "dict"
+    root.mkdir()
+    write_hf_folder(root / "validation", ["a", "b"])
+    write_hf_folder(root / "train", ["c", "d"])
+    (root / "dataset_dict.json").write_text(json.dumps({"splits": ["validation", "train"]}))
+    found = list_sources([str(root)])
+    names = [Path(source.path).relative_to(root.resolve()).as_posix() for source in found]
+    assert names == [
+        f"{split}/data-0000{number}-of-00002.arrow"
+        for split in ("validation", "train")
+        for number in (0, 1)
+    ]
+    assert {source.kind for source in found} == {"arrow"}

@@ -645,3 +645,29 @@ def test_a_mixture_of_one_dataset_reads_its_samples_in_order(tmp_path):
     assert [stream.sample(i).tolist() for i in range(5)] == [
         own.sample(i).tolist() for i in range(5)
     ]
+
+
+def test_a_broken_jsonl_line_quotes_sixty_characters_of_the_parsers_message(tmp_path):
+    """json's message here is 72 characters ("Expecting property name enclosed in double quotes: line 1
+    column 2 (char 1)"): the line keeps its first 60."""
+    f = tmp_path / "d.jsonl"
+    f.write_text('{"text": "a"}\n{\n')
+    (source,) = list_sources([str(f)])
+    with pytest.raises(FourdError) as refused:
+        list(DocumentReader(source).documents())
+    assert str(refused.value) == (
+        f"{source.path}:2: not valid JSON (Expecting property name enclosed in double quotes: line 1 "
+        'co); each line must be an object with a "text" field'
+    )
+
+
+def test_an_unreadable_columnar_file_quotes_eighty_characters_of_arrows_message(tmp_path):
+    pytest.importorskip("pyarrow")
+    f = tmp_path / "broken.parquet"
+    f.write_bytes(b"not a parquet file at all, and long enough to have no footer either" * 4)
+    (source,) = list_sources([str(f)])
+    with pytest.raises(FourdError) as refused:
+        list(DocumentReader(source).documents())
+    quoted = str(refused.value).split(" file (", 1)[1].rsplit("): check the file", 1)[0]
+    assert str(refused.value).startswith(f"{source.path}: not a readable Parquet file (")
+    assert len(quoted) == 80

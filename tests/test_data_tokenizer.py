@@ -2,6 +2,7 @@
 
 import base64
 import os
+import re
 import subprocess
 import sys
 
@@ -143,3 +144,34 @@ def test_a_fifo_or_device_is_refused_without_blocking(tmp_path):
             f"tokenizer '{path}' is not a regular file (a FIFO, device, socket or system file): "
             "give 'byte' or the path of a tokenizer.json or tiktoken BPE file"
         )
+
+
+def test_a_tiktoken_files_special_tokens_follow_its_ranks(tmp_path):
+    """260 ranks, then Llama 3's 256 special tokens: begin (260), end of text (261), 254 reserved; the
+    end-of-document token is 261 and the vocabulary 516."""
+    path = tmp_path / "tokenizer.model"
+    write_bpe(path, [b"th", b"he", b"the", b" c"])
+    tok = load_tokenizer(str(path))
+    assert tok.special_token() == ("<|end_of_text|>", 261)
+    assert (tok.vocab_size, tok._enc.n_vocab) == (516, 516)
+    assert tok.decode([515]) == "<|reserved_special_token_253|>"
+
+
+def test_a_tokenizer_json_counts_and_decodes_its_added_special_tokens(tmp_path):
+    from tokenizers import AddedToken, Tokenizer, models
+
+    vocab = {"a": 0, "b": 1, "ab": 2}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[("a", "b")]))
+    tok.add_special_tokens([AddedToken("<|endoftext|>", special=True)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    t = load_tokenizer(str(tmp_path / "tokenizer.json"))
+    assert t.vocab_size == 4
+    assert t.special_token() == ("<|endoftext|>", 3)
+    assert t.decode([2, 3]) == "ab <|endoftext|>"  # no decoder set: pieces joined by spaces
+
+
+def test_a_malformed_bpe_line_is_named_by_its_line_number(tmp_path):
+    path = tmp_path / "tok"
+    path.write_text("YQ== 0\nnot-base64 zero\n")
+    with pytest.raises(FourdError, match=rf"^{re.escape(str(path))}:2: not a tiktoken BPE line"):
+        load_tokenizer(str(path))
