@@ -671,3 +671,99 @@ def test_an_unreadable_columnar_file_quotes_eighty_characters_of_arrows_message(
     quoted = str(refused.value).split(" file (", 1)[1].rsplit("): check the file", 1)[0]
     assert str(refused.value).startswith(f"{source.path}: not a readable Parquet file (")
     assert len(quoted) == 80
+
+
+def _documents(path, **options):
+    (source,) = list_sources([str(path)])
+    return list(DocumentReader(source, **options).documents())
+
+
+def test_jsonl_lines_blank_in_the_middle_and_no_newline_at_the_end(tmp_path):
+    f = tmp_path / "d.jsonl"
+    f.write_text('{"text": "a"}\n\n{"text": "b"}\n{"text": "c"}')
+    assert _documents(f) == ["a", "b", "c"]
+
+
+def test_a_text_file_that_is_not_utf8_is_refused_unless_asked_to_skip(tmp_path):
+    f = tmp_path / "latin1.txt"
+    f.write_bytes("café".encode("latin-1"))
+    with pytest.raises(FourdError, match=r"is not UTF-8 text \(byte 3\)"):
+        _documents(f)
+    assert _documents(f, skip_non_utf8=True) == []
+
+
+def test_a_columnar_files_text_column_anywhere_and_a_column_that_is_not_text(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    f = tmp_path / "c.parquet"
+    pq.write_table(pa.table({"id": [1, 2], "text": ["x", "y"]}), f)
+    assert _documents(f) == ["x", "y"]
+    with pytest.raises(FourdError, match='column "id" holds int64, not text'):
+        _documents(f, field="id")
+
+
+def test_every_path_given_is_listed_after_a_file_or_a_datasets_folder(tmp_path):
+    first, second = tmp_path / "a.txt", tmp_path / "b.txt"
+    first.write_text("a")
+    second.write_text("b")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "state.json").write_text(json.dumps({"_data_files": [{"filename": "x.arrow"}]}))
+    (hf / "x.arrow").write_bytes(b"")
+    found = list_sources([str(first), str(hf), str(second)])
+    assert [os.path.basename(source.path) for source in found] == ["a.txt", "x.arrow", "b.txt"]
+
+
+def test_a_folder_leaves_out_hidden_files_only(tmp_path):
+    for name in ("-notes.txt", ",x", ".hidden", "plain"):
+        (tmp_path / name).write_text("t")
+    found = list_sources([str(tmp_path)])
+    assert sorted(os.path.basename(source.path) for source in found) == [
+        ",x",
+        "-notes.txt",
+        "plain",
+    ]
+
+
+def test_a_source_is_an_immutable_value(tmp_path):
+    (tmp_path / "a.txt").write_text("a")
+    (source,) = list_sources([str(tmp_path / "a.txt")])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        source.size = 0  # type: ignore[misc]
+
+
+def test_batches_hold_1024_documents_or_16_mib_whichever_comes_first(tmp_path):
+    """2,049 one-character documents: 1,024, 1,024, 1. Then documents of 4 MiB, 4 MiB, 4 MiB, 4 MiB − 1
+    and 1 character: the batch closes when it reaches 16 MiB, at the fifth; the next batch the same."""
+    small = tmp_path / "small.jsonl"
+    small.write_text("".join('{"text": "x"}\n' for _ in range(2049)))
+    (source,) = list_sources([str(small)])
+    assert [len(batch) for batch in DocumentReader(source).batches()] == [1024, 1024, 1]
+    mib = 1 << 20
+    sizes = [4 * mib, 4 * mib, 4 * mib, 4 * mib - 1, 1] * 2 + [1]
+    large = tmp_path / "large.jsonl"
+    large.write_text("".join(json.dumps({"text": "y" * size}) + "\n" for size in sizes))
+    (source,) = list_sources([str(large)])
+    assert [len(batch) for batch in DocumentReader(source).batches()] == [5, 5, 1]
+    assert [len(batch) for batch in DocumentReader(source).batches(skip=10)] == [1]
+
+
+def test_a_compressed_corpus_without_its_library_is_refused_in_one_line(tmp_path):
+    """zstandard made unimportable (sys.modules[...] = None), as on a machine without it."""
+    f = tmp_path / "c.jsonl.zst"
+    f.write_bytes(b"\x28\xb5\x2f\xfd")
+    code = (
+        "import sys; sys.modules['zstandard'] = None\n"
+        "from fourd.data.sources import DocumentReader, list_sources\n"
+        "from fourd.errors import FourdError\n"
+        f"(source,) = list_sources([{str(f)!r}])\n"
+        "try:\n    list(DocumentReader(source).documents())\n"
+        "except FourdError as e:\n    print(e)\n"
+    )
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout == (
+        "reading .jsonl.zst needs the 'zstandard' package: pip install 'fourd[data]'\n"
+    )

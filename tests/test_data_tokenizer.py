@@ -175,3 +175,53 @@ def test_a_malformed_bpe_line_is_named_by_its_line_number(tmp_path):
     path.write_text("YQ== 0\nnot-base64 zero\n")
     with pytest.raises(FourdError, match=rf"^{re.escape(str(path))}:2: not a tiktoken BPE line"):
         load_tokenizer(str(path))
+
+
+def test_a_broken_tokenizer_json_quotes_eighty_characters_of_the_librarys_message(tmp_path):
+    from tokenizers import Tokenizer
+
+    path = tmp_path / "tokenizer.json"
+    path.write_text(
+        '{"model": {"type": "NoSuchModelTypeAtAll", "vocab": {}, "merges": []}, "x": '
+        + "1" * 200
+        + "}"
+    )
+    with pytest.raises(Exception) as library:
+        Tokenizer.from_str(path.read_text())
+    with pytest.raises(FourdError) as refused:
+        load_tokenizer(str(path))
+    assert len(str(library.value)) > 80
+    assert str(refused.value) == (
+        f"{path}: not a valid Hugging Face tokenizer.json ({str(library.value)[:80]})"
+    )
+
+
+def test_a_tokenizer_json_that_adds_a_begin_token_adds_none_when_fourd_encodes(tmp_path):
+    from tokenizers import Tokenizer, models, processors
+
+    tok = Tokenizer(models.BPE(vocab={"a": 0, "b": 1, "ab": 2, "<s>": 3}, merges=[("a", "b")]))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 3)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    t = load_tokenizer(str(tmp_path / "tokenizer.json"))
+    assert t.encode("ab") == [2]
+    assert [ids.tolist() for ids in t.encode_batch(["ab", "a"])] == [[2], [0]]
+
+
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        (lambda lines: lines[:100] + [""] + lines[100:], None),  # a blank line: skipped
+        (lambda lines: ["A!A== 0"] + lines[1:], ":1: not a tiktoken BPE line"),  # not base64
+        (lambda lines: lines[:255] + [lines[255].replace(" 255", " 254")], "ranks are not 0..255"),
+        (lambda lines: ["~" + lines[0]] + lines[1:], ":1: not a tiktoken BPE line"),  # not JSON
+    ],
+)
+def test_a_bpe_file_line_by_line(tmp_path, change, needle):
+    path = tmp_path / "tokenizer.model"
+    write_bpe(path, [])
+    path.write_text("\n".join(change(path.read_text().splitlines())) + "\n")
+    if needle is None:
+        assert load_tokenizer(str(path)).vocab_size == 256 + LLAMA3_SPECIAL
+        return
+    with pytest.raises(FourdError, match=re.escape(needle)):
+        load_tokenizer(str(path))
