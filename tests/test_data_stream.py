@@ -746,6 +746,26 @@ def test_batches_hold_1024_documents_or_16_mib_whichever_comes_first(tmp_path):
     (source,) = list_sources([str(large)])
     assert [len(batch) for batch in DocumentReader(source).batches()] == [5, 5, 1]
     assert [len(batch) for batch in DocumentReader(source).batches(skip=10)] == [1]
+    # 8 MiB then 8 MiB + 1: the batch passes 16 MiB without meeting it, and closes
+    over = tmp_path / "over.jsonl"
+    over.write_text(
+        "".join(json.dumps({"text": "z" * size}) + "\n" for size in (8 * mib, 8 * mib + 1, 1))
+    )
+    (source,) = list_sources([str(over)])
+    assert [len(batch) for batch in DocumentReader(source).batches()] == [2, 1]
+
+
+def test_an_arrow_stream_file_reads_its_text_column_and_names_itself_when_broken(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    f = tmp_path / "c.arrow"
+    table = pa.table({"id": [1, 2], "text": ["x", "y"]})
+    with pa.OSFile(str(f), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    assert _documents(f) == ["x", "y"]
+    broken = tmp_path / "broken.arrow"
+    broken.write_bytes(b"not an arrow stream" * 8)
+    with pytest.raises(FourdError, match=r": not a readable Arrow file \("):
+        _documents(broken)
 
 
 def test_a_compressed_corpus_without_its_library_is_refused_in_one_line(tmp_path):

@@ -155,6 +155,9 @@ def test_a_tiktoken_files_special_tokens_follow_its_ranks(tmp_path):
     assert tok.special_token() == ("<|end_of_text|>", 261)
     assert (tok.vocab_size, tok._enc.n_vocab) == (516, 516)
     assert tok.decode([515]) == "<|reserved_special_token_253|>"
+    # an odd count of ranks: 257, so end of text is 258
+    write_bpe(path, [b"th"])
+    assert load_tokenizer(str(path)).special_token() == ("<|end_of_text|>", 258)
 
 
 def test_a_tokenizer_json_counts_and_decodes_its_added_special_tokens(tmp_path):
