@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-COPIED = ("fourd", "tests", "configs", "pyproject.toml")
+COPIED = ("fourd", "tests", "configs", "benchmarks", "pyproject.toml")
 
 # name: (source file, exact text, its replacement, the tests that must fail)
 MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
@@ -328,6 +328,18 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
             "tests/test_contract_run_dir.py::"
             "test_a_run_directory_holding_a_run_is_refused_without_resume[metrics.jsonl]",
         ),
+    ),
+    "validate_planner.py --json's out_of_sample_max is the best row": (
+        "benchmarks/validate_planner.py",
+        '"out_of_sample_max": max(abs(r["error"]) for r in held),',
+        '"out_of_sample_max": min(abs(r["error"]) for r in held),',
+        ("tests/test_plan_validation.py::test_out_of_sample_error_is_pinned_and_within_the_targets",),
+    ),
+    "a GPT block's LayerNorms counted without their biases": (
+        "fourd/model/config.py",
+        'norms = 2 * self.dim if self.mlp == "swiglu" else 4 * self.dim',
+        'norms = 2 * self.dim if self.mlp == "swiglu" else 2 * self.dim',
+        ("tests/test_model_llama.py::test_model_spec_parsing",),
     ),
     "an open search offers schedules the stack does not run": (
         "fourd/plan/search.py",

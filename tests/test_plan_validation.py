@@ -28,6 +28,8 @@ DATA = ROOT / "benchmarks" / "validation" / "runs.toml"
 # before each attention kernel's rate followed its head dimension (Shah et al. 2024; refitted)
 OUT_OF_SAMPLE_MEAN = 0.07021966102102989
 MEMORY_MEAN = 0.05689710306513873
+# the worst out-of-sample row, the same run: nanotron's 1.34B on 64 nodes, 64.5 % too fast
+OUT_OF_SAMPLE_MAX = 0.6454584653518094
 # the same run: each multi-scale series anchored on its smallest row (issue 23's anchored mean), and the 80 %
 # intervals' leave-one-source-out coverage and median half-widths (before the DGX Cloud rows, 2026-12-05:
 # 0.19408414207804067, 0.7204968944099379, 0.12288375835434162 and 0.09572641380476776; with them, before
@@ -72,6 +74,7 @@ def test_out_of_sample_error_is_pinned_and_within_the_targets():
         and d["out_of_sample_mean"] <= 0.10
     )
     assert d["memory_mean"] == pytest.approx(MEMORY_MEAN, abs=1e-9) and d["memory_mean"] <= 0.10
+    assert d["out_of_sample_max"] == pytest.approx(OUT_OF_SAMPLE_MAX, abs=1e-9)
     assert d["rows"] >= 30 and d["sources"] >= 6 and 3 * d["fit_rows"] <= d["rows"]
     assert d["anchored_mean"] == pytest.approx(ANCHORED_MEAN, abs=1e-9)
     assert (d["interval_level"], d["interval_coverage"]) == (
