@@ -333,7 +333,9 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
         "benchmarks/validate_planner.py",
         '"out_of_sample_max": max(abs(r["error"]) for r in held),',
         '"out_of_sample_max": min(abs(r["error"]) for r in held),',
-        ("tests/test_plan_validation.py::test_out_of_sample_error_is_pinned_and_within_the_targets",),
+        (
+            "tests/test_plan_validation.py::test_out_of_sample_error_is_pinned_and_within_the_targets",
+        ),
     ),
     "a GPT block's LayerNorms counted without their biases": (
         "fourd/model/config.py",
