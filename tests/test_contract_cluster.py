@@ -7,6 +7,7 @@ holds."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections import Counter
 from pathlib import Path
@@ -437,8 +438,6 @@ def test_a_profile_the_kernel_will_not_read_or_not_utf8_is_refused_in_one_line(t
 
 
 def test_every_part_of_a_profile_is_an_immutable_value(small):
-    import dataclasses
-
     sample = GemmSample(m=1, n=1, k=1, tflops=1.0)
     parts = [small, small.gpu, small.node, small.network, sample]
     parts += [AttentionSample(seq=1, head_dim=1, fwd_tflops=1.0, bwd_tflops=1.0)]

@@ -6,13 +6,15 @@ names the rule it holds; docs/testing.md lists the survivors and which test kill
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from fourd.layout import Layout, Parallelism
 from fourd.model.config import parse_model_spec
 from fourd.plan.cluster import load_cluster
 from fourd.plan.job import Job
-from fourd.plan.search import MICRO_SEQS, configs, evaluate, layouts, search
+from fourd.plan.search import MICRO_SEQS, _virtual_stages, configs, evaluate, layouts, search
 from fourd.plan.stack import load_stack
 
 H100 = load_cluster("dgx-h100")
@@ -203,14 +205,14 @@ def test_the_bubble_share_is_the_bubble_over_the_step():
 
 
 def test_virtual_stage_counts_split_the_layers_evenly_or_with_lighter_edges():
-    from fourd.plan.search import _virtual_stages
-
     # 4 layers on 2 ranks: V 2 (4 chunks of 1), V 3 (6 chunks, the edges holding no layer)
     assert _virtual_stages(4, 2) == [2, 3]
     # 6 layers on 2 ranks: V 2 (4 chunks: 1, 2, 2, 1), V 3 (6 of 1), V 4 (8 chunks, empty edges)
     assert _virtual_stages(6, 2) == [2, 3, 4]
     assert _virtual_stages(2, 2) == [2]  # 4 chunks: the two layers inside, the edges' empty
     assert _virtual_stages(1, 2) == []
+    # 4 layers on 3 ranks: V 2 (6 chunks, the edges holding only the embedding and the output)
+    assert _virtual_stages(4, 3) == [2]
 
 
 def test_every_layout_spans_exactly_the_gpus_asked_for():
@@ -225,10 +227,13 @@ def test_every_layout_spans_exactly_the_gpus_asked_for():
         assert all(lay.tp * lay.cp * lay.pp * lay.dp == gpus for lay in found), gpus
 
 
-def test_an_odd_replica_count_is_sharded_too():
+def test_an_odd_replica_count_and_context_ranks_alone_are_sharded_too():
+    """dp = 3; then cp = 3 with dp = 1: three ranks hold the same weights, so ZeRO shards over them."""
     stack = load_stack("fourd")
     pinned = OPEN | {"layout": Layout(1, 1, 1, 3), "schedule": "1f1b"}
     assert {par.zero for par in configs(SMALL, 3, 4096, 6, pinned, stack)} == {1, 2, 3}
+    pinned = OPEN | {"layout": Layout(1, 3, 1, 1), "schedule": "1f1b"}
+    assert {par.zero for par in configs(SMALL, 3, 3078, 1, pinned, stack)} == {1, 2, 3}
 
 
 def test_pinned_microbatches_that_do_not_divide_a_replicas_batch_leave_the_layout_out():
@@ -274,13 +279,6 @@ def test_context_parallelism_of_degrees_that_are_not_powers_of_two():
     assert 4 in {lay.cp for lay in layouts(SMALL, 4, 4104, 4)}
 
 
-def test_a_layout_sharded_over_context_ranks_alone_tries_the_sharded_stages():
-    """cp = 3, dp = 1: three ranks hold the same weights, so ZeRO shards over them."""
-    stack = load_stack("fourd")
-    pinned = OPEN | {"layout": Layout(1, 3, 1, 1), "schedule": "1f1b"}
-    assert {par.zero for par in configs(SMALL, 3, 3078, 1, pinned, stack)} == {1, 2, 3}
-
-
 def test_sequence_parallelism_needs_a_cp_ranks_tokens_to_split_over_tp():
     """tp = 4, cp = 2 on 2,052 tokens: a CP rank holds 1,026, which 4 TP ranks do not split."""
     stack = load_stack("fourd")
@@ -304,13 +302,6 @@ def test_zero_bubble_keeps_its_few_microbatch_counts():
     stack = load_stack("fourd")
     pinned = OPEN | {"layout": Layout(1, 1, 2, 1), "schedule": "zero-bubble"}
     assert {par.microbatches for par in configs(SMALL, 2, 4096, 8, pinned, stack)} == {8, 4, 2, 1}
-
-
-def test_four_layers_on_three_ranks_interleave_two_stages_each():
-    """6 chunks for 4 layers: the edges hold only the embedding and the output."""
-    from fourd.plan.search import _virtual_stages
-
-    assert _virtual_stages(4, 3) == [2]
 
 
 def test_full_recomputation_adds_its_attention_core_at_a_length_that_is_not_a_power_of_two():
@@ -341,8 +332,6 @@ def test_a_stack_whose_sharded_stages_a_pipeline_excludes_falls_back_to_zero_0(
 
 
 def test_a_plan_is_an_immutable_value():
-    import dataclasses
-
     plan = _plan("none")
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.chosen = ("tp",)  # type: ignore[misc]

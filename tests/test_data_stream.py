@@ -5,6 +5,8 @@ import dataclasses
 import json
 import os
 import socket
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -780,9 +782,6 @@ def test_a_compressed_corpus_without_its_library_is_refused_in_one_line(tmp_path
         "try:\n    list(DocumentReader(source).documents())\n"
         "except FourdError as e:\n    print(e)\n"
     )
-    import subprocess
-    import sys
-
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout == (
         "reading .jsonl.zst needs the 'zstandard' package: pip install 'fourd[data]'\n"

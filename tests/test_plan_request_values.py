@@ -2,6 +2,8 @@
 accepted and first refused, the count suffixes, the refusals' words, and the defaults a request takes
 when a setting is left open."""
 
+import argparse
+
 import pytest
 
 from fourd.errors import FourdError
@@ -190,8 +192,6 @@ def test_no_virtual_stages_asked_leaves_the_schedule_open():
 
 
 def test_the_flags_are_the_settings_with_help_and_top_defaults_to_ten():
-    import argparse
-
     parser = argparse.ArgumentParser()
     request.add_arguments(parser)
     flags = {option for action in parser._actions for option in action.option_strings}
