@@ -3,7 +3,9 @@
 - the exit status of a run whose workers returned (0, 128 + the stopping signal: 130, 143; a message: one
   line, status 1);
 - the learning rate at every step of a short schedule (linear warm-up, then cosine to min_lr at the last step);
-- the held-out split: training tokens, training windows, and the refusal of a corpus too small for one window.
+- the held-out split: training tokens, training windows, and the refusal of a corpus too small for one window;
+- a checkpoint every interval and at the last step;
+- MFU's FLOPs per token, 6·(N − input embedding) + 12·L·H·Q·T, for Llama 3 8B counted by hand.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import pytest
 from fourd.config import Config
 from fourd.data.dataset import split
 from fourd.errors import FourdError, RunFailed
+from fourd.model.config import get_preset
 from fourd.train.launch import outcome
 from fourd.train.step import lr_at
 from fourd.train.worker import checkpoint_due
@@ -67,3 +70,32 @@ def test_a_checkpoint_every_interval_and_at_the_last_step():
     assert [step for step in range(1, 9) if checkpoint_due(step, 8, 4)] == [4, 8]
     assert [step for step in range(1, 6) if checkpoint_due(step, 5, 0)] == [5]  # none between
     assert [step for step in range(1, 4) if checkpoint_due(step, 3, 1)] == [1, 2, 3]
+
+
+def test_mfu_counts_six_flops_a_parameter_but_the_input_embedding_and_twelve_l_h_q_t():
+    """Llama 3 8B: 32 layers of dim 4,096 (32 query heads of 128, 8 KV heads), FFN 14,336, vocabulary
+    128,256, untied output: 8,030,261,248 parameters (the released checkpoint's count)."""
+    layers, dim, heads, head_dim, kv_dim, ffn, vocab, seq = (
+        32,
+        4096,
+        32,
+        128,
+        1024,
+        14336,
+        128256,
+        8192,
+    )
+    per_layer = (
+        dim * dim + 2 * dim * kv_dim + dim * dim + 3 * dim * ffn + 2 * dim
+    )  # Q K V O, SwiGLU, 2 norms
+    params = (
+        layers * per_layer + 2 * vocab * dim + dim
+    )  # input embedding, output projection, final norm
+    assert params == 8_030_261_248
+    model = get_preset("llama3-8b")
+    want = 6 * (params - vocab * dim) + 12 * layers * heads * head_dim * seq
+    assert model.flops_per_token(seq) == want
+    # full recomputation adds one forward of every layer (2 FLOPs a parameter, 4·H·Q·T of attention) for HFU
+    assert model.flops_per_token(seq, "full") == want + layers * (
+        2 * per_layer + 4 * heads * head_dim * seq
+    )

@@ -343,6 +343,84 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
         'norms = 2 * self.dim if self.mlp == "swiglu" else 2 * self.dim',
         ("tests/test_model_llama.py::test_model_spec_parsing",),
     ),
+    "metrics.jsonl logs the peak learning rate, not the scheduled one": (
+        "fourd/train/worker.py",
+        '"lr": lr,',
+        '"lr": cfg.train.lr,',
+        (
+            "tests/test_contract_run.py::"
+            "test_two_ranks_train_on_one_processs_tokens_and_log_every_contract_field",
+        ),
+    ),
+    "data-parallel ranks read overlapping samples": (
+        "fourd/train/worker.py",
+        'self.par.coords["dp"] * self.per_dp\n',
+        'self.par.coords["dp"]\n',
+        (
+            "tests/test_contract_run.py::"
+            "test_two_ranks_train_on_one_processs_tokens_and_log_every_contract_field",
+        ),
+    ),
+    "every data-parallel rank evaluates the same held-out windows": (
+        "fourd/train/worker.py",
+        "first = index * batch + self.offset",
+        "first = index * batch",
+        (
+            "tests/test_contract_run.py::"
+            "test_two_ranks_train_on_one_processs_tokens_and_log_every_contract_field",
+        ),
+    ),
+    "config.toml leaves out the settings that are 0 or false": (
+        "fourd/config.py",
+        "for key, value in values.items()\n                    if value is not None",
+        "for key, value in values.items()\n                    if value",
+        (
+            "tests/test_contract_run.py::"
+            "test_config_toml_is_the_whole_resolved_configuration_and_every_manifest_records_it",
+        ),
+    ),
+    "the launcher never restarts a dead worker": (
+        "fourd/train/launch.py",
+        "kw |= dict(max_restarts=max_restarts,",
+        "kw |= dict(max_restarts=0,",
+        (
+            "tests/test_contract_run.py::"
+            "test_a_rank_killed_once_restarts_from_the_newest_checkpoint_and_ends_bit_identical",
+        ),
+    ),
+    "an injected fault kills its rank again after every restart": (
+        "fourd/train/worker.py",
+        "if self.attempt == 0 and step == cfg.fault.at_step:",
+        "if step == cfg.fault.at_step:",
+        (
+            "tests/test_contract_run.py::"
+            "test_a_rank_killed_once_restarts_from_the_newest_checkpoint_and_ends_bit_identical",
+        ),
+    ),
+    "--layout auto keeps the planner's layout but not its ZeRO stage": (
+        "fourd/train/auto.py",
+        'kept = ("schedule", "microbatches", "virtual_stages", "zero", "recompute", "sequence_parallel")',
+        'kept = ("schedule", "microbatches", "virtual_stages", "recompute", "sequence_parallel")',
+        (
+            "tests/test_train_auto.py::"
+            "test_the_planners_search_result_runs_as_given_and_auto_chooses_it",
+        ),
+    ),
+    "MFU counts the input embedding's 6 FLOPs a parameter": (
+        "fourd/model/config.py",
+        "model = 6 * (self.params() - self.embedding_params()) + 3 * attention",
+        "model = 6 * self.params() + 3 * attention",
+        (
+            "tests/test_contract_arith.py::"
+            "test_mfu_counts_six_flops_a_parameter_but_the_input_embedding_and_twelve_l_h_q_t",
+        ),
+    ),
+    "a run stopped by SIGINT on one rank and SIGTERM on another exits 130": (
+        "fourd/train/launch.py",
+        "return 128 + max(results) if max(results) else 0",
+        "return 128 + min(r for r in results if r) if max(results) else 0",
+        ("tests/test_contract_arith.py::test_exit_status_of_returned_workers",),
+    ),
     "an open search offers schedules the stack does not run": (
         "fourd/plan/search.py",
         'better = [name for name in stack.schedules if name != "gpipe"]',

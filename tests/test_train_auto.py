@@ -6,6 +6,7 @@ import re
 import time
 
 import pytest
+import tomllib
 
 from fourd.model.config import get_preset
 
@@ -95,6 +96,12 @@ def test_the_planners_search_result_runs_as_given_and_auto_chooses_it(fourd, tmp
     assert len(chose) == 1 and f"local (2 devices): {lay}, {best['schedule']}" in chose[0], out
     assert f"ZeRO {best['zero']}, recompute {best['recompute']}" in chose[0]
     assert [r["loss"] for r in rows(tmp_path / "auto")] == [r["loss"] for r in given]
+    # the run records what the planner chose, not `auto`: the whole parallel section is the given run's
+    recorded = {
+        name: tomllib.loads((tmp_path / name / "config.toml").read_text())["parallel"]
+        for name in ("given", "auto")
+    }
+    assert recorded["auto"] == recorded["given"]
     # the summary puts the planner's figures beside the measured ones, with the error of each
     for label in ("tokens/s", "step time", "MFU", "peak memory"):
         (line,) = [x for x in out.splitlines() if x.startswith(label + "   ")]
