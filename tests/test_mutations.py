@@ -421,6 +421,15 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
         "return 128 + min(r for r in results if r) if max(results) else 0",
         ("tests/test_contract_arith.py::test_exit_status_of_returned_workers",),
     ),
+    "--train.compile=false still compiles on CUDA": (
+        "fourd/parallel/apply.py",
+        "if cfg.train.compile is not None:",
+        "if cfg.train.compile:",
+        (
+            "tests/test_parallel_apply.py::"
+            "test_train_compile_compiles_every_block_and_by_default_only_on_cuda",
+        ),
+    ),
     "an open search offers schedules the stack does not run": (
         "fourd/plan/search.py",
         'better = [name for name in stack.schedules if name != "gpipe"]',

@@ -13,7 +13,7 @@ from dist_util import run_ranks
 from torch.distributed.tensor import DTensor
 
 from fourd.config import Config, set_value
-from fourd.parallel.apply import build_parallel
+from fourd.parallel.apply import build_parallel, compiles
 from fourd.parallel.cp import cp_shard
 from fourd.train.step import build_optimizer, train_step
 
@@ -200,3 +200,16 @@ def test_compiled_blocks_train_within_1e_4_of_eager_on_cpu():
     eager = trainer_run(0, 1, _config())
     compiled = trainer_run(0, 1, _config(train__compile=True))
     _assert_same("compiled", compiled, eager, COMPILED_TOL)
+
+
+@pytest.mark.parametrize("asked", [True, False, None])
+def test_train_compile_compiles_every_block_and_by_default_only_on_cuda(asked):
+    """`--train.compile=true|false`: every block compiled in place (nn.Module.compile: its names unchanged), or
+    none; unset, on CUDA only. Compiling is lazy: nothing is traced here, so this takes no time."""
+    cfg = _config() if asked is None else _config(train__compile=asked)
+    par = build_parallel(cfg, torch.device("cpu"), 0, 1)
+    blocks = list(par.stages[0].layers.values())
+    assert len(blocks) == 4
+    assert [block._compiled_call_impl is not None for block in blocks] == [bool(asked)] * 4
+    assert compiles(cfg, "cuda") == (asked is not False)
+    assert compiles(cfg, "cpu") == bool(asked)
