@@ -430,6 +430,29 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
             "test_train_compile_compiles_every_block_and_by_default_only_on_cuda",
         ),
     ),
+    "Ctrl-C ends the launcher instead of stopping the workers at a step boundary": (
+        "fourd/train/launch.py",
+        "before = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}",
+        "before = {s: signal.signal(s, stop) for s in (signal.SIGTERM,)}",
+        (
+            "tests/test_contract_launch.py::"
+            "test_a_signal_to_the_launcher_becomes_the_workers_stop_file_and_a_second_ends_it",
+        ),
+    ),
+    "a process with LOCAL_RANK set (Slurm, another launcher) runs as a torchrun worker": (
+        "fourd/train/launch.py",
+        'return "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ',
+        'return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ',
+        ("tests/test_contract_launch.py::test_only_an_elastic_agents_worker_runs_as_the_worker",),
+    ),
+    "two runs started in the same second share a run directory": (
+        "fourd/train/cli.py",
+        "Path(cfg.run.dir).mkdir(parents=True)\n                break",
+        "Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)\n                break",
+        (
+            "tests/test_contract_launch.py::test_runs_without_run_dir_get_fresh_directories_under_runs",
+        ),
+    ),
     "an open search offers schedules the stack does not run": (
         "fourd/plan/search.py",
         'better = [name for name in stack.schedules if name != "gpipe"]',
