@@ -51,6 +51,7 @@ def test_every_group_at_every_width_for_each_quantity_and_anchoring():
         _row("time", False, "A100", "fsdp", "node", 0.1),
         _row("time", False, "H100", "fsdp", "node", -0.3),
         _row("time", True, "A100", "fsdp", "node", 0.2),
+        _row("time", True, "H100", "fsdp", "cluster", -0.4),
         _row("memory", False, "A100", "fsdp", "node", 0.05),
     ]
     got = [
@@ -69,10 +70,13 @@ def test_every_group_at_every_width_for_each_quantity_and_anchoring():
         ("time", False, "A100", "*", "*", 1, 0.1),
         ("time", False, "H100", "*", "*", 1, 0.3),
         ("time", False, "*", "*", "*", 2, 0.3),  # ⌈3 · 0.5⌉ = 2nd of 0.1, 0.3
+        # anchored: the generation goes first (the anchor measured the GPU), then the scale
         ("time", True, "A100", "fsdp", "node", 1, 0.2),
-        ("time", True, "A100", "fsdp", "*", 1, 0.2),
-        ("time", True, "A100", "*", "*", 1, 0.2),
-        ("time", True, "*", "*", "*", 1, 0.2),
+        ("time", True, "H100", "fsdp", "cluster", 1, 0.4),
+        ("time", True, "*", "fsdp", "cluster", 1, 0.4),
+        ("time", True, "*", "fsdp", "node", 1, 0.2),
+        ("time", True, "*", "fsdp", "*", 2, 0.4),
+        ("time", True, "*", "*", "*", 2, 0.4),
     ]
 
 
@@ -96,6 +100,14 @@ def test_the_narrowest_group_with_enough_rows_and_the_widest_down_to_three():
     assert lookup(groups, "time", True, "A100", "fsdp", "node") is narrow
     # unanchored never takes an anchored group
     assert lookup([mine], "time", False, "A100", "fsdp", "node") is None
+    # anchored, the stack's rows on every GPU at this scale come before this GPU's rows of every stack
+    same_stack = _group(anchored=True, key=(ANY, "fsdp", "node"), rows=8, width=0.06)
+    same_gpu = _group(anchored=True, key=("H100", "fsdp", ANY), rows=8, width=0.07)
+    any_scale = _group(anchored=True, key=(ANY, "fsdp", ANY), rows=8, width=0.08)
+    pool = [same_gpu, any_scale, same_stack]
+    assert lookup(pool, "time", True, "H100", "fsdp", "node") is same_stack
+    assert lookup(pool, "time", True, "H100", "fsdp", "large") is any_scale
+    assert lookup(pool, "time", True, "H100", "nemo", "large") is None  # no other stack's rows
 
 
 def _plan(step_s=2.0, mfu=0.4, peak_gb=40.0, gpus=64, stack="fsdp", fits=True, layout="tp=8,dp=8"):

@@ -79,20 +79,38 @@ class Group:
     half_width: float  # natural log: the interval is point·exp(±half_width)
 
 
+# The groups an interval is looked up in, narrowest first: which of (generation, stack, scale) each
+# keeps. Unanchored, the generation is kept longest (the planner's GEMM efficiency is fitted per
+# generation, and its errors follow it); anchored, it is dropped first: the anchor measured this GPU
+# running this stack, so the error left is the scale-out the model adds, and the stack's rows on
+# other GPUs judge that before other stacks' rows on this one (docs/planner.md, Intervals).
+KEPT: dict[bool, tuple[tuple[bool, bool, bool], ...]] = {
+    False: ((True, True, True), (True, True, False), (True, False, False), (False, False, False)),
+    True: ((True, True, True), (False, True, True), (False, True, False), (False, False, False)),
+}
+
+
+def _key(keys: tuple[str, str, str], kept: tuple[bool, bool, bool]) -> tuple[str, str, str]:
+    """(generation, stack, scale) with the values `kept` does not keep replaced by ANY."""
+    return tuple(value if keep else ANY for value, keep in zip(keys, kept))  # type: ignore[return-value]
+
+
+def _keys(row: dict) -> tuple[str, str, str]:
+    return row["generation"], row["stack"], row["scale"]
+
+
 def groups_of(rows: list[dict], level: float = LEVEL) -> list[Group]:
-    """Every group of `rows` (dicts with quantity, anchored, generation, stack, scale, residual), at
-    each width: (generation, stack, scale), (generation, stack), (generation), and all rows, for
-    each quantity and anchoring."""
+    """Every group of `rows` (dicts with quantity, anchored, generation, stack, scale, residual), for
+    each quantity and anchoring at each of its KEPT widths, narrowest first."""
     out = []
     for quantity in sorted({row["quantity"] for row in rows}):
         for anchored in sorted({row["anchored"] for row in rows if row["quantity"] == quantity}):
             mine = [
                 row for row in rows if row["quantity"] == quantity and row["anchored"] == anchored
             ]
-            for width in range(4):
-                keys = sorted({_key(row, width) for row in mine})
-                for key in keys:
-                    residuals = [row["residual"] for row in mine if _key(row, width) == key]
+            for kept in KEPT[anchored]:
+                for key in sorted({_key(_keys(row), kept) for row in mine}):
+                    residuals = [row["residual"] for row in mine if _key(_keys(row), kept) == key]
                     out.append(
                         Group(
                             quantity=quantity,
@@ -107,24 +125,18 @@ def groups_of(rows: list[dict], level: float = LEVEL) -> list[Group]:
     return out
 
 
-def _key(row: dict, width: int) -> tuple[str, str, str]:
-    """The group key of a row at `width` 0 (narrowest) to 3 (all rows)."""
-    full = (row["generation"], row["stack"], row["scale"])
-    kept = [value if i < 3 - width else ANY for i, value in enumerate(full)]
-    return tuple(kept)  # type: ignore[return-value]
-
-
 def lookup(
     groups: list[Group], quantity: str, anchored: bool, gen: str, stack: str, scale_name: str
 ) -> Group | None:
-    """The narrowest group of at least MIN_ROWS rows that matches (the widest, all rows, down to
-    FEWEST); anchored predictions without enough anchored rows fall back to the unanchored
-    groups."""
+    """The narrowest group of at least MIN_ROWS rows that matches, in KEPT's order (the widest, all
+    rows, down to FEWEST); anchored predictions without enough anchored rows fall back to the
+    unanchored groups."""
     want = (gen, stack, scale_name)
     for flag in (anchored, False) if anchored else (False,):
-        for width in range(4):
-            key = tuple(value if i < 3 - width else ANY for i, value in enumerate(want))
-            fewest = FEWEST if width == 3 else MIN_ROWS
+        widths = KEPT[flag]
+        for width, kept in enumerate(widths):
+            key = _key(want, kept)
+            fewest = FEWEST if width == len(widths) - 1 else MIN_ROWS
             for group in groups:
                 same = (
                     group.quantity,
