@@ -13,7 +13,7 @@ from fourd.plan.job import Job, stage_layers
 GB = 1e9
 # PyTorch's CUDA caching allocator keeps freed blocks for reuse: reserved over allocated, less one.
 # Fitted. (Its CPU allocator returns freed memory to malloc: nothing on CPU profiles.)
-ALLOCATOR_FRAGMENTATION = 0.252
+ALLOCATOR_FRAGMENTATION = 0.1952
 
 
 def state_bytes_per_param(zero: int, dp: int, dtype_bytes: int = 2) -> tuple[float, float, float]:
@@ -126,10 +126,11 @@ def rank_memories(job: Job, ranks) -> list[Memory]:
         par.zero, par.shard_ranks, b
     )  # FSDP shards over dp×cp (or an HSDP group)
     per_layer = work.tokens * traffic(work).saved
-    # while a layer is recomputed it holds all its activations for one microbatch
+    # while a recomputed layer runs its backward it holds, for one microbatch, the activations its
+    # recomputation made again: all it would keep without recomputation, less what it kept
     common = (
-        work.tokens * traffic(replace(work, recompute="none")).saved
-        if par.recompute == "full"
+        work.tokens * (traffic(replace(work, recompute="none")).saved - traffic(work).saved)
+        if par.recompute != "none"
         else 0.0
     )
     logits = (
