@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from fourd.ckpt import store
 from fourd.cli import main
-from fourd.hf.inference import Cached, generate, load_model, perplexity, sample
+from fourd.hf.inference import Cached, generate, load_model, nucleus, perplexity, sample
 from fourd.model.config import get_preset
 from fourd.model.llama import build_model
 
@@ -89,6 +89,25 @@ def test_sampling_is_seeded_and_stays_in_the_nucleus():
     assert {
         sample(logits, False, 0.01, 1.0, torch.Generator().manual_seed(s)) for s in range(50)
     } == {0}
+
+
+def test_the_nucleus_is_softmax_of_the_logits_over_the_temperature():
+    """p ∝ exp(logit / T): logits ln 1, ln 3, ln 6 give 1 : 3 : 6 at T = 1, 1 : 9 : 36 at T = 0.5 and
+    1 : √3 : √6 at T = 2; the nucleus keeps a token while the mass before it is short of top_p."""
+    logits = torch.log(torch.tensor([1.0, 3.0, 6.0]))
+    cases = {
+        (1.0, 1.0): ([2, 1, 0], [0.6, 0.3, 0.1]),
+        (0.5, 1.0): ([2, 1, 0], [36 / 46, 9 / 46, 1 / 46]),
+        (2.0, 1.0): ([2, 1, 0], [v / (1 + 3**0.5 + 6**0.5) for v in (6**0.5, 3**0.5, 1)]),
+        # the mass before tokens 2, 1, 0: 0, 0.6, 0.9 at T = 1; 0, 0.78, 0.98 at T = 0.5
+        (1.0, 0.7): ([2, 1], [6 / 9, 3 / 9]),
+        (0.5, 0.7): ([2], [1.0]),
+        (2.0, 0.7): ([2, 1], [6**0.5 / (6**0.5 + 3**0.5), 3**0.5 / (6**0.5 + 3**0.5)]),
+    }
+    for (temperature, top_p), (ids, probs) in cases.items():
+        got_ids, got_probs = nucleus(logits, top_p, temperature)
+        assert got_ids.tolist() == ids, (temperature, top_p)
+        assert got_probs.tolist() == pytest.approx(probs, rel=1e-6), (temperature, top_p)
 
 
 @pytest.mark.slow

@@ -453,6 +453,14 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
             "tests/test_contract_launch.py::test_runs_without_run_dir_get_fresh_directories_under_runs",
         ),
     ),
+    "fourd generate multiplies the logits by the temperature": (
+        "fourd/hf/inference.py",
+        "logits.double() / temperature",
+        "logits.double() * temperature",
+        (
+            "tests/test_hf_generate.py::test_the_nucleus_is_softmax_of_the_logits_over_the_temperature",
+        ),
+    ),
     "an open search offers schedules the stack does not run": (
         "fourd/plan/search.py",
         'better = [name for name in stack.schedules if name != "gpipe"]',

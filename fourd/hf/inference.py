@@ -92,17 +92,26 @@ class Cached:
         return logits
 
 
-def sample(
-    logits: torch.Tensor, greedy: bool, top_p: float, temperature: float, gen: torch.Generator
-) -> int:
-    """Nucleus sampling (Holtzman et al. 2020): from the fewest most likely tokens holding top_p."""
-    if greedy:
-        return int(logits.argmax())
+def nucleus(
+    logits: torch.Tensor, top_p: float, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids, probabilities) of the nucleus (Holtzman et al. 2020), most likely first: the fewest
+    most likely tokens of softmax(logits / temperature) holding top_p, their probabilities renormalized."""
     probs = torch.softmax(logits.double() / temperature, dim=-1)
     sorted_probs, idx = probs.sort(descending=True)
     # the mass before a token is short of top_p: it is in the nucleus
     keep = (sorted_probs.cumsum(0) - sorted_probs) < top_p
-    return int(idx[torch.multinomial(sorted_probs * keep, 1, generator=gen)])
+    return idx[keep], sorted_probs[keep] / sorted_probs[keep].sum()
+
+
+def sample(
+    logits: torch.Tensor, greedy: bool, top_p: float, temperature: float, gen: torch.Generator
+) -> int:
+    """The most likely token, or one drawn from the nucleus."""
+    if greedy:
+        return int(logits.argmax())
+    ids, probs = nucleus(logits, top_p, temperature)
+    return int(ids[torch.multinomial(probs, 1, generator=gen)])
 
 
 def generate(
