@@ -18,7 +18,7 @@ from conftest import ROOT
 
 from fourd.cli import main
 from fourd.data.dataset import open_prepared, parse_mix
-from fourd.data.prepare import Request, prepare_into
+from fourd.data.prepare import Request, dtype_for, prepare_into
 from fourd.data.sources import list_sources
 from fourd.data.tokenizer import load_tokenizer
 from fourd.errors import FourdError
@@ -165,7 +165,7 @@ def test_byte_level_with_an_eod_id_and_shards_that_split_the_stream(tmp_path):
     assert ends[0] == len(docs[0].encode()) + 1  # the first document and its end-of-document id
 
 
-def test_verify_names_a_damaged_shard_with_exit_status_1(tmp_path):
+def test_verify_names_a_damaged_shard_or_index_with_exit_status_2(tmp_path):
     src = write_source(tmp_path, "jsonl", documents())
     assert run_fourd("data", "prepare", src, "--tokenizer", "byte", "--out", tmp_path / "d")[0] == 0
     code, out, _ = run_fourd("data", "verify", tmp_path / "d")
@@ -175,11 +175,33 @@ def test_verify_names_a_damaged_shard_with_exit_status_1(tmp_path):
     raw[10] ^= 1
     shard.write_bytes(bytes(raw))
     code, _, err = run_fourd("data", "verify", tmp_path / "d")
-    assert code == 1
+    assert code == 2
     assert err == (
         f"fourd: error: {shard}: its SHA-256 differs from the manifest's: the file is damaged; "
         "prepare the dataset again\n"
     )
+    raw[10] ^= 1
+    shard.write_bytes(bytes(raw))  # the shard whole again; now its document index
+    index = tmp_path / "d" / "shard-00000.idx"
+    ends = bytearray(index.read_bytes())
+    ends[0] ^= 1
+    index.write_bytes(bytes(ends))
+    code, _, err = run_fourd("data", "verify", tmp_path / "d")
+    assert (code, err) == (
+        2,
+        f"fourd: error: {index}: its SHA-256 differs from the manifest's: the file is damaged; "
+        "prepare the dataset again\n",
+    )
+
+
+def test_ids_are_stored_in_16_bits_up_to_a_vocabulary_of_2_to_the_16_and_in_32_beyond():
+    """Ids run from 0 to vocab − 1: a vocabulary of 65,536 fits uint16, one more id does not."""
+    assert [dtype_for(vocab) for vocab in (257, 65_536, 65_537, 128_256)] == [
+        "uint16",
+        "uint16",
+        "uint32",
+        "uint32",
+    ]
 
 
 def test_the_held_out_tail_is_whole_documents(tmp_path):

@@ -461,6 +461,15 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
             "tests/test_hf_generate.py::test_the_nucleus_is_softmax_of_the_logits_over_the_temperature",
         ),
     ),
+    "fourd data verify skips each shard's document index": (
+        "fourd/data/verify.py",
+        '            (shard["index"], shard["documents"] * 8, shard["index_sha256"]),\n',
+        "",
+        (
+            "tests/test_data_prepare.py::"
+            "test_verify_names_a_damaged_shard_or_index_with_exit_status_2",
+        ),
+    ),
     "an open search offers schedules the stack does not run": (
         "fourd/plan/search.py",
         'better = [name for name in stack.schedules if name != "gpipe"]',
