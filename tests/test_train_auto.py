@@ -279,3 +279,42 @@ def test_the_planners_memory_is_set_beside_training_before_the_first_checkpoint_
     )
     (line,) = [x for x in summary_table(rows, {}, predicted).splitlines() if "memory" in x]
     assert line == "peak memory   0.69 GB per rank; planner 0.36 GB (-48%)"
+
+
+def test_the_planners_figures_beside_a_cpu_run_share_one_peak_and_count_rank_0s_memory(
+    tmp_path, monkeypatch
+):
+    """On a calibrated CPU profile: tokens/s is the global batch's tokens over the planned step, MFU the
+    trainer's FLOPs over the step and the one peak the ranks share (not one a rank), and the peak memory rank
+    0's tensors and runtime reserve (the baseline given) in GiB."""
+    from fourd.config import Config, model_config, parallelism, set_value
+    from fourd.plan.job import Job
+    from fourd.plan.memory import rank_memories
+    from fourd.plan.search import evaluate
+    from fourd.train.auto import machine, predict
+
+    (tmp_path / "clusters").mkdir()
+    (tmp_path / "clusters" / "local.toml").write_text(LOCAL)
+    monkeypatch.setenv("FOURD_HOME", str(tmp_path))
+    cfg = Config()
+    for key, value in {
+        "model.preset": "debug",
+        "parallel.layout": "dp=2",
+        "train.compile": False,
+    }.items():
+        set_value(cfg, key, value)
+    got = predict(cfg, 2e11, 2, "cpu", 3e8)
+    cluster = machine(cfg, 3e8)[0]
+    job = Job(
+        model_config(cfg), cluster, parallelism(cfg), cfg.data.seq_len, cfg.train.global_batch
+    )
+    step = evaluate(job).step.step_s
+    tokens = cfg.train.global_batch * cfg.data.seq_len
+    assert got["step_time_s"] == step
+    assert got["tokens_per_s"] == tokens / step
+    assert got["mfu"] == pytest.approx(
+        model_config(cfg).flops_per_token(cfg.data.seq_len) * tokens / step / 2e11, rel=1e-12
+    )
+    rank0 = rank_memories(job, [0])[0]
+    assert rank0.reserve == 3e8
+    assert got["peak_mem_gb"] == pytest.approx((rank0.total + 3e8) / 2**30, rel=1e-12)
