@@ -130,6 +130,14 @@ MODULES: dict[str, tuple[str, ...]] = {
         "tests/test_data_prepare.py",
         "tests/test_data_stream.py",
     ),
+    # the lab's figures: the planner's and the simulators' answers as the page shows them
+    "fourd/lab/api.py": ("tests/test_lab_api.py",),
+    # the model's shapes, parameter counts and MFU's FLOPs, which the planner and the trainer share
+    "fourd/model/config.py": (
+        "tests/test_contract_arith.py",
+        "tests/test_model_llama.py",
+        "tests/test_contract_block.py",
+    ),
 }
 # tests in those files that pin another module, left out of the module's runs: hypothesis's 150 corpora of
 # fourd.data.sources take 2.5 s of test_data_stream.py's 4

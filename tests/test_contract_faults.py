@@ -15,6 +15,7 @@ hand, in one process (fast):
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import warnings
 from pathlib import Path
@@ -230,3 +231,74 @@ def test_the_figures_docs_simulators_md_quotes_for_seed_0():
         77,
         93.0,
     )
+
+
+@pytest.mark.parametrize(
+    "available_kib,runs,slots,refused",
+    [
+        # 8 GiB available, half of it 4,294,967,296 B: 26,843,545 slots of 160 B fit, one more does not
+        (8 * 2**20, 1, 26_843_545, False),
+        (8 * 2**20, 1, 26_843_546, True),
+        (8 * 2**20, 2, 13_421_773, True),
+        # 1,000 kB available: half of it 512,000 B, exactly 3,200 slots of 160 B, accepted
+        (1000, 1, 3_200, False),
+        (1000, 1, 3_201, True),
+    ],
+)
+def test_the_size_limit_is_half_of_memavailable_to_the_byte(
+    tmp_path, available_kib, runs, slots, refused
+):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(
+        f"MemTotal:       {2 * available_kib} kB\nMemAvailable:   {available_kib} kB\n"
+    )
+    if not refused:
+        faults._check_size(runs, slots, meminfo)
+        return
+    with pytest.raises(FourdError) as error:
+        faults._check_size(runs, slots, meminfo)
+    need, limit = runs * slots * 160 / 2**30, available_kib * 1024 // 2 / 2**30
+    assert str(error.value) == (
+        f"{runs:,} runs of {slots:,} interruption slots each need about {need:,.1f} GiB, more than the "
+        f"{limit:,.1f} GiB this machine can give: use fewer runs or fewer days"
+    )
+
+
+def test_the_size_in_the_refusal_is_in_tenths_of_a_gib(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemAvailable:   1048576 kB\n")  # 1 GiB: half of it 0.5 GiB
+    with pytest.raises(FourdError, match=r"need about 0\.7 GiB, more than the 0\.5 GiB"):
+        faults._check_size(1, 5_000_000, meminfo)  # 800,000,000 B
+
+
+@pytest.mark.parametrize(
+    "text", [None, "MemTotal:       1024 kB\n"], ids=["no file", "no MemAvailable"]
+)
+def test_without_memavailable_the_limit_is_half_of_the_physical_memory(tmp_path, text):
+    meminfo = tmp_path / "meminfo"
+    if text is not None:
+        meminfo.write_text(text)
+    limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    faults._check_size(1, limit // 160, meminfo)
+    with pytest.raises(FourdError, match="more than the"):
+        faults._check_size(1, limit // 160 + 1, meminfo)
+
+
+def test_the_default_seed_is_0():
+    args = dict(gpus=16384, days=2.0, runs=3)
+    assert (
+        faults.simulate(**args).useful_s.tolist()
+        == faults.simulate(**args, seed=0).useful_s.tolist()
+    )
+    assert (
+        faults.simulate(**args).useful_s.tolist()
+        != faults.simulate(**args, seed=1).useful_s.tolist()
+    )
+
+
+def test_a_simulation_raises_no_numpy_warning():
+    """Every array operation is defined on its inputs: no division by zero, no overflow, no invalid value."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        faults.simulate(16384, 5.0, runs=20, seed=3)
+        faults.simulate(8, 1.0, runs=5, interval_s=60.0, checkpoint_s=0.0, restart_s=0.0, seed=4)

@@ -224,3 +224,19 @@ def test_megatrons_three_stacks_share_one_group_and_the_others_keep_their_own(mo
         got = intervals.plan_intervals(_plan(stack=stack))
         assert got["step_time_s_interval"] == [1.0, 4.0], stack
     assert intervals.plan_intervals(_plan(stack="fsdp"))["step_time_s_interval"] is None
+
+
+def test_a_plan_is_unanchored_unless_told(monkeypatch):
+    """An anchored group of the same key, half as wide: only a caller that says `anchored` gets it."""
+    unanchored = _group(key=("A100", "fsdp", "cluster"), width=LN2)
+    anchored = _group(anchored=True, key=("A100", "fsdp", "cluster"), width=LN2 / 2)
+    monkeypatch.setattr(intervals, "table", lambda: (0.5, (unanchored, anchored)))
+    assert intervals.plan_intervals(_plan())["step_time_s_interval"] == [1.0, 4.0]
+    assert intervals.plan_intervals(_plan(), anchored=True)[
+        "step_time_s_interval"
+    ] == pytest.approx([2 / math.sqrt(2), 2 * math.sqrt(2)], rel=1e-12)
+    # 2 s and 5 s: [1, 4] and [2.5, 10] overlap; anchored [1.41, 2.83] and [3.54, 7.07] do not
+    plans = [_plan(2.0), _plan(5.0)]
+    assert intervals.too_close(plans) and not intervals.too_close(plans, anchored=True)
+    assert intervals.search_lines(plans)[2].endswith("1 s .. 4 s")
+    assert intervals.search_lines(plans, anchored=True)[2].endswith("1.414 s .. 2.828 s")

@@ -44,6 +44,7 @@ CHECKPOINT_S = 10.0
 RESTART_S = 300.0
 # peak NumPy memory of `simulate` per run and slot: 111 B measured (tracemalloc), and a margin
 BYTES_PER_SLOT = 160
+MEMINFO = Path("/proc/meminfo")  # the kernel's memory counters (Linux)
 DAY_S = 86_400.0
 
 
@@ -101,11 +102,11 @@ class FaultResult:
         return self.useful_s / (self.days * DAY_S)
 
 
-def _check_size(runs: int, slots: int) -> None:
+def _check_size(runs: int, slots: int, meminfo: Path = MEMINFO) -> None:
     """Refuse a simulation whose arrays would not fit in half the memory this machine can give
-    now."""
+    now: MemAvailable of `meminfo`, or all of its physical memory where that file does not say."""
     try:
-        lines = Path("/proc/meminfo").read_text().splitlines()
+        lines = meminfo.read_text().splitlines()
         free = next(
             int(line.split()[1]) * 1024 for line in lines if line.startswith("MemAvailable:")
         )
