@@ -4,8 +4,9 @@ A mutation replaces one exact piece of text in one source file, in a copy of the
 tests there with pytest in a fresh process (forked from a server that has imported torch once; PYTHONPATH, sys.path
 and the working directory are the copy, and the run checks that `import fourd` is the mutated copy). It is caught
 when those tests fail. The anchor must occur exactly once: a refactor that removes or
-repeats it fails here by name, never silently disables the mutation. A control first runs every named test on the
-unmutated copy: a test that fails anyway catches nothing.
+repeats it fails here by name, never silently disables the mutation. A control first runs every named test on an
+unmutated copy (on two pytest workers): a test that fails anyway catches nothing. The mutations then run two at a
+time, each in one of two copies (this machine has two cores).
 
 The table below is the one place that names the tests (`path::name`, as pytest takes them). Only the runs carry
 the `mutation` marker that `make test` leaves out; the check of anchors and test names is part of it.
@@ -13,8 +14,10 @@ the `mutation` marker that `make test` leaves out; the check of anchors and test
 
 from __future__ import annotations
 
+import concurrent.futures
 import multiprocessing
 import os
+import queue
 import shutil
 import sys
 import time
@@ -495,8 +498,11 @@ PRELOAD = [
 PRELOAD += ["transformers"]  # the HF conversion test's
 
 
-def _in_copy(copy: str, tests: list[str], log: str) -> None:
-    """A forked run: pytest on the named tests with the copy as working directory and first on the path."""
+WORKERS = 2  # the mutants run two at a time, each in its own copy (this machine has two cores)
+
+
+def _in_copy(copy: str, args: list[str], log: str) -> None:
+    """A forked run: pytest with `args` with the copy as working directory and first on the path."""
     out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(out, 1)
     os.dup2(out, 2)
@@ -512,19 +518,19 @@ def _in_copy(copy: str, tests: list[str], log: str) -> None:
     if Path(fourd.__file__) != Path(copy, "fourd", "__init__.py"):
         print(f"the run imports fourd from {fourd.__file__}, not from the copy {copy}", flush=True)
         os._exit(99)
-    code = pytest.main(["-x", "-q", "-p", "no:cacheprovider", *tests])
+    code = pytest.main(["-q", "-p", "no:cacheprovider", *args])
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(int(code))
 
 
-def _pytest(copy: Path, tests) -> tuple[int, str, float]:
-    """(pytest's exit status, its output, seconds) of the named tests run in `copy` in a fresh process."""
+def _pytest(copy: Path, args) -> tuple[int, str, float]:
+    """(pytest's exit status, its output, seconds) of pytest with `args` run in `copy` in a fresh process."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     log = copy.parent / f"{copy.name}.log"
     start = time.perf_counter()
-    run = ctx.Process(target=_in_copy, args=(str(copy), list(tests), str(log)))
+    run = ctx.Process(target=_in_copy, args=(str(copy), list(args), str(log)))
     run.start()
     run.join(timeout=900)  # a loaded machine: the control runs every named test
     if run.is_alive():
@@ -553,10 +559,8 @@ def test_every_anchor_occurs_once_and_every_named_test_exists():
             )
 
 
-@pytest.fixture(scope="module")
-def copy(tmp_path_factory):
-    """The repository's source and tests in a fresh folder, on which every named test passes."""
-    root = tmp_path_factory.mktemp("mutant")
+def _copy(root: Path) -> Path:
+    """The repository's source and tests in the fresh folder `root`."""
     for name in COPIED:
         source = ROOT / name
         if source.is_dir():
@@ -565,28 +569,58 @@ def copy(tmp_path_factory):
             )
         else:
             shutil.copy2(source, root / name)
-    tests = sorted({t for *_, named in MUTATIONS.values() for t in named})
-    code, out, seconds = _pytest(root, tests)
-    assert code == 0, f"control: the named tests fail on the unmutated copy:\n{out[-3000:]}"
-    print(f"\ncontrol: {len(tests)} named tests pass unmutated ({seconds:.0f} s)")
     return root
 
 
-@pytest.mark.mutation
-@pytest.mark.timeout(1800)  # the first one sets up the copy and its control
-@pytest.mark.parametrize("name", MUTATIONS)
-def test_mutation_is_caught(copy, name):
+def _caught(copy: Path, name: str) -> tuple[int, str, float]:
+    """The mutation `name` applied to `copy`, its named tests run there (stopping at the first failure),
+    the source restored: (pytest's exit status, its output, seconds)."""
     path, old, new, tests = MUTATIONS[name]
     source = copy / path
     original = source.read_text()
     assert original.count(old) == 1, f"mutation {name!r}: its anchor is not once in {path}"
     source.write_text(original.replace(old, new))
     try:
-        code, out, seconds = _pytest(copy, tests)
+        return _pytest(copy, ["-x", *tests])
     finally:
         source.write_text(original)
-    # 1: tests ran and failed. 2-5 (collection error, usage error, no test) would mean a broken suite, not a catch.
-    assert code == 1, (
-        f"mutation {name!r} was NOT caught by {', '.join(tests)} (pytest exit {code}):\n{out[-3000:]}"
-    )
-    print(f"\ncaught: {name} ({path}) by {', '.join(tests)} in {seconds:.0f} s")
+
+
+@pytest.mark.mutation
+@pytest.mark.timeout(1800)
+def test_every_mutation_is_caught(tmp_path_factory):
+    """A control first runs every named test on an unmutated copy (two pytest workers): a test that fails
+    anyway catches nothing. Then each mutation is applied to one of WORKERS copies, two at a time, and its
+    named tests must fail there: exit status 1 (2-5, a collection or usage error or no test, would mean a
+    broken suite, not a catch)."""
+    copies: queue.Queue[Path] = queue.Queue()
+    for worker in range(WORKERS):
+        copies.put(_copy(tmp_path_factory.mktemp(f"mutant{worker}")))
+    control = copies.get()
+    named = sorted({test for *_, tests in MUTATIONS.values() for test in tests})
+    code, out, seconds = _pytest(control, ["-n", str(WORKERS), "--dist", "loadgroup", *named])
+    assert code == 0, f"control: the named tests fail on the unmutated copy:\n{out[-3000:]}"
+    print(f"\ncontrol: {len(named)} named tests pass unmutated ({seconds:.0f} s)", flush=True)
+    copies.put(control)
+
+    def run(name: str) -> tuple[str, int, str, float]:
+        copy = copies.get()
+        try:
+            return (name, *_caught(copy, name))
+        finally:
+            copies.put(copy)
+
+    missed = []
+    with concurrent.futures.ThreadPoolExecutor(WORKERS) as pool:
+        for name, code, out, seconds in pool.map(run, MUTATIONS):
+            path, _, _, tests = MUTATIONS[name]
+            if code == 1:
+                print(
+                    f"caught: {name} ({path}) by {', '.join(tests)} in {seconds:.0f} s", flush=True
+                )
+            else:
+                missed.append(
+                    f"{name!r} NOT caught by {', '.join(tests)} (pytest exit {code}):\n{out[-3000:]}"
+                )
+    assert not missed, "\n\n".join(missed)
+    print(f"{len(MUTATIONS)} mutations, each caught", flush=True)
