@@ -287,3 +287,116 @@ def test_simulated_trace_runs_the_schedules_actions_with_transfers():
         assert all(a["ts"] + a["dur"] <= b["ts"] + 1e-6 for a, b in zip(compute, compute[1:]))
     sends = {e["cat"] for e in events if e["ph"] == "X" and e["tid"] % 2 == 1}
     assert {"pp"} <= sends and sends & {"ag", "rs", "ar"}
+
+
+def test_a_query_names_each_parameter_once_and_only_those_the_endpoint_takes():
+    assert api.single_values([("p", "4"), ("m", "8")]) == {"p": "4", "m": "8"}
+    with pytest.raises(FourdError) as e:
+        api.single_values([("p", "4"), ("m", "8"), ("p", "2")])
+    assert str(e.value) == "parameter 'p' is given twice; give it once"
+    with pytest.raises(FourdError) as e:
+        api.schedule({"p": "4", "m": "8", "q": "1"})
+    assert str(e.value) == "unknown parameter 'q'; this endpoint takes p, m, schedule, v"
+
+
+@pytest.mark.parametrize(
+    "q,message",
+    [
+        ({"m": "8"}, "missing parameter p: give an integer from 1 to 16"),
+        ({"p": "0", "m": "8"}, "p=0 is out of range: give an integer from 1 to 16"),
+        ({"p": "17", "m": "8"}, "p=17 is out of range: give an integer from 1 to 16"),
+        ({"p": "4", "m": "0"}, "m=0 is out of range: give an integer from 1 to 64"),
+        ({"p": "4", "m": "65"}, "m=65 is out of range: give an integer from 1 to 64"),
+        ({"p": "4", "m": "8", "v": "0"}, "v=0 is out of range: give an integer from 1 to 8"),
+        ({"p": "4", "m": "8", "v": "9"}, "v=9 is out of range: give an integer from 1 to 8"),
+        ({"p": "4", "m": "-1"}, "m='-1' is not a whole number: give an integer from 1 to 64"),
+        (
+            {"p": "x" * 50, "m": "8"},
+            f"p={'x' * 40!r} is not a whole number: give an integer from 1 to 16",
+        ),
+        (
+            {"p": "4", "m": "8", "schedule": "y" * 50},
+            f"schedule={'y' * 40!r}: choose one of gpipe, 1f1b, interleaved, zero-bubble",
+        ),
+    ],
+)
+def test_the_benchs_sliders_take_whole_numbers_within_their_ranges(q, message):
+    with pytest.raises(FourdError) as e:
+        api.schedule(q)
+    assert str(e.value) == message
+
+
+def test_the_sliders_ends_are_accepted():
+    assert api.schedule({"p": "1", "m": "1"})["makespan"] == 3  # one forward and one backward of 2
+    widest = api.schedule({"p": "16", "m": "64", "schedule": "interleaved", "v": "8"})
+    assert (widest["p"], widest["m"], widest["v"]) == (16, 64, 8)
+
+
+def _job(layers, pp, microbatches, schedule="1f1b", virtual_stages=1):
+    from fourd.layout import Layout, Parallelism
+    from fourd.model.config import with_overrides
+    from fourd.plan.job import Job
+
+    par = Parallelism(
+        layout=Layout(pp=pp),
+        schedule=schedule,
+        microbatches=microbatches,
+        virtual_stages=virtual_stages,
+    )
+    model = with_overrides(get_preset("debug"), layers=layers)
+    return Job(model, load_cluster("dgx-h100"), par, 256, microbatches)
+
+
+def test_the_lab_simulates_at_most_10000_compute_pieces():
+    """Pieces: microbatches × the layers of all stages (an empty stage counts one) × passes (2; 3 for
+    zero-bubble, its backward split in two)."""
+    api._check_sim_size(_job(50, 1, 100))  # 100 × 50 × 2 = 10,000
+    with pytest.raises(FourdError) as e:
+        api._check_sim_size(_job(50, 1, 101))
+    assert str(e.value) == (
+        "the step to simulate has 101 microbatches x 50 layers x 2 passes = 10,100 compute pieces; the lab "
+        "simulates at most 10,000: give microbatches=100 or fewer, or run `fourd sim step` for the whole step"
+    )
+    api._check_sim_size(_job(50, 1, 66, "zero-bubble"))  # 66 × 50 × 3 = 9,900
+    with pytest.raises(
+        FourdError, match=r"67 microbatches x 50 layers x 3 passes = 10,050 .* microbatches=66 or"
+    ):
+        api._check_sim_size(_job(50, 1, 67, "zero-bubble"))
+    # 2 layers on 4 stages: [0, 1, 1, 0], the empty stages a piece each: 4 × 2 × 1,250 = 10,000
+    api._check_sim_size(_job(2, 4, 1250))
+    with pytest.raises(
+        FourdError, match=r"1,251 microbatches x 4 layers x 2 passes .* microbatches=1250 or"
+    ):
+        api._check_sim_size(_job(2, 4, 1251))
+    # a step whose microbatch alone is more than the limit: one microbatch is the fewest to give
+    with pytest.raises(FourdError, match=r"microbatches=1 or fewer"):
+        api._check_sim_size(_job(6000, 1, 1))
+
+
+def test_the_cluster_row_counts_groups_servers_and_racks_in_whole_numbers():
+    d = api.cluster({"layout": "tp=8,pp=16"})
+    assert d["spans"]["pp"]["groups"] == 8 and type(d["spans"]["pp"]["groups"]) is int
+    assert (d["racks"], d["servers_per_rack"]) == (128 // 16, 16 // 8)
+    assert type(d["racks"]) is int and type(d["servers_per_rack"]) is int
+    assert (
+        api.cluster({"layout": "tp=8,pp=16,dp=8192"})["world"] == api.MAX_ROW_GPUS
+    )  # at the bound
+
+
+def test_a_trace_is_a_json_file_whatever_sorts_beside_the_suffix(tmp_path):
+    for name in ("a.html", "a.zip", "a.jsonl"):
+        (tmp_path / name).write_text("[]")
+        with pytest.raises(FourdError) as e:
+            api.trace({"path": name}, trace_dir=tmp_path)
+        assert str(e.value) == f"path={name!r}: a trace is a Chrome trace .json file"
+    long = "d" * 90 + ".txt"
+    with pytest.raises(FourdError) as e:
+        api.trace({"path": long}, trace_dir=tmp_path)
+    assert str(e.value) == f"path={long[:80]!r}: a trace is a Chrome trace .json file"
+
+
+def test_the_plan_panel_reads_v_as_the_virtual_stages_and_nothing_else():
+    q = {"model": "debug", "gpus": "8", "layout": "pp=2,dp=4", "schedule": "interleaved", "v": "2"}
+    q |= {"microbatches": "8", "seq": "256", "global_batch_tokens": "8192", "zero": "1"}
+    plan = api.plan(q)["plan"]
+    assert (plan["virtual_stages"], plan["zero"]) == (2, 1)
