@@ -400,3 +400,10 @@ def test_the_plan_panel_reads_v_as_the_virtual_stages_and_nothing_else():
     q |= {"microbatches": "8", "seq": "256", "global_batch_tokens": "8192", "zero": "1"}
     plan = api.plan(q)["plan"]
     assert (plan["virtual_stages"], plan["zero"]) == (2, 1)
+
+
+def test_a_cluster_name_that_is_no_profile_name_is_shown_to_40_characters():
+    name = "c" * 60 + ".toml"
+    with pytest.raises(FourdError) as e:
+        api.cluster({"layout": "tp=8", "cluster": name})
+    assert str(e.value) == f"cluster={name[:40]!r}: give a cluster profile name such as llama3-h100"
