@@ -170,6 +170,8 @@ def test_full_recomputation_adds_the_whole_forward_to_the_hardware_flops():
         assert plan.hw_tflops_per_gpu == pytest.approx(
             plan.tflops_per_gpu * (1 + redone / per_token), rel=1e-12
         )
+        # MFU counts the model's FLOPs alone, whatever is recomputed
+        assert plan.mfu == plan.tflops_per_gpu / H100.gpu.peak_tflops
     # the scores in memory change nothing here: full redoes the attention core once either way
     materialized = _plan("full", attention="materialized")
     assert materialized.hw_tflops_per_gpu == pytest.approx(

@@ -473,6 +473,30 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
             "test_verify_names_a_damaged_shard_or_index_with_exit_status_2",
         ),
     ),
+    "fourd plan's tokens_per_s counts sequences": (
+        "fourd/plan/search.py",
+        "tokens_per_s = property(lambda self: self.global_seqs * self.seq / self.step.step_s)",
+        "tokens_per_s = property(lambda self: self.global_seqs / self.step.step_s)",
+        ("tests/test_contract_search.py::test_a_plans_rates_and_peak_memory_by_hand",),
+    ),
+    "fourd plan's mfu counts the recomputed FLOPs": (
+        "fourd/plan/search.py",
+        "mfu = property(lambda self: self.tflops_per_gpu / self.cluster.gpu.peak_tflops)",
+        "mfu = property(lambda self: self.hw_tflops_per_gpu / self.cluster.gpu.peak_tflops)",
+        (
+            "tests/test_contract_search.py::"
+            "test_full_recomputation_adds_the_whole_forward_to_the_hardware_flops",
+        ),
+    ),
+    "fourd plan's fits leaves out the runtime's reserve": (
+        "fourd/plan/memory.py",
+        "return self.total + self.reserve <= capacity",
+        "return self.total <= capacity",
+        (
+            "tests/test_contract_memory.py::"
+            "test_a_memory_adds_its_tensors_then_the_cache_and_the_reserve",
+        ),
+    ),
     "an open search offers schedules the stack does not run": (
         "fourd/plan/search.py",
         'better = [name for name in stack.schedules if name != "gpipe"]',
