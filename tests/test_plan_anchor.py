@@ -260,3 +260,26 @@ def test_search_from_an_anchor_ranks_the_anchored_candidates(tmp_path, capsys):
         out["candidates"][1]["step_time_s_interval"],
     )
     assert out["too_close_to_call"] == (a[0] <= b[1] and b[0] <= a[1])
+
+
+def test_an_anchor_far_from_the_model_reorders_the_search_and_judges_it_on_anchored_intervals(
+    tmp_path, capsys, monkeypatch
+):
+    """A measured step 4× the model's: compute counts four times over, the collectives do not, so the
+    candidates' order is the anchored one (not the planner's own), and "too close to call" reads the
+    anchored intervals: here a hair wide (±1e-6) where the unanchored ones span ×/÷ 10."""
+    from fourd.plan import intervals
+
+    wide = intervals.Group("time", False, "*", "*", "*", rows=8, half_width=2.302585)
+    narrow = intervals.Group("time", True, "*", "*", "*", rows=8, half_width=1e-6)
+    monkeypatch.setattr(intervals, "table", lambda: (0.8, (wide, narrow)))
+    slow = write(tmp_path, step_time_s=4 * ANCHOR["step_time_s"])
+    out = fourd_json(capsys, "plan", "--anchor", slow, "--search", "--top=6", "--json")
+    times = [c["step_time_s"] for c in out["candidates"]]
+    assert times == sorted(times) and times[0] < times[1]
+    unanchored = fourd_json(capsys, "plan", *OWN[:3], "--search", "--top=6", "--json")
+    mine = [c["layout"] for c in out["candidates"]]
+    assert mine != [c["layout"] for c in unanchored["candidates"]]  # anchoring reorders them here
+    a, b = (c["step_time_s_interval"] for c in out["candidates"][:2])
+    assert b[0] - a[1] > 0  # the two best anchored intervals do not overlap
+    assert out["too_close_to_call"] is False
