@@ -251,3 +251,28 @@ def test_the_loss_bytes_by_hand():
     gradient and its cast to the logits' precision."""
     assert loss_bytes(4) == (12, 16, 12)
     assert loss_bytes(2) == (12 + 6, 16 + 6, 10)
+
+
+def test_fp32_paths_of_the_count_by_hand():
+    """FP32 (4 B activations and stream) where BF16's 2 B hides a slip of `2 *` for `2 **`: the debug block
+    (h 64, 4 query heads and 2 K/V heads of 16, FFN 176), per token. The loss's logits need no cast in
+    FP32: 12 B forward, 16 backward, 12 held."""
+    assert loss_bytes(4) == (12, 16, 12)
+    assert loss_bytes(2) == (18, 22, 10)
+    h, q, kv, f, heads = 64, 64, 32, 176, 4
+    fused = traffic(dataclasses.replace(_job(GQA, "fp32").work, fused=True))
+    assert (
+        fused.forward == 4 * (4 + 4) * h + 2 * 4 * (q + kv) + 3 * 4 * f
+    )  # add-and-norms, RoPE, SwiGLU
+    assert fused.backward == 1.5 * fused.forward
+    # the stream and the branch of both norms, attention's inputs and output, SwiGLU's three, the
+    # norms' outputs, attention's logsumexp
+    assert fused.saved == 2 * 4 * h + 4 * (2 * q + 2 * kv) + 3 * 4 * f + 2 * 4 * h + 4 * heads
+    # selective recomputation keeps the stream twice, every matmul output but wo's and w2's, attention's
+    # output and its logsumexp
+    selective = traffic(_job(GQA, "fp32", "selective").work)
+    assert selective.saved == 2 * 4 * h + 4 * (q + kv + kv + f + f + q) + 4 * heads
+    # K and V copied to every query head (torchtitan's repeat_kv): read K/V, write the copies, for both
+    copied = traffic(dataclasses.replace(_job(GQA, "fp32").work, shared_kv=False))
+    shared = traffic(_job(GQA, "fp32").work)
+    assert copied.forward - shared.forward == 2 * 4 * (kv + heads * 16)
