@@ -389,6 +389,10 @@ def test_a_profile_by_path_from_here_and_unreadable_ones_are_one_line(tmp_path, 
     (tmp_path / "folder.toml").mkdir()
     with pytest.raises(FourdError, match=r"^stack profile folder\.toml not found"):
         load_stack("folder.toml")
+    # a regular file that cannot be read, even by root: this process's memory, read from its start
+    (tmp_path / "unreadable.toml").symlink_to("/proc/self/mem")
+    with pytest.raises(FourdError, match=r"unreadable\.toml: not a readable TOML stack profile"):
+        load_stack("unreadable.toml")
     load_stack.cache_clear()
 
 
