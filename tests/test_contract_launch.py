@@ -79,3 +79,26 @@ def test_runs_without_run_dir_get_fresh_directories_under_runs(monkeypatch, tmp_
         "runs/debug-tp2-pp2-20261205-171500",
         "runs/debug-dp1-20261205-171500-3",
     ]
+
+
+@pytest.mark.parametrize("sent", [signal.SIGINT, signal.SIGTERM])
+def test_a_worker_takes_sigint_and_sigterm_as_a_request_to_stop(sent):
+    """The worker's handlers, as `worker_entry` installs them: the signal is remembered for the next step
+    boundary, the process goes on."""
+    from fourd.train import worker
+
+    def ends(signum, frame):  # what the signal would do without the worker's handler: end it
+        raise AssertionError(
+            f"{signal.Signals(signum).name} ended the worker instead of asking it to stop"
+        )
+
+    before = {s: signal.signal(s, ends) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        worker.listen_for_stop()
+        worker._STOP["signal"] = 0
+        os.kill(os.getpid(), sent)  # delivered before os.kill returns
+        assert worker._STOP["signal"] == sent
+    finally:
+        worker._STOP["signal"] = 0
+        for number, handler in before.items():
+            signal.signal(number, handler)

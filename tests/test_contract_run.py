@@ -146,27 +146,41 @@ def test_config_toml_is_the_whole_resolved_configuration_and_every_manifest_reco
         assert manifest["train"]["config"] == cfg.to_dict(), step
 
 
-@pytest.mark.timeout(600)
-def test_a_rank_killed_once_restarts_from_the_newest_checkpoint_and_ends_bit_identical(
-    straight, corpus, tmp_path
-):
-    run = tmp_path / "run"
+@pytest.fixture(scope="module")
+def killed(corpus, tmp_path_factory):
+    """The same run with rank 1 killed at the start of step 4 of the first attempt, one restart allowed."""
+    run = tmp_path_factory.mktemp("killed") / "run"
     code, out, err = _train(
         corpus, run, "--max-restarts", 1, "--fault.kill-rank", 1, "--fault.at-step", 4
     )
     assert code == 0, err
+    return run, out
+
+
+@pytest.mark.timeout(600)
+def test_a_rank_killed_once_is_restarted_from_the_newest_checkpoint(killed):
+    run, out = killed
     # killed at the start of step 4: the newest complete checkpoint is step 2's, steps 3 onwards are run again
     assert (
         f"resuming after restart 1 from checkpoint {run}/checkpoints/step-2 at step 2, " in out
     ), out
     assert f"sample {2 * BATCH}\n" in out, out
-    rows, want = _rows(run), _rows(straight)
-    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))  # one row per step
+    assert [row["step"] for row in _rows(run)] == list(range(1, STEPS + 1))  # one row per step
+    assert sorted(path.name for path in (run / "checkpoints").iterdir()) == [
+        "step-2",
+        "step-4",
+        "step-6",
+    ]
+
+
+@pytest.mark.timeout(600)
+def test_the_restarted_run_ends_bit_identical_to_the_uninterrupted_one(killed, straight):
+    rows, want = _rows(killed[0]), _rows(straight)
     for key in ("loss", "grad_norm", "lr"):
         assert [row[key] for row in rows] == [row[key] for row in want], key
     assert [row.get("val_loss") for row in rows] == [row.get("val_loss") for row in want]
     final = (
         store.read_manifest(d / "checkpoints" / f"step-{STEPS}")["model_digest"]
-        for d in (run, straight)
+        for d in (killed[0], straight)
     )
     assert len(set(final)) == 1

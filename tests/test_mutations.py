@@ -299,7 +299,7 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
         "for stop_signal in (signal.SIGINT, signal.SIGTERM):",
         "for stop_signal in (signal.SIGINT,):",
         (
-            "tests/test_contract_train.py::test_sigterm_to_one_worker_stops_all_and_a_resumed_fine_tuning_run_continues_exactly",
+            "tests/test_contract_launch.py::test_a_worker_takes_sigint_and_sigterm_as_a_request_to_stop",
         ),
     ),
     "FP8 converts the output projection too": (
@@ -388,7 +388,7 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
         "kw |= dict(max_restarts=0,",
         (
             "tests/test_contract_run.py::"
-            "test_a_rank_killed_once_restarts_from_the_newest_checkpoint_and_ends_bit_identical",
+            "test_a_rank_killed_once_is_restarted_from_the_newest_checkpoint",
         ),
     ),
     "an injected fault kills its rank again after every restart": (
@@ -397,7 +397,7 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
         "if step == cfg.fault.at_step:",
         (
             "tests/test_contract_run.py::"
-            "test_a_rank_killed_once_restarts_from_the_newest_checkpoint_and_ends_bit_identical",
+            "test_a_rank_killed_once_is_restarted_from_the_newest_checkpoint",
         ),
     ),
     "--layout auto keeps the planner's layout but not its ZeRO stage": (
@@ -405,8 +405,7 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
         'kept = ("schedule", "microbatches", "virtual_stages", "zero", "recompute", "sequence_parallel")',
         'kept = ("schedule", "microbatches", "virtual_stages", "recompute", "sequence_parallel")',
         (
-            "tests/test_train_auto.py::"
-            "test_the_planners_search_result_runs_as_given_and_auto_chooses_it",
+            "tests/test_train_auto.py::test_layout_auto_sets_every_setting_of_the_planners_best_plan",
         ),
     ),
     "MFU counts the input embedding's 6 FLOPs a parameter": (

@@ -318,3 +318,37 @@ def test_the_planners_figures_beside_a_cpu_run_share_one_peak_and_count_rank_0s_
     rank0 = rank_memories(job, [0])[0]
     assert rank0.reserve == 3e8
     assert got["peak_mem_gb"] == pytest.approx((rank0.total + 3e8) / 2**30, rel=1e-12)
+
+
+def test_layout_auto_sets_every_setting_of_the_planners_best_plan(tmp_path, monkeypatch, capsys):
+    """`--layout auto` in one process: the layout and every parallel setting the planner chose (its
+    fastest plan that fits), and one line saying so."""
+    from fourd.config import Config, model_config, set_value
+    from fourd.plan.cluster import load_cluster
+    from fourd.plan.request import best_plan
+    from fourd.train.auto import choose
+
+    (tmp_path / "clusters").mkdir()
+    (tmp_path / "clusters" / "local.toml").write_text(LOCAL)
+    monkeypatch.setenv("FOURD_HOME", str(tmp_path))
+    cluster = load_cluster("local")
+    cfg = Config()
+    for key, value in {"model.preset": "debug", "parallel.layout": "auto"}.items():
+        set_value(cfg, key, value)
+    best = best_plan(model_config(cfg), cluster, 2, cfg.data.seq_len, cfg.train.global_batch).config
+    choose(cfg, cluster, 2)
+    assert cfg.parallel.layout == str(best.layout)
+    for key in (
+        "schedule",
+        "microbatches",
+        "virtual_stages",
+        "zero",
+        "recompute",
+        "sequence_parallel",
+    ):
+        assert getattr(cfg.parallel, key) == getattr(best, key), key
+    assert cfg.parallel.hsdp_replicas == best.hsdp_replicas
+    assert cfg.parallel.zero != Config().parallel.zero  # the planner's stage, not the default's
+    assert capsys.readouterr().out.startswith(
+        f"fourd train: --layout auto on local (2 devices): {best.layout}, "
+    )

@@ -48,14 +48,19 @@ def _ask_to_stop(signum: int, frame) -> None:
     _STOP["signal"] = signum
 
 
+def listen_for_stop() -> None:
+    """Take SIGINT and SIGTERM as a request to stop at the next step boundary, not as an end."""
+    for stop_signal in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(stop_signal, _ask_to_stop)
+
+
 def worker_entry(
     cfg_dict: dict, cache: TokenCache, data: dict, peak: tuple[float, str]
 ) -> int | str:
     """What each launched process runs: 0 when the run ended, the signal that stopped it, or the
     message of a failure every rank met at once (a diverged loss: no restart can help). Other
     failures exit non-zero."""
-    for stop_signal in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(stop_signal, _ask_to_stop)
+    listen_for_stop()
     cfg = Config.from_dict(cfg_dict)
     try:
         return run_worker(cfg, cache, data, peak)
