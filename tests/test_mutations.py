@@ -287,11 +287,11 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
         ),
     ),
     "MFU on CPU ranks divides by one peak per rank": (
-        "fourd/train/worker.py",
-        "self.peak_total = peak[0] * (self.world if cuda else 1)",
-        "self.peak_total = peak[0] * self.world",
+        "fourd/train/metrics.py",
+        "        return peak_flops * ranks\n    return peak_flops\n",
+        "        return peak_flops * ranks\n    return peak_flops * ranks\n",
         (
-            "tests/test_contract_train.py::test_two_cpu_ranks_measure_tokens_per_s_and_mfu_against_one_shared_peak",
+            "tests/test_train_summary.py::test_mfus_peak_is_every_gpus_or_the_one_the_cpu_ranks_share",
         ),
     ),
     "a worker leaves SIGTERM to its default (dies unsaved)": (

@@ -5,7 +5,7 @@ before the first checkpoint save, the last held-out loss and the measured bubble
 
 from __future__ import annotations
 
-from fourd.train.metrics import seconds, summary_table
+from fourd.train.metrics import mfu_peak, seconds, summary_table
 
 
 def _row(step, loss, tokens_per_s, step_time_s, mfu, peak, **extra):
@@ -71,3 +71,11 @@ def test_a_lone_step_is_its_own_mean_and_no_planner_leaves_the_figures_alone():
     ]
     assert "planner" not in text and "held-out" not in text and "bubble" not in text
     assert summary_table([], {}) == "no steps run"
+
+
+def test_mfus_peak_is_every_gpus_or_the_one_the_cpu_ranks_share():
+    """The contract's MFU line: against the device's dense BF16 peak, every GPU's; on a CPU the measured
+    peak of all its cores, which its ranks share."""
+    assert mfu_peak(989e12, 8, "cuda") == 8 * 989e12
+    assert mfu_peak(2e11, 4, "cpu") == 2e11
+    assert mfu_peak(2e11, 1, "cpu") == 2e11

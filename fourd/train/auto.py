@@ -17,6 +17,7 @@ from fourd.plan.job import Job
 from fourd.plan.memory import rank_memories
 from fourd.plan.request import best_plan, rank_peak_memory_gb
 from fourd.plan.search import evaluate
+from fourd.train.metrics import mfu_peak
 
 GPU_PRESETS = {
     "H200": "dgx-h200",
@@ -190,10 +191,5 @@ def predict(
     if not calibrated(cluster):
         return memory | {"note": NOT_CALIBRATED}
     step = plan.step.step_s
-    # MFU's denominator as the trainer's: every GPU's peak; on a CPU the cores all ranks share
-    if device_type == "cuda":
-        peak_total = peak_flops * world
-    else:
-        peak_total = peak_flops
-    mfu = mcfg.flops_per_token(seq) * seqs * seq / step / peak_total
+    mfu = mcfg.flops_per_token(seq) * seqs * seq / step / mfu_peak(peak_flops, world, device_type)
     return {"step_time_s": step, "tokens_per_s": seqs * seq / step, "mfu": mfu} | memory

@@ -59,6 +59,14 @@ class MetricsWriter:
                 closing.close()
 
 
+def mfu_peak(peak_flops: float, ranks: int, device_type: str) -> float:
+    """MFU's denominator, FLOP/s: every GPU's peak (`peak_flops` each); on a CPU the one peak of the
+    cores all ranks share (`fourd calibrate` measures it with every core busy)."""
+    if device_type == "cuda":
+        return peak_flops * ranks
+    return peak_flops
+
+
 def seconds(duration_s: float) -> str:
     """A duration as people read it: seconds from 1 s, milliseconds below."""
     if duration_s >= 1:

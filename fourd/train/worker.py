@@ -37,7 +37,7 @@ from fourd.train.anchor_file import write_anchor
 from fourd.train.auto import predict, resident_bytes, use_cuda
 from fourd.train.heartbeat import Heartbeat
 from fourd.train.launch import LAUNCH_DIR_ENV, attempt, outcome
-from fourd.train.metrics import MetricsWriter, summary_table
+from fourd.train.metrics import MetricsWriter, mfu_peak, summary_table
 from fourd.train.step import build_optimizer, eval_step, lr_at, train_step
 
 _STOP = {"signal": 0}  # the signal that asked this worker to stop; 0: none
@@ -212,9 +212,7 @@ class _Run:
         # the model's FLOPs (MFU), and the hardware's with what recomputation repeats (HFU)
         self.flops_per_step = flops(cfg.data.seq_len) * self.tokens
         self.hw_flops_per_step = flops(cfg.data.seq_len, self.par.setting.recompute) * self.tokens
-        # MFU's denominator: every GPU's peak; on a CPU the ranks share the cores the peak was
-        # measured on.
-        self.peak_total = peak[0] * (self.world if cuda else 1)
+        self.peak_total = mfu_peak(peak[0], self.world, device.type)
 
     def loop(self) -> int | str:
         t, interval = self.cfg.train, self.cfg.checkpoint.interval
