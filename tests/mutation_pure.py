@@ -134,6 +134,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "fourd/lab/api.py": ("tests/test_lab_api.py",),
     # the model's shapes, parameter counts and MFU's FLOPs, which the planner and the trainer share
     "fourd/model/config.py": (
+        "tests/test_model_config.py",
         "tests/test_contract_arith.py",
         "tests/test_model_llama.py",
         "tests/test_contract_block.py",
