@@ -122,3 +122,12 @@ def test_overrides_recompute_the_head_dimension_unless_given():
     assert with_overrides(cfg, ffn=256).head_dim == 16
     pinned = ModelConfig(**SHAPE, head_dim=8)
     assert with_overrides(pinned, layers=3).head_dim == 8  # neither dim nor heads: its own is kept
+
+
+def test_counts_of_a_model_whose_terms_share_bits():
+    """Sums whose terms share binary digits (so no `|` or `^` passes for `+`): 1 layer of dim 12, 3 heads of 4,
+    FFN 5, vocabulary 7."""
+    cfg = ModelConfig(layers=1, dim=12, ffn=5, heads=3, kv_heads=3, vocab=7)
+    assert cfg.layer_matrix_params() == 4 * 12 * 12 + 3 * 12 * 5  # 756
+    assert cfg.layer_params() == 756 + 2 * 12  # 780: 756 and 24 share the 16s digit
+    assert cfg.params() == 780 + 2 * 7 * 12 + 12  # 960: 948 and 12 share the 4s digit
