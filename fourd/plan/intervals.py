@@ -79,24 +79,22 @@ class Group:
     half_width: float  # natural log: the interval is point·exp(±half_width)
 
 
-# The groups an interval is looked up in, narrowest first: which of (generation, stack, scale) each
-# keeps. Unanchored, the generation is kept longest (the planner's GEMM efficiency is fitted per
-# generation, and its errors follow it); anchored, it is dropped first: the anchor measured this GPU
-# running this stack, so the error left is the scale-out the model adds, and the stack's rows on
-# other GPUs judge that before other stacks' rows on this one (docs/planner.md, Intervals).
-KEPT: dict[bool, tuple[tuple[bool, bool, bool], ...]] = {
-    False: ((True, True, True), (True, True, False), (True, False, False), (False, False, False)),
-    True: ((True, True, True), (False, True, True), (False, True, False), (False, False, False)),
+# A row's keys, and the groups an interval is looked up in, narrowest first: the keys each group keeps
+# (the others match any value). Unanchored, the generation is kept longest (the planner's GEMM
+# efficiency is fitted per generation, and its errors follow it); anchored, it is dropped first: the
+# anchor measured this GPU running this stack, so the error left is the scale-out the model adds, and
+# the stack's rows on other GPUs judge that before other stacks' rows on this one (docs/planner.md,
+# Intervals).
+KEYS = ("generation", "stack", "scale")
+KEPT: dict[bool, tuple[tuple[str, ...], ...]] = {
+    False: (KEYS, ("generation", "stack"), ("generation",), ()),
+    True: (KEYS, ("stack", "scale"), ("stack",), ()),
 }
 
 
-def _key(keys: tuple[str, str, str], kept: tuple[bool, bool, bool]) -> tuple[str, str, str]:
-    """(generation, stack, scale) with the values `kept` does not keep replaced by ANY."""
-    return tuple(value if keep else ANY for value, keep in zip(keys, kept))  # type: ignore[return-value]
-
-
-def _keys(row: dict) -> tuple[str, str, str]:
-    return row["generation"], row["stack"], row["scale"]
+def _key(values: dict, kept: tuple[str, ...]) -> tuple[str, str, str]:
+    """`values`' (generation, stack, scale), those `kept` leaves out as ANY."""
+    return tuple(values[name] if name in kept else ANY for name in KEYS)  # type: ignore[return-value]
 
 
 def groups_of(rows: list[dict], level: float = LEVEL) -> list[Group]:
@@ -109,8 +107,8 @@ def groups_of(rows: list[dict], level: float = LEVEL) -> list[Group]:
                 row for row in rows if row["quantity"] == quantity and row["anchored"] == anchored
             ]
             for kept in KEPT[anchored]:
-                for key in sorted({_key(_keys(row), kept) for row in mine}):
-                    residuals = [row["residual"] for row in mine if _key(_keys(row), kept) == key]
+                for key in sorted({_key(row, kept) for row in mine}):
+                    residuals = [row["residual"] for row in mine if _key(row, kept) == key]
                     out.append(
                         Group(
                             quantity=quantity,
@@ -131,7 +129,7 @@ def lookup(
     """The narrowest group of at least MIN_ROWS rows that matches, in KEPT's order (the widest, all
     rows, down to FEWEST); anchored predictions without enough anchored rows fall back to the
     unanchored groups."""
-    want = (gen, stack, scale_name)
+    want = dict(zip(KEYS, (gen, stack, scale_name)))
     for flag in (anchored, False) if anchored else (False,):
         widths = KEPT[flag]
         for width, kept in enumerate(widths):
