@@ -245,13 +245,19 @@ def test_an_anchored_plan_carries_the_anchored_intervals_and_the_flags_given(tmp
     out = json.loads(capsys.readouterr().out)
     # NeMo's rows are grouped with Megatron-Core's and Megatron-LM's (one code base)
     assert intervals.stack_family("nemo") == "megatron"
+    # the anchor's own configuration: the anchor's shape, at the spread's floor
+    assert (out["interval_shape"], out["interval_spread"]) == (
+        intervals.SAME,
+        pytest.approx(intervals.SPREAD_FLOOR, abs=1e-12),
+    )
     group = intervals.lookup(
-        list(intervals.table()[1]), "time", True, "H100", "megatron", "cluster"
+        list(intervals.table()[1]), "time", True, "H100", "megatron", "cluster", intervals.SAME
     )
     assert group is not None and group.anchored
+    width = group.half_width * out["interval_spread"]
     low, high = out["step_time_s_interval"]
-    assert low == pytest.approx(out["step_time_s"] * math.exp(-group.half_width), rel=1e-12)
-    assert high == pytest.approx(out["step_time_s"] * math.exp(group.half_width), rel=1e-12)
+    assert low == pytest.approx(out["step_time_s"] * math.exp(-width), rel=1e-12)
+    assert high == pytest.approx(out["step_time_s"] * math.exp(width), rel=1e-12)
     # a flag the target gives wins over the anchor's setting, whatever its name sorts as
     assert main(["plan", "--anchor", str(path), "--compile", "on", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["compiled"] is True

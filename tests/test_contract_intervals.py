@@ -7,8 +7,21 @@ from types import SimpleNamespace
 
 import pytest
 
+from fourd.layout import parse_layout
 from fourd.plan import intervals
-from fourd.plan.intervals import ANY, Group, generation, groups_of, half_width, lookup, scale
+from fourd.plan.intervals import (
+    ANY,
+    RESHAPED,
+    SAME,
+    SPREAD_FLOOR,
+    Group,
+    anchored_spread,
+    generation,
+    groups_of,
+    half_width,
+    lookup,
+    scale,
+)
 
 LN2 = math.log(2.0)  # a half-width that doubles and halves: intervals exact in binary
 
@@ -80,8 +93,8 @@ def test_every_group_at_every_width_for_each_quantity_and_anchoring():
     ]
 
 
-def _group(quantity="time", anchored=False, key=(ANY, ANY, ANY), rows=8, width=LN2):
-    return Group(quantity, anchored, *key, rows=rows, half_width=width)
+def _group(quantity="time", anchored=False, key=(ANY, ANY, ANY), rows=8, width=LN2, shape=ANY):
+    return Group(quantity, anchored, *key, rows=rows, half_width=width, shape=shape)
 
 
 def test_the_narrowest_group_with_enough_rows_and_the_widest_down_to_three():
@@ -110,16 +123,17 @@ def test_the_narrowest_group_with_enough_rows_and_the_widest_down_to_three():
     assert lookup(pool, "time", True, "H100", "nemo", "large") is None  # no other stack's rows
 
 
-def _plan(step_s=2.0, mfu=0.4, peak_gb=40.0, gpus=64, stack="fsdp", fits=True, layout="tp=8,dp=8"):
+def _plan(step_s=2.0, layout="tp=8,dp=8", stack="fsdp", **fields):
+    """A plan as the intervals read it: MFU 40 %, 40 GB, 64 GPUs that fit, one sequence per
+    microbatch, and GPU-seconds per token (gpus / tokens_per_s) of 1 ms, unless `fields` say
+    otherwise."""
+    values = dict(mfu=0.4, peak_gb=40.0, gpus=64, fits=True, tokens_per_s=64_000.0, micro_seqs=1)
     return SimpleNamespace(
         step=SimpleNamespace(step_s=step_s),
-        mfu=mfu,
-        peak_gb=peak_gb,
-        gpus=gpus,
-        fits=fits,
         job=SimpleNamespace(stack=stack),
         cluster=SimpleNamespace(gpu=SimpleNamespace(name="A100 SXM 80GB")),
-        config=SimpleNamespace(layout=layout),
+        config=SimpleNamespace(layout=parse_layout(layout), virtual_stages=1),
+        **(values | fields),
     )
 
 
@@ -163,13 +177,15 @@ def test_without_a_memory_group_there_is_no_memory_interval(monkeypatch):
 
 
 def test_the_text_report_prints_each_interval(halves):
-    assert intervals.report_lines(_plan(), anchored=True) == [
+    assert intervals.report_lines(_plan(), anchor=_plan()) == [
         "",
         "Intervals (50 %, from the validation suite's anchored out-of-sample rows)",
         "  step time               2 s     1 s .. 4 s",
         "  MFU                  40.0 %     20.0 % .. 80.0 %",
         f"  peak memory          40.0 GB    {40 * math.exp(-0.25):.1f} GB .. "
         f"{40 * math.exp(0.25):.1f} GB",
+        "  the step time's spread 0.02: 0.02 + how far the GPU-seconds per token move from the "
+        "anchor's, the anchor's per-GPU microbatch work (same)",
     ]
     assert intervals.report_lines(_plan(stack="nemo"))[2:4] == [
         "  step time               2 s     no interval (intervals.toml not written)",
@@ -200,8 +216,8 @@ def test_search_lists_each_candidates_interval_and_says_when_too_close(halves):
     assert intervals.search_lines(plans) == [
         "",
         "Step-time intervals of the candidates (50 %), in the order above",
-        "    1. tp=8,dp=8                          2 s  1 s .. 4 s",
-        "    2. tp=4,dp=16                         3 s  1.5 s .. 6 s",
+        "    1. tp=8,cp=1,pp=1,dp=8                2 s  1 s .. 4 s",
+        "    2. tp=4,cp=1,pp=1,dp=16               3 s  1.5 s .. 6 s",
         "  the two best overlap: too close to call (measure both, or anchor on a run)",
     ]
     assert len(intervals.search_lines([plans[0], _plan(9.0)])) == 4
@@ -227,16 +243,77 @@ def test_megatrons_three_stacks_share_one_group_and_the_others_keep_their_own(mo
 
 
 def test_a_plan_is_unanchored_unless_told(monkeypatch):
-    """An anchored group of the same key, half as wide: only a caller that says `anchored` gets it."""
+    """An anchored group of the same key, half as wide at the anchor's own spread: only a caller that
+    names an anchor gets it."""
     unanchored = _group(key=("A100", "fsdp", "cluster"), width=LN2)
-    anchored = _group(anchored=True, key=("A100", "fsdp", "cluster"), width=LN2 / 2)
+    anchored = _group(
+        anchored=True, key=("A100", "fsdp", "cluster"), width=LN2 / 2 / SPREAD_FLOOR, shape=SAME
+    )
     monkeypatch.setattr(intervals, "table", lambda: (0.5, (unanchored, anchored)))
+    anchor = _plan()
     assert intervals.plan_intervals(_plan())["step_time_s_interval"] == [1.0, 4.0]
-    assert intervals.plan_intervals(_plan(), anchored=True)[
-        "step_time_s_interval"
-    ] == pytest.approx([2 / math.sqrt(2), 2 * math.sqrt(2)], rel=1e-12)
+    assert intervals.plan_intervals(_plan(), anchor)["step_time_s_interval"] == pytest.approx(
+        [2 / math.sqrt(2), 2 * math.sqrt(2)], rel=1e-12
+    )
     # 2 s and 5 s: [1, 4] and [2.5, 10] overlap; anchored [1.41, 2.83] and [3.54, 7.07] do not
     plans = [_plan(2.0), _plan(5.0)]
-    assert intervals.too_close(plans) and not intervals.too_close(plans, anchored=True)
+    assert intervals.too_close(plans) and not intervals.too_close(plans, anchor)
     assert intervals.search_lines(plans)[2].endswith("1 s .. 4 s")
-    assert intervals.search_lines(plans, anchored=True)[2].endswith("1.414 s .. 2.828 s")
+    assert intervals.search_lines(plans, anchor)[2].endswith("1.414 s .. 2.828 s")
+
+
+def test_the_spread_is_the_floor_plus_how_far_the_gpu_time_per_token_moves():
+    """1 ms per token at the anchor; 2 ms (more GPUs, or fewer tokens/s) or 0.5 ms move it by ln 2
+    either way; the same per-GPU microbatch work is SAME, another TP, PP, CP degree, microbatch size
+    or virtual-stage count RESHAPED."""
+    anchor = _plan(gpus=64, tokens_per_s=64_000.0, layout="tp=8,pp=2,dp=4")
+    assert anchored_spread(anchor, anchor) == (SAME, SPREAD_FLOOR)
+    more_gpus = _plan(gpus=256, tokens_per_s=128_000.0, layout="tp=8,pp=2,dp=16")
+    assert anchored_spread(more_gpus, anchor) == (SAME, pytest.approx(SPREAD_FLOOR + LN2))
+    faster = _plan(gpus=64, tokens_per_s=128_000.0, layout="tp=8,pp=2,dp=4")
+    assert anchored_spread(faster, anchor) == (SAME, pytest.approx(SPREAD_FLOOR + LN2))
+    for layout in ("tp=4,pp=2,dp=8", "tp=8,pp=4,dp=2", "tp=8,cp=2,pp=2,dp=2"):
+        assert anchored_spread(_plan(layout=layout), anchor)[0] == RESHAPED, layout
+    assert anchored_spread(_plan(layout="tp=8,pp=2,dp=4", micro_seqs=2), anchor)[0] == RESHAPED
+    deeper = _plan(layout="tp=8,pp=2,dp=4")
+    deeper.config.virtual_stages = 2
+    assert anchored_spread(deeper, anchor)[0] == RESHAPED
+
+
+def test_an_anchored_interval_is_its_groups_half_width_times_its_spread(monkeypatch):
+    """Rank 1 in spreads: e^±(0.02 + ln 2) two GPU-time doublings away, e^±0.02 at the anchor; a
+    reshaped prediction with no reshaped group takes the unanchored one, unscaled; memory is never
+    scaled."""
+    same = _group(anchored=True, key=("A100", "fsdp", "cluster"), width=1.0, shape=SAME)
+    unanchored = _group(key=("A100", "fsdp", "cluster"), width=LN2)
+    memory = _group(quantity="memory", anchored=True, width=0.25, rows=3, shape=SAME)
+    monkeypatch.setattr(intervals, "table", lambda: (0.8, (same, unanchored, memory)))
+    anchor = _plan(gpus=64, tokens_per_s=64_000.0)
+    far = _plan(gpus=128, tokens_per_s=64_000.0, layout="tp=8,dp=16")
+    got = intervals.plan_intervals(far, anchor)
+    width = SPREAD_FLOOR + LN2
+    assert got["step_time_s_interval"] == pytest.approx([2 * math.exp(-width), 2 * math.exp(width)])
+    assert got["memory_gb_interval"] == pytest.approx([40 * math.exp(-0.25), 40 * math.exp(0.25)])
+    assert intervals.json_keys(far, anchor)["interval_spread"] == pytest.approx(width)
+    assert intervals.json_keys(far, anchor)["interval_shape"] == SAME
+    assert "interval_spread" not in intervals.json_keys(far)
+    own = intervals.plan_intervals(anchor, anchor)["step_time_s_interval"]
+    assert own == pytest.approx([2 * math.exp(-SPREAD_FLOOR), 2 * math.exp(SPREAD_FLOOR)])
+    reshaped = intervals.plan_intervals(_plan(layout="tp=4,dp=16"), anchor)
+    assert reshaped["step_time_s_interval"] == [1.0, 4.0]
+
+
+def test_groups_rank_anchored_residuals_over_their_spreads_and_keep_the_shape():
+    rows = [
+        _row("time", True, "H100", "fsdp", "node", 0.2) | {"shape": SAME, "spread": 0.4},
+        _row("time", True, "H100", "fsdp", "node", -0.9) | {"shape": RESHAPED, "spread": 0.3},
+        _row("time", False, "H100", "fsdp", "node", 0.3),
+    ]
+    got = {
+        (g.anchored, g.generation, g.stack, g.scale, g.shape): g.half_width
+        for g in groups_of(rows, level=0.5)
+    }
+    assert got[(True, "H100", "fsdp", "node", SAME)] == pytest.approx(0.5)  # 0.2 / 0.4
+    assert got[(True, ANY, ANY, ANY, RESHAPED)] == pytest.approx(3.0)  # 0.9 / 0.3
+    assert got[(False, "H100", "fsdp", "node", ANY)] == 0.3  # unanchored: spread 1, no shape
+    assert (True, ANY, ANY, ANY, ANY) not in got  # the shapes never pool

@@ -271,8 +271,11 @@ def test_an_anchor_far_from_the_model_reorders_the_search_and_judges_it_on_ancho
     from fourd.plan import intervals
 
     wide = intervals.Group("time", False, "*", "*", "*", rows=8, half_width=2.302585)
-    narrow = intervals.Group("time", True, "*", "*", "*", rows=8, half_width=1e-6)
-    monkeypatch.setattr(intervals, "table", lambda: (0.8, (wide, narrow)))
+    narrow = [
+        intervals.Group("time", True, "*", "*", "*", rows=8, half_width=1e-6, shape=shape)
+        for shape in (intervals.SAME, intervals.RESHAPED)
+    ]
+    monkeypatch.setattr(intervals, "table", lambda: (0.8, (wide, *narrow)))
     slow = write(tmp_path, step_time_s=4 * ANCHOR["step_time_s"])
     out = fourd_json(capsys, "plan", "--anchor", slow, "--search", "--top=6", "--json")
     times = [c["step_time_s"] for c in out["candidates"]]

@@ -371,23 +371,27 @@ def target_request(args, anchor: Anchor) -> request.Request:
 
 @dataclass(frozen=True)
 class Anchored:
-    """Plans of a request, anchored: `plans` with the pinned terms, fitting first, fastest first."""
+    """Plans of a request, anchored: `plans` with the pinned terms, fitting first, fastest first;
+    `own`, the anchor's own configuration with them (its step the measured one: what the plans'
+    intervals spread from, fourd.plan.intervals.anchored_spread)."""
 
     anchor: Anchor
     pinned: Pinned
     plans: list[Plan]
     request: request.Request
+    own: Plan
 
 
 def anchored_plans(args) -> Anchored:
     anchor = load_anchor(args.anchor)
-    pinned = pin(anchor, own_plan(anchor))
+    modelled = own_plan(anchor)
+    pinned = pin(anchor, modelled)
     req = target_request(args, anchor)
     found = [predict(plan, pinned) for plan in request.plans(req)]
     found.sort(
         key=lambda plan: (not plan.fits, -plan.tokens_per_s if plan.fits else plan.memory.total)
     )
-    return Anchored(anchor, pinned, found, req)
+    return Anchored(anchor, pinned, found, req, predict(modelled, pinned))
 
 
 def anchor_json(result: Anchored) -> dict:
@@ -440,25 +444,26 @@ def run_plan(args) -> int:
 
     result = anchored_plans(args)
     found, tokens, stack = result.plans, result.request.train_tokens, result.anchor.stack
+    own = result.own
     extra = anchor_json(result)
     if args.json:
 
         def one(plan: Plan) -> dict:
-            return plan.to_json(tokens) | intervals.json_keys(plan, anchored=True, stack=stack)
+            return plan.to_json(tokens) | intervals.json_keys(plan, own, stack)
 
         if args.search:
             top = [one(plan) for plan in found[: args.top]]
             fitting = sum(plan.fits for plan in found)
             body = {"best": top[0], "candidates": top, "searched": len(found), "fitting": fitting}
-            body |= {"too_close_to_call": intervals.too_close(found, anchored=True, stack=stack)}
+            body |= {"too_close_to_call": intervals.too_close(found, own, stack)}
         else:
             body = one(found[0])
         print(json.dumps(body | extra))
         return 0
     text = search_report(found, args.top, tokens) if args.search else plan_report(found[0], tokens)
-    lines = intervals.report_lines(found[0], anchored=True, stack=stack)
+    lines = intervals.report_lines(found[0], own, stack)
     if args.search:
-        lines += intervals.search_lines(found[: args.top], anchored=True, stack=stack)
+        lines += intervals.search_lines(found[: args.top], own, stack)
     print("\n".join([text, *lines, *anchor_lines(result)]))
     return 0
 

@@ -1,6 +1,7 @@
 """Prediction intervals: how far the planner's step time, MFU and memory may be off, from how far it
 was off on comparable rows of the validation suite it never fitted
-(benchmarks/validation/runs.toml).
+(benchmarks/validation/runs.toml). An anchored step time's interval also grows with how far the
+prediction moves from what the anchor measured (its spread).
 
 The table beside this file (intervals.toml) is generated, never edited: `python
 benchmarks/validation/anchored.py --write-intervals` writes it from the out-of-sample residuals
@@ -36,6 +37,14 @@ GENERATIONS = {"A100": "A100", "H100": "H100", "H200": "H100"}
 # so a row of one is judged by the others' rows before by every row of its GPU (docs/planner.md,
 # Intervals: chosen on the suite).
 STACK_FAMILIES = {"nemo": "megatron", "megatron-core": "megatron", "megatron-lm": "megatron"}
+# An anchored prediction of the anchor's own shape (TP, CP and PP degrees, microbatch size, virtual
+# stages: the per-GPU work of a microbatch) carries the measured rate to the same kernels; a reshaped
+# one carries it to other GEMM shapes and stage sizes, which the model alone relates.
+SAME, RESHAPED = "same", "reshaped"
+# The spread of an anchored step time at the anchor's own GPU-time per token: published step times
+# are rounded to 2-3 digits and repeated runs differ by a percent or two (docs/planner.md, Intervals:
+# chosen on the suite, where 0.5 to 5 % give a median anchored half-width of 4.0 to 6.1 %).
+SPREAD_FLOOR = 0.02
 
 
 def scale(gpus: int) -> str:
@@ -66,6 +75,30 @@ def half_width(residuals: list[float], level: float = LEVEL) -> float:
     return ordered[min(rank, len(ordered)) - 1]
 
 
+def _per_gpu_work(plan) -> tuple[int, int, int, int, int]:
+    """What one GPU runs of a microbatch: TP, CP and PP degrees, sequences per microbatch, virtual
+    stages."""
+    layout = plan.config.layout
+    return (layout.tp, layout.cp, layout.pp, plan.micro_seqs, plan.config.virtual_stages)
+
+
+def anchored_spread(plan, anchor) -> tuple[str, float]:
+    """(shape, spread) of the anchored prediction `plan` from `anchor` (the anchored plan of the
+    anchor's own configuration, whose step is the measured one): SAME when one GPU runs the same
+    microbatch work, else RESHAPED; and
+
+        spread = SPREAD_FLOOR + |log(g_plan / g_anchor)|,   g = GPUs / tokens per second
+
+    how far the prediction moves the GPU-seconds per token from the measured ones. The residuals of
+    anchored rows are divided by it before their conformal rank is taken, and a plan's half-width is
+    that rank times its own spread (normalized conformal prediction: Papadopoulos et al. 2008; Lei et
+    al. 2018 §5.2): predicting the anchor's own configuration back is as sure as a measurement, a
+    prediction the model moves far from it as unsure as the move."""
+    moved = math.log((plan.gpus / plan.tokens_per_s) / (anchor.gpus / anchor.tokens_per_s))
+    same = _per_gpu_work(plan) == _per_gpu_work(anchor)
+    return (SAME if same else RESHAPED), SPREAD_FLOOR + abs(moved)
+
+
 @dataclass(frozen=True)
 class Group:
     """Rows sharing what an interval is looked up by (ANY: all of that key)."""
@@ -76,30 +109,36 @@ class Group:
     stack: str
     scale: str
     rows: int
-    half_width: float  # natural log: the interval is point·exp(±half_width)
+    # natural log, in units of the rows' spread (1 but for anchored step times): the interval is
+    # point·exp(±half_width·spread)
+    half_width: float
+    shape: str = ANY  # anchored rows: SAME or RESHAPED
 
 
 # A row's keys, and the groups an interval is looked up in, narrowest first: the keys each group keeps
 # (the others match any value). Unanchored, the generation is kept longest (the planner's GEMM
 # efficiency is fitted per generation, and its errors follow it); anchored, it is dropped first: the
 # anchor measured this GPU running this stack, so the error left is the scale-out the model adds, and
-# the stack's rows on other GPUs judge that before other stacks' rows on this one (docs/planner.md,
-# Intervals).
-KEYS = ("generation", "stack", "scale")
+# the stack's rows on other GPUs judge that before other stacks' rows on this one; the shape is kept
+# throughout: a reshaped prediction is judged by reshaped ones, and without enough of them by the
+# unanchored rows (docs/planner.md, Intervals).
+KEYS = ("generation", "stack", "scale", "shape")
 KEPT: dict[bool, tuple[tuple[str, ...], ...]] = {
-    False: (KEYS, ("generation", "stack"), ("generation",), ()),
-    True: (KEYS, ("stack", "scale"), ("stack",), ()),
+    False: (("generation", "stack", "scale"), ("generation", "stack"), ("generation",), ()),
+    True: (KEYS, ("stack", "scale", "shape"), ("stack", "shape"), ("shape",)),
 }
 
 
-def _key(values: dict, kept: tuple[str, ...]) -> tuple[str, str, str]:
-    """`values`' (generation, stack, scale), those `kept` leaves out as ANY."""
-    return tuple(values[name] if name in kept else ANY for name in KEYS)  # type: ignore[return-value]
+def _key(values: dict, kept: tuple[str, ...]) -> tuple[str, ...]:
+    """`values`' (generation, stack, scale, shape), those `kept` leaves out as ANY."""
+    return tuple(values.get(name, ANY) if name in kept else ANY for name in KEYS)
 
 
 def groups_of(rows: list[dict], level: float = LEVEL) -> list[Group]:
-    """Every group of `rows` (dicts with quantity, anchored, generation, stack, scale, residual), for
-    each quantity and anchoring at each of its KEPT widths, narrowest first."""
+    """Every group of `rows` (dicts with quantity, anchored, generation, stack, scale, residual, and
+    for anchored rows shape and spread), for each quantity and anchoring at each of its KEPT widths,
+    narrowest first; a group's half-width is the conformal rank of its residuals over their
+    spreads."""
     out = []
     for quantity in sorted({row["quantity"] for row in rows}):
         for anchored in sorted({row["anchored"] for row in rows if row["quantity"] == quantity}):
@@ -108,43 +147,48 @@ def groups_of(rows: list[dict], level: float = LEVEL) -> list[Group]:
             ]
             for kept in KEPT[anchored]:
                 for key in sorted({_key(row, kept) for row in mine}):
-                    residuals = [row["residual"] for row in mine if _key(row, kept) == key]
+                    scores = [
+                        row["residual"] / row.get("spread", 1.0)
+                        for row in mine
+                        if _key(row, kept) == key
+                    ]
+                    generation_, stack, scale_, shape = key
                     out.append(
                         Group(
                             quantity=quantity,
                             anchored=anchored,
-                            generation=key[0],
-                            stack=key[1],
-                            scale=key[2],
-                            rows=len(residuals),
-                            half_width=half_width(residuals, level),
+                            generation=generation_,
+                            stack=stack,
+                            scale=scale_,
+                            rows=len(scores),
+                            half_width=half_width(scores, level),
+                            shape=shape,
                         )
                     )
     return out
 
 
 def lookup(
-    groups: list[Group], quantity: str, anchored: bool, gen: str, stack: str, scale_name: str
+    groups: list[Group],
+    quantity: str,
+    anchored: bool,
+    gen: str,
+    stack: str,
+    scale_name: str,
+    shape: str = ANY,
 ) -> Group | None:
     """The narrowest group of at least MIN_ROWS rows that matches, in KEPT's order (the widest, all
-    rows, down to FEWEST); anchored predictions without enough anchored rows fall back to the
-    unanchored groups."""
-    want = dict(zip(KEYS, (gen, stack, scale_name)))
+    rows, down to FEWEST); anchored predictions without enough anchored rows of their shape fall
+    back to the unanchored groups."""
+    want = dict(zip(KEYS, (gen, stack, scale_name, shape)))
     for flag in (anchored, False) if anchored else (False,):
         widths = KEPT[flag]
         for width, kept in enumerate(widths):
             key = _key(want, kept)
             fewest = FEWEST if width == len(widths) - 1 else MIN_ROWS
             for group in groups:
-                same = (
-                    group.quantity,
-                    group.anchored,
-                    (group.generation, group.stack, group.scale),
-                ) == (
-                    quantity,
-                    flag,
-                    key,
-                )
+                group_key = (group.generation, group.stack, group.scale, group.shape)
+                same = (group.quantity, group.anchored, group_key) == (quantity, flag, key)
                 if same and group.rows >= fewest:
                     return group
     return None
@@ -160,13 +204,16 @@ def table() -> tuple[float, tuple[Group, ...]]:
 
 
 def interval(
-    point: float, quantity: str, anchored: bool, gen: str, stack: str, scale_name: str
+    point: float, quantity: str, anchored: bool, keys: tuple[str, ...], spread: float = 1.0
 ) -> tuple[float, float] | None:
-    """[low, high] around `point` from the table's matching group; None when the table has none."""
-    group = lookup(list(table()[1]), quantity, anchored, gen, stack, scale_name)
+    """[low, high] around `point` from the table's group matching `keys` (generation, stack, scale,
+    shape), its half-width times the prediction's spread where the group is anchored; None when the
+    table has none."""
+    group = lookup(list(table()[1]), quantity, anchored, *keys)
     if group is None:
         return None
-    return point * math.exp(-group.half_width), point * math.exp(group.half_width)
+    width = group.half_width * (spread if group.anchored else 1.0)
+    return point * math.exp(-width), point * math.exp(width)
 
 
 def _plan_keys(plan, stack: str | None) -> tuple[str, str, str]:
@@ -177,11 +224,16 @@ def _plan_keys(plan, stack: str | None) -> tuple[str, str, str]:
     return generation(plan.cluster.gpu.name), family, scale(plan.gpus)
 
 
-def plan_intervals(plan, anchored: bool = False, stack: str | None = None) -> dict:
-    """The plan's step time, MFU and memory intervals: {key: [low, high] or None}."""
+def plan_intervals(plan, anchor=None, stack: str | None = None) -> dict:
+    """The plan's step time, MFU and memory intervals: {key: [low, high] or None}. `anchor`: for an
+    anchored plan, the anchored plan of the anchor's own configuration (`anchored_spread`)."""
     gen, stack_name, size = _plan_keys(plan, stack)
-    time = interval(plan.step.step_s, "time", anchored, gen, stack_name, size)
-    memory = interval(plan.peak_gb, "memory", anchored, gen, stack_name, size)
+    anchored, shape, time_spread = anchor is not None, ANY, 1.0
+    if anchor is not None:
+        shape, time_spread = anchored_spread(plan, anchor)
+    keys = (gen, stack_name, size, shape)
+    time = interval(plan.step.step_s, "time", anchored, keys, time_spread)
+    memory = interval(plan.peak_gb, "memory", anchored, keys)
     # MFU is the inverse of the step time: a slower step, a lower MFU
     mfu = (
         None
@@ -195,10 +247,15 @@ def plan_intervals(plan, anchored: bool = False, stack: str | None = None) -> di
     }
 
 
-def json_keys(plan, anchored: bool = False, stack: str | None = None) -> dict:
-    """`--json`'s interval keys, the level and the peak memory they bracket."""
-    out = plan_intervals(plan, anchored, stack)
-    return out | {"interval_level": table()[0], "peak_memory_gb": plan.peak_gb}
+def json_keys(plan, anchor=None, stack: str | None = None) -> dict:
+    """`--json`'s interval keys, the level and the peak memory they bracket; anchored, the shape
+    and spread the step time's interval was taken at (`anchored_spread`)."""
+    out = plan_intervals(plan, anchor, stack)
+    out |= {"interval_level": table()[0], "peak_memory_gb": plan.peak_gb}
+    if anchor is not None:
+        shape, spread = anchored_spread(plan, anchor)
+        out |= {"interval_shape": shape, "interval_spread": spread}
+    return out
 
 
 def _span(pair, form: str) -> str:
@@ -209,11 +266,11 @@ def _span(pair, form: str) -> str:
     )
 
 
-def report_lines(plan, anchored: bool = False, stack: str | None = None) -> list[str]:
+def report_lines(plan, anchor=None, stack: str | None = None) -> list[str]:
     """The text report's interval section."""
-    got, level = plan_intervals(plan, anchored, stack), table()[0]
-    kind = "anchored" if anchored else "unanchored"
-    return [
+    got, level = plan_intervals(plan, anchor, stack), table()[0]
+    kind = "unanchored" if anchor is None else "anchored"
+    lines = [
         "",
         f"Intervals ({100 * level:.0f} %, from the validation suite's {kind} out-of-sample rows)",
         f"  step time      {plan.step.step_s:>10.4g} s     "
@@ -223,28 +280,36 @@ def report_lines(plan, anchored: bool = False, stack: str | None = None) -> list
         f"  peak memory    {plan.peak_gb:>10.1f} GB    "
         f"{_span(got['memory_gb_interval'], '{:.1f} GB')}",
     ]
+    if anchor is not None:
+        shape, spread = anchored_spread(plan, anchor)
+        work = "the anchor's" if shape == SAME else "other"
+        lines.append(
+            f"  the step time's spread {spread:.3g}: {SPREAD_FLOOR:g} + how far the GPU-seconds per "
+            f"token move from the anchor's, {work} per-GPU microbatch work ({shape})"
+        )
+    return lines
 
 
-def too_close(plans: list, anchored: bool = False, stack: str | None = None) -> bool:
+def too_close(plans: list, anchor=None, stack: str | None = None) -> bool:
     """Whether the two best fitting plans' step-time intervals overlap."""
     best = [plan for plan in plans if plan.fits][:2]
     if len(best) < 2:
         return False
-    first, second = (plan_intervals(plan, anchored, stack)["step_time_s_interval"] for plan in best)
+    first, second = (plan_intervals(plan, anchor, stack)["step_time_s_interval"] for plan in best)
     return bool(first and second and first[0] <= second[1] and second[0] <= first[1])
 
 
-def search_lines(plans: list, anchored: bool = False, stack: str | None = None) -> list[str]:
+def search_lines(plans: list, anchor=None, stack: str | None = None) -> list[str]:
     """`--search`'s interval of each listed candidate, and whether the two best can be told
     apart."""
     level = table()[0]
     out = ["", f"Step-time intervals of the candidates ({100 * level:.0f} %), in the order above"]
     for i, plan in enumerate(plans):
-        pair = plan_intervals(plan, anchored, stack)["step_time_s_interval"]
+        pair = plan_intervals(plan, anchor, stack)["step_time_s_interval"]
         out.append(
             f"  {i + 1:>3}. {str(plan.config.layout):<26} {plan.step.step_s:>9.4g} s  "
             f"{_span(pair, '{:.4g} s')}"
         )
-    if too_close(plans, anchored, stack):
+    if too_close(plans, anchor, stack):
         out.append("  the two best overlap: too close to call (measure both, or anchor on a run)")
     return out
