@@ -505,6 +505,43 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
             "test_an_open_search_keeps_to_the_schedules_and_zero_stages_the_stack_runs",
         ),
     ),
+    # anchored intervals: the spread and the shape (fourd.plan.intervals)
+    "an anchored step time's interval ignores its spread": (
+        "fourd/plan/intervals.py",
+        "width = group.half_width * (spread if group.anchored else 1.0)",
+        "width = group.half_width",
+        (
+            "tests/test_contract_intervals.py::"
+            "test_an_anchored_interval_is_its_groups_half_width_times_its_spread",
+        ),
+    ),
+    "the spread shrinks when the GPU-time per token falls": (
+        "fourd/plan/intervals.py",
+        "return (SAME if same else RESHAPED), SPREAD_FLOOR + abs(moved)",
+        "return (SAME if same else RESHAPED), SPREAD_FLOOR + moved",
+        (
+            "tests/test_contract_intervals.py::"
+            "test_the_spread_is_the_floor_plus_how_far_the_gpu_time_per_token_moves",
+        ),
+    ),
+    "anchored residuals ranked without their spreads": (
+        "fourd/plan/intervals.py",
+        'row["residual"] / row.get("spread", 1.0)',
+        'row["residual"]',
+        (
+            "tests/test_contract_intervals.py::"
+            "test_groups_rank_anchored_residuals_over_their_spreads_and_keep_the_shape",
+        ),
+    ),
+    "reshaped and same-shape anchored rows pooled": (
+        "fourd/plan/intervals.py",
+        'True: (KEYS, ("stack", "scale", "shape"), ("stack", "shape"), ("shape",)),',
+        'True: (KEYS, ("stack", "scale", "shape"), ("stack", "shape"), ()),',
+        (
+            "tests/test_contract_intervals.py::"
+            "test_groups_rank_anchored_residuals_over_their_spreads_and_keep_the_shape",
+        ),
+    ),
 }
 
 
