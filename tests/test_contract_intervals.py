@@ -301,6 +301,10 @@ def test_an_anchored_interval_is_its_groups_half_width_times_its_spread(monkeypa
     assert own == pytest.approx([2 * math.exp(-SPREAD_FLOOR), 2 * math.exp(SPREAD_FLOOR)])
     reshaped = intervals.plan_intervals(_plan(layout="tp=4,dp=16"), anchor)
     assert reshaped["step_time_s_interval"] == [1.0, 4.0]
+    assert intervals.report_lines(_plan(layout="tp=4,dp=16"), anchor)[-1] == (
+        "  the step time's spread 0.02: 0.02 + how far the GPU-seconds per token move from the "
+        "anchor's, other per-GPU microbatch work (reshaped)"
+    )
 
 
 def test_groups_rank_anchored_residuals_over_their_spreads_and_keep_the_shape():
