@@ -48,7 +48,8 @@ ATTENTION_KERNELS = (
 MEMORY_KINDS = ("allocated", "reserved")  # torch.cuda.max_memory_allocated / max_memory_reserved
 # The software that ran a row (README.md, "Stacks"); rows with a first prediction must name theirs.
 # the software stack of each row: the planner's presets (fourd/plan/stacks/), and stacks the planner
-# has no preset of (Meta's own Llama 3 stack, Hugging Face's nanotron), planned with fourd's switches
+# has no preset of (Meta's own Llama 3 stack; the flash-attention repository's training code, PyTorch
+# Lightning DDP with ZeRO 1), planned with fourd's switches
 STACKS = (
     "fourd",
     "fsdp",
@@ -60,6 +61,7 @@ STACKS = (
     "jax-xla",
     "meta-llama3",
     "nanotron",
+    "flash-attn",
 )
 
 
