@@ -136,6 +136,26 @@ def test_the_text_report_names_where_each_term_came_from(tmp_path, capsys):
     assert "  from the model: tp_comm, cp_comm, bubble (communication part), p2p" in text
 
 
+def test_an_anchor_more_than_twice_off_the_model_is_flagged(tmp_path, capsys):
+    """Llama 3's 12.5 s step runs at about 1 × the model's time: not flagged; the same step measured 3 ×
+    slower, or 3 × faster, is, in the report and in --json."""
+    assert main(["plan", "--anchor", str(write(tmp_path))]) == 0
+    assert "times off the model" not in capsys.readouterr().out
+    own = fourd_json(capsys, "plan", "--anchor", write(tmp_path), "--json")
+    assert own["anchor"]["far_from_model"] is False
+    for factor in (3.0, 1 / 3):
+        path = write(tmp_path, step_time_s=ANCHOR["step_time_s"] * factor)
+        assert main(["plan", "--anchor", str(path)]) == 0
+        assert (
+            "  that is more than 2 times off the model: check the measurement (memory pressure, a "
+            "slow kernel, the layout it names); the prediction carries all of it to the target"
+            in capsys.readouterr().out
+        ), factor
+        far = fourd_json(capsys, "plan", "--anchor", path, "--json")["anchor"]
+        assert far["far_from_model"] is True
+        assert not 0.5 <= far["compute_rate_ratio"] <= 2.0
+
+
 def test_sim_step_carries_the_anchor(tmp_path, capsys):
     out = fourd_json(capsys, "sim", "step", "--anchor", write(tmp_path), "--json")
     assert out["anchored"] is True

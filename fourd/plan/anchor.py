@@ -60,6 +60,11 @@ INHERITED = (
 # ... and, when the target names neither GPUs nor a layout, its layout too: the anchor's own
 # configuration.
 OWN_LAYOUT = ("gpus", "layout", "schedule", "microbatches", "virtual_stages", "hsdp_replicas")
+# A measured rate this many times off the model's, either way, is flagged in the report: on the
+# validation suite's anchors the stacks run at 0.8 to 1.4 × the model's time, and the one anchor
+# beyond (nanotron's 80B on 4 nodes, 3.2 ×) carried its slowness to every other layout of its series
+# (docs/planner.md, Validation).
+FAR_RATE = 2.0
 
 
 @dataclass(frozen=True)
@@ -316,6 +321,11 @@ def predict(plan: Plan, pinned: Pinned) -> Plan:
     return replace(plan, step=new_step, memory=memory)
 
 
+def far_from_model(pinned: Pinned) -> bool:
+    """Whether the anchor's local work ran FAR_RATE times slower or faster than the model's."""
+    return not 1 / FAR_RATE <= pinned.rate <= FAR_RATE
+
+
 def terms(pinned: Pinned) -> tuple[list[str], list[str]]:
     """(anchored, modelled): the breakdown terms each side gives (`--json`'s anchored_terms,
     modelled_terms)."""
@@ -406,6 +416,7 @@ def anchor_json(result: Anchored) -> dict:
         "measured_step_time_s": anchor.step_time_s,
         "modelled_step_time_s": pinned.modelled_s,
         "compute_rate_ratio": pinned.rate,
+        "far_from_model": far_from_model(pinned),
         "per_step_cost_s": pinned.step_cost_s,
         "memory_overhead_gb": pinned.memory_overhead_gb,
     }
@@ -423,6 +434,12 @@ def anchor_lines(result: Anchored) -> list[str]:
         f"{pinned.modelled_s:.4g} s",
         f"  the stack's local work runs at {pinned.rate:.3f} × the model's time",
     ]
+    if far_from_model(pinned):
+        lines.append(
+            f"  that is more than {FAR_RATE:g} times off the model: check the measurement (memory "
+            "pressure, a slow kernel, the layout it names); the prediction carries all of it to the "
+            "target"
+        )
     if pinned.step_cost_s is not None:
         lines.append(
             f"  per-step cost beyond the microbatches: {pinned.step_cost_s:.4g} s (measured)"
