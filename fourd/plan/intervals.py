@@ -152,17 +152,13 @@ def groups_of(rows: list[dict], level: float = LEVEL) -> list[Group]:
                         for row in mine
                         if _key(row, kept) == key
                     ]
-                    generation_, stack, scale_, shape = key
                     out.append(
                         Group(
                             quantity=quantity,
                             anchored=anchored,
-                            generation=generation_,
-                            stack=stack,
-                            scale=scale_,
                             rows=len(scores),
                             half_width=half_width(scores, level),
-                            shape=shape,
+                            **dict(zip(KEYS, key)),
                         )
                     )
     return out
