@@ -508,8 +508,8 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
     # anchored intervals: the spread and the shape (fourd.plan.intervals)
     "an anchored step time's interval ignores its spread": (
         "fourd/plan/intervals.py",
-        "width = group.half_width * (spread if group.anchored else 1.0)",
-        "width = group.half_width",
+        "return self.half_width * (spread if self.anchored else 1.0)",
+        "return self.half_width",
         (
             "tests/test_contract_intervals.py::"
             "test_an_anchored_interval_is_its_groups_half_width_times_its_spread",

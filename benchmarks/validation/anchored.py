@@ -126,22 +126,22 @@ def residual_rows(runs: list[Run]) -> list[dict]:
     out = []
     by_id = {r.id: r for r in runs}
 
-    def row(run: Run, quantity: str, predicted: float, published: float, anchored=None) -> dict:
-        """A residual row; `anchored`: the anchored row (anchored_rows) it comes from, whose shape it
+    def row(run: Run, quantity: str, predicted: float, published: float, anchored_row=None) -> dict:
+        """A residual row; `anchored_row`: the row of anchored_rows it comes from, whose shape it
         takes, and for a step time its spread."""
         out = {
             "id": run.id,
             "source": left_out_with(run.source),
             "quantity": quantity,
-            "anchored": anchored is not None,
+            "anchored": anchored_row is not None,
             "generation": generation(chip(run)),
             "stack": stack_family(run.stack),
             "scale": scale(run.gpus),
             "residual": math.log(published / predicted),
         }
-        if anchored is not None:
-            out["shape"] = anchored["shape"]
-            out["spread"] = anchored["spread"] if quantity == "time" else 1.0
+        if anchored_row is not None:
+            out["shape"] = anchored_row["shape"]
+            out["spread"] = anchored_row["spread"] if quantity == "time" else 1.0
         return out
 
     for run in runs:
@@ -169,7 +169,7 @@ def coverage(rows: list[dict], level: float = intervals.LEVEL) -> list[dict]:
             keys = (r["generation"], r["stack"], r["scale"], r.get("shape", intervals.ANY))
             g = intervals.lookup(groups, r["quantity"], r["anchored"], *keys)
             if g is not None:
-                width = g.half_width * (r.get("spread", 1.0) if g.anchored else 1.0)
+                width = g.width(r.get("spread", 1.0))
                 out.append(r | {"half_width": width, "inside": abs(r["residual"]) <= width})
     return out
 

@@ -114,6 +114,11 @@ class Group:
     half_width: float
     shape: str = ANY  # anchored rows: SAME or RESHAPED
 
+    def width(self, spread: float) -> float:
+        """The half-width, natural log, of a prediction with this spread: half_width·spread in an
+        anchored group, half_width in an unanchored one (its rows' spread is 1)."""
+        return self.half_width * (spread if self.anchored else 1.0)
+
 
 # A row's keys, and the groups an interval is looked up in, narrowest first: the keys each group keeps
 # (the others match any value). Unanchored, the generation is kept longest (the planner's GEMM
@@ -183,7 +188,7 @@ def lookup(
             key = _key(want, kept)
             fewest = FEWEST if width == len(widths) - 1 else MIN_ROWS
             for group in groups:
-                group_key = (group.generation, group.stack, group.scale, group.shape)
+                group_key = tuple(getattr(group, name) for name in KEYS)
                 same = (group.quantity, group.anchored, group_key) == (quantity, flag, key)
                 if same and group.rows >= fewest:
                     return group
@@ -208,7 +213,7 @@ def interval(
     group = lookup(list(table()[1]), quantity, anchored, *keys)
     if group is None:
         return None
-    width = group.half_width * (spread if group.anchored else 1.0)
+    width = group.width(spread)
     return point * math.exp(-width), point * math.exp(width)
 
 
@@ -224,9 +229,8 @@ def plan_intervals(plan, anchor=None, stack: str | None = None) -> dict:
     """The plan's step time, MFU and memory intervals: {key: [low, high] or None}. `anchor`: for an
     anchored plan, the anchored plan of the anchor's own configuration (`anchored_spread`)."""
     gen, stack_name, size = _plan_keys(plan, stack)
-    anchored, shape, time_spread = anchor is not None, ANY, 1.0
-    if anchor is not None:
-        shape, time_spread = anchored_spread(plan, anchor)
+    anchored = anchor is not None
+    shape, time_spread = anchored_spread(plan, anchor) if anchored else (ANY, 1.0)
     keys = (gen, stack_name, size, shape)
     time = interval(plan.step.step_s, "time", anchored, keys, time_spread)
     memory = interval(plan.peak_gb, "memory", anchored, keys)
