@@ -32,6 +32,7 @@ from validation.runs import Run, load  # noqa: E402
 
 from fourd.plan import block, kernels, memory, perf, request  # noqa: E402
 from fourd.plan.cluster import Cluster, load_cluster  # noqa: E402
+from fourd.plan.job import ATTENTION  # noqa: E402
 from fourd.plan.stack import DEFAULT_STACK, preset_names  # noqa: E402
 
 GIB = 2**30
@@ -100,7 +101,7 @@ def predict(run: Run, efficiency: dict[str, float] | None = None):
         "sequence_parallel": run.sequence_parallel,
         "compiled": run.compiled,
         "hsdp_replicas": run.hsdp_replicas,
-        "attention": "materialized" if run.attention_kernel == "materialized" else "flash",
+        "attention": run.attention_kernel if run.attention_kernel in ATTENTION else "flash",
         "pipeline_comm": run.pipeline_comm or None,
         "stack": planner_stack(run),
         "tp_overlap": run.tp_overlap,

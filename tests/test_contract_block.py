@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_flatten
 from fourd.layout import Layout, Parallelism
 from fourd.model.config import ModelConfig, get_preset, with_overrides
 from fourd.model.llama import Rope, TransformerBlock
-from fourd.plan.block import loss_bytes, traffic
+from fourd.plan.block import loss_bytes, score_bytes, traffic
 from fourd.plan.cluster import load_cluster
 from fourd.plan.job import Job
 from fourd.plan.memory import rank_memories
@@ -276,3 +276,72 @@ def test_fp32_paths_of_the_count_by_hand():
     copied = traffic(dataclasses.replace(_job(GQA, "fp32").work, shared_kv=False))
     shared = traffic(_job(GQA, "fp32").work)
     assert copied.forward - shared.forward == 2 * 4 * (kv + heads * 16)
+
+
+class _ScoreBytes(TorchDispatchMode):
+    """Bytes each memory-bound op reads and writes of whole s × s score tensors (every head of every
+    sequence), matmuls apart; broadcast buffers and 0-d tensors are not score-sized."""
+
+    def __init__(self, scores: int):
+        super().__init__()
+        self.scores = scores
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        is_view = any(
+            ret.alias_info is not None and not ret.alias_info.is_write
+            for ret in func._schema.returns
+        )
+        if is_view or str(func).startswith(NOT_COUNTED):
+            return out
+        seen = set()
+        for tensor in tree_flatten((args, kwargs, out))[0]:
+            if not isinstance(tensor, torch.Tensor) or tensor.numel() != self.scores:
+                continue
+            key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.dtype)
+            if key not in seen:
+                seen.add(key)
+                self.bytes += tensor.numel() * tensor.element_size()
+        return out
+
+
+def _eager_attention(q, k, v, causal, autocast: bool):
+    """Hugging Face's GPT2Attention._attn as CUDA autocast runs it: scale, causal where, softmax in
+    FP32 (autocast casts its input first) cast back, dropout (torch's fused native_dropout, as
+    nn.Dropout runs on CUDA), the values' matmul."""
+    scores = torch.matmul(q, k.transpose(-1, -2))
+    scores = scores / torch.full([], q.size(-1) ** 0.5, dtype=scores.dtype)
+    scores = torch.where(causal, scores, torch.full([], -1e4, dtype=scores.dtype))
+    probs = torch.softmax(scores.float() if autocast else scores, dim=-1).type(v.dtype)
+    dropped, _ = torch.native_dropout(probs, 0.1, True)
+    return torch.matmul(dropped, v)
+
+
+@pytest.mark.parametrize("autocast", [True, False])
+def test_eager_attention_moves_the_counted_bytes_per_score(autocast):
+    """fourd.plan.block.score_bytes' eager count equals the score-sized bytes the ops read and
+    write, forward and backward, in BF16 (with and without autocast's FP32 softmax)."""
+    gpt = ModelConfig(layers=2, dim=64, ffn=256, heads=4, kv_heads=4, vocab=256, mlp="gelu")
+    work = dataclasses.replace(
+        _tp2_work(gpt), attention="eager", autocast=autocast, layout=Layout()
+    )
+    heads, head_dim = gpt.heads, gpt.head_dim
+    torch.manual_seed(0)
+    q, k, v = (
+        torch.randn(BATCH, heads, SEQ, head_dim, dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(3)
+    )
+    causal = torch.ones(SEQ, SEQ, dtype=torch.bool).tril()[None, None]
+    scores = BATCH * heads * SEQ * SEQ
+    with _ScoreBytes(scores) as forward:
+        out = _eager_attention(q, k, v, causal, autocast)
+    with _ScoreBytes(scores) as backward:
+        out.float().sum().backward()
+    per_score = score_bytes(work)
+    assert forward.bytes == per_score.forward * scores
+    assert backward.bytes == per_score.backward * scores
+    # by hand: BF16 scores, FP32 softmax under autocast
+    assert (per_score.forward, per_score.backward, per_score.kept) == (
+        (33, 37, 7) if autocast else (17, 19, 5)
+    )

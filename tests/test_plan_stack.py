@@ -15,9 +15,10 @@ from fourd.plan import request
 from fourd.plan.cluster import load_cluster, shard_group
 from fourd.plan.job import Job
 from fourd.plan.kernels import attention_time, collective_time, gemm_time
-from fourd.plan.memory import max_rank_params
+from fourd.plan.memory import max_rank_params, rank_memories
 from fourd.plan.perf import (
     OVERLAP_SLOWDOWN,
+    autocast_passes,
     layer_comm,
     layer_gemms,
     layer_time,
@@ -62,6 +63,7 @@ def test_every_preset_loads_and_names_itself():
         "fourd",
         "fsdp",
         "jax-xla",
+        "lightning",
         "megatron-core",
         "megatron-lm",
         "nanotron",
@@ -86,6 +88,53 @@ def test_every_preset_loads_and_names_itself():
     assert load_stack("deepspeed").pipeline_comm == "blocking"
     for name in ("megatron-core", "nemo", "megatron-lm"):
         assert load_stack(name).pipeline_comm == "synchronous"
+    autocast = {name: load_stack(name).autocast for name in names}
+    assert autocast == {
+        "deepspeed": "never",
+        "fourd": "unwrapped",
+        "fsdp": "unwrapped",
+        "jax-xla": "unwrapped",
+        "lightning": "always",
+        "megatron-core": "never",
+        "megatron-lm": "never",
+        "nanotron": "never",
+        "nemo": "never",
+        "paddle": "never",
+    }
+
+
+def test_autocast_follows_the_stack_and_costs_its_casts_and_gradient_sums():
+    """BF16 autocast over FP32 weights where the stack computes so: fourd on one replica only,
+    Lightning's DDP on any, Megatron's BF16 weights never. Its passes, by hand: each microbatch
+    casts every weight (6 B each) forward and its gradient back (6 B), and every microbatch after
+    a step's first adds it into the FP32 gradient (12 B), at the profile's memory-bound rate."""
+    one, replicas = Layout(1, 1, 1, 1), Layout(1, 1, 1, 4)
+    assert job(one, sp=False).work.autocast and not job(replicas, sp=False).work.autocast
+    for layout in (one, replicas):
+        assert job(layout, sp=False, stack="lightning").work.autocast
+        assert not job(layout, sp=False, stack="megatron-core").work.autocast
+    lightning = job(one, microbatches=4, sp=False, stack="lightning")
+    never = dataclasses.replace(
+        lightning, stack="megatron-core", fused_kernels=False, fused_attention="flash2"
+    )
+    assert dataclasses.replace(lightning.work, autocast=False) == never.work
+    params = max_rank_params(L8B, 1, 1, 1)
+    passes = autocast_passes(lightning, params)
+    rate = H100.gpu.hbm_bw_gbps * 0.9 * 1e9
+    assert passes.forward_s == pytest.approx(6 * params / rate, rel=1e-12)
+    assert passes.weight_grad_s == pytest.approx((6 + 12 * 3 / 4) * params / rate, rel=1e-12)
+    assert passes.input_grad_s == 0.0
+    full = dataclasses.replace(lightning, par=dataclasses.replace(lightning.par, recompute="full"))
+    assert autocast_passes(full, params).input_grad_s == pytest.approx(6 * params / rate)
+    # the weights and their gradients are FP32 under autocast: ZeRO 1 over 4 replicas shards the
+    # optimizer's 8 B of moments, and each rank keeps 4 + 4 B whole
+    ddp = job(replicas, sp=False, stack="lightning")
+    memory = rank_memories(ddp, [0])[0]
+    whole = max_rank_params(L8B, 1, 1, 1)
+    assert (memory.params, memory.grads, memory.optimizer) == (4 * whole, 4 * whole, 2 * whole)
+    # a pipeline's one autocast region around its schedule casts each weight once a step
+    piped = job(Layout(1, 1, 2, 1), microbatches=4, sp=False, stack="lightning")
+    assert autocast_passes(piped, params).forward_s == pytest.approx(6 * params / rate / 4)
 
 
 def test_a_stacks_fused_kernels_are_compiles_fused_count():

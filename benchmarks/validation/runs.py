@@ -40,16 +40,14 @@ PATH = Path(__file__).with_name("runs.toml")
 # The GPUs of the published runs. H100-HBM2e-96GB is the 500 W, 96 GB HBM2e H100 of Meta's Grand Teton hosts
 # (torchtitan's benchmark files): neither the 80 GB SXM part nor the NVL part (README.md, "GPUs").
 GPUS = ("A100-SXM-40GB", "A100-SXM-80GB", "H100-SXM-80GB", "H100-HBM2e-96GB", "H200-SXM-141GB")
-ATTENTION_KERNELS = (
-    "flash",
-    "materialized",
-    "unknown",
-)  # fused (FlashAttention family) or the s x s scores in memory
+# fused (FlashAttention family); the s x s scores in memory, soft-maxed by a fused kernel (Megatron)
+# or by each op's own kernel (Hugging Face's eager attention); or not stated
+ATTENTION_KERNELS = ("flash", "materialized", "eager", "unknown")
 MEMORY_KINDS = ("allocated", "reserved")  # torch.cuda.max_memory_allocated / max_memory_reserved
 # The software that ran a row (README.md, "Stacks"); rows with a first prediction must name theirs.
-# the software stack of each row: the planner's presets (fourd/plan/stacks/), and stacks the planner
-# has no preset of (Meta's own Llama 3 stack; the flash-attention repository's training code, PyTorch
-# Lightning DDP with ZeRO 1), planned with fourd's switches
+# the software stack of each row: the planner's presets (fourd/plan/stacks/; `lightning`: the
+# flash-attention repository's training code, PyTorch Lightning DDP with ZeRO 1), and a stack the
+# planner has no preset of (Meta's own Llama 3 stack), planned with fourd's switches
 STACKS = (
     "fourd",
     "fsdp",
@@ -61,7 +59,7 @@ STACKS = (
     "jax-xla",
     "meta-llama3",
     "nanotron",
-    "flash-attn",
+    "lightning",
 )
 
 

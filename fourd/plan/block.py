@@ -167,9 +167,8 @@ def _recomputed(work: Work, dims: Sizes, forward: float, kept: float) -> Traffic
         saved = sum(saved_outputs) + dims.q  # and attention's output
         kept_selective = 2 * stream_bytes * dims.norm + act_bytes * saved + F32 * dims.heads
         return Traffic(forward, backward, kept_selective, forward)
-    if work.attention == "materialized" and work.recompute == "none":
-        # softmax output, dropout mask and output (Korthikanti et al. 2022 §4)
-        kept += 5 * dims.heads * work.seq
+    if work.attention != "flash" and work.recompute == "none":
+        kept += score_bytes(work).kept * dims.heads * work.seq
     return Traffic(forward, backward, kept, 0.0)
 
 
@@ -189,6 +188,44 @@ def traffic(work: Work) -> Traffic:
         forward, kept, outputs = _fused_or_gpt_bytes(dims, repeat, swiglu, eager)
     kept += outputs + F32 * dims.heads  # and attention's logsumexp
     return _recomputed(work, dims, forward, kept)
+
+
+@dataclass(frozen=True)
+class ScoreBytes:
+    """Bytes per attention score (one query-key pair of one head) of materialized attention."""
+
+    forward: float  # memory-bound kernels between the two batched GEMMs, forward
+    backward: float
+    kept: float  # kept for backward
+
+
+def score_bytes(work: Work) -> ScoreBytes:
+    """Memory-bound bytes per score of attention that writes the s × s scores.
+
+    "materialized" (Megatron's FusedScaleMaskSoftmax, then dropout; Korthikanti et al. 2022 §4): the
+    fused scale-mask-softmax reads and writes b each way, the dropout reads b and writes b and a
+    1-byte mask; backward the dropout's 2b + 1, the softmax's 3b; kept: the softmax's output, the mask
+    and the dropout's output, 2b + 1.
+
+    "eager" (each op its own kernel, as Hugging Face's GPT2Attention._attn in transformers 4.x: the
+    scores divided by √d, torch.where against the causal buffer, softmax, .type back to the values'
+    dtype, dropout): with s the softmax's bytes (FP32 under autocast, which casts the softmax's input
+    to FP32 by a kernel of its own and computes it in FP32; b without autocast), forward
+    2b (scale) + 2b (mask) + [b + s (autocast's cast)] + 2s (softmax) + [s + b (cast back)]
+    + 2b + 1 (dropout); backward 2b + 1 (dropout) + [b + s] + 3s (softmax) + [s + b] + 2b (mask)
+    + 2b (scale), the bracketed casts under autocast only; the causal buffer, one s × s tensor
+    broadcast over the batch and heads, stays in cache. Kept: the softmax's output, the dropout's
+    mask and output, s + 1 + b."""
+    b = work.dtype_bytes
+    if work.attention == "materialized":
+        return ScoreBytes(forward=4 * b + 1, backward=5 * b + 1, kept=2 * b + 1)
+    s = F32 if work.autocast else b
+    casts = 2 * (b + s) if work.autocast else 0
+    return ScoreBytes(
+        forward=(2 * b) + (2 * b) + 2 * s + (2 * b + 1) + casts,
+        backward=(2 * b + 1) + 3 * s + (2 * b) + (2 * b) + casts,
+        kept=s + 1 + b,
+    )
 
 
 def loss_bytes(b: int) -> tuple[float, float, float]:

@@ -11,10 +11,9 @@ from fourd.model.config import ModelConfig
 from fourd.plan.cluster import DTYPE_BYTES, Cluster
 from fourd.plan.stack import load_stack, switch
 
-ATTENTION = (
-    "flash",
-    "materialized",
-)  # a fused kernel, or the s × s scores written to memory (Megatron 2021-22)
+# a fused kernel; the s × s scores written to memory and soft-maxed by a fused kernel (Megatron
+# 2021-22); or by each op's own kernel (Hugging Face's eager attention)
+ATTENTION = ("flash", "materialized", "eager")
 
 
 @dataclass(frozen=True)
@@ -50,8 +49,8 @@ class Work:
 class Job:
     """A training run: `global_seqs` sequences of `seq` tokens per optimizer step, cut as `par`
     says. `precision` None trains in the profile's precision; `compiled` runs the blocks
-    torch.compile'd (fused kernels); `attention` is "flash" (a fused kernel) or "materialized" (the
-    s × s scores in memory). `pipeline_comm`: "overlapped"; "synchronous", each microbatch's
+    torch.compile'd (fused kernels); `attention` is "flash" (a fused kernel), "materialized" (the
+    s × s scores in memory, a fused softmax) or "eager" (the scores in memory, each op a kernel). `pipeline_comm`: "overlapped"; "synchronous", each microbatch's
     exchanges waited for (Megatron); "blocking", each send waits for its receiver, each backward
     adds its gradients into FP32 ones by a pass of its own and they are reduced after the last
     backward (DeepSpeed's pipeline engine). `stack` names the software stack (fourd.plan.stack);
@@ -116,10 +115,9 @@ class Job:
     @cached_property
     def work(self) -> Work:
         par = self.par
-        # fourd trains BF16 by autocast over FP32 weights unless a data-parallel wrapper computes
-        # with BF16 copies of them (FSDP's and DDP's mixed precision, as torchtitan, llm-foundry and
-        # Megatron do)
-        autocast = self.dtype_bytes == 2 and par.layout.cp * par.layout.dp == 1
+        autocast = self.dtype_bytes == 2 and autocasts(
+            load_stack(self.stack).autocast, par.layout.cp * par.layout.dp
+        )
         fused = self.compiled or self.switch("fused_kernels")
         tp_overlap = self.switch("tp_overlap") and par.sequence_parallel and par.layout.tp > 1
         return Work(
@@ -142,6 +140,13 @@ class Job:
 
     def __hash__(self) -> int:
         return _hash(self)
+
+
+def autocasts(mode: str, replicas: int) -> bool:
+    """Whether BF16 training computes by autocast over FP32 weights, under the stack's `autocast`
+    mode (fourd.plan.stack.AUTOCAST), over `replicas` = CP × DP ranks: fourd does unless a
+    data-parallel wrapper (FSDP2's mixed precision) computes with BF16 copies of the weights."""
+    return mode == "always" or (mode == "unwrapped" and replicas == 1)
 
 
 def _hash(obj) -> int:

@@ -122,9 +122,12 @@ def rank_memories(job: Job, ranks) -> list[Memory]:
     """Peak memory of one GPU of each pipeline rank in `ranks`."""
     par, lay, work, b, model = job.par, job.layout, job.work, job.dtype_bytes, job.model
     layers, params, _ = rank_shapes(model, lay.pp, par.virtual_stages)
+    # FSDP shards over dp×cp (or an HSDP group); under autocast the weights and their gradients
+    # are FP32, as in FP32 training
+    state_dtype_bytes = 4 if work.autocast else b
     weight_bytes, grad_bytes, optimizer_bytes = state_bytes_per_param(
-        par.zero, par.shard_ranks, b
-    )  # FSDP shards over dp×cp (or an HSDP group)
+        par.zero, par.shard_ranks, state_dtype_bytes
+    )
     per_layer = work.tokens * traffic(work).saved
     # while a recomputed layer runs its backward it holds, for one microbatch, the activations its
     # recomputation made again: all it would keep without recomputation, less what it kept

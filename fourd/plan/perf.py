@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import astuple, dataclass
 from functools import lru_cache
 
-from fourd.plan.block import loss_bytes, matmuls, traffic
+from fourd.plan.block import loss_bytes, matmuls, score_bytes, traffic
 from fourd.plan.cluster import Cluster, Group, placement, replica_group, shard_group
 from fourd.plan.job import Job, Work, stage_layers
 from fourd.plan.kernels import (
@@ -25,6 +25,11 @@ from fourd.plan.memory import max_rank_params, rank_shapes
 # hidden traffic cost the compute beside them c · (1 − 1/1.189) seconds
 OVERLAP_SLOWDOWN = 1 - 1 / 1.189
 GRAD_ACCUMULATE_BYTES = 10  # per parameter: the BF16 gradient read, the FP32 sum read and written
+# BF16 autocast over FP32 weights, per parameter: the cast of each weight to BF16 when a microbatch's
+# forward uses it (read 4, write 2 B) and of its BF16 gradient back to FP32 (read 2, write 4 B); the
+# FP32 gradient added into .grad by every microbatch after a step's first (read 4 + 4, write 4 B)
+AUTOCAST_CAST_BYTES = 6
+AUTOCAST_ACCUMULATE_BYTES = 12
 
 
 @dataclass(frozen=True)
@@ -94,9 +99,10 @@ def sp_collectives(work: Work) -> tuple[float, float]:
 
 
 def materialized_attention(work: Work) -> tuple[float, float]:
-    """(forward, backward) seconds of attention that writes the s × s scores (Megatron's
-    scale-mask-softmax): two batched GEMMs, softmax and dropout forward, four GEMMs and their
-    backward (Korthikanti et al. 2022 §4)."""
+    """(forward, backward) seconds of attention that writes the s × s scores: two batched GEMMs,
+    the memory-bound kernels between them (fourd.plan.block.score_bytes: Megatron's fused
+    scale-mask-softmax and dropout, or each op eager), four GEMMs and those kernels' backward
+    (Korthikanti et al. 2022 §4)."""
     model, cluster, dtype_bytes = work.model, work.cluster, work.dtype_bytes
     batch = work.micro_seqs * (model.heads // work.layout.tp)  # the GEMMs' batch, stacked into rows
     rows, keys, head_dim = batch * work.tokens // work.micro_seqs, work.seq, model.head_dim
@@ -104,9 +110,9 @@ def materialized_attention(work: Work) -> tuple[float, float]:
         gemm_time(rows, keys, head_dim, cluster, dtype_bytes),
         gemm_time(rows, head_dim, keys, cluster, dtype_bytes),
     )
-    scores = rows * keys
-    fwd = scores_t + values_t + elementwise_time(9 * scores, cluster)
-    return fwd, scores_t + 3 * values_t + elementwise_time(11 * scores, cluster)
+    scores, per_score = rows * keys, score_bytes(work)
+    fwd = scores_t + values_t + elementwise_time(per_score.forward * scores, cluster)
+    return fwd, scores_t + 3 * values_t + elementwise_time(per_score.backward * scores, cluster)
 
 
 @lru_cache(maxsize=8192)
@@ -192,7 +198,7 @@ def layer_time(work: Work) -> StageTime:
         # recomputed: every other matmul's forward
         for out_dim, k in matmuls(work)[1::2]:
             dgrad += gemm_time(tokens, out_dim, k, cluster, dtype_bytes)
-    if work.attention == "materialized":
+    if work.attention != "flash":
         a_fwd, a_bwd = materialized_attention(work)
     else:
         # CP ranks hold chunks i and 2·CP−1−i: causal, tokens·seq/2 pairs (Llama 3 §3.3.2); on a CPU
@@ -226,7 +232,7 @@ def layer_time(work: Work) -> StageTime:
     if work.recompute == "full":
         dgrad += fwd
         bwd_comm += fwd_comm
-    elif work.recompute == "selective" and work.attention == "materialized":
+    elif work.recompute == "selective" and work.attention != "flash":
         dgrad += (
             a_fwd  # the attention core, recomputed from Q, K and V (Korthikanti et al. 2022 §5)
         )
@@ -442,6 +448,27 @@ def _pipeline_sends_time(job: Job) -> float:
     return sends * p2p_time(job)
 
 
+def autocast_passes(job: Job, params: float) -> StageTime:
+    """Per microbatch, the memory-bound passes of BF16 autocast over the `params` FP32 weights of the
+    slowest rank (every parameter it holds: norms and biases are few, and the embedding, looked up
+    uncast, still has its FP32 gradient written and summed). torch.autocast casts a weight at its
+    first use in an autocast region and caches the copy until the region exits (the cast cache of
+    torch/csrc/autograd autocast_mode.cpp): a region per microbatch casts every weight each forward,
+    a pipeline's one region around its schedule (fourd) once a step; a full recomputation's forward
+    runs in a region of its own and casts again. Backward casts each gradient back to FP32, and
+    every microbatch after the first adds it into the FP32 gradient (the first is taken as is):
+
+        forward  = casts/m · 6 B · params,  input_grad = 6 B · params (full recomputation),
+        weight_grad = (6 + 12 · (m − 1)/m) B · params   at HBM speed."""
+    microbatches = job.par.microbatches
+    casts = 1 if job.layout.pp > 1 else microbatches
+    cast = elementwise_time(AUTOCAST_CAST_BYTES * params, job.cluster)
+    redo = cast if job.par.recompute == "full" else 0.0
+    later = (microbatches - 1) / microbatches
+    accumulate = elementwise_time(AUTOCAST_ACCUMULATE_BYTES * params * later, job.cluster)
+    return StageTime(cast * casts / microbatches, redo, cast + accumulate, 0.0, 0.0)
+
+
 def _bubble_seconds(job: Job, stage: StageTime) -> float:
     """The schedule's bubble per step on the slowest rank, whose stages take `stage` per
     microbatch. CPU profiles: half the ranks work through warm-up and cool-down, on the cores the
@@ -468,6 +495,8 @@ def step_time(job: Job) -> StepTime:
         stage = stage + StageTime(
             0.0, 0.0, elementwise_time(GRAD_ACCUMULATE_BYTES * params, job.cluster), 0.0, 0.0
         )
+    if job.work.autocast:
+        stage = stage + autocast_passes(job, params)
     p2p = _pipeline_sends_time(job)
     layers = rank_shapes(job.model, pp, par.virtual_stages)[0][slow]
     comm = exposed_layer_comm(job.work)

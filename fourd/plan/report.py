@@ -139,6 +139,7 @@ def _header_lines(plan: Plan) -> list[str]:
         f"{kernels_word(job)} · stack {job.stack}"
         f"{' · TP overlapped' if job.work.tp_overlap else ''}"
         f"{' · cuDNN attention' if _cudnn_attention(job) else ''}"
+        f"{' · autocast over FP32 weights' if job.work.autocast else ''}"
         f"{'' if job.dp_overlapped else ' · DP after backward'}"
         f"{pipeline_words}",
     ]

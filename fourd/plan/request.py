@@ -139,7 +139,8 @@ SETTINGS: dict[str, tuple[Any, str]] = {
     ),
     "attention": (
         choice(ATTENTION),
-        "flash (fused, default) or materialized (s x s scores, Megatron 2021-22)",
+        "flash (fused, default), materialized (s x s scores, fused softmax: Megatron 2021-22) or "
+        "eager (s x s scores, each op a kernel: Hugging Face's eager attention)",
     ),
     "pipeline_comm": (
         choice(PIPELINE_COMM),

@@ -85,7 +85,7 @@ class Plan:
         )  # Q·Kᵀ and P·V forward, per token
         mm = [2 * out_dim * k * work.layout.tp * model.layers for out_dim, k in matmuls(work)]
         extra = {"full": sum(mm) + attention, "per-op": sum(mm[1::2])}.get(rc, 0.0)
-        if rc == "selective" and work.attention == "materialized":
+        if rc == "selective" and work.attention != "flash":
             extra += attention
         return self.tflops_per_gpu * (1 + extra / model.flops_per_token(self.seq))
 
@@ -102,6 +102,7 @@ class Plan:
             "fused_kernels": job.work.fused,
             "fused_attention": job.work.fused_attention,
             "gather_in_step": job.gathers_in_step,
+            "autocast": job.work.autocast,
         }
         out |= {
             "pipeline_comm": job.pipeline_comm,

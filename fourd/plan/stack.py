@@ -26,6 +26,11 @@ GATHERED_STAGES = (1, 2)
 # the fused attention kernel families: FlashAttention-2 (flash-attn 2, torch SDPA's flash backend),
 # and cuDNN's fused attention (Transformer Engine's FusedAttention)
 FUSED_ATTENTION = ("flash2", "cudnn")
+# when BF16 training computes by torch's autocast over FP32 weights: never (the stack holds BF16 weights
+# and an FP32 copy in its optimizer: Megatron's Float16Module, DeepSpeed's BF16 engine, nanotron,
+# Paddle's O2), where no data-parallel wrapper casts them (fourd: FSDP2's mixed precision casts once per
+# gather), or always (PyTorch Lightning's and Hugging Face's `precision 16`/`bf16` over DDP)
+AUTOCAST = ("never", "unwrapped", "always")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,7 +51,10 @@ class Stack:
     stage 1 and 2, fourd's ShardedAdamW); the others gather beside the next step's forward, layer
     by layer (FSDP's prefetch, Megatron's --overlap-param-gather); `fused_attention`: the fused
     attention kernel family the stack runs, "flash2" (FlashAttention-2) or "cudnn" (cuDNN's fused
-    attention, where the GPU profile has its figures; Transformer Engine prefers it on Hopper).
+    attention, where the GPU profile has its figures; Transformer Engine prefers it on Hopper);
+    `autocast`: when BF16 training computes by autocast over FP32 weights, one of AUTOCAST above:
+    every matrix is then cast to BF16 at each use, its gradient cast back to FP32 and added into the
+    FP32 gradient, and the residual stream stays FP32 (docs/planner.md, "Stacks").
 
     What the stack can run, which a search over open settings keeps to: `schedules`, the pipeline
     schedules it implements; `zero`, its ZeRO stages (sharding of optimizer state, gradients and
@@ -62,6 +70,7 @@ class Stack:
     shared_kv: bool = False
     gather_in_step: tuple[int, ...] = ()
     fused_attention: str = "flash2"
+    autocast: str = "unwrapped"
     schedules: tuple[str, ...] = SCHEDULES
     zero: tuple[int, ...] = ZERO_STAGES
     pipeline_zero: tuple[int, ...] = ZERO_STAGES
@@ -126,7 +135,8 @@ def load_stack(name_or_path: str = DEFAULT_STACK) -> Stack:
         raise FourdError(f"{path}: not a readable TOML stack profile ({e}); fix it") from None
     fields = {"name": str, "description": str, "fused_kernels": bool, "tp_overlap": bool}
     fields |= {"dp_overlap": bool, "pipeline_comm": str, "shared_kv": bool, "fused_attention": str}
-    fields |= {"schedules": list, "zero": list, "pipeline_zero": list, "gather_in_step": list}
+    fields |= {"autocast": str, "schedules": list, "zero": list, "pipeline_zero": list}
+    fields |= {"gather_in_step": list}
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise FourdError(
@@ -135,15 +145,13 @@ def load_stack(name_or_path: str = DEFAULT_STACK) -> Stack:
     for key, kind in fields.items():
         if key in data and not isinstance(data[key], kind):
             raise FourdError(f"{path}: {key} must be a {kind.__name__}, not {data[key]!r}")
-    if data.get("pipeline_comm", "overlapped") not in PIPELINE_COMM:
-        raise FourdError(
-            f"{path}: pipeline_comm = {data['pipeline_comm']!r}; allowed: {', '.join(PIPELINE_COMM)}"
-        )
-    if data.get("fused_attention", "flash2") not in FUSED_ATTENTION:
-        raise FourdError(
-            f"{path}: fused_attention = {data['fused_attention']!r}; allowed: "
-            f"{', '.join(FUSED_ATTENTION)}"
-        )
+    for key, words in (
+        ("pipeline_comm", PIPELINE_COMM),
+        ("fused_attention", FUSED_ATTENTION),
+        ("autocast", AUTOCAST),
+    ):
+        if key in data and data[key] not in words:
+            raise FourdError(f"{path}: {key} = {data[key]!r}; allowed: {', '.join(words)}")
     for key, allowed in (("schedules", SCHEDULES), ("zero", ZERO_STAGES)):
         _check_choices(path, key, data.get(key, list(allowed)), allowed)
     _check_choices(path, "pipeline_zero", data.get("pipeline_zero", list(ZERO_STAGES)), ZERO_STAGES)
