@@ -247,8 +247,10 @@ def test_a_tp_degree_that_divides_nothing_leaves_fractions():
     job = Job(model, H100, Parallelism(layout=Layout(tp=3), zero=3), 64, 1)
     (memory,) = rank_memories(job, [0])
     mine = (2 * LAYER + 2 * 64_192 + 64) / 3
-    # ZeRO-3 over one rank: 2 + 2 + 12 bytes per parameter
-    assert (memory.params, memory.grads, memory.optimizer) == (2 * mine, 2 * mine, 12 * mine)
+    # ZeRO-3 over one rank, BF16 autocast over FP32 weights: FP32 weights and gradients and Adam's
+    # two FP32 moments, 4 + 4 + 8 bytes per parameter
+    assert job.work.autocast
+    assert (memory.params, memory.grads, memory.optimizer) == (4 * mine, 4 * mine, 8 * mine)
     logits = 10 * 64 * 1003 / 3
     gathered = 2 * LAYER / 3 * 2
     edge = 2 * (64_192 - LAYER) / 3 * 2

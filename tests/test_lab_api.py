@@ -243,8 +243,8 @@ def test_plan_panel_is_fourd_plan_with_one_memory_bar_per_pipeline_rank():
         ),
         (
             {**PLAN_405B, "stack": "/etc/passwd.toml"},
-            "stack='/etc/passwd.toml': choose one of deepspeed, fourd, fsdp, jax-xla, megatron-core, "
-            "megatron-lm, nanotron, nemo, paddle",
+            "stack='/etc/passwd.toml': choose one of deepspeed, fourd, fsdp, jax-xla, lightning, "
+            "megatron-core, megatron-lm, nanotron, nemo, paddle",
         ),
     ],
 )

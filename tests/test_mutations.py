@@ -59,6 +59,30 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
         "return p * whole",
         ("tests/test_plan_model.py::test_bubble_per_schedule",),
     ),
+    "planner's autocast sums even a step's first microbatch into the FP32 gradient": (
+        "fourd/plan/perf.py",
+        "later = (microbatches - 1) / microbatches",
+        "later = microbatches / microbatches",
+        (
+            "tests/test_plan_stack.py::test_autocast_follows_the_stack_and_costs_its_casts_and_gradient_sums",
+        ),
+    ),
+    "planner's autocast only where no data-parallel wrapper casts, whatever the stack": (
+        "fourd/plan/job.py",
+        'return mode == "always" or (mode == "unwrapped" and replicas == 1)',
+        'return mode != "never" and replicas == 1',
+        (
+            "tests/test_plan_stack.py::test_autocast_follows_the_stack_and_costs_its_casts_and_gradient_sums",
+        ),
+    ),
+    "planner's eager softmax in BF16 under autocast": (
+        "fourd/plan/block.py",
+        "s = F32 if work.autocast else b",
+        "s = b",
+        (
+            "tests/test_contract_block.py::test_eager_attention_moves_the_counted_bytes_per_score",
+        ),
+    ),
     "lab's bubble readout leaves out rank 0": (
         "fourd/lab/api.py",
         '"idle_fraction": sum(idle) / p',
@@ -182,8 +206,8 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
     ),
     "planner's ZeRO bytes ignore HSDP's replica groups": (
         "fourd/plan/memory.py",
-        "par.zero, par.shard_ranks, b",
-        "par.zero, par.grad_ranks, b",
+        "par.zero, par.shard_ranks, state_dtype_bytes",
+        "par.zero, par.grad_ranks, state_dtype_bytes",
         (
             "tests/test_contract_limits.py::test_planner_shards_zero3_state_over_dp_over_the_hsdp_replicas",
         ),
