@@ -79,9 +79,7 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
         "fourd/plan/block.py",
         "s = F32 if work.autocast else b",
         "s = b",
-        (
-            "tests/test_contract_block.py::test_eager_attention_moves_the_counted_bytes_per_score",
-        ),
+        ("tests/test_contract_block.py::test_eager_attention_moves_the_counted_bytes_per_score",),
     ),
     "lab's bubble readout leaves out rank 0": (
         "fourd/lab/api.py",
