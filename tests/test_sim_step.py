@@ -9,12 +9,16 @@ from fractions import Fraction
 import pytest
 
 from fourd.errors import FourdError
+from fourd.layout import Layout, Parallelism
 from fourd.model.config import get_preset
 from fourd.plan import request
 from fourd.plan.cluster import load_cluster
+from fourd.plan.job import Job, stage_layers
+from fourd.plan.memory import stage_params
+from fourd.plan.perf import autocast_passes, chunk_times
 from fourd.schedules import build_schedule
 from fourd.sim.network import Flow, Network
-from fourd.sim.step import simulate, simulate_step, timeline
+from fourd.sim.step import simulate, simulate_step, stage_costs, timeline
 from fourd.sim.step_cli import diurnal_factor
 
 UNIT = {"F": 1, "B": 2, "I": 1, "W": 1}
@@ -374,3 +378,21 @@ def test_one_sequence_per_replica_on_16384_gpus_simulates():
     ]
     plan = api.plan(query)["plan"]
     assert plan["global_batch_tokens"] == 16384 * 8192 and plan["microbatches"] == 1
+
+
+def test_a_stage_under_autocast_pays_its_own_weights_casts_and_gradient_sums():
+    """Lightning's autocast over FP32 weights on two pipeline stages of a 4-layer model: each
+    stage's F and W are the planner's chunk times plus autocast_passes of the parameters the stage
+    holds (the embedding on the first, the output and final norm on the last); I is unchanged."""
+    model = get_preset("debug")
+    par = Parallelism(layout=Layout(pp=2), schedule="1f1b", microbatches=4)
+    job = Job(model, load_cluster("dgx-h100"), par, 64, 4, stack="lightning")
+    assert job.work.autocast
+    counts = stage_layers(model.layers, 2, 1)
+    for stage, (costs, chunk) in enumerate(zip(stage_costs(job), chunk_times(job))):
+        passes = autocast_passes(job, stage_params(model, counts, stage))
+        assert passes.forward_s > 0 and passes.weight_grad_s > 0
+        forward = chunk.forward_s + chunk.forward_comm_s + passes.forward_s
+        assert costs["F"] == pytest.approx(forward, rel=1e-12)
+        assert costs["W"] == pytest.approx(chunk.weight_grad_s + passes.weight_grad_s, rel=1e-12)
+        assert costs["I"] == chunk.input_grad_s + chunk.backward_comm_s

@@ -18,7 +18,7 @@ from fourd.plan.cluster import group_bandwidth, group_level, members_per_node, s
 from fourd.plan.job import Job, stage_layers
 from fourd.plan.kernels import collective_time, optimizer_time
 from fourd.plan.memory import stage_params
-from fourd.plan.perf import chunk_times
+from fourd.plan.perf import autocast_passes, chunk_times
 from fourd.schedules import Action, Schedule, build_schedule, depends_on
 from fourd.sim.network import Flow, Network
 
@@ -39,10 +39,15 @@ class Event:
 
 def stage_costs(job: Job, comm: bool = True) -> list[dict[str, float]]:
     """Seconds of each action kind ("F", "B", "I", "W") per global stage from the planner's cost
-    model; TP and CP collectives are part of F, B and I unless `comm` is False. B = I + W: a full
-    backward is the input-gradient half and the weight-gradient half (Qi et al. 2023, §2)."""
+    model; TP and CP collectives are part of F, B and I unless `comm` is False, and under autocast
+    over FP32 weights each stage's casts and gradient sums (fourd.plan.perf.autocast_passes) are
+    part of F and W. B = I + W: a full backward is the input-gradient half and the weight-gradient
+    half (Qi et al. 2023, §2)."""
     costs = []
-    for chunk in chunk_times(job):
+    params = stage_params_on_gpu(job)
+    for stage, chunk in enumerate(chunk_times(job)):
+        if job.work.autocast:  # the stage's weights cast and their gradients summed
+            chunk = chunk + autocast_passes(job, params[stage])
         forward = chunk.forward_s
         input_grad = chunk.input_grad_s
         if comm:
