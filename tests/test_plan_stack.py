@@ -591,6 +591,17 @@ def test_a_stacks_unknown_attention_kernel_is_one_line(user_stacks):
         load_stack("mine")
 
 
+def test_a_stacks_unknown_autocast_mode_is_one_line_and_a_user_profile_sets_it(user_stacks):
+    (user_stacks / "mine.toml").write_text('autocast = "sometimes"\n')
+    with pytest.raises(
+        FourdError, match=r"autocast = 'sometimes'; allowed: never, unwrapped, always"
+    ):
+        load_stack("mine")
+    load_stack.cache_clear()
+    (user_stacks / "mine.toml").write_text('autocast = "always"\n')
+    assert job(Layout(1, 1, 1, 4), sp=False, stack="mine").work.autocast
+
+
 def test_the_cli_names_the_attention_kernel_that_runs():
     common = ["--model", "llama3-8b", "--layout", "tp=8,dp=4", "--seq", "4096"]
     common += ["--global-batch-tokens", str(32 * 4096), "--microbatches", "8"]
@@ -610,3 +621,26 @@ def test_the_cli_names_the_attention_kernel_that_runs():
     assert flash.returncode == 0 and "cuDNN" not in flash.stdout
     bad = _plan(*common, "--fused-attention", "flash3")
     assert bad.returncode == 2 and len(bad.stderr.splitlines()) == 1
+
+
+def test_the_cli_says_when_a_plan_computes_by_autocast_and_plans_eager_attention():
+    """`--stack lightning` on 8 GPUs computes by autocast over FP32 weights (the report says so and
+    --json's `autocast` is true, with 4 + 4 B of FP32 weights and gradients a parameter); Megatron's
+    stack does not; `--attention eager` is planned, slower than Megatron's fused softmax."""
+    common = ["--model", "llama3-8b", "--cluster", "dgx-h100", "--layout", "dp=8", "--seq", "2048"]
+    common += ["--global-batch-tokens", str(64 * 2048), "--microbatches", "8", "--zero", "1"]
+    lightning = _plan(*common, "--stack", "lightning", "--json")
+    assert lightning.returncode == 0, lightning.stderr
+    plan = json.loads(lightning.stdout)
+    assert plan["autocast"] is True and plan["stack"] == "lightning"
+    params = get_preset("llama3-8b").params()
+    assert plan["memory_gb"]["params"] == pytest.approx(4 * params / 1e9, abs=5e-4)  # 3 decimals
+    assert "autocast over FP32 weights" in _plan(*common, "--stack", "lightning").stdout
+    megatron = json.loads(_plan(*common, "--stack", "megatron-core", "--json").stdout)
+    assert megatron["autocast"] is False
+    times = {}
+    for attention in ("materialized", "eager"):
+        done = _plan(*common, "--stack", "lightning", "--attention", attention, "--json")
+        assert done.returncode == 0, done.stderr
+        times[attention] = json.loads(done.stdout)["step_time_s"]
+    assert times["eager"] > times["materialized"] > plan["step_time_s"]
