@@ -118,16 +118,19 @@ class Memory:
         return {k: getattr(self, k) / GB for k in names}
 
 
+def rank_state_bytes(job: Job) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes per parameter on one GPU: state_bytes_per_param over
+    the ranks FSDP shards over (dp × cp, or an HSDP group); under autocast the weights and their
+    gradients are FP32, as in FP32 training."""
+    state_dtype_bytes = 4 if job.work.autocast else job.dtype_bytes
+    return state_bytes_per_param(job.par.zero, job.par.shard_ranks, state_dtype_bytes)
+
+
 def rank_memories(job: Job, ranks) -> list[Memory]:
     """Peak memory of one GPU of each pipeline rank in `ranks`."""
     par, lay, work, b, model = job.par, job.layout, job.work, job.dtype_bytes, job.model
     layers, params, _ = rank_shapes(model, lay.pp, par.virtual_stages)
-    # FSDP shards over dp×cp (or an HSDP group); under autocast the weights and their gradients
-    # are FP32, as in FP32 training
-    state_dtype_bytes = 4 if work.autocast else b
-    weight_bytes, grad_bytes, optimizer_bytes = state_bytes_per_param(
-        par.zero, par.shard_ranks, state_dtype_bytes
-    )
+    weight_bytes, grad_bytes, optimizer_bytes = rank_state_bytes(job)
     per_layer = work.tokens * traffic(work).saved
     # while a recomputed layer runs its backward it holds, for one microbatch, the activations its
     # recomputation made again: all it would keep without recomputation, less what it kept
