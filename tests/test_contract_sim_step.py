@@ -404,12 +404,16 @@ def test_unit_costs_split_a_backward_into_equal_halves():
 def test_stage_costs_carry_tp_collectives_unless_asked_not_to(tmp_path):
     job = _job(_cluster(tmp_path, gpus_per_node=2), Layout(tp=2, pp=2), microbatches=1)
     with_comm, without = step.stage_costs(job), step.stage_costs(job, comm=False)
-    from fourd.plan.perf import chunk_times
+    from fourd.plan.perf import autocast_passes, chunk_times
 
-    for chunk, costs, bare in zip(chunk_times(job), with_comm, without):
+    # fourd on one replica computes by autocast: each stage's forward also casts its weights
+    assert job.work.autocast
+    params = step.stage_params_on_gpu(job)
+    for stage, (chunk, costs, bare) in enumerate(zip(chunk_times(job), with_comm, without)):
+        casts = autocast_passes(job, params[stage]).forward_s
         assert chunk.forward_comm_s > 0
-        assert costs["F"] == chunk.forward_s + chunk.forward_comm_s
-        assert bare["F"] == chunk.forward_s
+        assert costs["F"] == chunk.forward_s + casts + chunk.forward_comm_s
+        assert bare["F"] == chunk.forward_s + casts
         assert costs["B"] == costs["I"] + costs["W"]
 
 

@@ -204,8 +204,8 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
     ),
     "planner's ZeRO bytes ignore HSDP's replica groups": (
         "fourd/plan/memory.py",
-        "job.par.zero, job.par.shard_ranks, state_dtype_bytes",
-        "job.par.zero, job.par.grad_ranks, state_dtype_bytes",
+        "job.par.zero, job.par.shard_ranks, job.state_dtype_bytes",
+        "job.par.zero, job.par.grad_ranks, job.state_dtype_bytes",
         (
             "tests/test_contract_limits.py::test_planner_shards_zero3_state_over_dp_over_the_hsdp_replicas",
         ),

@@ -112,6 +112,13 @@ class Job:
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.precision or self.cluster.dtype]
 
+    @property
+    def state_dtype_bytes(self) -> int:
+        """Bytes of a weight and of its gradient as the stack keeps them between steps (what ZeRO
+        shards, DP gathers and Adam updates): FP32 under autocast over FP32 weights, else the
+        training precision's."""
+        return 4 if self.work.autocast else self.dtype_bytes
+
     @cached_property
     def work(self) -> Work:
         par = self.par

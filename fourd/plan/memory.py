@@ -121,9 +121,8 @@ class Memory:
 def rank_state_bytes(job: Job) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes per parameter on one GPU: state_bytes_per_param over
     the ranks FSDP shards over (dp × cp, or an HSDP group); under autocast the weights and their
-    gradients are FP32, as in FP32 training."""
-    state_dtype_bytes = 4 if job.work.autocast else job.dtype_bytes
-    return state_bytes_per_param(job.par.zero, job.par.shard_ranks, state_dtype_bytes)
+    gradients are FP32, as in FP32 training (Job.state_dtype_bytes)."""
+    return state_bytes_per_param(job.par.zero, job.par.shard_ranks, job.state_dtype_bytes)
 
 
 def rank_memories(job: Job, ranks) -> list[Memory]:

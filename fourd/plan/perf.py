@@ -394,7 +394,7 @@ def _dp_exposure(job: Job, t: StageTime, bubble: float, layers: int) -> tuple[fl
         return buckets * collective_time(op, nbytes / buckets, group, cluster)
 
     gather, scatter = (
-        bucketed("all_gather", params * job.dtype_bytes),
+        bucketed("all_gather", params * job.state_dtype_bytes),
         bucketed("reduce_scatter", 4 * params),
     )
     across = bucketed("all_reduce", 4 * params / shard.size, replica_group(lay, par.hsdp_replicas))
@@ -510,7 +510,7 @@ def step_time(job: Job) -> StepTime:
         exposed = total
     overlap = OVERLAP_SLOWDOWN * (total - exposed)
     owned = params / (shard_group(lay, par.hsdp_replicas).size if par.zero >= 1 else 1)
-    optimizer = optimizer_time(owned, job.cluster, job.dtype_bytes)
+    optimizer = optimizer_time(owned, job.cluster, job.state_dtype_bytes)
     step = compute + bubble + p2p + exposed + overlap + optimizer
     tp_comm = microbatches * layers * (comm.tp_forward * redo + comm.tp_backward)
     cp_comm = microbatches * layers * (comm.cp_forward * redo + comm.cp_backward)

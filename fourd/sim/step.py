@@ -162,7 +162,7 @@ def build_comm(job: Job) -> Comm:
         dp_bw=group_bandwidth(group, cluster)[0],
         dp_links=dp_links,
         dp_params=stage_params_on_gpu(job),
-        weight_bytes=job.dtype_bytes,
+        weight_bytes=job.state_dtype_bytes,
         gather_in_step=job.gathers_in_step,
     )
 
@@ -667,7 +667,7 @@ def simulate_step(
         optimizer_time(
             sum(params[stage] for stage in schedule.stages_of_rank(rank)) / owned,
             job.cluster,
-            job.dtype_bytes,
+            job.state_dtype_bytes,
         )
         * throttle
         for rank in range(lay.pp)
