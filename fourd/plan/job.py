@@ -50,10 +50,10 @@ class Job:
     """A training run: `global_seqs` sequences of `seq` tokens per optimizer step, cut as `par`
     says. `precision` None trains in the profile's precision; `compiled` runs the blocks
     torch.compile'd (fused kernels); `attention` is "flash" (a fused kernel), "materialized" (the
-    s × s scores in memory, a fused softmax) or "eager" (the scores in memory, each op a kernel). `pipeline_comm`: "overlapped"; "synchronous", each microbatch's
-    exchanges waited for (Megatron); "blocking", each send waits for its receiver, each backward
-    adds its gradients into FP32 ones by a pass of its own and they are reduced after the last
-    backward (DeepSpeed's pipeline engine). `stack` names the software stack (fourd.plan.stack);
+    s × s scores in memory, a fused softmax) or "eager" (the scores in memory, each op a kernel).
+    `pipeline_comm`: "overlapped"; "synchronous", each microbatch's exchanges waited for (Megatron);
+    "blocking", each send waits for its receiver, each backward adds its gradients into FP32 ones by
+    a pass of its own and they are reduced after the last backward (DeepSpeed's pipeline engine). `stack` names the software stack (fourd.plan.stack);
     `fused_kernels`, `tp_overlap`, `dp_overlap`, `shared_kv` and `fused_attention` None take the
     stack's (request.resolve also fills `pipeline_comm` from the stack)."""
 

@@ -449,11 +449,11 @@ def _pipeline_sends_time(job: Job) -> float:
 
 
 def autocast_passes(job: Job, params: float) -> StageTime:
-    """Per microbatch, the memory-bound passes of BF16 autocast over the `params` FP32 weights of the
-    slowest rank (every parameter it holds: norms and biases are few, and the embedding, looked up
-    uncast, still has its FP32 gradient written and summed). torch.autocast casts a weight at its
-    first use in an autocast region and caches the copy until the region exits (the cast cache of
-    torch/csrc/autograd autocast_mode.cpp): a region per microbatch casts every weight each forward,
+    """Per microbatch, the memory-bound passes of BF16 autocast over `params` FP32 weights (a rank's
+    or a pipeline stage's: every parameter it holds; norms and biases are few, and the embedding,
+    looked up uncast, still has its FP32 gradient written and summed). torch.autocast casts a weight
+    at its first use in an autocast region and keeps the copy until the region exits (its weight
+    cache, `cache_enabled`, on by default): a region per microbatch casts every weight each forward,
     a pipeline's one region around its schedule (fourd) once a step; a full recomputation's forward
     runs in a region of its own and casts again. Backward casts each gradient back to FP32, and
     every microbatch after the first adds it into the FP32 gradient (the first is taken as is):
