@@ -355,6 +355,7 @@ def test_an_open_search_keeps_to_the_schedules_and_zero_stages_the_stack_runs():
             for schedule in stack.schedules
             if schedule != "gpipe" or stack.schedules == ("gpipe",)
             for zero in [stage for stage in stack.zero_stages(2) if stage > 0] or [0]
+            if "pp" in stack.model_parallel
         }, name
         assert flat == {("1f1b", zero) for zero in [s for s in stack.zero if s > 0] or [0]}, name
     deepspeed = load_stack("deepspeed")
@@ -362,6 +363,29 @@ def test_an_open_search_keeps_to_the_schedules_and_zero_stages_the_stack_runs():
     assert deepspeed.zero_stages(1) == (0, 1, 2, 3)
     assert load_stack("megatron-core").schedules == ("1f1b", "interleaved")
     assert load_stack("megatron-core").zero == (0, 1)
+
+
+def test_an_open_search_keeps_to_the_model_parallel_dimensions_the_stack_runs(user_stacks):
+    """DDP (`lightning`) splits no model: an open search offers data parallelism alone; a profile
+    with TP only offers no CP or PP; every other preset runs all three."""
+    assert load_stack("lightning").model_parallel == ()
+    assert {str(plan.config.layout) for plan in _searched("lightning")} == {"tp=1,cp=1,pp=1,dp=64"}
+    (user_stacks / "mine.toml").write_text('model_parallel = ["tp"]\n')
+    layouts = {plan.config.layout for plan in _searched("mine")}
+    assert {lay.tp for lay in layouts} > {1} and {(lay.cp, lay.pp) for lay in layouts} == {(1, 1)}
+    for name in preset_names():
+        if name != "lightning":
+            assert load_stack(name).model_parallel == ("tp", "cp", "pp"), name
+
+
+def test_a_pinned_layout_beyond_the_stack_is_planned_with_one_note(capsys):
+    values = {"layout": "tp=2,pp=2,dp=16", "seq": 4096, "stack": "lightning", "zero": 1}
+    plan = request.plans(request.resolve(L70B, H100, values))[0]
+    assert str(plan.config.layout) == "tp=2,cp=1,pp=2,dp=16"
+    assert capsys.readouterr().err == (
+        "fourd: note: the lightning stack runs data parallelism only, not tp=2, pp=2: planned as "
+        "asked\n"
+    )
 
 
 def test_a_stack_that_runs_only_gpipe_and_no_sharding_is_searched_as_such(user_stacks):
@@ -405,6 +429,8 @@ def test_a_pinned_setting_the_stack_does_not_run_is_planned_with_one_note(capsys
         ('schedules = "1f1b"', "schedules must be a list"),
         ("gather_in_step = [3]", "gather_in_step = [3]"),
         ("gather_in_step = [1, 1]", "gather_in_step = [1, 1]"),
+        ('model_parallel = ["dp"]', "model_parallel = ['dp']"),
+        ('model_parallel = ["tp", "tp"]', "model_parallel = ['tp', 'tp']"),
     ],
 )
 def test_a_stacks_bad_capability_list_is_named(user_stacks, line, named):

@@ -397,10 +397,11 @@ def _compiled(cluster: Cluster, stack: Stack, given: dict[str, Any]) -> bool:
 
 
 def _note_beyond_stack(stack, schedule: str | None, zero: int | None, layout) -> None:
-    """Say so (one `fourd: note:` line) when a pinned schedule or ZeRO stage is one the stack does
-    not run: it is planned as asked; the open settings keep to the stack's. Without a layout a
+    """Say so (one `fourd: note:` line) when a pinned layout, schedule or ZeRO stage is one the
+    stack does not run: it is planned as asked; the open settings keep to the stack's. Without a layout a
     pinned schedule is read as meant for a pipeline, a pinned ZeRO stage as without one."""
     gaps = (
+        stack.lacks(1, layout=layout),
         stack.lacks(layout.pp if layout is not None else 2, schedule=schedule),
         stack.lacks(layout.pp if layout is not None else 1, zero=zero),
     )

@@ -214,9 +214,13 @@ def _zero_stages(pinned: int | None, lay: Layout, hsdp_replicas: int, stack: Sta
 
 def configs(model, gpus: int, seq: int, global_seqs: int, fixed: dict, stack: Stack):
     """Every Parallelism the fixed settings allow, recomputation "none" (see `search`); settings
-    left open keep to what `stack` runs (its schedules and ZeRO stages)."""
+    left open keep to what `stack` runs (its model-parallel dimensions, schedules and ZeRO
+    stages)."""
     seq_parallel = fixed["sequence_parallel"]
-    for lay in [fixed["layout"]] if fixed["layout"] else layouts(model, gpus, seq, global_seqs):
+    candidates = [fixed["layout"]] if fixed["layout"] else layouts(model, gpus, seq, global_seqs)
+    for lay in candidates:
+        if not fixed["layout"] and not stack.runs_layout(lay):
+            continue
         per_replica = global_seqs // lay.dp
         counts = [per_replica // seqs for seqs in MICRO_SEQS if per_replica % seqs == 0]
         if fixed["microbatches"]:

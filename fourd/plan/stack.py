@@ -12,7 +12,7 @@ import tomllib
 
 from fourd.config import fourd_home
 from fourd.errors import FourdError, did_you_mean
-from fourd.layout import ZERO_STAGES
+from fourd.layout import ZERO_STAGES, Layout
 from fourd.schedules import SCHEDULES
 
 PRESET_DIR = Path(__file__).parent / "stacks"
@@ -31,6 +31,8 @@ FUSED_ATTENTION = ("flash2", "cudnn")
 # Paddle's O2), where no data-parallel wrapper casts them (fourd: FSDP2's mixed precision casts once per
 # gather), or always (PyTorch Lightning's and Hugging Face's `precision 16`/`bf16` over DDP)
 AUTOCAST = ("never", "unwrapped", "always")
+# the model-parallel dimensions a stack can split a model over (data parallelism it always runs)
+MODEL_PARALLEL = ("tp", "cp", "pp")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,7 +61,8 @@ class Stack:
     What the stack can run, which a search over open settings keeps to: `schedules`, the pipeline
     schedules it implements; `zero`, its ZeRO stages (sharding of optimizer state, gradients and
     weights); `pipeline_zero`, those it allows with pipeline parallelism (DeepSpeed's pipeline engine:
-    0 and 1 only)."""
+    0 and 1 only); `model_parallel`, the dimensions of MODEL_PARALLEL it splits a model over (none
+    for DDP: every GPU holds the whole model)."""
 
     name: str
     description: str = ""
@@ -74,6 +77,20 @@ class Stack:
     schedules: tuple[str, ...] = SCHEDULES
     zero: tuple[int, ...] = ZERO_STAGES
     pipeline_zero: tuple[int, ...] = ZERO_STAGES
+    model_parallel: tuple[str, ...] = MODEL_PARALLEL
+
+    def runs_layout(self, layout: Layout) -> bool:
+        """Whether the stack splits the model as `layout` does (every dimension it uses is one
+        of the stack's model-parallel dimensions, or data parallelism)."""
+        return not self._beyond(layout)
+
+    def _beyond(self, layout: Layout) -> list[str]:
+        """`layout`'s model-parallel dimensions the stack does not run, as "tp=2"."""
+        return [
+            f"{dim}={getattr(layout, dim)}"
+            for dim in MODEL_PARALLEL
+            if getattr(layout, dim) > 1 and dim not in self.model_parallel
+        ]
 
     def zero_stages(self, pp: int) -> tuple[int, ...]:
         """The ZeRO stages the stack runs on a layout with `pp` pipeline stages."""
@@ -81,11 +98,21 @@ class Stack:
             return tuple(stage for stage in self.zero if stage in self.pipeline_zero)
         return self.zero
 
-    def lacks(self, pp: int, schedule: str | None = None, zero: int | None = None) -> str:
-        """What of `schedule` and ZeRO stage `zero` on `pp` pipeline stages the stack does not run,
-        as a phrase; "" when it runs both (None: not asked; without a pipeline every schedule is
-        the same)."""
+    def lacks(
+        self,
+        pp: int,
+        schedule: str | None = None,
+        zero: int | None = None,
+        layout: Layout | None = None,
+    ) -> str:
+        """What of `schedule`, ZeRO stage `zero` on `pp` pipeline stages and `layout` the stack does
+        not run, as a phrase; "" when it runs them all (None: not asked; without a pipeline every
+        schedule is the same)."""
         missing = []
+        beyond = self._beyond(layout) if layout is not None else []
+        if beyond:
+            runs = ", ".join(self.model_parallel) or "data parallelism only"
+            missing.append(f"runs {runs}, not {', '.join(beyond)}")
         if schedule is not None and pp > 1 and schedule not in self.schedules:
             missing.append(f"runs the schedules {', '.join(self.schedules)}, not {schedule}")
         stages = self.zero_stages(pp)
@@ -136,7 +163,7 @@ def load_stack(name_or_path: str = DEFAULT_STACK) -> Stack:
     fields = {"name": str, "description": str, "fused_kernels": bool, "tp_overlap": bool}
     fields |= {"dp_overlap": bool, "pipeline_comm": str, "shared_kv": bool, "fused_attention": str}
     fields |= {"autocast": str, "schedules": list, "zero": list, "pipeline_zero": list}
-    fields |= {"gather_in_step": list}
+    fields |= {"gather_in_step": list, "model_parallel": list}
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise FourdError(
@@ -157,9 +184,11 @@ def load_stack(name_or_path: str = DEFAULT_STACK) -> Stack:
     _check_choices(path, "pipeline_zero", data.get("pipeline_zero", list(ZERO_STAGES)), ZERO_STAGES)
     if data.get("gather_in_step"):  # may be empty: every gather beside the forward
         _check_choices(path, "gather_in_step", data["gather_in_step"], GATHERED_STAGES)
+    if data.get("model_parallel"):  # may be empty: data parallelism only
+        _check_choices(path, "model_parallel", data["model_parallel"], MODEL_PARALLEL)
     lists = {
         key: tuple(data[key])
-        for key in ("schedules", "zero", "pipeline_zero", "gather_in_step")
+        for key in ("schedules", "zero", "pipeline_zero", "gather_in_step", "model_parallel")
         if key in data
     }
     return Stack(**{"name": path.stem} | data | lists)
