@@ -81,6 +81,14 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
         "s = b",
         ("tests/test_contract_block.py::test_eager_attention_moves_the_counted_bytes_per_score",),
     ),
+    "planner's open search offers a DDP stack tensor and pipeline parallelism": (
+        "fourd/plan/search.py",
+        'if not fixed["layout"] and not stack.runs_layout(lay):',
+        'if not fixed["layout"] and stack.runs_layout(lay) and False:',
+        (
+            "tests/test_plan_stack.py::test_an_open_search_keeps_to_the_model_parallel_dimensions_the_stack_runs",
+        ),
+    ),
     "lab's bubble readout leaves out rank 0": (
         "fourd/lab/api.py",
         '"idle_fraction": sum(idle) / p',
