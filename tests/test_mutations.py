@@ -61,8 +61,8 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
     ),
     "planner's autocast sums even a step's first microbatch into the FP32 gradient": (
         "fourd/plan/perf.py",
-        "later = (microbatches - 1) / microbatches",
-        "later = microbatches / microbatches",
+        "summed_share = (microbatches - 1) / microbatches",
+        "summed_share = microbatches / microbatches",
         (
             "tests/test_plan_stack.py::test_autocast_follows_the_stack_and_costs_its_casts_and_gradient_sums",
         ),
@@ -77,8 +77,8 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
     ),
     "planner's eager softmax in BF16 under autocast": (
         "fourd/plan/block.py",
-        "s = F32 if work.autocast else b",
-        "s = b",
+        "softmax_bytes = F32 if work.autocast else b",
+        "softmax_bytes = b",
         ("tests/test_contract_block.py::test_eager_attention_moves_the_counted_bytes_per_score",),
     ),
     "planner's open search offers a DDP stack tensor and pipeline parallelism": (

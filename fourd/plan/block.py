@@ -216,15 +216,15 @@ def score_bytes(work: Work) -> ScoreBytes:
     + 2b (scale), the bracketed casts under autocast only; the causal buffer, one s × s tensor
     broadcast over the batch and heads, stays in cache. Kept: the softmax's output, the dropout's
     mask and output, s + 1 + b."""
-    b = work.dtype_bytes
+    b = work.dtype_bytes  # a score's bytes as the GEMMs write it
     if work.attention == "materialized":
         return ScoreBytes(forward=4 * b + 1, backward=5 * b + 1, kept=2 * b + 1)
-    s = F32 if work.autocast else b
-    casts = 2 * (b + s) if work.autocast else 0
+    softmax_bytes = F32 if work.autocast else b
+    casts = 2 * (b + softmax_bytes) if work.autocast else 0
     return ScoreBytes(
-        forward=(2 * b) + (2 * b) + 2 * s + (2 * b + 1) + casts,
-        backward=(2 * b + 1) + 3 * s + (2 * b) + (2 * b) + casts,
-        kept=s + 1 + b,
+        forward=(2 * b) + (2 * b) + 2 * softmax_bytes + (2 * b + 1) + casts,
+        backward=(2 * b + 1) + 3 * softmax_bytes + (2 * b) + (2 * b) + casts,
+        kept=softmax_bytes + 1 + b,
     )
 
 

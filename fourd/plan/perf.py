@@ -459,13 +459,17 @@ def autocast_passes(job: Job, params: float) -> StageTime:
     every microbatch after the first adds it into the FP32 gradient (the first is taken as is):
 
         forward  = casts/m · 6 B · params,  input_grad = 6 B · params (full recomputation),
-        weight_grad = (6 + 12 · (m − 1)/m) B · params   at HBM speed."""
+        weight_grad = (6 + 12 · (m − 1)/m) B · params   at HBM speed;
+
+    nothing without autocast."""
+    if not job.work.autocast:
+        return StageTime(0.0, 0.0, 0.0, 0.0, 0.0)
     microbatches = job.par.microbatches
     casts = 1 if job.layout.pp > 1 else microbatches
     cast = elementwise_time(AUTOCAST_CAST_BYTES * params, job.cluster)
     redo = cast if job.par.recompute == "full" else 0.0
-    later = (microbatches - 1) / microbatches
-    accumulate = elementwise_time(AUTOCAST_ACCUMULATE_BYTES * params * later, job.cluster)
+    summed_share = (microbatches - 1) / microbatches  # the microbatches whose gradient is summed
+    accumulate = elementwise_time(AUTOCAST_ACCUMULATE_BYTES * params * summed_share, job.cluster)
     return StageTime(cast * casts / microbatches, redo, cast + accumulate, 0.0, 0.0)
 
 
@@ -495,8 +499,7 @@ def step_time(job: Job) -> StepTime:
         stage = stage + StageTime(
             0.0, 0.0, elementwise_time(GRAD_ACCUMULATE_BYTES * params, job.cluster), 0.0, 0.0
         )
-    if job.work.autocast:
-        stage = stage + autocast_passes(job, params)
+    stage = stage + autocast_passes(job, params)
     p2p = _pipeline_sends_time(job)
     layers = rank_shapes(job.model, pp, par.virtual_stages)[0][slow]
     comm = exposed_layer_comm(job.work)

@@ -46,8 +46,7 @@ def stage_costs(job: Job, comm: bool = True) -> list[dict[str, float]]:
     costs = []
     params = stage_params_on_gpu(job)
     for stage, chunk in enumerate(chunk_times(job)):
-        if job.work.autocast:  # the stage's weights cast and their gradients summed
-            chunk = chunk + autocast_passes(job, params[stage])
+        chunk = chunk + autocast_passes(job, params[stage])  # its weights' casts and sums
         forward = chunk.forward_s
         input_grad = chunk.input_grad_s
         if comm:
