@@ -15,6 +15,7 @@ cos and sin tables (one row a position) are below the per-element count's resolu
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ from torch.utils._pytree import tree_flatten
 from fourd.layout import Layout, Parallelism
 from fourd.model.config import ModelConfig, get_preset, with_overrides
 from fourd.model.llama import Rope, TransformerBlock
-from fourd.plan.block import loss_bytes, score_bytes, traffic
+from fourd.plan.block import gelu_new_bytes, loss_bytes, score_bytes, sizes, traffic
 from fourd.plan.cluster import load_cluster
 from fourd.plan.job import Job
 from fourd.plan.memory import rank_memories
@@ -278,13 +279,14 @@ def test_fp32_paths_of_the_count_by_hand():
     assert copied.forward - shared.forward == 2 * 4 * (kv + heads * 16)
 
 
-class _ScoreBytes(TorchDispatchMode):
-    """Bytes each memory-bound op reads and writes of whole s × s score tensors (every head of every
-    sequence), matmuls apart; broadcast buffers and 0-d tensors are not score-sized."""
+class _SizedBytes(TorchDispatchMode):
+    """Bytes each memory-bound op reads and writes of tensors of exactly `elements` elements (the s × s
+    scores of every head of every sequence; an FFN activation), matmuls apart; broadcast buffers and
+    0-d tensors are not of that size."""
 
-    def __init__(self, scores: int):
+    def __init__(self, elements: int):
         super().__init__()
-        self.scores = scores
+        self.elements = elements
         self.bytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -297,7 +299,7 @@ class _ScoreBytes(TorchDispatchMode):
             return out
         seen = set()
         for tensor in tree_flatten((args, kwargs, out))[0]:
-            if not isinstance(tensor, torch.Tensor) or tensor.numel() != self.scores:
+            if not isinstance(tensor, torch.Tensor) or tensor.numel() != self.elements:
                 continue
             key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.dtype)
             if key not in seen:
@@ -334,9 +336,9 @@ def test_eager_attention_moves_the_counted_bytes_per_score(autocast):
     )
     causal = torch.ones(SEQ, SEQ, dtype=torch.bool).tril()[None, None]
     scores = BATCH * heads * SEQ * SEQ
-    with _ScoreBytes(scores) as forward:
+    with _SizedBytes(scores) as forward:
         out = _eager_attention(q, k, v, causal, autocast)
-    with _ScoreBytes(scores) as backward:
+    with _SizedBytes(scores) as backward:
         out.float().sum().backward()
     per_score = score_bytes(work)
     assert forward.bytes == per_score.forward * scores
@@ -345,3 +347,71 @@ def test_eager_attention_moves_the_counted_bytes_per_score(autocast):
     assert (per_score.forward, per_score.backward, per_score.kept) == (
         (33, 37, 7) if autocast else (17, 19, 5)
     )
+
+
+def _gelu_new(x, autocast: bool):
+    """Hugging Face's NewGELUActivation, 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))), as CUDA autocast
+    runs it: pow in FP32 (its input cast by a kernel of its own), so the rest in FP32, and the result
+    cast back to BF16 for the next linear."""
+    half = 0.5 * x
+    cubed = torch.pow(x.float() if autocast else x, 3.0)
+    out = half * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * cubed)))
+    return out.to(x.dtype) if autocast else out
+
+
+@pytest.mark.parametrize("autocast", [True, False])
+def test_eager_gelu_new_moves_and_keeps_the_counted_bytes(autocast):
+    """fourd.plan.block.gelu_new_bytes, with one GeLU kernel's 2b forward, 3b backward and b kept,
+    equals the FFN-sized bytes the eight ops (and autocast's casts) read and write, forward and
+    backward, and the FFN-sized tensors autograd keeps, in BF16."""
+    gpt = ModelConfig(layers=2, dim=64, ffn=256, heads=4, kv_heads=4, vocab=256, mlp="gelu_new")
+    work = dataclasses.replace(_tp2_work(gpt), autocast=autocast, layout=Layout())
+    torch.manual_seed(0)
+    x = torch.randn(TOKENS, gpt.ffn, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(TOKENS, gpt.ffn, dtype=torch.bfloat16)
+    elements = x.numel()
+    kept: dict = {}
+
+    def keep(tensor):
+        if tensor.numel() == elements:
+            kept[(tensor.untyped_storage().data_ptr(), tensor.dtype)] = tensor.element_size()
+        return tensor
+
+    hooks = torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor)
+    with hooks, _SizedBytes(elements) as forward:
+        out = _gelu_new(x, autocast)
+    with _SizedBytes(elements) as backward:
+        out.backward(grad)
+    more = gelu_new_bytes(sizes(work))
+    b = 2
+    assert forward.bytes == (more.forward + 2 * b) * elements
+    assert backward.bytes == (more.backward + 3 * b) * elements
+    assert sum(kept.values()) == more.kept + b
+    # by hand: eight BF16 ops, or FP32 from pow on under autocast with its two casts
+    assert (more.forward + 2 * b, more.backward + 3 * b, more.kept + b) == (
+        (76, 118, 14) if autocast else (36, 56, 8)
+    )
+
+
+def test_an_eager_gelu_new_block_is_a_gelu_block_and_its_eight_ops():
+    """The eager GPT block with gelu_new moves and keeps what one with GeLU does and gelu_new's
+    bytes beyond one kernel, per FFN element (1,024 on this TP rank); recomputation keeps none of
+    them and redoes them; a fused (compiled) block runs it as one kernel, as GeLU."""
+    gelu = ModelConfig(layers=2, dim=512, ffn=2048, heads=8, kv_heads=8, vocab=256, mlp="gelu")
+    gelu_new = dataclasses.replace(gelu, mlp="gelu_new")
+    one, eight = _tp2_work(gelu), _tp2_work(gelu_new)
+    more = gelu_new_bytes(sizes(eight))
+    assert (more.forward, more.backward, more.kept) == (32, 50, 6)  # BF16, no autocast
+    assert traffic(eight).forward == traffic(one).forward + 32 * 1024
+    assert traffic(eight).backward == traffic(one).backward + 50 * 1024
+    assert traffic(eight).saved == traffic(one).saved + 6 * 1024
+    selective = dict(recompute="selective")
+    assert (
+        traffic(_tp2_work(gelu_new, **selective)).saved
+        == traffic(_tp2_work(gelu, **selective)).saved
+    )
+    assert traffic(_tp2_work(gelu_new, **selective)).redo == (
+        traffic(_tp2_work(gelu, **selective)).redo + 32 * 1024
+    )
+    fused = dict(fused=True)
+    assert traffic(_tp2_work(gelu_new, **fused)) == traffic(_tp2_work(gelu, **fused))

@@ -45,7 +45,7 @@ def test_the_test_presets_are_pinned():
         ("head_dim", 5, "model head_dim = 5 must be even for RoPE"),
         ("head_dim", 3, "model head_dim = 3 must be even for RoPE"),
         ("kv_heads", 3, "model.heads = 4 must be a multiple of model.kv_heads = 3"),
-        ("mlp", "relu", "model.mlp = 'relu': allowed values are swiglu, gelu"),
+        ("mlp", "relu", "model.mlp = 'relu': allowed values are swiglu, gelu, gelu_new"),
     ],
 )
 def test_a_model_is_refused_in_one_line(field, value, message):

@@ -6,9 +6,15 @@ from dataclasses import asdict, dataclass, replace
 
 from fourd.errors import FourdError
 
+# the MLPs a model spec names: Llama's SwiGLU (what fourd trains), and for the planner GPT's GeLU MLP
+MLPS = ("swiglu", "gelu", "gelu_new")
+
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """A decoder-only transformer's shape: what fourd trains (a Llama, `mlp` "swiglu") and what the
+    planner plans (any of MLPS)."""
+
     layers: int
     dim: int
     ffn: int
@@ -19,7 +25,9 @@ class ModelConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 500_000.0
     max_seq: int = 8192
-    mlp: str = "swiglu"  # "swiglu" (Llama) or "gelu" (GPT-style, for the planner only)
+    # "swiglu" (Llama), or for the planner only a GPT-style MLP: "gelu" (one GeLU kernel), or
+    # "gelu_new" (GPT-2's tanh approximation as Hugging Face's NewGELUActivation runs it, eight ops)
+    mlp: str = "swiglu"
 
     def __post_init__(self):
         for field in ("layers", "dim", "ffn", "heads", "kv_heads", "vocab", "head_dim"):
@@ -35,8 +43,8 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise FourdError(f"model head_dim = {self.head_dim} must be even for RoPE")
-        if self.mlp not in ("swiglu", "gelu"):
-            raise FourdError(f"model.mlp = {self.mlp!r}: allowed values are swiglu, gelu")
+        if self.mlp not in MLPS:
+            raise FourdError(f"model.mlp = {self.mlp!r}: allowed values are {', '.join(MLPS)}")
 
     # Parameter counts, exactly as the torch model allocates them (tested against it on the meta
     # device).
@@ -104,7 +112,7 @@ _SPEC_KEYS = {"layers", "dim", "ffn", "heads", "kv_heads", "vocab", "mlp", "head
 
 
 def parse_model_spec(spec: str) -> ModelConfig:
-    """`layers=126,dim=16384,ffn=53248,heads=128,kv_heads=8,vocab=128256[,mlp=gelu]`."""
+    """`layers=126,dim=16384,ffn=53248,heads=128,kv_heads=8,vocab=128256[,mlp=gelu|gelu_new]`."""
     values: dict[str, object] = {}
     for part in filter(None, (item.strip() for item in spec.split(","))):
         key, sep, val = part.partition("=")

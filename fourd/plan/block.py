@@ -187,7 +187,55 @@ def traffic(work: Work) -> Traffic:
     else:
         forward, kept, outputs = _fused_or_gpt_bytes(dims, repeat, swiglu, eager)
     kept += outputs + F32 * dims.heads  # and attention's logsumexp
-    return _recomputed(work, dims, forward, kept)
+    counted = _recomputed(work, dims, forward, kept)
+    if not (eager and work.model.mlp == "gelu_new"):
+        return counted
+    more = gelu_new_bytes(dims)
+    kept_more = more.kept if work.recompute == "none" else 0.0  # else recomputed, not kept
+    return Traffic(
+        counted.forward + more.forward * dims.f,
+        counted.backward + more.backward * dims.f,
+        counted.saved + kept_more * dims.f,
+        counted.redo + (more.forward * dims.f if counted.redo else 0.0),
+    )
+
+
+@dataclass(frozen=True)
+class GeluNewBytes:
+    """Bytes per FFN element that Hugging Face's eager NewGELUActivation moves and keeps beyond
+    one GeLU kernel's."""
+
+    forward: float
+    backward: float
+    kept: float
+
+
+def gelu_new_bytes(dims: Sizes) -> GeluNewBytes:
+    """What eager `gelu_new` (Hugging Face's NewGELUActivation, GPT-2's activation: the tanh
+    approximation 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))) of Hendrycks & Gimpel 2016, each
+    operation a kernel) moves and keeps per FFN element beyond one GeLU kernel (2b forward, 3b
+    backward, b kept). With b the activations' bytes and s those of the pow chain (FP32 under
+    autocast, which runs pow in FP32: its input cast by a kernel of its own, and the FP32 result
+    cast back for the next linear; b without):
+
+    forward: 0.5·x 2b, pow 2s, ·0.044715 2s, x + · b + 2s, ·√(2/π) 2s, tanh 2s, 1 + · 2s,
+    the product b + 2s = 4b + 14s, and under autocast the two casts 2(b + s);
+    backward: the product's two gradients (b + 2s, 3s), tanh's 3s, the two scalar products 2s each,
+    pow's x² (2s), ·3 (2s) and its product (3s), 0.5·x's 2b and the two sums of x's gradient 3b
+    each = 9b + 19s, and under autocast four casts (the linear's input's, the two gradients
+    cast back to b, the input cast's) 4(b + s);
+    kept: pow's input, tanh's output, 0.5·x and 1 + tanh: 3s + b.
+    Measured equal by a dispatch mode op by op (tests/test_contract_block.py)."""
+    b, s, autocast = dims.b, dims.r, dims.casts
+    forward = 4 * b + 14 * s + autocast * 2 * (b + s)
+    backward = 9 * b + 19 * s + autocast * 4 * (b + s)
+    kept = 3 * s + b
+    one_kernel = GeluNewBytes(forward=2 * b, backward=3 * b, kept=b)
+    return GeluNewBytes(
+        forward=forward - one_kernel.forward,
+        backward=backward - one_kernel.backward,
+        kept=kept - one_kernel.kept,
+    )
 
 
 @dataclass(frozen=True)
