@@ -17,6 +17,7 @@ from fourd.plan.cluster import (
     Group,
     Network,
     Node,
+    collective_latency,
     group_bandwidth,
     load_cluster,
 )
@@ -146,26 +147,54 @@ def test_adam_moves_its_bytes_per_parameter_at_hbm_efficiency():
         )
 
 
-def test_a_collectives_latency_is_its_ring_or_tree_steps_and_nothing_moves_for_no_bytes():
+def test_a_collectives_latency_is_its_call_and_ring_or_tree_steps_and_nothing_moves_for_no_bytes():
+    """NCCL's tuning model, as the GPU presets carry it: 8.4 µs a call, 3.4 µs a ring step on NVLink,
+    14 µs one between servers."""
+    node, net = H100.node, H100.network
+    assert (node.call_latency_us, node.intra_latency_us, net.latency_us) == (8.4, 3.4, 14.0)
+    call, nvlink = 8.4e-6, 3.4e-6
     inside = Group(4, 1, 8)
-    bus_bw, latency = group_bandwidth(inside, H100)
+    bus_bw, _ = group_bandwidth(inside, H100)
     tiny = 1.0
     assert collective_time("all_gather", tiny, inside, H100) == pytest.approx(
-        3 * latency + 3 / 4 * tiny / bus_bw, rel=1e-12
+        call + 3 * nvlink + 3 / 4 * tiny / bus_bw, rel=1e-12
     )
     assert collective_time("reduce_scatter", tiny, inside, H100) == pytest.approx(
-        3 * latency + 3 / 4 * tiny / bus_bw, rel=1e-12
+        call + 3 * nvlink + 3 / 4 * tiny / bus_bw, rel=1e-12
     )
     pair = Group(2, 1, 8)
-    pair_bw, pair_latency = group_bandwidth(pair, H100)
+    pair_bw, _ = group_bandwidth(pair, H100)
     assert collective_time("all_reduce", tiny, pair, H100) == pytest.approx(
-        2 * pair_latency + tiny / pair_bw, rel=1e-12
+        call + 2 * nvlink + tiny / pair_bw, rel=1e-12
     )
     assert collective_time("all_gather", 0.0, inside, H100) == 0.0
     three = Group(3, 1, 8)  # a tree's 2·ceil(log2 3) = 4 steps
-    three_bw, three_latency = group_bandwidth(three, H100)
+    three_bw, _ = group_bandwidth(three, H100)
     assert collective_time("all_reduce", tiny, three, H100) == pytest.approx(
-        4 * three_latency + 2 * 2 / 3 * tiny / three_bw, rel=1e-12
+        call + 4 * nvlink + 2 * 2 / 3 * tiny / three_bw, rel=1e-12
+    )
+
+
+def test_a_collective_across_servers_pays_the_networks_latency_on_the_steps_between_them():
+    """Ranks 0, 4, ..., 60 of 64: two on each of 8 servers. A ring reduce-scatter or all-gather takes
+    15 steps, 7 of them between servers; an all-reduce's tree 2·ceil(log2 16) = 8, 2·ceil(log2 8) = 6
+    between servers; a send one, across."""
+    call, nvlink, network = 8.4e-6, 3.4e-6, 14e-6
+    spread = Group(16, 4, 64)
+    assert collective_latency("reduce_scatter", spread, H100) == pytest.approx(
+        call + 7 * network + 8 * nvlink, rel=1e-12
+    )
+    assert collective_latency("all_gather", spread, H100) == pytest.approx(
+        call + 7 * network + 8 * nvlink, rel=1e-12
+    )
+    assert collective_latency("all_reduce", spread, H100) == pytest.approx(
+        call + 6 * network + 2 * nvlink, rel=1e-12
+    )
+    assert collective_latency("send", Group(2, 8, 16), H100) == pytest.approx(
+        call + network, rel=1e-12
+    )
+    assert collective_latency("send", Group(2, 1, 16), H100) == pytest.approx(
+        call + nvlink, rel=1e-12
     )
 
 
@@ -209,9 +238,9 @@ def test_a_measured_collective_fit_wins_and_a_send_uses_the_two_rank_fit():
 
 def test_a_send_across_servers_drives_one_nic_each_end():
     across = Group(2, 8, 16)  # ranks 0 and 8: two servers
-    one_nic, latency = group_bandwidth(across, H100, 1)
+    one_nic, _ = group_bandwidth(across, H100, 1)
     assert collective_time("send", 1e9, across, H100) == pytest.approx(
-        latency + 1e9 / one_nic, rel=1e-12
+        (8.4 + 14.0) * 1e-6 + 1e9 / one_nic, rel=1e-12
     )
 
 

@@ -85,7 +85,8 @@ class GPU:
 class Node:
     gpus: int
     intra_bw_gbps: float
-    intra_latency_us: float = 5.0
+    intra_latency_us: float = 5.0  # one ring step between GPUs of a server
+    call_latency_us: float = 0.0  # what every collective call costs before its first step
     intra_efficiency: float = 1.0  # fraction of the link rate a collective reaches
     concurrent_ranks: int | None = (
         None  # ranks that compute at full speed at once (CPU cores); None: all
@@ -159,6 +160,7 @@ MAY_BE_ZERO = {
     "tp_layer_us",
     "fsdp_layer_us",
     "intra_latency_us",
+    "call_latency_us",
     "latency_us",
 }
 _TYPES = {"int": (int,), "float": (int, float), "str": (str,)}
@@ -339,6 +341,37 @@ def group_bandwidth(
         )
         nic = min(nic, net.gpus_per_pod * nic / net.cross_pod_oversubscription / crossing)
     return min(intra, per_node * nic), net.latency_us * 1e-6
+
+
+def servers_spanned(group: Group, cluster: Cluster) -> int:
+    """How many servers a group's ranks lie on (its widest instance): one inside a server, else its
+    size over the fewest members it has on one server."""
+    if group_level(group, cluster) in ("single", "nvlink"):
+        return 1
+    return max(2, math.ceil(group.size / members_per_node(group, cluster)))
+
+
+def collective_latency(op: str, group: Group, cluster: Cluster) -> float:
+    """Seconds a collective on `group` takes besides moving its bytes, counted as NCCL's tuning model
+    counts it (NCCL 2.19-2.21, `src/graph/tuning.cc`, `ncclTopoTuneModel`): a base latency per call
+    (`baseLat`, ring, Simple protocol), then each step of the algorithm at the latency of the link it
+    crosses (`hwLat`: NVLink inside a server, the network between servers). On n ranks over k servers
+    a ring reduce-scatter or all-gather takes n − 1 steps, k − 1 of them between servers; an
+    all-reduce 2·⌈log2 n⌉ (the double binary tree), 2·⌈log2 k⌉ of them between servers; a send one
+    step."""
+    node, net = cluster.node, cluster.network
+    servers = servers_spanned(group, cluster)
+    if op == "send":
+        steps, crossing = 1, int(servers > 1)
+    elif op == "all_reduce":
+        steps = 2 * math.ceil(math.log2(group.size))
+        crossing = 2 * math.ceil(math.log2(servers))
+    else:
+        steps, crossing = group.size - 1, servers - 1
+    inside = steps - crossing
+    return (
+        node.call_latency_us + crossing * net.latency_us + inside * node.intra_latency_us
+    ) * 1e-6
 
 
 def placement(layout) -> dict[str, Group]:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 
 from fourd.comm import bus_factor
-from fourd.plan.cluster import GPU, Cluster, Group, group_bandwidth
+from fourd.plan.cluster import GPU, Cluster, Group, collective_latency, group_bandwidth
 
 KERNEL_LAUNCH_S = 4e-6  # CUDA kernel launch and tail, per GEMM on a GPU
 GPU_TILES = (
@@ -192,19 +192,13 @@ def head_dim_share(family: str, head_dim: int) -> tuple[float, float]:
 
 # ---- collectives: nccl-tests conventions, the one table of fourd ---------------------------------
 
-# bytes each rank sends = factor · nbytes (nbytes: all-gather's output, reduce-scatter's input), and
-# latency steps: a ring's n−1; an all-reduce takes NCCL's double binary tree, 2·ceil(log2 n) steps,
-# never more than a ring's 2(n−1)
-_STEPS = {
-    "all_reduce": lambda n: 2 * math.ceil(math.log2(n)),
-    "send": lambda n: 1,
-}
-
 
 @lru_cache(maxsize=65536)
 def collective_time(op: str, nbytes: float, group: Group, cluster: Cluster) -> float:
-    """Seconds for a collective on an nbytes buffer over `group`, at the bandwidth its placement
-    gives. A measured fit in the profile for this op and group size wins over the ring model."""
+    """Seconds for a collective on an nbytes buffer over `group` (nbytes: an all-gather's output, a
+    reduce-scatter's input): its latency (`collective_latency`: NCCL's steps) and the bytes each rank
+    sends, bus_factor(op, n) · nbytes, at the bus bandwidth the group's placement gives. A measured
+    fit in the profile for this op and group size wins over the ring model."""
     ranks = group.size
     if ranks <= 1 or nbytes <= 0:
         return 0.0
@@ -216,10 +210,7 @@ def collective_time(op: str, nbytes: float, group: Group, cluster: Cluster) -> f
                 sample.nproc
             )  # measured with s.nproc busy
             return (sample.alpha_s + sample.beta_s_per_byte * nbytes) * share
-    bus_bw, latency = group_bandwidth(
+    bus_bw, _ = group_bandwidth(
         group, cluster, 1 if op == "send" else None
     )  # a send: one NIC each end
-    return (
-        _STEPS.get(op, lambda ranks: ranks - 1)(ranks) * latency
-        + bus_factor(op, ranks) * nbytes / bus_bw
-    )
+    return collective_latency(op, group, cluster) + bus_factor(op, ranks) * nbytes / bus_bw

@@ -130,9 +130,14 @@ def build_comm(job: Job) -> Comm:
         sp_shards = lay.tp
     p2p_bytes = job.work.tokens * job.model.dim * job.dtype_bytes / sp_shards
     server = [lay.rank(pp=pp_rank) // node.gpus for pp_rank in range(lay.pp)]
+    # a send: the call's latency and one step on NVLink or across the network (collective_latency)
     link = {
-        True: (("nvl_out", "nvl_in"), nvlink_bw, node.intra_latency_us * 1e-6),
-        False: (("nic_out", "nic_in"), nic_bw, net.latency_us * 1e-6),
+        True: (
+            ("nvl_out", "nvl_in"),
+            nvlink_bw,
+            (node.call_latency_us + node.intra_latency_us) * 1e-6,
+        ),
+        False: (("nic_out", "nic_in"), nic_bw, (node.call_latency_us + net.latency_us) * 1e-6),
     }
     p2p = {
         (src, dst): link[server[src] == server[dst]]
