@@ -7,7 +7,7 @@ import pytest
 
 from fourd.errors import FourdError
 from fourd.layout import Layout, Parallelism
-from fourd.model.config import get_preset
+from fourd.model.config import ModelConfig, get_preset, with_overrides
 from fourd.plan import request
 from fourd.plan.cluster import (
     Group,
@@ -18,7 +18,7 @@ from fourd.plan.cluster import (
     members_per_node,
     placement,
 )
-from fourd.plan.job import Job, stage_layers
+from fourd.plan.job import Job, cost_split, stage_layers
 from fourd.plan.kernels import (
     GEMM_K_OVERHEAD,
     HBM_EFFICIENCY,
@@ -224,20 +224,49 @@ def test_closed_forms_agree_with_the_schedule_action_lists():
                     ]
 
 
+def _layers(count: int):
+    return with_overrides(L405, layers=count)
+
+
 def test_stage_split_gives_the_ends_one_layer_fewer():
-    assert stage_layers(126, 16) == [7] + [8] * 14 + [7]  # Llama 3 §3.3.2
-    assert stage_layers(128, 16) == [8] * 16  # the two left over fill the first and last stage
-    assert stage_layers(32, 4) == [8] * 4
-    assert stage_layers(96, 16) == [6] * 16
-    assert stage_layers(30, 4) == [7, 8, 8, 7]
-    assert stage_layers(5, 4) == [1, 2, 1, 1]  # one fewer would empty the ends: split evenly
-    assert stage_layers(126, 16, 8) == [0] + [1] * 126 + [
+    assert stage_layers(_layers(126), 16) == [7] + [8] * 14 + [7]  # Llama 3 §3.3.2
+    assert stage_layers(_layers(128), 16) == [8] * 16  # the two left over fill the first and last
+    assert stage_layers(_layers(32), 4) == [8] * 4
+    assert stage_layers(_layers(96), 16) == [6] * 16
+    assert stage_layers(_layers(30), 4) == [7, 8, 8, 7]
+    assert stage_layers(_layers(5), 4) == [1, 2, 1, 1]  # one fewer would empty the ends: even
+    assert stage_layers(_layers(126), 16, 8) == [0] + [1] * 126 + [
         0
     ]  # the planner's extension: embedding and output alone
     for layers in range(1, 33):
         for stages in range(1, layers + 1):
-            split = stage_layers(layers, stages)
+            split = stage_layers(_layers(layers), stages)
             assert sum(split) == layers and min(split) >= 1 and max(split) - min(split) <= 2
+
+
+def test_nanotrons_split_balances_the_layers_and_the_output_layer_by_their_cost():
+    """nanotron's 1.34B (16 layers of 4·2048² + 3·8192·2048 = 67.1 M, the output layer
+    131,072·2,048 = 268.4 M, 4 layers' worth) on 2 ranks: the first takes layers until its running
+    cost passes half of 1,342 M, the eleventh (738 M), the second the last 5 and the output layer
+    (604 M); by layers it would be 8 and 8 (805 M on the second). The 8.86B on 4 ranks: 9, 9, 8, 6.
+    On 8 ranks the 1.34B's output layer would land on the seventh rank, which the planner's stages
+    do not describe: by layers then. Interleaved stages are split by layers."""
+    small = ModelConfig(
+        layers=16, dim=2048, ffn=8192, heads=32, kv_heads=32, vocab=131072, mlp="swiglu"
+    )
+    assert cost_split(small, 2) == [11, 5]
+    assert stage_layers(small, 2, split="cost") == [11, 5]
+    assert stage_layers(small, 2) == [8, 8]
+    larger = dataclasses.replace(small, layers=32, dim=4096, ffn=14336)
+    assert cost_split(larger, 4) == [9, 9, 8, 6]
+    assert cost_split(small, 8) is None
+    assert stage_layers(small, 8, split="cost") == stage_layers(small, 8) == [2] * 8
+    assert stage_layers(larger, 2, 2, split="cost") == stage_layers(larger, 2, 2)
+    # the planner's nanotron stack plans the slowest rank of the cost split
+    par = Parallelism(layout=Layout(pp=2, dp=4), schedule="1f1b", microbatches=8)
+    nanotron = Job(small, load_cluster("dgx-h100"), par, 4096, 32, stack="nanotron")
+    assert nanotron.stage_layers == [11, 5]
+    assert max_rank_params(small, 2, 1, 1, "cost") == 11 * small.layer_params() + small.vocab * 2048
 
 
 def test_stage_time_is_the_sum_of_its_layers_and_ends():

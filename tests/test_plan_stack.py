@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 import re
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from fourd.errors import FourdError
 from fourd.layout import Layout, Parallelism
 from fourd.model.config import get_preset
 from fourd.plan import request
-from fourd.plan.cluster import load_cluster, shard_group
+from fourd.plan.cluster import collective_latency, load_cluster, shard_group
 from fourd.plan.job import Job
 from fourd.plan.kernels import attention_time, collective_time, gemm_time
 from fourd.plan.memory import max_rank_params, rank_memories
@@ -518,6 +519,70 @@ def test_a_gather_inside_the_optimizer_step_is_exposed_whole(user_stacks):
     assert step_time(Job(L8B, H100, zero3, 4096, 32, stack="inside")) == step_time(
         Job(L8B, H100, zero3, 4096, 32, stack="beside")
     )
+
+
+def test_a_stacks_gradient_buckets_are_collective_calls_and_its_last_bucket_is_exposed(user_stacks):
+    """ZeRO 1 on 4 replicas of TP 2: the rank's gradients (FP32, 4 B a parameter) reduce-scattered
+    in one call per layer (FSDP's units), or in one per 25 MiB of its BF16 gradients (torch DDP's
+    bucket_cap_mb, nanotron's default): more calls, each its latency, the last, smaller bucket
+    exposed; the weights' gathers stay one per layer."""
+    (user_stacks / "layers.toml").write_text("dp_bucket_mb = 0\n")
+    (user_stacks / "ddp.toml").write_text("dp_bucket_mb = 25\n")
+    layout = Layout(2, 1, 1, 4)
+    per_layer, ddp = (job(layout, stack=name) for name in ("layers", "ddp"))
+    params = max_rank_params(L8B, 1, 1, 2)
+    buckets = math.ceil(params * 2 / (25 * 2**20))
+    assert (per_layer.gradient_buckets(params, 32), ddp.gradient_buckets(params, 32)) == (
+        32,
+        buckets,
+    )
+    assert buckets == 307
+    group = shard_group(layout)
+
+    def reduced(calls):
+        return calls * collective_time("reduce_scatter", 4 * params / calls, group, H100)
+
+    gathered = 32 * collective_time("all_gather", 2 * params / 32, group, H100)
+    assert step_time(ddp).dp_total_s == pytest.approx(reduced(buckets) + gathered, rel=1e-12)
+    assert step_time(per_layer).dp_total_s == pytest.approx(reduced(32) + gathered, rel=1e-12)
+    assert reduced(buckets) - reduced(32) == pytest.approx(
+        (buckets - 32) * collective_latency("reduce_scatter", group, H100), rel=1e-9
+    )  # the same bytes; each call its latency
+    # both hide behind the last backward but their last bucket
+    exposed = step_time(ddp).dp_exposed_s - step_time(per_layer).dp_exposed_s
+    assert exposed == pytest.approx(reduced(buckets) / buckets - reduced(32) / 32, rel=1e-9)
+    assert load_stack("nanotron").dp_bucket_mb == load_stack("lightning").dp_bucket_mb == 25
+    assert load_stack("fourd").dp_bucket_mb == 0
+    # under autocast the gradients are FP32: half as many parameters fill a bucket
+    autocast = job(Layout(1, 1, 1, 4), sp=False, stack="lightning")
+    assert autocast.gradient_buckets(1e9, 32) == math.ceil(4e9 / (25 * 2**20))
+
+
+def test_the_report_says_how_nanotron_splits_its_pipeline_and_buckets_its_gradients():
+    """nanotron's 1.34B shape on 2 pipeline ranks: the report gives the cost split (11 and 5 layers,
+    the 131,072-word output layer 4.0 layers' worth) and the 25 MiB buckets; `--json` the split."""
+    spec = "layers=16,dim=2048,ffn=8192,heads=32,kv_heads=32,vocab=131072"
+    common = ["--model-spec", spec, "--cluster", "dgx-h100", "--layout", "pp=2,dp=8", "--zero", "1"]
+    common += ["--seq", "4096", "--global-batch-tokens", "1M"]
+    text = _plan(*common, "--stack", "nanotron").stdout
+    assert (
+        "Stack nanotron splits the 16 layers over the pipeline by cost, the output layer weighing "
+        "4.0 layers: 11, 5." in text
+    )
+    assert "Stack nanotron reduces the gradients in buckets of 25 MiB" in text
+    assert json.loads(_plan(*common, "--stack", "nanotron", "--json").stdout)["stage_layers"] == [
+        11,
+        5,
+    ]
+    fourd = _plan(*common).stdout
+    assert "by cost" not in fourd and "buckets of" not in fourd
+
+
+@pytest.mark.parametrize("value", ["-1", "true", '"25"', "nan"])
+def test_a_stacks_bad_gradient_bucket_is_one_line(user_stacks, value):
+    (user_stacks / "mine.toml").write_text(f"dp_bucket_mb = {value}\n")
+    with pytest.raises(FourdError, match=r"dp_bucket_mb = .*; give the MiB of a gradient bucket"):
+        load_stack("mine")
 
 
 def test_the_step_simulator_gathers_after_the_update_and_ends_when_the_weights_arrive(

@@ -13,7 +13,7 @@ from fourd.layout import Layout, Parallelism
 from fourd.model.config import get_preset
 from fourd.plan import request
 from fourd.plan.cluster import load_cluster
-from fourd.plan.job import Job, stage_layers
+from fourd.plan.job import Job
 from fourd.plan.memory import stage_params
 from fourd.plan.perf import autocast_passes, chunk_times
 from fourd.schedules import build_schedule
@@ -388,7 +388,7 @@ def test_a_stage_under_autocast_pays_its_own_weights_casts_and_gradient_sums():
     par = Parallelism(layout=Layout(pp=2), schedule="1f1b", microbatches=4)
     job = Job(model, load_cluster("dgx-h100"), par, 64, 4, stack="lightning")
     assert job.work.autocast
-    counts = stage_layers(model.layers, 2, 1)
+    counts = job.stage_layers
     for stage, (costs, chunk) in enumerate(zip(stage_costs(job), chunk_times(job))):
         passes = autocast_passes(job, stage_params(model, counts, stage))
         assert passes.forward_s > 0 and passes.weight_grad_s > 0

@@ -14,7 +14,6 @@ from fourd.layout import DIMS, parse_layout
 from fourd.model.config import PRESETS, get_preset
 from fourd.plan import cluster as clusters
 from fourd.plan import intervals, request
-from fourd.plan.job import stage_layers
 from fourd.plan.memory import rank_memories
 from fourd.plan.report import why
 from fourd.plan.stack import DEFAULT_STACK, preset_names
@@ -217,9 +216,7 @@ def _check_sim_size(job) -> None:
     pieces: microbatches × the layers of all stages × passes (forward, backward; zero-bubble splits
     backward in two), as the step simulator counts them."""
     par = job.par
-    layers = sum(
-        max(1, n) for n in stage_layers(job.model.layers, job.layout.pp, par.virtual_stages)
-    )
+    layers = sum(max(1, n) for n in job.stage_layers)
     if par.schedule == "zero-bubble":
         passes = 3
     else:

@@ -3,6 +3,7 @@ one rank does for one microbatch. Frozen values, so the memory and time model ca
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -35,6 +36,7 @@ class Work:
     tp_overlap: bool = False  # TP collectives in chunks beside their GEMMs (with SP only)
     shared_kv: bool = False  # attention reads each K and V head for all its query heads, uncopied
     fused_attention: str = "flash2"  # the fused attention kernel family (fourd.plan.stack)
+    pipeline_split: str = "layers"  # how the stack splits layers over pipeline ranks
 
     @property
     def tokens(self) -> int:
@@ -99,6 +101,15 @@ class Job:
         `gather_in_step`), not beside the next forward."""
         return self.par.zero in load_stack(self.stack).gather_in_step
 
+    def gradient_buckets(self, params: float, layers: int) -> int:
+        """The data-parallel reductions of a rank's `params` gradients over its `layers` layers: one
+        per `dp_bucket_mb` MiB of them in their parameters' dtype (torch DDP's buckets), else one
+        per layer."""
+        bucket_mb = load_stack(self.stack).dp_bucket_mb
+        if not bucket_mb:
+            return max(1, layers)
+        return max(1, math.ceil(params * self.state_dtype_bytes / (bucket_mb * 2**20)))
+
     @property
     def layout(self) -> Layout:
         return self.par.layout
@@ -143,7 +154,14 @@ class Job:
             tp_overlap,
             self.switch("shared_kv"),
             self.attention_kernel,
+            load_stack(self.stack).pipeline_split,
         )
+
+    @property
+    def stage_layers(self) -> list[int]:
+        """Transformer layers of each of the pp·V pipeline stages, as the stack splits them."""
+        par = self.par
+        return stage_layers(self.model, par.layout.pp, par.virtual_stages, self.work.pipeline_split)
 
     def __hash__(self) -> int:
         return _hash(self)
@@ -162,8 +180,46 @@ def _hash(obj) -> int:
     return obj.__dict__["_hash"]
 
 
-def stage_layers(layers: int, pp: int, virtual_stages: int = 1) -> list[int]:
-    """Transformer layers of each of the pp·V pipeline stages: the trainer's split
+def stage_layers(
+    model: ModelConfig, pp: int, virtual_stages: int = 1, split: str = "layers"
+) -> list[int]:
+    """Transformer layers of each of the pp·V pipeline stages: by layers, the trainer's split
     (fourd.layout.layer_split), or the first and last stage only the embedding and the output when
-    layers + 2 = pp·V (405B: 128 of one)."""
-    return layer_split(layers, pp * virtual_stages, empty_edges=True)
+    layers + 2 = pp·V (405B: 128 of one); by cost, nanotron's (`cost_split`) where it leaves the
+    output layer on the last rank, without virtual stages."""
+    if split == "cost" and virtual_stages == 1 and pp > 1:
+        counts = cost_split(model, pp)
+        if counts is not None:
+            return counts
+    return layer_split(model.layers, pp * virtual_stages, empty_edges=True)
+
+
+def block_costs(model: ModelConfig) -> tuple[int, int]:
+    """(a layer's, the output layer's) cost as nanotron weighs them to split a pipeline
+    (`get_block_compute_costs`, src/nanotron/models/llama.py): 4·heads·head_dim·dim + 3·ffn·dim, and
+    vocab·dim."""
+    layer = 4 * model.heads * model.head_dim * model.dim + 3 * model.ffn * model.dim
+    output_layer = model.vocab * model.dim
+    return layer, output_layer
+
+
+def cost_split(model: ModelConfig, pp: int) -> list[int] | None:
+    """nanotron's split of a model over pp pipeline ranks (`build_model`, src/nanotron/models/base.py,
+    with `block_costs`): its blocks in order, the embedding (cost 0), each layer, the final norm (0),
+    the output layer, the cast and the loss (0); each block goes to the current rank, which
+    hands over to the next once the running cost passes its share (r + 1)/pp of the total. The layers
+    of each rank; None where the output layer lands before the last rank (its cast and loss after it:
+    a split the planner's stages, the output layer on the last, do not describe)."""
+    layer_cost, head_cost = block_costs(model)
+    total = model.layers * layer_cost + head_cost
+    thresholds = [total * (rank + 1) / pp for rank in range(pp)]
+    counts = [0] * pp
+    rank, cumulative = 0, 0
+    for _ in range(model.layers):
+        counts[rank] += 1
+        cumulative += layer_cost
+        if cumulative > thresholds[rank]:
+            rank += 1
+    if rank != pp - 1:  # the output layer (cumulative then the total) goes to `rank`
+        return None
+    return counts

@@ -36,12 +36,12 @@ def stage_params(model, counts: list[int], stage: int) -> int:
 
 @lru_cache(maxsize=4096)
 def rank_shapes(
-    model, pp: int, virtual_stages: int
+    model, pp: int, virtual_stages: int, split: str = "layers"
 ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """(layers per pipeline rank, parameters per pipeline rank before TP, the ranks that can peak in
     memory: in-flight microbatches fall with the rank, so besides the last (logits) the first with
-    each layer count)."""
-    counts = stage_layers(model.layers, pp, virtual_stages)
+    each layer count), the layers split as the stack splits them (`split`: job.stage_layers)."""
+    counts = stage_layers(model, pp, virtual_stages, split)
     layers = tuple(
         sum(counts[stage] for stage in range(rank, len(counts), pp)) for rank in range(pp)
     )
@@ -53,9 +53,9 @@ def rank_shapes(
     return layers, params, tuple(sorted({0, pp - 1, *first_with.values()}))
 
 
-def max_rank_params(model, pp: int, virtual_stages: int, tp: int) -> float:
+def max_rank_params(model, pp: int, virtual_stages: int, tp: int, split: str = "layers") -> float:
     """Parameters on the GPU that holds the most (what its data-parallel collectives move)."""
-    return max(rank_shapes(model, pp, virtual_stages)[1]) / tp
+    return max(rank_shapes(model, pp, virtual_stages, split)[1]) / tp
 
 
 def in_flight(schedule: str, pp: int, microbatches: int, virtual_stages: int, rank: int) -> float:
@@ -128,7 +128,7 @@ def rank_state_bytes(job: Job) -> tuple[float, float, float]:
 def rank_memories(job: Job, ranks) -> list[Memory]:
     """Peak memory of one GPU of each pipeline rank in `ranks`."""
     par, lay, work, b, model = job.par, job.layout, job.work, job.dtype_bytes, job.model
-    layers, params, _ = rank_shapes(model, lay.pp, par.virtual_stages)
+    layers, params, _ = rank_shapes(model, lay.pp, par.virtual_stages, work.pipeline_split)
     weight_bytes, grad_bytes, optimizer_bytes = rank_state_bytes(job)
     per_layer = work.tokens * traffic(work).saved
     # while a recomputed layer runs its backward it holds, for one microbatch, the activations its
@@ -187,5 +187,7 @@ def rank_memories(job: Job, ranks) -> list[Memory]:
 
 def peak_memory(job: Job) -> tuple[int, Memory]:
     """The pipeline rank whose tensors take the most memory, and its memory."""
-    ranks = rank_shapes(job.model, job.layout.pp, job.par.virtual_stages)[2]
+    ranks = rank_shapes(job.model, job.layout.pp, job.par.virtual_stages, job.work.pipeline_split)[
+        2
+    ]
     return max(zip(ranks, rank_memories(job, ranks)), key=lambda rm: rm[1].total)

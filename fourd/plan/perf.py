@@ -9,7 +9,7 @@ from functools import lru_cache
 
 from fourd.plan.block import loss_bytes, matmuls, score_bytes, traffic
 from fourd.plan.cluster import Cluster, Group, placement, replica_group, shard_group
-from fourd.plan.job import Job, Work, stage_layers
+from fourd.plan.job import Job, Work
 from fourd.plan.kernels import (
     attention_time,
     collective_time,
@@ -309,7 +309,7 @@ def stage_time(work: Work, layers: int, first: bool = False, last: bool = False)
 def chunk_times(job: Job) -> list[StageTime]:
     """StageTime of each global pipeline stage 0 .. pp·V−1 in model order (stage s runs on rank s %
     pp)."""
-    counts = stage_layers(job.model.layers, job.layout.pp, job.par.virtual_stages)
+    counts = job.stage_layers
     return [
         stage_time(job.work, layers, stage == 0, stage == len(counts) - 1)
         for stage, layers in enumerate(counts)
@@ -321,7 +321,7 @@ def slowest_rank(work: Work, p: int, virtual_stages: int) -> tuple[int, StageTim
     """The pipeline rank with the most work per microbatch (embedding and head included), and that
     work."""
     per_rank, _, kinds = rank_shapes(
-        work.model, p, virtual_stages
+        work.model, p, virtual_stages, work.pipeline_split
     )  # equal layers, equal time: one of each kind
     times = {rank: stage_time(work, per_rank[rank], rank == 0, rank == p - 1) for rank in kinds}
     rank = max(times, key=lambda rank: times[rank].forward + times[rank].backward)
@@ -379,25 +379,23 @@ class StepTime:
 
 
 def _dp_exposure(job: Job, t: StageTime, bubble: float, layers: int) -> tuple[float, float]:
-    """(exposed, total) seconds of the slowest rank's ZeRO/DDP traffic, one bucket per layer: what
-    compute around it cannot hide, and the last bucket, are exposed (docs/planner.md: what each ZeRO
-    stage moves)."""
+    """(exposed, total) seconds of the slowest rank's ZeRO/DDP traffic: weights gathered one layer
+    at a time, gradients reduced in the stack's buckets (`Job.gradient_buckets`), each its own
+    collective call; what compute around it cannot hide, and the last bucket, are exposed
+    (docs/planner.md: what each ZeRO stage moves)."""
     lay, par, cluster = job.layout, job.par, job.cluster
-    microbatches, shard, buckets = (
-        par.microbatches,
-        shard_group(lay, par.hsdp_replicas),
-        max(1, layers),
-    )
-    params = max_rank_params(job.model, lay.pp, par.virtual_stages, lay.tp)
+    microbatches, shard = par.microbatches, shard_group(lay, par.hsdp_replicas)
+    params = max_rank_params(job.model, lay.pp, par.virtual_stages, lay.tp, job.work.pipeline_split)
+    gathers, reductions = max(1, layers), job.gradient_buckets(params, layers)
 
-    def bucketed(op: str, nbytes: float, group=shard) -> float:
+    def bucketed(op: str, nbytes: float, buckets: int, group=shard) -> float:
         return buckets * collective_time(op, nbytes / buckets, group, cluster)
 
-    gather, scatter = (
-        bucketed("all_gather", params * job.state_dtype_bytes),
-        bucketed("reduce_scatter", 4 * params),
+    gather = bucketed("all_gather", params * job.state_dtype_bytes, gathers)
+    scatter = bucketed("reduce_scatter", 4 * params, reductions)
+    across = bucketed(
+        "all_reduce", 4 * params / shard.size, reductions, replica_group(lay, par.hsdp_replicas)
     )
-    across = bucketed("all_reduce", 4 * params / shard.size, replica_group(lay, par.hsdp_replicas))
     tail, head = (
         t.backward + bubble / 2,
         t.forward + bubble / 2,
@@ -410,21 +408,28 @@ def _dp_exposure(job: Job, t: StageTime, bubble: float, layers: int) -> tuple[fl
     beside_forward, in_step = gather, 0.0
     if job.gathers_in_step:
         beside_forward, in_step = 0.0, gather
+    # (seconds of traffic, compute beside it, passes, buckets per pass: the last one exposed)
     phases = {
-        0: [(bucketed("all_reduce", 4 * params), tail, 1)],
-        1: [(scatter, tail, 1), (beside_forward, head, 1)],
-        2: [(reduces * scatter, reduces * t.backward, reduces), (beside_forward, head, 1)],
+        0: [(bucketed("all_reduce", 4 * params, reductions), tail, 1, reductions)],
+        1: [(scatter, tail, 1, reductions), (beside_forward, head, 1, gathers)],
+        2: [
+            (reduces * scatter, reduces * t.backward, reduces, reductions),
+            (beside_forward, head, 1, gathers),
+        ],
         3: [
-            (microbatches * gather, microbatches * t.forward, microbatches),
+            (microbatches * gather, microbatches * t.forward, microbatches, gathers),
             (
                 microbatches * gather + reduces * (scatter + across),
                 microbatches * t.backward,
                 microbatches,
+                gathers,
             ),
         ],
     }[par.zero]
-    total = in_step + sum(x for x, _, _ in phases)
-    exposed = in_step + sum(max(0.0, x - window) + x / (buckets * k) for x, window, k in phases)
+    total = in_step + sum(x for x, _, _, _ in phases)
+    exposed = in_step + sum(
+        max(0.0, x - window) + x / (buckets * passes) for x, window, passes, buckets in phases
+    )
     return min(exposed, total), total
 
 
@@ -492,7 +497,8 @@ def step_time(job: Job) -> StepTime:
     pp, microbatches = lay.pp, par.microbatches
     slow, stage = slowest_rank(job.work, pp, par.virtual_stages)
     blocking = job.pipeline_comm == "blocking" and pp > 1  # DeepSpeed's pipeline engine
-    params = max_rank_params(job.model, pp, par.virtual_stages, lay.tp)
+    split = job.work.pipeline_split
+    params = max_rank_params(job.model, pp, par.virtual_stages, lay.tp, split)
     if blocking:
         # DeepSpeed's engine adds each backward's BF16 weight gradients into FP32 ones, a pass of
         # its own
@@ -501,7 +507,7 @@ def step_time(job: Job) -> StepTime:
         )
     stage = stage + autocast_passes(job, params)
     p2p = _pipeline_sends_time(job)
-    layers = rank_shapes(job.model, pp, par.virtual_stages)[0][slow]
+    layers = rank_shapes(job.model, pp, par.virtual_stages, split)[0][slow]
     comm = exposed_layer_comm(job.work)
     redo = 2 if par.recompute == "full" else 1
     compute = microbatches * (stage.forward + stage.backward)

@@ -8,8 +8,10 @@ from dataclasses import replace
 from fourd.errors import plural, si
 from fourd.layout import Layout
 from fourd.plan.cluster import group_level, placement
+from fourd.plan.job import block_costs
 from fourd.plan.perf import StepTime
 from fourd.plan.search import Plan, evaluate
+from fourd.plan.stack import load_stack
 
 WHERE = {
     "single": "-",
@@ -26,6 +28,12 @@ MEMORY = (
     ("other", "the loss's logits, gathered ZeRO-3 layers"),
     ("reserve", "runtime: CUDA context, NCCL"),
 )
+
+
+def _layers_worth(model) -> str:
+    """The output layer's cost in layers, as a cost split weighs them."""
+    layer_cost, head_cost = block_costs(model)
+    return f"{head_cost / layer_cost:.1f}"
 
 
 def _pct(x: float) -> str:
@@ -56,6 +64,13 @@ def why(plan: Plan) -> list[str]:
             f"= {_pct(step.bubble_s / step.compute_s)} of compute ({_pct(plan.bubble_fraction)} of "
             "the step)."
         )
+        counts = plan.job.stage_layers
+        if plan.job.work.pipeline_split == "cost" and config.virtual_stages == 1:
+            lines.append(
+                f"Stack {plan.job.stack} splits the {plan.model.layers} layers over the pipeline by "
+                f"cost, the output layer weighing {_layers_worth(plan.model)} layers: "
+                f"{', '.join(map(str, counts))}."
+            )
     if (
         lay.pp > 1 and lay.dp % 2 == 0
     ):  # the same global batch on half the replicas, each twice the sequences
@@ -82,6 +97,12 @@ def why(plan: Plan) -> list[str]:
             f"Data-parallel traffic: {step.dp_total_s:.3f} s per step, {step.dp_exposed_s:.3f} s "
             f"of it exposed (the rest hides behind compute and slows it by {step.overlap_s:.3f} s)."
         )
+        bucket_mb = load_stack(plan.job.stack).dp_bucket_mb
+        if bucket_mb:
+            lines.append(
+                f"Stack {plan.job.stack} reduces the gradients in buckets of {bucket_mb:g} MiB, "
+                "each its own collective call (and latency)."
+            )
         if plan.job.gathers_in_step and step.dp_exposed_s:
             lines.append(
                 f"Stack {plan.job.stack} gathers ZeRO {config.zero}'s updated weights inside the "

@@ -11,7 +11,7 @@ from fourd.layout import RECOMPUTE, Layout, Parallelism, split_ok, tp_ok
 from fourd.layout import check as layout_check
 from fourd.plan.block import matmuls
 from fourd.plan.cluster import group_level, placement
-from fourd.plan.job import Job, stage_layers
+from fourd.plan.job import Job
 from fourd.plan.memory import GB, Memory, peak_memory
 from fourd.plan.perf import StepTime, step_time
 from fourd.plan.stack import Stack, load_stack
@@ -133,7 +133,7 @@ class Plan:
         out["placement"] = {
             dim: group_level(group, self.cluster) for dim, group in placement(lay).items()
         }
-        out["stage_layers"] = stage_layers(self.model.layers, lay.pp, config.virtual_stages)
+        out["stage_layers"] = self.job.stage_layers
         out["chosen_by_planner"] = list(self.chosen)
         if train_tokens:
             out |= {

@@ -33,6 +33,10 @@ FUSED_ATTENTION = ("flash2", "cudnn")
 AUTOCAST = ("never", "unwrapped", "always")
 # the model-parallel dimensions a stack can split a model over (data parallelism it always runs)
 MODEL_PARALLEL = ("tp", "cp", "pp")
+# how a stack splits the layers over pipeline ranks: by layers (fourd's and Llama 3's split, the
+# first and last stage one layer fewer; an even one where that divides) or by cost (nanotron:
+# blocks in order until each rank holds its share of the layers' and the output layer's cost)
+PIPELINE_SPLITS = ("layers", "cost")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,7 +60,11 @@ class Stack:
     attention, where the GPU profile has its figures; Transformer Engine prefers it on Hopper);
     `autocast`: when BF16 training computes by autocast over FP32 weights, one of AUTOCAST above:
     every matrix is then cast to BF16 at each use, its gradient cast back to FP32 and added into the
-    FP32 gradient, and the residual stream stays FP32 (docs/planner.md, "Stacks").
+    FP32 gradient, and the residual stream stays FP32 (docs/planner.md, "Stacks"); `dp_bucket_mb`:
+    the MiB of gradients (in their parameters' dtype) per data-parallel reduction, each bucket its
+    own collective call as the backward fills it (torch DDP's `bucket_cap_mb`, 25 by default); 0:
+    one reduction per layer (FSDP's units, the layer-sized buckets of the other stacks);
+    `pipeline_split`: how the layers are split over pipeline ranks, one of PIPELINE_SPLITS.
 
     What the stack can run, which a search over open settings keeps to: `schedules`, the pipeline
     schedules it implements; `zero`, its ZeRO stages (sharding of optimizer state, gradients and
@@ -74,6 +82,8 @@ class Stack:
     gather_in_step: tuple[int, ...] = ()
     fused_attention: str = "flash2"
     autocast: str = "unwrapped"
+    dp_bucket_mb: float = 0.0
+    pipeline_split: str = "layers"
     schedules: tuple[str, ...] = SCHEDULES
     zero: tuple[int, ...] = ZERO_STAGES
     pipeline_zero: tuple[int, ...] = ZERO_STAGES
@@ -163,7 +173,8 @@ def load_stack(name_or_path: str = DEFAULT_STACK) -> Stack:
     fields = {"name": str, "description": str, "fused_kernels": bool, "tp_overlap": bool}
     fields |= {"dp_overlap": bool, "pipeline_comm": str, "shared_kv": bool, "fused_attention": str}
     fields |= {"autocast": str, "schedules": list, "zero": list, "pipeline_zero": list}
-    fields |= {"gather_in_step": list, "model_parallel": list}
+    fields |= {"gather_in_step": list, "model_parallel": list, "dp_bucket_mb": object}
+    fields |= {"pipeline_split": str}
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise FourdError(
@@ -172,10 +183,16 @@ def load_stack(name_or_path: str = DEFAULT_STACK) -> Stack:
     for key, kind in fields.items():
         if key in data and not isinstance(data[key], kind):
             raise FourdError(f"{path}: {key} must be a {kind.__name__}, not {data[key]!r}")
+    bucket = data.get("dp_bucket_mb", 0.0)
+    if isinstance(bucket, bool) or not isinstance(bucket, (int, float)) or not 0 <= bucket < 1e9:
+        raise FourdError(
+            f"{path}: dp_bucket_mb = {bucket!r}; give the MiB of a gradient bucket (0: one per layer)"
+        )
     for key, words in (
         ("pipeline_comm", PIPELINE_COMM),
         ("fused_attention", FUSED_ATTENTION),
         ("autocast", AUTOCAST),
+        ("pipeline_split", PIPELINE_SPLITS),
     ):
         if key in data and data[key] not in words:
             raise FourdError(f"{path}: {key} = {data[key]!r}; allowed: {', '.join(words)}")

@@ -15,7 +15,7 @@ from typing import Any, cast
 from fourd.comm import bus_factor
 from fourd.errors import FourdError
 from fourd.plan.cluster import group_bandwidth, group_level, members_per_node, shard_group
-from fourd.plan.job import Job, stage_layers
+from fourd.plan.job import Job
 from fourd.plan.kernels import collective_time, optimizer_time
 from fourd.plan.memory import stage_params
 from fourd.plan.perf import autocast_passes, chunk_times
@@ -173,7 +173,7 @@ def build_comm(job: Job) -> Comm:
 
 def stage_params_on_gpu(job: Job) -> list[float]:
     """Parameters of each pipeline stage on one GPU (what its data-parallel buckets move)."""
-    counts = stage_layers(job.model.layers, job.layout.pp, job.par.virtual_stages)
+    counts = job.stage_layers
     return [stage_params(job.model, counts, stage) / job.layout.tp for stage in range(len(counts))]
 
 
@@ -640,7 +640,7 @@ def simulate_step(
             f"{job.stack} reduces after the backward, which the planner models: use `fourd plan` "
             "or --dp-overlap on"
         )
-    layers = [max(1, count) for count in stage_layers(job.model.layers, lay.pp, par.virtual_stages)]
+    layers = [max(1, count) for count in job.stage_layers]
     # before building: F and B per layer and microbatch, or F, I and W with zero bubble
     kinds = 2
     if par.schedule == "zero-bubble":
