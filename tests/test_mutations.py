@@ -572,6 +572,40 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
             "test_groups_rank_anchored_residuals_over_their_spreads_and_keep_the_shape",
         ),
     ),
+    # NCCL's latencies, DDP's buckets, nanotron's split and GPT-2's gelu_new (2026-12-06)
+    "a ring's steps between servers at NVLink's latency": (
+        "fourd/plan/cluster.py",
+        "steps, crossing = group.size - 1, servers - 1",
+        "steps, crossing = group.size - 1, 0",
+        (
+            "tests/test_contract_kernels.py::"
+            "test_a_collective_across_servers_pays_the_networks_latency_on_the_steps_between_them",
+        ),
+    ),
+    "DDP's buckets filled with FP32 gradients whatever the weights": (
+        "fourd/plan/job.py",
+        "params * self.state_dtype_bytes / (bucket_mb",
+        "params * 4 / (bucket_mb",
+        (
+            "tests/test_plan_stack.py::"
+            "test_a_stacks_gradient_buckets_are_collective_calls_and_its_last_bucket_is_exposed",
+        ),
+    ),
+    "nanotron's split hands over at its share, not past it": (
+        "fourd/plan/job.py",
+        "if cumulative > thresholds[rank]:",
+        "if cumulative >= thresholds[rank]:",
+        (
+            "tests/test_plan_model.py::"
+            "test_nanotrons_split_balances_the_layers_and_the_output_layer_by_their_cost",
+        ),
+    ),
+    "gelu_new's backward one FP32 op short": (
+        "fourd/plan/block.py",
+        "backward = 9 * b + 19 * s",
+        "backward = 9 * b + 17 * s",
+        ("tests/test_contract_block.py::test_eager_gelu_new_moves_and_keeps_the_counted_bytes",),
+    ),
 }
 
 
