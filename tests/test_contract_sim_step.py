@@ -20,6 +20,7 @@ from fourd.model.config import ModelConfig
 from fourd.plan.cluster import load_cluster
 from fourd.plan.job import Job
 from fourd.plan.kernels import optimizer_time
+from fourd.plan.stack import load_stack
 from fourd.schedules import Action, Schedule, build_schedule
 from fourd.sim import step
 from fourd.sim.step import Event, build_comm, idle_fractions, simulate, simulate_step, timeline
@@ -180,6 +181,40 @@ def test_ddp_reduces_after_the_last_backward_of_a_long_list(tmp_path):
     r = simulate(build_schedule("1f1b", 1, 200), [UNIT], comm=comm)
     reduces = [t for t in r.transfers if t.kind == "ar"]
     assert [(t.name, t.start) for t in reduces] == [("all_reduce stage 0 layer 0", 600)]
+
+
+@pytest.mark.parametrize("zero, op", [(1, "reduce_scatter"), (0, "all_reduce")])
+def test_a_ddp_stack_reduces_its_gradients_in_buckets_as_the_backward_fills_them(
+    tmp_path, monkeypatch, zero, op
+):
+    """A stack with DDP buckets of 0.0005 MiB of BF16 gradients, 1,048.576 B of FP32 ones: one
+    rank's 1,064 parameters, 4,256 B of gradients from two layer pieces of 2,128 B, fill two buckets
+    when the first piece ends and two more and the 61.696 B left when the last does; each its own
+    collective over the ring of 2 (a reduce-scatter moves half its bytes, an all-reduce all of
+    them) at the NIC's 1,024 B/s."""
+    monkeypatch.setenv("FOURD_HOME", str(tmp_path))
+    (tmp_path / "stacks").mkdir()
+    (tmp_path / "stacks" / "ddp.toml").write_text("dp_bucket_mb = 0.0005\n")
+    load_stack.cache_clear()
+    try:
+        comm = build_comm(_job(_cluster(tmp_path), Layout(dp=2), stack="ddp", zero=zero))
+        r = simulate(build_schedule("1f1b", 1, 1), [UNIT], layers=[2], comm=comm)
+    finally:
+        load_stack.cache_clear()
+    assert comm.bucket_bytes == pytest.approx(1048.576, rel=1e-12)
+    share = 0.5 if zero else 1.0
+    reductions = [t for t in r.transfers if t.kind == ("rs" if zero else "ar")]
+    assert [t.name for t in reductions] == [f"{op} bucket {n} of pipeline rank 0" for n in range(5)]
+    sizes = [1048.576] * 4 + [4256 - 4 * 1048.576]
+    assert [t.end - t.start for t in reductions] == pytest.approx(
+        [share * size / 1024 for size in sizes], rel=1e-9
+    )
+    # the first starts when the backward's first piece (half of it) ends, the rest queue behind
+    backward = r.events[0][1]
+    assert backward.kind == "B"
+    assert reductions[0].start == pytest.approx((backward.start + backward.end) / 2, rel=1e-12)
+    for before, after in zip(reductions, reductions[1:]):
+        assert after.start == pytest.approx(before.end, rel=1e-12)
 
 
 def test_a_zero2_optimizer_step_waits_for_every_microbatchs_gradients(tmp_path):

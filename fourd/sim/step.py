@@ -19,6 +19,7 @@ from fourd.plan.job import Job
 from fourd.plan.kernels import collective_time, optimizer_time
 from fourd.plan.memory import stage_params
 from fourd.plan.perf import autocast_passes, chunk_times
+from fourd.plan.stack import load_stack
 from fourd.schedules import Action, Schedule, build_schedule, depends_on
 from fourd.sim.network import Flow, Network
 
@@ -112,6 +113,8 @@ class Comm:
     dp_params: list  # each stage's parameters on one GPU (one bucket per layer)
     weight_bytes: int  # per parameter: weights move in the compute precision, gradients in FP32
     gather_in_step: bool = False  # ZeRO 1 and 2 gather after the optimizer's update, not beside F
+    # FP32 gradient bytes a DDP bucket holds (the stack's dp_bucket_mb); 0: one reduction a layer
+    bucket_bytes: float = 0.0
 
 
 def build_comm(job: Job) -> Comm:
@@ -168,6 +171,7 @@ def build_comm(job: Job) -> Comm:
         dp_params=stage_params_on_gpu(job),
         weight_bytes=job.state_dtype_bytes,
         gather_in_step=job.gathers_in_step,
+        bucket_bytes=load_stack(job.stack).dp_bucket_mb * 2**20 * 4 / job.state_dtype_bytes,
     )
 
 
@@ -310,6 +314,11 @@ def _rank_pieces(sim: _Engine, who: tuple[int, int], costs, layers, factor, zero
     pieces = []
     rs_keys = sim.rs_keys.setdefault(who, [])
     gathered_before = zero in (1, 2) and not (comm and comm.gather_in_step)
+    # a DDP stack's ZeRO 0 or 1 reduces its gradients in buckets of a size, as its backward fills them
+    buckets = None
+    if comm and comm.bucket_bytes and zero in (0, 1):
+        buckets = _Buckets(comm.bucket_bytes, "rs" if zero else "ar", rank)
+    last_reduce = max(last_grad.values(), default=-1)
     if gathered_before:
         _prefetch_weights(
             sim,
@@ -342,15 +351,35 @@ def _rank_pieces(sim: _Engine, who: tuple[int, int], costs, layers, factor, zero
             if gather:
                 piece.needs += (_gather_need(sim, who, piece, weight_bytes[stage], zero),)
             if reduce:
-                key = _reduce_key(action, part, zero)
-                piece.after.append(
-                    ("enqueue", (replica, rank, "rs"), key, grad_bytes[stage] / parts)
-                )
-                rs_keys.append(key)
+                last = index == last_reduce and part == parts - 1
+                gradients = grad_bytes[stage] / parts
+                for key, nbytes in _reductions(action, part, zero, gradients, buckets, last):
+                    piece.after.append(("enqueue", (replica, rank, "rs"), key, nbytes))
+                    rs_keys.append(key)
             if part == parts - 1:
                 piece.after += _action_done(schedule, replica, action)
             pieces.append(piece)
     return pieces
+
+
+class _Buckets:
+    """A rank's DDP gradient buckets, filled in the order its backward produces the gradients: each
+    full bucket is reduced at once, what is left when the last gradient arrives reduced with it."""
+
+    def __init__(self, capacity: float, kind: str, rank: int):
+        self.capacity, self.kind, self.rank = capacity, kind, rank
+        self.pending, self.count = 0.0, 0
+
+    def fill(self, nbytes: float, last: bool) -> list[tuple[tuple, float]]:
+        """The buckets (key, bytes) that `nbytes` more gradients fill; with `last`, the rest too."""
+        self.pending += nbytes
+        full = []
+        while self.pending >= self.capacity or (last and self.pending > 0):
+            size = min(self.capacity, self.pending)
+            full.append(((self.kind, "bucket", self.rank, self.count), size))
+            self.pending -= size
+            self.count += 1
+        return full
 
 
 def _prefetch_weights(sim: _Engine, who: tuple[int, int], stages, layers, weight_bytes) -> None:
@@ -370,6 +399,14 @@ def _gather_need(sim: _Engine, who: tuple[int, int], piece: _Piece, weight_bytes
     key = ("ag", action.stage, action.microbatch, action.kind, piece.part)
     sim.enqueue((*who, "ag"), key, weight_bytes / piece.parts)
     return (who[0], "coll", key)
+
+
+def _reductions(action: Action, part: int, zero: int, gradients: float, buckets, last: bool):
+    """The (key, bytes) of the DP reductions a piece's `gradients` bytes start: its layer's own, or
+    the DDP buckets they fill (`last`: the rank's last gradients, which reduce what is left)."""
+    if buckets is not None:
+        return buckets.fill(gradients, last)
+    return [(_reduce_key(action, part, zero), gradients)]
 
 
 def _reduce_key(action: Action, part: int, zero: int) -> tuple:
@@ -598,6 +635,8 @@ class _Engine:
         latency = max(0.0, ring_s - volume / comm.dp_bw)
         pending = {"n": len(streams)}
         name = f"{op} stage {key[1]} layer {key[-1]}"
+        if key[1] == "bucket":  # a DDP bucket: (kind, "bucket", pipeline rank, index)
+            name = f"{op} bucket {key[3]} of pipeline rank {key[2]}"
 
         def done(when, stream):
             transfer = Transfer(
