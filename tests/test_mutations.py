@@ -584,8 +584,8 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
     ),
     "DDP's buckets filled with FP32 gradients whatever the weights": (
         "fourd/plan/job.py",
-        "params * self.state_dtype_bytes / (bucket_mb",
-        "params * 4 / (bucket_mb",
+        "return bucket_mb * 2**20 / self.state_dtype_bytes",
+        "return bucket_mb * 2**20 / 4",
         (
             "tests/test_plan_stack.py::"
             "test_a_stacks_gradient_buckets_are_collective_calls_and_its_last_bucket_is_exposed",

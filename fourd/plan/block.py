@@ -226,9 +226,13 @@ def gelu_new_bytes(dims: Sizes) -> GeluNewBytes:
     cast back to b, the input cast's) 4(b + s);
     kept: pow's input, tanh's output, 0.5·x and 1 + tanh: 3s + b.
     Measured equal by a dispatch mode op by op (tests/test_contract_block.py)."""
-    b, s, autocast = dims.b, dims.r, dims.casts
-    forward = 4 * b + 14 * s + autocast * 2 * (b + s)
-    backward = 9 * b + 19 * s + autocast * 4 * (b + s)
+    b, s = dims.b, dims.r
+    forward = 4 * b + 14 * s
+    backward = 9 * b + 19 * s
+    # under autocast two casts forward and four backward, each reading one precision, writing the other
+    if dims.casts:
+        forward += 2 * (b + s)
+        backward += 4 * (b + s)
     kept = 3 * s + b
     one_kernel = GeluNewBytes(forward=2 * b, backward=3 * b, kept=b)
     return GeluNewBytes(

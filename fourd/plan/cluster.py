@@ -351,6 +351,13 @@ def servers_spanned(group: Group, cluster: Cluster) -> int:
     return max(2, math.ceil(group.size / members_per_node(group, cluster)))
 
 
+def send_latency(cluster: Cluster, across_servers: bool) -> float:
+    """Seconds a send takes besides moving its bytes: the call's base latency and one step on the
+    link it crosses, NVLink inside a server or the network between two (`collective_latency`)."""
+    step_us = cluster.network.latency_us if across_servers else cluster.node.intra_latency_us
+    return (cluster.node.call_latency_us + step_us) * 1e-6
+
+
 def collective_latency(op: str, group: Group, cluster: Cluster) -> float:
     """Seconds a collective on `group` takes besides moving its bytes, counted as NCCL's tuning model
     counts it (NCCL 2.19-2.21, `src/graph/tuning.cc`, `ncclTopoTuneModel`): a base latency per call
@@ -362,8 +369,8 @@ def collective_latency(op: str, group: Group, cluster: Cluster) -> float:
     node, net = cluster.node, cluster.network
     servers = servers_spanned(group, cluster)
     if op == "send":
-        steps, crossing = 1, int(servers > 1)
-    elif op == "all_reduce":
+        return send_latency(cluster, across_servers=servers > 1)
+    if op == "all_reduce":
         steps = 2 * math.ceil(math.log2(group.size))
         crossing = 2 * math.ceil(math.log2(servers))
     else:

@@ -101,14 +101,20 @@ class Job:
         `gather_in_step`), not beside the next forward."""
         return self.par.zero in load_stack(self.stack).gather_in_step
 
+    @property
+    def bucket_params(self) -> float:
+        """Parameters whose gradients fill one of the stack's DDP buckets: `dp_bucket_mb` MiB of
+        them in their parameters' dtype (torch DDP's bucket_cap_mb); 0 where the stack reduces one
+        layer at a time."""
+        bucket_mb = load_stack(self.stack).dp_bucket_mb
+        return bucket_mb * 2**20 / self.state_dtype_bytes
+
     def gradient_buckets(self, params: float, layers: int) -> int:
         """The data-parallel reductions of a rank's `params` gradients over its `layers` layers: one
-        per `dp_bucket_mb` MiB of them in their parameters' dtype (torch DDP's buckets), else one
-        per layer."""
-        bucket_mb = load_stack(self.stack).dp_bucket_mb
-        if not bucket_mb:
+        per DDP bucket (`bucket_params`), else one per layer."""
+        if not self.bucket_params:
             return max(1, layers)
-        return max(1, math.ceil(params * self.state_dtype_bytes / (bucket_mb * 2**20)))
+        return max(1, math.ceil(params / self.bucket_params))
 
     @property
     def layout(self) -> Layout:
@@ -214,7 +220,8 @@ def cost_split(model: ModelConfig, pp: int) -> list[int] | None:
     total = model.layers * layer_cost + head_cost
     thresholds = [total * (rank + 1) / pp for rank in range(pp)]
     counts = [0] * pp
-    rank, cumulative = 0, 0
+    rank = 0
+    cumulative = 0
     for _ in range(model.layers):
         counts[rank] += 1
         cumulative += layer_cost

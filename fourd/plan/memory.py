@@ -187,7 +187,7 @@ def rank_memories(job: Job, ranks) -> list[Memory]:
 
 def peak_memory(job: Job) -> tuple[int, Memory]:
     """The pipeline rank whose tensors take the most memory, and its memory."""
-    ranks = rank_shapes(job.model, job.layout.pp, job.par.virtual_stages, job.work.pipeline_split)[
-        2
-    ]
+    _, _, ranks = rank_shapes(
+        job.model, job.layout.pp, job.par.virtual_stages, job.work.pipeline_split
+    )
     return max(zip(ranks, rank_memories(job, ranks)), key=lambda rm: rm[1].total)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import astuple, dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 from fourd.plan.block import loss_bytes, matmuls, score_bytes, traffic
 from fourd.plan.cluster import Cluster, Group, placement, replica_group, shard_group
@@ -378,6 +379,17 @@ class StepTime:
     per_microbatch: StageTime  # the slowest pipeline rank, all its stages
 
 
+class DpPhase(NamedTuple):
+    """One phase of a step's data-parallel traffic: its seconds, the compute beside it that can
+    hide them, the passes it comes in (microbatches), and the buckets of a pass, the last of which
+    nothing hides."""
+
+    seconds: float
+    window: float
+    passes: int
+    buckets: int
+
+
 def _dp_exposure(job: Job, t: StageTime, bubble: float, layers: int) -> tuple[float, float]:
     """(exposed, total) seconds of the slowest rank's ZeRO/DDP traffic: weights gathered one layer
     at a time, gradients reduced in the stack's buckets (`Job.gradient_buckets`), each its own
@@ -408,17 +420,16 @@ def _dp_exposure(job: Job, t: StageTime, bubble: float, layers: int) -> tuple[fl
     beside_forward, in_step = gather, 0.0
     if job.gathers_in_step:
         beside_forward, in_step = 0.0, gather
-    # (seconds of traffic, compute beside it, passes, buckets per pass: the last one exposed)
     phases = {
-        0: [(bucketed("all_reduce", 4 * params, reductions), tail, 1, reductions)],
-        1: [(scatter, tail, 1, reductions), (beside_forward, head, 1, gathers)],
+        0: [DpPhase(bucketed("all_reduce", 4 * params, reductions), tail, 1, reductions)],
+        1: [DpPhase(scatter, tail, 1, reductions), DpPhase(beside_forward, head, 1, gathers)],
         2: [
-            (reduces * scatter, reduces * t.backward, reduces, reductions),
-            (beside_forward, head, 1, gathers),
+            DpPhase(reduces * scatter, reduces * t.backward, reduces, reductions),
+            DpPhase(beside_forward, head, 1, gathers),
         ],
         3: [
-            (microbatches * gather, microbatches * t.forward, microbatches, gathers),
-            (
+            DpPhase(microbatches * gather, microbatches * t.forward, microbatches, gathers),
+            DpPhase(
                 microbatches * gather + reduces * (scatter + across),
                 microbatches * t.backward,
                 microbatches,
@@ -426,9 +437,10 @@ def _dp_exposure(job: Job, t: StageTime, bubble: float, layers: int) -> tuple[fl
             ),
         ],
     }[par.zero]
-    total = in_step + sum(x for x, _, _, _ in phases)
+    total = in_step + sum(phase.seconds for phase in phases)
     exposed = in_step + sum(
-        max(0.0, x - window) + x / (buckets * passes) for x, window, passes, buckets in phases
+        max(0.0, phase.seconds - phase.window) + phase.seconds / (phase.buckets * phase.passes)
+        for phase in phases
     )
     return min(exposed, total), total
 

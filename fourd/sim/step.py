@@ -14,12 +14,17 @@ from typing import Any, cast
 
 from fourd.comm import bus_factor
 from fourd.errors import FourdError
-from fourd.plan.cluster import group_bandwidth, group_level, members_per_node, shard_group
+from fourd.plan.cluster import (
+    group_bandwidth,
+    group_level,
+    members_per_node,
+    send_latency,
+    shard_group,
+)
 from fourd.plan.job import Job
 from fourd.plan.kernels import collective_time, optimizer_time
 from fourd.plan.memory import stage_params
 from fourd.plan.perf import autocast_passes, chunk_times
-from fourd.plan.stack import load_stack
 from fourd.schedules import Action, Schedule, build_schedule, depends_on
 from fourd.sim.network import Flow, Network
 
@@ -133,14 +138,9 @@ def build_comm(job: Job) -> Comm:
         sp_shards = lay.tp
     p2p_bytes = job.work.tokens * job.model.dim * job.dtype_bytes / sp_shards
     server = [lay.rank(pp=pp_rank) // node.gpus for pp_rank in range(lay.pp)]
-    # a send: the call's latency and one step on NVLink or across the network (collective_latency)
-    link = {
-        True: (
-            ("nvl_out", "nvl_in"),
-            nvlink_bw,
-            (node.call_latency_us + node.intra_latency_us) * 1e-6,
-        ),
-        False: (("nic_out", "nic_in"), nic_bw, (node.call_latency_us + net.latency_us) * 1e-6),
+    link = {  # same server: NVLink; else the NICs
+        True: (("nvl_out", "nvl_in"), nvlink_bw, send_latency(cluster, across_servers=False)),
+        False: (("nic_out", "nic_in"), nic_bw, send_latency(cluster, across_servers=True)),
     }
     p2p = {
         (src, dst): link[server[src] == server[dst]]
@@ -171,7 +171,7 @@ def build_comm(job: Job) -> Comm:
         dp_params=stage_params_on_gpu(job),
         weight_bytes=job.state_dtype_bytes,
         gather_in_step=job.gathers_in_step,
-        bucket_bytes=load_stack(job.stack).dp_bucket_mb * 2**20 * 4 / job.state_dtype_bytes,
+        bucket_bytes=4 * job.bucket_params,  # gradients in FP32
     )
 
 
@@ -367,8 +367,11 @@ class _Buckets:
     full bucket is reduced at once, what is left when the last gradient arrives reduced with it."""
 
     def __init__(self, capacity: float, kind: str, rank: int):
-        self.capacity, self.kind, self.rank = capacity, kind, rank
-        self.pending, self.count = 0.0, 0
+        self.capacity = capacity  # FP32 gradient bytes a bucket holds
+        self.kind = kind  # "ar" (ZeRO 0's all-reduce) or "rs" (ZeRO 1's reduce-scatter)
+        self.rank = rank  # the pipeline rank whose buckets these are
+        self.pending = 0.0  # gradient bytes waiting for a bucket to fill
+        self.count = 0  # buckets reduced so far
 
     def fill(self, nbytes: float, last: bool) -> list[tuple[tuple, float]]:
         """The buckets (key, bytes) that `nbytes` more gradients fill; with `last`, the rest too."""
@@ -401,7 +404,9 @@ def _gather_need(sim: _Engine, who: tuple[int, int], piece: _Piece, weight_bytes
     return (who[0], "coll", key)
 
 
-def _reductions(action: Action, part: int, zero: int, gradients: float, buckets, last: bool):
+def _reductions(
+    action: Action, part: int, zero: int, gradients: float, buckets: _Buckets | None, last: bool
+) -> list[tuple[tuple, float]]:
     """The (key, bytes) of the DP reductions a piece's `gradients` bytes start: its layer's own, or
     the DDP buckets they fill (`last`: the rank's last gradients, which reduce what is left)."""
     if buckets is not None:
