@@ -615,6 +615,25 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
             "test_a_ddp_stack_reduces_its_gradients_in_buckets_as_the_backward_fills_them",
         ),
     ),
+    # a cluster's network fitted to nccl-tests (2026-12-06)
+    "the network fit keeps collectives inside one server": (
+        "fourd/plan/netfit.py",
+        "sample for sample in samples if sample.nodes > 1 and sample.nbytes >= SMALLEST_MESSAGE",
+        "sample for sample in samples if sample.nodes >= 1 and sample.nbytes >= SMALLEST_MESSAGE",
+        ("tests/test_plan_netfit.py::test_single_server_and_small_messages_are_left_out",),
+    ),
+    "the network fit stops at its coarse grid": (
+        "fourd/plan/netfit.py",
+        "    _, latency, efficiency = best(fine_latencies, fine_efficiencies)\n",
+        "",
+        ("tests/test_plan_netfit.py::test_the_aws_p5_preset_is_the_fit_of_the_measured_p5_rows",),
+    ),
+    "the fitted profile renames its GPU too": (
+        "fourd/plan/netfit.py",
+        "if index < first_table and re.match(",
+        "if re.match(",
+        ("tests/test_plan_netfit.py::test_calibrate_writes_the_profile_with_the_fitted_network",),
+    ),
 }
 
 

@@ -2,9 +2,15 @@
 CUDA device one GPU in BF16, on CPUs one worker process of `fourd train` in FP32 (what is measured:
 docs/planner.md). Under a minute on CPUs; --quick: a coarser sweep in seconds.
 
+With --nccl-tests it measures nothing: it fits a cluster's network (the latency of a step between
+servers and the fraction of the NIC's rate collectives reach) to nccl-tests run on two or more nodes
+and writes the --cluster profile with that network (fourd.plan.netfit).
+
 examples:
   fourd calibrate
   fourd calibrate --quick --out /tmp/local.toml
+  fourd calibrate --nccl-tests all_reduce_perf.log all_gather_perf.log --cluster dgx-h100 \\
+      --out ~/.fourd/clusters/ours.toml
 """
 
 from __future__ import annotations
@@ -581,13 +587,35 @@ def add_arguments(parser):
     parser.add_argument(
         "--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: CUDA if present"
     )
+    parser.add_argument(
+        "--nccl-tests",
+        nargs="+",
+        metavar="FILE",
+        help="fit --cluster's network to these nccl-tests outputs (or op,nodes,ranks,bytes,time_us "
+        "CSVs) instead of measuring this machine",
+    )
+    parser.add_argument(
+        "--cluster",
+        help="with --nccl-tests: the profile (preset or .toml) whose network is fitted; the rest "
+        "of it is kept",
+    )
 
 
 def run(args) -> int:
-    import torch
-
     from fourd.config import fourd_home
     from fourd.plan.cluster import load_cluster
+
+    out = fourd_home() / "clusters" / "local.toml"
+    if args.out:
+        out = Path(args.out)
+    _check_out(out)
+    if args.nccl_tests:
+        return _fit_network(args, out)
+    if args.cluster:
+        raise FourdError(
+            "--cluster names the profile --nccl-tests fits; give --nccl-tests FILE too"
+        )
+    import torch
 
     device = args.device
     if device == "auto" and torch.cuda.is_available():
@@ -596,19 +624,6 @@ def run(args) -> int:
         device = "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         raise FourdError("--device cuda: no CUDA device is visible to torch here; use --device cpu")
-    out = fourd_home() / "clusters" / "local.toml"
-    if args.out:
-        out = Path(args.out)
-    if out.suffix != ".toml" or out.is_dir():
-        raise FourdError(
-            f"--out {out}: the planner reads .toml profile files; give a file path ending in .toml"
-        )
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise FourdError(
-            f"--out {out}: cannot create {out.parent} ({error.strerror}); choose a writable path"
-        ) from None
     if args.quick:
         plan, command = "quick", f"fourd calibrate --quick --device {device}"
     else:
@@ -635,4 +650,53 @@ def run(args) -> int:
             f"  CPU time per layer: tensor parallelism {cluster.gpu.tp_layer_us:.0f} us, FSDP "
             f"{cluster.gpu.fsdp_layer_us:.0f} us"
         )
+    return 0
+
+
+def _check_out(out: Path) -> None:
+    """Refuse an --out the planner could not read back or that cannot be written, before any work."""
+    if out.suffix != ".toml" or out.is_dir():
+        raise FourdError(
+            f"--out {out}: the planner reads .toml profile files; give a file path ending in .toml"
+        )
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise FourdError(
+            f"--out {out}: cannot create {out.parent} ({error.strerror}); choose a writable path"
+        ) from None
+
+
+def _fit_network(args, out: Path) -> int:
+    """`fourd calibrate --nccl-tests`: fit --cluster's network to the files and write the profile."""
+    from fourd.plan.cluster import load_cluster
+    from fourd.plan.netfit import fit_network, profile_with_network, read_samples
+
+    if not args.cluster:
+        raise FourdError(
+            "--nccl-tests fits the network of a profile: give --cluster, e.g. --cluster dgx-h100"
+        )
+    if args.quick or args.device != "auto":
+        raise FourdError("--nccl-tests measures nothing here; drop --quick and --device")
+    base = load_cluster(args.cluster)
+    samples = [sample for path in args.nccl_tests for sample in read_samples(Path(path))]
+    fit = fit_network(samples, base)
+    files = " ".join(Path(path).name for path in args.nccl_tests)
+    command = f"fourd calibrate --nccl-tests {files} --cluster {base.name}"
+    text = profile_with_network(Path(base.source).read_text(), fit, out.stem, command)
+    tmp = out.with_name(f".{out.stem}.{os.getpid()}.tmp.toml")
+    tmp.write_text(text)
+    try:
+        load_cluster(str(tmp.resolve()))  # what the planner will read, checked before it lands
+    except FourdError:
+        tmp.unlink()
+        raise
+    os.replace(tmp, out)
+    print(
+        f"wrote {out}\n  network of {base.name} fitted to {len(samples)} collectives across "
+        f"servers: a step between servers {fit.latency_us:g} us (was "
+        f"{base.network.latency_us:g}), NIC efficiency {fit.nic_efficiency:g} (was "
+        f"{base.network.nic_efficiency:g}); mean error {fit.mean_error:.1%} (was "
+        f"{fit.mean_error_before:.1%})"
+    )
     return 0
