@@ -46,19 +46,17 @@ PRESETS = {
     "H100-HBM2e-96GB": "grand-teton-h100",
     "H200-SXM-141GB": "dgx-h200",
 }
-# Rows whose source states Llama 3's cluster (3,072-GPU pods, 1:7 between them) run on that preset.
-TOPOLOGY = {"llama3": "llama3-h100"}
 # The fitted numbers: each GPU generation's sustained GEMM efficiency (in the presets) and the model's constants.
 GENERATIONS = {
     "A100": ("dgx-a100-40gb", "selene-a100"),
-    "H100/H200": ("dgx-h100", "llama3-h100", "dgx-h200"),
+    "H100/H200": ("dgx-h100", "llama3-h100", "dgx-h200", "aws-p5"),
     "H100 96 GB": ("grand-teton-h100",),
 }
 CONSTANTS = ((kernels, "GEMM_K_OVERHEAD", 32.0),)
 
 
 def cluster_for(run: Run, efficiency: dict[str, float] | None = None) -> Cluster:
-    name = TOPOLOGY.get(run.source, PRESETS[run.gpu])
+    name = run.cluster or PRESETS[run.gpu]
     return _cluster(name, run.nic_gbps_per_gpu, tuple(sorted((efficiency or {}).items())))
 
 

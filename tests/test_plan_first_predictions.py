@@ -98,6 +98,10 @@ def test_the_loader_checks_the_whole_file_and_refuses_a_bad_first_prediction(tmp
     bad.write_text(text.replace('stack = "paddle"', 'stack = "paddlepaddle"', 1))
     with pytest.raises(FourdError, match="stack = 'paddlepaddle': choose one of"):
         _load(bad)
+    # A cluster that is not a preset is refused with the choices.
+    bad.write_text(text.replace('cluster = "aws-p5"', 'cluster = "aws-p4"', 1))
+    with pytest.raises(FourdError, match="cluster = 'aws-p4': choose one of .*'aws-p5'"):
+        _load(bad)
     # The script form checks the file and prints its coverage.
     script = ROOT / "benchmarks" / "validation" / "runs.py"
     coverage = subprocess.run(

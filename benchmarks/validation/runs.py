@@ -33,6 +33,7 @@ from fourd.layout import (
     parse_layout,
 )
 from fourd.model.config import ModelConfig, get_preset, parse_model_spec
+from fourd.plan.cluster import preset_names as cluster_presets
 from fourd.plan.stack import FUSED_ATTENTION, PIPELINE_COMM
 from fourd.schedules import SCHEDULES
 
@@ -104,6 +105,9 @@ class Run:
         0.0  # inter-node bandwidth per GPU as the source states it; 0: not stated
     )
     interconnect: str = ""
+    # the fourd preset of the row's cluster where its source tells more than its GPU (whose preset
+    # validate_planner.PRESETS names): Llama 3's pods, an AWS cluster's EFA network
+    cluster: str = ""
     mfu: float = 0.0  # published metrics, in the source's own terms (0: not published)
     hfu: float = 0.0
     tflops_per_gpu: float = 0.0
@@ -201,6 +205,7 @@ def _check_run(run: Run, sources: dict[str, Source]) -> None:
         _choose(run, name, allowed)
     _choose(run, "memory_kind", MEMORY_KINDS if run.memory_gib else ("",))
     _choose(run, "stack", STACKS)
+    _choose(run, "cluster", ("", *cluster_presets()))
     _check_first_prediction(run, sources[run.source])
     bad = set(run.unstated) - {f.name for f in fields(Run)}
     if bad:
