@@ -76,6 +76,20 @@ def test_the_fit_recovers_the_network_it_was_measured_on(tmp_path):
     assert fit.mean_error_before > 0.1  # dgx-h100's own network: 14 us and 0.9
 
 
+def test_runs_concatenated_in_one_log_keep_their_own_collective_and_hosts(tmp_path):
+    path = tmp_path / "nccl.log"
+    path.write_text(
+        nccl_tests_log("all_reduce", 2, [(MIB, 100.0)])
+        + "\n"
+        + nccl_tests_log("all_gather", 4, [(MIB, 200.0), (4 * MIB, 300.0)])
+    )
+    assert [(s.op, s.nodes, s.ranks, s.nbytes, s.seconds) for s in read_samples(path)] == [
+        ("all_reduce", 2, 16, MIB, pytest.approx(100e-6)),
+        ("all_gather", 4, 32, MIB, pytest.approx(200e-6)),
+        ("all_gather", 4, 32, 4 * MIB, pytest.approx(300e-6)),
+    ]
+
+
 def test_single_server_and_small_messages_are_left_out(tmp_path):
     path = tmp_path / "all_gather_perf.txt"  # the op from the file name: no "starting" line
     log = nccl_tests_log("all_gather", 1, [(MIB, 50.0)]).replace(

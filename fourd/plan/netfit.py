@@ -108,37 +108,48 @@ def _csv_samples(text: str, path: Path) -> list[NcclSample]:
     return samples
 
 
+RANK_LINE = re.compile(r"#\s+Rank\s+\d+\s+Group\s+\d+\s+Pid\s+\d+\s+on\s+(\S+)")
+STARTING_LINE = re.compile(r"Collective test starting:\s*(\w+?)(_perf)?\b")
+
+
 def _nccl_tests_samples(lines: list[str], path: Path) -> list[NcclSample]:
-    hosts = [
-        match.group(1)
-        for line in lines
-        if (match := re.match(r"#\s+Rank\s+\d+\s+Group\s+\d+\s+Pid\s+\d+\s+on\s+(\S+)", line))
-    ]
-    if not hosts:
+    """The rows of every run in an nccl-tests log, one file or several runs concatenated: each run
+    opens with its "# nThread" line, lists its ranks and their hosts, then one row a size (the
+    out-of-place time in microseconds is the sixth field); its collective is named by a "Collective
+    test starting" line before it or, failing that, by the file's name."""
+    if not any(RANK_LINE.match(line) for line in lines):
         raise FourdError(
             f"--nccl-tests {path}: neither nccl-tests output (no '#  Rank N ... on HOST' lines) "
             f"nor a CSV with the header {','.join(CSV_COLUMNS)}; give one of those"
         )
-    op = _op_of(lines, path)
-    samples = []
+    op = ""
+    hosts: list[str] = []  # the current run's rank lines' hosts, one a rank
+    samples: list[NcclSample] = []
     for line in lines:
+        if starting := STARTING_LINE.search(line):
+            op = _known(starting.group(1), path)
+            continue
+        if line.startswith("# nThread"):
+            hosts = []
+            continue
+        if rank := RANK_LINE.match(line):
+            hosts.append(rank.group(1))
+            continue
         fields = line.split()
-        if line.startswith("#") or len(fields) < 9 or not fields[0].isdigit():
+        if line.startswith("#") or len(fields) < 9 or not fields[0].isdigit() or not hosts:
             continue
         try:
             seconds = float(fields[5]) * 1e-6
         except ValueError:
             continue
-        samples.append(
-            _checked(NcclSample(op, len(set(hosts)), len(hosts), int(fields[0]), seconds), path)
+        sample = NcclSample(
+            op or _op_of_name(path), len(set(hosts)), len(hosts), int(fields[0]), seconds
         )
+        samples.append(_checked(sample, path))
     return samples
 
 
-def _op_of(lines: list[str], path: Path) -> str:
-    for line in lines:
-        if match := re.search(r"Collective test starting:\s*(\w+?)(_perf)?\b", line):
-            return _known(match.group(1), path)
+def _op_of_name(path: Path) -> str:
     stem = path.name.split(".")[0]
     for op in OPS:
         if op in stem:
