@@ -3,6 +3,7 @@ recovers a network it was given, reads nccl-tests' own output and the CSV, write
 loads, and the aws-p5 preset is what the command makes of the measured p5 rows."""
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -141,6 +142,27 @@ def test_calibrate_writes_the_profile_with_the_fitted_network(fourd, tmp_path):
     written = tomllib.loads(out.read_text())
     assert written["network"] == {**base["network"], "latency_us": 73, "nic_efficiency": 0.8}
     assert list(tmp_path.iterdir()) == [out]  # no temporary file left
+
+
+def test_by_default_the_fitted_profile_is_base_nccl_and_plans_at_once(fourd, tmp_path):
+    """Without --out the profile lands in $FOURD_HOME/clusters as BASE-nccl.toml, never over `local`,
+    and `fourd plan --cluster BASE-nccl` reads it straight away."""
+    home = {"FOURD_HOME": str(tmp_path)}
+    code, stdout, stderr = fourd(
+        "calibrate", "--nccl-tests", P5_ROWS, "--cluster", "dgx-h100", env=home
+    )
+    written = tmp_path / "clusters" / "dgx-h100-nccl.toml"
+    assert code == 0 and stdout.startswith(f"wrote {written}\n"), stderr
+    assert sorted(path.name for path in (tmp_path / "clusters").iterdir()) == ["dgx-h100-nccl.toml"]
+    plan = ["plan", "--model", "llama3-8b", "--gpus", "64", "--layout", "dp=64", "--zero", "1"]
+    code, stdout, stderr = fourd(*plan, "--cluster", "dgx-h100-nccl", "--json", env=home)
+    assert code == 0, stderr
+    fitted = json.loads(stdout)
+    code, stdout, stderr = fourd(*plan, "--cluster", "dgx-h100", "--json", env=home)
+    infiniband = json.loads(stdout)
+    assert fitted["cluster"] == "dgx-h100-nccl" and infiniband["cluster"] == "dgx-h100"
+    # 73 us a step and 0.8 of the NIC: the data-parallel collectives take longer
+    assert fitted["breakdown_s"]["dp_total"] > infiniband["breakdown_s"]["dp_total"]
 
 
 @pytest.mark.parametrize(

@@ -4,13 +4,13 @@ docs/planner.md). Under a minute on CPUs; --quick: a coarser sweep in seconds.
 
 With --nccl-tests it measures nothing: it fits a cluster's network (the latency of a step between
 servers and the fraction of the NIC's rate collectives reach) to nccl-tests run on two or more nodes
-and writes the --cluster profile with that network (fourd.plan.netfit).
+and writes the --cluster profile with that network (fourd.plan.netfit), by default as
+$FOURD_HOME/clusters/BASE-nccl.toml.
 
 examples:
   fourd calibrate
   fourd calibrate --quick --out /tmp/local.toml
-  fourd calibrate --nccl-tests all_reduce_perf.log all_gather_perf.log --cluster dgx-h100 \\
-      --out ~/.fourd/clusters/ours.toml
+  fourd calibrate --nccl-tests all_reduce_perf.log all_gather_perf.log --cluster dgx-h100
 """
 
 from __future__ import annotations
@@ -581,7 +581,9 @@ def _gpu_table(machine: dict, cpu: bool) -> list[str]:
 
 def add_arguments(parser):
     parser.add_argument(
-        "--out", help="where to write the profile (default $FOURD_HOME/clusters/local.toml)"
+        "--out",
+        help="where to write the profile (default $FOURD_HOME/clusters/local.toml; with "
+        "--nccl-tests, BASE-nccl.toml there)",
     )
     parser.add_argument("--quick", action="store_true", help="a coarser, smaller sweep (seconds)")
     parser.add_argument(
@@ -605,12 +607,12 @@ def run(args) -> int:
     from fourd.config import fourd_home
     from fourd.plan.cluster import load_cluster
 
+    if args.nccl_tests:
+        return _fit_network(args)
     out = fourd_home() / "clusters" / "local.toml"
     if args.out:
         out = Path(args.out)
     _check_out(out)
-    if args.nccl_tests:
-        return _fit_network(args, out)
     if args.cluster:
         raise FourdError(
             "--cluster names the profile --nccl-tests fits; give --nccl-tests FILE too"
@@ -667,8 +669,10 @@ def _check_out(out: Path) -> None:
         ) from None
 
 
-def _fit_network(args, out: Path) -> int:
-    """`fourd calibrate --nccl-tests`: fit --cluster's network to the files and write the profile."""
+def _fit_network(args) -> int:
+    """`fourd calibrate --nccl-tests`: fit --cluster's network to the files and write the profile,
+    by default as $FOURD_HOME/clusters/BASE-nccl.toml (`--cluster BASE-nccl` plans on it)."""
+    from fourd.config import fourd_home
     from fourd.plan.cluster import load_cluster
     from fourd.plan.netfit import fit_network, profile_with_network, read_samples
 
@@ -679,6 +683,10 @@ def _fit_network(args, out: Path) -> int:
     if args.quick or args.device != "auto":
         raise FourdError("--nccl-tests measures nothing here; drop --quick and --device")
     base = load_cluster(args.cluster)
+    out = fourd_home() / "clusters" / f"{base.name}-nccl.toml"
+    if args.out:
+        out = Path(args.out)
+    _check_out(out)
     samples = [sample for path in args.nccl_tests for sample in read_samples(Path(path))]
     fit = fit_network(samples, base)
     files = " ".join(Path(path).name for path in args.nccl_tests)
