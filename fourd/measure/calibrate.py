@@ -707,4 +707,11 @@ def _fit_network(args) -> int:
         f"{base.network.nic_efficiency:g}); mean error {fit.mean_error:.1%} (was "
         f"{fit.mean_error_before:.1%})"
     )
+    ops = sorted({sample.op for sample in samples})
+    for op in ops if len(ops) > 1 else ():
+        alone = fit_network([sample for sample in samples if sample.op == op], base)
+        print(
+            f"  {op} alone: {alone.latency_us:g} us, NIC efficiency {alone.nic_efficiency:g}, mean "
+            f"error {alone.mean_error:.1%} over {len(alone.samples)}"
+        )
     return 0
