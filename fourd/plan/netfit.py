@@ -28,6 +28,9 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter")
 # Simple-protocol steps do not describe; training's buckets and layers move more.
 SMALLEST_MESSAGE = 1 << 20
 CSV_COLUMNS = ("op", "nodes", "ranks", "bytes", "time_us")
+# nccl-tests' lines naming a rank's host, and the collective a run measures
+RANK_LINE = re.compile(r"#\s+Rank\s+\d+\s+Group\s+\d+\s+Pid\s+\d+\s+on\s+(\S+)")
+STARTING_LINE = re.compile(r"Collective test starting:\s*(\w+?)(_perf)?\b")
 # The fit's search: network step latencies in microseconds and NIC efficiencies, coarse then fine.
 COARSE_LATENCIES_US = range(0, 501, 10)
 COARSE_EFFICIENCIES = [step / 20 for step in range(1, 21)]
@@ -49,6 +52,9 @@ class NcclSample:
 
 @dataclass(frozen=True)
 class NetworkFit:
+    """The fitted network step latency and NIC efficiency, the samples, and the model's error on
+    each with the fit and with the base profile's own network."""
+
     latency_us: float
     nic_efficiency: float
     samples: tuple[NcclSample, ...]
@@ -106,10 +112,6 @@ def _csv_samples(text: str, path: Path) -> list[NcclSample]:
             ) from None
         samples.append(_checked(sample, path))
     return samples
-
-
-RANK_LINE = re.compile(r"#\s+Rank\s+\d+\s+Group\s+\d+\s+Pid\s+\d+\s+on\s+(\S+)")
-STARTING_LINE = re.compile(r"Collective test starting:\s*(\w+?)(_perf)?\b")
 
 
 def _nccl_tests_samples(lines: list[str], path: Path) -> list[NcclSample]:
