@@ -68,7 +68,7 @@ def test_the_fit_recovers_the_network_it_was_measured_on(tmp_path):
             path = tmp_path / f"{op}-{nodes}.log"
             path.write_text(nccl_tests_log(op, nodes, times))
             files.append(path)
-    samples = [sample for path in files for sample in read_samples(path)]
+    samples = [sample for path in files for sample in read_samples(path).kept]
     assert len(samples) == 24
     assert samples[0] == NcclSample("all_reduce", 2, 16, MIB, pytest.approx(samples[0].seconds))
     fit = fit_network(samples, H100)
@@ -84,11 +84,41 @@ def test_runs_concatenated_in_one_log_keep_their_own_collective_and_hosts(tmp_pa
         + "\n"
         + nccl_tests_log("all_gather", 4, [(MIB, 200.0), (4 * MIB, 300.0)])
     )
-    assert [(s.op, s.nodes, s.ranks, s.nbytes, s.seconds) for s in read_samples(path)] == [
+    assert [(s.op, s.nodes, s.ranks, s.nbytes, s.seconds) for s in read_samples(path).kept] == [
         ("all_reduce", 2, 16, MIB, pytest.approx(100e-6)),
         ("all_gather", 4, 32, MIB, pytest.approx(200e-6)),
         ("all_gather", 4, 32, 4 * MIB, pytest.approx(300e-6)),
     ]
+
+
+def test_other_collectives_of_a_full_nccl_tests_sweep_are_counted_and_left_out(fourd, tmp_path):
+    """A sweep's logs of broadcast, sendrecv and the rest say nothing the planner models: the command
+    fits the rest and says what it left out, and why."""
+    (tmp_path / "broadcast_perf.log").write_text(nccl_tests_log("broadcast", 2, [(MIB, 90.0)]))
+    (tmp_path / "sweep.log").write_text(
+        nccl_tests_log("sendrecv", 2, [(MIB, 40.0), (2 * MIB, 60.0)])
+        + "\n"
+        + nccl_tests_log("all_gather", 1, [(MIB, 20.0)])
+    )
+    kept, left_out = read_samples(tmp_path / "broadcast_perf.log")
+    assert (kept, left_out) == ([], {"of broadcast (not modelled)": 1})
+    code, stdout, stderr = fourd(
+        "calibrate",
+        "--nccl-tests",
+        tmp_path / "broadcast_perf.log",
+        tmp_path / "sweep.log",
+        P5_ROWS,
+        "--cluster",
+        "dgx-h100",
+        "--out",
+        tmp_path / "ours.toml",
+    )
+    assert code == 0, stderr
+    assert stdout.splitlines()[2] == (
+        "  left out: 1 row of broadcast (not modelled), 2 rows of sendrecv (not modelled), "
+        "1 row on one server"
+    )
+    assert load_cluster(str(tmp_path / "ours.toml")).network.latency_us == 73
 
 
 def test_single_server_and_small_messages_are_left_out(tmp_path):
@@ -97,16 +127,19 @@ def test_single_server_and_small_messages_are_left_out(tmp_path):
         "# Collective test starting: all_gather_perf\n", ""
     )
     path.write_text(log)
-    assert read_samples(path) == []  # one server: no step between servers to fit
+    # one server: no step between servers to fit
+    assert read_samples(path) == ([], {"on one server": 1})
     path.write_text(nccl_tests_log("all_gather", 2, [(MIB // 2, 50.0), (MIB, 60.0)]))
-    assert [sample.nbytes for sample in read_samples(path)] == [MIB]
+    kept, left_out = read_samples(path)
+    assert [sample.nbytes for sample in kept] == [MIB] and left_out == {"under 1 MiB": 1}
 
 
 def test_the_aws_p5_preset_is_the_fit_of_the_measured_p5_rows():
     """The preset's network is `fourd calibrate --nccl-tests aws-p5-efa.csv --cluster dgx-h100`'s: 80
     all-gathers and all-reduces on 2 to 32 p5 instances, 16.9 % off on average against 29.3 % with
     InfiniBand's figures; every other figure is dgx-h100's."""
-    samples = read_samples(P5_ROWS)
+    samples, left_out = read_samples(P5_ROWS)
+    assert left_out == {}
     assert len(samples) == 80
     assert {(sample.op, sample.nodes) for sample in samples} == {
         (op, nodes) for op in ("all_gather", "all_reduce") for nodes in (2, 4, 8, 16, 32)

@@ -674,7 +674,7 @@ def _fit_network(args) -> int:
     by default as $FOURD_HOME/clusters/BASE-nccl.toml (`--cluster BASE-nccl` plans on it)."""
     from fourd.config import fourd_home
     from fourd.plan.cluster import load_cluster
-    from fourd.plan.netfit import fit_network, profile_with_network, read_samples
+    from fourd.plan.netfit import NcclSample, fit_network, profile_with_network, read_samples
 
     if not args.cluster:
         raise FourdError(
@@ -687,7 +687,13 @@ def _fit_network(args) -> int:
     if args.out:
         out = Path(args.out)
     _check_out(out)
-    samples = [sample for path in args.nccl_tests for sample in read_samples(Path(path))]
+    samples: list[NcclSample] = []
+    left_out: dict[str, int] = {}  # rows by the reason the fit leaves them out
+    for path in args.nccl_tests:
+        kept, skipped = read_samples(Path(path))
+        samples += kept
+        for reason, rows in skipped.items():
+            left_out[reason] = left_out.get(reason, 0) + rows
     fit = fit_network(samples, base)
     files = " ".join(Path(path).name for path in args.nccl_tests)
     command = f"fourd calibrate --nccl-tests {files} --cluster {base.name}"
@@ -707,6 +713,14 @@ def _fit_network(args) -> int:
         f"{base.network.nic_efficiency:g}); mean error {fit.mean_error:.1%} (was "
         f"{fit.mean_error_before:.1%})"
     )
+    if left_out:
+        print(
+            "  left out: "
+            + ", ".join(
+                f"{rows} row{'' if rows == 1 else 's'} {reason}"
+                for reason, rows in sorted(left_out.items())
+            )
+        )
     ops = sorted({sample.op for sample in samples})
     for op in ops if len(ops) > 1 else ():
         alone = fit_network([sample for sample in samples if sample.op == op], base)

@@ -18,12 +18,15 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from fourd.errors import FourdError
 from fourd.plan.cluster import Cluster, Group
 from fourd.plan.kernels import collective_time
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
+# nccl-tests' other collectives: their runs are left out of a fit, and counted as such
+OTHER_NCCL_TESTS = ("alltoall", "broadcast", "reduce", "sendrecv", "gather", "scatter", "hypercube")
 # Below this a collective runs NCCL's low-latency protocols, whose latencies the planner's
 # Simple-protocol steps do not describe; training's buckets and layers move more.
 SMALLEST_MESSAGE = 1 << 20
@@ -70,8 +73,16 @@ class NetworkFit:
         return sum(abs(error) for error in self.errors_before) / len(self.errors_before)
 
 
-def read_samples(path: Path) -> list[NcclSample]:
-    """The multi-server samples of one file, nccl-tests output or CSV (module docstring)."""
+class Samples(NamedTuple):
+    """A file's samples that a fit uses, and how many rows it left out for each reason."""
+
+    kept: list[NcclSample]
+    left_out: dict[str, int]
+
+
+def read_samples(path: Path) -> Samples:
+    """The samples of one file, nccl-tests output or CSV (module docstring), that say something of
+    the network: collectives the planner models, across servers, of 1 MiB or more."""
     try:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as error:
@@ -84,7 +95,26 @@ def read_samples(path: Path) -> list[NcclSample]:
         samples = _csv_samples(text, path)
     else:
         samples = _nccl_tests_samples(lines, path)
-    return [sample for sample in samples if sample.nodes > 1 and sample.nbytes >= SMALLEST_MESSAGE]
+    kept: list[NcclSample] = []
+    left_out: dict[str, int] = {}
+    for sample in samples:
+        reason = _left_out_because(sample)
+        if reason:
+            left_out[reason] = left_out.get(reason, 0) + 1
+        else:
+            kept.append(sample)
+    return Samples(kept, left_out)
+
+
+def _left_out_because(sample: NcclSample) -> str:
+    """Why a sample says nothing of the network the planner models ("" when it does)."""
+    if sample.op not in OPS:
+        return f"of {sample.op} (not modelled)"
+    if sample.nodes == 1:
+        return "on one server"
+    if sample.nbytes < SMALLEST_MESSAGE:
+        return "under 1 MiB"
+    return ""
 
 
 def _csv_samples(text: str, path: Path) -> list[NcclSample]:
@@ -129,7 +159,7 @@ def _nccl_tests_samples(lines: list[str], path: Path) -> list[NcclSample]:
     samples: list[NcclSample] = []
     for line in lines:
         if starting := STARTING_LINE.search(line):
-            op = _known(starting.group(1), path)
+            op = _nccl_tests_op(starting.group(1), path)
             continue
         if line.startswith("# nThread"):
             hosts = []
@@ -147,13 +177,24 @@ def _nccl_tests_samples(lines: list[str], path: Path) -> list[NcclSample]:
         sample = NcclSample(
             op or _op_of_name(path), len(set(hosts)), len(hosts), int(fields[0]), seconds
         )
-        samples.append(_checked(sample, path))
+        samples.append(_checked(sample, path, OPS + OTHER_NCCL_TESTS))
     return samples
 
 
+def _nccl_tests_op(name: str, path: Path) -> str:
+    if name not in OPS + OTHER_NCCL_TESTS:
+        raise FourdError(
+            f"--nccl-tests {path}: {name!r} is not an nccl-tests collective; give the output of "
+            f"{', '.join(f'{op}_perf' for op in OPS)}"
+        )
+    return name
+
+
 def _op_of_name(path: Path) -> str:
+    """The collective a log's file name names (nccl-tests' binaries: all_reduce_perf, ...), the
+    modelled ones first: all_reduce_perf also contains "reduce"."""
     stem = path.name.split(".")[0]
-    for op in OPS:
+    for op in OPS + OTHER_NCCL_TESTS:
         if op in stem:
             return op
     raise FourdError(
@@ -162,17 +203,14 @@ def _op_of_name(path: Path) -> str:
     )
 
 
-def _known(op: str, path: Path) -> str:
-    if op not in OPS:
+def _checked(sample: NcclSample, path: Path, ops: tuple[str, ...] = OPS) -> NcclSample:
+    """The sample, or one line naming what is wrong with it: a CSV's op must be one the planner
+    models (a misspelt one would be left out unseen), an nccl-tests log's any of nccl-tests'."""
+    if sample.op not in ops:
         raise FourdError(
-            f"--nccl-tests {path}: collective {op!r} is not one the planner models; give "
+            f"--nccl-tests {path}: collective {sample.op!r} is not one the planner models; give "
             f"{', '.join(OPS)}"
         )
-    return op
-
-
-def _checked(sample: NcclSample, path: Path) -> NcclSample:
-    _known(sample.op, path)
     if sample.nodes < 1 or sample.ranks < sample.nodes or sample.ranks % sample.nodes:
         raise FourdError(
             f"--nccl-tests {path}: {sample.ranks} ranks on {sample.nodes} nodes are not the same "
