@@ -20,7 +20,7 @@ import os
 import platform
 import statistics
 import time
-from collections import namedtuple
+from collections import Counter, namedtuple
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -609,14 +609,14 @@ def run(args) -> int:
 
     if args.nccl_tests:
         return _fit_network(args)
-    out = fourd_home() / "clusters" / "local.toml"
-    if args.out:
-        out = Path(args.out)
-    _check_out(out)
     if args.cluster:
         raise FourdError(
             "--cluster names the profile --nccl-tests fits; give --nccl-tests FILE too"
         )
+    out = fourd_home() / "clusters" / "local.toml"
+    if args.out:
+        out = Path(args.out)
+    _check_out(out)
     import torch
 
     device = args.device
@@ -688,12 +688,11 @@ def _fit_network(args) -> int:
         out = Path(args.out)
     _check_out(out)
     samples: list[NcclSample] = []
-    left_out: dict[str, int] = {}  # rows by the reason the fit leaves them out
+    left_out: Counter[str] = Counter()  # rows by the reason the fit leaves them out
     for path in args.nccl_tests:
         kept, skipped = read_samples(Path(path))
         samples += kept
-        for reason, rows in skipped.items():
-            left_out[reason] = left_out.get(reason, 0) + rows
+        left_out.update(skipped)
     fit = fit_network(samples, base)
     files = " ".join(Path(path).name for path in args.nccl_tests)
     command = f"fourd calibrate --nccl-tests {files} --cluster {base.name}"
@@ -722,7 +721,9 @@ def _fit_network(args) -> int:
             )
         )
     ops = sorted({sample.op for sample in samples})
-    for op in ops if len(ops) > 1 else ():
+    if len(ops) == 1:
+        return 0
+    for op in ops:  # each collective's own fit: where they disagree, the model does
         alone = fit_network([sample for sample in samples if sample.op == op], base)
         print(
             f"  {op} alone: {alone.latency_us:g} us, NIC efficiency {alone.nic_efficiency:g}, mean "

@@ -359,13 +359,14 @@ def send_latency(cluster: Cluster, across_servers: bool) -> float:
 
 
 def collective_latency(op: str, group: Group, cluster: Cluster) -> float:
-    """Seconds a collective on `group` takes besides moving its bytes, counted as NCCL's tuning model
-    counts it (NCCL 2.19-2.21, `src/graph/tuning.cc`, `ncclTopoTuneModel`): a base latency per call
-    (`baseLat`, ring, Simple protocol), then each step of the algorithm at the latency of the link it
-    crosses (`hwLat`: NVLink inside a server, the network between servers). On n ranks over k servers
-    a ring reduce-scatter or all-gather takes n − 1 steps, k − 1 of them between servers; an
-    all-reduce 2·⌈log2 n⌉ (the double binary tree), 2·⌈log2 k⌉ of them between servers; a send one
-    step."""
+    """Seconds a collective on `group` takes besides moving its bytes: a base latency per call
+    (NCCL 2.19-2.21's tuning model, `src/graph/tuning.cc`: `baseLat`, ring, Simple protocol), then
+    each step at the latency of the link it crosses (its `hwLat` for the ring: NVLink inside a
+    server, the network between servers). On n ranks over k servers a ring reduce-scatter or
+    all-gather takes n − 1 steps, k − 1 of them between servers, as NCCL counts them; a send one
+    step. An all-reduce is counted as the depth of a double binary tree, 2·⌈log2 n⌉ steps, 2·⌈log2 k⌉
+    of them between servers, at the ring's step latencies: fewer than NCCL's own count of its ring
+    or tree all-reduce (docs/planner.md, "Examined and left out: NCCL's own all-reduce latencies")."""
     node, net = cluster.node, cluster.network
     servers = servers_spanned(group, cluster)
     if op == "send":

@@ -140,6 +140,11 @@ def _csv_samples(text: str, path: Path) -> list[NcclSample]:
                 f"--nccl-tests {path}: row {number} is not op,nodes,ranks,bytes,time_us with "
                 "whole numbers and a time in microseconds; fix that row"
             ) from None
+        if sample.op not in OPS:  # a misspelt op would otherwise be left out unseen
+            raise FourdError(
+                f"--nccl-tests {path}: collective {sample.op!r} is not one the planner models; "
+                f"give {', '.join(OPS)}"
+            )
         samples.append(_checked(sample, path))
     return samples
 
@@ -177,7 +182,7 @@ def _nccl_tests_samples(lines: list[str], path: Path) -> list[NcclSample]:
         sample = NcclSample(
             op or _op_of_name(path), len(set(hosts)), len(hosts), int(fields[0]), seconds
         )
-        samples.append(_checked(sample, path, OPS + OTHER_NCCL_TESTS))
+        samples.append(_checked(sample, path))
     return samples
 
 
@@ -203,14 +208,8 @@ def _op_of_name(path: Path) -> str:
     )
 
 
-def _checked(sample: NcclSample, path: Path, ops: tuple[str, ...] = OPS) -> NcclSample:
-    """The sample, or one line naming what is wrong with it: a CSV's op must be one the planner
-    models (a misspelt one would be left out unseen), an nccl-tests log's any of nccl-tests'."""
-    if sample.op not in ops:
-        raise FourdError(
-            f"--nccl-tests {path}: collective {sample.op!r} is not one the planner models; give "
-            f"{', '.join(OPS)}"
-        )
+def _checked(sample: NcclSample, path: Path) -> NcclSample:
+    """The sample, or one line naming what is wrong with its nodes, ranks, size or time."""
     if sample.nodes < 1 or sample.ranks < sample.nodes or sample.ranks % sample.nodes:
         raise FourdError(
             f"--nccl-tests {path}: {sample.ranks} ranks on {sample.nodes} nodes are not the same "
