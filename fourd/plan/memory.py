@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from fourd.plan.block import loss_bytes, traffic
-from fourd.plan.job import Job, stage_layers
+from fourd.plan.job import Job, Work, stage_layers
 
 GB = 1e9
 # PyTorch's CUDA caching allocator keeps freed blocks for reuse: reserved over allocated, less one.
@@ -125,6 +125,15 @@ def rank_state_bytes(job: Job) -> tuple[float, float, float]:
     return state_bytes_per_param(job.par.zero, job.par.shard_ranks, job.state_dtype_bytes)
 
 
+@lru_cache(maxsize=4096)
+def recomputed_bytes_per_token(work: Work) -> float:
+    """Per token, what a recomputed layer's recomputation makes again and holds through its
+    backward: all it would keep without recomputation, less what it kept; 0 without recomputation."""
+    if work.recompute == "none":
+        return 0.0
+    return traffic(replace(work, recompute="none")).saved - traffic(work).saved
+
+
 def rank_memories(job: Job, ranks) -> list[Memory]:
     """Peak memory of one GPU of each pipeline rank in `ranks`."""
     par, lay, work, b, model = job.par, job.layout, job.work, job.dtype_bytes, job.model
@@ -133,11 +142,7 @@ def rank_memories(job: Job, ranks) -> list[Memory]:
     per_layer = work.tokens * traffic(work).saved
     # while a recomputed layer runs its backward it holds, for one microbatch, the activations its
     # recomputation made again: all it would keep without recomputation, less what it kept
-    common = (
-        work.tokens * (traffic(replace(work, recompute="none")).saved - traffic(work).saved)
-        if par.recompute != "none"
-        else 0.0
-    )
+    common = work.tokens * recomputed_bytes_per_token(work)
     logits = (
         loss_bytes(b)[2] * work.tokens * model.vocab / lay.tp
     )  # the loss's, for one microbatch: the last rank

@@ -4,7 +4,7 @@ Seconds, bytes, FLOP/s."""
 
 from __future__ import annotations
 
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -47,7 +47,13 @@ class StageTime:
     backward = property(lambda self: self.input_grad_s + self.weight_grad_s + self.backward_comm_s)
 
     def __add__(self, other: StageTime) -> StageTime:
-        return StageTime(*(a + b for a, b in zip(astuple(self), astuple(other))))
+        return StageTime(
+            self.forward_s + other.forward_s,
+            self.input_grad_s + other.input_grad_s,
+            self.weight_grad_s + other.weight_grad_s,
+            self.forward_comm_s + other.forward_comm_s,
+            self.backward_comm_s + other.backward_comm_s,
+        )
 
     def scaled(self, k: float, comm: float | None = None) -> StageTime:
         """Compute times k times, communication `comm` times (default k)."""
