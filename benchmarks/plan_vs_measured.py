@@ -8,8 +8,10 @@ Each layout trains `--steps` steps in a fresh run directory; the first `--warmup
 allocator and thread-pool warm-up) are dropped and the median of the rest is the measured step time.
 Prints a markdown table and the median absolute error; also each layout's step time relative to the first
 layout's (1 rank), measured and predicted, which other load on a shared machine disturbs less.
-`--save FILE` keeps the measured step times (JSON); `--measured FILE` predicts against them again
-without training, e.g. after recalibrating. `--anchor` anchors every prediction on the first layout's run
+`--rounds N` runs every layout N times, in turn (all layouts, then all again), and takes each layout's
+median over the rounds, so that a machine whose speed drifts over minutes slows every layout alike; the
+table gives the rounds' range beside the median. `--save FILE` keeps the measured step times (JSON);
+`--measured FILE` predicts against them again without training, e.g. after recalibrating. `--anchor` anchors every prediction on the first layout's run
 (the 1-rank run's anchor.json, with its median step time: `fourd plan --anchor`, fourd.plan.anchor) and
 judges the other layouts, what an anchored prediction is for: the multi-rank layouts from a 1-rank step.
 """
@@ -118,6 +120,26 @@ def predict(model: str, layout: str, schedule: str, m: int, args, anchor: str = 
     return json.loads(r.stdout)
 
 
+def measure_rounds(chosen: list[tuple], keys: dict, saved: dict, args) -> None:
+    """Train every chosen layout `args.rounds` times, in turn, into `saved`: per layout its median
+    step time (key), the rounds' times ("KEY rounds") and the anchor.json of its median round
+    ("KEY anchor"); written to `args.save` after every run, so an interrupted sweep keeps what ran."""
+    runs: dict[str, list[tuple[float, dict]]] = {}
+    for _ in range(args.rounds):
+        for layout, schedule, m in chosen:
+            key = keys[layout, schedule, m]
+            runs.setdefault(key, []).append(measure(args.model, layout, schedule, m, args))
+            times = [seconds for seconds, _ in runs[key]]
+            print(f"round {len(times)}: {layout} {times[-1]:.3f} s", file=sys.stderr, flush=True)
+            median = statistics.median(times)
+            middle = min(runs[key], key=lambda run: abs(run[0] - median))[1]
+            saved[key] = median
+            saved[f"{key} rounds"] = times
+            saved[f"{key} anchor"] = middle | {"step_time_s": median}
+            if args.save:
+                Path(args.save).write_text(json.dumps(saved, indent=1) + "\n")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -137,6 +159,12 @@ def main() -> None:
     )
     p.add_argument("--only", help="layouts to run, separated by semicolons, e.g. 'dp=2;tp=2,dp=2'")
     p.add_argument("--timeout", type=int, default=600, help="seconds per training run")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="times every layout is run, in turn; each layout's median is kept (default 1)",
+    )
     p.add_argument("--save", help="write the measured step times to this JSON file")
     p.add_argument(
         "--measured", help="take the measured step times from a --save file instead of training"
@@ -145,29 +173,34 @@ def main() -> None:
         "--anchor", action="store_true", help="anchor the predictions on the first layout's run"
     )
     args = p.parse_args()
+    if args.rounds < 1:
+        p.error(f"--rounds {args.rounds}: give 1 or more")
     chosen = [row for row in LAYOUTS if not args.only or row[0] in args.only.split(";")]
     print(
         f"{args.model}, {args.global_batch} × {args.seq} tokens per step, ZeRO {args.zero}, "
         f"{time.strftime('%Y-%m-%d')}, cluster profile {args.cluster}\n"
     )
+    keys = {
+        row: f"{args.model} {row[0]} {row[1]} m={row[2]} seq={args.seq} "
+        f"batch={args.global_batch} zero{args.zero}"
+        for row in chosen
+    }
+    saved = json.loads(Path(args.measured).read_text()) if args.measured else {}
+    if not args.measured:
+        measure_rounds(chosen, keys, saved, args)
     print(
         "| layout | schedule | m | measured s | predicted s | error | measured / first | predicted / first |"
     )
     print("|---|---|---|---|---|---|---|---|")
     errors, relative, first = [], [], None
-    saved = json.loads(Path(args.measured).read_text()) if args.measured else {}
     anchor_file = Path(tempfile.mkdtemp(prefix="fourd-pvm-anchor-")) / "anchor.json"
     for layout, schedule, m in chosen:
-        key = f"{args.model} {layout} {schedule} m={m} seq={args.seq} batch={args.global_batch} zero{args.zero}"
-        if args.measured and key not in saved:
+        key = keys[layout, schedule, m]
+        if key not in saved:
             continue
-        if args.measured:
-            measured = saved[key]
-        else:
-            measured, saved[f"{key} anchor"] = measure(args.model, layout, schedule, m, args)
-        saved[key] = measured
-        if args.save:
-            Path(args.save).write_text(json.dumps(saved, indent=1) + "\n")
+        measured = saved[key]
+        rounds = saved.get(f"{key} rounds", [])
+        spread = f" ({min(rounds):.3f}-{max(rounds):.3f})" if len(rounds) > 1 else ""
         if args.anchor and first is None:  # the first layout's run anchors the rest
             anchor_file.write_text(json.dumps(saved[f"{key} anchor"]))
         anchored = str(anchor_file) if args.anchor else ""
@@ -179,7 +212,7 @@ def main() -> None:
         rel_m, rel_p = measured / first[0], predicted / first[1]
         relative.append(abs(rel_p / rel_m - 1))
         print(
-            f"| {layout} | {schedule} | {m} | {measured:.3f} | {predicted:.3f} | {100 * err:+.0f} % | "
+            f"| {layout} | {schedule} | {m} | {measured:.3f}{spread} | {predicted:.3f} | {100 * err:+.0f} % | "
             f"{rel_m:.2f} | {rel_p:.2f} |",
             flush=True,
         )
