@@ -7,7 +7,14 @@ import sys
 
 import pytest
 
-from fourd.measure.calibrate import CPU_DEVICES, PLANS, fit_alpha_beta, profile_toml, training_gemms
+from fourd.measure.calibrate import (
+    CPU_DEVICES,
+    PLANS,
+    fit_alpha_beta,
+    median_figures,
+    profile_toml,
+    training_gemms,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]  # gloo ranks
 
@@ -27,6 +34,44 @@ def test_fit_falls_back_to_an_upper_bound_when_latency_noise_swamps_it():
     )
     assert alpha == pytest.approx(8.5e-3)
     assert beta == 4e-3 / (1 << 22)
+
+
+def test_rounds_keep_each_measured_figure_s_median_and_what_is_read_once():
+    rounds = [
+        {
+            "name": "cpu",
+            "devices": 8,
+            "peak_tflops": 0.2,
+            "gemm": [(16, 0.01), (32, 0.03)],
+            "fits": {("all_reduce", 2): (5e-4, 1e-9)},
+            "sms": None,
+        },
+        {
+            "name": "cpu",
+            "devices": 8,
+            "peak_tflops": 0.1,
+            "gemm": [(16, 0.02), (32, 0.01)],
+            "fits": {("all_reduce", 2): (9e-4, 3e-9)},
+            "sms": None,
+        },
+        {
+            "name": "cpu",
+            "devices": 8,
+            "peak_tflops": 0.3,
+            "gemm": [(16, 0.04), (32, 0.02)],
+            "fits": {("all_reduce", 2): (1e-4, 2e-9)},
+            "sms": None,
+        },
+    ]
+    assert median_figures(rounds) == {
+        "name": "cpu",
+        "devices": 8,
+        "peak_tflops": 0.2,
+        "gemm": [(16, 0.02), (32, 0.02)],
+        "fits": {("all_reduce", 2): (5e-4, 2e-9)},
+        "sms": None,
+    }
+    assert median_figures(rounds[:1]) == rounds[0]
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ $FOURD_HOME/clusters/BASE-nccl.toml.
 examples:
   fourd calibrate
   fourd calibrate --quick --out /tmp/local.toml
+  fourd calibrate --rounds 3          # on a shared machine: each figure the median of 3 rounds
   fourd calibrate --nccl-tests all_reduce_perf.log all_gather_perf.log --cluster dgx-h100
 """
 
@@ -419,6 +420,22 @@ def measure(plan: str, device: str = "cpu") -> dict:
     return machine
 
 
+def median_figures(rounds: list):
+    """The figure-by-figure median of several rounds of `measure`: every measured float the median
+    of its rounds, a list, tuple or dict taken entry by entry (the sweep is the same each round, so
+    its sizes and shapes are too); what is read, not measured (names, counts, sizes), from the
+    first round. A shared machine's speed drifts over minutes: one round is one moment of it."""
+    first = rounds[0]
+    if isinstance(first, float):
+        return statistics.median(rounds)
+    if isinstance(first, dict):
+        return {key: median_figures([one[key] for one in rounds]) for key in first}
+    if isinstance(first, (list, tuple)):
+        entries = [median_figures(list(column)) for column in zip(*rounds, strict=True)]
+        return type(first)(entries)
+    return first
+
+
 def _one_thread_rates(sweep: Sweep, device: str) -> dict:
     """The device's matmul, attention, copy, eager block op and AdamW rates, on one CPU thread."""
     import torch
@@ -587,6 +604,13 @@ def add_arguments(parser):
     )
     parser.add_argument("--quick", action="store_true", help="a coarser, smaller sweep (seconds)")
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure this many times and keep each figure's median (a shared machine's speed "
+        "drifts; default 1)",
+    )
+    parser.add_argument(
         "--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: CUDA if present"
     )
     parser.add_argument(
@@ -607,37 +631,60 @@ def run(args) -> int:
     from fourd.config import fourd_home
     from fourd.plan.cluster import load_cluster
 
+    _check_flags(args)
     if args.nccl_tests:
         return _fit_network(args)
-    if args.cluster:
-        raise FourdError(
-            "--cluster names the profile --nccl-tests fits; give --nccl-tests FILE too"
-        )
     out = fourd_home() / "clusters" / "local.toml"
     if args.out:
         out = Path(args.out)
     _check_out(out)
-    import torch
-
-    device = args.device
-    if device == "auto" and torch.cuda.is_available():
-        device = "cuda"
-    elif device == "auto":
-        device = "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise FourdError("--device cuda: no CUDA device is visible to torch here; use --device cpu")
+    device = _device(args.device)
     if args.quick:
         plan, command = "quick", f"fourd calibrate --quick --device {device}"
     else:
         plan, command = "full", f"fourd calibrate --device {device}"
-    machine = measure(plan, device)
+    if args.rounds > 1:
+        command += f" --rounds {args.rounds}"
+    machine = median_figures([measure(plan, device) for _ in range(args.rounds)])
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     tmp.write_text(profile_toml(machine, command))
     os.replace(tmp, out)
-    cluster = load_cluster(str(out))
+    _print_profile(out, load_cluster(str(out)), args.rounds)
+    return 0
+
+
+def _check_flags(args) -> None:
+    """Refuse flags that do not go together, before any work."""
+    if args.nccl_tests and args.rounds != 1:
+        raise FourdError(
+            "--rounds repeats the measurement of this machine; --nccl-tests measures nothing: "
+            "drop --rounds"
+        )
+    if args.cluster and not args.nccl_tests:
+        raise FourdError(
+            "--cluster names the profile --nccl-tests fits; give --nccl-tests FILE too"
+        )
+    if args.rounds < 1:
+        raise FourdError(f"--rounds {args.rounds}: give 1 or more")
+
+
+def _device(asked: str) -> str:
+    """The device to measure: CUDA when present for "auto", else the CPU."""
+    import torch
+
+    if asked == "cuda" and not torch.cuda.is_available():
+        raise FourdError("--device cuda: no CUDA device is visible to torch here; use --device cpu")
+    if asked == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return asked
+
+
+def _print_profile(out: Path, cluster, rounds: int) -> None:
+    """What the written profile says, as the planner read it back."""
     rates = sorted(shape.tflops for shape in cluster.gpu.gemm_shapes)
+    medians = f" (each figure the median of {rounds} rounds)" if rounds > 1 else ""
     print(
-        f"wrote {out}\n  {cluster.gpu.name}: peak {cluster.gpu.peak_tflops * 1e3:.1f} GFLOP/s; "
+        f"wrote {out}{medians}\n  {cluster.gpu.name}: peak {cluster.gpu.peak_tflops * 1e3:.1f} GFLOP/s; "
         f"training-shape GEMMs {rates[0] * 1e3:.1f} to {rates[-1] * 1e3:.1f} GFLOP/s over "
         f"{len(rates)} shapes; copy {cluster.gpu.hbm_bw_gbps:.2f} GB/s, eager block ops "
         f"{cluster.gpu.elementwise_gbps:.2f} GB/s, AdamW {cluster.gpu.optimizer_gbps:.2f} GB/s"
@@ -652,7 +699,6 @@ def run(args) -> int:
             f"  CPU time per layer: tensor parallelism {cluster.gpu.tp_layer_us:.0f} us, FSDP "
             f"{cluster.gpu.fsdp_layer_us:.0f} us"
         )
-    return 0
 
 
 def _check_out(out: Path) -> None:
