@@ -634,6 +634,22 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
         "if re.match(",
         ("tests/test_plan_netfit.py::test_calibrate_writes_the_profile_with_the_fitted_network",),
     ),
+    # measuring on a machine whose speed drifts: rounds and medians
+    "calibrate's rounds keep the first round's figures": (
+        "fourd/measure/calibrate.py",
+        "        return statistics.median(rounds)\n",
+        "        return rounds[0]\n",
+        (
+            "tests/test_comm_calibrate.py::"
+            "test_rounds_keep_each_measured_figure_s_median_and_what_is_read_once",
+        ),
+    ),
+    "plan_vs_measured keeps a layout's last round": (
+        "benchmarks/plan_vs_measured.py",
+        "            median = statistics.median(times)\n",
+        "            median = times[-1]\n",
+        ("tests/test_bench_plan_vs_measured.py::test_rounds_keep_every_run_and_judge_the_median",),
+    ),
 }
 
 
