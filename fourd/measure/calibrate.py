@@ -751,6 +751,16 @@ def _fit_network(args) -> int:
         tmp.unlink()
         raise
     os.replace(tmp, out)
+    _print_network_fit(out, base, fit, left_out)
+    return 0
+
+
+def _print_network_fit(out: Path, base, fit, left_out: Counter[str]) -> None:
+    """The fitted network against the profile's own, the rows left out, and each collective's own
+    fit where the files hold more than one."""
+    from fourd.plan.netfit import fit_network
+
+    samples = fit.samples
     print(
         f"wrote {out}\n  network of {base.name} fitted to {len(samples)} collectives across "
         f"servers: a step between servers {fit.latency_us:g} us (was "
@@ -768,11 +778,10 @@ def _fit_network(args) -> int:
         )
     ops = sorted({sample.op for sample in samples})
     if len(ops) == 1:
-        return 0
+        return
     for op in ops:  # each collective's own fit: where they disagree, the model does
         alone = fit_network([sample for sample in samples if sample.op == op], base)
         print(
             f"  {op} alone: {alone.latency_us:g} us, NIC efficiency {alone.nic_efficiency:g}, mean "
             f"error {alone.mean_error:.1%} over {len(alone.samples)}"
         )
-    return 0
