@@ -11,9 +11,10 @@ layout's (1 rank), measured and predicted, which other load on a shared machine 
 `--rounds N` runs every layout N times, in turn (all layouts, then all again), and takes each layout's
 median over the rounds, so that a machine whose speed drifts over minutes slows every layout alike; the
 table gives the rounds' range beside the median. `--save FILE` keeps the measured step times (JSON);
-`--measured FILE` predicts against them again without training, e.g. after recalibrating. `--anchor` anchors every prediction on the first layout's run
-(the 1-rank run's anchor.json, with its median step time: `fourd plan --anchor`, fourd.plan.anchor) and
-judges the other layouts, what an anchored prediction is for: the multi-rank layouts from a 1-rank step.
+`--measured FILE` predicts against them again without training, e.g. after recalibrating. `--anchor`
+anchors every prediction on the first layout's run (the 1-rank run's anchor.json, with its median step
+time: `fourd plan --anchor`, fourd.plan.anchor) and judges the other layouts, what an anchored
+prediction is for: the multi-rank layouts from a 1-rank step.
 """
 
 from __future__ import annotations
