@@ -202,6 +202,18 @@ def test_zero_is_allowed_where_a_profile_may_have_none_of_it(tmp_path):
     assert (cluster.gpu.memory_reserve_gb, cluster.gpu.tp_layer_us) == (0, 0.0)
 
 
+def test_a_cpu_profile_s_sync_share_is_read_and_never_negative(tmp_path):
+    path = tmp_path / "synced.toml"
+    path.write_text(
+        PROFILE.replace("gpus = 8\n", "gpus = 8\nconcurrent_ranks = 2\nsync_share = 0.18\n")
+    )
+    assert load_cluster(str(path)).node.sync_share == 0.18
+    assert _profile().node.sync_share == 0.0  # GPUs: none unless measured
+    path.write_text(PROFILE.replace("gpus = 8\n", "gpus = 8\nsync_share = -0.1\n"))
+    with pytest.raises(FourdError, match="node.sync_share = -0.1 must be finite, at least 0"):
+        load_cluster(str(path))
+
+
 def test_measured_samples_are_read_and_checked(tmp_path):
     path = tmp_path / "measured.toml"
     samples = (

@@ -457,3 +457,21 @@ def test_a_rank_of_one_layer_reduces_its_gradients_in_one_bucket_all_exposed():
     reduce = collective_time("all_reduce", 4 * params, shard_group(job.layout), H100)
     hidden = StageTime(0.0, 10.0, 0.0, 0.0, 0.0)
     assert _dp_exposure(job, hidden, 0.0, 1) == pytest.approx((reduce, reduce), rel=1e-12)
+
+
+def test_cpu_workers_lose_their_measured_sync_share_only_while_each_has_a_core():
+    """A 2-core CPU profile that measured a sync share of 0.25: two synchronizing ranks compute
+    1.25 times as long per microbatch (the communication terms unchanged); one rank alone, and four
+    ranks on the two cores (a waiting rank hands its core to another), do not."""
+    node = dataclasses.replace(H100.node, gpus=8, concurrent_ranks=2)
+    plain = dataclasses.replace(H100, node=node)
+    synced = dataclasses.replace(H100, node=dataclasses.replace(node, sync_share=0.25))
+    for layout, loses in ((Layout(tp=2), True), (Layout(dp=1), False), (Layout(tp=2, dp=2), False)):
+        base = step_time(dataclasses.replace(_job(layout, microbatches=2), cluster=plain))
+        got = step_time(dataclasses.replace(_job(layout, microbatches=2), cluster=synced))
+        want = base.per_microbatch
+        if loses:
+            want = want + want.scaled(0.25, comm=0.0)
+        for field in dataclasses.fields(StageTime):
+            _close(getattr(got.per_microbatch, field.name), getattr(want, field.name))
+        _close(got.tp_comm_s, base.tp_comm_s)

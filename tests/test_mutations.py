@@ -644,6 +644,15 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
             "test_rounds_keep_each_measured_figure_s_median_and_what_is_read_once",
         ),
     ),
+    "CPU sync waits charged with more ranks than cores": (
+        "fourd/plan/perf.py",
+        "if not slots or ranks <= 1 or ranks > slots or share <= 0:",
+        "if not slots or ranks <= 1 or share <= 0:",
+        (
+            "tests/test_contract_perf.py::"
+            "test_cpu_workers_lose_their_measured_sync_share_only_while_each_has_a_core",
+        ),
+    ),
     "plan_vs_measured keeps a layout's last round": (
         "benchmarks/plan_vs_measured.py",
         "            median = statistics.median(times)\n",

@@ -352,6 +352,58 @@ def _layer_overheads(rank: int, nproc: int, rounds: int = 7) -> dict:
     }
 
 
+def _sync_share(rank: int, nproc: int, rounds: int = 7, tokens: int = 2048) -> float:
+    """The compute two workers lose waiting for each other at their collectives, as a share of the
+    compute between them: 16 layers of a TP-shaped pair of GEMM pairs (tokens × 256 → 352 → 256
+    and 256 → 128 → 256, the `small` model's widths halved) each followed by an all-reduce of its
+    output, against the same GEMMs alone and the same all-reduces alone, in `rounds` alternating
+    rounds; the median round's (interleaved − GEMMs − all-reduces) / GEMMs. The ranks reach each
+    collective apart, and the data each moves disturbs the compute after it."""
+    import torch
+    import torch.distributed as dist
+
+    dim, layers = 256, 16
+    activations = torch.randn(tokens, dim)
+    weights = [
+        torch.randn(dim, 352),
+        torch.randn(352, dim),
+        torch.randn(dim, 128),
+        torch.randn(128, dim),
+    ]
+    reduced = torch.zeros(tokens, dim)
+
+    def pair(first: int) -> torch.Tensor:
+        return activations @ weights[first] @ weights[first + 1]
+
+    def gemms() -> None:
+        for _ in range(layers):
+            pair(0)
+            pair(2)
+
+    def collectives() -> None:
+        for _ in range(2 * layers):
+            dist.all_reduce(reduced)
+
+    def interleaved() -> None:
+        for _ in range(layers):
+            dist.all_reduce(pair(0))
+            dist.all_reduce(pair(2))
+
+    def seconds(work) -> float:
+        dist.barrier()
+        began = time.perf_counter()
+        work()
+        return time.perf_counter() - began
+
+    for work in (gemms, collectives, interleaved):  # warm-up
+        seconds(work)
+    shares = []
+    for _ in range(rounds):
+        alone, moved, together = seconds(gemms), seconds(collectives), seconds(interleaved)
+        shares.append((together - alone - moved) / alone)
+    return max(0.0, statistics.median(shares))
+
+
 def _machine(device: str) -> dict:
     """What is read, not measured: the device's name, memory and SMs, the devices per node, the
     peak."""
@@ -473,6 +525,7 @@ def _cpu_figures(machine: dict, workers: list[dict]) -> dict:
     concurrent = sum(worker["concurrent_tflops"] for worker in workers)
     peak = max(threaded + [concurrent] + [count for _, count in machine["gemm"]])
     over = run_workers(_layer_overheads, 2, (), timeout_s=300)[0]
+    sync_share = run_workers(_sync_share, 2, (), timeout_s=300)[0]
     # beyond the collectives' latency, which the planner counts apart: TP all-reduces twice
     # forward and twice backward; ZeRO 3 gathers a layer forward and backward and
     # reduce-scatters its gradients
@@ -482,6 +535,7 @@ def _cpu_figures(machine: dict, workers: list[dict]) -> dict:
         "peak_tflops": peak,
         "tp_layer_s": max(0.0, over["tp"] - 4 * alpha["all_reduce"]),
         "fsdp_layer_s": max(0.0, over["fsdp"] - 2 * alpha["all_gather"] - alpha["reduce_scatter"]),
+        "sync_share": sync_share,
     }
 
 
@@ -543,6 +597,10 @@ def profile_toml(machine: dict, command: str) -> str:
     ]
     if cpu:
         out.append(f"concurrent_ranks = {machine['cores']}   # workers beyond this share cores")
+        out.append(
+            f"sync_share = {machine['sync_share']:.4g}   # compute two workers lose waiting at their "
+            "collectives"
+        )
     out += [
         "",
         "[network]   # not measured: the node's own figures",
@@ -697,7 +755,8 @@ def _print_profile(out: Path, cluster, rounds: int) -> None:
     if cluster.cpu:
         print(
             f"  CPU time per layer: tensor parallelism {cluster.gpu.tp_layer_us:.0f} us, FSDP "
-            f"{cluster.gpu.fsdp_layer_us:.0f} us"
+            f"{cluster.gpu.fsdp_layer_us:.0f} us; two workers lose "
+            f"{cluster.node.sync_share:.0%} of their compute waiting at collectives"
         )
 
 

@@ -91,6 +91,9 @@ class Node:
     concurrent_ranks: int | None = (
         None  # ranks that compute at full speed at once (CPU cores); None: all
     )
+    # CPU profiles: the compute two workers lose waiting for each other at their collectives, as a
+    # share of the compute between them (measured by fourd calibrate); 0: none
+    sync_share: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -161,6 +164,7 @@ MAY_BE_ZERO = {
     "fsdp_layer_us",
     "intra_latency_us",
     "call_latency_us",
+    "sync_share",
     "latency_us",
 }
 _TYPES = {"int": (int,), "float": (int, float), "str": (str,)}

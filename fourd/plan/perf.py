@@ -496,6 +496,20 @@ def autocast_passes(job: Job, params: float) -> StageTime:
     return StageTime(cast * casts / microbatches, redo, cast + accumulate, 0.0, 0.0)
 
 
+def sync_waits(job: Job, stage: StageTime) -> StageTime:
+    """CPU profiles: what a rank's compute loses waiting at its collectives for the other ranks,
+    which reach them apart, per microbatch: the profile's measured sync_share of the compute (every
+    multi-rank layout synchronizes within a microbatch: TP and CP every layer, FSDP's gathers every
+    layer, a pipeline's sends every stage). Only while the ranks have a core each: with more ranks
+    than cores a waiting rank hands its core to another, and the cores stay busy."""
+    cluster, ranks = job.cluster, job.layout.world
+    slots = cluster.node.concurrent_ranks
+    share = cluster.node.sync_share
+    if not slots or ranks <= 1 or ranks > slots or share <= 0:
+        return StageTime(0.0, 0.0, 0.0, 0.0, 0.0)
+    return stage.scaled(share, comm=0.0)
+
+
 def _bubble_seconds(job: Job, stage: StageTime) -> float:
     """The schedule's bubble per step on the slowest rank, whose stages take `stage` per
     microbatch. CPU profiles: half the ranks work through warm-up and cool-down, on the cores the
@@ -524,6 +538,7 @@ def step_time(job: Job) -> StepTime:
             0.0, 0.0, elementwise_time(GRAD_ACCUMULATE_BYTES * params, job.cluster), 0.0, 0.0
         )
     stage = stage + autocast_passes(job, params)
+    stage = stage + sync_waits(job, stage)
     p2p = _pipeline_sends_time(job)
     layers = rank_shapes(job.model, pp, par.virtual_stages, split)[0][slow]
     comm = exposed_layer_comm(job.work)
