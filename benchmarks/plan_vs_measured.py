@@ -133,10 +133,10 @@ def measure_rounds(chosen: list[tuple], keys: dict, saved: dict, args) -> None:
             times = [seconds for seconds, _ in runs[key]]
             print(f"round {len(times)}: {layout} {times[-1]:.3f} s", file=sys.stderr, flush=True)
             median = statistics.median(times)
-            middle = min(runs[key], key=lambda run: abs(run[0] - median))[1]
+            median_round_anchor = min(runs[key], key=lambda run: abs(run[0] - median))[1]
             saved[key] = median
             saved[f"{key} rounds"] = times
-            saved[f"{key} anchor"] = middle | {"step_time_s": median}
+            saved[f"{key} anchor"] = median_round_anchor | {"step_time_s": median}
             if args.save:
                 Path(args.save).write_text(json.dumps(saved, indent=1) + "\n")
 

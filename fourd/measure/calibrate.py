@@ -355,20 +355,21 @@ def _layer_overheads(rank: int, nproc: int, rounds: int = 7) -> dict:
 def _sync_share(rank: int, nproc: int, rounds: int = 7, tokens: int = 2048) -> float:
     """The compute two workers lose waiting for each other at their collectives, as a share of the
     compute between them: 16 layers of a TP-shaped pair of GEMM pairs (tokens × 256 → 352 → 256
-    and 256 → 128 → 256, the `small` model's widths halved) each followed by an all-reduce of its
-    output, against the same GEMMs alone and the same all-reduces alone, in `rounds` alternating
-    rounds; the median round's (interleaved − GEMMs − all-reduces) / GEMMs. The ranks reach each
-    collective apart, and the data each moves disturbs the compute after it."""
+    and 256 → 128 → 256: the `small` model's width, and its MLP and attention widths over TP = 2)
+    each followed by an all-reduce of its output, against the same GEMMs alone and the same
+    all-reduces alone, in `rounds` alternating rounds; the median round's
+    (interleaved − GEMMs − all-reduces) / GEMMs. The ranks reach each collective apart, and the
+    data each moves disturbs the compute after it."""
     import torch
     import torch.distributed as dist
 
-    dim, layers = 256, 16
+    dim, mlp_shard, attention_shard, layers = 256, 352, 128, 16
     activations = torch.randn(tokens, dim)
     weights = [
-        torch.randn(dim, 352),
-        torch.randn(352, dim),
-        torch.randn(dim, 128),
-        torch.randn(128, dim),
+        torch.randn(dim, mlp_shard),
+        torch.randn(mlp_shard, dim),
+        torch.randn(dim, attention_shard),
+        torch.randn(attention_shard, dim),
     ]
     reduced = torch.zeros(tokens, dim)
 

@@ -498,10 +498,14 @@ def autocast_passes(job: Job, params: float) -> StageTime:
 
 def sync_waits(job: Job, stage: StageTime) -> StageTime:
     """CPU profiles: what a rank's compute loses waiting at its collectives for the other ranks,
-    which reach them apart, per microbatch: the profile's measured sync_share of the compute (every
-    multi-rank layout synchronizes within a microbatch: TP and CP every layer, FSDP's gathers every
-    layer, a pipeline's sends every stage). Only while the ranks have a core each: with more ranks
-    than cores a waiting rank hands its core to another, and the cores stay busy."""
+    which reach them apart, per microbatch (every multi-rank layout synchronizes within one: TP and
+    CP every layer, FSDP's gathers every layer, a pipeline's sends every stage):
+
+        waits = sync_share · (forward, input gradient, weight gradient), communication 0,
+
+    sync_share measured by `fourd calibrate` (fourd.measure.calibrate._sync_share). Only while the
+    ranks have a core each (1 < ranks ≤ concurrent_ranks): with more ranks than cores a waiting rank
+    hands its core to another, and the cores stay busy."""
     cluster, ranks = job.cluster, job.layout.world
     slots = cluster.node.concurrent_ranks
     share = cluster.node.sync_share
