@@ -459,14 +459,21 @@ def test_a_rank_of_one_layer_reduces_its_gradients_in_one_bucket_all_exposed():
     assert _dp_exposure(job, hidden, 0.0, 1) == pytest.approx((reduce, reduce), rel=1e-12)
 
 
-def test_cpu_workers_lose_their_measured_sync_share_only_while_each_has_a_core():
-    """A 2-core CPU profile that measured a sync share of 0.25: two synchronizing ranks compute
-    1.25 times as long per microbatch (the communication terms unchanged); one rank alone, and four
-    ranks on the two cores (a waiting rank hands its core to another), do not."""
+def test_cpu_workers_lose_their_measured_sync_share_unless_a_pipeline_stage_takes_the_core():
+    """A 2-core CPU profile that measured a sync share of 0.25: synchronizing ranks compute 1.25
+    times as long per microbatch (the communication terms unchanged), two ranks on their own cores
+    and four without a pipeline alike (every rank waits at the same layer's collectives); one rank
+    alone does not, nor four ranks in two pipeline stages on the two cores (a waiting stage's core
+    goes to the other stage)."""
     node = dataclasses.replace(H100.node, gpus=8, concurrent_ranks=2)
     plain = dataclasses.replace(H100, node=node)
     synced = dataclasses.replace(H100, node=dataclasses.replace(node, sync_share=0.25))
-    for layout, loses in ((Layout(tp=2), True), (Layout(dp=1), False), (Layout(tp=2, dp=2), False)):
+    for layout, loses in (
+        (Layout(tp=2), True),
+        (Layout(dp=1), False),
+        (Layout(tp=2, dp=2), True),
+        (Layout(pp=2, dp=2), False),
+    ):
         base = step_time(dataclasses.replace(_job(layout, microbatches=2), cluster=plain))
         got = step_time(dataclasses.replace(_job(layout, microbatches=2), cluster=synced))
         want = base.per_microbatch

@@ -503,13 +503,20 @@ def sync_waits(job: Job, stage: StageTime) -> StageTime:
 
         waits = sync_share · (forward, input gradient, weight gradient), communication 0,
 
-    sync_share measured by `fourd calibrate` (fourd.measure.calibrate._sync_share). Only while the
-    ranks have a core each (1 < ranks ≤ concurrent_ranks): with more ranks than cores a waiting rank
-    hands its core to another, and the cores stay busy."""
+    sync_share measured by `fourd calibrate` (fourd.measure.calibrate._sync_share). With more ranks
+    than cores (ranks > concurrent_ranks) a waiting rank hands its core to another, which hides the
+    wait only if that rank has work of its own: a pipeline's stages run apart between their sends,
+    so a layout with a pipeline loses nothing; without one every rank waits at the same layer's
+    collectives (TP's all-reduces, FSDP's gathers), and the waits stay. Measured on 2 cores, 4 gloo
+    workers running the sync-share loop (docs/planner.md, "Coupled ranks"): as two independent TP
+    pairs the loop lost 0.00-0.09 of its compute beyond its halves, coupled into a 2 × 2 mesh by a
+    data-parallel all-gather each layer 0.11-0.28, as two workers on their own cores lose."""
     cluster, ranks = job.cluster, job.layout.world
     slots = cluster.node.concurrent_ranks
     share = cluster.node.sync_share
-    if not slots or ranks <= 1 or ranks > slots or share <= 0:
+    if not slots or ranks <= 1 or share <= 0:
+        return StageTime(0.0, 0.0, 0.0, 0.0, 0.0)
+    if ranks > slots and job.layout.pp > 1:  # the stages take turns on the cores
         return StageTime(0.0, 0.0, 0.0, 0.0, 0.0)
     return stage.scaled(share, comm=0.0)
 
