@@ -32,8 +32,14 @@ from fourd.plan.anchor import predict as anchored_plan  # noqa: E402
 from fourd.plan.intervals import Group, generation, scale, stack_family  # noqa: E402
 from validation.runs import Run, load  # noqa: E402
 
-# Sources that publish runs of one code base at different dates: one family, one series.
-FAMILIES = {"ibm-fsdp-2403": "ibm-fsdp", "ibm-fsdp-2405": "ibm-fsdp"}
+# Sources that publish runs of one code base at different dates, or in different tables of one
+# document: one family, one series.
+FAMILIES = {
+    "ibm-fsdp-2403": "ibm-fsdp",
+    "ibm-fsdp-2405": "ibm-fsdp",
+    "megatron-weak-h100": "megatron-readme-h100",
+    "megatron-strong-h100": "megatron-readme-h100",
+}
 # Releases of one benchmark suite, each with its own software (never one series), whose rows are not
 # independent: intervals are judged with them left out together.
 RELEASES = {"dgxc-benchmarking-h100-2504": "dgxc-benchmarking-h100"}
