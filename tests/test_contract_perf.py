@@ -306,13 +306,16 @@ def test_fourd_on_cpu_reduce_scatters_zero_2_gradients_once_after_the_last_micro
 
 def test_a_steps_pipeline_sends_by_how_the_stack_exchanges():
     """Overlapped: warm-up and cool-down cross every boundary, 2(p·V − 1) sends; synchronous
-    (Megatron) adds 2·V for each later microbatch; blocking (DeepSpeed) a middle rank's four, two
-    on a two-rank pipeline."""
+    (Megatron) adds 2·V for each later microbatch; interleaved-overlapped (Megatron-LM since
+    2023-10) is overlapped when interleaved and synchronous under 1F1B; blocking (DeepSpeed) a
+    middle rank's four, two on a two-rank pipeline."""
     microbatches = 8
     for pp, virtual, comm, sends in (
         (2, 1, "overlapped", 2),
         (4, 2, "overlapped", 14),
         (4, 2, "synchronous", 14 + 4 * 7),
+        (4, 2, "interleaved-overlapped", 14),
+        (4, 1, "interleaved-overlapped", 6 + 2 * 7),
         (2, 1, "blocking", 2 + 2 * 7),
         (4, 1, "blocking", 6 + 4 * 7),
         (3, 1, "blocking", 4 + 4 * 7),

@@ -662,6 +662,12 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
             "test_cpu_workers_lose_their_measured_sync_share_unless_a_pipeline_stage_takes_the_core",
         ),
     ),
+    "Megatron-LM's interleaved exchanges waited for as 1F1B's": (
+        "fourd/plan/job.py",
+        'return "overlapped" if interleaved else "synchronous"',
+        'return "synchronous"',
+        ("tests/test_contract_perf.py::test_a_steps_pipeline_sends_by_how_the_stack_exchanges",),
+    ),
     "plan_vs_measured keeps a layout's last round": (
         "benchmarks/plan_vs_measured.py",
         "            median = statistics.median(times)\n",

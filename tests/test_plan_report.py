@@ -108,7 +108,7 @@ def test_the_header_names_what_runs(case):
     assert f" · {kernels} · stack {job.stack}" in settings
     assert (" · TP overlapped" in settings) == job.work.tp_overlap
     assert (" · DP after backward" in settings) == (not job.dp_overlapped)
-    blocking = job.pipeline_comm == "blocking" and config.layout.pp > 1
+    blocking = job.pipeline_sends == "blocking" and config.layout.pp > 1
     assert settings.endswith(" · blocking pipeline sends") == blocking
     chosen = f"  chosen by the planner (fastest that fits): {', '.join(plan.chosen)}"
     assert (text.splitlines()[2] == chosen) == bool(plan.chosen)

@@ -87,8 +87,9 @@ def test_every_preset_loads_and_names_itself():
     assert (nemo.fused_kernels, nemo.tp_overlap, nemo.dp_overlap) == (True, True, True)
     assert (core.fused_kernels, core.tp_overlap, core.dp_overlap) == (True, False, False)
     assert load_stack("deepspeed").pipeline_comm == "blocking"
-    for name in ("megatron-core", "nemo", "megatron-lm"):
-        assert load_stack(name).pipeline_comm == "synchronous"
+    assert load_stack("megatron-lm").pipeline_comm == "synchronous"
+    for name in ("megatron-core", "nemo"):
+        assert load_stack(name).pipeline_comm == "interleaved-overlapped"
     autocast = {name: load_stack(name).autocast for name in names}
     assert autocast == {
         "deepspeed": "never",
@@ -273,7 +274,13 @@ def test_synchronous_sends_wait_for_each_microbatchs_exchanges():
             },
         )
     )[0]
-    assert planned.job.pipeline_comm == "synchronous"
+    # Megatron-LM's training loop overlaps the interleaved schedule's exchanges, and waits for 1F1B's
+    assert planned.job.pipeline_comm == "interleaved-overlapped"
+    assert planned.job.pipeline_sends == "overlapped"
+    one_chunk = dataclasses.replace(
+        planned.job, par=dataclasses.replace(planned.job.par, schedule="1f1b", virtual_stages=1)
+    )
+    assert one_chunk.pipeline_sends == "synchronous"
 
 
 def test_a_user_stack_wins_and_bad_files_are_named(user_stacks):

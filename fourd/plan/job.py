@@ -54,7 +54,8 @@ class Job:
     torch.compile'd (fused kernels); `attention` is "flash" (a fused kernel), "materialized" (the
     s × s scores in memory, a fused softmax) or "eager" (the scores in memory, each op a kernel).
     `pipeline_comm`: "overlapped"; "synchronous", each microbatch's exchanges waited for (Megatron);
-    "blocking", each send waits for its receiver, each backward adds its gradients into FP32 ones by
+    "interleaved-overlapped", synchronous under 1F1B and overlapped under the interleaved schedule
+    (Megatron-LM's training loop since 2023-10-12, NeMo); "blocking", each send waits for its receiver, each backward adds its gradients into FP32 ones by
     a pass of its own and they are reduced after the last backward (DeepSpeed's pipeline engine). `stack` names the software stack (fourd.plan.stack);
     `fused_kernels`, `tp_overlap`, `dp_overlap`, `shared_kv` and `fused_attention` None take the
     stack's (request.resolve also fills `pipeline_comm` from the stack)."""
@@ -89,6 +90,21 @@ class Job:
         if asked == "cudnn" and self.cluster.gpu.cudnn_attention_fwd_efficiency is None:
             return "flash2"
         return asked
+
+    @property
+    def pipeline_sends(self) -> str:
+        """How this plan's pipeline exchanges run: "overlapped", "synchronous" or "blocking", as
+        `pipeline_comm` says; "interleaved-overlapped" is overlapped under the interleaved schedule
+        and synchronous under the others. Megatron-LM's training loop overlaps the interleaved
+        schedule's exchanges with the chunks' compute by default since 2023-10-12 (commit 4eeff55,
+        `--no-overlap-p2p-communication` turns it off; `batch_p2p_comm = not overlap_p2p_comm`,
+        megatron/training/arguments.py) and waits for batched ones without virtual stages; NeMo's
+        MegatronCommOverlapCallback sets the same (overlap_p2p_comm with VP > 1, batch_p2p_comm
+        without)."""
+        if self.pipeline_comm != "interleaved-overlapped":
+            return self.pipeline_comm
+        interleaved = self.par.schedule == "interleaved" and self.par.virtual_stages > 1
+        return "overlapped" if interleaved else "synchronous"
 
     @property
     def dp_overlapped(self) -> bool:

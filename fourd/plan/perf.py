@@ -342,7 +342,7 @@ def p2p_time(job: Job) -> float:
     arrival."""
     work, lay = job.work, job.layout
     full = work.tokens * work.model.dim * work.dtype_bytes
-    split = work.sequence_parallel or job.pipeline_comm != "overlapped"
+    split = work.sequence_parallel or job.pipeline_sends != "overlapped"
     gather = 0.0
     if split and not work.sequence_parallel:
         gather = collective_time("all_gather", full, placement(lay)["tp"], job.cluster)
@@ -464,9 +464,9 @@ def _pipeline_sends_time(job: Job) -> float:
         return 0.0
     later_microbatches = par.microbatches - 1
     sends = 2 * (pp * par.virtual_stages - 1)
-    if job.pipeline_comm == "blocking":
+    if job.pipeline_sends == "blocking":
         sends += 2 * min(2, pp - 1) * later_microbatches
-    elif job.pipeline_comm == "synchronous":
+    elif job.pipeline_sends == "synchronous":
         sends += 2 * par.virtual_stages * later_microbatches
     return sends * p2p_time(job)
 
@@ -539,7 +539,7 @@ def step_time(job: Job) -> StepTime:
     lay, par = job.layout, job.par
     pp, microbatches = lay.pp, par.microbatches
     slow, stage = slowest_rank(job.work, pp, par.virtual_stages)
-    blocking = job.pipeline_comm == "blocking" and pp > 1  # DeepSpeed's pipeline engine
+    blocking = job.pipeline_sends == "blocking" and pp > 1  # DeepSpeed's pipeline engine
     split = job.work.pipeline_split
     params = max_rank_params(job.model, pp, par.virtual_stages, lay.tp, split)
     if blocking:

@@ -148,7 +148,7 @@ def _header_lines(plan: Plan) -> list[str]:
     schedule = config.schedule
     if config.schedule == "interleaved":
         schedule += f" V={config.virtual_stages}"
-    pipeline_words = PIPELINE_WORDS.get(job.pipeline_comm, "") if config.layout.pp > 1 else ""
+    pipeline_words = PIPELINE_WORDS.get(job.pipeline_sends, "") if config.layout.pp > 1 else ""
     out = [
         f"fourd plan: {plan.gpus:,} × {cluster.gpu.name} ({cluster.name}, "
         f"{(job.precision or cluster.dtype).upper()}), model with {si(plan.model.params())} "

@@ -144,8 +144,9 @@ SETTINGS: dict[str, tuple[Any, str]] = {
     ),
     "pipeline_comm": (
         choice(PIPELINE_COMM),
-        "overlapped, synchronous (Megatron's waited exchanges) or blocking (DeepSpeed's pipeline "
-        "engine); default: the stack's",
+        "overlapped, synchronous (Megatron's waited exchanges), interleaved-overlapped (Megatron-LM "
+        "since 2023-10: synchronous under 1F1B, overlapped when interleaved) or blocking "
+        "(DeepSpeed's pipeline engine); default: the stack's",
     ),
     "stack": (
         parse_stack,

@@ -18,9 +18,10 @@ from fourd.schedules import SCHEDULES
 PRESET_DIR = Path(__file__).parent / "stacks"
 DEFAULT_STACK = "fourd"
 # pipeline sends beside compute (torchtitan, fourd), each microbatch's exchanges waited for
-# (Megatron's batch_isend_irecv and device synchronize), or DeepSpeed's pipeline engine (blocking
-# sends, a gradient-accumulation pass, gradients reduced after the last backward)
-PIPELINE_COMM = ("overlapped", "synchronous", "blocking")
+# (Megatron's batch_isend_irecv and device synchronize), DeepSpeed's pipeline engine (blocking
+# sends, a gradient-accumulation pass, gradients reduced after the last backward), or Megatron-LM's
+# training loop since 2023-10-12: synchronous under 1F1B, overlapped under the interleaved schedule
+PIPELINE_COMM = ("overlapped", "synchronous", "blocking", "interleaved-overlapped")
 # the ZeRO stages that keep whole weights between steps, gathered once per step after the update
 GATHERED_STAGES = (1, 2)
 # the fused attention kernel families: FlashAttention-2 (flash-attn 2, torch SDPA's flash backend),

@@ -672,10 +672,10 @@ def simulate_step(
     """One step of `job` (a StepResult). `slow_gpu = (global rank, factor)`: that GPU, and with it
     its TP/CP group, computes factor× slower; `throttle` ≥ 1 slows every GPU alike."""
     lay, par = job.layout, job.par
-    if job.pipeline_comm != "overlapped" and lay.pp > 1:
+    if job.pipeline_sends != "overlapped" and lay.pp > 1:
         raise FourdError(
             f"the step simulator runs overlapped pipeline communication only, not "
-            f"{job.pipeline_comm} (stack {job.stack}), which the planner models: use `fourd plan` "
+            f"{job.pipeline_sends} (stack {job.stack}), which the planner models: use `fourd plan` "
             "or --pipeline-comm overlapped"
         )
     if not job.dp_overlapped and not job.cluster.cpu:
