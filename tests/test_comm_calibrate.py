@@ -106,7 +106,9 @@ def test_profile_describes_this_machine(local):
     ):
         assert value > 0
     assert local.gpu.tp_layer_us >= 0 and local.gpu.fsdp_layer_us >= 0
-    assert 0 <= local.node.sync_share < 2  # measured: a share of the compute, never negative
+    # measured: shares of the compute, never negative, TP's pattern and FSDP's
+    assert 0 <= local.node.sync_share < 2 and 0 <= local.node.layer_sync_share < 2
+    assert local.node.fsdp_sync_share is not None
 
 
 def test_training_shapes_and_attention_are_measured(local):

@@ -208,10 +208,17 @@ def test_a_cpu_profile_s_sync_share_is_read_and_never_negative(tmp_path):
         PROFILE.replace("gpus = 8\n", "gpus = 8\nconcurrent_ranks = 2\nsync_share = 0.18\n")
     )
     assert load_cluster(str(path)).node.sync_share == 0.18
+    # written before calibrate measured FSDP's pattern apart: TP's share stands for it
+    assert load_cluster(str(path)).node.layer_sync_share == 0.18
     assert _profile().node.sync_share == 0.0  # GPUs: none unless measured
-    path.write_text(PROFILE.replace("gpus = 8\n", "gpus = 8\nsync_share = -0.1\n"))
-    with pytest.raises(FourdError, match="node.sync_share = -0.1 must be finite, at least 0"):
-        load_cluster(str(path))
+    path.write_text(
+        PROFILE.replace("gpus = 8\n", "gpus = 8\nsync_share = 0.18\nfsdp_sync_share = 0.07\n")
+    )
+    assert load_cluster(str(path)).node.layer_sync_share == 0.07
+    for key in ("sync_share", "fsdp_sync_share"):
+        path.write_text(PROFILE.replace("gpus = 8\n", f"gpus = 8\n{key} = -0.1\n"))
+        with pytest.raises(FourdError, match=f"node.{key} = -0.1 must be finite, at least 0"):
+            load_cluster(str(path))
 
 
 def test_measured_samples_are_read_and_checked(tmp_path):

@@ -463,25 +463,31 @@ def test_a_rank_of_one_layer_reduces_its_gradients_in_one_bucket_all_exposed():
 
 
 def test_cpu_workers_lose_their_measured_sync_share_unless_a_pipeline_stage_takes_the_core():
-    """A 2-core CPU profile that measured a sync share of 0.25: synchronizing ranks compute 1.25
-    times as long per microbatch (the communication terms unchanged), two ranks on their own cores
-    and four without a pipeline alike (every rank waits at the same layer's collectives); one rank
-    alone does not, nor four ranks in two pipeline stages on the two cores (a waiting stage's core
-    goes to the other stage)."""
+    """A 2-core CPU profile that measured a sync share of 0.25 with TP's pattern and 0.125 with
+    FSDP's: synchronizing ranks compute 1.25 times as long per microbatch with TP, 1.125 times
+    without (the communication terms unchanged), two ranks on their own cores and four without a
+    pipeline alike (every rank waits at the same layer's collectives); one rank alone does not, nor
+    four ranks in two pipeline stages on the two cores (a waiting stage's core goes to the other
+    stage). A profile without the FSDP figure charges TP's share to every layout."""
     node = dataclasses.replace(H100.node, gpus=8, concurrent_ranks=2)
     plain = dataclasses.replace(H100, node=node)
-    synced = dataclasses.replace(H100, node=dataclasses.replace(node, sync_share=0.25))
-    for layout, loses in (
-        (Layout(tp=2), True),
-        (Layout(dp=1), False),
-        (Layout(tp=2, dp=2), True),
-        (Layout(pp=2, dp=2), False),
+    synced = dataclasses.replace(
+        H100, node=dataclasses.replace(node, sync_share=0.25, fsdp_sync_share=0.125)
+    )
+    older = dataclasses.replace(H100, node=dataclasses.replace(node, sync_share=0.25))
+    for layout, cluster, share in (
+        (Layout(tp=2), synced, 0.25),
+        (Layout(dp=2), synced, 0.125),
+        (Layout(cp=2), synced, 0.125),
+        (Layout(dp=2), older, 0.25),
+        (Layout(dp=1), synced, 0.0),
+        (Layout(tp=2, dp=2), synced, 0.25),
+        (Layout(pp=2, dp=2), synced, 0.0),
     ):
         base = step_time(dataclasses.replace(_job(layout, microbatches=2), cluster=plain))
-        got = step_time(dataclasses.replace(_job(layout, microbatches=2), cluster=synced))
+        got = step_time(dataclasses.replace(_job(layout, microbatches=2), cluster=cluster))
         want = base.per_microbatch
-        if loses:
-            want = want + want.scaled(0.25, comm=0.0)
+        want = want + want.scaled(share, comm=0.0)
         for field in dataclasses.fields(StageTime):
             _close(getattr(got.per_microbatch, field.name), getattr(want, field.name))
         _close(got.tp_comm_s, base.tp_comm_s)

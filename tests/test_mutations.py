@@ -662,6 +662,15 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
             "test_cpu_workers_lose_their_measured_sync_share_unless_a_pipeline_stage_takes_the_core",
         ),
     ),
+    "CPU sync waits of TP's pattern charged to every layout": (
+        "fourd/plan/perf.py",
+        "share = cluster.node.sync_share if job.layout.tp > 1 else cluster.node.layer_sync_share",
+        "share = cluster.node.sync_share",
+        (
+            "tests/test_contract_perf.py::"
+            "test_cpu_workers_lose_their_measured_sync_share_unless_a_pipeline_stage_takes_the_core",
+        ),
+    ),
     "Megatron-LM's interleaved exchanges waited for as 1F1B's": (
         "fourd/plan/job.py",
         'return "overlapped" if interleaved else "synchronous"',

@@ -352,18 +352,19 @@ def _layer_overheads(rank: int, nproc: int, rounds: int = 7) -> dict:
     }
 
 
-def _sync_share(rank: int, nproc: int, rounds: int = 7, tokens: int = 2048) -> float:
-    """The compute two workers lose waiting for each other at their collectives, as a share of the
-    compute between them: 16 layers of a TP-shaped pair of GEMM pairs (tokens × 256 → 352 → 256
-    and 256 → 128 → 256: the `small` model's width, and its MLP and attention widths over TP = 2)
-    each followed by an all-reduce of its output, against the same GEMMs alone and the same
-    all-reduces alone, in `rounds` alternating rounds; the median round's
-    (interleaved − GEMMs − all-reduces) / GEMMs. The ranks reach each collective apart, and the
-    data each moves disturbs the compute after it."""
-    import torch
-    import torch.distributed as dist
+SYNC_LAYERS = 16  # layers of the sync-share loops
 
-    dim, mlp_shard, attention_shard, layers = 256, 352, 128, 16
+
+def _sync_loops(pattern: str, tokens: int):
+    """(GEMMs alone, collectives alone, the two interleaved) of the sync-share loop with `pattern`:
+    SYNC_LAYERS layers of a pair of GEMM pairs (tokens × 256 → 352 → 256 and 256 → 128 → 256: the
+    `small` model's width, and its MLP and attention widths over TP = 2). "tp": each pair followed
+    by an all-reduce of its output, as TP's layers run; "fsdp": each layer's forward (its two
+    pairs) after an all-gather of half its weights, and each layer's backward (twice the forward's
+    pairs) before a reduce-scatter of its weight gradients, as FSDP's layers run."""
+    import torch
+
+    dim, mlp_shard, attention_shard = 256, 352, 128
     activations = torch.randn(tokens, dim)
     weights = [
         torch.randn(dim, mlp_shard),
@@ -371,24 +372,80 @@ def _sync_share(rank: int, nproc: int, rounds: int = 7, tokens: int = 2048) -> f
         torch.randn(dim, attention_shard),
         torch.randn(attention_shard, dim),
     ]
-    reduced = torch.zeros(tokens, dim)
 
-    def pair(first: int) -> torch.Tensor:
+    def pair(first: int):
+        """A GEMM pair's output: the MLP's (first = 0) or attention's (first = 2)."""
         return activations @ weights[first] @ weights[first + 1]
 
+    if pattern == "tp":
+        return _tp_loop(pair, torch.zeros(tokens, dim))
+    return _fsdp_loop(pair, sum(weight.numel() for weight in weights))
+
+
+def _tp_loop(pair, reduced):
+    """The "tp" loop of _sync_loops: an all-reduce after every GEMM pair."""
+    import torch.distributed as dist
+
     def gemms() -> None:
-        for _ in range(layers):
+        for _ in range(SYNC_LAYERS):
             pair(0)
             pair(2)
 
     def collectives() -> None:
-        for _ in range(2 * layers):
+        for _ in range(2 * SYNC_LAYERS):
             dist.all_reduce(reduced)
 
     def interleaved() -> None:
-        for _ in range(layers):
+        for _ in range(SYNC_LAYERS):
             dist.all_reduce(pair(0))
             dist.all_reduce(pair(2))
+
+    return gemms, collectives, interleaved
+
+
+def _fsdp_loop(pair, layer_elements: int):
+    """The "fsdp" loop of _sync_loops: a forward after an all-gather of each layer's weights, a
+    backward of twice its work before a reduce-scatter of their gradients."""
+    import torch
+    import torch.distributed as dist
+
+    shard, whole = torch.zeros(layer_elements // 2), torch.zeros(layer_elements)
+
+    def gemms() -> None:
+        for _ in range(3 * SYNC_LAYERS):
+            pair(0)
+            pair(2)
+
+    def collectives() -> None:
+        for _ in range(SYNC_LAYERS):
+            dist.all_gather_into_tensor(whole, shard)
+            dist.reduce_scatter_tensor(shard, whole)
+
+    def interleaved() -> None:
+        for _ in range(SYNC_LAYERS):
+            dist.all_gather_into_tensor(whole, shard)
+            pair(0)
+            pair(2)
+        for _ in range(SYNC_LAYERS):
+            for _ in range(2):
+                pair(0)
+                pair(2)
+            dist.reduce_scatter_tensor(shard, whole)
+
+    return gemms, collectives, interleaved
+
+
+def _sync_share(
+    rank: int, nproc: int, pattern: str = "tp", rounds: int = 7, tokens: int = 2048
+) -> float:
+    """The compute two workers lose waiting for each other at their collectives, as a share of the
+    compute between them: the loop of `_sync_loops(pattern)` against its GEMMs alone and its
+    collectives alone, in `rounds` alternating rounds; the median round's
+    (interleaved − GEMMs − collectives) / GEMMs, at least 0. The ranks reach each collective apart,
+    and the data each moves disturbs the compute after it."""
+    import torch.distributed as dist
+
+    gemms, collectives, interleaved = _sync_loops(pattern, tokens)
 
     def seconds(work) -> float:
         dist.barrier()
@@ -526,7 +583,8 @@ def _cpu_figures(machine: dict, workers: list[dict]) -> dict:
     concurrent = sum(worker["concurrent_tflops"] for worker in workers)
     peak = max(threaded + [concurrent] + [count for _, count in machine["gemm"]])
     over = run_workers(_layer_overheads, 2, (), timeout_s=300)[0]
-    sync_share = run_workers(_sync_share, 2, (), timeout_s=300)[0]
+    sync_share = run_workers(_sync_share, 2, ("tp",), timeout_s=300)[0]
+    fsdp_sync_share = run_workers(_sync_share, 2, ("fsdp",), timeout_s=300)[0]
     # beyond the collectives' latency, which the planner counts apart: TP all-reduces twice
     # forward and twice backward; ZeRO 3 gathers a layer forward and backward and
     # reduce-scatters its gradients
@@ -537,6 +595,7 @@ def _cpu_figures(machine: dict, workers: list[dict]) -> dict:
         "tp_layer_s": max(0.0, over["tp"] - 4 * alpha["all_reduce"]),
         "fsdp_layer_s": max(0.0, over["fsdp"] - 2 * alpha["all_gather"] - alpha["reduce_scatter"]),
         "sync_share": sync_share,
+        "fsdp_sync_share": fsdp_sync_share,
     }
 
 
@@ -600,7 +659,11 @@ def profile_toml(machine: dict, command: str) -> str:
         out.append(f"concurrent_ranks = {machine['cores']}   # workers beyond this share cores")
         out.append(
             f"sync_share = {machine['sync_share']:.4g}   # compute two workers lose waiting at their "
-            "collectives"
+            "collectives, TP's"
+        )
+        out.append(
+            f"fsdp_sync_share = {machine['fsdp_sync_share']:.4g}   # the same with FSDP's gathers "
+            "and scatters"
         )
     out += [
         "",
@@ -757,7 +820,8 @@ def _print_profile(out: Path, cluster, rounds: int) -> None:
         print(
             f"  CPU time per layer: tensor parallelism {cluster.gpu.tp_layer_us:.0f} us, FSDP "
             f"{cluster.gpu.fsdp_layer_us:.0f} us; two workers lose "
-            f"{cluster.node.sync_share:.0%} of their compute waiting at collectives"
+            f"{cluster.node.sync_share:.0%} (TP's collectives) and "
+            f"{cluster.node.layer_sync_share:.0%} (FSDP's) of their compute waiting"
         )
 
 

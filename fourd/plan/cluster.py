@@ -92,8 +92,20 @@ class Node:
         None  # ranks that compute at full speed at once (CPU cores); None: all
     )
     # CPU profiles: the compute two workers lose waiting for each other at their collectives, as a
-    # share of the compute between them (measured by fourd calibrate); 0: none
+    # share of the compute between them (measured by fourd calibrate); 0: none. `sync_share` with
+    # TP's pattern (an all-reduce after every GEMM pair), `fsdp_sync_share` with FSDP's (a gather
+    # before each layer's forward, a scatter after its backward); None: as `sync_share`
     sync_share: float = 0.0
+    fsdp_sync_share: float | None = None
+
+    @property
+    def layer_sync_share(self) -> float:
+        """The share lost by ranks that synchronize at most once a layer each way (FSDP's gathers
+        and scatters, CP's, a pipeline's sends): `fsdp_sync_share`, or `sync_share` where the
+        profile was written before calibrate measured it apart."""
+        if self.fsdp_sync_share is None:
+            return self.sync_share
+        return self.fsdp_sync_share
 
 
 @dataclass(frozen=True)
@@ -165,6 +177,7 @@ MAY_BE_ZERO = {
     "intra_latency_us",
     "call_latency_us",
     "sync_share",
+    "fsdp_sync_share",
     "latency_us",
 }
 _TYPES = {"int": (int,), "float": (int, float), "str": (str,)}

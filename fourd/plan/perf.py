@@ -501,19 +501,22 @@ def sync_waits(job: Job, stage: StageTime) -> StageTime:
     which reach them apart, per microbatch (every multi-rank layout synchronizes within one: TP and
     CP every layer, FSDP's gathers every layer, a pipeline's sends every stage):
 
-        waits = sync_share · (forward, input gradient, weight gradient), communication 0,
+        waits = share · (forward, input gradient, weight gradient), communication 0,
 
-    sync_share measured by `fourd calibrate` (fourd.measure.calibrate._sync_share). With more ranks
-    than cores (ranks > concurrent_ranks) a waiting rank hands its core to another, which hides the
-    wait only if that rank has work of its own: a pipeline's stages run apart between their sends,
-    so a layout with a pipeline loses nothing; without one every rank waits at the same layer's
+    the share measured by `fourd calibrate` (fourd.measure.calibrate._sync_share) with the layout's
+    pattern: `sync_share` with TP's (an all-reduce after every GEMM pair, forward and backward),
+    `layer_sync_share` without TP (FSDP's gather before a layer and scatter after it; CP's gathers
+    and scatters and a pipeline's sends are no denser). With more ranks than cores
+    (ranks > concurrent_ranks) a waiting rank hands its core to another, which hides the wait only
+    if that rank has work of its own: a pipeline's stages run apart between their sends, so a
+    layout with a pipeline loses nothing; without one every rank waits at the same layer's
     collectives (TP's all-reduces, FSDP's gathers), and the waits stay. Measured on 2 cores, 4 gloo
     workers running the sync-share loop (docs/planner.md, "Coupled ranks"): as two independent TP
     pairs the loop lost 0.00-0.09 of its compute beyond its halves, coupled into a 2 × 2 mesh by a
     data-parallel all-gather each layer 0.11-0.28, as two workers on their own cores lose."""
     cluster, ranks = job.cluster, job.layout.world
     slots = cluster.node.concurrent_ranks
-    share = cluster.node.sync_share
+    share = cluster.node.sync_share if job.layout.tp > 1 else cluster.node.layer_sync_share
     if not slots or ranks <= 1 or share <= 0:
         return StageTime(0.0, 0.0, 0.0, 0.0, 0.0)
     if ranks > slots and job.layout.pp > 1:  # the stages take turns on the cores
