@@ -486,8 +486,7 @@ def test_cpu_workers_lose_their_measured_sync_share_unless_a_pipeline_stage_take
     ):
         base = step_time(dataclasses.replace(_job(layout, microbatches=2), cluster=plain))
         got = step_time(dataclasses.replace(_job(layout, microbatches=2), cluster=cluster))
-        want = base.per_microbatch
-        want = want + want.scaled(share, comm=0.0)
+        want = base.per_microbatch + base.per_microbatch.scaled(share, comm=0.0)
         for field in dataclasses.fields(StageTime):
             _close(getattr(got.per_microbatch, field.name), getattr(want, field.name))
         _close(got.tp_comm_s, base.tp_comm_s)

@@ -32,9 +32,10 @@ DATA = ROOT / "benchmarks" / "validation" / "runs.toml"
 # 0.07256037775750804 before a collective's latency was NCCL's (a call, NVLink and network steps) and
 # DDP stacks reduced their gradients per bucket, nanotron split its pipeline by cost and GPT-2's gelu_new
 # was eight eager ops (2026-12-06), 0.07037945294495994 before nanotron's rows ran on AWS p5's EFA network
-# as fitted to nccl-tests (the aws-p5 preset, 2026-12-06), 0.06418395151669619 before the Megatron-LM README's
-# two strong-scaling rows were pre-registered (2026-12-06, at e4976d7; the model unchanged), 0.06438018064098927
-# before Megatron-LM's and NeMo's interleaved exchanges were overlapped (`interleaved-overlapped`)
+# as fitted to nccl-tests (the aws-p5 preset, 2026-12-06), 0.06418395151669619 before the
+# Megatron-LM README's two strong-scaling rows were pre-registered (2026-12-06, at e4976d7; the model
+# unchanged), 0.06438018064098927 before Megatron-LM's and NeMo's interleaved exchanges were
+# overlapped (`interleaved-overlapped`)
 OUT_OF_SAMPLE_MEAN = 0.0651206340944966
 # memory: 0.05689710306513873 before a selectively recomputed layer held its recomputed activations in its
 # backward (the allocator's share refitted, 25.2 -> 19.5 %)

@@ -55,8 +55,10 @@ class Job:
     s × s scores in memory, a fused softmax) or "eager" (the scores in memory, each op a kernel).
     `pipeline_comm`: "overlapped"; "synchronous", each microbatch's exchanges waited for (Megatron);
     "interleaved-overlapped", synchronous under 1F1B and overlapped under the interleaved schedule
-    (Megatron-LM's training loop since 2023-10-12, NeMo); "blocking", each send waits for its receiver, each backward adds its gradients into FP32 ones by
-    a pass of its own and they are reduced after the last backward (DeepSpeed's pipeline engine). `stack` names the software stack (fourd.plan.stack);
+    (Megatron-LM's training loop since 2023-10-12, NeMo; `pipeline_sends` resolves it); "blocking",
+    each send waits for its receiver, each backward adds its gradients into FP32 ones by a pass of
+    its own and they are reduced after the last backward (DeepSpeed's pipeline engine). `stack`
+    names the software stack (fourd.plan.stack);
     `fused_kernels`, `tp_overlap`, `dp_overlap`, `shared_kv` and `fused_attention` None take the
     stack's (request.resolve also fills `pipeline_comm` from the stack)."""
 
