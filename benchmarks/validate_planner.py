@@ -5,6 +5,7 @@ errors of step time, MFU and memory, out of sample, with llm-analysis's predicti
     python benchmarks/validate_planner.py --json         # one object (errors as fractions)
     python benchmarks/validate_planner.py --write-docs   # the tables into docs/planner.md, between its markers
     python benchmarks/validate_planner.py --fit          # refit the fitted constants on the declared fit rows
+    python benchmarks/validate_planner.py --leave-source-out   # each source predicted by a fit without it
 
 Each usable row is asked of the planner as a user would pin it: the model, the GPU's preset (the row's NIC
 rate where it states one), the layout, schedule, microbatches, ZeRO stage, recomputation, sequence
@@ -221,6 +222,108 @@ def fit(runs: list[Run]) -> dict:
     return {**out, "ALLOCATOR_FRAGMENTATION": round(frag, 4), "fit_mean": best}
 
 
+def _fitted_state() -> dict:
+    """The fitted module constants as they stand (fit() changes them in place)."""
+    owners = [(mod, name) for mod, name, _ in CONSTANTS] + [(memory, "ALLOCATOR_FRAGMENTATION")]
+    return {(mod, name): getattr(mod, name) for mod, name in owners}
+
+
+def _restore(state: dict) -> None:
+    for (mod, name), value in state.items():
+        setattr(mod, name, value)
+    _forget()
+
+
+def _refit_errors(fit_on: list[Run], judged: list[Run]) -> dict[str, float]:
+    """Step-time errors of the `judged` rows with every fitted number refitted on the fit rows of
+    `fit_on`; the module's constants are put back afterwards."""
+    state = _fitted_state()
+    try:
+        numbers = fit(fit_on)
+        efficiency = {gen: numbers[f"gemm_efficiency {gen}"] for gen in GENERATIONS}
+        return {
+            run.id: predict(run, efficiency).step.step_s / run.step_time_s_derived - 1
+            for run in judged
+        }
+    finally:
+        _restore(state)
+
+
+def generation_of(run: Run) -> str:
+    """The fitted GPU generation (GENERATIONS) of a row's cluster."""
+    name = run.cluster or PRESETS[run.gpu]
+    return next(gen for gen, names in GENERATIONS.items() if name in names)
+
+
+def leave_source_out(runs: list[Run]) -> dict:
+    """Every source with fit rows judged by the numbers fitted without them: its rows (fit rows
+    included) predicted after `fit` on the other sources' fit rows, beside the same rows after `fit`
+    on all of them. The other sources' rows were never in the fit, so both leave them as they are.
+    A source whose GPU generation has no fit row elsewhere cannot be judged so (its GPU's efficiency
+    would keep the value its own rows gave) and is named apart.
+
+        leave-source-out mean = mean over all rows of |error|, each row's fit without its source"""
+    fitted_sources = sorted({run.source for run in runs if run.fit})
+    with_all = _refit_errors(runs, runs)
+    left_out: dict[str, float] = {}
+    alone: list[str] = []
+    for source in fitted_sources:
+        own = [run for run in runs if run.source == source]
+        others = [
+            dataclasses.replace(run, fit=False) if run.source == source else run for run in runs
+        ]
+        fitted_elsewhere = {generation_of(run) for run in others if run.fit}
+        if any(generation_of(run) not in fitted_elsewhere for run in own if run.fit):
+            alone.append(source)
+            continue
+        left_out |= _refit_errors(others, own)
+    judged = [run for run in runs if run.source not in alone]
+    every = {run.id: left_out.get(run.id, with_all[run.id]) for run in judged}
+    per_source = {
+        source: {
+            "rows": sum(run.source == source for run in runs),
+            "fit_rows": sum(run.fit for run in runs if run.source == source),
+            "refit_with_it": statistics.mean(
+                abs(with_all[run.id]) for run in runs if run.source == source
+            ),
+            "refit_without_it": statistics.mean(
+                abs(left_out[run.id]) for run in runs if run.source == source
+            ),
+        }
+        for source in fitted_sources
+        if source not in alone
+    }
+    return {
+        "rows": len(every),
+        "leave_source_out_mean": statistics.mean(abs(e) for e in every.values()),
+        "refit_with_all_mean": statistics.mean(abs(with_all[r.id]) for r in judged),
+        "per_source": per_source,
+        "not_judged": alone,
+    }
+
+
+def leave_source_out_text(result: dict) -> str:
+    out = [
+        "| source | rows | of them fit rows | refit with its rows | refit without them |",
+        "|---|---|---|---|---|",
+    ]
+    for source, row in result["per_source"].items():
+        out.append(
+            f"| {source} | {row['rows']} | {row['fit_rows']} | "
+            f"{100 * row['refit_with_it']:.1f} % | {100 * row['refit_without_it']:.1f} % |"
+        )
+    out.append(
+        f"\nEvery row predicted by numbers fitted without its source: mean abs. error "
+        f"**{100 * result['leave_source_out_mean']:.1f} %** over {result['rows']} rows (fit rows "
+        f"included; {100 * result['refit_with_all_mean']:.1f} % with one fit on all fit rows)."
+    )
+    if result["not_judged"]:
+        out.append(
+            f"Not judged so: {', '.join(result['not_judged'])} (no fit row of its GPU elsewhere)."
+        )
+    return "\n".join(out)
+
+
 def llm_analysis(runs: list[Run]) -> dict[str, float]:
     """llm-analysis's step time for the rows it can express ({} when it is not installed)."""
     try:
@@ -349,11 +452,19 @@ def main() -> None:
     ap.add_argument(
         "--fit", action="store_true", help="refit the fitted numbers on the fit rows and print them"
     )
+    ap.add_argument(
+        "--leave-source-out",
+        action="store_true",
+        help="judge each source with fit rows by a fit without them (about a minute)",
+    )
     args = ap.parse_args()
     sources, runs = load()
     usable = [r for r in runs if not r.excluded]
     if args.fit:
         print(json.dumps(fit(usable), indent=1))
+        return
+    if args.leave_source_out:
+        print(leave_source_out_text(leave_source_out(usable)))
         return
     rows = evaluate(usable)
     s = summary(rows, len({r.source for r in usable}))

@@ -66,6 +66,9 @@ OUT_OF_SAMPLE_MAX = 0.625480990134958
 # 0.039814718188875275; before Megatron's interleaved exchanges were overlapped: 0.05661803941560352, 0.8
 # and 0.11663985193739568)
 ANCHORED_MEAN = 0.056557954014702344
+# validate_planner.leave_source_out on the rows of narayanan2021, torchtitan-a100 and torchtitan-h100-2412
+# alone, 2026-12-06
+LEAVE_SOURCE_OUT_SMALL = 0.01985133488283246
 INTERVAL_COVERAGE = 0.79375
 MEDIAN_HALF_WIDTHS = {
     "unanchored": 0.12824231788016394,
@@ -152,3 +155,23 @@ def test_a_row_runs_on_the_preset_its_source_evidences():
     assert v.cluster_for(nanotron[0]).network.latency_us == 73.0
     torchtitan = next(r for r in runs if r.gpu == "H100-SXM-80GB" and not r.cluster)
     assert v.cluster_for(torchtitan).name == "dgx-h100"
+
+
+def test_leave_source_out_refits_without_the_source_and_puts_the_numbers_back():
+    """`--leave-source-out` judges each source by a fit on the other sources' fit rows: here Narayanan
+    et al.'s rows by torchtitan's A100 fit row alone, and torchtitan's by Narayanan's three; the H100
+    96 GB row's GPU has no fit row elsewhere, so its source is named, not judged. The fitted constants
+    are what they were afterwards."""
+    v = _harness()
+    _, runs = v.load()
+    sources = ("narayanan2021", "torchtitan-a100", "torchtitan-h100-2412")
+    chosen = [r for r in runs if r.source in sources and not r.excluded]
+    before = v._fitted_state()
+    result = v.leave_source_out(chosen)
+    assert v._fitted_state() == before
+    assert result["not_judged"] == ["torchtitan-h100-2412"]
+    assert result["rows"] == 19 and set(result["per_source"]) == set(sources[:2])
+    narayanan = result["per_source"]["narayanan2021"]
+    assert (narayanan["rows"], narayanan["fit_rows"]) == (14, 3)
+    assert narayanan["refit_without_it"] != pytest.approx(narayanan["refit_with_it"], abs=1e-6)
+    assert result["leave_source_out_mean"] == pytest.approx(LEAVE_SOURCE_OUT_SMALL, abs=1e-9)
