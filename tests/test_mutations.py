@@ -370,6 +370,24 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
             "tests/test_plan_validation.py::test_out_of_sample_error_is_pinned_and_within_the_targets",
         ),
     ),
+    "leave-source-out keeps the source's own rows in the fit": (
+        "benchmarks/validate_planner.py",
+        "dataclasses.replace(run, fit=False) if run.source == source else run for run in runs",
+        "run for run in runs",
+        (
+            "tests/test_plan_validation.py::"
+            "test_leave_source_out_refits_without_the_source_and_puts_the_numbers_back",
+        ),
+    ),
+    "leave-source-out leaves the refitted constants in place": (
+        "benchmarks/validate_planner.py",
+        "    finally:\n        _restore(state)",
+        "    finally:\n        pass",
+        (
+            "tests/test_plan_validation.py::"
+            "test_leave_source_out_refits_without_the_source_and_puts_the_numbers_back",
+        ),
+    ),
     "a GPT block's LayerNorms counted without their biases": (
         "fourd/model/config.py",
         'norms = 2 * self.dim if self.mlp == "swiglu" else 4 * self.dim',
