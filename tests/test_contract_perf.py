@@ -29,6 +29,7 @@ from fourd.plan.kernels import (
 )
 from fourd.plan.memory import max_rank_params
 from fourd.plan.perf import (
+    GRAD_ACCUMULATE_BYTES,
     OVERLAP_SLOWDOWN,
     StageTime,
     _dp_exposure,
@@ -46,6 +47,7 @@ from fourd.plan.perf import (
     stage_time,
     step_time,
 )
+from fourd.plan.stack import PRESET_DIR
 
 H100 = load_cluster("dgx-h100")
 MODEL = get_preset("llama3-8b")
@@ -490,3 +492,27 @@ def test_cpu_workers_lose_their_measured_sync_share_unless_a_pipeline_stage_take
         for field in dataclasses.fields(StageTime):
             _close(getattr(got.per_microbatch, field.name), getattr(want, field.name))
         _close(got.tp_comm_s, base.tp_comm_s)
+
+
+def test_a_stack_that_accumulates_gradients_apart_pays_a_pass_a_microbatch(tmp_path):
+    """nanotron's FP32 gradient accumulator adds each microbatch's BF16 weight gradients into FP32
+    buffers after its backward: GRAD_ACCUMULATE_BYTES a parameter the rank holds, every microbatch
+    (on one GPU nothing else moves with it). DeepSpeed makes the pass under its pipeline engine
+    only; fourd's stack never."""
+    without = tmp_path / "nanotron-fused-sum.toml"
+    preset = (PRESET_DIR / "nanotron.toml").read_text()
+    without.write_text(
+        preset.replace("grad_accumulate_pass = true", "grad_accumulate_pass = false")
+    )
+    one_gpu, microbatches = Layout(), 4
+    apart = _job(one_gpu, stack="nanotron", microbatches=microbatches)
+    fused = _job(one_gpu, stack=str(without), microbatches=microbatches)
+    assert (apart.accumulates_apart, fused.accumulates_apart) == (True, False)
+    params = max_rank_params(MODEL, 1, 1, 1, apart.work.pipeline_split)
+    one_pass = elementwise_time(GRAD_ACCUMULATE_BYTES * params, H100)
+    _close(step_time(apart).step_s - step_time(fused).step_s, microbatches * one_pass)
+    deepspeed = [
+        _job(Layout(pp=pp), "blocking", stack="deepspeed", microbatches=4) for pp in (1, 2)
+    ]
+    assert [job.accumulates_apart for job in deepspeed] == [False, True]
+    assert not _job(Layout(pp=2), stack="fourd", microbatches=4).accumulates_apart

@@ -370,6 +370,15 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
             "tests/test_plan_validation.py::test_out_of_sample_error_is_pinned_and_within_the_targets",
         ),
     ),
+    "a stack's own FP32 gradient pass forgotten (only DeepSpeed's engine pays it)": (
+        "fourd/plan/job.py",
+        "return load_stack(self.stack).grad_accumulate_pass or engine",
+        "return engine",
+        (
+            "tests/test_contract_perf.py::"
+            "test_a_stack_that_accumulates_gradients_apart_pays_a_pass_a_microbatch",
+        ),
+    ),
     "leave-source-out keeps the source's own rows in the fit": (
         "benchmarks/validate_planner.py",
         "dataclasses.replace(run, fit=False) if run.source == source else run for run in runs",

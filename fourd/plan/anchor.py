@@ -62,7 +62,7 @@ INHERITED = (
 OWN_LAYOUT = ("gpus", "layout", "schedule", "microbatches", "virtual_stages", "hsdp_replicas")
 # A measured rate this many times off the model's, either way, is flagged in the report: on the
 # validation suite's anchors the stacks run at 0.8 to 1.4 × the model's time, and the one anchor
-# beyond (nanotron's 80B on 4 nodes, 3.2 ×) carried its slowness to every other layout of its series
+# beyond (nanotron's 80B on 4 nodes, 3.0 ×) carried its slowness to every other layout of its series
 # (docs/planner.md, Validation).
 FAR_RATE = 2.0
 

@@ -120,6 +120,14 @@ class Job:
         return self.par.zero in load_stack(self.stack).gather_in_step
 
     @property
+    def accumulates_apart(self) -> bool:
+        """Each microbatch's BF16 weight gradients added into FP32 copies by a pass of their own:
+        the stack's `grad_accumulate_pass` (nanotron), or DeepSpeed's pipeline engine (blocking
+        sends, with a pipeline)."""
+        engine = self.pipeline_sends == "blocking" and self.layout.pp > 1
+        return load_stack(self.stack).grad_accumulate_pass or engine
+
+    @property
     def bucket_params(self) -> float:
         """Parameters whose gradients fill one of the stack's DDP buckets: `dp_bucket_mb` MiB of
         them in their parameters' dtype (torch DDP's bucket_cap_mb); 0 where the stack reduces one

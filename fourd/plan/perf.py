@@ -545,9 +545,9 @@ def step_time(job: Job) -> StepTime:
     blocking = job.pipeline_sends == "blocking" and pp > 1  # DeepSpeed's pipeline engine
     split = job.work.pipeline_split
     params = max_rank_params(job.model, pp, par.virtual_stages, lay.tp, split)
-    if blocking:
-        # DeepSpeed's engine adds each backward's BF16 weight gradients into FP32 ones, a pass of
-        # its own
+    if job.accumulates_apart:
+        # the BF16 weight gradients of each backward added into FP32 ones, a pass of their own
+        # (DeepSpeed's pipeline engine, nanotron's FP32 gradient accumulator)
         stage = stage + StageTime(
             0.0, 0.0, elementwise_time(GRAD_ACCUMULATE_BYTES * params, job.cluster), 0.0, 0.0
         )

@@ -65,7 +65,12 @@ class Stack:
     the MiB of gradients (in their parameters' dtype) per data-parallel reduction, each bucket its
     own collective call as the backward fills it (torch DDP's `bucket_cap_mb`, 25 by default); 0:
     one reduction per layer (FSDP's units, the layer-sized buckets of the other stacks);
-    `pipeline_split`: how the layers are split over pipeline ranks, one of PIPELINE_SPLITS.
+    `pipeline_split`: how the layers are split over pipeline ranks, one of PIPELINE_SPLITS;
+    `grad_accumulate_pass`: each microbatch's BF16 weight gradients are added into FP32 copies by a
+    memory-bound pass of their own after the backward that made them (nanotron's FP32 gradient
+    accumulator), not inside the weight-gradient GEMM (Megatron's gradient_accumulation_fusion) or
+    not at all (gradients kept in one precision); DeepSpeed's pipeline engine makes the same pass,
+    and `pipeline_comm = "blocking"` stands for that engine whole.
 
     What the stack can run, which a search over open settings keeps to: `schedules`, the pipeline
     schedules it implements; `zero`, its ZeRO stages (sharding of optimizer state, gradients and
@@ -85,6 +90,7 @@ class Stack:
     autocast: str = "unwrapped"
     dp_bucket_mb: float = 0.0
     pipeline_split: str = "layers"
+    grad_accumulate_pass: bool = False
     schedules: tuple[str, ...] = SCHEDULES
     zero: tuple[int, ...] = ZERO_STAGES
     pipeline_zero: tuple[int, ...] = ZERO_STAGES
@@ -175,7 +181,7 @@ def load_stack(name_or_path: str = DEFAULT_STACK) -> Stack:
     fields |= {"dp_overlap": bool, "pipeline_comm": str, "shared_kv": bool, "fused_attention": str}
     fields |= {"autocast": str, "schedules": list, "zero": list, "pipeline_zero": list}
     fields |= {"gather_in_step": list, "model_parallel": list, "dp_bucket_mb": object}
-    fields |= {"pipeline_split": str}
+    fields |= {"pipeline_split": str, "grad_accumulate_pass": bool}
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise FourdError(
