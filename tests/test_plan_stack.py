@@ -567,7 +567,8 @@ def test_a_stacks_gradient_buckets_are_collective_calls_and_its_last_bucket_is_e
 
 def test_the_report_says_how_nanotron_splits_its_pipeline_and_buckets_its_gradients():
     """nanotron's 1.34B shape on 2 pipeline ranks: the report gives the cost split (11 and 5 layers,
-    the 131,072-word output layer 4.0 layers' worth) and the 25 MiB buckets; `--json` the split."""
+    the 131,072-word output layer 4.0 layers' worth), the 25 MiB buckets and the FP32 gradient sum's
+    pass; `--json` the split."""
     spec = "layers=16,dim=2048,ffn=8192,heads=32,kv_heads=32,vocab=131072"
     common = ["--model-spec", spec, "--cluster", "dgx-h100", "--layout", "pp=2,dp=8", "--zero", "1"]
     common += ["--seq", "4096", "--global-batch-tokens", "1M"]
@@ -577,12 +578,16 @@ def test_the_report_says_how_nanotron_splits_its_pipeline_and_buckets_its_gradie
         "4.0 layers: 11, 5." in text
     )
     assert "Stack nanotron reduces the gradients in buckets of 25 MiB" in text
+    assert (
+        "Stack nanotron adds each microbatch's BF16 weight gradients into FP32 copies in a pass of "
+        "their own: " in text
+    )
     assert json.loads(_plan(*common, "--stack", "nanotron", "--json").stdout)["stage_layers"] == [
         11,
         5,
     ]
     fourd = _plan(*common).stdout
-    assert "by cost" not in fourd and "buckets of" not in fourd
+    assert "by cost" not in fourd and "buckets of" not in fourd and "pass of their own" not in fourd
 
 
 @pytest.mark.parametrize("value", ["-1", "true", '"25"', "nan"])

@@ -403,7 +403,7 @@ def _dp_exposure(job: Job, t: StageTime, bubble: float, layers: int) -> tuple[fl
     (docs/planner.md: what each ZeRO stage moves)."""
     lay, par, cluster = job.layout, job.par, job.cluster
     microbatches, shard = par.microbatches, shard_group(lay, par.hsdp_replicas)
-    params = max_rank_params(job.model, lay.pp, par.virtual_stages, lay.tp, job.work.pipeline_split)
+    params = rank_params(job)
     gathers, reductions = max(1, layers), job.gradient_buckets(params, layers)
 
     def bucketed(op: str, nbytes: float, buckets: int, group=shard) -> float:
@@ -469,6 +469,28 @@ def _pipeline_sends_time(job: Job) -> float:
     elif job.pipeline_sends == "synchronous":
         sends += 2 * par.virtual_stages * later_microbatches
     return sends * p2p_time(job)
+
+
+def rank_params(job: Job) -> float:
+    """Parameters the fullest pipeline rank holds (its stages' layers, over TP), as the stack
+    splits the layers."""
+    par = job.par
+    return max_rank_params(
+        job.model, job.layout.pp, par.virtual_stages, job.layout.tp, job.work.pipeline_split
+    )
+
+
+def gradient_sum_time(job: Job, params: float) -> float:
+    """Seconds a microbatch spends adding its BF16 weight gradients into FP32 copies apart from the
+    backward, where the stack does (`Job.accumulates_apart`: DeepSpeed's pipeline engine, nanotron's
+    FP32 gradient accumulator), over the `params` its rank holds:
+
+        GRAD_ACCUMULATE_BYTES · params / HBM rate   (read 2 + 4, write 4 bytes a parameter)
+
+    0 where the stack sums inside the weight-gradient GEMM or keeps one precision."""
+    if not job.accumulates_apart:
+        return 0.0
+    return elementwise_time(GRAD_ACCUMULATE_BYTES * params, job.cluster)
 
 
 def autocast_passes(job: Job, params: float) -> StageTime:
@@ -544,13 +566,8 @@ def step_time(job: Job) -> StepTime:
     slow, stage = slowest_rank(job.work, pp, par.virtual_stages)
     blocking = job.pipeline_sends == "blocking" and pp > 1  # DeepSpeed's pipeline engine
     split = job.work.pipeline_split
-    params = max_rank_params(job.model, pp, par.virtual_stages, lay.tp, split)
-    if job.accumulates_apart:
-        # the BF16 weight gradients of each backward added into FP32 ones, a pass of their own
-        # (DeepSpeed's pipeline engine, nanotron's FP32 gradient accumulator)
-        stage = stage + StageTime(
-            0.0, 0.0, elementwise_time(GRAD_ACCUMULATE_BYTES * params, job.cluster), 0.0, 0.0
-        )
+    params = rank_params(job)
+    stage = stage + StageTime(0.0, 0.0, gradient_sum_time(job, params), 0.0, 0.0)
     stage = stage + autocast_passes(job, params)
     stage = stage + sync_waits(job, stage)
     p2p = _pipeline_sends_time(job)

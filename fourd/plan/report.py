@@ -9,7 +9,7 @@ from fourd.errors import plural, si
 from fourd.layout import Layout
 from fourd.plan.cluster import group_level, placement
 from fourd.plan.job import block_costs
-from fourd.plan.perf import StepTime
+from fourd.plan.perf import StepTime, gradient_sum_time, rank_params
 from fourd.plan.search import Plan, evaluate
 from fourd.plan.stack import load_stack
 
@@ -86,6 +86,12 @@ def why(plan: Plan) -> list[str]:
             f"GPUs) the bubble would be {_pct(other.step.bubble_s / other.step.compute_s)} of "
             f"compute and MFU {_pct(other.mfu)} instead of {_pct(plan.mfu)}: fewer sequences per "
             "replica mean fewer microbatches to fill the pipeline."
+        )
+    summed = gradient_sum_time(plan.job, rank_params(plan.job)) * config.microbatches
+    if summed:
+        lines.append(
+            f"Stack {plan.job.stack} adds each microbatch's BF16 weight gradients into FP32 copies "
+            f"in a pass of their own: {summed:.3f} s per step ({_pct(summed / step.step_s)})."
         )
     for part, what in (
         (step.tp_comm_s, "TP collectives (not overlapped)"),
