@@ -87,33 +87,41 @@ def why(plan: Plan) -> list[str]:
             f"compute and MFU {_pct(other.mfu)} instead of {_pct(plan.mfu)}: fewer sequences per "
             "replica mean fewer microbatches to fill the pipeline."
         )
-    summed = gradient_sum_time(plan.job, rank_params(plan.job)) * config.microbatches
-    if summed:
-        lines.append(
-            f"Stack {plan.job.stack} adds each microbatch's BF16 weight gradients into FP32 copies "
-            f"in a pass of their own: {summed:.3f} s per step ({_pct(summed / step.step_s)})."
-        )
     for part, what in (
         (step.tp_comm_s, "TP collectives (not overlapped)"),
         (step.cp_comm_s, "CP all-gathers of K and V"),
     ):
         lines += [f"{what} take {_pct(part / step.step_s)} of the step."] if part else []
-    if step.dp_total_s:
+    return lines + _gradient_lines(plan)
+
+
+def _gradient_lines(plan: Plan) -> list[str]:
+    """Why's sentences on the gradients: a stack's FP32 sum apart, the data-parallel traffic, the
+    stack's buckets and a weight gather inside the optimizer's step."""
+    step, job, lines = plan.step, plan.job, []
+    summed = gradient_sum_time(job, rank_params(job)) * plan.config.microbatches
+    if summed:
         lines.append(
-            f"Data-parallel traffic: {step.dp_total_s:.3f} s per step, {step.dp_exposed_s:.3f} s "
-            f"of it exposed (the rest hides behind compute and slows it by {step.overlap_s:.3f} s)."
+            f"Stack {job.stack} adds each microbatch's BF16 weight gradients into FP32 copies "
+            f"in a pass of their own: {summed:.3f} s per step ({_pct(summed / step.step_s)})."
         )
-        bucket_mb = load_stack(plan.job.stack).dp_bucket_mb
-        if bucket_mb:
-            lines.append(
-                f"Stack {plan.job.stack} reduces the gradients in buckets of {bucket_mb:g} MiB, "
-                "each its own collective call (and latency)."
-            )
-        if plan.job.gathers_in_step and step.dp_exposed_s:
-            lines.append(
-                f"Stack {plan.job.stack} gathers ZeRO {config.zero}'s updated weights inside the "
-                "optimizer's step, where no compute hides them."
-            )
+    if not step.dp_total_s:
+        return lines
+    lines.append(
+        f"Data-parallel traffic: {step.dp_total_s:.3f} s per step, {step.dp_exposed_s:.3f} s "
+        f"of it exposed (the rest hides behind compute and slows it by {step.overlap_s:.3f} s)."
+    )
+    bucket_mb = load_stack(job.stack).dp_bucket_mb
+    if bucket_mb:
+        lines.append(
+            f"Stack {job.stack} reduces the gradients in buckets of {bucket_mb:g} MiB, "
+            "each its own collective call (and latency)."
+        )
+    if job.gathers_in_step and step.dp_exposed_s:
+        lines.append(
+            f"Stack {job.stack} gathers ZeRO {plan.config.zero}'s updated weights inside the "
+            "optimizer's step, where no compute hides them."
+        )
     return lines
 
 
