@@ -229,6 +229,7 @@ def _fitted_state() -> dict:
 
 
 def _restore(state: dict) -> None:
+    """Put back the constants `_fitted_state` read, and drop the caches computed with others."""
     for (mod, name), value in state.items():
         setattr(mod, name, value)
     _forget()
@@ -264,45 +265,43 @@ def leave_source_out(runs: list[Run]) -> dict:
 
         leave-source-out mean = mean over all rows of |error|, each row's fit without its source"""
     fitted_sources = sorted({run.source for run in runs if run.fit})
+    rows_of = {source: [run for run in runs if run.source == source] for source in fitted_sources}
     with_all = _refit_errors(runs, runs)
     left_out: dict[str, float] = {}
-    alone: list[str] = []
+    not_judged: list[str] = []
     for source in fitted_sources:
-        own = [run for run in runs if run.source == source]
         others = [
             dataclasses.replace(run, fit=False) if run.source == source else run for run in runs
         ]
         fitted_elsewhere = {generation_of(run) for run in others if run.fit}
-        if any(generation_of(run) not in fitted_elsewhere for run in own if run.fit):
-            alone.append(source)
+        if any(generation_of(run) not in fitted_elsewhere for run in rows_of[source] if run.fit):
+            not_judged.append(source)
             continue
-        left_out |= _refit_errors(others, own)
-    judged = [run for run in runs if run.source not in alone]
-    every = {run.id: left_out.get(run.id, with_all[run.id]) for run in judged}
+        left_out |= _refit_errors(others, rows_of[source])
+    judged = [run for run in runs if run.source not in not_judged]
     per_source = {
         source: {
-            "rows": sum(run.source == source for run in runs),
-            "fit_rows": sum(run.fit for run in runs if run.source == source),
-            "refit_with_it": statistics.mean(
-                abs(with_all[run.id]) for run in runs if run.source == source
-            ),
-            "refit_without_it": statistics.mean(
-                abs(left_out[run.id]) for run in runs if run.source == source
-            ),
+            "rows": len(own),
+            "fit_rows": len([run for run in own if run.fit]),
+            "refit_with_it": statistics.mean(abs(with_all[run.id]) for run in own),
+            "refit_without_it": statistics.mean(abs(left_out[run.id]) for run in own),
         }
-        for source in fitted_sources
-        if source not in alone
+        for source, own in rows_of.items()
+        if source not in not_judged
     }
     return {
-        "rows": len(every),
-        "leave_source_out_mean": statistics.mean(abs(e) for e in every.values()),
-        "refit_with_all_mean": statistics.mean(abs(with_all[r.id]) for r in judged),
+        "rows": len(judged),
+        "leave_source_out_mean": statistics.mean(
+            abs(left_out.get(run.id, with_all[run.id])) for run in judged
+        ),
+        "refit_with_all_mean": statistics.mean(abs(with_all[run.id]) for run in judged),
         "per_source": per_source,
-        "not_judged": alone,
+        "not_judged": not_judged,
     }
 
 
 def leave_source_out_text(result: dict) -> str:
+    """`leave_source_out`'s result as the table and sentences docs/planner.md quotes."""
     out = [
         "| source | rows | of them fit rows | refit with its rows | refit without them |",
         "|---|---|---|---|---|",

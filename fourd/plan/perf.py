@@ -518,6 +518,14 @@ def autocast_passes(job: Job, params: float) -> StageTime:
     return StageTime(cast * casts / microbatches, redo, cast + accumulate, 0.0, 0.0)
 
 
+def weight_passes(job: Job, params: float) -> StageTime:
+    """Per microbatch, every memory-bound pass over the `params` weights a rank or stage holds:
+    autocast's casts and sums (autocast_passes) and a stack's FP32 gradient sum apart
+    (gradient_sum_time, in the weight-gradient part)."""
+    summed = StageTime(0.0, 0.0, gradient_sum_time(job, params), 0.0, 0.0)
+    return autocast_passes(job, params) + summed
+
+
 def sync_waits(job: Job, stage: StageTime) -> StageTime:
     """CPU profiles: what a rank's compute loses waiting at its collectives for the other ranks,
     which reach them apart, per microbatch (every multi-rank layout synchronizes within one: TP and
@@ -567,8 +575,7 @@ def step_time(job: Job) -> StepTime:
     blocking = job.pipeline_sends == "blocking" and pp > 1  # DeepSpeed's pipeline engine
     split = job.work.pipeline_split
     params = rank_params(job)
-    stage = stage + StageTime(0.0, 0.0, gradient_sum_time(job, params), 0.0, 0.0)
-    stage = stage + autocast_passes(job, params)
+    stage = stage + weight_passes(job, params)
     stage = stage + sync_waits(job, stage)
     p2p = _pipeline_sends_time(job)
     layers = rank_shapes(job.model, pp, par.virtual_stages, split)[0][slow]

@@ -24,7 +24,7 @@ from fourd.plan.cluster import (
 from fourd.plan.job import Job
 from fourd.plan.kernels import collective_time, optimizer_time
 from fourd.plan.memory import stage_params
-from fourd.plan.perf import StageTime, autocast_passes, chunk_times, gradient_sum_time
+from fourd.plan.perf import chunk_times, weight_passes
 from fourd.schedules import Action, Schedule, build_schedule, depends_on
 from fourd.sim.network import Flow, Network
 
@@ -46,15 +46,13 @@ class Event:
 def stage_costs(job: Job, comm: bool = True) -> list[dict[str, float]]:
     """Seconds of each action kind ("F", "B", "I", "W") per global stage from the planner's cost
     model; TP and CP collectives are part of F, B and I unless `comm` is False, and under autocast
-    over FP32 weights each stage's casts and gradient sums (fourd.plan.perf.autocast_passes) are
-    part of F and W, as is the FP32 gradient sum a stack makes apart (gradient_sum_time). B = I + W: a full backward is the input-gradient half and the weight-gradient
-    half (Qi et al. 2023, §2)."""
+    over FP32 weights each stage's casts and gradient sums, and the FP32 gradient sum a stack makes
+    apart, are part of F and W (fourd.plan.perf.weight_passes). B = I + W: a full backward is the
+    input-gradient half and the weight-gradient half (Qi et al. 2023, §2)."""
     costs = []
     params = stage_params_on_gpu(job)
     for stage, chunk in enumerate(chunk_times(job)):
-        chunk = chunk + autocast_passes(job, params[stage])  # its weights' casts and sums
-        summed = gradient_sum_time(job, params[stage])
-        chunk = chunk + StageTime(0.0, 0.0, summed, 0.0, 0.0)
+        chunk = chunk + weight_passes(job, params[stage])  # casts and gradient sums
         forward = chunk.forward_s
         input_grad = chunk.input_grad_s
         if comm:
