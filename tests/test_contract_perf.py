@@ -252,6 +252,29 @@ def test_zero_0_all_reduces_after_the_last_backward_and_its_last_bucket_is_expos
     assert _exposure(job, bare) == pytest.approx((reduce, reduce), rel=1e-12)
 
 
+def test_the_input_embeddings_gradients_reduce_after_the_backward_that_computes_them_last():
+    """A rank whose input embedding holds more of its gradients than a bucket: the backward computes
+    the embedding's gradient last, so its share of the reduction waits for the backward's end
+    (two layers of Llama 3 8B's width and a 1M-token vocabulary: the embedding 4,194 M of 8,924 M
+    parameters)."""
+    wide = dataclasses.replace(MODEL, layers=2, vocab=1 << 20)
+    job = dataclasses.replace(_job(Layout(dp=8), zero=0, microbatches=4), model=wide)
+    params = max_rank_params(wide, 1, 1, 1)
+    share = wide.embedding_params() / params
+    assert share > 1 / LAYERS
+    reduce = _buckets("all_reduce", 4 * params, shard_group(job.layout))
+    hidden = StageTime(0.0, 10.0, 0.0, 0.0, 0.0)
+    assert _exposure(job, hidden) == pytest.approx((share * reduce, reduce), rel=1e-12)
+    # ZeRO 1 reduce-scatters the same share after the backward (NeMo gathers beside the forward)
+    zero1 = dataclasses.replace(
+        _job(Layout(dp=8), zero=1, microbatches=4, stack="nemo"), model=wide
+    )
+    scatter = _buckets("reduce_scatter", 4 * params, shard_group(job.layout))
+    gather = _buckets("all_gather", 2 * params, shard_group(job.layout))
+    hidden_both = StageTime(10.0, 10.0, 0.0, 0.0, 0.0)
+    _close(_exposure(zero1, hidden_both)[0], share * scatter + gather / LAYERS)
+
+
 def test_zero_1_and_2_reduce_scatter_gradients_and_gather_the_weights_once():
     """Beside the next forward (nemo: Megatron's --overlap-param-gather) or, where the stack
     gathers inside the optimizer's step (DeepSpeed's stages 1 and 2), all of it exposed."""

@@ -167,11 +167,17 @@ def test_a_zero1_forward_waits_for_its_weights_and_its_event_spans_its_pieces(tm
 
 def test_a_bucket_of_a_third_of_a_stage_is_not_rounded(tmp_path):
     """ZeRO-2 on one pipeline rank of 1,064 parameters in 3 buckets: each reduce-scatters 4 ·
-    1,064 / 3 B, half of it over the ring of 2, alone on the NIC."""
+    1,000 / 3 B of the 1,000 besides the input embedding's 64, and the last, when the backward
+    computes the embedding's gradient, 4 · 64 B more; half of it over the ring of 2, alone on the
+    NIC."""
     comm = build_comm(_job(_cluster(tmp_path), Layout(dp=2), zero=2))
+    assert comm.embedding_params == 64
     r = simulate(build_schedule("1f1b", 1, 1), [UNIT], layers=[3], comm=comm)
     scatters = [t.end - t.start for t in r.transfers if t.kind == "rs"]
-    assert scatters == pytest.approx([4 * 1064 / 3 / 2 / 1024] * 3, rel=1e-12)
+    layer = 4 * 1000 / 3
+    assert scatters == pytest.approx(
+        [layer / 2 / 1024, layer / 2 / 1024, (layer + 4 * 64) / 2 / 1024], rel=1e-12
+    )
 
 
 def test_ddp_reduces_after_the_last_backward_of_a_long_list(tmp_path):
@@ -188,10 +194,10 @@ def test_a_ddp_stack_reduces_its_gradients_in_buckets_as_the_backward_fills_them
     tmp_path, monkeypatch, zero, op
 ):
     """A stack with DDP buckets of 0.0005 MiB of BF16 gradients, 1,048.576 B of FP32 ones: one
-    rank's 1,064 parameters, 4,256 B of gradients from two layer pieces of 2,128 B, fill two buckets
-    when the first piece ends and two more and the 61.696 B left when the last does; each its own
-    collective over the ring of 2 (a reduce-scatter moves half its bytes, an all-reduce all of
-    them) at the NIC's 1,024 B/s."""
+    rank's 1,064 parameters, 4,256 B of gradients, from two layer pieces of 2,000 B and the input
+    embedding's 256 B with the last, fill one bucket when the first piece ends and three more and
+    the 61.696 B left when the last does; each its own collective over the ring of 2 (a
+    reduce-scatter moves half its bytes, an all-reduce all of them) at the NIC's 1,024 B/s."""
     monkeypatch.setenv("FOURD_HOME", str(tmp_path))
     (tmp_path / "stacks").mkdir()
     (tmp_path / "stacks" / "ddp.toml").write_text("dp_bucket_mb = 0.0005\n")
@@ -209,11 +215,14 @@ def test_a_ddp_stack_reduces_its_gradients_in_buckets_as_the_backward_fills_them
     assert [t.end - t.start for t in reductions] == pytest.approx(
         [share * size / 1024 for size in sizes], rel=1e-9
     )
-    # the first starts when the backward's first piece (half of it) ends, the rest queue behind
+    # the first starts when the backward's first piece (half of it) ends, the second when the
+    # backward ends and the first is done, the rest queue behind
     backward = r.events[0][1]
     assert backward.kind == "B"
     assert reductions[0].start == pytest.approx((backward.start + backward.end) / 2, rel=1e-12)
-    for before, after in zip(reductions, reductions[1:]):
+    second = max(reductions[0].end, backward.end)
+    assert reductions[1].start == pytest.approx(second, rel=1e-12)
+    for before, after in zip(reductions[1:], reductions[2:]):
         assert after.start == pytest.approx(before.end, rel=1e-12)
 
 

@@ -379,6 +379,21 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
             "test_a_stack_that_accumulates_gradients_apart_pays_a_pass_a_microbatch",
         ),
     ),
+    "the input embedding's gradients hidden like a layer's (the planner)": (
+        "fourd/plan/perf.py",
+        "last_ready = min(1.0, job.model.embedding_params() / lay.tp / params)",
+        "last_ready = 0.0",
+        (
+            "tests/test_contract_perf.py::"
+            "test_the_input_embeddings_gradients_reduce_after_the_backward_that_computes_them_last",
+        ),
+    ),
+    "the input embedding's gradients spread over the layers (the step simulator)": (
+        "fourd/sim/step.py",
+        "embedding = embedding_bytes if stage == 0 else 0.0",
+        "embedding = 0.0",
+        ("tests/test_contract_sim_step.py::test_a_bucket_of_a_third_of_a_stage_is_not_rounded",),
+    ),
     "leave-source-out keeps the source's own rows in the fit": (
         "benchmarks/validate_planner.py",
         "dataclasses.replace(run, fit=False) if run.source == source else run for run in runs",
@@ -615,7 +630,7 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
         "return bucket_mb * 2**20 / 4",
         (
             "tests/test_plan_stack.py::"
-            "test_a_stacks_gradient_buckets_are_collective_calls_and_its_last_bucket_is_exposed",
+            "test_a_stacks_gradient_buckets_are_collective_calls_and_the_embeddings_are_exposed",
         ),
     ),
     "nanotron's split hands over at its share, not past it": (

@@ -387,13 +387,20 @@ class StepTime:
 
 class DpPhase(NamedTuple):
     """One phase of a step's data-parallel traffic: its seconds, the compute beside it that can
-    hide them, the passes it comes in (microbatches), and the buckets of a pass, the last of which
-    nothing hides."""
+    hide them, the passes it comes in (microbatches), the buckets of a pass, and the seconds of the
+    last pass that nothing hides: its last bucket, or the reduction of gradients that arrive only
+    as its compute ends (the input embedding's)."""
 
     seconds: float
     window: float
     passes: int
     buckets: int
+    last_ready_s: float = 0.0
+
+    def exposed(self) -> float:
+        """Seconds of the phase no compute hides: what overruns its window, and its tail."""
+        last_bucket = self.seconds / (self.buckets * self.passes)
+        return max(0.0, self.seconds - self.window) + max(last_bucket, self.last_ready_s)
 
 
 def _dp_exposure(job: Job, t: StageTime, bubble: float, layers: int) -> tuple[float, float]:
@@ -418,6 +425,8 @@ def _dp_exposure(job: Job, t: StageTime, bubble: float, layers: int) -> tuple[fl
         t.backward + bubble / 2,
         t.forward + bubble / 2,
     )  # last backward and cool-down; warm-up
+    # the input embedding's gradient is the backward's last: its reduction waits for the pass's end
+    last_ready = min(1.0, job.model.embedding_params() / lay.tp / params)
     reduces = (
         1 if cluster.cpu else microbatches
     )  # ZeRO 2, 3 reduce each microbatch's grads; fourd's FSDP (CPU profiles) the last one's
@@ -426,11 +435,17 @@ def _dp_exposure(job: Job, t: StageTime, bubble: float, layers: int) -> tuple[fl
     beside_forward, in_step = gather, 0.0
     if job.gathers_in_step:
         beside_forward, in_step = 0.0, gather
+    all_reduce = bucketed("all_reduce", 4 * params, reductions)
     phases = {
-        0: [DpPhase(bucketed("all_reduce", 4 * params, reductions), tail, 1, reductions)],
-        1: [DpPhase(scatter, tail, 1, reductions), DpPhase(beside_forward, head, 1, gathers)],
+        0: [DpPhase(all_reduce, tail, 1, reductions, last_ready * all_reduce)],
+        1: [
+            DpPhase(scatter, tail, 1, reductions, last_ready * scatter),
+            DpPhase(beside_forward, head, 1, gathers),
+        ],
         2: [
-            DpPhase(reduces * scatter, reduces * t.backward, reduces, reductions),
+            DpPhase(
+                reduces * scatter, reduces * t.backward, reduces, reductions, last_ready * scatter
+            ),
             DpPhase(beside_forward, head, 1, gathers),
         ],
         3: [
@@ -440,14 +455,12 @@ def _dp_exposure(job: Job, t: StageTime, bubble: float, layers: int) -> tuple[fl
                 microbatches * t.backward,
                 microbatches,
                 gathers,
+                last_ready * (scatter + across),
             ),
         ],
     }[par.zero]
     total = in_step + sum(phase.seconds for phase in phases)
-    exposed = in_step + sum(
-        max(0.0, phase.seconds - phase.window) + phase.seconds / (phase.buckets * phase.passes)
-        for phase in phases
-    )
+    exposed = in_step + sum(phase.exposed() for phase in phases)
     return min(exposed, total), total
 
 

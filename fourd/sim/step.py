@@ -116,6 +116,7 @@ class Comm:
     dp_bw: float  # bytes/s a DP ring reaches alone (group_bandwidth)
     dp_links: tuple  # (port, share of the ring's bytes) per GPU
     dp_params: list  # each stage's parameters on one GPU (one bucket per layer)
+    embedding_params: float = 0.0  # of them, the first stage's input embedding on one GPU
     weight_bytes: int  # per parameter: weights move in the compute precision, gradients in FP32
     gather_in_step: bool = False  # ZeRO 1 and 2 gather after the optimizer's update, not beside F
     # FP32 gradient bytes a DDP bucket holds (the stack's dp_bucket_mb); 0: one reduction a layer
@@ -169,6 +170,7 @@ def build_comm(job: Job) -> Comm:
         dp_bw=group_bandwidth(group, cluster)[0],
         dp_links=dp_links,
         dp_params=stage_params_on_gpu(job),
+        embedding_params=job.model.embedding_params() / lay.tp,
         weight_bytes=job.state_dtype_bytes,
         gather_in_step=job.gathers_in_step,
         bucket_bytes=4 * job.bucket_params,  # gradients in FP32
@@ -310,6 +312,7 @@ def _rank_pieces(sim: _Engine, who: tuple[int, int], costs, layers, factor, zero
     comm = sim.comm
     actions = schedule.ranks[rank]
     weight_bytes, grad_bytes = _dp_bytes(comm)
+    embedding_bytes = 4 * comm.embedding_params if comm else 0.0  # FP32, on the first stage
     first_forward, last_grad = _stage_marks(actions)
     pieces = []
     rs_keys = sim.rs_keys.setdefault(who, [])
@@ -352,7 +355,8 @@ def _rank_pieces(sim: _Engine, who: tuple[int, int], costs, layers, factor, zero
                 piece.needs += (_gather_need(sim, who, piece, weight_bytes[stage], zero),)
             if reduce:
                 last = index == last_reduce and part == parts - 1
-                gradients = grad_bytes[stage] / parts
+                embedding = embedding_bytes if stage == 0 else 0.0
+                gradients = _piece_gradients(grad_bytes[stage], embedding, part, parts)
                 for key, nbytes in _reductions(action, part, zero, gradients, buckets, last):
                     piece.after.append(("enqueue", (replica, rank, "rs"), key, nbytes))
                     rs_keys.append(key)
@@ -360,6 +364,17 @@ def _rank_pieces(sim: _Engine, who: tuple[int, int], costs, layers, factor, zero
                 piece.after += _action_done(schedule, replica, action)
             pieces.append(piece)
     return pieces
+
+
+def _piece_gradients(stage_bytes: float, embedding_bytes: float, part: int, parts: int) -> float:
+    """FP32 gradient bytes a backward piece (a layer) hands to the DP reductions: the stage's
+    layers share its `stage_bytes`, except that the first stage's input embedding
+    (`embedding_bytes`, 0 on the others), whose gradient the backward computes last, comes with its
+    last piece."""
+    share = (stage_bytes - embedding_bytes) / parts
+    if part == parts - 1:
+        return share + embedding_bytes
+    return share
 
 
 class _Buckets:
