@@ -28,7 +28,7 @@ from fourd.model.config import get_preset
 from fourd.model.llama import build_model
 
 pytestmark = pytest.mark.slow
-STEPS = 6
+STEPS = 12  # the SIGTERM test signals after step 2: ten steps of margin under a loaded machine
 
 
 @pytest.fixture(scope="module")
