@@ -29,13 +29,17 @@ def fourd_home() -> Path:
     return Path(os.environ.get("FOURD_HOME") or "~/.fourd").expanduser()
 
 
-# [model]: a preset, and any ModelConfig field but mlp set on top of it (`--model.layers=2`); None:
-# the preset's.
+# [model]: a preset, and any ModelConfig field but the planner's own (mlp, tied_embeddings) set on
+# top of it (`--model.layers=2`); None: the preset's.
 _MODEL_KEYS = typing.get_type_hints(ModelConfig)
 ModelSection = dataclasses.make_dataclass(
     "ModelSection",
     [("preset", str, "small")]
-    + [(key, kind | None, None) for key, kind in _MODEL_KEYS.items() if key != "mlp"],
+    + [
+        (key, kind | None, None)
+        for key, kind in _MODEL_KEYS.items()
+        if key not in ("mlp", "tied_embeddings")
+    ],
 )
 ModelSection.__module__ = __name__  # picklable: configs travel to spawned workers
 

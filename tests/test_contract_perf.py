@@ -14,6 +14,7 @@ from fourd.plan.block import matmuls, traffic
 from fourd.plan.cluster import (
     AttentionSample,
     GemmSample,
+    Group,
     load_cluster,
     placement,
     replica_group,
@@ -27,7 +28,7 @@ from fourd.plan.kernels import (
     gemm_time,
     optimizer_time,
 )
-from fourd.plan.memory import max_rank_params
+from fourd.plan.memory import max_rank_params, stage_params
 from fourd.plan.perf import (
     GRAD_ACCUMULATE_BYTES,
     OVERLAP_SLOWDOWN,
@@ -46,6 +47,7 @@ from fourd.plan.perf import (
     sp_collectives,
     stage_time,
     step_time,
+    tied_embedding_sync,
 )
 from fourd.plan.stack import PRESET_DIR
 
@@ -273,6 +275,33 @@ def test_the_input_embeddings_gradients_reduce_after_the_backward_that_computes_
     gather = _buckets("all_gather", 2 * params, shard_group(job.layout))
     hidden_both = StageTime(10.0, 10.0, 0.0, 0.0, 0.0)
     _close(_exposure(zero1, hidden_both)[0], share * scatter + gather / LAYERS)
+
+
+def test_a_tied_embedding_is_held_once_by_one_stage_and_synced_between_two():
+    """Tied (Llama 3 8B's shape with tied=1): one stage holds the shared matrix once; across a
+    pipeline the first stage holds the embedding and the last a copy for its output projection, as
+    untied, and after the backward their FP32 gradients are all-reduced between a first and a last
+    stage's ranks (Megatron's embedding group), exposed."""
+    tied = dataclasses.replace(MODEL, tied_embeddings=True)
+    embedding = MODEL.embedding_params()
+    assert stage_params(tied, [32], 0) == stage_params(MODEL, [32], 0) - embedding
+    for stage in (0, 1):
+        assert stage_params(tied, [16, 16], stage) == stage_params(MODEL, [16, 16], stage)
+    untied = _job(Layout(tp=2, pp=2), microbatches=4)
+    job = dataclasses.replace(untied, model=tied)
+    ends = Group(2, 2, 4)  # ranks 0 and 2: TP 2, the pipeline's two stages
+    sync = collective_time("all_reduce", 4 * embedding / 2, ends, H100)
+    assert sync > 0
+    _close(tied_embedding_sync(job), sync)
+    assert tied_embedding_sync(untied) == 0.0
+    assert (
+        tied_embedding_sync(
+            dataclasses.replace(job, par=dataclasses.replace(job.par, layout=Layout(tp=2)))
+        )
+        == 0.0
+    )
+    _close(step_time(job).dp_exposed_s, step_time(untied).dp_exposed_s + sync)
+    _close(step_time(job).step_s, step_time(untied).step_s + sync)
 
 
 def test_zero_1_and_2_reduce_scatter_gradients_and_gather_the_weights_once():

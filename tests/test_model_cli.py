@@ -32,6 +32,7 @@ def test_parameter_counts_equal_the_released_models(preset):
         "rope_theta",
         "max_seq",
         "mlp",
+        "tied_embeddings",
         "non_embedding_params",
         "flops_per_token_at_max_seq",
     ]

@@ -46,6 +46,7 @@ def test_the_test_presets_are_pinned():
         ("head_dim", 3, "model head_dim = 3 must be even for RoPE"),
         ("kv_heads", 3, "model.heads = 4 must be a multiple of model.kv_heads = 3"),
         ("mlp", "relu", "model.mlp = 'relu': allowed values are swiglu, gelu, gelu_new"),
+        ("tied_embeddings", 1, "model.tied_embeddings = 1 must be true or false"),
     ],
 )
 def test_a_model_is_refused_in_one_line(field, value, message):
@@ -85,7 +86,7 @@ def test_a_model_spec_reads_each_key_once_as_a_positive_integer():
         layers=2, dim=64, ffn=176, heads=4, kv_heads=4, vocab=256
     )  # kv_heads: heads
     assert parse_model_spec("layers=1,dim=64,ffn=1,heads=1,vocab=1,mlp=gelu").mlp == "gelu"
-    keys = "dim, ffn, head_dim, heads, kv_heads, layers, mlp, vocab"
+    keys = "dim, ffn, head_dim, heads, kv_heads, layers, mlp, tied, vocab"
     for spec, message in [
         (
             "layers=2,dim=64,ffn=176,heads=4,vocab=256,bias=1",
@@ -108,6 +109,10 @@ def test_a_model_spec_reads_each_key_once_as_a_positive_integer():
             "--model-spec: layers=0 must be a positive integer",
         ),
         ("layers=2,dim=64,heads=4", "--model-spec lacks ffn, vocab"),
+        (
+            "layers=2,dim=64,ffn=176,heads=4,vocab=256,tied=yes",
+            "--model-spec: tied='yes' must be 1 (tied) or 0 (untied)",
+        ),
     ]:
         with pytest.raises(FourdError) as e:
             parse_model_spec(spec)
@@ -131,3 +136,20 @@ def test_counts_of_a_model_whose_terms_share_bits():
     assert cfg.layer_matrix_params() == 4 * 12 * 12 + 3 * 12 * 5  # 756
     assert cfg.layer_params() == 756 + 2 * 12  # 780: 756 and 24 share the 16s digit
     assert cfg.params() == 780 + 2 * 7 * 12 + 12  # 960: 948 and 12 share the 4s digit
+
+
+def test_a_tied_model_counts_its_embedding_matrix_once_and_its_flops_alike():
+    """tied=1: the output projection is the input embedding's matrix, so the model holds V·h fewer
+    parameters; its FLOPs do not change (the output projection's matmul runs either way)."""
+    untied = parse_model_spec("layers=2,dim=64,ffn=176,heads=4,vocab=256,tied=0")
+    tied = parse_model_spec("layers=2,dim=64,ffn=176,heads=4,vocab=256,tied=1")
+    assert (untied.tied_embeddings, tied.tied_embeddings) == (False, True)
+    assert untied == ModelConfig(layers=2, dim=64, ffn=176, heads=4, kv_heads=4, vocab=256)
+    assert untied.params() - tied.params() == 256 * 64
+    assert (
+        tied.non_embedding_params()
+        == untied.non_embedding_params()
+        == untied.params() - 2 * 256 * 64
+    )
+    assert tied.flops_per_token(128) == untied.flops_per_token(128)
+    assert tied.flops_per_token(128, "full") == untied.flops_per_token(128, "full")

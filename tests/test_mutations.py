@@ -394,6 +394,24 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
         "embedding = 0.0",
         ("tests/test_contract_sim_step.py::test_a_bucket_of_a_third_of_a_stage_is_not_rounded",),
     ),
+    "a tied output projection counted as a matrix of its own on one stage": (
+        "fourd/plan/memory.py",
+        "if not (model.tied_embeddings and len(counts) == 1):",
+        "if True:",
+        (
+            "tests/test_contract_perf.py::"
+            "test_a_tied_embedding_is_held_once_by_one_stage_and_synced_between_two",
+        ),
+    ),
+    "a tied embedding's two pipeline copies never synced": (
+        "fourd/plan/perf.py",
+        "if not job.model.tied_embeddings or lay.pp == 1:",
+        "if True:",
+        (
+            "tests/test_contract_perf.py::"
+            "test_a_tied_embedding_is_held_once_by_one_stage_and_synced_between_two",
+        ),
+    ),
     "leave-source-out keeps the source's own rows in the fit": (
         "benchmarks/validate_planner.py",
         "dataclasses.replace(run, fit=False) if run.source == source else run for run in runs",

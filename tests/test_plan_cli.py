@@ -455,3 +455,32 @@ def test_a_gpt_block_by_model_spec():
         (6 * layer + 51200 * 12288) / 8 * 2 / 1e9, abs=1e-3
     )
     assert 0 < d["mfu"] < 1
+
+
+def test_a_tied_gpt_by_model_spec_holds_its_embedding_once():
+    """GPT-2 small's shape with tied=1 on one GPU: the weights count the vocabulary's matrix once,
+    50,304 · 768 parameters fewer than untied (FP32, 4 B a parameter: fourd's stack computes by
+    autocast over FP32 weights on one GPU)."""
+    spec = "layers=12,dim=768,ffn=3072,heads=12,vocab=50304,mlp=gelu"
+    results = {}
+    for tied in ("0", "1"):
+        r = plan(
+            "--model-spec",
+            f"{spec},tied={tied}",
+            "--cluster",
+            "dgx-h100",
+            "--layout",
+            "dp=1",
+            "--seq",
+            "1024",
+            "--global-batch-tokens",
+            "8192",
+            "--json",
+        )
+        assert r.returncode == 0, r.stderr
+        results[tied] = json.loads(r.stdout)
+    assert results["1"]["model"]["tied_embeddings"] is True
+    assert results["0"]["model"]["tied_embeddings"] is False
+    fewer = results["0"]["memory_gb"]["params"] - results["1"]["memory_gb"]["params"]
+    assert fewer == pytest.approx(50304 * 768 * 4 / 1e9, abs=1e-3)
+    assert results["1"]["step_time_s"] < results["0"]["step_time_s"]  # a smaller optimizer step

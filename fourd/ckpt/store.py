@@ -396,6 +396,11 @@ def load_model_checkpoint(
         raise FourdError(
             f"{directory}: model.mlp = {cfg.mlp!r}; a checkpoint holds a Llama (swiglu) model"
         )
+    if cfg.tied_embeddings:  # so are tied embeddings
+        raise FourdError(
+            f"{directory}: model.tied_embeddings = true; a checkpoint holds fourd's Llama, whose "
+            "output projection is its own matrix"
+        )
     reader = SafeReader(str(directory))
     state = {}
     for key, meta in reader.read_metadata().state_dict_metadata.items():

@@ -28,6 +28,10 @@ class ModelConfig:
     # "swiglu" (Llama), or for the planner only a GPT-style MLP: "gelu" (one GeLU kernel), or
     # "gelu_new" (GPT-2's tanh approximation as Hugging Face's NewGELUActivation runs it, eight ops)
     mlp: str = "swiglu"
+    # for the planner only: the output projection is the input embedding's matrix (GPT-2, Megatron's
+    # GPT, MPT, BLOOM, Llama 3.2 1B and 3B), held once where one stage holds both; fourd trains
+    # untied (`fourd convert` copies a tied matrix into its own output projection)
+    tied_embeddings: bool = False
 
     def __post_init__(self):
         for field in ("layers", "dim", "ffn", "heads", "kv_heads", "vocab", "head_dim"):
@@ -45,6 +49,10 @@ class ModelConfig:
             raise FourdError(f"model head_dim = {self.head_dim} must be even for RoPE")
         if self.mlp not in MLPS:
             raise FourdError(f"model.mlp = {self.mlp!r}: allowed values are {', '.join(MLPS)}")
+        if not isinstance(self.tied_embeddings, bool):
+            raise FourdError(
+                f"model.tied_embeddings = {self.tied_embeddings!r} must be true or false"
+            )
 
     # Parameter counts, exactly as the torch model allocates them (tested against it on the meta
     # device).
@@ -62,24 +70,31 @@ class ModelConfig:
         return self.layer_matrix_params() + norms
 
     def embedding_params(self) -> int:
-        # the input embedding; the output projection is the same size (untied)
+        """The input embedding's matrix; the output projection's is the same size."""
         return self.vocab * self.dim
 
-    def params(self) -> int:
-        final_norm = 2 * self.dim  # a LayerNorm's weight and bias
+    def final_norm_params(self) -> int:
+        """A LayerNorm's weight and bias, or an RMSNorm's weight (SwiGLU, Llama)."""
         if self.mlp == "swiglu":
-            final_norm = self.dim  # an RMSNorm's weight
-        return self.layers * self.layer_params() + 2 * self.embedding_params() + final_norm
+            return self.dim
+        return 2 * self.dim
+
+    def params(self) -> int:
+        """Every parameter once: the layers, the final norm, the input embedding, and the output
+        projection unless it is the embedding's matrix (tied)."""
+        matrices = 1 if self.tied_embeddings else 2
+        return self.non_embedding_params() + matrices * self.embedding_params()
 
     def non_embedding_params(self) -> int:
-        return self.params() - 2 * self.embedding_params()
+        return self.layers * self.layer_params() + self.final_norm_params()
 
     def flops_per_token(self, seq: int, recompute: str = "none") -> float:
         """FLOPs per trained token for MFU, 6·(N − input embedding) + 12·L·H·Q·T (PaLM, Chowdhery et
-        al. 2022, app. B); with `recompute` "full" the hardware's for HFU, one more forward per
+        al. 2022, app. B), N counting the output projection whether or not it is tied (its matmul
+        runs either way); with `recompute` "full" the hardware's for HFU, one more forward per
         layer (docs/parallelism.md)."""
         attention = 4 * self.layers * self.heads * self.head_dim * seq
-        model = 6 * (self.params() - self.embedding_params()) + 3 * attention
+        model = 6 * (self.non_embedding_params() + self.embedding_params()) + 3 * attention
         if recompute == "full":
             return model + 2 * self.layers * self.layer_params() + attention
         return model
@@ -108,11 +123,12 @@ def get_preset(name: str) -> ModelConfig:
     return PRESETS[name]
 
 
-_SPEC_KEYS = {"layers", "dim", "ffn", "heads", "kv_heads", "vocab", "mlp", "head_dim"}
+_SPEC_KEYS = {"layers", "dim", "ffn", "heads", "kv_heads", "vocab", "mlp", "head_dim", "tied"}
 
 
 def parse_model_spec(spec: str) -> ModelConfig:
-    """`layers=126,dim=16384,ffn=53248,heads=128,kv_heads=8,vocab=128256[,mlp=gelu|gelu_new]`."""
+    """`layers=126,dim=16384,ffn=53248,heads=128,kv_heads=8,vocab=128256[,mlp=gelu|gelu_new]
+    [,tied=1]` (tied=1: the output projection is the input embedding's matrix)."""
     values: dict[str, object] = {}
     for part in filter(None, (item.strip() for item in spec.split(","))):
         key, sep, val = part.partition("=")
@@ -125,6 +141,10 @@ def parse_model_spec(spec: str) -> ModelConfig:
             raise FourdError(f"--model-spec: {key} is given twice; give each key once")
         if key == "mlp":
             values[key] = val
+        elif key == "tied":
+            if val not in ("0", "1"):
+                raise FourdError(f"--model-spec: tied={val!r} must be 1 (tied) or 0 (untied)")
+            values["tied_embeddings"] = val == "1"
         else:
             try:
                 number = int(val)

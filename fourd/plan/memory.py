@@ -25,12 +25,18 @@ def state_bytes_per_param(zero: int, dp: int, dtype_bytes: int = 2) -> tuple[flo
 
 
 def stage_params(model, counts: list[int], stage: int) -> int:
-    """Parameters of one pipeline stage (whole, before TP)."""
+    """Parameters of one pipeline stage (whole, before TP): its layers, the input embedding on the
+    first, the final norm and the output projection on the last. A tied output projection is the
+    embedding's matrix where one stage holds both; across a pipeline the last stage holds a copy
+    of it (Megatron's word embeddings on the last stage, their gradients all-reduced with the
+    first's)."""
     params = counts[stage] * model.layer_params()
     if stage == 0:
         params += model.embedding_params()
     if stage == len(counts) - 1:
-        params += model.embedding_params() + (model.dim if model.mlp == "swiglu" else 2 * model.dim)
+        params += model.final_norm_params()
+        if not (model.tied_embeddings and len(counts) == 1):
+            params += model.embedding_params()
     return params
 
 

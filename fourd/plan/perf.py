@@ -407,7 +407,8 @@ def _dp_exposure(job: Job, t: StageTime, bubble: float, layers: int) -> tuple[fl
     """(exposed, total) seconds of the slowest rank's ZeRO/DDP traffic: weights gathered one layer
     at a time, gradients reduced in the stack's buckets (`Job.gradient_buckets`), each its own
     collective call; what compute around it cannot hide, and the last bucket, are exposed
-    (docs/planner.md: what each ZeRO stage moves)."""
+    (docs/planner.md: what each ZeRO stage moves); with them, a tied embedding's sync across the
+    pipeline (`tied_embedding_sync`), exposed."""
     lay, par, cluster = job.layout, job.par, job.cluster
     microbatches, shard = par.microbatches, shard_group(lay, par.hsdp_replicas)
     params = rank_params(job)
@@ -435,6 +436,7 @@ def _dp_exposure(job: Job, t: StageTime, bubble: float, layers: int) -> tuple[fl
     beside_forward, in_step = gather, 0.0
     if job.gathers_in_step:
         beside_forward, in_step = 0.0, gather
+    in_step += tied_embedding_sync(job)
     all_reduce = bucketed("all_reduce", 4 * params, reductions)
     phases = {
         0: [DpPhase(all_reduce, tail, 1, reductions, last_ready * all_reduce)],
@@ -462,6 +464,21 @@ def _dp_exposure(job: Job, t: StageTime, bubble: float, layers: int) -> tuple[fl
     total = in_step + sum(phase.seconds for phase in phases)
     exposed = in_step + sum(phase.exposed() for phase in phases)
     return min(exposed, total), total
+
+
+def tied_embedding_sync(job: Job) -> float:
+    """Seconds of the all-reduce that keeps a tied embedding's two copies equal across a pipeline:
+    the first stage's input embedding and the last stage's output projection each get a gradient,
+    summed between the two stages' ranks after the backward and before the optimizer, where nothing
+    hides it (Megatron's embedding group: `_allreduce_word_embedding_grads`,
+    megatron/core/distributed/finalize_model_grads.py), the FP32 gradient of vocab·dim/tp
+    parameters. 0 untied or without a pipeline."""
+    lay = job.layout
+    if not job.model.tied_embeddings or lay.pp == 1:
+        return 0.0
+    ends = Group(2, lay.tp * lay.cp * (lay.pp - 1), lay.world)  # a first and a last stage's ranks
+    nbytes = 4 * job.model.embedding_params() / lay.tp
+    return collective_time("all_reduce", nbytes, ends, job.cluster)
 
 
 def _pipeline_sends_time(job: Job) -> float:

@@ -196,7 +196,7 @@ def add_arguments(p) -> None:
     models.add_argument(
         "--model-spec",
         type=parse_model_spec,
-        help="layers=,dim=,ffn=,heads=,kv_heads=,vocab=[,head_dim=][,mlp=gelu|gelu_new]",
+        help="layers=,dim=,ffn=,heads=,kv_heads=,vocab=[,head_dim=][,mlp=gelu|gelu_new][,tied=1]",
     )
     p.add_argument(
         "--cluster", help=f"cluster profile name or .toml path (default {DEFAULT_CLUSTER})"

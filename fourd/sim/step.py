@@ -24,7 +24,7 @@ from fourd.plan.cluster import (
 from fourd.plan.job import Job
 from fourd.plan.kernels import collective_time, optimizer_time
 from fourd.plan.memory import stage_params
-from fourd.plan.perf import chunk_times, weight_passes
+from fourd.plan.perf import chunk_times, tied_embedding_sync, weight_passes
 from fourd.schedules import Action, Schedule, build_schedule, depends_on
 from fourd.sim.network import Flow, Network
 
@@ -735,6 +735,9 @@ def simulate_step(
         * throttle
         for rank in range(lay.pp)
     ]
+    if comm:  # a tied embedding's gradients summed between the first and last stage first
+        for rank in {0, lay.pp - 1}:
+            optimizer[rank] += tied_embedding_sync(job)
     return simulate(
         schedule, costs, layers=layers, comm=net, optimizer_s=optimizer, slow=slow, dp=lay.dp
     )
