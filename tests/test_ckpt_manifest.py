@@ -83,6 +83,19 @@ def _fails(capsys, *argv) -> str:
             lambda m: m["files"]["__0_0.distcp"].update(sha256="00"),
             "field \"files['__0_0.distcp'].sha256\" = '00' is not a SHA-256",
         ),
+        (
+            lambda m: m["model"].update(tied_embeddings=1),
+            "field 'model.tied_embeddings' = 1 is not true or false",
+        ),
+        (
+            lambda m: m["model"].update(tied_embeddings=True),
+            "model.tied_embeddings = true; a checkpoint holds fourd's Llama, whose output "
+            "projection is its own matrix",
+        ),
+        (
+            lambda m: m["model"].update(mlp="gelu"),
+            "model.mlp = 'gelu'; a checkpoint holds a Llama (swiglu) model",
+        ),
         (lambda m: m.update(train="x"), "field 'train' = 'x' is not an object"),
         (
             lambda m: m["train"].update(data={"tokens": "many"}),

@@ -33,6 +33,7 @@ VERSION = 1
 CHECKPOINTS = "checkpoints"
 _SHA = "sha256"  # a kind: 64 lowercase hexadecimal digits
 _KINDS = {
+    bool: "true or false",
     int: "an integer >= 0",
     float: "a finite number >= 0",
     str: "a string",
@@ -80,6 +81,8 @@ def _typed(where: str, name: str, value, kind):
         valid = (
             isinstance(value, str) and len(value) == 64 and set(value) <= set("0123456789abcdef")
         )
+    elif kind is bool:
+        valid = isinstance(value, bool)
     elif kind is float:
         valid = (
             isinstance(value, (int, float))
@@ -116,7 +119,7 @@ def model_config(where: str, spec: dict) -> ModelConfig:
     """The ModelConfig a manifest records; any wrong key or type is one FourdError naming the
     field."""
     kinds = {
-        field.name: {"int": int, "float": float, "str": str}[str(field.type)]
+        field.name: {"int": int, "float": float, "str": str, "bool": bool}[str(field.type)]
         for field in fields(ModelConfig)
     }
     for key, value in spec.items():
@@ -126,11 +129,22 @@ def model_config(where: str, spec: dict) -> ModelConfig:
             )
         _typed(where, f"model.{key}", value, kinds[key])
     try:
-        return ModelConfig(**spec)
+        cfg = ModelConfig(**spec)
     except (TypeError, FourdError) as e:
         raise FourdError(
             f"{where}: field 'model' is not a valid model ({e}); the checkpoint is damaged"
         ) from None
+    # the planner's own shapes: fourd trains a Llama (SwiGLU) with its own output projection
+    if cfg.mlp != "swiglu":
+        raise FourdError(
+            f"{where}: model.mlp = {cfg.mlp!r}; a checkpoint holds a Llama (swiglu) model"
+        )
+    if cfg.tied_embeddings:
+        raise FourdError(
+            f"{where}: model.tied_embeddings = true; a checkpoint holds fourd's Llama, whose "
+            "output projection is its own matrix"
+        )
+    return cfg
 
 
 def inside(folder: str | os.PathLike, rel: object, source: str) -> Path:
@@ -391,16 +405,7 @@ def load_model_checkpoint(
     from fourd.ckpt.safe_reader import SafeReader
 
     manifest = verify(directory)
-    cfg = ModelConfig(**manifest["model"])
-    if cfg.mlp != "swiglu":  # the GPT-style MLP is the planner's only
-        raise FourdError(
-            f"{directory}: model.mlp = {cfg.mlp!r}; a checkpoint holds a Llama (swiglu) model"
-        )
-    if cfg.tied_embeddings:  # so are tied embeddings
-        raise FourdError(
-            f"{directory}: model.tied_embeddings = true; a checkpoint holds fourd's Llama, whose "
-            "output projection is its own matrix"
-        )
+    cfg = model_config(str(directory), manifest["model"])
     reader = SafeReader(str(directory))
     state = {}
     for key, meta in reader.read_metadata().state_dict_metadata.items():
