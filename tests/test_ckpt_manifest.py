@@ -240,3 +240,15 @@ def test_ckpt_modules_import_no_cycle_and_data_imports_no_hf():
 
     assert [m for m in edges if reaches(m, m)] == []
     assert not any(n.startswith("fourd.hf") for names in imports("data").values() for n in names)
+
+
+def test_a_manifest_of_an_older_fourd_without_tied_embeddings_is_the_same_model(tmp_path):
+    """Manifests written before the model had `tied_embeddings` lack the key: they read as untied,
+    the same model, and resume; another model is still named."""
+    d = tmp_path / "step-7"
+    _checkpoint(d)
+    _rewrite(d, lambda m: m["model"].pop("tied_embeddings"))
+    store.check_model(d, CFG)
+    with pytest.raises(FourdError) as e:
+        store.check_model(d, get_preset("small"))
+    assert "holds another model: layers 4 (this run: 8)" in str(e.value)

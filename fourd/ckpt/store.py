@@ -252,8 +252,11 @@ def newest(run_dir: str | os.PathLike, check=read_manifest, on_damaged=None) -> 
 
 
 def check_model(directory: str | os.PathLike, cfg: ModelConfig) -> None:
-    """Refuse a checkpoint of another model than `cfg`, naming the settings that differ."""
-    saved, wanted = read_manifest(directory)["model"], cfg.to_dict()
+    """Refuse a checkpoint of another model than `cfg`, naming the settings that differ (a setting
+    a manifest of an older fourd lacks reads as its default)."""
+    where = str(directory)
+    saved = model_config(where, read_manifest(directory)["model"]).to_dict()
+    wanted = cfg.to_dict()
     diff = ", ".join(
         f"{k} {saved.get(k)} (this run: {value})"
         for k, value in wanted.items()
