@@ -19,7 +19,7 @@ import tomllib
 
 from fourd.errors import FourdError, did_you_mean
 from fourd.layout import PRECISIONS, RECOMPUTE, ZERO_STAGES, Parallelism, parse_layout
-from fourd.model.config import PRESETS, ModelConfig, get_preset, with_overrides
+from fourd.model.config import PLANNER_ONLY_FIELDS, PRESETS, ModelConfig, get_preset, with_overrides
 from fourd.schedules import SCHEDULES
 
 
@@ -38,7 +38,7 @@ ModelSection = dataclasses.make_dataclass(
     + [
         (key, kind | None, None)
         for key, kind in _MODEL_KEYS.items()
-        if key not in ("mlp", "tied_embeddings")
+        if key not in PLANNER_ONLY_FIELDS
     ],
 )
 ModelSection.__module__ = __name__  # picklable: configs travel to spawned workers

@@ -8,6 +8,9 @@ from fourd.errors import FourdError
 
 # the MLPs a model spec names: Llama's SwiGLU (what fourd trains), and for the planner GPT's GeLU MLP
 MLPS = ("swiglu", "gelu", "gelu_new")
+# the ModelConfig fields only the planner sets: fourd trains a Llama (SwiGLU) with its own output
+# projection, so a run's [model] section and --init-from leave these at their defaults
+PLANNER_ONLY_FIELDS = ("mlp", "tied_embeddings")
 
 
 @dataclass(frozen=True)

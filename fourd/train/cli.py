@@ -36,6 +36,7 @@ from fourd.errors import FourdError, plural, si
 from fourd.hf.convert import load_weights
 from fourd.layout import DIMS, check, parse_layout
 from fourd.measure.peak import device_peak_flops
+from fourd.model.config import PLANNER_ONLY_FIELDS
 from fourd.train.auto import check_memory, choose, machine, use_cuda
 from fourd.train.launch import attempt, launch_local, under_torchrun
 
@@ -224,7 +225,7 @@ def _configure(args):
         or "model" in load_toml(args.config or "")
     )
     if source is not None and not said:  # nothing said about the model: the source's
-        dims = {k: v for k, v in source.to_dict().items() if k != "mlp"}
+        dims = {k: v for k, v in source.to_dict().items() if k not in PLANNER_ONLY_FIELDS}
         cfg = build_config(args.config, flags, overrides, {"model": dims}, options)
         _absolute(cfg)
     mcfg = model_config(cfg)
