@@ -422,10 +422,8 @@ def _dp_exposure(job: Job, t: StageTime, bubble: float, layers: int) -> tuple[fl
     across = bucketed(
         "all_reduce", 4 * params / shard.size, reductions, replica_group(lay, par.hsdp_replicas)
     )
-    tail, head = (
-        t.backward + bubble / 2,
-        t.forward + bubble / 2,
-    )  # last backward and cool-down; warm-up
+    tail = t.backward + bubble / 2  # the last backward and the cool-down
+    head = t.forward + bubble / 2  # the warm-up
     # the input embedding's gradient is the backward's last: its reduction waits for the pass's end
     last_ready = min(1.0, job.model.embedding_params() / lay.tp / params)
     reduces = (
