@@ -28,7 +28,7 @@ from fourd.model.config import get_preset
 from fourd.model.llama import build_model
 
 pytestmark = pytest.mark.slow
-STEPS = 12  # the SIGTERM test signals after step 2: ten steps of margin under a loaded machine
+STEPS = 8  # the SIGTERM test signals after step 1: seven steps of margin under a loaded machine
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +167,7 @@ def test_sigterm_to_one_worker_stops_all_and_a_resumed_fine_tuning_run_continues
         start_new_session=True,
     )
     metrics, deadline = run / "metrics.jsonl", time.monotonic() + 300
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 1):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.05)
     workers = _workers(proc.pid)
@@ -176,7 +176,7 @@ def test_sigterm_to_one_worker_stops_all_and_a_resumed_fine_tuning_run_continues
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 143, err
     stopped = int(re.search(r"after step (\d+);", err).group(1))
-    assert 2 <= stopped < STEPS
+    assert 1 <= stopped < STEPS
     assert err.splitlines() == [
         f"fourd: stopped by SIGTERM after step {stopped}; checkpoint {run}/checkpoints/step-{stopped} "
         f"saved; continue with `fourd train --resume {run}`"
