@@ -121,6 +121,16 @@ def predict(model: str, layout: str, schedule: str, m: int, args, anchor: str = 
     return json.loads(r.stdout)
 
 
+def median_round(runs: list[tuple[float, dict]]) -> tuple[float, list[float], dict]:
+    """Of one layout's rounds, each (step time, anchor.json): the median step time, every round's
+    time in order, and the anchor.json of the round nearest that median, its step time the
+    median."""
+    times = [seconds for seconds, _ in runs]
+    median = statistics.median(times)
+    nearest = min(runs, key=lambda run: abs(run[0] - median))[1]
+    return median, times, nearest | {"step_time_s": median}
+
+
 def measure_rounds(chosen: list[tuple], keys: dict, saved: dict, args) -> None:
     """Train every chosen layout `args.rounds` times, in turn, into `saved`: per layout its median
     step time (key), the rounds' times ("KEY rounds") and the anchor.json of its median round
@@ -130,13 +140,11 @@ def measure_rounds(chosen: list[tuple], keys: dict, saved: dict, args) -> None:
         for layout, schedule, m in chosen:
             key = keys[layout, schedule, m]
             runs.setdefault(key, []).append(measure(args.model, layout, schedule, m, args))
-            times = [seconds for seconds, _ in runs[key]]
+            median, times, anchor = median_round(runs[key])
             print(f"round {len(times)}: {layout} {times[-1]:.3f} s", file=sys.stderr, flush=True)
-            median = statistics.median(times)
-            median_round_anchor = min(runs[key], key=lambda run: abs(run[0] - median))[1]
             saved[key] = median
             saved[f"{key} rounds"] = times
-            saved[f"{key} anchor"] = median_round_anchor | {"step_time_s": median}
+            saved[f"{key} anchor"] = anchor
             if args.save:
                 Path(args.save).write_text(json.dumps(saved, indent=1) + "\n")
 

@@ -11,6 +11,20 @@ import pytest
 from conftest import ROOT
 
 
+def test_a_layouts_rounds_are_judged_by_their_median_and_its_nearest_round():
+    """Three rounds of 1.5, 2.0 and 1.0 s: the median 1.5 s (not the last round's 1.0), every time in
+    order, and the anchor of the 1.5 s round with the median as its step time."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from plan_vs_measured import median_round
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    runs = [(1.5, {"round": 1}), (2.0, {"round": 2}), (1.0, {"round": 3})]
+    assert median_round(runs) == (1.5, [1.5, 2.0, 1.0], {"round": 1, "step_time_s": 1.5})
+    two = [(2.0, {"round": 1}), (1.0, {"round": 2})]  # an even count: the mean of the middle two
+    assert median_round(two)[0] == 1.5
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_rounds_keep_every_run_and_judge_the_median(tmp_path):

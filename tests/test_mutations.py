@@ -740,9 +740,12 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
     ),
     "plan_vs_measured keeps a layout's last round": (
         "benchmarks/plan_vs_measured.py",
-        "            median = statistics.median(times)\n",
-        "            median = times[-1]\n",
-        ("tests/test_bench_plan_vs_measured.py::test_rounds_keep_every_run_and_judge_the_median",),
+        "    median = statistics.median(times)\n",
+        "    median = times[-1]\n",
+        (
+            "tests/test_bench_plan_vs_measured.py::"
+            "test_a_layouts_rounds_are_judged_by_their_median_and_its_nearest_round",
+        ),
     ),
 }
 
