@@ -381,8 +381,8 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
     ),
     "the input embedding's gradients hidden like a layer's (the planner)": (
         "fourd/plan/perf.py",
-        "last_ready = min(1.0, job.model.embedding_params() / lay.tp / params)",
-        "last_ready = 0.0",
+        "embedding_share = min(1.0, job.model.embedding_params() / lay.tp / params)",
+        "embedding_share = 0.0",
         (
             "tests/test_contract_perf.py::"
             "test_the_input_embeddings_gradients_reduce_after_the_backward_that_computes_them_last",

@@ -388,8 +388,8 @@ class StepTime:
 class DpPhase(NamedTuple):
     """One phase of a step's data-parallel traffic: its seconds, the compute beside it that can
     hide them, the passes it comes in (microbatches), the buckets of a pass, and the seconds of the
-    last pass that nothing hides: its last bucket, or the reduction of gradients that arrive only
-    as its compute ends (the input embedding's)."""
+    last pass's reduction of gradients that arrive only as its compute ends (the input
+    embedding's); nothing hides the larger of those and the last bucket."""
 
     seconds: float
     window: float
@@ -424,8 +424,9 @@ def _dp_exposure(job: Job, t: StageTime, bubble: float, layers: int) -> tuple[fl
     )
     tail = t.backward + bubble / 2  # the last backward and the cool-down
     head = t.forward + bubble / 2  # the warm-up
-    # the input embedding's gradient is the backward's last: its reduction waits for the pass's end
-    last_ready = min(1.0, job.model.embedding_params() / lay.tp / params)
+    # the input embedding's gradient is the backward's last: its share of a pass's reduction waits
+    # for the pass's end
+    embedding_share = min(1.0, job.model.embedding_params() / lay.tp / params)
     reduces = (
         1 if cluster.cpu else microbatches
     )  # ZeRO 2, 3 reduce each microbatch's grads; fourd's FSDP (CPU profiles) the last one's
@@ -436,16 +437,15 @@ def _dp_exposure(job: Job, t: StageTime, bubble: float, layers: int) -> tuple[fl
         beside_forward, in_step = 0.0, gather
     in_step += tied_embedding_sync(job)
     all_reduce = bucketed("all_reduce", 4 * params, reductions)
+    scatter_tail = embedding_share * scatter  # a reduce-scatter pass's seconds after its backward
     phases = {
-        0: [DpPhase(all_reduce, tail, 1, reductions, last_ready * all_reduce)],
+        0: [DpPhase(all_reduce, tail, 1, reductions, embedding_share * all_reduce)],
         1: [
-            DpPhase(scatter, tail, 1, reductions, last_ready * scatter),
+            DpPhase(scatter, tail, 1, reductions, scatter_tail),
             DpPhase(beside_forward, head, 1, gathers),
         ],
         2: [
-            DpPhase(
-                reduces * scatter, reduces * t.backward, reduces, reductions, last_ready * scatter
-            ),
+            DpPhase(reduces * scatter, reduces * t.backward, reduces, reductions, scatter_tail),
             DpPhase(beside_forward, head, 1, gathers),
         ],
         3: [
@@ -455,7 +455,7 @@ def _dp_exposure(job: Job, t: StageTime, bubble: float, layers: int) -> tuple[fl
                 microbatches * t.backward,
                 microbatches,
                 gathers,
-                last_ready * (scatter + across),
+                embedding_share * (scatter + across),
             ),
         ],
     }[par.zero]

@@ -735,7 +735,7 @@ def simulate_step(
         * throttle
         for rank in range(lay.pp)
     ]
-    if comm:  # a tied embedding's gradients summed between the first and last stage first
+    if comm:  # before their update, the first and last stage sum a tied embedding's gradients
         for rank in {0, lay.pp - 1}:
             optimizer[rank] += tied_embedding_sync(job)
     return simulate(
