@@ -43,6 +43,7 @@ from fourd.plan.perf import (
     materialized_attention,
     overlapped,
     p2p_time,
+    sharding_copies,
     slowest_rank,
     sp_collectives,
     stage_time,
@@ -544,6 +545,38 @@ def test_cpu_workers_lose_their_measured_sync_share_unless_a_pipeline_stage_take
         for field in dataclasses.fields(StageTime):
             _close(getattr(got.per_microbatch, field.name), getattr(want, field.name))
         _close(got.tp_comm_s, base.tp_comm_s)
+
+
+def test_fsdp2_copies_each_gathered_layer_out_and_each_gradient_in_on_the_compute_stream():
+    """FSDP2 (`fsdp2`, fourd) copies a gather's flat output into the parameters (2 · 2 B a BF16
+    weight) and a microbatch's BF16 gradients into one FP32 buffer for the reduce-scatter (2 + 4 B),
+    on the compute stream: ZeRO 3 gathers before the forward and again before the backward, ZeRO 2
+    once a step; on a CPU profile fourd reduces once a step. FSDP1's flat parameters (`fsdp`) copy
+    nothing there, and nothing is sharded on one rank or under ZeRO 1."""
+    microbatches = 4
+    params = max_rank_params(MODEL, 1, 1, 1)
+    copy_out = elementwise_time(4 * params, H100)
+    copy_in = elementwise_time(6 * params, H100)
+    zero3 = _job(Layout(dp=8), stack="fsdp2", zero=3, microbatches=microbatches)
+    zero2 = _job(Layout(dp=8), stack="fsdp2", zero=2, microbatches=microbatches)
+    assert sharding_copies(zero3, params) == StageTime(copy_out, 0.0, copy_out + copy_in, 0.0, 0.0)
+    assert sharding_copies(zero2, params) == StageTime(copy_out / 4, 0.0, copy_in, 0.0, 0.0)
+    cpu = dataclasses.replace(H100, node=dataclasses.replace(H100.node, concurrent_ranks=2))
+    on_cpu = dataclasses.replace(zero3, cluster=cpu)
+    _close(sharding_copies(on_cpu, params).weight_grad_s, copy_out + copy_in / 4)
+    nothing = StageTime(0.0, 0.0, 0.0, 0.0, 0.0)
+    for job in (
+        _job(Layout(dp=8), stack="fsdp", zero=3, microbatches=microbatches),
+        _job(Layout(), stack="fsdp2", zero=3, microbatches=microbatches),
+        _job(Layout(dp=8), stack="fsdp2", zero=1, microbatches=microbatches),
+    ):
+        assert sharding_copies(job, params) == nothing
+    flat = _job(Layout(dp=8), stack="fsdp", zero=3, microbatches=microbatches)
+    copied = step_time(zero3).per_microbatch
+    want = step_time(flat).per_microbatch + sharding_copies(zero3, params)
+    for field in dataclasses.fields(StageTime):
+        _close(getattr(copied, field.name), getattr(want, field.name))
+    assert _job(Layout(dp=8), stack="fourd", zero=3).shards_by_parameter
 
 
 def test_a_stack_that_accumulates_gradients_apart_pays_a_pass_a_microbatch(tmp_path):

@@ -379,6 +379,15 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
             "test_a_stack_that_accumulates_gradients_apart_pays_a_pass_a_microbatch",
         ),
     ),
+    "FSDP2's backward reuses the forward's gathered weights under ZeRO 3 (one copy-out)": (
+        "fourd/plan/perf.py",
+        "(1.0, 1.0) if job.par.zero == 3 else (1 / microbatches, 0.0)",
+        "(1.0, 0.0) if job.par.zero == 3 else (1 / microbatches, 0.0)",
+        (
+            "tests/test_contract_perf.py::"
+            "test_fsdp2_copies_each_gathered_layer_out_and_each_gradient_in_on_the_compute_stream",
+        ),
+    ),
     "the input embedding's gradients hidden like a layer's (the planner)": (
         "fourd/plan/perf.py",
         "embedding_share = min(1.0, job.model.embedding_params() / lay.tp / params)",

@@ -63,6 +63,7 @@ def test_every_preset_loads_and_names_itself():
         "deepspeed",
         "fourd",
         "fsdp",
+        "fsdp2",
         "jax-xla",
         "lightning",
         "megatron-core",
@@ -74,9 +75,12 @@ def test_every_preset_loads_and_names_itself():
     for name in names:
         stack = load_stack(name)
         assert stack.name == name and stack.description
-    fourd, fsdp = load_stack("fourd"), load_stack("fsdp")
+    fourd, fsdp, fsdp2 = load_stack("fourd"), load_stack("fsdp"), load_stack("fsdp2")
+    assert fsdp2 == dataclasses.replace(
+        fsdp, name="fsdp2", description=fsdp2.description, sharding_copies=True
+    )
     assert fourd == dataclasses.replace(
-        fsdp,
+        fsdp2,
         name="fourd",
         description=fourd.description,
         zero=(0, 1, 2, 3),
@@ -95,6 +99,7 @@ def test_every_preset_loads_and_names_itself():
         "deepspeed": "never",
         "fourd": "unwrapped",
         "fsdp": "unwrapped",
+        "fsdp2": "unwrapped",
         "jax-xla": "unwrapped",
         "lightning": "always",
         "megatron-core": "never",

@@ -52,6 +52,7 @@ MEMORY_KINDS = ("allocated", "reserved")  # torch.cuda.max_memory_allocated / ma
 STACKS = (
     "fourd",
     "fsdp",
+    "fsdp2",
     "megatron-core",
     "nemo",
     "megatron-lm",

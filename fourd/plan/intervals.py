@@ -35,8 +35,13 @@ WIDEST = "large"
 GENERATIONS = {"A100": "A100", "H100": "H100", "H200": "H100"}
 # Stacks of one code base share their groups: NeMo runs Megatron-Core, which grew out of Megatron-LM,
 # so a row of one is judged by the others' rows before by every row of its GPU (docs/planner.md,
-# Intervals: chosen on the suite).
-STACK_FAMILIES = {"nemo": "megatron", "megatron-core": "megatron", "megatron-lm": "megatron"}
+# Intervals: chosen on the suite); FSDP2 is PyTorch's FSDP rewritten, one family with FSDP1.
+STACK_FAMILIES = {
+    "nemo": "megatron",
+    "megatron-core": "megatron",
+    "megatron-lm": "megatron",
+    "fsdp2": "fsdp",
+}
 # An anchored prediction of the anchor's own shape (TP, CP and PP degrees, microbatch size, virtual
 # stages: the per-GPU work of a microbatch) carries the measured rate to the same kernels; a reshaped
 # one carries it to other GEMM shapes and stage sizes, which the model alone relates.

@@ -128,6 +128,12 @@ class Job:
         return load_stack(self.stack).grad_accumulate_pass or engine
 
     @property
+    def shards_by_parameter(self) -> bool:
+        """ZeRO 2 and 3 shard each parameter on its own (the stack's `sharding_copies`: FSDP2), with
+        a copy after each gather and before each reduction (fourd.plan.perf.sharding_copies)."""
+        return load_stack(self.stack).sharding_copies
+
+    @property
     def bucket_params(self) -> float:
         """Parameters whose gradients fill one of the stack's DDP buckets: `dp_bucket_mb` MiB of
         them in their parameters' dtype (torch DDP's bucket_cap_mb); 0 where the stack reduces one

@@ -427,9 +427,7 @@ def _dp_exposure(job: Job, t: StageTime, bubble: float, layers: int) -> tuple[fl
     # the input embedding's gradient is the backward's last: its share of a pass's reduction waits
     # for the pass's end
     embedding_share = min(1.0, job.model.embedding_params() / lay.tp / params)
-    reduces = (
-        1 if cluster.cpu else microbatches
-    )  # ZeRO 2, 3 reduce each microbatch's grads; fourd's FSDP (CPU profiles) the last one's
+    reduces = reductions_per_step(job)
     # ZeRO 1 and 2 gather the updated weights beside the next step's warm-up, or inside the
     # optimizer's step, where nothing hides them (the stack's gather_in_step)
     beside_forward, in_step = gather, 0.0
@@ -462,6 +460,13 @@ def _dp_exposure(job: Job, t: StageTime, bubble: float, layers: int) -> tuple[fl
     total = in_step + sum(phase.seconds for phase in phases)
     exposed = in_step + sum(phase.exposed() for phase in phases)
     return min(exposed, total), total
+
+
+def reductions_per_step(job: Job) -> int:
+    """How often a step reduce-scatters ZeRO 2 and 3's gradients: after each microbatch's backward,
+    as the GPU stacks do; once, after the last, on CPU profiles (fourd's FSDP turns the gradient sync
+    off for the others)."""
+    return 1 if job.cluster.cpu else job.par.microbatches
 
 
 def tied_embedding_sync(job: Job) -> float:
@@ -546,12 +551,40 @@ def autocast_passes(job: Job, params: float) -> StageTime:
     return StageTime(cast * casts / microbatches, redo, cast + accumulate, 0.0, 0.0)
 
 
+def sharding_copies(job: Job, params: float) -> StageTime:
+    """Per microbatch, the copies on the compute stream of a stack that shards weights parameter
+    by parameter (the stack's `sharding_copies`: FSDP2's fully_shard) over the `params` weights a
+    rank holds, where ZeRO 2 or 3 shards them over more than one rank. A gather's output lands in one
+    flat buffer and is copied into the parameters (foreach_all_gather_copy_out's
+    split_with_sizes_copy); a reduction's input is one flat FP32 buffer the gradients are copied
+    into (foreach_reduce's chunk_cat, torch.distributed.fsdp._fully_shard._fsdp_collectives):
+
+        forward     = gathers_f · 2·w · params / HBM rate
+        weight_grad = (gathers_b · 2·w + (reduces / m) · (g + 4)) · params / HBM rate
+
+    w: bytes of a gathered weight, g: of a gradient as the backward writes it (the training
+    precision's), 4: of its FP32 copy. ZeRO 3 gathers each microbatch's weights before its forward
+    and again before its backward (gathers_f = gathers_b = 1), ZeRO 2 once a step (gathers_f = 1/m,
+    gathers_b = 0); `reduces` of the m microbatches reduce (reductions_per_step). Nothing for flat
+    parameters (FSDP1: the parameters are views of the gathered buffer, and the gradient is cast
+    on the post-backward stream, beside compute)."""
+    if not (job.shards_by_parameter and job.work.fsdp and job.par.zero >= 2):
+        return StageTime(0.0, 0.0, 0.0, 0.0, 0.0)
+    microbatches = job.par.microbatches
+    forward_gathers, backward_gathers = (1.0, 1.0) if job.par.zero == 3 else (1 / microbatches, 0.0)
+    copy_out = elementwise_time(2 * job.state_dtype_bytes * params, job.cluster)
+    copy_in = elementwise_time((job.dtype_bytes + 4) * params, job.cluster)
+    reduced_share = reductions_per_step(job) / microbatches
+    backward = backward_gathers * copy_out + reduced_share * copy_in
+    return StageTime(forward_gathers * copy_out, 0.0, backward, 0.0, 0.0)
+
+
 def weight_passes(job: Job, params: float) -> StageTime:
     """Per microbatch, every memory-bound pass over the `params` weights a rank or stage holds:
-    autocast's casts and sums (autocast_passes) and a stack's FP32 gradient sum apart
-    (gradient_sum_time, in the weight-gradient part)."""
+    autocast's casts and sums (autocast_passes), a stack's FP32 gradient sum apart
+    (gradient_sum_time, in the weight-gradient part) and FSDP2's copies (sharding_copies)."""
     summed = StageTime(0.0, 0.0, gradient_sum_time(job, params), 0.0, 0.0)
-    return autocast_passes(job, params) + summed
+    return autocast_passes(job, params) + summed + sharding_copies(job, params)
 
 
 def sync_waits(job: Job, stage: StageTime) -> StageTime:

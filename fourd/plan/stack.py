@@ -70,7 +70,11 @@ class Stack:
     memory-bound pass of their own after the backward that made them (nanotron's FP32 gradient
     accumulator), not inside the weight-gradient GEMM (Megatron's gradient_accumulation_fusion) or
     not at all (gradients kept in one precision); DeepSpeed's pipeline engine makes the same pass,
-    and `pipeline_comm = "blocking"` stands for that engine whole.
+    and `pipeline_comm = "blocking"` stands for that engine whole; `sharding_copies`: the stack
+    shards weights parameter by parameter (FSDP2's fully_shard), so each all-gather's flat output
+    is copied into the layer's parameters and each reduction's gradients copied, cast to FP32, into
+    one flat input, both on the compute stream; FSDP1's flat parameters are views of the gathered
+    buffer and cast their gradients beside compute (fourd.plan.perf.sharding_copies).
 
     What the stack can run, which a search over open settings keeps to: `schedules`, the pipeline
     schedules it implements; `zero`, its ZeRO stages (sharding of optimizer state, gradients and
@@ -91,6 +95,7 @@ class Stack:
     dp_bucket_mb: float = 0.0
     pipeline_split: str = "layers"
     grad_accumulate_pass: bool = False
+    sharding_copies: bool = False
     schedules: tuple[str, ...] = SCHEDULES
     zero: tuple[int, ...] = ZERO_STAGES
     pipeline_zero: tuple[int, ...] = ZERO_STAGES
@@ -181,7 +186,7 @@ def load_stack(name_or_path: str = DEFAULT_STACK) -> Stack:
     fields |= {"dp_overlap": bool, "pipeline_comm": str, "shared_kv": bool, "fused_attention": str}
     fields |= {"autocast": str, "schedules": list, "zero": list, "pipeline_zero": list}
     fields |= {"gather_in_step": list, "model_parallel": list, "dp_bucket_mb": object}
-    fields |= {"pipeline_split": str, "grad_accumulate_pass": bool}
+    fields |= {"pipeline_split": str, "grad_accumulate_pass": bool, "sharding_copies": bool}
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise FourdError(
