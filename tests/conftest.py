@@ -30,10 +30,12 @@ def fourd():
     return run_fourd
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Under `make test`'s two xdist workers (--dist loadgroup): a module whose tests share a module-scoped
     fixture runs on one worker, so the fixture is built once (unless the module sets SPREAD = True: its fixture is
-    cheap beside its many tests); every other test goes wherever a worker is free."""
+    cheap beside its many tests); every other test goes wherever a worker is free. First of the hooks: xdist's
+    own, on each worker, names a test's group from this marker (and needs pytest below 9.2 to do so)."""
     for item in items:
         shared = [
             d
