@@ -381,8 +381,8 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
     ),
     "FSDP2's backward reuses the forward's gathered weights under ZeRO 3 (one copy-out)": (
         "fourd/plan/perf.py",
-        "(1.0, 1.0) if job.par.zero == 3 else (1 / microbatches, 0.0)",
-        "(1.0, 0.0) if job.par.zero == 3 else (1 / microbatches, 0.0)",
+        "backward_gathers = 1.0 if reshards else 0.0",
+        "backward_gathers = 0.0 if reshards else 0.0",
         (
             "tests/test_contract_perf.py::"
             "test_fsdp2_copies_each_gathered_layer_out_and_each_gradient_in_on_the_compute_stream",

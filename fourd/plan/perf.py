@@ -571,7 +571,9 @@ def sharding_copies(job: Job, params: float) -> StageTime:
     if not (job.shards_by_parameter and job.work.fsdp and job.par.zero >= 2):
         return StageTime(0.0, 0.0, 0.0, 0.0, 0.0)
     microbatches = job.par.microbatches
-    forward_gathers, backward_gathers = (1.0, 1.0) if job.par.zero == 3 else (1 / microbatches, 0.0)
+    reshards = job.par.zero == 3  # ZeRO 3 gathers again before each backward; ZeRO 2 once a step
+    forward_gathers = 1.0 if reshards else 1 / microbatches
+    backward_gathers = 1.0 if reshards else 0.0
     copy_out = elementwise_time(2 * job.state_dtype_bytes * params, job.cluster)
     copy_in = elementwise_time((job.dtype_bytes + 4) * params, job.cluster)
     reduced_share = reductions_per_step(job) / microbatches
