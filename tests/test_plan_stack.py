@@ -331,6 +331,11 @@ def test_the_cli_names_the_stack_and_its_switches():
     bad = _plan(*common, "--stack", "megatron")
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.startswith("fourd: error: unknown stack 'megatron'")
+    framework = _plan(*common, "--stack", "torchtitan")
+    assert framework.returncode == 2 and framework.stdout == ""
+    assert framework.stderr.startswith(
+        "fourd: error: unknown stack 'torchtitan' (for torchtitan use --stack fsdp2): presets "
+    )
     assert len(bad.stderr.splitlines()) == 1
     no_sp = _plan(*common, "--tp-overlap", "on", "--sequence-parallel", "off")
     assert (

@@ -167,10 +167,23 @@ def _find(name_or_path: str) -> Path:
         if candidate.is_file():
             return candidate
     names = preset_names()
+    hint = _describing(name_or_path) or did_you_mean(name_or_path, names)
     raise FourdError(
-        f"unknown stack {name_or_path!r}{did_you_mean(name_or_path, names)}: presets "
+        f"unknown stack {name_or_path!r}{hint}: presets "
         f"{', '.join(names)}, a file in $FOURD_HOME/stacks/, or a path to a .toml profile"
     )
+
+
+def _describing(framework: str) -> str:
+    """' (for torchtitan use --stack fsdp2)' when a preset's description names `framework` (a code
+    base a preset stands for, such as torchtitan or MaxText), else ''."""
+    wanted = framework.lower()
+    for path in sorted(PRESET_DIR.glob("*.toml")):
+        description = tomllib.loads(path.read_text()).get("description", "")
+        words = "".join(ch if ch.isalnum() or ch in "-_." else " " for ch in description.lower())
+        if wanted in words.split():
+            return f" (for {framework} use --stack {path.stem})"
+    return ""
 
 
 @lru_cache(maxsize=64)
