@@ -136,6 +136,33 @@ def test_the_text_report_names_where_each_term_came_from(tmp_path, capsys):
     assert "  from the model: tp_comm, cp_comm, bubble (communication part), p2p" in text
 
 
+def test_a_target_pipeline_runs_as_the_anchor_ran(tmp_path, capsys):
+    """A target layout with a pipeline takes the anchor's schedule, and its virtual stages where the
+    depth is the anchor's, when the flags leave them open (the planner's fastest here is V = 8, the
+    anchor ran V = 2); a flag wins, and a layout without a pipeline takes neither."""
+    path = write(tmp_path, virtual_stages=2)
+    target = ["plan", "--anchor", path, "--gpus=16384"]
+    same = fourd_json(capsys, *target, "--layout=tp=8,pp=16,dp=128", "--json")
+    assert (same["schedule"], same["virtual_stages"]) == ("interleaved", 2)
+    assert same["anchor"]["settings_from_anchor"][-2:] == ["schedule", "virtual_stages"]
+    flags = ["--schedule=interleaved", "--virtual-stages=2", "--json"]
+    pinned = fourd_json(capsys, *target, "--layout=tp=8,pp=16,dp=128", *flags)
+    assert pinned["step_time_s"] == same["step_time_s"]
+    assert "virtual_stages" not in pinned["anchor"]["settings_from_anchor"]
+    mine = fourd_json(capsys, *target, "--layout=tp=8,pp=16,dp=128", "--virtual-stages=8", "--json")
+    assert mine["virtual_stages"] == 8 and mine["step_time_s"] < same["step_time_s"]
+    other_depth = fourd_json(capsys, *target, "--layout=tp=8,pp=8,dp=256", "--json")
+    assert other_depth["schedule"] == "interleaved" and other_depth["virtual_stages"] != 2
+    assert other_depth["anchor"]["settings_from_anchor"][-1] == "schedule"
+    flat = fourd_json(capsys, *target, "--layout=tp=8,dp=2048", "--json")
+    assert flat["schedule"] == "1f1b"
+    assert not {"schedule", "virtual_stages"} & set(flat["anchor"]["settings_from_anchor"])
+    assert main(list(map(str, [*target, "--layout=tp=8,pp=16,dp=128"]))) == 0
+    text = capsys.readouterr().out
+    taken = "seq, global_batch_tokens, recompute, zero, sequence_parallel, schedule, virtual_stages"
+    assert f"  settings as the anchor ran: {taken}\n" in text
+
+
 def test_an_anchor_more_than_twice_off_the_model_is_flagged(tmp_path, capsys):
     """Llama 3's 12.5 s step runs at about 1 × the model's time: not flagged; the same step measured 3 ×
     slower, or 3 × faster, is, in the report and in --json."""

@@ -15,6 +15,7 @@ predicted), grouped by GPU generation, stack, scale and anchoring (fourd.plan.in
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -27,7 +28,7 @@ sys.path[:0] = [str(HERE.parents[1]), str(HERE.parent)]
 from validate_planner import memory_gib, predict, recompute  # noqa: E402
 
 from fourd.plan import intervals  # noqa: E402
-from fourd.plan.anchor import Anchor, pin  # noqa: E402
+from fourd.plan.anchor import Anchor, pin, pipeline_settings  # noqa: E402
 from fourd.plan.anchor import predict as anchored_plan  # noqa: E402
 from fourd.plan.intervals import Group, generation, scale, stack_family  # noqa: E402
 from validation.runs import Run, load  # noqa: E402
@@ -87,6 +88,24 @@ def _name(group: list[Run]) -> str:
     return f"{group[0].id} ({counts} {chip(group[0])})"
 
 
+def as_the_anchor_ran(run: Run, anchor_run: Run, anchor_plan) -> Run:
+    """The target row as `fourd plan --anchor` plans it: the virtual stages it leaves open, the anchor's
+    where its pipeline has the anchor's depth and schedule (fourd.plan.anchor.pipeline_settings; the
+    anchor's own V is the one its plan ran, stated or the planner's)."""
+    target = {
+        "layout": run.layout,
+        "schedule": run.schedule,
+        "virtual_stages": run.virtual_stages or None,
+    }
+    measured = {
+        "layout": anchor_run.layout,
+        "schedule": anchor_run.schedule,
+        "virtual_stages": anchor_plan.config.virtual_stages,
+    }
+    taken = pipeline_settings(target, measured)
+    return dataclasses.replace(run, virtual_stages=taken.get("virtual_stages", run.virtual_stages))
+
+
 def anchored_rows(runs: list[Run]) -> list[dict]:
     """Each series' rows beyond its smallest, predicted from the smallest row's published step time (and
     its published memory, as an additive per-GPU term, where both rows publish the same kind)."""
@@ -104,7 +123,8 @@ def anchored_rows(runs: list[Run]) -> list[dict]:
         pinned = pin(anchor, plan_a)
         own = anchored_plan(plan_a, pinned)
         for run in group[1:]:
-            plan_t = anchored_plan(predict(run), pinned)
+            modelled_t = predict(as_the_anchor_ran(run, first, plan_a))
+            plan_t = anchored_plan(modelled_t, pinned)
             shape, spread = intervals.anchored_spread(plan_t, own)
             row = {
                 "id": run.id,
@@ -120,7 +140,7 @@ def anchored_rows(runs: list[Run]) -> list[dict]:
             }
             if run.memory_gib and first.memory_gib and run.memory_kind == first.memory_kind:
                 overhead = first.memory_gib - memory_gib(plan_a, first.memory_kind)
-                predicted = memory_gib(predict(run), run.memory_kind) + overhead
+                predicted = memory_gib(modelled_t, run.memory_kind) + overhead
                 row |= {"memory_gib": run.memory_gib, "predicted_gib": predicted}
             out.append(row)
     return out

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from fourd.errors import FourdError
+from fourd.layout import parse_layout
 from fourd.model.config import ModelConfig, get_preset, parse_model_spec
 from fourd.plan import request
 from fourd.plan.cluster import Cluster, load_cluster
@@ -345,10 +346,12 @@ def terms(pinned: Pinned) -> tuple[list[str], list[str]]:
 # ---- the commands --------------------------------------------------------------------------------
 
 
-def target_request(args, anchor: Anchor) -> request.Request:
-    """The target of `fourd plan --anchor`: the flags given, the rest from the anchor (INHERITED;
-    with neither --gpus nor --layout, the anchor's own layout too, or with --search its GPU count).
-    The same model as the anchor and a cluster of the same GPU chip, or FourdError."""
+def target_request(args, anchor: Anchor) -> tuple[request.Request, tuple[str, ...]]:
+    """The target of `fourd plan --anchor`, and the settings it took from the anchor: the flags
+    given, the rest from the anchor (INHERITED; with neither --gpus nor --layout, the anchor's own
+    layout too, or with --search its GPU count; a pipeline's schedule and virtual stages,
+    `pipeline_settings`). The same model as the anchor and a cluster of the same GPU chip, or
+    FourdError."""
     if args.model or args.model_spec:
         model = args.model_spec or get_preset(args.model)
         if model != anchor.model:
@@ -375,8 +378,34 @@ def target_request(args, anchor: Anchor) -> request.Request:
     elif not (args.gpus or args.layout):
         inherit += OWN_LAYOUT
     values = {k: value for k, value in given.items() if value is not None}
-    values |= {k: anchor.values[k] for k in inherit if k not in values and k in anchor.values}
-    return request.resolve(anchor.model, cluster, _with_stack(values, anchor.stack))
+    taken = {
+        k: anchor.values[k] for k in inherit if k not in values and anchor.values.get(k) is not None
+    }
+    taken |= pipeline_settings(values | taken, anchor.values)
+    values |= taken
+    return request.resolve(anchor.model, cluster, _with_stack(values, anchor.stack)), tuple(taken)
+
+
+def pipeline_settings(target: dict, measured: dict) -> dict:
+    """What a target layout with a pipeline takes from the anchor's pipeline where the target's
+    settings leave it open: the schedule, for any pipeline, and the virtual stages, for one of the
+    anchor's depth (its V splits those layers). The stack runs its pipeline as it ran when measured,
+    the schedule whose rate the anchor pins, rather than the one the model would rank fastest
+    (docs/planner.md, "What the anchor pins"). `target` and `measured`: request.SETTINGS values."""
+    if target.get("layout") is None or measured.get("layout") is None:
+        return {}
+    depth = parse_layout(str(target["layout"])).pp
+    measured_depth = parse_layout(str(measured["layout"])).pp
+    if depth == 1 or measured_depth == 1:
+        return {}
+    taken = {}
+    if target.get("schedule") is None and measured.get("schedule"):
+        taken["schedule"] = measured["schedule"]
+    schedule = target.get("schedule") or taken.get("schedule")
+    open_stages = target.get("virtual_stages") is None and measured.get("virtual_stages")
+    if depth == measured_depth and schedule == measured.get("schedule") and open_stages:
+        taken["virtual_stages"] = measured["virtual_stages"]
+    return taken
 
 
 @dataclass(frozen=True)
@@ -390,18 +419,19 @@ class Anchored:
     plans: list[Plan]
     request: request.Request
     own: Plan
+    taken: tuple[str, ...] = ()  # the settings the target took from the anchor (target_request)
 
 
 def anchored_plans(args) -> Anchored:
     anchor = load_anchor(args.anchor)
     modelled = own_plan(anchor)
     pinned = pin(anchor, modelled)
-    req = target_request(args, anchor)
+    req, taken = target_request(args, anchor)
     found = [predict(plan, pinned) for plan in request.plans(req)]
     found.sort(
         key=lambda plan: (not plan.fits, -plan.tokens_per_s if plan.fits else plan.memory.total)
     )
-    return Anchored(anchor, pinned, found, req, predict(modelled, pinned))
+    return Anchored(anchor, pinned, found, req, predict(modelled, pinned), taken)
 
 
 def anchor_json(result: Anchored) -> dict:
@@ -419,6 +449,7 @@ def anchor_json(result: Anchored) -> dict:
         "far_from_model": far_from_model(pinned),
         "per_step_cost_s": pinned.step_cost_s,
         "memory_overhead_gb": pinned.memory_overhead_gb,
+        "settings_from_anchor": list(result.taken),
     }
     return {"anchor": out, "anchored_terms": anchored, "modelled_terms": modelled}
 
@@ -450,6 +481,8 @@ def anchor_lines(result: Anchored) -> list[str]:
         f"  from the anchor: {', '.join(anchored)}",
         f"  from the model: {', '.join(modelled)}",
     ]
+    if result.taken:
+        lines.append(f"  settings as the anchor ran: {', '.join(result.taken)}")
     return lines
 
 
