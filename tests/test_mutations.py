@@ -747,6 +747,18 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
         'return "synchronous"',
         ("tests/test_contract_perf.py::test_a_steps_pipeline_sends_by_how_the_stack_exchanges",),
     ),
+    "an anchored target takes the anchor's virtual stages at any pipeline depth": (
+        "fourd/plan/anchor.py",
+        'if depth == measured_depth and schedule == measured.get("schedule") and open_stages:',
+        'if schedule == measured.get("schedule") and open_stages:',
+        ("tests/test_plan_anchor.py::test_a_target_pipeline_runs_as_the_anchor_ran",),
+    ),
+    "an anchored target's schedule left to the search": (
+        "fourd/plan/anchor.py",
+        'if target.get("schedule") is None and measured.get("schedule"):',
+        "if False:",
+        ("tests/test_plan_anchor.py::test_a_target_pipeline_runs_as_the_anchor_ran",),
+    ),
     "plan_vs_measured keeps a layout's last round": (
         "benchmarks/plan_vs_measured.py",
         "    median = statistics.median(times)\n",
