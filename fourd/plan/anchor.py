@@ -402,7 +402,7 @@ def pipeline_settings(target: dict, measured: dict) -> dict:
     if target.get("schedule") is None and measured.get("schedule"):
         taken["schedule"] = measured["schedule"]
     schedule = target.get("schedule") or taken.get("schedule")
-    open_stages = target.get("virtual_stages") is None and measured.get("virtual_stages")
+    open_stages = target.get("virtual_stages") is None and bool(measured.get("virtual_stages"))
     if depth == measured_depth and schedule == measured.get("schedule") and open_stages:
         taken["virtual_stages"] = measured["virtual_stages"]
     return taken

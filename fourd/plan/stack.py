@@ -4,6 +4,7 @@ fourd/plan/stacks/, user profiles in $FOURD_HOME/stacks/ (they win), or a path."
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -178,11 +179,10 @@ def _describing(framework: str) -> str:
     """' (for torchtitan use --stack fsdp2)' when a preset's description names `framework` (a code
     base a preset stands for, such as torchtitan or MaxText), else ''."""
     wanted = framework.lower()
-    for path in sorted(PRESET_DIR.glob("*.toml")):
-        description = tomllib.loads(path.read_text()).get("description", "")
-        words = "".join(ch if ch.isalnum() or ch in "-_." else " " for ch in description.lower())
-        if wanted in words.split():
-            return f" (for {framework} use --stack {path.stem})"
+    for name in preset_names():
+        description = load_stack(str(PRESET_DIR / f"{name}.toml")).description
+        if wanted in re.findall(r"[\w.-]+", description.lower()):
+            return f" (for {framework} use --stack {name})"
     return ""
 
 
