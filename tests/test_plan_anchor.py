@@ -163,6 +163,21 @@ def test_a_target_pipeline_runs_as_the_anchor_ran(tmp_path, capsys):
     assert f"  settings as the anchor ran: {taken}\n" in text
 
 
+def test_an_anchor_without_virtual_stages_passes_on_the_ones_it_was_planned_at(tmp_path, capsys):
+    """An interleaved anchor that leaves V open is planned at the planner's fastest for its own 32
+    microbatches (V = 8); a target of the same depth runs that V, not the V = 2 the model ranks first at
+    16 microbatches, so its bubble scales from the pipeline the anchor's rate was pinned on."""
+    path = write(tmp_path, virtual_stages=None)
+    own = fourd_json(capsys, "plan", "--anchor", path, "--json")
+    layout = "--layout=tp=8,pp=16,dp=128"
+    alone = fourd_json(
+        capsys, "plan", *OWN[:2], *OWN[4:5], *OWN[7:], "--gpus=16384", layout, "--json"
+    )
+    target = fourd_json(capsys, "plan", "--anchor", path, "--gpus=16384", layout, "--json")
+    assert (own["virtual_stages"], alone["virtual_stages"], target["virtual_stages"]) == (8, 2, 8)
+    assert target["anchor"]["settings_from_anchor"][-2:] == ["schedule", "virtual_stages"]
+
+
 def test_an_anchor_more_than_twice_off_the_model_is_flagged(tmp_path, capsys):
     """Llama 3's 12.5 s step runs at about 1 × the model's time: not flagged; the same step measured 3 ×
     slower, or 3 × faster, is, in the report and in --json."""

@@ -346,11 +346,12 @@ def terms(pinned: Pinned) -> tuple[list[str], list[str]]:
 # ---- the commands --------------------------------------------------------------------------------
 
 
-def target_request(args, anchor: Anchor) -> tuple[request.Request, tuple[str, ...]]:
+def target_request(args, anchor: Anchor, own: Plan) -> tuple[request.Request, tuple[str, ...]]:
     """The target of `fourd plan --anchor`, and the settings it took from the anchor: the flags
     given, the rest from the anchor (INHERITED; with neither --gpus nor --layout, the anchor's own
     layout too, or with --search its GPU count; a pipeline's schedule and virtual stages,
-    `pipeline_settings`). The same model as the anchor and a cluster of the same GPU chip, or
+    `pipeline_settings`, the virtual stages as `own`, the anchor's own plan, ran them where the file
+    leaves them open). The same model as the anchor and a cluster of the same GPU chip, or
     FourdError."""
     if args.model or args.model_spec:
         model = args.model_spec or get_preset(args.model)
@@ -381,9 +382,18 @@ def target_request(args, anchor: Anchor) -> tuple[request.Request, tuple[str, ..
     taken = {
         k: anchor.values[k] for k in inherit if k not in values and anchor.values.get(k) is not None
     }
-    taken |= pipeline_settings(values | taken, anchor.values)
+    taken |= pipeline_settings(values | taken, ran_pipeline(anchor, own))
     values |= taken
     return request.resolve(anchor.model, cluster, _with_stack(values, anchor.stack)), tuple(taken)
+
+
+def ran_pipeline(anchor: Anchor, own: Plan) -> dict:
+    """The anchor's settings with the virtual stages its pipeline ran: as the file states them, else
+    as the planner planned the anchor's own configuration (the V its rate was pinned at), so that a
+    target of the same pipeline scales from that V and not from the one the model finds fastest at
+    the target's microbatch count."""
+    stated = anchor.values.get("virtual_stages")
+    return anchor.values | {"virtual_stages": stated or own.config.virtual_stages}
 
 
 def pipeline_settings(target: dict, measured: dict) -> dict:
@@ -402,7 +412,7 @@ def pipeline_settings(target: dict, measured: dict) -> dict:
     if target.get("schedule") is None and measured.get("schedule"):
         taken["schedule"] = measured["schedule"]
     schedule = target.get("schedule") or taken.get("schedule")
-    open_stages = target.get("virtual_stages") is None and bool(measured.get("virtual_stages"))
+    open_stages = target.get("virtual_stages") is None and (measured.get("virtual_stages") or 1) > 1
     if depth == measured_depth and schedule == measured.get("schedule") and open_stages:
         taken["virtual_stages"] = measured["virtual_stages"]
     return taken
@@ -426,7 +436,7 @@ def anchored_plans(args) -> Anchored:
     anchor = load_anchor(args.anchor)
     modelled = own_plan(anchor)
     pinned = pin(anchor, modelled)
-    req, taken = target_request(args, anchor)
+    req, taken = target_request(args, anchor, modelled)
     found = [predict(plan, pinned) for plan in request.plans(req)]
     found.sort(
         key=lambda plan: (not plan.fits, -plan.tokens_per_s if plan.fits else plan.memory.total)
