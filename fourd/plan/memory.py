@@ -96,6 +96,12 @@ class Memory:
     reserve: float  # the runtime's: CUDA context, NCCL's buffers
 
     @property
+    def states(self) -> float:
+        """Bytes of the weights, their gradients and the optimizer's state: what no recomputation
+        frees."""
+        return self.params + self.grads + self.optimizer
+
+    @property
     def total(self) -> float:
         """Bytes of tensors at the peak (torch's max_memory_allocated)."""
         return self.params + self.grads + self.optimizer + self.activations + self.other

@@ -417,46 +417,54 @@ def _dp_exposure(job: Job, t: StageTime, bubble: float, layers: int) -> tuple[fl
     def bucketed(op: str, nbytes: float, buckets: int, group=shard) -> float:
         return buckets * collective_time(op, nbytes / buckets, group, cluster)
 
-    gather = bucketed("all_gather", params * job.state_dtype_bytes, gathers)
-    scatter = bucketed("reduce_scatter", 4 * params, reductions)
-    across = bucketed(
-        "all_reduce", 4 * params / shard.size, reductions, replica_group(lay, par.hsdp_replicas)
-    )
     tail = t.backward + bubble / 2  # the last backward and the cool-down
     head = t.forward + bubble / 2  # the warm-up
     # the input embedding's gradient is the backward's last: its share of a pass's reduction waits
     # for the pass's end
     embedding_share = min(1.0, job.model.embedding_params() / lay.tp / params)
-    reduces = reductions_per_step(job)
-    # ZeRO 1 and 2 gather the updated weights beside the next step's warm-up, or inside the
-    # optimizer's step, where nothing hides them (the stack's gather_in_step)
-    beside_forward, in_step = gather, 0.0
-    if job.gathers_in_step:
-        beside_forward, in_step = 0.0, gather
-    in_step += tied_embedding_sync(job)
-    all_reduce = bucketed("all_reduce", 4 * params, reductions)
-    scatter_tail = embedding_share * scatter  # a reduce-scatter pass's seconds after its backward
-    phases = {
-        0: [DpPhase(all_reduce, tail, 1, reductions, embedding_share * all_reduce)],
-        1: [
-            DpPhase(scatter, tail, 1, reductions, scatter_tail),
-            DpPhase(beside_forward, head, 1, gathers),
-        ],
-        2: [
-            DpPhase(reduces * scatter, reduces * t.backward, reduces, reductions, scatter_tail),
-            DpPhase(beside_forward, head, 1, gathers),
-        ],
-        3: [
-            DpPhase(microbatches * gather, microbatches * t.forward, microbatches, gathers),
-            DpPhase(
-                microbatches * gather + reduces * (scatter + across),
-                microbatches * t.backward,
-                microbatches,
-                gathers,
-                embedding_share * (scatter + across),
-            ),
-        ],
-    }[par.zero]
+    in_step = tied_embedding_sync(job)
+    if par.zero == 0:
+        all_reduce = bucketed("all_reduce", 4 * params, reductions)
+        phases = [DpPhase(all_reduce, tail, 1, reductions, embedding_share * all_reduce)]
+    else:
+        gather = bucketed("all_gather", params * job.state_dtype_bytes, gathers)
+        scatter = bucketed("reduce_scatter", 4 * params, reductions)
+        scatter_tail = (
+            embedding_share * scatter
+        )  # a reduce-scatter pass's seconds after its backward
+        reduces = reductions_per_step(job)
+        # ZeRO 1 and 2 gather the updated weights beside the next step's warm-up, or inside the
+        # optimizer's step, where nothing hides them (the stack's gather_in_step)
+        beside_forward = gather
+        if job.gathers_in_step:
+            beside_forward, in_step = 0.0, in_step + gather
+        if par.zero == 1:
+            phases = [
+                DpPhase(scatter, tail, 1, reductions, scatter_tail),
+                DpPhase(beside_forward, head, 1, gathers),
+            ]
+        elif par.zero == 2:
+            phases = [
+                DpPhase(reduces * scatter, reduces * t.backward, reduces, reductions, scatter_tail),
+                DpPhase(beside_forward, head, 1, gathers),
+            ]
+        else:
+            across = bucketed(
+                "all_reduce",
+                4 * params / shard.size,
+                reductions,
+                replica_group(lay, par.hsdp_replicas),
+            )
+            phases = [
+                DpPhase(microbatches * gather, microbatches * t.forward, microbatches, gathers),
+                DpPhase(
+                    microbatches * gather + reduces * (scatter + across),
+                    microbatches * t.backward,
+                    microbatches,
+                    gathers,
+                    embedding_share * (scatter + across),
+                ),
+            ]
     total = in_step + sum(phase.seconds for phase in phases)
     exposed = in_step + sum(phase.exposed() for phase in phases)
     return min(exposed, total), total

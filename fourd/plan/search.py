@@ -268,6 +268,23 @@ def valid(job: Job) -> bool:
     return True
 
 
+def _lightest_recompute(job: Job, modes: list[str], capacity: float) -> tuple[Job, Memory]:
+    """`job` at the first recomputation mode of `modes` whose peak memory fits `capacity`, else at
+    the last, and that memory. Where the weights, gradients and optimizer state of the fullest rank
+    alone overflow, no mode fits (recomputation frees activations only, and the peak rank holds at
+    least those states): the last mode is taken without trying the ones between."""
+    for index, recompute in enumerate(modes):
+        if recompute != job.par.recompute:
+            job = replace(job, par=replace(job.par, recompute=recompute))
+        memory = peak_memory(job)[1]
+        if memory.fits(capacity):
+            break
+        if memory.states + memory.reserve > capacity and index < len(modes) - 1:
+            job = replace(job, par=replace(job.par, recompute=modes[-1]))
+            return job, peak_memory(job)[1]
+    return job, memory
+
+
 def search(base: Job, gpus: int, fixed: dict, chosen=()) -> list[Plan]:
     """Plans for every configuration of `gpus` GPUs for `base`'s model, cluster, sequence and batch
     (its own Parallelism is ignored), fitting ones first, fastest first. Recomputation, when left
@@ -277,17 +294,12 @@ def search(base: Job, gpus: int, fixed: dict, chosen=()) -> list[Plan]:
         any(fixed[k] is not None for k in OPEN) or fixed["hsdp_replicas"] > 1
     )  # else every config is valid
     stack = load_stack(base.stack)
+    modes = [fixed["recompute"]] if fixed["recompute"] else list(RECOMPUTE)
     for par in configs(base.model, gpus, base.seq, base.global_seqs, fixed, stack):
         job = replace(base, par=par)
         if pinned and not valid(job):
             continue
-        for recompute in [fixed["recompute"]] if fixed["recompute"] else RECOMPUTE:
-            job = (
-                job if recompute == "none" else replace(base, par=replace(par, recompute=recompute))
-            )
-            memory = peak_memory(job)[1]
-            if memory.fits(capacity):
-                break
+        job, memory = _lightest_recompute(job, modes, capacity)
         plans.append(Plan(job, step_time(job), memory, tuple(chosen)))
     plans.sort(
         key=lambda plan: (not plan.fits, -plan.tokens_per_s if plan.fits else plan.memory.total)
