@@ -345,3 +345,37 @@ def test_the_json_rounds_memory_to_the_megabyte_and_counts_training_days_unround
     assert out["memory_gb"] == {key: round(gb, 3) for key, gb in plan.memory.gb().items()}
     assert any(round(gb, 3) != round(gb, 4) for gb in plan.memory.gb().values())
     assert out["training_days"] == 1e12 / plan.tokens_per_s / 86400
+
+
+def test_recomputation_is_the_lightest_that_fits_and_hopeless_states_skip_to_the_last_mode():
+    """Each configuration gets the first of none, selective, per-op and full whose peak fits; where the
+    fullest rank's weights, gradients and optimizer state alone overflow the GPU, no mode can fit and
+    the search takes full recomputation without trying the modes between: the same plan as trying
+    them all."""
+    from fourd.layout import RECOMPUTE
+    from fourd.plan.memory import GB, peak_memory
+
+    model = parse_model_spec("layers=24,dim=4096,ffn=16384,heads=32,kv_heads=8,vocab=32000")
+    capacity = H100.gpu.memory_gb * GB
+
+    def tried_in_turn(job: Job) -> tuple[str, float]:
+        for recompute in RECOMPUTE:
+            trial = dataclasses.replace(job, par=dataclasses.replace(job.par, recompute=recompute))
+            memory = peak_memory(trial)[1]
+            if memory.fits(capacity):
+                break
+        return recompute, memory.total
+
+    def planned(gpus: int, seq: int, global_seqs: int):
+        base = Job(model, H100, Parallelism(layout=Layout(1, 1, 1, 1)), seq, global_seqs)
+        return search(base, gpus, OPEN | {"sequence_parallel": False})
+
+    hopeless = planned(1, 32768, 16)  # 6.1 B parameters at 16 B each: 98 GB of states
+    roomy = planned(8, 32768, 16)  # the same sharded over 8 ranks: room for recomputed activations
+    kinds = set()
+    for plan in hopeless + roomy:
+        assert (plan.config.recompute, plan.memory.total) == tried_in_turn(plan.job)
+        states = plan.memory.states + plan.memory.reserve
+        kinds.add((plan.fits, plan.config.recompute, states > capacity))
+    assert (False, "full", True) in kinds  # skipped straight to full
+    assert any(fits and recompute != "none" for fits, recompute, _ in kinds)  # found between
