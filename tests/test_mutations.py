@@ -580,8 +580,8 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
     ),
     "fourd plan's mfu counts the recomputed FLOPs": (
         "fourd/plan/search.py",
-        "mfu = property(lambda self: self.tflops_per_gpu / self.cluster.gpu.peak_tflops)",
-        "mfu = property(lambda self: self.hw_tflops_per_gpu / self.cluster.gpu.peak_tflops)",
+        "mfu = property(lambda self: self.tflops_per_gpu / self.peak_tflops)",
+        "mfu = property(lambda self: self.hw_tflops_per_gpu / self.peak_tflops)",
         (
             "tests/test_contract_search.py::"
             "test_full_recomputation_adds_the_whole_forward_to_the_hardware_flops",
@@ -758,6 +758,24 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
         'if target.get("schedule") is None and measured.get("schedule"):',
         "if False:",
         ("tests/test_plan_anchor.py::test_a_target_pipeline_runs_as_the_anchor_ran",),
+    ),
+    "FP8 GEMMs at the BF16 peak": (
+        "fourd/plan/kernels.py",
+        "    compute = flops / (gpu.fp8_peak_tflops * 1e12 * gpu.gemm_efficiency * util)\n",
+        "    compute = flops / (gpu.peak_tflops * 1e12 * gpu.gemm_efficiency * util)\n",
+        ("tests/test_plan_fp8.py::test_an_fp8_gemm_follows_the_documented_formula",),
+    ),
+    "FP8's output gradients cast without their transposes": (
+        "fourd/plan/block.py",
+        "    gradients = 4 * ((dims.q + 2 * dims.kv) + 2 * dims.h + (2 if gated else 1) * dims.f)\n",
+        "    gradients = 3 * ((dims.q + 2 * dims.kv) + 2 * dims.h + (2 if gated else 1) * dims.f)\n",
+        ("tests/test_plan_fp8.py::test_the_casts_fp8_adds_are_counted_by_hand",),
+    ),
+    "FP8 keeps no weight copies": (
+        "fourd/plan/memory.py",
+        "    if work.fp8:\n",
+        "    if False:\n",
+        ("tests/test_plan_fp8.py::test_fp8_keeps_each_linear_weight_twice_more_in_one_byte",),
     ),
     "plan_vs_measured keeps a layout's last round": (
         "benchmarks/plan_vs_measured.py",

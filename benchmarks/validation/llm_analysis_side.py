@@ -64,6 +64,8 @@ def unexpressible(run: Run) -> str:
         return f"no llm-analysis GPU config for {run.gpu}"
     if run.parsed_layout.cp > 1:
         return "llm-analysis has no context parallelism"
+    if run.precision == "fp8":
+        return "llm-analysis has no FP8 training (its 8-bit configurations quantize for inference)"
     return ""
 
 

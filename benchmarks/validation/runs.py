@@ -23,16 +23,9 @@ if __package__ in (None, ""):  # run as a script: make `fourd` importable from t
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from fourd.errors import FourdError
-from fourd.layout import (
-    PRECISIONS,
-    RECOMPUTE,
-    ZERO_STAGES,
-    Layout,
-    Parallelism,
-    check,
-    parse_layout,
-)
+from fourd.layout import RECOMPUTE, ZERO_STAGES, Layout, Parallelism, check, parse_layout
 from fourd.model.config import ModelConfig, get_preset, parse_model_spec
+from fourd.plan.cluster import PLAN_PRECISIONS
 from fourd.plan.cluster import preset_names as cluster_presets
 from fourd.plan.stack import FUSED_ATTENTION, PIPELINE_COMM
 from fourd.schedules import SCHEDULES
@@ -198,7 +191,7 @@ def _check_run(run: Run, sources: dict[str, Source]) -> None:
         ("schedule", SCHEDULES),
         ("recompute", RECOMPUTE),
         ("zero", ZERO_STAGES),
-        ("precision", PRECISIONS),
+        ("precision", PLAN_PRECISIONS),
         ("attention_kernel", ATTENTION_KERNELS),
         ("pipeline_comm", ("", *PIPELINE_COMM)),
         ("fused_attention", ("", *FUSED_ATTENTION)),

@@ -188,6 +188,14 @@ def traffic(work: Work) -> Traffic:
         forward, kept, outputs = _fused_or_gpt_bytes(dims, repeat, swiglu, eager)
     kept += outputs + F32 * dims.heads  # and attention's logsumexp
     counted = _recomputed(work, dims, forward, kept)
+    if work.fp8:
+        cast_forward, cast_backward = fp8_bytes(work)
+        counted = Traffic(
+            counted.forward + cast_forward,
+            counted.backward + cast_backward,
+            counted.saved,
+            counted.redo + (cast_forward if counted.redo else 0.0),
+        )
     if not (eager and work.model.mlp == "gelu_new"):
         return counted
     more = gelu_new_bytes(dims)
@@ -198,6 +206,31 @@ def traffic(work: Work) -> Traffic:
         counted.saved + kept_more * dims.f,
         counted.redo + (more.forward * dims.f if counted.redo else 0.0),
     )
+
+
+def fp8_bytes(work: Work) -> tuple[float, float]:
+    """(forward, backward) bytes per token on one rank of the passes FP8 training adds to a layer, as
+    Transformer Engine runs its linear layers (Hopper's FP8 GEMMs read both operands K-major, so each
+    operand a GEMM needs transposed is written a second time, transposed):
+
+    - forward, the attention output (q elements, BF16 from the attention kernel) cast to FP8 with
+      its transpose for the weight gradient, one kernel: read 2 B, write 1 + 1 B, 4 B an element.
+      The norms before QKV and the MLP, and the MLP's activation, write their FP8 output themselves
+      (LayerNormLinear, LayerNormMLP): no pass of their own;
+    - backward, the FP8 inputs the forward kept transposed for the weight gradients (read 1 B,
+      write 1 B): the QKV's and the MLP's input, h elements each (gathered whole under SP), and
+      w2's, f (the FFN width on the rank); and every linear layer's output gradient cast to FP8
+      (E5M2) with its transpose, 4 B an element: QKV's q + 2·kv, the attention projection's and
+      w2's h each (their gathered output), w1's f and a gated MLP's w3's f.
+
+    The weights' casts, once a step, and the scaling factors' bookkeeping are left out (bytes per
+    parameter a step, not per token)."""
+    dims = sizes(work)
+    gated = work.model.mlp == "swiglu"
+    forward = 4 * dims.q
+    transposes = 2 * (2 * dims.h + dims.f)
+    gradients = 4 * ((dims.q + 2 * dims.kv) + 2 * dims.h + (2 if gated else 1) * dims.f)
+    return forward, transposes + gradients
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,11 @@ from fourd.layout import PRECISIONS
 
 PRESET_DIR = Path(__file__).parent / "clusters"
 DTYPE_BYTES = dict(zip(PRECISIONS, (2, 4)))
+# FP8 training as Transformer Engine runs it: the transformer layers' GEMMs take FP8 inputs (E4M3
+# forward, E5M2 gradients) at the FP8 tensor rate; activations, communication, attention, the output
+# layer and the loss stay BF16. The planner's precisions: the trainer's and this one.
+FP8 = "fp8"
+PLAN_PRECISIONS = (*PRECISIONS, FP8)
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,7 @@ class GPU:
     peak_tflops: float  # dense peak in the training precision (datasheet; CPU profiles: measured)
     memory_gb: float
     hbm_bw_gbps: float
+    fp8_peak_tflops: float | None = None  # dense FP8 peak (datasheet); None: no FP8 tensor cores
     sms: int | None = None  # streaming multiprocessors, for wave quantization; None on CPUs
     gemm_efficiency: float = 0.7  # sustained fraction of peak on large GEMMs
     # FlashAttention-2's share of peak on long sequences at head dim 128; None: as GEMMs of that shape

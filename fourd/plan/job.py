@@ -9,7 +9,7 @@ from functools import cached_property
 
 from fourd.layout import Layout, Parallelism, layer_split
 from fourd.model.config import ModelConfig
-from fourd.plan.cluster import DTYPE_BYTES, Cluster
+from fourd.plan.cluster import DTYPE_BYTES, FP8, Cluster
 from fourd.plan.stack import load_stack, switch
 
 # a fused kernel; the s × s scores written to memory and soft-maxed by a fused kernel (Megatron
@@ -37,6 +37,7 @@ class Work:
     shared_kv: bool = False  # attention reads each K and V head for all its query heads, uncopied
     fused_attention: str = "flash2"  # the fused attention kernel family (fourd.plan.stack)
     pipeline_split: str = "layers"  # how the stack splits layers over pipeline ranks
+    fp8: bool = False  # the linear layers' GEMMs in FP8, with their casts (cluster.FP8)
 
     @property
     def tokens(self) -> int:
@@ -158,8 +159,16 @@ class Job:
         return self.global_seqs // (self.layout.dp * self.par.microbatches)
 
     @property
+    def fp8(self) -> bool:
+        """FP8 training: the transformer layers' GEMMs in FP8, the rest BF16 (cluster.FP8)."""
+        return self.precision == FP8
+
+    @property
     def dtype_bytes(self) -> int:
-        return DTYPE_BYTES[self.precision or self.cluster.dtype]
+        """Bytes of an activation, a gathered weight or a communicated element: FP8 training keeps
+        them BF16."""
+        precision = self.precision or self.cluster.dtype
+        return DTYPE_BYTES["bf16" if precision == FP8 else precision]
 
     @property
     def state_dtype_bytes(self) -> int:
@@ -193,6 +202,7 @@ class Job:
             self.switch("shared_kv"),
             self.attention_kernel,
             load_stack(self.stack).pipeline_split,
+            self.fp8,
         )
 
     @property

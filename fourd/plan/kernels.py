@@ -76,10 +76,14 @@ def _interpolate(samples: Sequence[tuple[Sequence[float], float]], point: Sequen
 
 
 @lru_cache(maxsize=65536)
-def gemm_time(m: int, n: int, k: int, cluster: Cluster, dtype_bytes: int = 2) -> float:
+def gemm_time(
+    m: int, n: int, k: int, cluster: Cluster, dtype_bytes: int = 2, fp8: bool = False
+) -> float:
     """Seconds for one (m×k)·(k×n) GEMM: measured samples if the profile has them, else the slower
     of the sustained rate cut by wave quantization and each tile's prologue, and the three matrices'
-    bytes over HBM."""
+    bytes over HBM. `fp8`: FP8 inputs and a BF16 output (fp8_gemm_time)."""
+    if fp8:
+        return fp8_gemm_time(m, n, k, cluster)
     gpu = cluster.gpu
     flops = 2.0 * m * n * k
     if gpu.gemm_shapes:
@@ -102,6 +106,28 @@ def gemm_time(m: int, n: int, k: int, cluster: Cluster, dtype_bytes: int = 2) ->
     compute = flops / (gpu.peak_tflops * 1e12 * gpu.gemm_efficiency * util)
     memory = dtype_bytes * (m * k + k * n + m * n) / (gpu.hbm_bw_gbps * HBM_EFFICIENCY * 1e9)
     return max(compute, memory) + (KERNEL_LAUNCH_S if gpu.sms else 0.0)
+
+
+def fp8_gemm_time(m: int, n: int, k: int, cluster: Cluster) -> float:
+    """Seconds for one (m×k)·(k×n) GEMM of FP8 inputs with a BF16 output, as Transformer Engine runs
+    the linear layers of FP8 training (Hopper's FP8 tensor cores):
+
+        compute = 2·m·n·k / (fp8_peak · gemm_efficiency · waves · k/(k + GEMM_K_OVERHEAD · r))
+        memory  = (m·k + k·n + 2·m·n) bytes / HBM rate,    the slower of the two,
+
+    r = fp8_peak / peak: the BF16 efficiency and tiles carry over (no FP8 GEMM is in the fit rows; an
+    assumption), and a tile's prologue and epilogue take the time they take in BF16, worth r times as
+    many steps of k at the FP8 rate. The peak is the datasheet's (H100 SXM: 1,979 dense TFLOP/s, twice
+    BF16's). Measured samples are BF16 GEMMs and do not serve."""
+    gpu = cluster.gpu
+    if not gpu.fp8_peak_tflops or not gpu.sms:
+        raise ValueError(f"{gpu.name} has no FP8 tensor cores in its profile")
+    flops = 2.0 * m * n * k
+    faster = gpu.fp8_peak_tflops / gpu.peak_tflops
+    util = _wave_utilization(m, n, gpu.sms) * k / (k + GEMM_K_OVERHEAD * faster)
+    compute = flops / (gpu.fp8_peak_tflops * 1e12 * gpu.gemm_efficiency * util)
+    memory = (m * k + k * n + 2 * m * n) / (gpu.hbm_bw_gbps * HBM_EFFICIENCY * 1e9)
+    return max(compute, memory) + KERNEL_LAUNCH_S
 
 
 def elementwise_time(nbytes: float, cluster: Cluster) -> float:

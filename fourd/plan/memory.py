@@ -14,6 +14,9 @@ GB = 1e9
 # PyTorch's CUDA caching allocator keeps freed blocks for reuse: reserved over allocated, less one.
 # Fitted. (Its CPU allocator returns freed memory to malloc: nothing on CPU profiles.)
 ALLOCATOR_FRAGMENTATION = 0.1952
+# FP8 training: bytes per linear-layer weight of its FP8 copy and that copy transposed (Transformer
+# Engine caches both across a step's microbatches)
+FP8_WEIGHT_COPIES = 2
 
 
 def state_bytes_per_param(zero: int, dp: int, dtype_bytes: int = 2) -> tuple[float, float, float]:
@@ -163,6 +166,9 @@ def rank_memories(job: Job, ranks) -> list[Memory]:
     # a microbatch, or one around a pipeline's schedule) and the matmul keeps the copy for its
     # backward: a rank holds one copy of its layers' matrices and the output projection's
     cast_bytes_per_layer = model.layer_matrix_params() / lay.tp * b if work.autocast else 0.0
+    if work.fp8:
+        # Transformer Engine keeps each linear weight in FP8 and transposed, 1 + 1 B, for the step
+        cast_bytes_per_layer += model.layer_matrix_params() / lay.tp * FP8_WEIGHT_COPIES
     cast_bytes_head = model.embedding_params() / lay.tp * b if work.autocast else 0.0
     gathered = edge = 0.0
     if par.zero == 3:

@@ -125,13 +125,14 @@ def materialized_attention(work: Work) -> tuple[float, float]:
 @lru_cache(maxsize=8192)
 def layer_gemms(work: Work) -> tuple[float, float, float]:
     """(forward, input-gradient, weight-gradient) seconds of one layer's linear layers, one
-    microbatch, on one rank of a (tp, cp) group."""
-    cluster, dtype_bytes, tokens = work.cluster, work.dtype_bytes, work.tokens
+    microbatch, on one rank of a (tp, cp) group; FP8 GEMMs under FP8 training (their casts are
+    memory-bound traffic: fourd.plan.block.fp8_bytes)."""
+    cluster, dtype_bytes, tokens, fp8 = work.cluster, work.dtype_bytes, work.tokens, work.fp8
     fwd = dgrad = wgrad = 0.0
     for out_dim, k in matmuls(work):
-        fwd += gemm_time(tokens, out_dim, k, cluster, dtype_bytes)
-        dgrad += gemm_time(tokens, k, out_dim, cluster, dtype_bytes)
-        wgrad += gemm_time(k, out_dim, tokens, cluster, dtype_bytes)
+        fwd += gemm_time(tokens, out_dim, k, cluster, dtype_bytes, fp8)
+        dgrad += gemm_time(tokens, k, out_dim, cluster, dtype_bytes, fp8)
+        wgrad += gemm_time(k, out_dim, tokens, cluster, dtype_bytes, fp8)
     return fwd, dgrad, wgrad
 
 
@@ -204,7 +205,7 @@ def layer_time(work: Work) -> StageTime:
     if work.recompute == "per-op":
         # recomputed: every other matmul's forward
         for out_dim, k in matmuls(work)[1::2]:
-            dgrad += gemm_time(tokens, out_dim, k, cluster, dtype_bytes)
+            dgrad += gemm_time(tokens, out_dim, k, cluster, dtype_bytes, work.fp8)
     if work.attention != "flash":
         a_fwd, a_bwd = materialized_attention(work)
     else:

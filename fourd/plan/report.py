@@ -25,7 +25,7 @@ MEMORY = (
     ("grads", "gradients"),
     ("optimizer", "optimizer state"),
     ("activations", "activations"),
-    ("other", "the loss's logits, gathered ZeRO-3 layers"),
+    ("other", "logits, gathered ZeRO-3 layers, cast weights"),
     ("reserve", "runtime: CUDA context, NCCL"),
 )
 
@@ -227,7 +227,7 @@ def _throughput_lines(plan: Plan, train_tokens: float | None) -> list[str]:
         ("tokens/s", f"{plan.tokens_per_s:,.0f}"),
         ("model TFLOP/s per GPU", f"{plan.tflops_per_gpu:.1f}"),
         ("hardware TFLOP/s per GPU (recomputation)", f"{plan.hw_tflops_per_gpu:.1f}"),
-        (f"MFU (of {plan.cluster.gpu.peak_tflops:g} TFLOP/s peak)", _pct(plan.mfu)),
+        (f"MFU (of {plan.peak_tflops:g} TFLOP/s peak)", _pct(plan.mfu)),
         ("bubble fraction of the step", _pct(plan.bubble_fraction)),
     ]
     if train_tokens:

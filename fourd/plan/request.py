@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from fourd.errors import FourdError
-from fourd.layout import PRECISIONS, RECOMPUTE, ZERO_STAGES, Layout, Parallelism, parse_layout
+from fourd.layout import RECOMPUTE, ZERO_STAGES, Layout, Parallelism, parse_layout
 from fourd.layout import check as layout_check
 from fourd.model.config import ModelConfig, get_preset, parse_model_spec
-from fourd.plan.cluster import Cluster, load_cluster
+from fourd.plan.cluster import FP8, PLAN_PRECISIONS, Cluster, load_cluster
 from fourd.plan.job import ATTENTION, Job
 from fourd.plan.search import OPEN, Plan, search
 from fourd.plan.stack import (
@@ -132,7 +132,11 @@ SETTINGS: dict[str, tuple[Any, str]] = {
         "HSDP: ZeRO 3 inside each of this many replica groups",
     ),
     "sequence_parallel": (on_off, "sequence parallelism with TP (default on)"),
-    "precision": (choice(PRECISIONS), "training precision (default: the cluster profile's)"),
+    "precision": (
+        choice(PLAN_PRECISIONS),
+        "training precision: bf16, fp32, or fp8 (Transformer Engine's: the layers' GEMMs in FP8, the "
+        "rest BF16; GPUs whose profile gives fp8_peak_tflops); default: the cluster profile's",
+    ),
     "compiled": (
         on_off,
         "the blocks torch.compile'd (default: the planner's choice, on; on a CPU profile off)",
@@ -331,6 +335,12 @@ def resolve(model: ModelConfig, cluster: Cluster, values: Mapping[str, Any]) -> 
         raise FourdError(
             "TP overlap runs with sequence parallelism only (it overlaps SP's all-gathers and "
             "reduce-scatters with the GEMMs): add --sequence-parallel on or drop --tp-overlap on"
+        )
+    if given["precision"] == FP8 and not (cluster.gpu.fp8_peak_tflops and cluster.gpu.sms):
+        raise FourdError(
+            f"--dtype fp8: the {cluster.gpu.name} of profile {cluster.name} has no FP8 tensor cores "
+            "(its profile gives no fp8_peak_tflops): plan with --dtype bf16, or on a profile of an "
+            "FP8 GPU (H100, H200)"
         )
     base = Job(
         model=model,

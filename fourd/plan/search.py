@@ -63,7 +63,15 @@ class Plan:
         return (self.memory.total + self.memory.reserve) / GB
 
     tokens_per_s = property(lambda self: self.global_seqs * self.seq / self.step.step_s)
-    mfu = property(lambda self: self.tflops_per_gpu / self.cluster.gpu.peak_tflops)
+    mfu = property(lambda self: self.tflops_per_gpu / self.peak_tflops)
+
+    @property
+    def peak_tflops(self) -> float:
+        """The GPU's dense peak in the precision its GEMMs run in, MFU's denominator: FP8 training
+        against the FP8 peak (as NVIDIA's and MegaScale's MFU count it), else the profile's."""
+        gpu = self.cluster.gpu
+        return gpu.fp8_peak_tflops if self.job.fp8 and gpu.fp8_peak_tflops else gpu.peak_tflops
+
     bubble_fraction = property(lambda self: self.step.bubble_s / self.step.step_s)
 
     @property
@@ -127,7 +135,13 @@ class Plan:
         out |= {"memory_capacity_gb": self.cluster.gpu.memory_gb, "tokens_per_s": self.tokens_per_s}
         out |= {
             k: getattr(self, k)
-            for k in ("tflops_per_gpu", "hw_tflops_per_gpu", "mfu", "bubble_fraction")
+            for k in (
+                "tflops_per_gpu",
+                "hw_tflops_per_gpu",
+                "mfu",
+                "peak_tflops",
+                "bubble_fraction",
+            )
         }
         out["breakdown_s"] = {term: getattr(step, f"{term}_s") for term in BREAKDOWN}
         out["placement"] = {

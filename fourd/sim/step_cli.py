@@ -82,7 +82,7 @@ def report(plan, result, comm: bool, wall: float, train_tokens: float | None = N
         "bubble_over_compute": [_over(result.pipeline_span_s, busy) for busy in result.busy_s],
         "tokens_per_s": tokens / step,
         "tflops_per_gpu": tflops,
-        "mfu": tflops / plan.cluster.gpu.peak_tflops,
+        "mfu": tflops / plan.peak_tflops,
         "pipeline_span_s": result.pipeline_span_s,
         "optimizer_s": max(result.optimizer_s),
         "comm": comm,

@@ -1,0 +1,128 @@
+"""FP8 training in the planner (`--dtype fp8`, Transformer Engine's recipe): the layers' GEMMs at the FP8
+rate by the documented formula, the casts and transposes it adds counted by hand, the FP8 weight copies in
+memory, everything else as BF16, MFU against the FP8 peak, and the refusal where a GPU has no FP8."""
+
+import json
+import math
+
+import pytest
+from conftest import run_fourd
+
+from fourd.layout import Layout, Parallelism
+from fourd.model.config import parse_model_spec
+from fourd.plan.block import fp8_bytes, traffic
+from fourd.plan.cluster import load_cluster
+from fourd.plan.job import Job
+from fourd.plan.kernels import GEMM_K_OVERHEAD, HBM_EFFICIENCY, KERNEL_LAUNCH_S, gemm_time
+from fourd.plan.memory import peak_memory
+from fourd.plan.perf import layer_comm, layer_gemms, step_time
+
+H100 = load_cluster("dgx-h100")
+GQA = parse_model_spec("layers=4,dim=4096,ffn=14336,heads=32,kv_heads=8,vocab=32000")
+GPT = parse_model_spec("layers=4,dim=4096,ffn=16384,heads=32,kv_heads=32,vocab=32000,mlp=gelu")
+
+
+def _job(model, precision: str, tp: int = 2) -> Job:
+    par = Parallelism(layout=Layout(tp, 1, 1, 8 // tp), microbatches=4, sequence_parallel=True)
+    return Job(model, H100, par, 4096, 8 * 4 // tp, precision=precision, stack="nemo")
+
+
+def test_an_fp8_gemm_follows_the_documented_formula():
+    """8192 × 8192 × 8192 fills whole waves of 128 × 256 tiles on 132 SMs? No: 256 tiles of 128 × 256
+    over 132 SMs take two waves, 256 of 264 slots; the prologue costs GEMM_K_OVERHEAD · 2 steps of k."""
+    gpu = H100.gpu
+    m = n = k = 8192
+    waves = max(
+        m
+        * n
+        / (rows * cols * gpu.sms * math.ceil(math.ceil(m / rows) * math.ceil(n / cols) / gpu.sms))
+        for rows, cols in ((128, 128), (128, 256), (256, 128))
+    )
+    util = waves * k / (k + GEMM_K_OVERHEAD * 1979.0 / 989.0)
+    compute = 2.0 * m * n * k / (1979e12 * gpu.gemm_efficiency * util)
+    memory = (m * k + k * n + 2 * m * n) / (gpu.hbm_bw_gbps * HBM_EFFICIENCY * 1e9)
+    assert gemm_time(m, n, k, H100, 2, True) == pytest.approx(
+        max(compute, memory) + KERNEL_LAUNCH_S, rel=1e-12
+    )
+    bf16 = gemm_time(m, n, k, H100, 2)
+    assert (
+        0.5 < gemm_time(m, n, k, H100, 2, True) / bf16 < 0.56
+    )  # twice the rate, a longer prologue
+
+
+def test_the_casts_fp8_adds_are_counted_by_hand():
+    """Per token on one of 2 TP ranks, SwiGLU with GQA: q = 2048, kv = 512, h = 4096, f = 7168.
+    Forward: the attention output cast with its transpose, 4·q. Backward: three transposes
+    2·(2·h + f) and the output gradients of QKV, wo, w1, w3 and w2 cast with theirs, 4 B each."""
+    q, kv, h, f = 2048, 512, 4096, 7168
+    work = _job(GQA, "fp8").work
+    assert fp8_bytes(work) == (4 * q, 2 * (2 * h + f) + 4 * ((q + 2 * kv) + 2 * h + 2 * f))
+    gpt = _job(GPT, "fp8").work  # one w1: f = 8192
+    assert fp8_bytes(gpt)[1] == 2 * (2 * h + 8192) + 4 * ((2048 + 2 * 2048) + 2 * h + 8192)
+    plain, cast = traffic(_job(GQA, "bf16").work), traffic(work)
+    assert (cast.forward - plain.forward, cast.backward - plain.backward) == fp8_bytes(work)
+    assert cast.saved == plain.saved
+
+
+def test_fp8_changes_the_gemms_and_their_casts_and_nothing_else():
+    bf16, fp8 = _job(GQA, "bf16"), _job(GQA, "fp8")
+    assert (bf16.dtype_bytes, fp8.dtype_bytes) == (2, 2)
+    assert layer_comm(fp8.work) == layer_comm(bf16.work)  # TP traffic in BF16
+    assert all(0.45 < a / b < 0.75 for a, b in zip(layer_gemms(fp8.work), layer_gemms(bf16.work)))
+    t_bf16, t_fp8 = step_time(bf16), step_time(fp8)
+    assert t_fp8.optimizer_s == t_bf16.optimizer_s and t_fp8.dp_total_s == t_bf16.dp_total_s
+    assert t_fp8.step_s < t_bf16.step_s
+
+
+def test_fp8_keeps_each_linear_weight_twice_more_in_one_byte():
+    bf16, fp8 = peak_memory(_job(GQA, "bf16"))[1], peak_memory(_job(GQA, "fp8"))[1]
+    copies = GQA.layer_matrix_params() / 2 * GQA.layers * 2  # FP8 and transposed, 1 B each, tp 2
+    assert fp8.other - bf16.other == pytest.approx(copies, rel=1e-12)
+    assert (fp8.params, fp8.grads, fp8.optimizer, fp8.activations) == (
+        bf16.params,
+        bf16.grads,
+        bf16.optimizer,
+        bf16.activations,
+    )
+
+
+def test_fourd_plan_dtype_fp8_reports_mfu_against_the_fp8_peak(tmp_path):
+    common = [
+        "plan",
+        "--model",
+        "llama3-8b",
+        "--gpus",
+        "8",
+        "--layout",
+        "tp=1,cp=1,pp=1,dp=8",
+        "--stack",
+        "nemo",
+        "--json",
+    ]
+    fp8 = json.loads(run_fourd(*common, "--dtype", "fp8")[1])
+    bf16 = json.loads(run_fourd(*common, "--dtype", "bf16")[1])
+    assert (fp8["dtype"], fp8["peak_tflops"], bf16["peak_tflops"]) == ("fp8", 1979.0, 989.0)
+    assert fp8["mfu"] == pytest.approx(fp8["tflops_per_gpu"] / 1979.0, rel=1e-12)
+    assert fp8["step_time_s"] < bf16["step_time_s"]
+    text = run_fourd(*common[:-1], "--dtype", "fp8")[1]
+    assert "(llama3-h100, FP8)" in text and "MFU (of 1979 TFLOP/s peak)" in text
+
+
+def test_fp8_on_a_gpu_without_fp8_tensor_cores_is_refused_in_one_line():
+    code, _, err = run_fourd(
+        "plan",
+        "--model",
+        "llama3-8b",
+        "--gpus",
+        "8",
+        "--cluster",
+        "dgx-a100-40gb",
+        "--dtype",
+        "fp8",
+    )
+    assert code == 2
+    assert err.strip().splitlines() == [
+        "fourd: error: --dtype fp8: the A100 SXM4 40GB of profile dgx-a100-40gb has no FP8 tensor "
+        "cores (its profile gives no fp8_peak_tflops): plan with --dtype bf16, or on a profile of an "
+        "FP8 GPU (H100, H200)"
+    ]
