@@ -771,11 +771,13 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
         "    gradients = 3 * ((dims.q + 2 * dims.kv) + 2 * dims.h + (2 if gated else 1) * dims.f)\n",
         ("tests/test_plan_fp8.py::test_the_casts_fp8_adds_are_counted_by_hand",),
     ),
-    "FP8 keeps no weight copies": (
+    "FP8 copies the weights ZeRO 3 shards": (
         "fourd/plan/memory.py",
+        "    if work.fp8 and par.zero < 3:\n",
         "    if work.fp8:\n",
-        "    if False:\n",
-        ("tests/test_plan_fp8.py::test_fp8_keeps_each_linear_weight_twice_more_in_one_byte",),
+        (
+            "tests/test_plan_fp8.py::test_fp8_keeps_whole_weights_twice_more_in_one_byte_and_linear_inputs_in_one",
+        ),
     ),
     "plan_vs_measured keeps a layout's last round": (
         "benchmarks/plan_vs_measured.py",

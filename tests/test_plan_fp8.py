@@ -2,6 +2,7 @@
 rate by the documented formula, the casts and transposes it adds counted by hand, the FP8 weight copies in
 memory, everything else as BF16, MFU against the FP8 peak, and the refusal where a GPU has no FP8."""
 
+import dataclasses
 import json
 import math
 
@@ -10,7 +11,7 @@ from conftest import run_fourd
 
 from fourd.layout import Layout, Parallelism
 from fourd.model.config import parse_model_spec
-from fourd.plan.block import fp8_bytes, traffic
+from fourd.plan.block import fp8_bytes, fp8_kept_savings, traffic
 from fourd.plan.cluster import load_cluster
 from fourd.plan.job import Job
 from fourd.plan.kernels import GEMM_K_OVERHEAD, HBM_EFFICIENCY, KERNEL_LAUNCH_S, gemm_time
@@ -61,7 +62,8 @@ def test_the_casts_fp8_adds_are_counted_by_hand():
     assert fp8_bytes(gpt)[1] == 2 * (2 * h + 8192) + 4 * ((2048 + 2 * 2048) + 2 * h + 8192)
     plain, cast = traffic(_job(GQA, "bf16").work), traffic(work)
     assert (cast.forward - plain.forward, cast.backward - plain.backward) == fp8_bytes(work)
-    assert cast.saved == plain.saved
+    # kept for the weight gradients in FP8: the two norms' outputs (SP shards of 2,048), wo's and w2's inputs
+    assert plain.saved - cast.saved == (2 * 2048 + q + f) * (2 - 1)
 
 
 def test_fp8_changes_the_gemms_and_their_casts_and_nothing_else():
@@ -74,16 +76,21 @@ def test_fp8_changes_the_gemms_and_their_casts_and_nothing_else():
     assert t_fp8.step_s < t_bf16.step_s
 
 
-def test_fp8_keeps_each_linear_weight_twice_more_in_one_byte():
+def test_fp8_keeps_whole_weights_twice_more_in_one_byte_and_linear_inputs_in_one():
+    """ZeRO 1 holds every weight whole: each linear weight gets an FP8 copy and its transpose, 2 B; ZeRO 3
+    gathers one layer at a time and keeps none. Activations: one microbatch of 4,096 tokens in flight,
+    each layer keeping its linear inputs at 1 B instead of 2 (fp8_kept_savings)."""
     bf16, fp8 = peak_memory(_job(GQA, "bf16"))[1], peak_memory(_job(GQA, "fp8"))[1]
     copies = GQA.layer_matrix_params() / 2 * GQA.layers * 2  # FP8 and transposed, 1 B each, tp 2
     assert fp8.other - bf16.other == pytest.approx(copies, rel=1e-12)
-    assert (fp8.params, fp8.grads, fp8.optimizer, fp8.activations) == (
-        bf16.params,
-        bf16.grads,
-        bf16.optimizer,
-        bf16.activations,
-    )
+    kept_less = GQA.layers * 4096 * fp8_kept_savings(_job(GQA, "fp8").work)
+    assert bf16.activations - fp8.activations == pytest.approx(kept_less, rel=1e-12)
+    assert (fp8.params, fp8.grads, fp8.optimizer) == (bf16.params, bf16.grads, bf16.optimizer)
+    sharded = [
+        peak_memory(dataclasses.replace(job, par=dataclasses.replace(job.par, zero=3)))[1]
+        for job in (_job(GQA, "bf16"), _job(GQA, "fp8"))
+    ]
+    assert sharded[1].other == sharded[0].other
 
 
 def test_fourd_plan_dtype_fp8_reports_mfu_against_the_fp8_peak(tmp_path):

@@ -193,7 +193,7 @@ def traffic(work: Work) -> Traffic:
         counted = Traffic(
             counted.forward + cast_forward,
             counted.backward + cast_backward,
-            counted.saved,
+            counted.saved - fp8_kept_savings(work),
             counted.redo + (cast_forward if counted.redo else 0.0),
         )
     if not (eager and work.model.mlp == "gelu_new"):
@@ -231,6 +231,23 @@ def fp8_bytes(work: Work) -> tuple[float, float]:
     transposes = 2 * (2 * dims.h + dims.f)
     gradients = 4 * ((dims.q + 2 * dims.kv) + 2 * dims.h + (2 if gated else 1) * dims.f)
     return forward, transposes + gradients
+
+
+def fp8_kept_savings(work: Work) -> float:
+    """Bytes per token on one rank that FP8 training keeps for the backward below BF16's: the linear
+    layers keep their inputs for the weight gradients as FP8 (1 B an element, Transformer Engine's
+    modules and torchao's Float8Linear alike) where BF16 keeps them at the activation's bytes. The
+    inputs kept: without recomputation the two norms' outputs (SP shards), attention's output and
+    w2's input; with fourd's selective policy attention's output alone (the norms and the activation
+    are recomputed); with full or per-op recomputation none is counted."""
+    dims = sizes(work)
+    if work.recompute == "none":
+        elements = 2 * dims.norm + dims.q + dims.f
+    elif work.recompute == "selective" and work.attention == "flash":
+        elements = dims.q
+    else:
+        elements = 0.0
+    return elements * (dims.b - 1)
 
 
 @dataclass(frozen=True)

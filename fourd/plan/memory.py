@@ -166,8 +166,9 @@ def rank_memories(job: Job, ranks) -> list[Memory]:
     # a microbatch, or one around a pipeline's schedule) and the matmul keeps the copy for its
     # backward: a rank holds one copy of its layers' matrices and the output projection's
     cast_bytes_per_layer = model.layer_matrix_params() / lay.tp * b if work.autocast else 0.0
-    if work.fp8:
-        # Transformer Engine keeps each linear weight in FP8 and transposed, 1 + 1 B, for the step
+    if work.fp8 and par.zero < 3:
+        # Transformer Engine keeps each linear weight a rank holds whole in FP8 and transposed, 1 + 1
+        # B, for the step; sharded by ZeRO 3, a layer's FP8 weights live while it is gathered
         cast_bytes_per_layer += model.layer_matrix_params() / lay.tp * FP8_WEIGHT_COPIES
     cast_bytes_head = model.embedding_params() / lay.tp * b if work.autocast else 0.0
     gathered = edge = 0.0
