@@ -411,7 +411,7 @@ def _dp_exposure(job: Job, t: StageTime, bubble: float, layers: int) -> tuple[fl
     (docs/planner.md: what each ZeRO stage moves); with them, a tied embedding's sync across the
     pipeline (`tied_embedding_sync`), exposed."""
     lay, par, cluster = job.layout, job.par, job.cluster
-    microbatches, shard = par.microbatches, shard_group(lay, par.hsdp_replicas)
+    shard = shard_group(lay, par.hsdp_replicas)
     params = rank_params(job)
     gathers, reductions = max(1, layers), job.gradient_buckets(params, layers)
 
@@ -419,7 +419,6 @@ def _dp_exposure(job: Job, t: StageTime, bubble: float, layers: int) -> tuple[fl
         return buckets * collective_time(op, nbytes / buckets, group, cluster)
 
     tail = t.backward + bubble / 2  # the last backward and the cool-down
-    head = t.forward + bubble / 2  # the warm-up
     # the input embedding's gradient is the backward's last: its share of a pass's reduction waits
     # for the pass's end
     embedding_share = min(1.0, job.model.embedding_params() / lay.tp / params)
@@ -430,45 +429,60 @@ def _dp_exposure(job: Job, t: StageTime, bubble: float, layers: int) -> tuple[fl
     else:
         gather = bucketed("all_gather", params * job.state_dtype_bytes, gathers)
         scatter = bucketed("reduce_scatter", 4 * params, reductions)
-        scatter_tail = (
-            embedding_share * scatter
-        )  # a reduce-scatter pass's seconds after its backward
-        reduces = reductions_per_step(job)
-        # ZeRO 1 and 2 gather the updated weights beside the next step's warm-up, or inside the
-        # optimizer's step, where nothing hides them (the stack's gather_in_step)
-        beside_forward = gather
-        if job.gathers_in_step:
-            beside_forward, in_step = 0.0, in_step + gather
-        if par.zero == 1:
-            phases = [
-                DpPhase(scatter, tail, 1, reductions, scatter_tail),
-                DpPhase(beside_forward, head, 1, gathers),
-            ]
-        elif par.zero == 2:
-            phases = [
-                DpPhase(reduces * scatter, reduces * t.backward, reduces, reductions, scatter_tail),
-                DpPhase(beside_forward, head, 1, gathers),
-            ]
-        else:
-            across = bucketed(
-                "all_reduce",
-                4 * params / shard.size,
-                reductions,
-                replica_group(lay, par.hsdp_replicas),
-            )
-            phases = [
-                DpPhase(microbatches * gather, microbatches * t.forward, microbatches, gathers),
-                DpPhase(
-                    microbatches * gather + reduces * (scatter + across),
-                    microbatches * t.backward,
-                    microbatches,
-                    gathers,
-                    embedding_share * (scatter + across),
-                ),
-            ]
+        across = 0.0
+        if par.zero == 3:
+            replicas = replica_group(lay, par.hsdp_replicas)
+            across = bucketed("all_reduce", 4 * params / shard.size, reductions, replicas)
+        if job.gathers_in_step:  # ZeRO 1 and 2's gather inside the optimizer's step, unhidden
+            in_step += gather
+        phases = _sharded_phases(
+            job, t, bubble, embedding_share, (gather, scatter, across), gathers, reductions
+        )
     total = in_step + sum(phase.seconds for phase in phases)
     exposed = in_step + sum(phase.exposed() for phase in phases)
     return min(exposed, total), total
+
+
+def _sharded_phases(
+    job: Job,
+    t: StageTime,
+    bubble: float,
+    embedding_share: float,
+    seconds: tuple[float, float, float],
+    gathers: int,
+    reductions: int,
+) -> list[DpPhase]:
+    """The phases of ZeRO 1-3's traffic (`_dp_exposure`), from the seconds of a pass's weight
+    all-gather, gradient reduce-scatter and (HSDP) all-reduce across replicas: ZeRO 1 reduces once
+    after the last backward and gathers the updated weights beside the next step's warm-up (or
+    inside the optimizer's step, the stack's gather_in_step: nothing then); ZeRO 2 reduces after every
+    microbatch's backward; ZeRO 3 also gathers each layer for every forward and backward."""
+    gather, scatter, across = seconds
+    microbatches, reduces = job.par.microbatches, reductions_per_step(job)
+    tail = t.backward + bubble / 2  # the last backward and the cool-down
+    head = t.forward + bubble / 2  # the warm-up
+    beside_forward = 0.0 if job.gathers_in_step else gather
+    scatter_tail = embedding_share * scatter  # a reduce-scatter pass's seconds after its backward
+    if job.par.zero == 1:
+        return [
+            DpPhase(scatter, tail, 1, reductions, scatter_tail),
+            DpPhase(beside_forward, head, 1, gathers),
+        ]
+    if job.par.zero == 2:
+        return [
+            DpPhase(reduces * scatter, reduces * t.backward, reduces, reductions, scatter_tail),
+            DpPhase(beside_forward, head, 1, gathers),
+        ]
+    return [
+        DpPhase(microbatches * gather, microbatches * t.forward, microbatches, gathers),
+        DpPhase(
+            microbatches * gather + reduces * (scatter + across),
+            microbatches * t.backward,
+            microbatches,
+            gathers,
+            embedding_share * (scatter + across),
+        ),
+    ]
 
 
 def reductions_per_step(job: Job) -> int:

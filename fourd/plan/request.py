@@ -336,12 +336,7 @@ def resolve(model: ModelConfig, cluster: Cluster, values: Mapping[str, Any]) -> 
             "TP overlap runs with sequence parallelism only (it overlaps SP's all-gathers and "
             "reduce-scatters with the GEMMs): add --sequence-parallel on or drop --tp-overlap on"
         )
-    if given["precision"] == FP8 and not (cluster.gpu.fp8_peak_tflops and cluster.gpu.sms):
-        raise FourdError(
-            f"--dtype fp8: the {cluster.gpu.name} of profile {cluster.name} has no FP8 tensor cores "
-            "(its profile gives no fp8_peak_tflops): plan with --dtype bf16, or on a profile of an "
-            "FP8 GPU (H100, H200)"
-        )
+    _check_precision(given["precision"], cluster)
     base = Job(
         model=model,
         cluster=cluster,
@@ -362,6 +357,17 @@ def resolve(model: ModelConfig, cluster: Cluster, values: Mapping[str, Any]) -> 
     return Request(
         base=base, gpus=gpus, fixed=fixed, open=open_, train_tokens=given["train_tokens"]
     )
+
+
+def _check_precision(precision: str | None, cluster: Cluster) -> None:
+    """FourdError for FP8 on a profile whose GPU has no FP8 tensor cores (no `fp8_peak_tflops`: A100,
+    CPU profiles)."""
+    if precision == FP8 and not (cluster.gpu.fp8_peak_tflops and cluster.gpu.sms):
+        raise FourdError(
+            f"--dtype fp8: the {cluster.gpu.name} of profile {cluster.name} has no FP8 tensor cores "
+            "(its profile gives no fp8_peak_tflops): plan with --dtype bf16, or on a profile of an "
+            "FP8 GPU (H100, H200)"
+        )
 
 
 def _layout_and_gpus(given: dict[str, Any]) -> tuple[Layout | None, int]:
