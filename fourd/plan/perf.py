@@ -418,69 +418,85 @@ def _dp_exposure(job: Job, t: StageTime, bubble: float, layers: int) -> tuple[fl
     def bucketed(op: str, nbytes: float, buckets: int, group=shard) -> float:
         return buckets * collective_time(op, nbytes / buckets, group, cluster)
 
-    tail = t.backward + bubble / 2  # the last backward and the cool-down
     # the input embedding's gradient is the backward's last: its share of a pass's reduction waits
     # for the pass's end
     embedding_share = min(1.0, job.model.embedding_params() / lay.tp / params)
     in_step = tied_embedding_sync(job)
     if par.zero == 0:
-        all_reduce = bucketed("all_reduce", 4 * params, reductions)
-        phases = [DpPhase(all_reduce, tail, 1, reductions, embedding_share * all_reduce)]
+        passes = PassSeconds(all_reduce=bucketed("all_reduce", 4 * params, reductions))
     else:
-        gather = bucketed("all_gather", params * job.state_dtype_bytes, gathers)
-        scatter = bucketed("reduce_scatter", 4 * params, reductions)
         across = 0.0
         if par.zero == 3:
             replicas = replica_group(lay, par.hsdp_replicas)
             across = bucketed("all_reduce", 4 * params / shard.size, reductions, replicas)
-        if job.gathers_in_step:  # ZeRO 1 and 2's gather inside the optimizer's step, unhidden
-            in_step += gather
-        phases = _sharded_phases(
-            job, t, bubble, embedding_share, (gather, scatter, across), gathers, reductions
+        passes = PassSeconds(
+            gather=bucketed("all_gather", params * job.state_dtype_bytes, gathers),
+            scatter=bucketed("reduce_scatter", 4 * params, reductions),
+            across=across,
         )
+        if job.gathers_in_step:  # ZeRO 1 and 2's gather inside the optimizer's step, unhidden
+            in_step += passes.gather
+    phases = _dp_phases(job, t, bubble, embedding_share, passes, gathers, reductions)
     total = in_step + sum(phase.seconds for phase in phases)
     exposed = in_step + sum(phase.exposed() for phase in phases)
     return min(exposed, total), total
 
 
-def _sharded_phases(
+class PassSeconds(NamedTuple):
+    """Seconds of one pass of each data-parallel collective a ZeRO stage runs (0 for the others):
+    ZeRO 0's gradient all-reduce; ZeRO 1-3's weight all-gather and gradient reduce-scatter; HSDP's
+    all-reduce of the shards across the replicas."""
+
+    all_reduce: float = 0.0
+    gather: float = 0.0
+    scatter: float = 0.0
+    across: float = 0.0
+
+
+def _dp_phases(
     job: Job,
     t: StageTime,
     bubble: float,
     embedding_share: float,
-    seconds: tuple[float, float, float],
+    passes: PassSeconds,
     gathers: int,
     reductions: int,
 ) -> list[DpPhase]:
-    """The phases of ZeRO 1-3's traffic (`_dp_exposure`), from the seconds of a pass's weight
-    all-gather, gradient reduce-scatter and (HSDP) all-reduce across replicas: ZeRO 1 reduces once
-    after the last backward and gathers the updated weights beside the next step's warm-up (or
-    inside the optimizer's step, the stack's gather_in_step: nothing then); ZeRO 2 reduces after every
-    microbatch's backward; ZeRO 3 also gathers each layer for every forward and backward."""
-    gather, scatter, across = seconds
+    """The phases of a step's data-parallel traffic (`_dp_exposure`): ZeRO 0 all-reduces after the
+    last backward; ZeRO 1 reduce-scatters there and gathers the updated weights beside the next
+    step's warm-up (or inside the optimizer's step, the stack's gather_in_step: no phase then); ZeRO
+    2 reduce-scatters after every microbatch's backward; ZeRO 3 also gathers each layer for every
+    forward and backward."""
     microbatches, reduces = job.par.microbatches, reductions_per_step(job)
     tail = t.backward + bubble / 2  # the last backward and the cool-down
     head = t.forward + bubble / 2  # the warm-up
-    beside_forward = 0.0 if job.gathers_in_step else gather
-    scatter_tail = embedding_share * scatter  # a reduce-scatter pass's seconds after its backward
+    if job.par.zero == 0:
+        return [
+            DpPhase(passes.all_reduce, tail, 1, reductions, embedding_share * passes.all_reduce)
+        ]
+    beside_forward = 0.0 if job.gathers_in_step else passes.gather
+    scatter_tail = embedding_share * passes.scatter  # a pass's seconds after its backward
     if job.par.zero == 1:
         return [
-            DpPhase(scatter, tail, 1, reductions, scatter_tail),
+            DpPhase(passes.scatter, tail, 1, reductions, scatter_tail),
             DpPhase(beside_forward, head, 1, gathers),
         ]
     if job.par.zero == 2:
         return [
-            DpPhase(reduces * scatter, reduces * t.backward, reduces, reductions, scatter_tail),
+            DpPhase(
+                reduces * passes.scatter, reduces * t.backward, reduces, reductions, scatter_tail
+            ),
             DpPhase(beside_forward, head, 1, gathers),
         ]
+    reduced = passes.scatter + passes.across
     return [
-        DpPhase(microbatches * gather, microbatches * t.forward, microbatches, gathers),
+        DpPhase(microbatches * passes.gather, microbatches * t.forward, microbatches, gathers),
         DpPhase(
-            microbatches * gather + reduces * (scatter + across),
+            microbatches * passes.gather + reduces * reduced,
             microbatches * t.backward,
             microbatches,
             gathers,
-            embedding_share * (scatter + across),
+            embedding_share * reduced,
         ),
     ]
 
