@@ -46,6 +46,7 @@ PRESETS = {
     "H100-SXM-80GB": "dgx-h100",
     "H100-HBM2e-96GB": "grand-teton-h100",
     "H200-SXM-141GB": "dgx-h200",
+    "GB200-186GB": "dgx-gb200",
 }
 # The fitted numbers: each GPU generation's sustained GEMM efficiency (in the presets) and the model's constants.
 GENERATIONS = {

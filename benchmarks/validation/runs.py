@@ -33,7 +33,15 @@ from fourd.schedules import SCHEDULES
 PATH = Path(__file__).with_name("runs.toml")
 # The GPUs of the published runs. H100-HBM2e-96GB is the 500 W, 96 GB HBM2e H100 of Meta's Grand Teton hosts
 # (torchtitan's benchmark files): neither the 80 GB SXM part nor the NVL part (README.md, "GPUs").
-GPUS = ("A100-SXM-40GB", "A100-SXM-80GB", "H100-SXM-80GB", "H100-HBM2e-96GB", "H200-SXM-141GB")
+# GB200-186GB is a Blackwell GPU of a GB200 NVL72 rack (two a Grace Blackwell superchip).
+GPUS = (
+    "A100-SXM-40GB",
+    "A100-SXM-80GB",
+    "H100-SXM-80GB",
+    "H100-HBM2e-96GB",
+    "H200-SXM-141GB",
+    "GB200-186GB",
+)
 # fused (FlashAttention family); the s x s scores in memory, soft-maxed by a fused kernel (Megatron)
 # or by each op's own kernel (Hugging Face's eager attention); or not stated
 ATTENTION_KERNELS = ("flash", "materialized", "eager", "unknown")
