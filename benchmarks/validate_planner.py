@@ -53,6 +53,7 @@ GENERATIONS = {
     "A100": ("dgx-a100-40gb", "selene-a100"),
     "H100/H200": ("dgx-h100", "llama3-h100", "dgx-h200", "aws-p5"),
     "H100 96 GB": ("grand-teton-h100",),
+    "GB200": ("dgx-gb200",),
 }
 CONSTANTS = ((kernels, "GEMM_K_OVERHEAD", 32.0),)
 

@@ -59,6 +59,20 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
         "return p * whole",
         ("tests/test_plan_model.py::test_bubble_per_schedule",),
     ),
+    "planner's rank orders put the data-parallel ranks outside the pipeline either way": (
+        "fourd/plan/cluster.py",
+        'return order.index("dp") < order.index("pp")',
+        'return order.index("dp") > order.index("pp")',
+        ("tests/test_plan_rank_order.py::test_the_shard_and_replica_groups_follow_the_order",),
+    ),
+    "planner's placement strides every dimension by the innermost degree only": (
+        "fourd/plan/cluster.py",
+        "        stride *= degree\n",
+        "        stride = degree\n",
+        (
+            "tests/test_plan_rank_order.py::test_each_order_gives_each_dimension_the_stride_of_the_degrees_inside_it",
+        ),
+    ),
     "planner's autocast sums even a step's first microbatch into the FP32 gradient": (
         "fourd/plan/perf.py",
         "summed_share = (microbatches - 1) / microbatches",

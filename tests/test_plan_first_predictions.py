@@ -21,10 +21,12 @@ DATA = ROOT / "benchmarks" / "validation" / "runs.toml"
 # 0.11435077545891847), the 39 of the later DGX Cloud release recorded on 2026-12-05 at 7f045ba (the 168
 # together: 0.10212824532942426), Lambda's 6 recorded on 2026-12-05 at 0cca9b9 (the 174 together:
 # 0.1093041955894117), the Megatron-LM README's 2 strong-scaling rows recorded on 2026-12-06 at e4976d7
-# (the 176 together: 0.1090401190090985) and the DGX Cloud release's 34 FP8 rows recorded on 2026-12-06 at
-# f050f51, planned in BF16 by a planner that had no FP8
-FIRST_PREDICTION_MEAN = 0.1737869645933259
-FIRST_PREDICTION_ROWS = 210
+# (the 176 together: 0.1090401190090985), the DGX Cloud release's 34 FP8 rows recorded on 2026-12-06 at
+# f050f51, planned in BF16 by a planner that had no FP8 (the 210 together: 0.1737869645933259), and the 25.05
+# release's GB200 rows recorded on 2026-12-07 at 3096bde with a datasheet GB200 profile: 18 rows, 17 kept
+# since the first became GB200's fit row (its first prediction stays in docs/planner.md; the 18: 0.1857)
+FIRST_PREDICTION_MEAN = 0.17523057438418768
+FIRST_PREDICTION_ROWS = 227
 # the same over each batch of sources, by the source's first_prediction stamp
 BATCHES = {
     "2026-12-01, commit 8afd7a1": (50, 0.08401218510289535),
@@ -34,6 +36,7 @@ BATCHES = {
     "2026-12-05, commit 0cca9b9": (6, 0.31023080286906035),
     "2026-12-06, commit e4976d7": (2, 0.0860654565218501),
     "2026-12-06, commit f050f51": (34, 0.5089471064410911),
+    "2026-12-07, commit 3096bde": (17, 0.19306340121248025),
 }
 
 pytestmark = pytest.mark.skipif(
@@ -112,4 +115,4 @@ def test_the_loader_checks_the_whole_file_and_refuses_a_bad_first_prediction(tmp
     coverage = subprocess.run(
         [sys.executable, str(script)], check=True, capture_output=True, text=True, timeout=120
     ).stdout
-    assert coverage.startswith("297 rows (274 usable, 23 excluded) from 29 sources")
+    assert coverage.startswith("315 rows (292 usable, 23 excluded) from 30 sources")

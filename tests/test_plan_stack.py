@@ -77,7 +77,11 @@ def test_every_preset_loads_and_names_itself():
         assert stack.name == name and stack.description
     fourd, fsdp, fsdp2 = load_stack("fourd"), load_stack("fsdp"), load_stack("fsdp2")
     assert fsdp2 == dataclasses.replace(
-        fsdp, name="fsdp2", description=fsdp2.description, sharding_copies=True
+        fsdp,
+        name="fsdp2",
+        description=fsdp2.description,
+        sharding_copies=True,
+        rank_order="tp-cp-dp-pp",
     )
     assert fourd == dataclasses.replace(
         fsdp2,
@@ -86,7 +90,12 @@ def test_every_preset_loads_and_names_itself():
         zero=(0, 1, 2, 3),
         shared_kv=True,
         gather_in_step=(1,),
+        rank_order="tp-cp-pp-dp",
     )
+    # the pipeline outermost where the stack numbers its ranks so (Megatron's default order, DeepSpeed's
+    # pipeline topology, torchtitan's mesh, nanotron's groups); data parallelism outermost elsewhere
+    dp_inside = {name for name in names if load_stack(name).rank_order == "tp-cp-dp-pp"}
+    assert dp_inside == {"deepspeed", "fsdp2", "megatron-core", "megatron-lm", "nanotron", "nemo"}
     nemo, core = load_stack("nemo"), load_stack("megatron-core")
     assert (nemo.fused_kernels, nemo.tp_overlap, nemo.dp_overlap) == (True, True, True)
     assert (core.fused_kernels, core.tp_overlap, core.dp_overlap) == (True, False, False)
@@ -124,7 +133,9 @@ def test_autocast_follows_the_stack_and_costs_its_casts_and_gradient_sums():
     never = dataclasses.replace(
         lightning, stack="megatron-core", fused_kernels=False, fused_attention="flash2"
     )
-    assert dataclasses.replace(lightning.work, autocast=False) == never.work
+    assert (
+        dataclasses.replace(lightning.work, autocast=False, rank_order="tp-cp-dp-pp") == never.work
+    )
     params = max_rank_params(L8B, 1, 1, 1)
     passes = autocast_passes(lightning, params)
     rate = H100.gpu.hbm_bw_gbps * 0.9 * 1e9
@@ -150,7 +161,9 @@ def test_a_stacks_fused_kernels_are_compiles_fused_count():
     compiled_job, eager_job = job(layout, compiled=True), job(layout)
     # the same fused count; besides it fourd's attention reads the shared K/V heads of Llama 3's GQA
     # and Megatron's stack copies them, which costs time
-    assert fused_job.work == dataclasses.replace(compiled_job.work, shared_kv=False)
+    assert fused_job.work == dataclasses.replace(
+        compiled_job.work, shared_kv=False, rank_order="tp-cp-dp-pp"
+    )
     fused, compiled, eager = (step_time(j) for j in (fused_job, compiled_job, eager_job))
     assert compiled.compute_s < fused.compute_s < eager.compute_s
     # pinned for one plan either way, whatever the stack says
@@ -162,7 +175,9 @@ def test_a_stacks_fused_kernels_are_compiles_fused_count():
         fused_kernels=False,
         fused_attention="flash2",
     )
-    assert unfused.work == dataclasses.replace(eager_job.work, shared_kv=False)
+    assert unfused.work == dataclasses.replace(
+        eager_job.work, shared_kv=False, rank_order="tp-cp-dp-pp"
+    )
 
 
 def test_tp_overlap_exposes_the_first_chunk_of_each_chunked_collective():

@@ -270,6 +270,13 @@ def load_cluster(name_or_path: str) -> Cluster:
 # ---- where a parallel group lands ----------------------------------------------------------------
 
 LEVELS = ("single", "nvlink", "rack", "pod", "cross-pod")
+# How a stack numbers its ranks, innermost dimension first: fourd's and Llama 3's [TP, CP, PP, DP]
+# (Dubey et al. 2024, §3.3.1: data parallelism outermost, where latency matters least), or the data-
+# parallel ranks inside each pipeline stage, the pipeline outermost: Megatron-Core's default order
+# "tp-cp-ep-dp-pp" (megatron/core/parallel_state.py, initialize_model_parallel), DeepSpeed's pipeline
+# topology (axes pipe, data, model), torchtitan's mesh [pp, dp_replicate, dp_shard, cp, tp] and
+# nanotron's process groups (ranks reshaped to pp, dp, tp)
+RANK_ORDERS = ("tp-cp-pp-dp", "tp-cp-dp-pp")
 
 
 @dataclass(frozen=True)
@@ -405,27 +412,37 @@ def collective_latency(op: str, group: Group, cluster: Cluster) -> float:
     ) * 1e-6
 
 
-def placement(layout) -> dict[str, Group]:
-    """The group of each parallel dimension, ranks laid out innermost first in [TP, CP, PP, DP]
-    order."""
-    world, tp, cp, pp = layout.world, layout.tp, layout.cp, layout.pp
-    return {
-        "tp": Group(tp, 1, world),
-        "cp": Group(cp, tp, world),
-        "pp": Group(pp, tp * cp, world),
-        "dp": Group(layout.dp, tp * cp * pp, world),
-    }
+def placement(layout, order: str = RANK_ORDERS[0]) -> dict[str, Group]:
+    """The group of each parallel dimension, ranks laid out innermost first in `order` (one of
+    RANK_ORDERS): each dimension's stride is the product of the degrees inside it."""
+    groups, stride = {}, 1
+    for dim in order.split("-"):
+        degree = getattr(layout, dim)
+        groups[dim] = Group(degree, stride, layout.world)
+        stride *= degree
+    return {dim: groups[dim] for dim in ("tp", "cp", "pp", "dp")}
 
 
-def shard_group(layout, replicas: int = 1) -> Group:
+def dp_inside_pp(order: str) -> bool:
+    """Whether `order` lays the data-parallel ranks out inside each pipeline stage (Megatron's)."""
+    return order.index("dp") < order.index("pp")
+
+
+def shard_group(layout, replicas: int = 1, order: str = RANK_ORDERS[0]) -> Group:
     """The cp·dp ranks that hold the same weights: they reduce gradients together and ZeRO shards
     over them (FSDP over dp×cp, as the trainer and Llama 3 do), or over 1/`replicas` of them with
-    HSDP. One ring spread evenly over the DP group's span (exact when cp or dp is 1)."""
+    HSDP. With the DP ranks inside each pipeline stage (`order`) they are adjacent blocks of TP
+    groups; with them outside, one ring spread evenly over the DP group's span (exact when cp or dp
+    is 1)."""
     if layout.dp == 1:
         return Group(layout.cp, layout.tp, layout.world)
+    if dp_inside_pp(order):
+        return Group(layout.cp * layout.dp // replicas, layout.tp, layout.world)
     return Group(layout.cp * layout.dp // replicas, layout.tp * layout.pp, layout.world)
 
 
-def replica_group(layout, replicas: int) -> Group:
-    """HSDP: the ranks holding the same shard in each of the `replicas` groups (outermost)."""
-    return Group(replicas, layout.world // replicas, layout.world)
+def replica_group(layout, replicas: int, order: str = RANK_ORDERS[0]) -> Group:
+    """HSDP: the ranks holding the same shard in each of the `replicas` groups (the outermost part
+    of the data-parallel dimension)."""
+    span = layout.world if not dp_inside_pp(order) else layout.world // layout.pp
+    return Group(replicas, span // replicas, layout.world)

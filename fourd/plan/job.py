@@ -9,7 +9,7 @@ from functools import cached_property
 
 from fourd.layout import Layout, Parallelism, layer_split
 from fourd.model.config import ModelConfig
-from fourd.plan.cluster import DTYPE_BYTES, FP8, Cluster
+from fourd.plan.cluster import DTYPE_BYTES, FP8, RANK_ORDERS, Cluster, Group, placement
 from fourd.plan.stack import load_stack, switch
 
 # a fused kernel; the s × s scores written to memory and soft-maxed by a fused kernel (Megatron
@@ -38,6 +38,12 @@ class Work:
     fused_attention: str = "flash2"  # the fused attention kernel family (fourd.plan.stack)
     pipeline_split: str = "layers"  # how the stack splits layers over pipeline ranks
     fp8: bool = False  # the linear layers' GEMMs in FP8, with their casts (cluster.FP8)
+    rank_order: str = RANK_ORDERS[0]  # how the stack numbers its ranks (cluster.RANK_ORDERS)
+
+    @property
+    def groups(self) -> dict[str, Group]:
+        """The group of each parallel dimension as the stack places its ranks."""
+        return placement(self.layout, self.rank_order)
 
     @property
     def tokens(self) -> int:
@@ -203,6 +209,7 @@ class Job:
             self.attention_kernel,
             load_stack(self.stack).pipeline_split,
             self.fp8,
+            load_stack(self.stack).rank_order,
         )
 
     @property

@@ -9,7 +9,7 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from fourd.plan.block import loss_bytes, matmuls, score_bytes, traffic
-from fourd.plan.cluster import Cluster, Group, placement, replica_group, shard_group
+from fourd.plan.cluster import Cluster, Group, replica_group, shard_group
 from fourd.plan.job import Job, Work
 from fourd.plan.kernels import (
     attention_time,
@@ -73,7 +73,7 @@ def layer_comm(work: Work) -> tuple[float, float, float, float]:
     overlapped (docs/planner.md: Shoeybi et al. 2019, Korthikanti et al. 2022 §4.2.2 with SP, Llama
     3 §3.3.2 for CP)."""
     model, cluster, lay, dtype_bytes = work.model, work.cluster, work.layout, work.dtype_bytes
-    groups = placement(lay)
+    groups = work.groups
     act = work.tokens * model.dim * dtype_bytes
     kv_bytes = (
         2
@@ -98,7 +98,7 @@ def layer_comm(work: Work) -> tuple[float, float, float, float]:
 def sp_collectives(work: Work) -> tuple[float, float]:
     """(all-gather, reduce-scatter) seconds of one of SP's TP collectives of a layer's activation."""
     act = work.tokens * work.model.dim * work.dtype_bytes
-    tp_group = placement(work.layout)["tp"]
+    tp_group = work.groups["tp"]
     return (
         collective_time("all_gather", act, tp_group, work.cluster),
         collective_time("reduce_scatter", act, tp_group, work.cluster),
@@ -297,7 +297,7 @@ def stage_time(work: Work, layers: int, first: bool = False, last: bool = False)
     """One microbatch through a pipeline stage of `layers` layers (plus the embedding if `first`,
     the output and loss if `last`) on one GPU; TP and CP collectives included as exposed
     communication."""
-    tp_group, cluster = placement(work.layout)["tp"], work.cluster
+    tp_group, cluster = work.groups["tp"], work.cluster
     stage = layer_time(work).scaled(layers)
     if first:
         # the vocabulary-parallel lookup: partial rows reduce-scattered into the SP shard (or
@@ -346,9 +346,9 @@ def p2p_time(job: Job) -> float:
     split = work.sequence_parallel or job.pipeline_sends != "overlapped"
     gather = 0.0
     if split and not work.sequence_parallel:
-        gather = collective_time("all_gather", full, placement(lay)["tp"], job.cluster)
+        gather = collective_time("all_gather", full, work.groups["tp"], job.cluster)
     return (
-        collective_time("send", full / (lay.tp if split else 1), placement(lay)["pp"], job.cluster)
+        collective_time("send", full / (lay.tp if split else 1), work.groups["pp"], job.cluster)
         + gather
     )
 
@@ -411,7 +411,7 @@ def _dp_exposure(job: Job, t: StageTime, bubble: float, layers: int) -> tuple[fl
     (docs/planner.md: what each ZeRO stage moves); with them, a tied embedding's sync across the
     pipeline (`tied_embedding_sync`), exposed."""
     lay, par, cluster = job.layout, job.par, job.cluster
-    shard = shard_group(lay, par.hsdp_replicas)
+    shard = shard_group(lay, par.hsdp_replicas, job.work.rank_order)
     params = rank_params(job)
     gathers, reductions = max(1, layers), job.gradient_buckets(params, layers)
 
@@ -427,7 +427,7 @@ def _dp_exposure(job: Job, t: StageTime, bubble: float, layers: int) -> tuple[fl
     else:
         across = 0.0
         if par.zero == 3:
-            replicas = replica_group(lay, par.hsdp_replicas)
+            replicas = replica_group(lay, par.hsdp_replicas, job.work.rank_order)
             across = bucketed("all_reduce", 4 * params / shard.size, reductions, replicas)
         passes = PassSeconds(
             gather=bucketed("all_gather", params * job.state_dtype_bytes, gathers),
@@ -518,7 +518,8 @@ def tied_embedding_sync(job: Job) -> float:
     lay = job.layout
     if not job.model.tied_embeddings or lay.pp == 1:
         return 0.0
-    ends = Group(2, lay.tp * lay.cp * (lay.pp - 1), lay.world)  # a first and a last stage's ranks
+    pipeline = job.work.groups["pp"]
+    ends = Group(2, pipeline.stride * (lay.pp - 1), lay.world)  # a first and a last stage's ranks
     nbytes = 4 * job.model.embedding_params() / lay.tp
     return collective_time("all_reduce", nbytes, ends, job.cluster)
 

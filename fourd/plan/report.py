@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from fourd.errors import plural, si
 from fourd.layout import Layout
-from fourd.plan.cluster import group_level, placement
+from fourd.plan.cluster import group_level
 from fourd.plan.job import block_costs
 from fourd.plan.perf import StepTime, gradient_sum_time, rank_params
 from fourd.plan.search import Plan, evaluate
@@ -144,10 +144,11 @@ def plan_report(plan: Plan, train_tokens: float | None = None) -> str:
     """The text report of one plan: what runs, where each group sits, memory, step time,
     throughput, and why."""
     out = _header_lines(plan)
-    out += ["", "Placement (ranks innermost first: TP, CP, PP, DP)"]
+    order = plan.job.work.rank_order
+    out += ["", f"Placement (ranks innermost first: {order.upper().replace('-', ', ')})"]
     out += [
         f"  {dim}={getattr(plan.config.layout, dim):<6} {WHERE[group_level(group, plan.cluster)]}"
-        for dim, group in placement(plan.config.layout).items()
+        for dim, group in plan.job.work.groups.items()
     ]
     out += _memory_lines(plan)
     out += _step_lines(plan.step)

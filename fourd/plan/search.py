@@ -10,7 +10,7 @@ from fourd.errors import FourdError
 from fourd.layout import RECOMPUTE, Layout, Parallelism, split_ok, tp_ok
 from fourd.layout import check as layout_check
 from fourd.plan.block import matmuls
-from fourd.plan.cluster import group_level, placement
+from fourd.plan.cluster import group_level
 from fourd.plan.job import Job
 from fourd.plan.memory import GB, Memory, peak_memory
 from fourd.plan.perf import StepTime, step_time
@@ -144,8 +144,9 @@ class Plan:
             )
         }
         out["breakdown_s"] = {term: getattr(step, f"{term}_s") for term in BREAKDOWN}
+        out["rank_order"] = job.work.rank_order
         out["placement"] = {
-            dim: group_level(group, self.cluster) for dim, group in placement(lay).items()
+            dim: group_level(group, self.cluster) for dim, group in job.work.groups.items()
         }
         out["stage_layers"] = self.job.stage_layers
         out["chosen_by_planner"] = list(self.chosen)

@@ -14,6 +14,7 @@ import tomllib
 from fourd.config import fourd_home
 from fourd.errors import FourdError, did_you_mean
 from fourd.layout import ZERO_STAGES, Layout
+from fourd.plan.cluster import RANK_ORDERS
 from fourd.schedules import SCHEDULES
 
 PRESET_DIR = Path(__file__).parent / "stacks"
@@ -75,7 +76,10 @@ class Stack:
     shards weights parameter by parameter (FSDP2's fully_shard), so each all-gather's flat output
     is copied into the layer's parameters and each reduction's gradients copied, cast to FP32, into
     one flat input, both on the compute stream; FSDP1's flat parameters are views of the gathered
-    buffer and cast their gradients beside compute (fourd.plan.perf.sharding_copies).
+    buffer and cast their gradients beside compute (fourd.plan.perf.sharding_copies); `rank_order`:
+    how the stack numbers its ranks, innermost dimension first, one of fourd.plan.cluster.RANK_ORDERS:
+    which groups share a server, a rack or a pod (fourd's and Llama 3's data parallelism outermost,
+    or Megatron's, DeepSpeed's, torchtitan's and nanotron's pipeline outermost).
 
     What the stack can run, which a search over open settings keeps to: `schedules`, the pipeline
     schedules it implements; `zero`, its ZeRO stages (sharding of optimizer state, gradients and
@@ -95,6 +99,7 @@ class Stack:
     autocast: str = "unwrapped"
     dp_bucket_mb: float = 0.0
     pipeline_split: str = "layers"
+    rank_order: str = RANK_ORDERS[0]
     grad_accumulate_pass: bool = False
     sharding_copies: bool = False
     schedules: tuple[str, ...] = SCHEDULES
@@ -200,6 +205,7 @@ def load_stack(name_or_path: str = DEFAULT_STACK) -> Stack:
     fields |= {"autocast": str, "schedules": list, "zero": list, "pipeline_zero": list}
     fields |= {"gather_in_step": list, "model_parallel": list, "dp_bucket_mb": object}
     fields |= {"pipeline_split": str, "grad_accumulate_pass": bool, "sharding_copies": bool}
+    fields |= {"rank_order": str}
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise FourdError(
@@ -218,6 +224,7 @@ def load_stack(name_or_path: str = DEFAULT_STACK) -> Stack:
         ("fused_attention", FUSED_ATTENTION),
         ("autocast", AUTOCAST),
         ("pipeline_split", PIPELINE_SPLITS),
+        ("rank_order", RANK_ORDERS),
     ):
         if key in data and data[key] not in words:
             raise FourdError(f"{path}: {key} = {data[key]!r}; allowed: {', '.join(words)}")

@@ -138,7 +138,9 @@ def build_comm(job: Job) -> Comm:
     if job.par.sequence_parallel:
         sp_shards = lay.tp
     p2p_bytes = job.work.tokens * job.model.dim * job.dtype_bytes / sp_shards
-    server = [lay.rank(pp=pp_rank) // node.gpus for pp_rank in range(lay.pp)]
+    # the first rank of each pipeline stage, as the stack numbers its ranks (cluster.RANK_ORDERS)
+    stage_stride = job.work.groups["pp"].stride
+    server = [pp_rank * stage_stride // node.gpus for pp_rank in range(lay.pp)]
     link = {  # same server: NVLink; else the NICs
         True: (("nvl_out", "nvl_in"), nvlink_bw, send_latency(cluster, across_servers=False)),
         False: (("nic_out", "nic_in"), nic_bw, send_latency(cluster, across_servers=True)),
@@ -148,7 +150,7 @@ def build_comm(job: Job) -> Comm:
         for src in range(lay.pp)
         for dst in range(lay.pp)
     }
-    group = shard_group(lay)
+    group = shard_group(lay, order=job.work.rank_order)
     nvlink_links = (("nvl_out", 1.0), ("nvl_in", 1.0))
     # k members per server drive k NICs (one ring channel each): 1/k of the bytes through this
     # GPU's NIC, all of them over its NVLink port to the server's other members

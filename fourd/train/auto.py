@@ -20,6 +20,7 @@ from fourd.plan.search import evaluate
 from fourd.train.metrics import mfu_peak
 
 GPU_PRESETS = {
+    "GB200": "dgx-gb200",
     "H200": "dgx-h200",
     "H100": "dgx-h100",
     "A100": "selene-a100",
