@@ -271,7 +271,7 @@ def load_cluster(name_or_path: str) -> Cluster:
 
 LEVELS = ("single", "nvlink", "rack", "pod", "cross-pod")
 # How a stack numbers its ranks, innermost dimension first: fourd's and Llama 3's [TP, CP, PP, DP]
-# (Dubey et al. 2024, §3.3.1: data parallelism outermost, where latency matters least), or the data-
+# (Dubey et al. 2024, §3.3.2: data parallelism outermost, where latency matters least), or the data-
 # parallel ranks inside each pipeline stage, the pipeline outermost: Megatron-Core's default order
 # "tp-cp-ep-dp-pp" (megatron/core/parallel_state.py, initialize_model_parallel), DeepSpeed's pipeline
 # topology (axes pipe, data, model), torchtitan's mesh [pp, dp_replicate, dp_shard, cp, tp] and
