@@ -111,3 +111,16 @@ def test_the_report_and_json_name_the_order_and_place_each_group_by_it():
     assert (out["placement"]["dp"], out["placement"]["pp"]) == ("nvlink", "pod")
     text = subprocess.run(run, capture_output=True, check=True, text=True).stdout
     assert "Placement (ranks innermost first: TP, CP, DP, PP)" in text
+
+
+def test_a_stack_file_with_an_unknown_order_is_one_line_and_exit_2(tmp_path):
+    stack = tmp_path / "mine.toml"
+    stack.write_text('name = "mine"\nrank_order = "dp-tp"\n')
+    run = [sys.executable, "-m", "fourd", "plan", "--model", "debug", "--cluster", "dgx-h100"]
+    done = subprocess.run(
+        [*run, "--gpus", "8", "--stack", str(stack)], capture_output=True, text=True
+    )
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.splitlines() == [
+        f"fourd: error: {stack}: rank_order = 'dp-tp'; allowed: tp-cp-pp-dp, tp-cp-dp-pp"
+    ]
