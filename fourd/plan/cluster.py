@@ -444,5 +444,7 @@ def shard_group(layout, replicas: int = 1, order: str = RANK_ORDERS[0]) -> Group
 def replica_group(layout, replicas: int, order: str = RANK_ORDERS[0]) -> Group:
     """HSDP: the ranks holding the same shard in each of the `replicas` groups (the outermost part
     of the data-parallel dimension)."""
-    span = layout.world if not dp_inside_pp(order) else layout.world // layout.pp
+    span = (
+        layout.world // layout.pp if dp_inside_pp(order) else layout.world
+    )  # ranks of one stage, or all
     return Group(replicas, span // replicas, layout.world)

@@ -185,9 +185,9 @@ class Job:
 
     @cached_property
     def work(self) -> Work:
-        par = self.par
+        par, stack = self.par, load_stack(self.stack)
         autocast = self.dtype_bytes == 2 and autocasts(
-            load_stack(self.stack).autocast, par.layout.cp * par.layout.dp
+            stack.autocast, par.layout.cp * par.layout.dp
         )
         fused = self.compiled or self.switch("fused_kernels")
         tp_overlap = self.switch("tp_overlap") and par.sequence_parallel and par.layout.tp > 1
@@ -207,9 +207,9 @@ class Job:
             tp_overlap,
             self.switch("shared_kv"),
             self.attention_kernel,
-            load_stack(self.stack).pipeline_split,
+            stack.pipeline_split,
             self.fp8,
-            load_stack(self.stack).rank_order,
+            stack.rank_order,
         )
 
     @property
