@@ -1,17 +1,24 @@
 """How long `fourd plan --search` takes: the search alone (in process, after imports; wall clock and the
-process's CPU time, which other processes on a busy machine disturb less) and the whole command.
+process's CPU time, which other processes on a busy machine disturb less) and the whole command; with
+`--anchor`, the anchored commands too (a plan with its layout given, and a search), each a whole process.
 
-    .venv/bin/python benchmarks/plan_search.py [--repeats 5]
+    .venv/bin/python benchmarks/plan_search.py [--repeats 5] [--anchor]
 
-The case is the issue's: Llama 3 405B on 16,384 GPUs of llama3-h100, 8K sequences, 16M tokens per step.
+The case is the issue's: Llama 3 405B on 16,384 GPUs of llama3-h100, 8K sequences, 16M tokens per step. The
+anchor is Llama 3's Table 4 row 1 step on 8,192 GPUs (12.504 s), as tests/test_plan_anchor.py writes it. The
+targets (issues 22 and 23): a search under 1 s, an anchored plan under 0.5 s and an anchored search under 1 s,
+whole commands; they are measured here, not in a timed test.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -52,12 +59,44 @@ def search_once() -> tuple[float, float, int, float]:
     return float(t), float(cpu), int(n), float(mfu)
 
 
-def command_once() -> float:
+ANCHOR = {
+    "model": "llama3-405b",
+    "cluster": "llama3-h100",
+    "gpus": 8192,
+    "layout": "tp=8,cp=1,pp=16,dp=64",
+    "schedule": "interleaved",
+    "virtual_stages": 8,
+    "microbatches": 32,
+    "seq": 8192,
+    "global_batch_tokens": 16777216,
+    "recompute": "none",
+    "zero": 1,
+    "sequence_parallel": True,
+    "stack": "meta-llama3",
+    "step_time_s": 12.504,
+}
+ANCHORED_PLAN = ["--gpus=16384", "--layout=tp=8,pp=16,dp=128", "--microbatches=16", "--json"]
+ANCHORED_SEARCH = ["--gpus=16384", "--search", "--json"]
+
+
+def command_once(argv: list[str]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds: user and system) of one whole `python -m fourd ...` process."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     subprocess.run(
-        [sys.executable, "-m", "fourd", *ARGS], capture_output=True, check=True, cwd=ROOT
+        [sys.executable, "-m", "fourd", *argv], capture_output=True, check=True, cwd=ROOT
     )
-    return time.perf_counter() - t0
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+
+
+def report(name: str, times: list[tuple[float, float]]) -> None:
+    walls, cpus = [wall for wall, _ in times], [cpu for _, cpu in times]
+    print(
+        f"  {name}: median {statistics.median(walls):.3f} s, min {min(walls):.3f} s "
+        f"(CPU time: median {statistics.median(cpus):.3f} s)"
+    )
 
 
 def main() -> None:
@@ -65,9 +104,10 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--anchor", action="store_true", help="time the anchored plan and search too")
     args = p.parse_args()
     runs = [search_once() for _ in range(args.repeats)]
-    whole = [command_once() for _ in range(args.repeats)]
+    whole = [command_once(ARGS) for _ in range(args.repeats)]
     searches = [t for t, _, _, _ in runs]
     cpu = [c for _, c, _, _ in runs]
     _, _, n, mfu = runs[0]
@@ -76,9 +116,18 @@ def main() -> None:
         f"  search alone:  median {statistics.median(searches):.3f} s, min {min(searches):.3f} s "
         f"(CPU time of the process: median {statistics.median(cpu):.3f} s)"
     )
-    print(
-        f"  whole command: median {statistics.median(whole):.3f} s, min {min(whole):.3f} s (interpreter start included)"
-    )
+    report("whole command (interpreter start included)", whole)
+    if not args.anchor:
+        return
+    with tempfile.TemporaryDirectory() as folder:
+        anchor = Path(folder) / "anchor.json"
+        anchor.write_text(json.dumps(ANCHOR))
+        for name, target in (
+            ("anchored plan", ANCHORED_PLAN),
+            ("anchored search", ANCHORED_SEARCH),
+        ):
+            argv = ["plan", "--anchor", str(anchor), *target]
+            report(f"{name}, whole command", [command_once(argv) for _ in range(args.repeats)])
 
 
 if __name__ == "__main__":
