@@ -32,7 +32,7 @@ lint: $(STAMP)
 	$(BIN)/mypy fourd
 
 test: lint
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not mutation" tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadgroup -m "not mutation" --durations=15 tests
 
 # Everything but the multi-process tests (marked slow).
 test-fast: lint

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from types import MappingProxyType
 
 import tomllib
 
@@ -296,30 +298,27 @@ def _spread(group: Group, cluster: Cluster) -> tuple[dict[str, int], int]:
     first rank modulo the blocks' common multiple, so one period of first ranks is counted, each as
     often as it recurs."""
     sizes = (cluster.node.gpus, cluster.network.gpus_per_rack, cluster.network.gpus_per_pod)
+    blocks = tuple(zip(LEVELS[1:], sizes))  # the innermost level a group fits in wins
     node_gpus, reach, span = sizes[0], (group.size - 1) * group.stride, group.size * group.stride
     period, groups = math.lcm(*sizes), group.world // span
     cycle = period // math.gcd(span, period)
     counts: dict[str, int] = {}
     fewest = group.size
     for k in range(min(groups, cycle) if group.size > 1 else 0):
+        recurs = (groups - 1 - k) // cycle + 1  # how often a first rank k·span (mod period) recurs
         for offset in range(min(group.stride, period)):
-            first, times = (
-                k * span + offset,
-                ((groups - 1 - k) // cycle + 1) * ((group.stride - 1 - offset) // period + 1),
-            )
-            level = next(
-                (
-                    name
-                    for name, block in zip(LEVELS[1:], sizes)
-                    if first // block == (first + reach) // block
-                ),
-                "cross-pod",
-            )
+            first = k * span + offset
+            last_rank = first + reach
+            times = recurs * ((group.stride - 1 - offset) // period + 1)
+            level = "cross-pod"
+            for name, block in blocks:
+                if first // block == last_rank // block:
+                    level = name
+                    break
             counts[level] = counts.get(level, 0) + times
-            if (
-                level != "nvlink" and group.stride < node_gpus
-            ):  # members on its first and on its last server
-                last = -(-((first + reach) // node_gpus * node_gpus - first) // group.stride)
+            if level != "nvlink" and group.stride < node_gpus:
+                # members on its first and on its last server
+                last = -(-(last_rank // node_gpus * node_gpus - first) // group.stride)
                 fewest = min(
                     fewest,
                     -(-((first // node_gpus + 1) * node_gpus - first) // group.stride),
@@ -347,6 +346,7 @@ def members_per_node(group: Group, cluster: Cluster) -> int:
     return _spread(group, cluster)[1]
 
 
+@lru_cache(maxsize=16384)
 def group_bandwidth(
     group: Group, cluster: Cluster, channels: int | None = None
 ) -> tuple[float, float]:
@@ -388,6 +388,7 @@ def send_latency(cluster: Cluster, across_servers: bool) -> float:
     return (cluster.node.call_latency_us + step_us) * 1e-6
 
 
+@lru_cache(maxsize=16384)
 def collective_latency(op: str, group: Group, cluster: Cluster) -> float:
     """Seconds a collective on `group` takes besides moving its bytes: a base latency per call
     (NCCL 2.19-2.21's tuning model, `src/graph/tuning.cc`: `baseLat`, ring, Simple protocol), then
@@ -412,15 +413,17 @@ def collective_latency(op: str, group: Group, cluster: Cluster) -> float:
     ) * 1e-6
 
 
-def placement(layout, order: str = RANK_ORDERS[0]) -> dict[str, Group]:
+@lru_cache(maxsize=4096)
+def placement(layout, order: str = RANK_ORDERS[0]) -> Mapping[str, Group]:
     """The group of each parallel dimension, ranks laid out innermost first in `order` (one of
-    RANK_ORDERS): each dimension's stride is the product of the degrees inside it."""
+    RANK_ORDERS): each dimension's stride is the product of the degrees inside it. Read-only: the
+    planner asks for the same layout's groups thousands of times in a search, and they are kept."""
     groups, stride = {}, 1
     for dim in order.split("-"):
         degree = getattr(layout, dim)
         groups[dim] = Group(degree, stride, layout.world)
         stride *= degree
-    return {dim: groups[dim] for dim in ("tp", "cp", "pp", "dp")}
+    return MappingProxyType({dim: groups[dim] for dim in ("tp", "cp", "pp", "dp")})
 
 
 def dp_inside_pp(order: str) -> bool:

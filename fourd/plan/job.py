@@ -4,6 +4,7 @@ one rank does for one microbatch. Frozen values, so the memory and time model ca
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -41,7 +42,7 @@ class Work:
     rank_order: str = RANK_ORDERS[0]  # how the stack numbers its ranks (cluster.RANK_ORDERS)
 
     @property
-    def groups(self) -> dict[str, Group]:
+    def groups(self) -> Mapping[str, Group]:
         """The group of each parallel dimension as the stack places its ranks."""
         return placement(self.layout, self.rank_order)
 

@@ -16,6 +16,7 @@ from fourd.layout import RECOMPUTE, ZERO_STAGES, Layout, Parallelism, parse_layo
 from fourd.layout import check as layout_check
 from fourd.model.config import ModelConfig, get_preset, parse_model_spec
 from fourd.plan.cluster import FP8, PLAN_PRECISIONS, Cluster, load_cluster
+from fourd.plan.cluster import preset_names as cluster_presets
 from fourd.plan.job import ATTENTION, Job
 from fourd.plan.search import OPEN, Plan, search
 from fourd.plan.stack import (
@@ -366,8 +367,13 @@ def _check_precision(precision: str | None, cluster: Cluster) -> None:
         raise FourdError(
             f"--dtype fp8: the {cluster.gpu.name} of profile {cluster.name} has no FP8 tensor cores "
             "(its profile gives no fp8_peak_tflops): plan with --dtype bf16, or on a profile of an "
-            "FP8 GPU (H100, H200)"
+            f"FP8 GPU ({', '.join(fp8_presets())})"
         )
+
+
+def fp8_presets() -> list[str]:
+    """The cluster presets whose GPU has FP8 tensor cores (an `fp8_peak_tflops`)."""
+    return [name for name in cluster_presets() if load_cluster(name).gpu.fp8_peak_tflops]
 
 
 def _layout_and_gpus(given: dict[str, Any]) -> tuple[Layout | None, int]:
