@@ -4,7 +4,8 @@
   rank at the next step boundary: exit status 143, the one line, a checkpoint, and `--resume` continues
   exactly;
 - a fine-tuning run (`--init-from`) that resumes continues from its own checkpoint, not from the initial
-  weights again: its losses are bit-identical to the uninterrupted run's.
+  weights again: its losses are bit-identical to the uninterrupted run's (2 ranks, a SIGTERM), and on one rank
+  the resumed step's loss is the checkpoint's weights' (the mutation suite's fast check of the same).
 """
 
 from __future__ import annotations
@@ -23,9 +24,13 @@ import pytest
 import torch
 from conftest import ROOT, run_fourd
 
+from fourd.ckpt import store
+from fourd.data.dataset import SampleStream
+from fourd.data.dataset import prepare as prepare_data
 from fourd.hf.convert import _rotary, hf_config, hf_name, write_hf
 from fourd.model.config import get_preset
 from fourd.model.llama import build_model
+from fourd.parallel.apply import cross_entropy
 
 pytestmark = pytest.mark.slow
 STEPS = 8  # the SIGTERM test signals after step 1: seven steps of margin under a loaded machine
@@ -189,3 +194,31 @@ def test_sigterm_to_one_worker_stops_all_and_a_resumed_fine_tuning_run_continues
     assert f"resuming from checkpoint {run}/checkpoints/step-{stopped} at step {stopped}" in out
     assert "starting from the weights" not in out  # the run's own weights, not --init-from's again
     assert _losses(run) == uninterrupted_losses  # bit for bit
+
+
+@pytest.mark.timeout(600)
+def test_a_resumed_fine_tuning_run_starts_from_its_checkpoint_not_from_init_from(
+    corpus, source, tmp_path
+):
+    """One rank, one step, then `--resume` for a second: the second step's loss is the checkpoint's
+    weights' on its batch, computed here, and --init-from's weights are not loaded again."""
+    run = tmp_path / "run"
+    one_rank = ("--layout", "dp=1")
+    code, out, err = run_fourd(
+        "train", *_common(corpus, steps=1), *one_rank, "--init-from", source, "--run-dir", run
+    )
+    assert code == 0, err
+    assert f"fourd: starting from the weights of {source}" in out
+    model_config, weights = store.load_model_checkpoint(run / "checkpoints" / "step-1")
+    second_batch = SampleStream(prepare_data(str(corpus), "byte"), 32, 5).samples(4, 4)
+    model = build_model(model_config, seed=None)
+    model.load_state_dict(weights)
+    tokens = torch.from_numpy(second_batch)
+    with torch.no_grad():
+        want = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:]).item()
+
+    code, out, err = run_fourd("train", "--resume", run, "--steps", 2)
+    assert code == 0, err
+    assert f"resuming from checkpoint {run}/checkpoints/step-1 at step 1" in out
+    assert "starting from the weights" not in out
+    assert _losses(run)[2] == pytest.approx(want, rel=1e-5)
