@@ -268,11 +268,12 @@ def test_the_input_embeddings_gradients_reduce_after_the_backward_that_computes_
     reduce = _buckets("all_reduce", 4 * params, shard_group(job.layout))
     hidden = StageTime(0.0, 10.0, 0.0, 0.0, 0.0)
     assert _exposure(job, hidden) == pytest.approx((share * reduce, reduce), rel=1e-12)
-    # ZeRO 1 reduce-scatters the same share after the backward (NeMo gathers beside the forward)
+    # ZeRO 1 reduce-scatters the same share after the backward (NeMo gathers beside the forward
+    # and reduces its gradients in BF16)
     zero1 = dataclasses.replace(
         _job(Layout(dp=8), zero=1, microbatches=4, stack="nemo"), model=wide
     )
-    scatter = _buckets("reduce_scatter", 4 * params, shard_group(job.layout))
+    scatter = _buckets("reduce_scatter", 2 * params, shard_group(job.layout))
     gather = _buckets("all_gather", 2 * params, shard_group(job.layout))
     hidden_both = StageTime(10.0, 10.0, 0.0, 0.0, 0.0)
     _close(_exposure(zero1, hidden_both)[0], share * scatter + gather / LAYERS)
@@ -307,26 +308,23 @@ def test_a_tied_embedding_is_held_once_by_one_stage_and_synced_between_two():
 
 def test_zero_1_and_2_reduce_scatter_gradients_and_gather_the_weights_once():
     """Beside the next forward (nemo: Megatron's --overlap-param-gather) or, where the stack
-    gathers inside the optimizer's step (DeepSpeed's stages 1 and 2), all of it exposed."""
-    job1 = _job(Layout(dp=8), zero=1, microbatches=4, stack="nemo")
-    job2 = dataclasses.replace(job1, par=dataclasses.replace(job1.par, zero=2))
-    params, group = max_rank_params(MODEL, 1, 1, 1), shard_group(job1.layout)
-    scatter = _buckets("reduce_scatter", 4 * params, group)  # FP32 gradients
+    gathers inside the optimizer's step (DeepSpeed's stages 1 and 2), all of it exposed. NeMo's
+    performance recipes reduce BF16 gradients, DeepSpeed FP32 ones."""
+    params, group = max_rank_params(MODEL, 1, 1, 1), shard_group(Layout(dp=8))
     gather = _buckets("all_gather", 2 * params, group)  # BF16 weights
-    t = StageTime(gather / 2, scatter / 2, 0.0, 0.0, 0.0)
-    exposed, total = _exposure(job1, t)
-    _close(total, scatter + gather)
-    _close(exposed, scatter / 2 + scatter / LAYERS + gather / 2 + gather / LAYERS)
-    exposed, total = _exposure(dataclasses.replace(job1, stack="deepspeed"), t)
-    _close(total, scatter + gather)
-    _close(exposed, scatter / 2 + scatter / LAYERS + gather)
-    # ZeRO 2 reduce-scatters every microbatch's gradients, each beside its own backward
-    exposed, total = _exposure(job2, t)
-    _close(total, 4 * scatter + gather)
-    _close(exposed, 4 * scatter / 2 + scatter / LAYERS + gather / 2 + gather / LAYERS)
-    exposed, total = _exposure(dataclasses.replace(job2, stack="deepspeed"), t)
-    _close(total, 4 * scatter + gather)
-    _close(exposed, 4 * scatter / 2 + scatter / LAYERS + gather)
+    for stack, grad_bytes, gathered_beside_forward in (("nemo", 2, True), ("deepspeed", 4, False)):
+        job1 = _job(Layout(dp=8), zero=1, microbatches=4, stack=stack)
+        job2 = dataclasses.replace(job1, par=dataclasses.replace(job1.par, zero=2))
+        scatter = _buckets("reduce_scatter", grad_bytes * params, group)
+        t = StageTime(gather / 2, scatter / 2, 0.0, 0.0, 0.0)
+        gather_exposed = gather / 2 + gather / LAYERS if gathered_beside_forward else gather
+        exposed, total = _exposure(job1, t)
+        _close(total, scatter + gather)
+        _close(exposed, scatter / 2 + scatter / LAYERS + gather_exposed)
+        # ZeRO 2 reduce-scatters every microbatch's gradients, each beside its own backward
+        exposed, total = _exposure(job2, t)
+        _close(total, 4 * scatter + gather)
+        _close(exposed, 4 * scatter / 2 + scatter / LAYERS + gather_exposed)
 
 
 def test_zero_3_gathers_the_weights_for_every_forward_and_backward_and_hsdp_all_reduces_shards():
@@ -390,7 +388,7 @@ def test_zero_1_hides_the_weight_gather_behind_the_forward_and_half_the_bubble()
     job = _job(Layout(dp=8), zero=1, microbatches=4, stack="nemo")
     params, group = max_rank_params(MODEL, 1, 1, 1), shard_group(job.layout)
     gather = _buckets("all_gather", 2 * params, group)
-    scatter = _buckets("reduce_scatter", 4 * params, group)
+    scatter = _buckets("reduce_scatter", 2 * params, group)  # NeMo's BF16 gradients
     # a backward that hides the scatter, a forward of a tenth of the gather, a bubble of half of it
     t = StageTime(gather / 10, 2 * scatter, 0.0, 0.0, 0.0)
     exposed, _ = _exposure(job, t, bubble=gather / 2)

@@ -231,7 +231,7 @@ def test_a_zero2_optimizer_step_waits_for_every_microbatchs_gradients(tmp_path):
     after the last of them."""
     r, _ = _collectives(tmp_path, 2)
     last_scatter = max(t.end for t in r.transfers if t.kind == "rs" and t.rank == 0)
-    comm = build_comm(_job(_cluster(tmp_path), zero=2, microbatches=2))
+    comm = build_comm(_job(_cluster(tmp_path), zero=2, microbatches=2, stack="nemo"))
     timed = simulate(
         build_schedule("1f1b", 2, 2), [UNIT] * 2, layers=[2, 2], comm=comm, optimizer_s=[1, 0]
     )

@@ -793,6 +793,15 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
             "tests/test_plan_fp8.py::test_fp8_keeps_whole_weights_twice_more_in_one_byte_and_linear_inputs_in_one",
         ),
     ),
+    "a stack's BF16 gradient reductions move FP32's bytes": (
+        "fourd/plan/job.py",
+        "        return GRAD_REDUCE_BYTES[load_stack(self.stack).grad_reduce]\n",
+        "        return 4\n",
+        (
+            "tests/test_plan_stack.py::"
+            "test_a_stack_reducing_bf16_gradients_moves_half_the_gradient_bytes",
+        ),
+    ),
     "plan_vs_measured keeps a layout's last round": (
         "benchmarks/plan_vs_measured.py",
         "    median = statistics.median(times)\n",

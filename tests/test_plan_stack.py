@@ -775,3 +775,43 @@ def test_the_cli_says_when_a_plan_computes_by_autocast_and_plans_eager_attention
         assert done.returncode == 0, done.stderr
         times[attention] = json.loads(done.stdout)["step_time_s"]
     assert times["eager"] > times["materialized"] > plan["step_time_s"]
+
+
+def test_a_stack_reducing_bf16_gradients_moves_half_the_gradient_bytes(user_stacks):
+    """grad_reduce = "bf16" (NeMo's performance recipes: grad_reduce_in_fp32 off): every gradient
+    reduction moves 2 B a parameter where "fp32" moves 4 B; the weights' gather is unchanged, and
+    FP32 training reduces FP32 gradients whatever the stack says."""
+    (user_stacks / "fp32.toml").write_text('name = "fp32"\ndp_overlap = false\n')
+    (user_stacks / "bf16.toml").write_text(
+        'name = "bf16"\ndp_overlap = false\ngrad_reduce = "bf16"\n'
+    )
+    assert load_stack("fourd").grad_reduce == "fp32" and load_stack("nemo").grad_reduce == "bf16"
+    fp32, bf16 = (job(Layout(dp=8), stack=name) for name in ("fp32", "bf16"))
+    assert (fp32.grad_reduce_bytes, bf16.grad_reduce_bytes) == (4, 2)
+    assert dataclasses.replace(bf16, precision="fp32").grad_reduce_bytes == 4
+    plan = request.plans(request.resolve(L8B, H100, {"layout": Layout(dp=8), "stack": "nemo"}))[0]
+    assert plan.to_json()["grad_reduce_bytes"] == 2
+    params, group = max_rank_params(L8B, 1, 1, 1), shard_group(Layout(dp=8))
+    layers = L8B.layers
+    gather = layers * collective_time("all_gather", 2 * params / layers, group, H100)
+    for stack_job, grad_bytes in ((fp32, 4), (bf16, 2)):
+        scatter = layers * collective_time(
+            "reduce_scatter", grad_bytes * params / layers, group, H100
+        )
+        # without DP overlap every collective of the step is exposed: ZeRO 1's scatter and gather
+        step = step_time(stack_job)
+        assert step.dp_total_s == pytest.approx(scatter + gather, rel=1e-12)
+        assert step.dp_exposed_s == pytest.approx(scatter + gather, rel=1e-12)
+
+
+def test_a_stack_file_with_an_unknown_gradient_precision_is_one_line_and_exit_2(tmp_path):
+    stack = tmp_path / "mine.toml"
+    stack.write_text('name = "mine"\ngrad_reduce = "fp16"\n')
+    run = [sys.executable, "-m", "fourd", "plan", "--model", "debug", "--cluster", "dgx-h100"]
+    done = subprocess.run(
+        [*run, "--gpus", "8", "--stack", str(stack)], capture_output=True, text=True
+    )
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.splitlines() == [
+        f"fourd: error: {stack}: grad_reduce = 'fp16'; allowed: fp32, bf16"
+    ]

@@ -11,7 +11,7 @@ from functools import cached_property
 from fourd.layout import Layout, Parallelism, layer_split
 from fourd.model.config import ModelConfig
 from fourd.plan.cluster import DTYPE_BYTES, FP8, RANK_ORDERS, Cluster, Group, placement
-from fourd.plan.stack import load_stack, switch
+from fourd.plan.stack import GRAD_REDUCE_BYTES, load_stack, switch
 
 # a fused kernel; the s × s scores written to memory and soft-maxed by a fused kernel (Megatron
 # 2021-22); or by each op's own kernel (Hugging Face's eager attention)
@@ -140,6 +140,14 @@ class Job:
         """ZeRO 2 and 3 shard each parameter on its own (the stack's `sharding_copies`: FSDP2), with
         a copy after each gather and before each reduction (fourd.plan.perf.sharding_copies)."""
         return load_stack(self.stack).sharding_copies
+
+    @property
+    def grad_reduce_bytes(self) -> int:
+        """Bytes of a gradient as data parallelism reduces it: the stack's `grad_reduce` precision
+        (fourd.plan.stack.GRAD_REDUCE_BYTES); FP32 training reduces FP32 gradients."""
+        if self.dtype_bytes == 4:
+            return 4
+        return GRAD_REDUCE_BYTES[load_stack(self.stack).grad_reduce]
 
     @property
     def bucket_params(self) -> float:

@@ -422,16 +422,17 @@ def _dp_exposure(job: Job, t: StageTime, bubble: float, layers: int) -> tuple[fl
     # for the pass's end
     embedding_share = min(1.0, job.model.embedding_params() / lay.tp / params)
     in_step = tied_embedding_sync(job)
+    grad_bytes = job.grad_reduce_bytes  # the stack's reduction precision (FP32 or BF16)
     if par.zero == 0:
-        passes = PassSeconds(all_reduce=bucketed("all_reduce", 4 * params, reductions))
+        passes = PassSeconds(all_reduce=bucketed("all_reduce", grad_bytes * params, reductions))
     else:
         across = 0.0
         if par.zero == 3:
             replicas = replica_group(lay, par.hsdp_replicas, job.work.rank_order)
-            across = bucketed("all_reduce", 4 * params / shard.size, reductions, replicas)
+            across = bucketed("all_reduce", grad_bytes * params / shard.size, reductions, replicas)
         passes = PassSeconds(
             gather=bucketed("all_gather", params * job.state_dtype_bytes, gathers),
-            scatter=bucketed("reduce_scatter", 4 * params, reductions),
+            scatter=bucketed("reduce_scatter", grad_bytes * params, reductions),
             across=across,
         )
         if job.gathers_in_step:  # ZeRO 1 and 2's gather inside the optimizer's step, unhidden
@@ -513,14 +514,14 @@ def tied_embedding_sync(job: Job) -> float:
     the first stage's input embedding and the last stage's output projection each get a gradient,
     summed between the two stages' ranks after the backward and before the optimizer, where nothing
     hides it (Megatron's embedding group: `_allreduce_word_embedding_grads`,
-    megatron/core/distributed/finalize_model_grads.py), the FP32 gradient of vocab·dim/tp
-    parameters. 0 untied or without a pipeline."""
+    megatron/core/distributed/finalize_model_grads.py), the gradient of vocab·dim/tp parameters in
+    the stack's reduction precision (`Job.grad_reduce_bytes`). 0 untied or without a pipeline."""
     lay = job.layout
     if not job.model.tied_embeddings or lay.pp == 1:
         return 0.0
     pipeline = job.work.groups["pp"]
     ends = Group(2, pipeline.stride * (lay.pp - 1), lay.world)  # a first and a last stage's ranks
-    nbytes = 4 * job.model.embedding_params() / lay.tp
+    nbytes = job.grad_reduce_bytes * job.model.embedding_params() / lay.tp
     return collective_time("all_reduce", nbytes, ends, job.cluster)
 
 

@@ -111,6 +111,7 @@ class Plan:
             "fused_attention": job.work.fused_attention,
             "gather_in_step": job.gathers_in_step,
             "autocast": job.work.autocast,
+            "grad_reduce_bytes": job.grad_reduce_bytes,
         }
         out |= {
             "pipeline_comm": job.pipeline_comm,

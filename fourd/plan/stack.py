@@ -40,6 +40,10 @@ MODEL_PARALLEL = ("tp", "cp", "pp")
 # first and last stage one layer fewer; an even one where that divides) or by cost (nanotron:
 # blocks in order until each rank holds its share of the layers' and the output layer's cost)
 PIPELINE_SPLITS = ("layers", "cost")
+# the precision data parallelism reduces gradients in, and its bytes per gradient: FP32 (Megatron-LM,
+# whose --bf16 turns on accumulate_allreduce_grads_in_fp32, megatron/training/arguments.py; FSDP's
+# reduce_dtype float32; fourd) or BF16 (NeMo's performance recipes, grad_reduce_in_fp32 = False)
+GRAD_REDUCE_BYTES = {"fp32": 4, "bf16": 2}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,7 +83,10 @@ class Stack:
     buffer and cast their gradients beside compute (fourd.plan.perf.sharding_copies); `rank_order`:
     how the stack numbers its ranks, innermost dimension first, one of fourd.plan.cluster.RANK_ORDERS:
     which groups share a server, a rack or a pod (fourd's and Llama 3's data parallelism outermost,
-    or Megatron's, DeepSpeed's, torchtitan's and nanotron's pipeline outermost).
+    or Megatron's, DeepSpeed's, torchtitan's and nanotron's pipeline outermost); `grad_reduce`: the
+    precision its data-parallel collectives reduce gradients in, a key of GRAD_REDUCE_BYTES: "bf16"
+    moves half the bytes of "fp32" in every gradient reduce-scatter and all-reduce, and in a tied
+    embedding's sync.
 
     What the stack can run, which a search over open settings keeps to: `schedules`, the pipeline
     schedules it implements; `zero`, its ZeRO stages (sharding of optimizer state, gradients and
@@ -100,6 +107,7 @@ class Stack:
     dp_bucket_mb: float = 0.0
     pipeline_split: str = "layers"
     rank_order: str = RANK_ORDERS[0]
+    grad_reduce: str = "fp32"
     grad_accumulate_pass: bool = False
     sharding_copies: bool = False
     schedules: tuple[str, ...] = SCHEDULES
@@ -205,7 +213,7 @@ def load_stack(name_or_path: str = DEFAULT_STACK) -> Stack:
     fields |= {"autocast": str, "schedules": list, "zero": list, "pipeline_zero": list}
     fields |= {"gather_in_step": list, "model_parallel": list, "dp_bucket_mb": object}
     fields |= {"pipeline_split": str, "grad_accumulate_pass": bool, "sharding_copies": bool}
-    fields |= {"rank_order": str}
+    fields |= {"rank_order": str, "grad_reduce": str}
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise FourdError(
@@ -225,6 +233,7 @@ def load_stack(name_or_path: str = DEFAULT_STACK) -> Stack:
         ("autocast", AUTOCAST),
         ("pipeline_split", PIPELINE_SPLITS),
         ("rank_order", RANK_ORDERS),
+        ("grad_reduce", tuple(GRAD_REDUCE_BYTES)),
     ):
         if key in data and data[key] not in words:
             raise FourdError(f"{path}: {key} = {data[key]!r}; allowed: {', '.join(words)}")

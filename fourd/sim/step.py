@@ -117,9 +117,10 @@ class Comm:
     dp_links: tuple  # (port, share of the ring's bytes) per GPU
     dp_params: list  # each stage's parameters on one GPU (one bucket per layer)
     embedding_params: float = 0.0  # of them, the first stage's input embedding on one GPU
-    weight_bytes: int  # per parameter: weights move in the compute precision, gradients in FP32
+    weight_bytes: int  # per parameter: weights move in the compute precision
+    grad_bytes: int  # per parameter: gradients in the stack's reduction precision (FP32 or BF16)
     gather_in_step: bool = False  # ZeRO 1 and 2 gather after the optimizer's update, not beside F
-    # FP32 gradient bytes a DDP bucket holds (the stack's dp_bucket_mb); 0: one reduction a layer
+    # gradient bytes a DDP bucket holds (the stack's dp_bucket_mb); 0: one reduction a layer
     bucket_bytes: float = 0.0
 
 
@@ -174,8 +175,9 @@ def build_comm(job: Job) -> Comm:
         dp_params=stage_params_on_gpu(job),
         embedding_params=job.model.embedding_params() / lay.tp,
         weight_bytes=job.state_dtype_bytes,
+        grad_bytes=job.grad_reduce_bytes,
         gather_in_step=job.gathers_in_step,
-        bucket_bytes=4 * job.bucket_params,  # gradients in FP32
+        bucket_bytes=job.grad_reduce_bytes * job.bucket_params,
     )
 
 
@@ -286,11 +288,11 @@ def _needs(action: Action, replica: int, stages: int) -> list:
 
 
 def _dp_bytes(comm) -> tuple[list, list]:
-    """Per stage, the bytes of its weights (as the DP collectives move them) and of its FP32
-    gradients; none without communication."""
+    """Per stage, the bytes of its weights (as the DP collectives move them) and of its gradients
+    (in the stack's reduction precision); none without communication."""
     params = comm.dp_params if comm else []
     weight_bytes = [count * comm.weight_bytes for count in params]
-    grad_bytes = [4 * count for count in params]  # gradients in FP32
+    grad_bytes = [count * comm.grad_bytes for count in params]
     return weight_bytes, grad_bytes
 
 
@@ -314,7 +316,8 @@ def _rank_pieces(sim: _Engine, who: tuple[int, int], costs, layers, factor, zero
     comm = sim.comm
     actions = schedule.ranks[rank]
     weight_bytes, grad_bytes = _dp_bytes(comm)
-    embedding_bytes = 4 * comm.embedding_params if comm else 0.0  # FP32, on the first stage
+    # the input embedding's gradient, on the first stage
+    embedding_bytes = comm.grad_bytes * comm.embedding_params if comm else 0.0
     first_forward, last_grad = _stage_marks(actions)
     pieces = []
     rs_keys = sim.rs_keys.setdefault(who, [])
