@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import run_fourd
 
 from fourd.errors import FourdError
 from fourd.layout import Layout, Parallelism
@@ -807,11 +808,7 @@ def test_a_stack_reducing_bf16_gradients_moves_half_the_gradient_bytes(user_stac
 def test_a_stack_file_with_an_unknown_gradient_precision_is_one_line_and_exit_2(tmp_path):
     stack = tmp_path / "mine.toml"
     stack.write_text('name = "mine"\ngrad_reduce = "fp16"\n')
-    run = [sys.executable, "-m", "fourd", "plan", "--model", "debug", "--cluster", "dgx-h100"]
-    done = subprocess.run(
-        [*run, "--gpus", "8", "--stack", str(stack)], capture_output=True, text=True
-    )
-    assert done.returncode == 2 and done.stdout == ""
-    assert done.stderr.splitlines() == [
-        f"fourd: error: {stack}: grad_reduce = 'fp16'; allowed: fp32, bf16"
-    ]
+    plan = ("plan", "--model", "debug", "--cluster", "dgx-h100", "--gpus", 8, "--stack", stack)
+    code, out, err = run_fourd(*plan)
+    assert (code, out) == (2, "")
+    assert err.splitlines() == [f"fourd: error: {stack}: grad_reduce = 'fp16'; allowed: fp32, bf16"]
