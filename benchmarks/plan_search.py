@@ -6,9 +6,8 @@ process's CPU time, which other processes on a busy machine disturb less) and th
 
 The case is the issue's: Llama 3 405B on 16,384 GPUs of llama3-h100, 8K sequences, 16M tokens per step. The
 anchor is Llama 3's Table 4 row 1 step on 8,192 GPUs (the validation suite's `llama3-t4-8192`): its plan's
-JSON with the published step time. The
-targets (issues 22 and 23): a search under 1 s, an anchored plan under 0.5 s and an anchored search under 1 s,
-whole commands; they are measured here, not in a timed test.
+JSON with the published step time. The targets (issues 22 and 23): a search under 1 s, an anchored plan
+under 0.5 s and an anchored search under 1 s, whole commands; they are measured here, not in a timed test.
 """
 
 from __future__ import annotations
@@ -88,6 +87,7 @@ def command_once(argv: list[str]) -> tuple[float, float]:
 
 
 def report(name: str, times: list[tuple[float, float]]) -> None:
+    """One line: the median and fastest wall time of `times` (wall, CPU) and their median CPU time."""
     walls, cpus = [wall for wall, _ in times], [cpu for _, cpu in times]
     print(
         f"  {name}: median {statistics.median(walls):.3f} s, min {min(walls):.3f} s "

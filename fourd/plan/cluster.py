@@ -447,7 +447,6 @@ def shard_group(layout, replicas: int = 1, order: str = RANK_ORDERS[0]) -> Group
 def replica_group(layout, replicas: int, order: str = RANK_ORDERS[0]) -> Group:
     """HSDP: the ranks holding the same shard in each of the `replicas` groups (the outermost part
     of the data-parallel dimension)."""
-    span = (
-        layout.world // layout.pp if dp_inside_pp(order) else layout.world
-    )  # ranks of one stage, or all
+    # the ranks of one pipeline stage, or all of them
+    span = layout.world // layout.pp if dp_inside_pp(order) else layout.world
     return Group(replicas, span // replicas, layout.world)

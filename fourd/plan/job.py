@@ -194,7 +194,8 @@ class Job:
 
     @cached_property
     def work(self) -> Work:
-        par, stack = self.par, load_stack(self.stack)
+        par = self.par
+        stack = load_stack(self.stack)
         autocast = self.dtype_bytes == 2 and autocasts(
             stack.autocast, par.layout.cp * par.layout.dp
         )

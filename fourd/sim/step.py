@@ -372,7 +372,7 @@ def _rank_pieces(sim: _Engine, who: tuple[int, int], costs, layers, factor, zero
 
 
 def _piece_gradients(stage_bytes: float, embedding_bytes: float, part: int, parts: int) -> float:
-    """FP32 gradient bytes a backward piece (a layer) hands to the DP reductions: the stage's
+    """Gradient bytes a backward piece (a layer) hands to the DP reductions: the stage's
     layers share its `stage_bytes`, except that the first stage's input embedding
     (`embedding_bytes`, 0 on the others), whose gradient the backward computes last, comes with its
     last piece."""
@@ -387,7 +387,7 @@ class _Buckets:
     full bucket is reduced at once, what is left when the last gradient arrives reduced with it."""
 
     def __init__(self, capacity: float, kind: str, rank: int):
-        self.capacity = capacity  # FP32 gradient bytes a bucket holds
+        self.capacity = capacity  # gradient bytes a bucket holds (the stack's reduction precision)
         self.kind = kind  # "ar" (ZeRO 0's all-reduce) or "rs" (ZeRO 1's reduce-scatter)
         self.rank = rank  # the pipeline rank whose buckets these are
         self.pending = 0.0  # gradient bytes waiting for a bucket to fill
