@@ -379,3 +379,77 @@ def test_recomputation_is_the_lightest_that_fits_and_hopeless_states_skip_to_the
         kinds.add((plan.fits, plan.config.recompute, states > capacity))
     assert (False, "full", True) in kinds  # skipped straight to full
     assert any(fits and recompute != "none" for fits, recompute, _ in kinds)  # found between
+
+
+# Searches whose every configuration the ranking's floor is checked on: each stack's schedules
+# (zero-bubble's bubble left out of the floor, DeepSpeed's blocking sends, FSDP2's copies, NeMo's
+# BF16 reductions, nanotron's accumulation pass), FP8, GPUs with and without room, and a CPU profile.
+RANKED_SEARCHES = [
+    ("llama3-70b", "dgx-h100", {"gpus": 64, "seq": 4096, "global_seqs": 64}),
+    ("llama3-70b", "dgx-h100", {"gpus": 256, "seq": 8192, "global_seqs": 512, "stack": "nemo"}),
+    (
+        "llama3-8b",
+        "dgx-a100-40gb",
+        {"gpus": 64, "seq": 4096, "global_seqs": 256, "stack": "deepspeed"},
+    ),
+    ("llama3-8b", "aws-p5", {"gpus": 32, "seq": 8192, "global_seqs": 128, "stack": "nanotron"}),
+    ("llama3-8b", "dgx-h100", {"gpus": 64, "seq": 8192, "global_seqs": 128, "stack": "fsdp2"}),
+    ("llama3-8b", "dgx-h100", {"gpus": 32, "seq": 8192, "global_seqs": 64, "precision": "fp8"}),
+    ("llama3-70b", "dgx-a100-40gb", {"gpus": 16, "seq": 4096, "global_seqs": 32}),
+    ("debug", "cpu", {"gpus": 4, "seq": 256, "global_seqs": 8}),
+]
+
+
+def _ranked_request(model: str, cluster: str, values: dict, tmp_path):
+    from test_train_auto import LOCAL as LOCAL_CPU
+
+    from fourd.model.config import get_preset
+    from fourd.plan.request import resolve
+
+    if cluster == "cpu":
+        (tmp_path / "local.toml").write_text(LOCAL_CPU)  # a 2-core CPU profile
+        cluster = str(tmp_path / "local.toml")
+    return resolve(get_preset(model), load_cluster(cluster), values)
+
+
+@pytest.mark.parametrize("case", RANKED_SEARCHES, ids=lambda case: f"{case[0]}-{case[1]}")
+def test_every_configurations_step_is_at_least_its_floor(case, tmp_path):
+    """step_floor is a floor bit for bit: what lets the ranking leave configurations untimed."""
+    from fourd.plan.perf import step_floor
+
+    found = search(*_search_args(_ranked_request(*case, tmp_path)))
+    schedules = {plan.config.schedule for plan in found}
+    assert len(found) > 10 and "1f1b" in schedules
+    for plan in found:
+        assert step_floor(plan.job) <= plan.step.step_s, plan.config
+    assert any(step_floor(plan.job) < plan.step.step_s for plan in found)
+
+
+@pytest.mark.parametrize("case", RANKED_SEARCHES, ids=lambda case: f"{case[0]}-{case[1]}")
+def test_the_ranking_of_the_top_plans_is_the_full_searchs_first(case, tmp_path):
+    """rank(top=k) gives the first k plans of the whole search, equal and in the same order, with the
+    whole search's counts (on 16 A100s of 40 GB nothing fits Llama 3 70B: the smallest come first)."""
+    from fourd.plan.search import rank
+
+    args = _search_args(_ranked_request(*case, tmp_path))
+    every = search(*args)
+    for top in (1, 3, 10):
+        ranking = rank(*args, top=top)
+        assert ranking.plans == every[:top]
+        assert (ranking.searched, ranking.fitting) == (len(every), sum(p.fits for p in every))
+
+
+def test_a_ranking_with_too_few_fitting_plans_lists_the_smallest_of_the_rest(tmp_path):
+    """Llama 3 70B on 32 A100s of 40 GB at 16K tokens: 2 of 2,774 configurations fit."""
+    from fourd.plan.search import rank
+
+    values = {"gpus": 32, "seq": 16384, "global_seqs": 32}
+    args = _search_args(_ranked_request("llama3-70b", "dgx-a100-40gb", values, tmp_path))
+    ranking = rank(*args, top=10)
+    assert (ranking.searched, ranking.fitting) == (2774, 2)
+    assert [plan.fits for plan in ranking.plans] == [True] * 2 + [False] * 8
+    assert ranking.plans == search(*args)[:10]
+
+
+def _search_args(req) -> tuple:
+    return req.base, req.gpus, req.fixed, req.open

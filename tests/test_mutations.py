@@ -785,9 +785,18 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
         "    gradients = 3 * ((dims.q + 2 * dims.kv) + 2 * dims.h + (2 if gated else 1) * dims.f)\n",
         ("tests/test_plan_fp8.py::test_the_casts_fp8_adds_are_counted_by_hand",),
     ),
+    "the search's ranking stops at its first plans timed, floors unread": (
+        "fourd/plan/search.py",
+        "        if len(fastest) == top and ceiling < fastest[0]:\n",
+        "        if len(fastest) == top:\n",
+        (
+            "tests/test_contract_search.py::"
+            "test_the_ranking_of_the_top_plans_is_the_full_searchs_first[llama3-70b-dgx-h100_0]",
+        ),
+    ),
     "FP8 copies the weights ZeRO 3 shards": (
         "fourd/plan/memory.py",
-        "    if work.fp8 and par.zero < 3:\n",
+        "    if work.fp8 and job.par.zero < 3:\n",
         "    if work.fp8:\n",
         (
             "tests/test_plan_fp8.py::test_fp8_keeps_whole_weights_twice_more_in_one_byte_and_linear_inputs_in_one",

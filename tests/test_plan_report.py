@@ -10,6 +10,7 @@ from fourd.model.config import get_preset
 from fourd.plan.cluster import load_cluster
 from fourd.plan.report import plan_report, search_report, why
 from fourd.plan.request import plans, resolve
+from fourd.plan.search import Ranking
 
 # (model, cluster, settings): a plan with each schedule, one that does not fit, one with every
 # setting pinned, TP overlap and DP after the backward, one eager with blocking pipeline sends
@@ -279,7 +280,7 @@ def test_a_stack_that_gathers_in_its_step_says_so():
 def test_search_table_rows_are_each_plans_figures():
     request = resolve(get_preset("llama3-8b"), load_cluster("dgx-h100"), {"gpus": 64, "seq": 8192})
     found = plans(request)
-    text = search_report(found, 5, None)
+    text = search_report(Ranking.of(found, 5), None)
     lines = text.splitlines()
     assert lines[0].startswith(f"searched {len(found):,} configurations, ")
     assert f"{sum(plan.fits for plan in found):,} fit in memory" in lines[0]
@@ -314,7 +315,7 @@ def test_a_search_where_nothing_fits_marks_every_row_and_says_so():
     )
     found = plans(request)
     assert not any(plan.fits for plan in found)
-    lines = search_report(found, 3, None).splitlines()
+    lines = search_report(Ranking.of(found, 3), None).splitlines()
     rows = lines[-4:-1]
     assert all(re.search(r"\d!\s", row) for row in rows)
     assert lines[-1] == (
@@ -449,7 +450,7 @@ def test_the_search_reports_its_best_plan_in_full_and_marks_only_what_does_not_f
     )
     found = plans(request)
     assert found[0].fits and not found[-1].fits
-    text = search_report(found, len(found), None)
+    text = search_report(Ranking.of(found, len(found)), None)
     best = plan_report(found[0], None)
     assert text.split("\n\n", 1)[1].startswith(best)
     assert "(!: does not fit" not in text
@@ -466,7 +467,7 @@ def test_the_search_table_names_v_for_interleaved_rows_only():
     found = plans(request)
     schedules = {plan.config.schedule for plan in found}
     assert {"interleaved", "zero-bubble", "1f1b"} <= schedules
-    lines = search_report(found, len(found), None).splitlines()
+    lines = search_report(Ranking.of(found, len(found)), None).splitlines()
     rows = lines[lines.index(f"Top {len(found)} (fitting first, by tokens/s)") + 2 :]
     for plan, row in zip(found, rows):
         named = f" {plan.config.schedule} V={plan.config.virtual_stages} " in row
@@ -479,7 +480,7 @@ def test_when_only_the_best_fits_the_search_adds_no_note():
     settings |= {"recompute": "full", "schedule": "1f1b", "compiled": "off"}
     found = plans(resolve(get_preset("llama3-8b"), load_cluster("dgx-h100"), settings))
     assert [plan.fits for plan in found] == [True] + [False] * 14
-    lines = search_report(found, 3, None).splitlines()
+    lines = search_report(Ranking.of(found, 3), None).splitlines()
     assert "does not fit" not in lines[-1]
     assert [bool(re.search(r"\d!\s", line)) for line in lines[-3:]] == [False, True, True]
 

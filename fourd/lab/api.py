@@ -182,7 +182,7 @@ def _best_plan(q: dict[str, str]):
     }
     if "stack" in values:  # a preset's name: a path would let any page read files here
         values["stack"] = _choice(q, "stack", preset_names(), DEFAULT_STACK)
-    return request.plans(request.resolve(model, cluster, values))[0]
+    return request.plans(request.resolve(model, cluster, values), top=1)[0]
 
 
 def plan(q: dict[str, str], **_) -> dict:

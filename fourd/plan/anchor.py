@@ -23,7 +23,7 @@ from fourd.model.config import ModelConfig, get_preset, parse_model_spec
 from fourd.plan import request
 from fourd.plan.cluster import Cluster, load_cluster
 from fourd.plan.memory import GB
-from fourd.plan.search import Plan
+from fourd.plan.search import Plan, Ranking
 from fourd.plan.stack import load_stack
 
 # Keys the anchor must give, and the optional ones the planner reads; any other key is ignored.
@@ -188,7 +188,7 @@ def own_plan(anchor: Anchor) -> Plan:
         req = request.resolve(
             anchor.model, anchor.cluster, _with_stack(anchor.values, anchor.stack)
         )
-        return request.plans(req)[0]
+        return request.plans(req, top=1)[0]
     except FourdError as e:
         raise _fail(anchor.path, str(e)) from None
 
@@ -500,10 +500,11 @@ def run_plan(args) -> int:
     """`fourd plan --anchor FILE`: as `fourd plan`, with the anchor's pinned terms and anchored
     intervals."""
     from fourd.plan import intervals
-    from fourd.plan.report import plan_report, search_report
+    from fourd.plan.report import plan_report, search_json, search_report
 
     result = anchored_plans(args)
     found, tokens, stack = result.plans, result.request.train_tokens, result.anchor.stack
+    ranking = Ranking.of(found, args.top)
     own = result.own
     extra = anchor_json(result)
     if args.json:
@@ -512,18 +513,16 @@ def run_plan(args) -> int:
             return plan.to_json(tokens) | intervals.json_keys(plan, own, stack)
 
         if args.search:
-            top = [one(plan) for plan in found[: args.top]]
-            fitting = sum(plan.fits for plan in found)
-            body = {"best": top[0], "candidates": top, "searched": len(found), "fitting": fitting}
+            body = search_json([one(plan) for plan in ranking.plans], ranking)
             body |= {"too_close_to_call": intervals.too_close(found, own, stack)}
         else:
             body = one(found[0])
         print(json.dumps(body | extra))
         return 0
-    text = search_report(found, args.top, tokens) if args.search else plan_report(found[0], tokens)
+    text = search_report(ranking, tokens) if args.search else plan_report(found[0], tokens)
     lines = intervals.report_lines(found[0], own, stack)
     if args.search:
-        lines += intervals.search_lines(found[: args.top], own, stack)
+        lines += intervals.search_lines(ranking.plans, own, stack)
     print("\n".join([text, *lines, *anchor_lines(result)]))
     return 0
 

@@ -20,42 +20,33 @@ from __future__ import annotations
 
 import json
 
-from fourd.plan.request import add_arguments, plans, resolve_inputs
+from fourd.plan.request import add_arguments, ranking, resolve_inputs
 
 __all__ = ["add_arguments", "run"]
 
 
 def run(args) -> int:
     from fourd.plan import intervals
-    from fourd.plan.report import plan_report, search_report
+    from fourd.plan.report import plan_report, search_json, search_report
 
     if args.anchor:  # anchored predictions: fourd.plan.anchor
         from fourd.plan.anchor import run_plan
 
         return run_plan(args)
     req = resolve_inputs(args)
-    found = plans(req)
+    found = ranking(req, args.top if args.search else 1)
+    best = found.plans
     if args.search and args.json:
-        top, fitting = (
-            [
-                plan.to_json(req.train_tokens) | intervals.json_keys(plan)
-                for plan in found[: args.top]
-            ],
-            sum(plan.fits for plan in found),
-        )
-        close = intervals.too_close(found)
+        top = [plan.to_json(req.train_tokens) | intervals.json_keys(plan) for plan in best]
         print(
-            json.dumps(
-                {"best": top[0], "candidates": top, "searched": len(found), "fitting": fitting}
-                | {"too_close_to_call": close}
-            )
+            json.dumps(search_json(top, found) | {"too_close_to_call": intervals.too_close(best)})
         )
     elif args.search:
-        print(search_report(found, args.top, req.train_tokens))
-        print("\n".join(intervals.search_lines(found[: args.top])))
+        print(search_report(found, req.train_tokens))
+        print("\n".join(intervals.search_lines(best)))
     elif args.json:
-        print(json.dumps(found[0].to_json(req.train_tokens) | intervals.json_keys(found[0])))
+        print(json.dumps(best[0].to_json(req.train_tokens) | intervals.json_keys(best[0])))
     else:
-        print(plan_report(found[0], req.train_tokens))
-        print("\n".join(intervals.report_lines(found[0])))
+        print(plan_report(best[0], req.train_tokens))
+        print("\n".join(intervals.report_lines(best[0])))
     return 0

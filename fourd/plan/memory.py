@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from typing import NamedTuple
 
 from fourd.plan.block import loss_bytes, traffic
 from fourd.plan.job import Job, Work, stage_layers
@@ -149,69 +150,99 @@ def recomputed_bytes_per_token(work: Work) -> float:
     return traffic(replace(work, recompute="none")).saved - traffic(work).saved
 
 
-def rank_memories(job: Job, ranks) -> list[Memory]:
-    """Peak memory of one GPU of each pipeline rank in `ranks`."""
-    par, lay, work, b, model = job.par, job.layout, job.work, job.dtype_bytes, job.model
-    layers, params, _ = rank_shapes(model, lay.pp, par.virtual_stages, work.pipeline_split)
+class RankTerms(NamedTuple):
+    """What one job's memory per GPU is made of before the pipeline rank is known (a rank's memory
+    adds up from these): bytes per parameter of the weights, gradients and optimizer state it
+    holds; per layer, the activations kept for one microbatch and autocast's or FP8's weight
+    copies; a recomputed layer's working set and FSDP's gathered layers, on every rank; the
+    embedding and output layer gathered, on the first and last ranks; the loss's logits and
+    autocast's copy of the output projection, on the last rank."""
+
+    weight_bytes: float
+    grad_bytes: float
+    optimizer_bytes: float
+    activations_per_layer: float
+    copies_per_layer: float
+    recomputed: float
+    gathered: float
+    edge_ranks: float
+    last_rank: float
+
+
+def rank_terms(job: Job) -> RankTerms:
+    """The terms of each pipeline rank's memory for `job`."""
+    lay, work, b, model = job.layout, job.work, job.dtype_bytes, job.model
     weight_bytes, grad_bytes, optimizer_bytes = rank_state_bytes(job)
-    per_layer = work.tokens * traffic(work).saved
     # while a recomputed layer runs its backward it holds, for one microbatch, the activations its
     # recomputation made again: all it would keep without recomputation, less what it kept
-    common = work.tokens * recomputed_bytes_per_token(work)
-    logits = (
-        loss_bytes(b)[2] * work.tokens * model.vocab / lay.tp
-    )  # the loss's, for one microbatch: the last rank
-    layer = model.layer_params()
+    recomputed = work.tokens * recomputed_bytes_per_token(work)
+    logits = loss_bytes(b)[2] * work.tokens * model.vocab / lay.tp  # the loss's, one microbatch
     # BF16 autocast over FP32 weights casts each weight matrix to BF16 once per autocast region (one
     # a microbatch, or one around a pipeline's schedule) and the matmul keeps the copy for its
     # backward: a rank holds one copy of its layers' matrices and the output projection's
-    cast_bytes_per_layer = model.layer_matrix_params() / lay.tp * b if work.autocast else 0.0
-    if work.fp8 and par.zero < 3:
+    copies_per_layer = model.layer_matrix_params() / lay.tp * b if work.autocast else 0.0
+    if work.fp8 and job.par.zero < 3:
         # Transformer Engine keeps each linear weight a rank holds whole in FP8 and transposed, 1 + 1
         # B, for the step; sharded by ZeRO 3, a layer's FP8 weights live while it is gathered
-        cast_bytes_per_layer += model.layer_matrix_params() / lay.tp * FP8_WEIGHT_COPIES
-    cast_bytes_head = model.embedding_params() / lay.tp * b if work.autocast else 0.0
+        copies_per_layer += model.layer_matrix_params() / lay.tp * FP8_WEIGHT_COPIES
+    head_copy = model.embedding_params() / lay.tp * b if work.autocast else 0.0
     gathered = edge = 0.0
-    if par.zero == 3:
+    if job.par.zero == 3:
+        layer = model.layer_params()
         gathered = 2 * layer / lay.tp * b  # FSDP's gathered layer and the next
         edge = 2 * max(0, model.embedding_params() - layer) / lay.tp * b  # embedding, output
-    out: list[Memory] = []
-    reserve = job.cluster.gpu.memory_reserve_gb * GB
-    for rank in ranks:
-        mine = params[rank] / lay.tp
-        acts = (
-            in_flight(par.schedule, lay.pp, par.microbatches, par.virtual_stages, rank)
-            * layers[rank]
-            * per_layer
-        )
-        other = common + layers[rank] * cast_bytes_per_layer
-        if rank == lay.pp - 1:
-            other += logits + cast_bytes_head
-        other += gathered
-        if rank in (0, lay.pp - 1):
-            other += edge
-        cache = 0.0
-        if not job.cluster.cpu:
-            cache = ALLOCATOR_FRAGMENTATION * (
-                mine * (weight_bytes + grad_bytes + optimizer_bytes) + acts + other
-            )
-        out.append(
-            Memory(
-                mine * weight_bytes,
-                mine * grad_bytes,
-                mine * optimizer_bytes,
-                acts,
-                other,
-                cache,
-                reserve,
-            )
-        )
-    return out
+    return RankTerms(
+        weight_bytes,
+        grad_bytes,
+        optimizer_bytes,
+        work.tokens * traffic(work).saved,
+        copies_per_layer,
+        recomputed,
+        gathered,
+        edge,
+        logits + head_copy,
+    )
+
+
+def _rank_parts(
+    job: Job, terms: RankTerms, shapes, rank: int
+) -> tuple[float, float, float, float, float, float]:
+    """One pipeline rank's bytes as Memory's fields before the runtime's reserve (weights,
+    gradients, optimizer state, activations, other, the allocator's cache): its parameters'
+    states, its layers' activations times the microbatches it holds in flight, the rest by its
+    place in the pipeline, and the allocator's cache over all of them (none on CPU profiles).
+    `shapes`: rank_shapes of the job."""
+    par, lay = job.par, job.layout
+    layers, params, _ = shapes
+    mine = params[rank] / lay.tp
+    flight = in_flight(par.schedule, lay.pp, par.microbatches, par.virtual_stages, rank)
+    acts = flight * layers[rank] * terms.activations_per_layer
+    other = terms.recomputed + layers[rank] * terms.copies_per_layer
+    if rank == lay.pp - 1:
+        other += terms.last_rank
+    other += terms.gathered
+    if rank in (0, lay.pp - 1):
+        other += terms.edge_ranks
+    states = mine * (terms.weight_bytes + terms.grad_bytes + terms.optimizer_bytes)
+    cache = 0.0 if job.cluster.cpu else ALLOCATOR_FRAGMENTATION * (states + acts + other)
+    weights, grads = mine * terms.weight_bytes, mine * terms.grad_bytes
+    return weights, grads, mine * terms.optimizer_bytes, acts, other, cache
+
+
+def _shapes(job: Job):
+    return rank_shapes(job.model, job.layout.pp, job.par.virtual_stages, job.work.pipeline_split)
+
+
+def rank_memories(job: Job, ranks) -> list[Memory]:
+    """Peak memory of one GPU of each pipeline rank in `ranks`."""
+    terms, shapes, reserve = rank_terms(job), _shapes(job), job.cluster.gpu.memory_reserve_gb * GB
+    return [Memory(*_rank_parts(job, terms, shapes, rank), reserve) for rank in ranks]
 
 
 def peak_memory(job: Job) -> tuple[int, Memory]:
-    """The pipeline rank whose tensors take the most memory, and its memory."""
-    _, _, ranks = rank_shapes(
-        job.model, job.layout.pp, job.par.virtual_stages, job.work.pipeline_split
-    )
-    return max(zip(ranks, rank_memories(job, ranks)), key=lambda rm: rm[1].total)
+    """The pipeline rank whose tensors take the most memory, and its memory (the ranks compared
+    by their tensors' bytes, Memory.total, as sums of the same terms in the same order)."""
+    terms, shapes = rank_terms(job), _shapes(job)
+    parts = [(rank, _rank_parts(job, terms, shapes, rank)) for rank in shapes[2]]
+    rank, peak = max(parts, key=lambda rank_parts: sum(rank_parts[1][:5]))
+    return rank, Memory(*peak, job.cluster.gpu.memory_reserve_gb * GB)

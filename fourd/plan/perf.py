@@ -671,6 +671,27 @@ def _bubble_seconds(job: Job, stage: StageTime) -> float:
     return bubble * crowding
 
 
+def step_floor(job: Job) -> float:
+    """A floor under step_time(job).step_s, cheaper than the step time (the search times in full
+    only the configurations whose floor could still rank them among the best):
+
+        floor = m · (t_f + t_b) + bubble(t_f, t_b)
+
+    of the slowest pipeline rank's stage as slowest_rank gives it, before the passes over its
+    weights and the CPU waits step_time adds to it (each ≥ 0), so m · (t_f + t_b) is at most the
+    step's compute; the bubble grows with t_f + t_b under every schedule but zero-bubble's, whose
+    deferred weight gradients shrink it, and is left out there. Every other term of a step (sends,
+    exposed DP traffic, the slowdown beside it, the optimizer) is ≥ 0. In floating point each sum
+    and product of non-negative terms is monotone, so the floor is a floor bit for bit too
+    (tests/test_contract_search.py checks it on every configuration of several searches)."""
+    par = job.par
+    _, stage = slowest_rank(job.work, job.layout.pp, par.virtual_stages)
+    compute = par.microbatches * (stage.forward + stage.backward)
+    if par.schedule == "zero-bubble":
+        return compute
+    return compute + _bubble_seconds(job, stage)
+
+
 def step_time(job: Job) -> StepTime:
     """Seconds per optimizer step, and where they go."""
     lay, par = job.layout, job.par

@@ -10,7 +10,7 @@ from fourd.layout import Layout
 from fourd.plan.cluster import group_level
 from fourd.plan.job import block_costs
 from fourd.plan.perf import StepTime, gradient_sum_time, rank_params
-from fourd.plan.search import Plan, evaluate
+from fourd.plan.search import Plan, Ranking, evaluate
 from fourd.plan.stack import load_stack
 
 WHERE = {
@@ -237,21 +237,35 @@ def _throughput_lines(plan: Plan, train_tokens: float | None) -> list[str]:
     return ["", "Throughput"] + [f"  {term:<43}{value:>14}" for term, value in rows]
 
 
-def search_report(plans: list[Plan], top: int, train_tokens: float | None = None) -> str:
+def search_json(candidates: list[dict], ranking: Ranking) -> dict:
+    """`--search --json`'s object but the intervals' verdict: the best candidate, every candidate
+    listed (each plan's JSON, as the caller made it), what was searched and how many fit."""
+    return {
+        "best": candidates[0],
+        "candidates": candidates,
+        "searched": ranking.searched,
+        "fitting": ranking.fitting,
+    }
+
+
+def search_report(ranking: Ranking, train_tokens: float | None = None) -> str:
+    """`--search`'s text: what was searched, the best plan in full, then the ranking's plans one a
+    line."""
+    plans = ranking.plans
     head = (
         f"  {'layout':<26} {'schedule':<14} {'m':>4} {'mbs':>4} {'zero':>4} {'recompute':<9} "
         f"{'GB':>6} {'step s':>8} "
     )
     out = [
-        f"searched {len(plans):,} configurations, {sum(plan.fits for plan in plans):,} fit in "
-        "memory; the best:",
+        f"searched {ranking.searched:,} configurations, {ranking.fitting:,} fit in memory; the "
+        "best:",
         "",
         plan_report(plans[0], train_tokens),
         "",
-        f"Top {min(top, len(plans))} (fitting first, by tokens/s)",
+        f"Top {len(plans)} (fitting first, by tokens/s)",
         head + f"{'tokens/s':>12} {'MFU':>7}",
     ]
-    for plan in plans[:top]:
+    for plan in plans:
         config = plan.config
         sched = config.schedule + (
             f" V={config.virtual_stages}" if config.schedule == "interleaved" else ""

@@ -18,7 +18,7 @@ from fourd.model.config import ModelConfig, get_preset, parse_model_spec
 from fourd.plan.cluster import FP8, PLAN_PRECISIONS, Cluster, load_cluster
 from fourd.plan.cluster import preset_names as cluster_presets
 from fourd.plan.job import ATTENTION, Job
-from fourd.plan.search import OPEN, Plan, search
+from fourd.plan.search import OPEN, Plan, Ranking, rank
 from fourd.plan.stack import (
     DEFAULT_STACK,
     FUSED_ATTENTION,
@@ -433,11 +433,18 @@ def _note_beyond_stack(stack, schedule: str | None, zero: int | None, layout) ->
         print(f"fourd: note: the {stack.name} stack {reason}: planned as asked", file=sys.stderr)
 
 
-def plans(req: Request) -> list[Plan]:
-    """Every configuration the request allows, fitting first, fastest first; FourdError when there
-    is none."""
-    found = search(req.base, req.gpus, req.fixed, req.open)
-    if not found:
+def plans(req: Request, top: int | None = None) -> list[Plan]:
+    """Every configuration the request allows, fitting first, fastest first (the first `top` only,
+    when given); FourdError when there is none."""
+    return ranking(req, top).plans
+
+
+def ranking(req: Request, top: int | None = None) -> Ranking:
+    """The search's ranking of every configuration the request allows (fourd.plan.search.rank:
+    its first `top` plans only, when given, found without timing every configuration); FourdError
+    when there is none."""
+    found = rank(req.base, req.gpus, req.fixed, req.open, top)
+    if not found.plans:
         base, microbatches = req.base, req.fixed["microbatches"]
         in_microbatches = the_microbatches = ""
         if microbatches:
@@ -457,11 +464,8 @@ def best_plan(
     """The fastest plan that fits (the smallest if none does) for `gpus` GPUs; `fixed` pins settings
     by their SETTINGS names (a layout as a Layout or its text), the rest are searched."""
     cluster = load_cluster(cluster) if isinstance(cluster, str) else cluster
-    return plans(
-        resolve(
-            model, cluster, {**(fixed or {}), "gpus": gpus, "seq": seq, "global_seqs": global_seqs}
-        )
-    )[0]
+    values = {**(fixed or {}), "gpus": gpus, "seq": seq, "global_seqs": global_seqs}
+    return plans(resolve(model, cluster, values), top=1)[0]
 
 
 def rank_peak_memory_gb(

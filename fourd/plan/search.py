@@ -3,6 +3,7 @@ configuration for N GPUs ranked by tokens/s among those that fit."""
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass, field, replace
 
@@ -13,7 +14,7 @@ from fourd.plan.block import matmuls
 from fourd.plan.cluster import group_level
 from fourd.plan.job import Job
 from fourd.plan.memory import GB, Memory, peak_memory
-from fourd.plan.perf import StepTime, step_time
+from fourd.plan.perf import StepTime, step_floor, step_time
 from fourd.plan.stack import Stack, load_stack
 
 MICRO_SEQS = (1, 2, 4, 8, 16)  # sequences per microbatch the search tries
@@ -301,11 +302,40 @@ def _lightest_recompute(job: Job, modes: list[str], capacity: float) -> tuple[Jo
     return job, memory
 
 
+@dataclass(frozen=True)
+class Ranking:
+    """What a search found: its best plans, fitting first and fastest first (as many as it was
+    asked for, or every one), the configurations it tried and how many of them fit."""
+
+    plans: list[Plan]
+    searched: int
+    fitting: int
+
+    @classmethod
+    def of(cls, plans: list[Plan], top: int | None = None) -> Ranking:
+        """The ranking of a search's every plan (in order), listing the first `top` of them."""
+        return cls(plans[:top], len(plans), sum(plan.fits for plan in plans))
+
+
+def _order(plan: Plan) -> tuple:
+    """The search's order: fitting plans first, fastest first; those that do not fit, smallest
+    first."""
+    return (not plan.fits, -plan.tokens_per_s if plan.fits else plan.memory.total)
+
+
 def search(base: Job, gpus: int, fixed: dict, chosen=()) -> list[Plan]:
     """Plans for every configuration of `gpus` GPUs for `base`'s model, cluster, sequence and batch
     (its own Parallelism is ignored), fitting ones first, fastest first. Recomputation, when left
     open, is the lightest that fits (RECOMPUTE's order): each costs time and saves memory."""
-    plans, capacity = [], base.cluster.gpu.memory_gb * GB
+    return rank(base, gpus, fixed, chosen).plans
+
+
+def rank(base: Job, gpus: int, fixed: dict, chosen=(), top: int | None = None) -> Ranking:
+    """`search`'s ranking, its first `top` plans only when `top` is given: the same plans in the
+    same order as the first `top` of every plan, found without timing every configuration. Each
+    configuration's memory is computed (whether it fits decides its place), but a fitting one is
+    timed in full only while its step_floor could still place it among the `top` fastest."""
+    sized, capacity = [], base.cluster.gpu.memory_gb * GB
     pinned = (
         any(fixed[k] is not None for k in OPEN) or fixed["hsdp_replicas"] > 1
     )  # else every config is valid
@@ -315,9 +345,40 @@ def search(base: Job, gpus: int, fixed: dict, chosen=()) -> list[Plan]:
         job = replace(base, par=par)
         if pinned and not valid(job):
             continue
-        job, memory = _lightest_recompute(job, modes, capacity)
-        plans.append(Plan(job, step_time(job), memory, tuple(chosen)))
-    plans.sort(
-        key=lambda plan: (not plan.fits, -plan.tokens_per_s if plan.fits else plan.memory.total)
-    )
-    return plans
+        sized.append(_lightest_recompute(job, modes, capacity))
+    fitting = [(job, memory) for job, memory in sized if memory.fits(capacity)]
+    if top is None:
+        plans = [Plan(job, step_time(job), memory, tuple(chosen)) for job, memory in sized]
+        return Ranking(sorted(plans, key=_order), len(sized), len(fitting))
+    plans = _fastest(fitting, top, chosen)
+    if len(plans) < top:  # too few fit: the smallest of the rest follow
+        rest = sorted(
+            (pair for pair in sized if not pair[1].fits(capacity)), key=lambda pair: pair[1].total
+        )
+        plans += [Plan(job, step_time(job), memory, tuple(chosen)) for job, memory in rest]
+    return Ranking(plans[:top], len(sized), len(fitting))
+
+
+def _fastest(fitting: list[tuple[Job, Memory]], top: int, chosen) -> list[Plan]:
+    """The `top` fastest plans of the fitting (job, memory) pairs, in the search's order (ties in
+    the order the configurations came). Jobs are timed in the order of their step_floor; once the
+    `top`-th fastest so far runs more tokens a second than the next floor allows, no job left can
+    join them (its step is at least its floor), and none is timed."""
+    if not fitting:
+        return []
+    tokens = fitting[0][0].global_seqs * fitting[0][0].seq  # per step, the same for every job
+    floors = [step_floor(job) for job, _ in fitting]
+    timed: list[tuple[int, Plan]] = []
+    fastest: list[float] = []  # tokens/s of the `top` fastest timed so far, a min-heap
+    for index in sorted(range(len(fitting)), key=floors.__getitem__):
+        ceiling = tokens / floors[index] if floors[index] > 0 else math.inf
+        if len(fastest) == top and ceiling < fastest[0]:
+            break
+        job, memory = fitting[index]
+        plan = Plan(job, step_time(job), memory, tuple(chosen))
+        timed.append((index, plan))
+        heapq.heappush(fastest, plan.tokens_per_s)
+        if len(fastest) > top:
+            heapq.heappop(fastest)
+    timed.sort(key=lambda pair: (-pair[1].tokens_per_s, pair[0]))
+    return [plan for _, plan in timed[:top]]

@@ -156,7 +156,7 @@ def run(args) -> int:
         req, found = result.request, result.plans
     else:
         req = resolve_inputs(args)
-        found = plans(req)
+        found = plans(req, top=args.top if args.search else 1)
     if args.search:  # the planner's best candidates that fit, ranked again by simulated step time
         fitting = [candidate for candidate in found if candidate.fits][: args.top] or found[:1]
         rows = sorted(
