@@ -351,12 +351,13 @@ def rank(base: Job, gpus: int, fixed: dict, chosen=(), top: int | None = None) -
         plans = [Plan(job, step_time(job), memory, tuple(chosen)) for job, memory in sized]
         return Ranking(sorted(plans, key=_order), len(sized), len(fitting))
     plans = _fastest(fitting, top, chosen)
-    if len(plans) < top:  # too few fit: the smallest of the rest follow
+    if len(plans) < top:  # too few fit: the smallest of the rest follow, and only they are timed
         rest = sorted(
             (pair for pair in sized if not pair[1].fits(capacity)), key=lambda pair: pair[1].total
         )
-        plans += [Plan(job, step_time(job), memory, tuple(chosen)) for job, memory in rest]
-    return Ranking(plans[:top], len(sized), len(fitting))
+        listed = rest[: top - len(plans)]
+        plans += [Plan(job, step_time(job), memory, tuple(chosen)) for job, memory in listed]
+    return Ranking(plans, len(sized), len(fitting))
 
 
 def _fastest(fitting: list[tuple[Job, Memory]], top: int, chosen) -> list[Plan]:
