@@ -34,19 +34,18 @@ def run(args) -> int:
 
         return run_plan(args)
     req = resolve_inputs(args)
-    found = ranking(req, args.top if args.search else 1)
-    best = found.plans
+    ranked = ranking(req, args.top if args.search else 1)
+    plans = ranked.plans
     if args.search and args.json:
-        top = [plan.to_json(req.train_tokens) | intervals.json_keys(plan) for plan in best]
-        print(
-            json.dumps(search_json(top, found) | {"too_close_to_call": intervals.too_close(best)})
-        )
+        listed = [plan.to_json(req.train_tokens) | intervals.json_keys(plan) for plan in plans]
+        close = intervals.too_close(plans)
+        print(json.dumps(search_json(listed, ranked) | {"too_close_to_call": close}))
     elif args.search:
-        print(search_report(found, req.train_tokens))
-        print("\n".join(intervals.search_lines(best)))
+        print(search_report(ranked, req.train_tokens))
+        print("\n".join(intervals.search_lines(plans)))
     elif args.json:
-        print(json.dumps(best[0].to_json(req.train_tokens) | intervals.json_keys(best[0])))
+        print(json.dumps(plans[0].to_json(req.train_tokens) | intervals.json_keys(plans[0])))
     else:
-        print(plan_report(best[0], req.train_tokens))
-        print("\n".join(intervals.report_lines(best[0])))
+        print(plan_report(plans[0], req.train_tokens))
+        print("\n".join(intervals.report_lines(plans[0])))
     return 0

@@ -204,14 +204,27 @@ def rank_terms(job: Job) -> RankTerms:
     )
 
 
-def _rank_parts(
-    job: Job, terms: RankTerms, shapes, rank: int
-) -> tuple[float, float, float, float, float, float]:
-    """One pipeline rank's bytes as Memory's fields before the runtime's reserve (weights,
-    gradients, optimizer state, activations, other, the allocator's cache): its parameters'
-    states, its layers' activations times the microbatches it holds in flight, the rest by its
-    place in the pipeline, and the allocator's cache over all of them (none on CPU profiles).
-    `shapes`: rank_shapes of the job."""
+class RankBytes(NamedTuple):
+    """One pipeline rank's bytes, Memory's fields before the runtime's reserve."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    other: float
+    fragmentation: float
+
+    @property
+    def tensors(self) -> float:
+        """Bytes of tensors at the peak, summed as Memory.total sums them (the same order, so the
+        same float)."""
+        return self.params + self.grads + self.optimizer + self.activations + self.other
+
+
+def _rank_bytes(job: Job, terms: RankTerms, shapes, rank: int) -> RankBytes:
+    """One pipeline rank's bytes: its parameters' states, its layers' activations times the
+    microbatches it holds in flight, the rest by its place in the pipeline, and the allocator's
+    cache over all of them (none on CPU profiles). `shapes`: rank_shapes of the job."""
     par, lay = job.par, job.layout
     layers, params, _ = shapes
     mine = params[rank] / lay.tp
@@ -225,24 +238,32 @@ def _rank_parts(
         other += terms.edge_ranks
     states = mine * (terms.weight_bytes + terms.grad_bytes + terms.optimizer_bytes)
     cache = 0.0 if job.cluster.cpu else ALLOCATOR_FRAGMENTATION * (states + acts + other)
-    weights, grads = mine * terms.weight_bytes, mine * terms.grad_bytes
-    return weights, grads, mine * terms.optimizer_bytes, acts, other, cache
+    return RankBytes(
+        params=mine * terms.weight_bytes,
+        grads=mine * terms.grad_bytes,
+        optimizer=mine * terms.optimizer_bytes,
+        activations=acts,
+        other=other,
+        fragmentation=cache,
+    )
 
 
 def _shapes(job: Job):
+    """rank_shapes of `job`: its pipeline ranks' layers and parameters, and the ranks that can peak."""
     return rank_shapes(job.model, job.layout.pp, job.par.virtual_stages, job.work.pipeline_split)
 
 
 def rank_memories(job: Job, ranks) -> list[Memory]:
     """Peak memory of one GPU of each pipeline rank in `ranks`."""
     terms, shapes, reserve = rank_terms(job), _shapes(job), job.cluster.gpu.memory_reserve_gb * GB
-    return [Memory(*_rank_parts(job, terms, shapes, rank), reserve) for rank in ranks]
+    return [Memory(*_rank_bytes(job, terms, shapes, rank), reserve) for rank in ranks]
 
 
 def peak_memory(job: Job) -> tuple[int, Memory]:
     """The pipeline rank whose tensors take the most memory, and its memory (the ranks compared
     by their tensors' bytes, Memory.total, as sums of the same terms in the same order)."""
     terms, shapes = rank_terms(job), _shapes(job)
-    parts = [(rank, _rank_parts(job, terms, shapes, rank)) for rank in shapes[2]]
-    rank, peak = max(parts, key=lambda rank_parts: sum(rank_parts[1][:5]))
+    _, _, ranks = shapes
+    per_rank = [(rank, _rank_bytes(job, terms, shapes, rank)) for rank in ranks]
+    rank, peak = max(per_rank, key=lambda rank_bytes: rank_bytes[1].tensors)
     return rank, Memory(*peak, job.cluster.gpu.memory_reserve_gb * GB)

@@ -346,17 +346,19 @@ def rank(base: Job, gpus: int, fixed: dict, chosen=(), top: int | None = None) -
         if pinned and not valid(job):
             continue
         sized.append(_lightest_recompute(job, modes, capacity))
-    fitting = [(job, memory) for job, memory in sized if memory.fits(capacity)]
+    fitting, too_big = [], []
+    for job, memory in sized:
+        if memory.fits(capacity):
+            fitting.append((job, memory))
+        else:
+            too_big.append((job, memory))
     if top is None:
         plans = [Plan(job, step_time(job), memory, tuple(chosen)) for job, memory in sized]
         return Ranking(sorted(plans, key=_order), len(sized), len(fitting))
     plans = _fastest(fitting, top, chosen)
     if len(plans) < top:  # too few fit: the smallest of the rest follow, and only they are timed
-        rest = sorted(
-            (pair for pair in sized if not pair[1].fits(capacity)), key=lambda pair: pair[1].total
-        )
-        listed = rest[: top - len(plans)]
-        plans += [Plan(job, step_time(job), memory, tuple(chosen)) for job, memory in listed]
+        smallest = sorted(too_big, key=lambda pair: pair[1].total)[: top - len(plans)]
+        plans += [Plan(job, step_time(job), memory, tuple(chosen)) for job, memory in smallest]
     return Ranking(plans, len(sized), len(fitting))
 
 
@@ -367,7 +369,8 @@ def _fastest(fitting: list[tuple[Job, Memory]], top: int, chosen) -> list[Plan]:
     join them (its step is at least its floor), and none is timed."""
     if not fitting:
         return []
-    tokens = fitting[0][0].global_seqs * fitting[0][0].seq  # per step, the same for every job
+    first_job, _ = fitting[0]
+    tokens = first_job.global_seqs * first_job.seq  # per step, the same for every job
     floors = [step_floor(job) for job, _ in fitting]
     timed: list[tuple[int, Plan]] = []
     fastest: list[float] = []  # tokens/s of the `top` fastest timed so far, a min-heap
