@@ -86,8 +86,11 @@ def test_examples_run_as_written(path, commands, tmp_path):
         os.environ, OMP_NUM_THREADS="1", FOURD_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT)
     )
     # a fresh FOURD_HOME, but the token cache of this machine's: tokenizing the standard library is no example
+    # (made here if this machine has none yet: a link to a missing folder would be a broken one)
     (tmp_path / "home").mkdir()
-    (tmp_path / "home" / "cache").symlink_to(fourd_home() / "cache", target_is_directory=True)
+    shared_cache = fourd_home() / "cache"
+    shared_cache.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "home" / "cache").symlink_to(shared_cache, target_is_directory=True)
     for command in commands:
         words = shlex.split(command.split(" #")[0])
         assignments = dict(w.split("=", 1) for w in words if re.fullmatch(r"[A-Z_]+=\S*", w))
