@@ -61,6 +61,32 @@ def test_zero_bytes_per_parameter_each_of_weights_gradients_and_adam():
     ]
 
 
+def test_each_stack_holds_its_gradients_in_its_own_bytes():
+    """Megatron's main_grad buffer in FP32: 2 + 4 + 12 = 18 B a parameter, 6 + 12/d with the
+    distributed optimizer (Megatron-LM's docs/source/distrib_optimizer.md); NeMo's in BF16, as the
+    weights; nanotron's BF16 gradients and their FP32 accumulators, 2 + 4; FSDP's and DeepSpeed's
+    (without its pipeline engine) as the weights."""
+    par = Parallelism(layout=Layout(1, 1, 1, 4), microbatches=2)
+    bytes_by_stack = {}
+    for stack in ("megatron-core", "megatron-lm", "nemo", "nanotron", "fsdp", "deepspeed"):
+        for zero in (0, 1):
+            job = Job(MODEL, H100, dataclasses.replace(par, zero=zero), 256, 8, stack=stack)
+            bytes_by_stack[stack, zero] = (
+                job.grad_bytes,
+                sum(state_bytes_per_param(zero, 4, job.state_dtype_bytes, job.grad_bytes)),
+            )
+    assert bytes_by_stack["megatron-core", 0] == bytes_by_stack["megatron-lm", 0] == (4, 18)
+    assert bytes_by_stack["megatron-core", 1] == (4, 6 + 12 / 4)
+    assert bytes_by_stack["nemo", 0] == (2, 16) and bytes_by_stack["nemo", 1] == (2, 4 + 12 / 4)
+    assert bytes_by_stack["nanotron", 0] == (6, 20)
+    assert bytes_by_stack["fsdp", 0] == (2, 16)  # as its weights
+    assert bytes_by_stack["deepspeed", 1] == (2, 4 + 12 / 4)  # no pipeline: no engine's copies
+    megatron = Job(MODEL, H100, par, 256, 8, stack="megatron-core")
+    nemo = Job(MODEL, H100, par, 256, 8, stack="nemo")
+    held = peak_memory(megatron)[1].grads - peak_memory(nemo)[1].grads
+    assert held == pytest.approx(2 * (10 * LAYER + 2 * EMBEDDING + 64), rel=1e-12)
+
+
 def test_a_stage_holds_its_layers_and_the_edges_their_embedding_output_and_norm():
     counts = [2, 3, 3, 2]
     assert [stage_params(MODEL, counts, stage) for stage in range(4)] == [

@@ -811,6 +811,21 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
             "test_a_stack_reducing_bf16_gradients_moves_half_the_gradient_bytes",
         ),
     ),
+    "FP8's sequence-parallel all-gathers move BF16's bytes": (
+        "fourd/plan/perf.py",
+        "    gather_bytes = 1 if work.fp8 else work.dtype_bytes\n",
+        "    gather_bytes = work.dtype_bytes\n",
+        (
+            "tests/test_plan_fp8.py::"
+            "test_fp8_gathers_the_sequence_parallel_activations_in_one_byte_and_reduces_in_two",
+        ),
+    ),
+    "Megatron's main_grad buffer held in the weights' bytes": (
+        "fourd/plan/job.py",
+        "        if load_stack(self.stack).main_grads:\n            return self.grad_reduce_bytes\n",
+        "        if load_stack(self.stack).main_grads:\n            return weights\n",
+        ("tests/test_contract_memory.py::test_each_stack_holds_its_gradients_in_its_own_bytes",),
+    ),
     "plan_vs_measured keeps a layout's last round": (
         "benchmarks/plan_vs_measured.py",
         "    median = statistics.median(times)\n",

@@ -14,9 +14,15 @@ from fourd.model.config import parse_model_spec
 from fourd.plan.block import fp8_bytes, fp8_kept_savings, traffic
 from fourd.plan.cluster import load_cluster
 from fourd.plan.job import Job
-from fourd.plan.kernels import GEMM_K_OVERHEAD, HBM_EFFICIENCY, KERNEL_LAUNCH_S, gemm_time
+from fourd.plan.kernels import (
+    GEMM_K_OVERHEAD,
+    HBM_EFFICIENCY,
+    KERNEL_LAUNCH_S,
+    collective_time,
+    gemm_time,
+)
 from fourd.plan.memory import peak_memory
-from fourd.plan.perf import layer_comm, layer_gemms, step_time
+from fourd.plan.perf import layer_comm, layer_gemms, sp_collectives, step_time
 
 H100 = load_cluster("dgx-h100")
 GQA = parse_model_spec("layers=4,dim=4096,ffn=14336,heads=32,kv_heads=8,vocab=32000")
@@ -66,10 +72,33 @@ def test_the_casts_fp8_adds_are_counted_by_hand():
     assert plain.saved - cast.saved == (2 * 2048 + q + f) * (2 - 1)
 
 
-def test_fp8_changes_the_gemms_and_their_casts_and_nothing_else():
+def test_fp8_gathers_the_sequence_parallel_activations_in_one_byte_and_reduces_in_two():
+    """Transformer Engine casts a column-parallel layer's input and a row-parallel layer's output
+    gradient to FP8 before gathering them: SP's all-gathers move 1 B an element, its
+    reduce-scatters the BF16 outputs; without SP the all-reduces stay BF16."""
+    bf16, fp8 = _job(GQA, "bf16"), _job(GQA, "fp8")
+    tp, cluster = fp8.work.groups["tp"], fp8.work.cluster
+    act = fp8.work.tokens * GQA.dim
+    gather = collective_time("all_gather", act * 1, tp, cluster)
+    scatter = collective_time("reduce_scatter", act * 2, tp, cluster)
+    assert sp_collectives(fp8.work) == (gather, scatter)
+    assert sp_collectives(bf16.work) == (
+        collective_time("all_gather", act * 2, tp, cluster),
+        scatter,
+    )
+    assert layer_comm(fp8.work)[:2] == (2 * (gather + scatter), 4 * gather + 2 * scatter)
+    assert gather < sp_collectives(bf16.work)[0]
+    no_sp = [
+        dataclasses.replace(job, par=dataclasses.replace(job.par, sequence_parallel=False))
+        for job in (bf16, fp8)
+    ]
+    assert layer_comm(no_sp[1].work) == layer_comm(no_sp[0].work)
+
+
+def test_fp8_changes_the_gemms_their_casts_and_sps_gathers_and_nothing_else():
     bf16, fp8 = _job(GQA, "bf16"), _job(GQA, "fp8")
     assert (bf16.dtype_bytes, fp8.dtype_bytes) == (2, 2)
-    assert layer_comm(fp8.work) == layer_comm(bf16.work)  # TP traffic in BF16
+    assert layer_comm(fp8.work)[2:] == layer_comm(bf16.work)[2:]  # CP traffic in BF16
     assert all(0.45 < a / b < 0.75 for a, b in zip(layer_gemms(fp8.work), layer_gemms(bf16.work)))
     t_bf16, t_fp8 = step_time(bf16), step_time(fp8)
     assert t_fp8.optimizer_s == t_bf16.optimizer_s and t_fp8.dp_total_s == t_bf16.dp_total_s

@@ -812,3 +812,46 @@ def test_a_stack_file_with_an_unknown_gradient_precision_is_one_line_and_exit_2(
     code, out, err = run_fourd(*plan)
     assert (code, out) == (2, "")
     assert err.splitlines() == [f"fourd: error: {stack}: grad_reduce = 'fp16'; allowed: fp32, bf16"]
+
+
+def test_a_stack_holding_its_gradients_in_the_reduction_precision_is_read_and_checked(user_stacks):
+    """main_grads = true (Megatron's main_grad buffer): a rank holds each gradient in the reduction's
+    bytes, FP32 by default; a value that is not a bool is one line."""
+    (user_stacks / "buffer.toml").write_text('name = "buffer"\nmain_grads = true\n')
+    assert load_stack("buffer").main_grads and not load_stack("fourd").main_grads
+    buffered, plain = (job(Layout(dp=8), stack=name) for name in ("buffer", "fsdp"))
+    assert (buffered.grad_bytes, plain.grad_bytes) == (4, 2)
+    (user_stacks / "bad.toml").write_text('name = "bad"\nmain_grads = "yes"\n')
+    with pytest.raises(FourdError, match="main_grads must be a bool"):
+        load_stack("bad")
+
+
+def test_a_plan_whose_tensors_fit_only_without_the_allocators_cache_says_so():
+    """nanotron's 80B on 4 nodes (TP 8, PP 4, ZeRO 0): 68.8 GB of tensors and runtime with its FP32
+    gradient accumulators, 81.8 GB with the allocator's cache: it fits only if the allocator empties
+    its cache, retrying allocations."""
+    spec = "layers=80,dim=8192,ffn=28672,heads=64,kv_heads=64,vocab=131072"
+    common = ["--model-spec", spec, "--cluster", "dgx-h100", "--layout", "tp=8,pp=4"]
+    common += [
+        "--schedule",
+        "1f1b",
+        "--microbatches",
+        "256",
+        "--seq",
+        "4096",
+        "--recompute",
+        "none",
+    ]
+    common += ["--global-batch-tokens", str(256 * 4096)]
+    lines = {}
+    for stack in ("nanotron", "megatron-core"):
+        done = _plan(*common, "--stack", stack)
+        assert done.returncode == 0, done.stderr
+        lines[stack] = next(line for line in done.stdout.splitlines() if "total of 80 GB" in line)
+    assert lines["nanotron"].split(maxsplit=4)[4] == (
+        "68.8  fits only by emptying the allocator's cache (retries slow the steps)"
+    )
+    assert lines["megatron-core"].split()[-2:] == [
+        "60.6",
+        "fits",
+    ]  # 4 B gradients, 20 layers a rank

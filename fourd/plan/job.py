@@ -136,6 +136,21 @@ class Job:
         return load_stack(self.stack).grad_accumulate_pass or engine
 
     @property
+    def grad_bytes(self) -> int:
+        """Bytes a rank holds per weight gradient before ZeRO shards it: the weights' (BF16 training:
+        the gradient autograd writes), the reduction's where the stack accumulates into a buffer in
+        that precision (its `main_grads`: Megatron's main_grad, FP32 unless NeMo reduces in BF16),
+        or, where each microbatch's gradients are added into FP32 copies by a pass of their own
+        (`accumulates_apart`: nanotron's FP32 gradient accumulator, DeepSpeed's BF16 optimizer under
+        its pipeline engine), both: the BF16 gradients and their 4-byte copies."""
+        weights = self.state_dtype_bytes
+        if self.accumulates_apart and weights < 4:
+            return weights + 4
+        if load_stack(self.stack).main_grads:
+            return self.grad_reduce_bytes
+        return weights
+
+    @property
     def shards_by_parameter(self) -> bool:
         """ZeRO 2 and 3 shard each parameter on its own (the stack's `sharding_copies`: FSDP2), with
         a copy after each gather and before each reduction (fourd.plan.perf.sharding_copies)."""

@@ -20,10 +20,13 @@ ALLOCATOR_FRAGMENTATION = 0.1952
 FP8_WEIGHT_COPIES = 2
 
 
-def state_bytes_per_param(zero: int, dp: int, dtype_bytes: int = 2) -> tuple[float, float, float]:
+def state_bytes_per_param(
+    zero: int, dp: int, dtype_bytes: int = 2, grad_bytes: int | None = None
+) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes per parameter for ZeRO stage 0-3 over dp ranks: 2 + 2 +
-    12 in mixed precision, 4 + 4 + 8 in FP32 (Rajbhandari et al. 2020 §5)."""
-    w = g = dtype_bytes
+    12 in mixed precision, 4 + 4 + 8 in FP32 (Rajbhandari et al. 2020 §5); `grad_bytes`, where the
+    gradients are held in other bytes than the weights (Job.grad_bytes)."""
+    w, g = dtype_bytes, dtype_bytes if grad_bytes is None else grad_bytes
     opt = 12 if dtype_bytes == 2 else 8
     return (w / dp if zero >= 3 else w, g / dp if zero >= 2 else g, opt / dp if zero >= 1 else opt)
 
@@ -137,8 +140,11 @@ class Memory:
 def rank_state_bytes(job: Job) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes per parameter on one GPU: state_bytes_per_param over
     the ranks FSDP shards over (dp × cp, or an HSDP group); under autocast the weights and their
-    gradients are FP32, as in FP32 training (Job.state_dtype_bytes)."""
-    return state_bytes_per_param(job.par.zero, job.par.shard_ranks, job.state_dtype_bytes)
+    gradients are FP32, as in FP32 training (Job.state_dtype_bytes); the gradients in the bytes the
+    stack holds them in (Job.grad_bytes)."""
+    return state_bytes_per_param(
+        job.par.zero, job.par.shard_ranks, job.state_dtype_bytes, job.grad_bytes
+    )
 
 
 @lru_cache(maxsize=4096)

@@ -96,12 +96,20 @@ def layer_comm(work: Work) -> tuple[float, float, float, float]:
 
 
 def sp_collectives(work: Work) -> tuple[float, float]:
-    """(all-gather, reduce-scatter) seconds of one of SP's TP collectives of a layer's activation."""
-    act = work.tokens * work.model.dim * work.dtype_bytes
+    """(all-gather, reduce-scatter) seconds of one of SP's TP collectives of a layer's activation.
+
+    Under FP8 training the all-gathers move FP8, 1 B an element: Transformer Engine casts a
+    column-parallel layer's input to FP8 before gathering it (the norm writes FP8 itself,
+    `LayerNormLinear` and `LayerNormMLP`; the backward's re-gather of that saved FP8 shard for the
+    weight gradient alike) and casts a row-parallel layer's output gradient to FP8 before gathering
+    it (`grad_output_preprocess`, transformer_engine/pytorch/module/base.py, v1.x); the
+    reduce-scatters sum the GEMMs' BF16 outputs and input gradients, at the activation's bytes."""
+    act = work.tokens * work.model.dim
     tp_group = work.groups["tp"]
+    gather_bytes = 1 if work.fp8 else work.dtype_bytes
     return (
-        collective_time("all_gather", act, tp_group, work.cluster),
-        collective_time("reduce_scatter", act, tp_group, work.cluster),
+        collective_time("all_gather", act * gather_bytes, tp_group, work.cluster),
+        collective_time("reduce_scatter", act * work.dtype_bytes, tp_group, work.cluster),
     )
 
 

@@ -192,6 +192,10 @@ def _memory_lines(plan: Plan) -> list[str]:
     out += [f"  {label:<44} {gigabytes[key]:>7.1f}" for key, label in MEMORY]
     total = f"total of {plan.cluster.gpu.memory_gb:.0f} GB"
     verdict = "fits" if plan.fits else "DOES NOT FIT"
+    if plan.fits and plan.memory.held > plan.cluster.gpu.memory_gb * 1e9:
+        # the caching allocator, short of memory, frees its cached blocks and retries the
+        # allocation: each retry synchronizes the GPU (torch.cuda.memory_stats' num_alloc_retries)
+        verdict = "fits only by emptying the allocator's cache (retries slow the steps)"
     out.append(f"  {total:<44} {gigabytes['total'] + gigabytes['reserve']:>7.1f}  {verdict}")
     cache = "and the allocator cache (freed when short)"
     out.append(f"  {cache:<44} {gigabytes['fragmentation']:>7.1f}")

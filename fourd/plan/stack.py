@@ -86,7 +86,11 @@ class Stack:
     or Megatron's, DeepSpeed's, torchtitan's and nanotron's pipeline outermost); `grad_reduce`: the
     precision its data-parallel collectives reduce gradients in, a key of GRAD_REDUCE_BYTES: "bf16"
     moves half the bytes of "fp32" in every gradient reduce-scatter and all-reduce, and in a tied
-    embedding's sync.
+    embedding's sync; `main_grads`: the weight gradients live in one contiguous buffer in that
+    precision, the weight-gradient GEMM accumulating into it (Megatron's `main_grad` and
+    `gradient_accumulation_fusion`), so a rank holds them in `grad_reduce`'s bytes, not in the
+    weights' (Megatron-LM's docs/source/distrib_optimizer.md: BF16 weights with FP32 gradients, 18
+    B a parameter, 6 + 12/d with the distributed optimizer).
 
     What the stack can run, which a search over open settings keeps to: `schedules`, the pipeline
     schedules it implements; `zero`, its ZeRO stages (sharding of optimizer state, gradients and
@@ -110,6 +114,7 @@ class Stack:
     grad_reduce: str = "fp32"
     grad_accumulate_pass: bool = False
     sharding_copies: bool = False
+    main_grads: bool = False
     schedules: tuple[str, ...] = SCHEDULES
     zero: tuple[int, ...] = ZERO_STAGES
     pipeline_zero: tuple[int, ...] = ZERO_STAGES
@@ -213,7 +218,7 @@ def load_stack(name_or_path: str = DEFAULT_STACK) -> Stack:
     fields |= {"autocast": str, "schedules": list, "zero": list, "pipeline_zero": list}
     fields |= {"gather_in_step": list, "model_parallel": list, "dp_bucket_mb": object}
     fields |= {"pipeline_split": str, "grad_accumulate_pass": bool, "sharding_copies": bool}
-    fields |= {"rank_order": str, "grad_reduce": str}
+    fields |= {"rank_order": str, "grad_reduce": str, "main_grads": bool}
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise FourdError(
