@@ -243,7 +243,7 @@ def test_plan_panel_is_fourd_plan_with_one_memory_bar_per_pipeline_rank():
         ),
         (
             {**PLAN_405B, "stack": "/etc/passwd.toml"},
-            "stack='/etc/passwd.toml': choose one of deepspeed, fourd, fsdp, fsdp2, jax-xla, lightning, "
+            "stack='/etc/passwd.toml': choose one of deepspeed, fourd, fsdp, fsdp2, internevo, jax-xla, lightning, "
             "megatron-core, megatron-lm, nanotron, nemo, paddle",
         ),
     ],

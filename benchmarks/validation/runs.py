@@ -48,8 +48,9 @@ ATTENTION_KERNELS = ("flash", "materialized", "eager", "unknown")
 MEMORY_KINDS = ("allocated", "reserved")  # torch.cuda.max_memory_allocated / max_memory_reserved
 # The software that ran a row (README.md, "Stacks"); rows with a first prediction must name theirs.
 # the software stack of each row: the planner's presets (fourd/plan/stacks/; `lightning`: the
-# flash-attention repository's training code, PyTorch Lightning DDP with ZeRO 1), and a stack the
-# planner has no preset of (Meta's own Llama 3 stack), planned with fourd's switches
+# flash-attention repository's training code, PyTorch Lightning DDP with ZeRO 1; `internevo`: InternLM's
+# trainer and its Hybrid ZeRO), and a stack the planner has no preset of (Meta's own Llama 3 stack),
+# planned with fourd's switches
 STACKS = (
     "fourd",
     "fsdp",
@@ -63,6 +64,7 @@ STACKS = (
     "meta-llama3",
     "nanotron",
     "lightning",
+    "internevo",
 )
 
 
