@@ -826,6 +826,32 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
         "        if load_stack(self.stack).main_grads:\n            return weights\n",
         ("tests/test_contract_memory.py::test_each_stack_holds_its_gradients_in_its_own_bytes",),
     ),
+    "a hybrid ZeRO's gradients reduce-scattered whatever the stack": (
+        "fourd/plan/perf.py",
+        "            scatter=bucketed(job.shard_reduce, grad_bytes * params, reductions),\n",
+        '            scatter=bucketed("reduce_scatter", grad_bytes * params, reductions),\n',
+        (
+            "tests/test_plan_stack.py::"
+            "test_a_hybrid_zero_all_reduces_the_gradients_and_broadcasts_each_ranks_shard",
+        ),
+    ),
+    "weights broadcast rank by rank pay one broadcast's latency": (
+        "fourd/plan/perf.py",
+        '        return shard.size * collective_time("broadcast", nbytes / shard.size, shard, job.cluster)\n',
+        '        return collective_time("broadcast", nbytes, shard, job.cluster)\n',
+        (
+            "tests/test_plan_stack.py::"
+            "test_a_hybrid_zero_all_reduces_the_gradients_and_broadcasts_each_ranks_shard",
+        ),
+    ),
+    "the first FlashAttention at FlashAttention-2's rate": (
+        "fourd/plan/kernels.py",
+        '    slower = FLASH1_SHARE if kernel == "flash1" else 1.0\n',
+        "    slower = 1.0\n",
+        (
+            "tests/test_plan_stack.py::test_the_first_flashattention_runs_at_half_flashattention_2s_rate",
+        ),
+    ),
     "plan_vs_measured keeps a layout's last round": (
         "benchmarks/plan_vs_measured.py",
         "    median = statistics.median(times)\n",

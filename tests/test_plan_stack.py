@@ -14,7 +14,7 @@ from fourd.errors import FourdError
 from fourd.layout import Layout, Parallelism
 from fourd.model.config import get_preset
 from fourd.plan import request
-from fourd.plan.cluster import collective_latency, load_cluster, shard_group
+from fourd.plan.cluster import collective_latency, group_bandwidth, load_cluster, shard_group
 from fourd.plan.job import Job
 from fourd.plan.kernels import attention_time, collective_time, gemm_time
 from fourd.plan.memory import max_rank_params, rank_memories
@@ -857,3 +857,53 @@ def test_a_plan_whose_tensors_fit_only_without_the_allocators_cache_says_so():
         "60.6",
         "fits",
     ]  # 4 B gradients, 20 layers a rank
+
+
+def test_a_hybrid_zero_all_reduces_the_gradients_and_broadcasts_each_ranks_shard(user_stacks):
+    """shard_reduce = "all_reduce" and weight_gather = "broadcast" (InternEvo's Hybrid ZeRO): ZeRO 1's
+    gradients all-reduced whole, one call a layer, and the updated weights broadcast one rank's shard
+    at a time, 16 calls on 16 ranks; a ZeRO 0 job is unchanged; a bad value is one line, and the step
+    simulator, which reduce-scatters and all-gathers, refuses the stack in one line."""
+    (user_stacks / "plain.toml").write_text('name = "plain"\ndp_overlap = false\n')
+    (user_stacks / "hybrid.toml").write_text(
+        'name = "hybrid"\ndp_overlap = false\nshard_reduce = "all_reduce"\n'
+        'weight_gather = "broadcast"\n'
+    )
+    layout, group = Layout(dp=16), shard_group(Layout(dp=16))
+    params, layers = max_rank_params(L8B, 1, 1, 1), L8B.layers
+    plain, hybrid = (job(layout, stack=name) for name in ("plain", "hybrid"))
+    assert (hybrid.shard_reduce, hybrid.weight_gather) == ("all_reduce", "broadcast")
+    reduce_scatter = layers * collective_time("reduce_scatter", 4 * params / layers, group, H100)
+    all_gather = layers * collective_time("all_gather", 2 * params / layers, group, H100)
+    all_reduce = layers * collective_time("all_reduce", 4 * params / layers, group, H100)
+    broadcasts = 16 * collective_time("broadcast", 2 * params / 16, group, H100)
+    assert step_time(plain).dp_total_s == pytest.approx(reduce_scatter + all_gather, rel=1e-12)
+    assert step_time(hybrid).dp_total_s == pytest.approx(all_reduce + broadcasts, rel=1e-12)
+    # 16 broadcasts, each over 16 ranks on 2 servers: 16 calls of 15 steps, one between servers
+    one = collective_latency("broadcast", group, H100)
+    assert one == pytest.approx((8.4 + 14.0 + 14 * 3.4) * 1e-6, rel=1e-12)
+    assert broadcasts == pytest.approx(16 * one + 2 * params / group_bandwidth(group, H100)[0])
+    zero0 = [
+        dataclasses.replace(j, par=dataclasses.replace(j.par, zero=0)) for j in (plain, hybrid)
+    ]
+    assert step_time(zero0[0]).dp_total_s == step_time(zero0[1]).dp_total_s
+    (user_stacks / "bad.toml").write_text('name = "bad"\nshard_reduce = "reduce"\n')
+    with pytest.raises(
+        FourdError, match="shard_reduce = 'reduce'; allowed: reduce_scatter, all_reduce"
+    ):
+        load_stack("bad")
+    overlapped = (user_stacks / "hybrid.toml").read_text().replace("dp_overlap = false\n", "")
+    (user_stacks / "hybrid.toml").write_text(overlapped)
+    load_stack.cache_clear()
+    with pytest.raises(FourdError, match="stack hybrid runs all_reduce and broadcast"):
+        simulate_step(job(layout, stack="hybrid"))
+
+
+def test_the_first_flashattention_runs_at_half_flashattention_2s_rate():
+    """fused_attention = "flash1": FlashAttention at half FlashAttention-2's share of the peak (Dao
+    2023: FlashAttention-2 about twice as fast), forward and backward, at any head dimension."""
+    for head_dim in (64, 96, 128):
+        flash2 = attention_time(4096, 4096, 32, head_dim, H100, True, "flash2")
+        flash1 = attention_time(4096, 4096, 32, head_dim, H100, True, "flash1")
+        assert flash1 == pytest.approx((2 * flash2[0], 2 * flash2[1]), rel=1e-12)
+    assert load_stack("internevo").fused_attention == "flash1"

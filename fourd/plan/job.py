@@ -136,6 +136,19 @@ class Job:
         return load_stack(self.stack).grad_accumulate_pass or engine
 
     @property
+    def shard_reduce(self) -> str:
+        """The collective that reduces ZeRO 1 to 3's gradients to their shards: "reduce_scatter", or
+        "all_reduce" where the stack reduces the whole gradients on every rank, each keeping its
+        shard's (the stack's `shard_reduce`: InternEvo's Hybrid ZeRO)."""
+        return load_stack(self.stack).shard_reduce
+
+    @property
+    def weight_gather(self) -> str:
+        """How ZeRO 1 and 2 gather the updated weights: "all_gather", or "broadcast", each rank's
+        shard broadcast on its own (the stack's `weight_gather`)."""
+        return load_stack(self.stack).weight_gather
+
+    @property
     def grad_bytes(self) -> int:
         """Bytes a rank holds per weight gradient before ZeRO shards it: the weights' (BF16 training:
         the gradient autograd writes), the reduction's where the stack accumulates into a buffer in

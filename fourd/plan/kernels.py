@@ -31,6 +31,10 @@ HEAD_DIM_64_SHARE = {
     "flash2": (299 / 335, 291 / 322),
     "cudnn": (388 / 539, 433 / 516),
 }
+# FlashAttention (Dao et al. 2022) at half FlashAttention-2's rates: "FlashAttention-2 ... yields around 2x
+# speedup compared to FlashAttention, reaching 50-73% of the theoretical maximum FLOPs/s on A100", where
+# FlashAttention reaches "only 25-40%" (Dao 2023, abstract and §1)
+FLASH1_SHARE = 0.5
 ADAM_BYTES = {
     2: 30,
     4: 32,
@@ -191,16 +195,18 @@ def attention_time(
 def attention_efficiencies(gpu: GPU, kernel: str, head_dim: int = 128) -> tuple[float, float]:
     """(forward, backward) share of peak of the fused attention family `kernel` on long sequences
     with heads of `head_dim`: cuDNN's where asked for and the profile has them, else
-    FlashAttention-2's (a backward figure missing: the forward's), times the family's
-    head_dim_share (the profiles' figures are at head dim 128)."""
+    FlashAttention-2's (a backward figure missing: the forward's), FlashAttention's ("flash1") at
+    FLASH1_SHARE of FlashAttention-2's; times the family's head_dim_share (the profiles' figures are
+    at head dim 128; FlashAttention's taken as FlashAttention-2's)."""
     family = "flash2"
     forward, backward = gpu.attention_fwd_efficiency, gpu.attention_bwd_efficiency
     if kernel == "cudnn" and gpu.cudnn_attention_fwd_efficiency:
         family = "cudnn"
         forward, backward = gpu.cudnn_attention_fwd_efficiency, gpu.cudnn_attention_bwd_efficiency
     assert forward is not None  # the caller checked the profile has fused-attention figures
+    slower = FLASH1_SHARE if kernel == "flash1" else 1.0
     forward_share, backward_share = head_dim_share(family, head_dim)
-    return forward * forward_share, (backward or forward) * backward_share
+    return forward * forward_share * slower, (backward or forward) * backward_share * slower
 
 
 def head_dim_share(family: str, head_dim: int) -> tuple[float, float]:

@@ -439,8 +439,8 @@ def _dp_exposure(job: Job, t: StageTime, bubble: float, layers: int) -> tuple[fl
             replicas = replica_group(lay, par.hsdp_replicas, job.work.rank_order)
             across = bucketed("all_reduce", grad_bytes * params / shard.size, reductions, replicas)
         passes = PassSeconds(
-            gather=bucketed("all_gather", params * job.state_dtype_bytes, gathers),
-            scatter=bucketed("reduce_scatter", grad_bytes * params, reductions),
+            gather=_weight_gather(job, params, gathers, shard),
+            scatter=bucketed(job.shard_reduce, grad_bytes * params, reductions),
             across=across,
         )
         if job.gathers_in_step:  # ZeRO 1 and 2's gather inside the optimizer's step, unhidden
@@ -449,6 +449,19 @@ def _dp_exposure(job: Job, t: StageTime, bubble: float, layers: int) -> tuple[fl
     total = in_step + sum(phase.seconds for phase in phases)
     exposed = in_step + sum(phase.exposed() for phase in phases)
     return min(exposed, total), total
+
+
+def _weight_gather(job: Job, params: float, gathers: int, shard: Group) -> float:
+    """Seconds of one pass of a ZeRO stage's weight gather over `shard`: one all-gather a layer, or,
+    where the stack broadcasts each rank's updated shard on its own (ZeRO 1 and 2's
+    `weight_gather = "broadcast"`: InternEvo's broadcast_params, one dist.broadcast per rank of the
+    group), one ring broadcast of a shard per rank, each its own call and its n − 1 steps:
+
+        n · (latency of a broadcast over n ranks) + n · (params · bytes / n) / bus bandwidth."""
+    nbytes = params * job.state_dtype_bytes
+    if job.par.zero in (1, 2) and job.weight_gather == "broadcast":
+        return shard.size * collective_time("broadcast", nbytes / shard.size, shard, job.cluster)
+    return gathers * collective_time("all_gather", nbytes / gathers, shard, job.cluster)
 
 
 class PassSeconds(NamedTuple):

@@ -27,8 +27,8 @@ PIPELINE_COMM = ("overlapped", "synchronous", "blocking", "interleaved-overlappe
 # the ZeRO stages that keep whole weights between steps, gathered once per step after the update
 GATHERED_STAGES = (1, 2)
 # the fused attention kernel families: FlashAttention-2 (flash-attn 2, torch SDPA's flash backend),
-# and cuDNN's fused attention (Transformer Engine's FusedAttention)
-FUSED_ATTENTION = ("flash2", "cudnn")
+# cuDNN's fused attention (Transformer Engine's FusedAttention), and the first FlashAttention (flash-attn 1.x)
+FUSED_ATTENTION = ("flash2", "cudnn", "flash1")
 # when BF16 training computes by torch's autocast over FP32 weights: never (the stack holds BF16 weights
 # and an FP32 copy in its optimizer: Megatron's Float16Module, DeepSpeed's BF16 engine, nanotron,
 # Paddle's O2), where no data-parallel wrapper casts them (fourd: FSDP2's mixed precision casts once per
@@ -44,6 +44,13 @@ PIPELINE_SPLITS = ("layers", "cost")
 # whose --bf16 turns on accumulate_allreduce_grads_in_fp32, megatron/training/arguments.py; FSDP's
 # reduce_dtype float32; fourd) or BF16 (NeMo's performance recipes, grad_reduce_in_fp32 = False)
 GRAD_REDUCE_BYTES = {"fp32": 4, "bf16": 2}
+# how ZeRO 1-3 reduce the gradients to their shards: one reduce-scatter (the default), or the whole
+# gradients all-reduced on every rank, each keeping its shard's (InternEvo's Hybrid ZeRO: reduce_tensor
+# all-reduces every bucket over the data-parallel group)
+SHARD_REDUCES = ("reduce_scatter", "all_reduce")
+# how ZeRO 1 and 2 gather the updated weights: one all-gather (the default), or each rank's shard
+# broadcast on its own, one call per rank (InternEvo's broadcast_params)
+WEIGHT_GATHERS = ("all_gather", "broadcast")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,7 +97,9 @@ class Stack:
     precision, the weight-gradient GEMM accumulating into it (Megatron's `main_grad` and
     `gradient_accumulation_fusion`), so a rank holds them in `grad_reduce`'s bytes, not in the
     weights' (Megatron-LM's docs/source/distrib_optimizer.md: BF16 weights with FP32 gradients, 18
-    B a parameter, 6 + 12/d with the distributed optimizer).
+    B a parameter, 6 + 12/d with the distributed optimizer); `shard_reduce`: how ZeRO 1 to 3 reduce
+    the gradients to their shards, one of SHARD_REDUCES; `weight_gather`: how ZeRO 1 and 2 gather the
+    updated weights, one of WEIGHT_GATHERS.
 
     What the stack can run, which a search over open settings keeps to: `schedules`, the pipeline
     schedules it implements; `zero`, its ZeRO stages (sharding of optimizer state, gradients and
@@ -115,6 +124,8 @@ class Stack:
     grad_accumulate_pass: bool = False
     sharding_copies: bool = False
     main_grads: bool = False
+    shard_reduce: str = SHARD_REDUCES[0]
+    weight_gather: str = WEIGHT_GATHERS[0]
     schedules: tuple[str, ...] = SCHEDULES
     zero: tuple[int, ...] = ZERO_STAGES
     pipeline_zero: tuple[int, ...] = ZERO_STAGES
@@ -219,6 +230,7 @@ def load_stack(name_or_path: str = DEFAULT_STACK) -> Stack:
     fields |= {"gather_in_step": list, "model_parallel": list, "dp_bucket_mb": object}
     fields |= {"pipeline_split": str, "grad_accumulate_pass": bool, "sharding_copies": bool}
     fields |= {"rank_order": str, "grad_reduce": str, "main_grads": bool}
+    fields |= {"shard_reduce": str, "weight_gather": str}
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise FourdError(
@@ -239,6 +251,8 @@ def load_stack(name_or_path: str = DEFAULT_STACK) -> Stack:
         ("pipeline_split", PIPELINE_SPLITS),
         ("rank_order", RANK_ORDERS),
         ("grad_reduce", tuple(GRAD_REDUCE_BYTES)),
+        ("shard_reduce", SHARD_REDUCES),
+        ("weight_gather", WEIGHT_GATHERS),
     ):
         if key in data and data[key] not in words:
             raise FourdError(f"{path}: {key} = {data[key]!r}; allowed: {', '.join(words)}")

@@ -704,6 +704,15 @@ def simulate_step(
             f"{job.stack} reduces after the backward, which the planner models: use `fourd plan` "
             "or --dp-overlap on"
         )
+    if par.zero in (1, 2) and (job.shard_reduce, job.weight_gather) != (
+        "reduce_scatter",
+        "all_gather",
+    ):
+        raise FourdError(
+            f"the step simulator reduce-scatters ZeRO {par.zero}'s gradients and all-gathers its "
+            f"weights only; stack {job.stack} runs {job.shard_reduce} and {job.weight_gather}, which "
+            "the planner models: use `fourd plan` or --zero 0"
+        )
     layers = [max(1, count) for count in job.stage_layers]
     # before building: F and B per layer and microbatch, or F, I and W with zero bubble
     kinds = 2
