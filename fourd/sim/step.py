@@ -686,11 +686,10 @@ class _Engine:
             self.net.add(flow, now)
 
 
-def simulate_step(
-    job: Job, comm: bool = True, slow_gpu: tuple[int, float] | None = None, throttle: float = 1.0
-):
-    """One step of `job` (a StepResult). `slow_gpu = (global rank, factor)`: that GPU, and with it
-    its TP/CP group, computes factor× slower; `throttle` ≥ 1 slows every GPU alike."""
+def _check_simulable(job: Job) -> None:
+    """Refuse, in one line each, what the engine does not run and the planner models: pipeline sends
+    other than overlapped, data-parallel traffic after the backward, and ZeRO 1 or 2's gradients
+    all-reduced or weights broadcast rank by rank."""
     lay, par = job.layout, job.par
     if job.pipeline_sends != "overlapped" and lay.pp > 1:
         raise FourdError(
@@ -704,15 +703,22 @@ def simulate_step(
             f"{job.stack} reduces after the backward, which the planner models: use `fourd plan` "
             "or --dp-overlap on"
         )
-    if par.zero in (1, 2) and (job.shard_reduce, job.weight_gather) != (
-        "reduce_scatter",
-        "all_gather",
-    ):
+    engine_sharding = (job.shard_reduce, job.weight_gather) == ("reduce_scatter", "all_gather")
+    if par.zero in (1, 2) and not engine_sharding:
         raise FourdError(
             f"the step simulator reduce-scatters ZeRO {par.zero}'s gradients and all-gathers its "
             f"weights only; stack {job.stack} runs {job.shard_reduce} and {job.weight_gather}, which "
             "the planner models: use `fourd plan` or --zero 0"
         )
+
+
+def simulate_step(
+    job: Job, comm: bool = True, slow_gpu: tuple[int, float] | None = None, throttle: float = 1.0
+):
+    """One step of `job` (a StepResult). `slow_gpu = (global rank, factor)`: that GPU, and with it
+    its TP/CP group, computes factor× slower; `throttle` ≥ 1 slows every GPU alike."""
+    lay, par = job.layout, job.par
+    _check_simulable(job)
     layers = [max(1, count) for count in job.stage_layers]
     # before building: F and B per layer and microbatch, or F, I and W with zero bubble
     kinds = 2
