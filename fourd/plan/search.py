@@ -113,6 +113,9 @@ class Plan:
             "gather_in_step": job.gathers_in_step,
             "autocast": job.work.autocast,
             "grad_reduce_bytes": job.grad_reduce_bytes,
+            "grad_bytes": job.grad_bytes,
+            "shard_reduce": job.shard_reduce,
+            "weight_gather": job.weight_gather,
         }
         out |= {
             "pipeline_comm": job.pipeline_comm,
