@@ -28,6 +28,7 @@ from fourd.plan.perf import (
     sp_collectives,
     step_time,
 )
+from fourd.plan.report import plan_report
 from fourd.plan.stack import load_stack, preset_names
 from fourd.sim.step import simulate_step
 
@@ -907,3 +908,23 @@ def test_the_first_flashattention_runs_at_half_flashattention_2s_rate():
         flash1 = attention_time(4096, 4096, 32, head_dim, H100, True, "flash1")
         assert flash1 == pytest.approx((2 * flash2[0], 2 * flash2[1]), rel=1e-12)
     assert load_stack("internevo").fused_attention == "flash1"
+
+
+def test_the_report_says_how_a_hybrid_zero_reduces_and_gathers():
+    """InternEvo's ZeRO 1 on 16 ranks: Why names the all-reduce and the 16 broadcasts; fourd's ZeRO 1
+    names neither."""
+    values = {"layout": Layout(dp=16), "zero": 1, "stack": "internevo"}
+    plan = request.plans(request.resolve(L8B, H100, values))[0]
+    lines = plan_report(plan, 1e9).splitlines()
+    assert (
+        "  - Stack internevo all-reduces the whole gradients, each rank keeping its shard's: twice "
+        "the bytes of a reduce-scatter." in lines
+    )
+    assert (
+        "  - Stack internevo broadcasts each rank's updated weights on its own: 16 broadcasts over "
+        "16 ranks a step, each paying a ring's latency." in lines
+    )
+    plain = request.plans(request.resolve(L8B, H100, {**values, "stack": "fourd"}))[0]
+    assert "broadcast" not in plan_report(
+        plain, 1e9
+    ) and "all-reduces the whole" not in plan_report(plain, 1e9)

@@ -122,6 +122,25 @@ def _gradient_lines(plan: Plan) -> list[str]:
             f"Stack {job.stack} gathers ZeRO {plan.config.zero}'s updated weights inside the "
             "optimizer's step, where no compute hides them."
         )
+    return lines + _sharding_lines(plan)
+
+
+def _sharding_lines(plan: Plan) -> list[str]:
+    """Why's sentences on a stack that reduces ZeRO's gradients or gathers its weights otherwise than
+    by one reduce-scatter and one all-gather (InternEvo's Hybrid ZeRO)."""
+    job, zero, lines = plan.job, plan.config.zero, []
+    if zero and job.shard_reduce == "all_reduce":
+        lines.append(
+            f"Stack {job.stack} all-reduces the whole gradients, each rank keeping its shard's: "
+            "twice the bytes of a reduce-scatter."
+        )
+    if zero in (1, 2) and job.weight_gather == "broadcast":
+        ranks = job.par.shard_ranks
+        lines.append(
+            f"Stack {job.stack} broadcasts each rank's updated weights on its own: "
+            f"{plural(ranks, 'broadcast')} over {ranks:,} ranks a step, each paying a ring's "
+            "latency."
+        )
     return lines
 
 
