@@ -106,7 +106,8 @@ class Parallelism:
     zero: int = 1  # one of ZERO_STAGES
     recompute: str = "none"  # one of RECOMPUTE
     sequence_parallel: bool = False
-    # more than one: ZeRO-3 inside each replica group, gradients all-reduced across
+    # more than one: ZeRO 1-3 inside each replica group, gradients all-reduced across (fourd train
+    # runs it with ZeRO 3: FSDP2's HSDP)
     hsdp_replicas: int = 1
 
     @property
@@ -194,13 +195,13 @@ def check(model, par: Parallelism, seq: int, global_seqs: int) -> None:
     if (
         par.hsdp_replicas < 1
         or lay.dp % par.hsdp_replicas
-        or (par.hsdp_replicas > 1 and par.zero != 3)
+        or (par.hsdp_replicas > 1 and par.zero == 0)
     ):
         divisors = [str(count) for count in range(1, lay.dp + 1) if lay.dp % count == 0]
         raise FourdError(
-            f"HSDP replicas = {par.hsdp_replicas} with ZeRO stage {par.zero}: HSDP is ZeRO 3 "
-            f"inside each replica group, and the replicas must divide dp={lay.dp}: choose among "
-            f"{', '.join(divisors)} with ZeRO stage 3"
+            f"HSDP replicas = {par.hsdp_replicas} with ZeRO stage {par.zero}: ZeRO shards within "
+            f"each replica group, and the replicas must divide dp={lay.dp}: choose among "
+            f"{', '.join(divisors)} with ZeRO stage 1, 2 or 3"
         )
 
 

@@ -828,8 +828,8 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
     ),
     "a hybrid ZeRO's gradients reduce-scattered whatever the stack": (
         "fourd/plan/perf.py",
-        "            scatter=bucketed(job.shard_reduce, grad_bytes * params, reductions),\n",
-        '            scatter=bucketed("reduce_scatter", grad_bytes * params, reductions),\n',
+        '        if job.shard_reduce == "all_reduce":\n',
+        "        if False:\n",
         (
             "tests/test_plan_stack.py::"
             "test_a_hybrid_zero_all_reduces_the_gradients_and_broadcasts_each_ranks_shard",
@@ -850,6 +850,15 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
         "    slower = 1.0\n",
         (
             "tests/test_plan_stack.py::test_the_first_flashattention_runs_at_half_flashattention_2s_rate",
+        ),
+    ),
+    "HSDP's shards never all-reduced across the replica groups": (
+        "fourd/plan/perf.py",
+        "            across=_across_replicas(job, grad_bytes * params / shard.size, reductions),\n",
+        "            across=0.0,\n",
+        (
+            "tests/test_plan_stack.py::"
+            "test_zero_1_within_replica_groups_reduces_in_each_group_and_across_them",
         ),
     ),
     "plan_vs_measured keeps a layout's last round": (

@@ -1,6 +1,7 @@
 """Layout parsing, the rank formula, and every refusal of an impossible layout (pure Python)."""
 
 import pytest
+from conftest import run_fourd
 
 from fourd.errors import FourdError
 from fourd.layout import Layout, Parallelism, check, layer_split, parse_layout, split_ok
@@ -116,8 +117,8 @@ def test_a_valid_layout_passes():
         (
             Parallelism(layout=Layout(dp=4), zero=3, hsdp_replicas=3),
             {},
-            "HSDP replicas = 3 with ZeRO stage 3: HSDP is ZeRO 3 inside each replica group, and the replicas must "
-            "divide dp=4: choose among 1, 2, 4 with ZeRO stage 3",
+            "HSDP replicas = 3 with ZeRO stage 3: ZeRO shards within each replica group, and the replicas must "
+            "divide dp=4: choose among 1, 2, 4 with ZeRO stage 1, 2 or 3",
         ),
         (Parallelism(layout=Layout(), zero=5), {}, "ZeRO stage 5: choose one of 0, 1, 2, 3"),
         (
@@ -279,15 +280,15 @@ def test_stage_counts_a_model_can_take():
             Parallelism(layout=Layout(dp=2), hsdp_replicas=0),
             64,
             8,
-            "HSDP replicas = 0 with ZeRO stage 1: HSDP is ZeRO 3 inside each replica group, and the "
-            "replicas must divide dp=2: choose among 1, 2 with ZeRO stage 3",
+            "HSDP replicas = 0 with ZeRO stage 1: ZeRO shards within each replica group, and the "
+            "replicas must divide dp=2: choose among 1, 2 with ZeRO stage 1, 2 or 3",
         ),
         (
-            Parallelism(layout=Layout(dp=4), zero=2, hsdp_replicas=2),
+            Parallelism(layout=Layout(dp=4), zero=0, hsdp_replicas=2),
             64,
             8,
-            "HSDP replicas = 2 with ZeRO stage 2: HSDP is ZeRO 3 inside each replica group, and the "
-            "replicas must divide dp=4: choose among 1, 2, 4 with ZeRO stage 3",
+            "HSDP replicas = 2 with ZeRO stage 0: ZeRO shards within each replica group, and the "
+            "replicas must divide dp=4: choose among 1, 2, 4 with ZeRO stage 1, 2 or 3",
         ),
         (
             Parallelism(layout=Layout(pp=2), microbatches=0),
@@ -362,8 +363,8 @@ def test_refusals_at_odd_degrees():
             DEBUG, Parallelism(layout=Layout(dp=3), zero=3, hsdp_replicas=2), seq=64, global_seqs=6
         )
     assert str(e.value) == (
-        "HSDP replicas = 2 with ZeRO stage 3: HSDP is ZeRO 3 inside each replica group, and the "
-        "replicas must divide dp=3: choose among 1, 3 with ZeRO stage 3"
+        "HSDP replicas = 2 with ZeRO stage 3: ZeRO shards within each replica group, and the "
+        "replicas must divide dp=3: choose among 1, 3 with ZeRO stage 1, 2 or 3"
     )
     with pytest.raises(FourdError) as e:
         check(DEBUG, Parallelism(layout=Layout(cp=2)), seq=6, global_seqs=8)
@@ -436,3 +437,22 @@ def test_the_stage_refusal_names_the_two_extra_stages_of_a_small_model():
 def test_a_shard_group_is_a_whole_number_of_ranks():
     par = Parallelism(layout=Layout(cp=2, dp=4), zero=3, hsdp_replicas=2)
     assert par.shard_ranks == 4 and isinstance(par.shard_ranks, int)
+
+
+def test_fourd_train_refuses_hsdp_below_zero_3_in_one_line_which_the_planner_plans(tmp_path):
+    """The one validator takes HSDP with ZeRO 1 and 2 (the planner plans shards within groups);
+    `fourd train` runs FSDP2's HSDP, ZeRO 3 only, and says so before any worker starts."""
+    zero1 = Parallelism(layout=Layout(dp=4), zero=1, hsdp_replicas=2)
+    check(DEBUG, zero1, seq=64, global_seqs=8)
+    run_dir = tmp_path / "run"
+    code, out, err = run_fourd(
+        *("train", "--model", "debug", "--steps", "1", "--layout", "dp=4", "--run-dir", run_dir),
+        *("--parallel.zero=1", "--parallel.hsdp_replicas=2"),
+    )
+    assert (code, out) == (2, "")
+    assert err.splitlines() == [
+        "fourd: error: parallel.hsdp_replicas = 2 with ZeRO stage 1: fourd train runs HSDP with "
+        "ZeRO 3 (FSDP2's replicated shards); set parallel.zero = 3, or parallel.hsdp_replicas = 1 "
+        "(the planner plans ZeRO 1 and 2 within groups too)"
+    ]
+    assert not run_dir.exists()

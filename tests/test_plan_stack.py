@@ -14,10 +14,16 @@ from fourd.errors import FourdError
 from fourd.layout import Layout, Parallelism
 from fourd.model.config import get_preset
 from fourd.plan import request
-from fourd.plan.cluster import collective_latency, group_bandwidth, load_cluster, shard_group
+from fourd.plan.cluster import (
+    collective_latency,
+    group_bandwidth,
+    load_cluster,
+    replica_group,
+    shard_group,
+)
 from fourd.plan.job import Job
 from fourd.plan.kernels import attention_time, collective_time, gemm_time
-from fourd.plan.memory import max_rank_params, rank_memories
+from fourd.plan.memory import max_rank_params, peak_memory, rank_memories
 from fourd.plan.perf import (
     OVERLAP_SLOWDOWN,
     autocast_passes,
@@ -928,3 +934,41 @@ def test_the_report_says_how_a_hybrid_zero_reduces_and_gathers():
     assert "broadcast" not in plan_report(
         plain, 1e9
     ) and "all-reduces the whole" not in plan_report(plain, 1e9)
+
+
+def test_zero_1_within_replica_groups_reduces_in_each_group_and_across_them(user_stacks):
+    """ZeRO 1 sharded within each of 2 groups of 8 ranks (HSDP replicas): the gradients
+    reduce-scattered within a group, the shards all-reduced across the groups, the weights gathered
+    within it, Adam's state over 8 ranks; with InternEvo's switches the whole gradients all-reduced
+    over all 16 ranks and the shards broadcast within the group, 8 calls."""
+    (user_stacks / "plain.toml").write_text('name = "plain"\ndp_overlap = false\n')
+    (user_stacks / "hybrid.toml").write_text(
+        'name = "hybrid"\ndp_overlap = false\nshard_reduce = "all_reduce"\n'
+        'weight_gather = "broadcast"\n'
+    )
+    layout, layers = Layout(dp=16), L8B.layers
+    params = max_rank_params(L8B, 1, 1, 1)
+    shard, every = shard_group(layout, 2), shard_group(layout)
+    replicas = replica_group(layout, 2)
+    assert (shard.size, every.size, replicas.size) == (8, 16, 2)
+
+    def grouped(name):
+        base = job(layout, stack=name)
+        return dataclasses.replace(base, par=dataclasses.replace(base.par, hsdp_replicas=2))
+
+    plain, hybrid = grouped("plain"), grouped("hybrid")
+    scatter = layers * collective_time("reduce_scatter", 4 * params / layers, shard, H100)
+    across = layers * collective_time("all_reduce", 4 * params / 8 / layers, replicas, H100)
+    gather = layers * collective_time("all_gather", 2 * params / layers, shard, H100)
+    assert step_time(plain).dp_total_s == pytest.approx(scatter + across + gather, rel=1e-12)
+    whole = layers * collective_time("all_reduce", 4 * params / layers, every, H100)
+    broadcasts = 8 * collective_time("broadcast", 2 * params / 8, shard, H100)
+    assert step_time(hybrid).dp_total_s == pytest.approx(whole + broadcasts, rel=1e-12)
+    # Adam's 12 B a parameter over the 8 ranks of a group, not the 16
+    assert peak_memory(plain)[1].optimizer == pytest.approx(
+        peak_memory(job(layout, stack="plain"))[1].optimizer * 2, rel=1e-12
+    )
+    with pytest.raises(
+        FourdError, match="runs HSDP with ZeRO 3 only, not 2 replica groups of ZeRO 1"
+    ):
+        simulate_step(grouped("fourd"))

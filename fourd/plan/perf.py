@@ -434,21 +434,34 @@ def _dp_exposure(job: Job, t: StageTime, bubble: float, layers: int) -> tuple[fl
     if par.zero == 0:
         passes = PassSeconds(all_reduce=bucketed("all_reduce", grad_bytes * params, reductions))
     else:
-        across = 0.0
-        if par.zero == 3:
-            replicas = replica_group(lay, par.hsdp_replicas, job.work.rank_order)
-            across = bucketed("all_reduce", grad_bytes * params / shard.size, reductions, replicas)
         passes = PassSeconds(
             gather=_weight_gather(job, params, gathers, shard),
-            scatter=bucketed(job.shard_reduce, grad_bytes * params, reductions),
-            across=across,
+            scatter=bucketed("reduce_scatter", grad_bytes * params, reductions),
+            across=_across_replicas(job, grad_bytes * params / shard.size, reductions),
         )
+        if job.shard_reduce == "all_reduce":
+            # the whole gradients all-reduced over every rank that shares the weights, replica
+            # groups included, each rank keeping its shard's
+            every = shard_group(lay, 1, job.work.rank_order)
+            whole = bucketed("all_reduce", grad_bytes * params, reductions, every)
+            passes = passes._replace(scatter=whole, across=0.0)
         if job.gathers_in_step:  # ZeRO 1 and 2's gather inside the optimizer's step, unhidden
             in_step += passes.gather
     phases = _dp_phases(job, t, bubble, embedding_share, passes, gathers, reductions)
     total = in_step + sum(phase.seconds for phase in phases)
     exposed = in_step + sum(phase.exposed() for phase in phases)
     return min(exposed, total), total
+
+
+def _across_replicas(job: Job, shard_bytes: float, reductions: int) -> float:
+    """Seconds of HSDP's all-reduce of each reduced shard across the replica groups, in the stack's
+    buckets (`hsdp_replicas` > 1, ZeRO 1 to 3; 0 without replicas)."""
+    if not job.par.hsdp:
+        return 0.0
+    replicas = replica_group(job.layout, job.par.hsdp_replicas, job.work.rank_order)
+    return reductions * collective_time(
+        "all_reduce", shard_bytes / reductions, replicas, job.cluster
+    )
 
 
 def _weight_gather(job: Job, params: float, gathers: int, shard: Group) -> float:
@@ -497,20 +510,18 @@ def _dp_phases(
             DpPhase(passes.all_reduce, tail, 1, reductions, embedding_share * passes.all_reduce)
         ]
     beside_forward = 0.0 if job.gathers_in_step else passes.gather
-    scatter_tail = embedding_share * passes.scatter  # a pass's seconds after its backward
+    reduced = passes.scatter + passes.across  # HSDP: the shard all-reduced across the replicas
+    scatter_tail = embedding_share * reduced  # a pass's seconds after its backward
     if job.par.zero == 1:
         return [
-            DpPhase(passes.scatter, tail, 1, reductions, scatter_tail),
+            DpPhase(reduced, tail, 1, reductions, scatter_tail),
             DpPhase(beside_forward, head, 1, gathers),
         ]
     if job.par.zero == 2:
         return [
-            DpPhase(
-                reduces * passes.scatter, reduces * t.backward, reduces, reductions, scatter_tail
-            ),
+            DpPhase(reduces * reduced, reduces * t.backward, reduces, reductions, scatter_tail),
             DpPhase(beside_forward, head, 1, gathers),
         ]
-    reduced = passes.scatter + passes.across
     return [
         DpPhase(microbatches * passes.gather, microbatches * t.forward, microbatches, gathers),
         DpPhase(

@@ -130,7 +130,7 @@ SETTINGS: dict[str, tuple[Any, str]] = {
     "zero": (choice(ZERO_STAGES, int), "ZeRO stage of the data-parallel sharding"),
     "hsdp_replicas": (
         bounded(int, 1, MAX_GPUS),
-        "HSDP: ZeRO 3 inside each of this many replica groups",
+        "HSDP: ZeRO (3 unless --zero says 1 or 2) inside each of this many replica groups",
     ),
     "sequence_parallel": (on_off, "sequence parallelism with TP (default on)"),
     "precision": (

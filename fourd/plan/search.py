@@ -219,7 +219,8 @@ def _schedules(pinned: str | None, pp: int, stack: Stack) -> list[str]:
 
 
 def _zero_stages(pinned: int | None, lay: Layout, hsdp_replicas: int, stack: Stack) -> list[int]:
-    """The ZeRO stages to try: the pinned one; with HSDP 3 (HSDP is ZeRO 3 in replica groups);
+    """The ZeRO stages to try: the pinned one; with HSDP and no stage pinned 3 (FSDP's HSDP; ZeRO 1
+    and 2 within replica groups only when pinned);
     unsharded, 0 (every stage is the same); else the stack's sharded stages, ZeRO 0 only when it
     has no other (ZeRO 1 moves fewer bytes and shards the optimizer)."""
     if pinned is not None:

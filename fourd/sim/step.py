@@ -688,8 +688,8 @@ class _Engine:
 
 def _check_simulable(job: Job) -> None:
     """Refuse, in one line each, what the engine does not run and the planner models: pipeline sends
-    other than overlapped, data-parallel traffic after the backward, and ZeRO 1 or 2's gradients
-    all-reduced or weights broadcast rank by rank."""
+    other than overlapped, data-parallel traffic after the backward, HSDP replica groups of ZeRO 1
+    or 2, and ZeRO 1 or 2's gradients all-reduced or weights broadcast rank by rank."""
     lay, par = job.layout, job.par
     if job.pipeline_sends != "overlapped" and lay.pp > 1:
         raise FourdError(
@@ -702,6 +702,11 @@ def _check_simulable(job: Job) -> None:
             f"the step simulator overlaps data-parallel traffic with compute only; stack "
             f"{job.stack} reduces after the backward, which the planner models: use `fourd plan` "
             "or --dp-overlap on"
+        )
+    if par.hsdp and par.zero != 3:
+        raise FourdError(
+            f"the step simulator runs HSDP with ZeRO 3 only, not {par.hsdp_replicas} replica groups "
+            f"of ZeRO {par.zero}, which the planner models: use `fourd plan` or --zero 3"
         )
     engine_sharding = (job.shard_reduce, job.weight_gather) == ("reduce_scatter", "all_gather")
     if par.zero in (1, 2) and not engine_sharding:

@@ -253,6 +253,12 @@ def prepare(args):
         check_config(cfg)
     par = parallelism(cfg)
     check(mcfg, par, cfg.data.seq_len, cfg.train.global_batch)
+    if par.hsdp and par.zero != 3:
+        raise FourdError(
+            f"parallel.hsdp_replicas = {par.hsdp_replicas} with ZeRO stage {par.zero}: fourd train "
+            "runs HSDP with ZeRO 3 (FSDP2's replicated shards); set parallel.zero = 3, or "
+            "parallel.hsdp_replicas = 1 (the planner plans ZeRO 1 and 2 within groups too)"
+        )
     if cfg.train.fp8:
         from fourd.parallel.apply import check_fp8
 
