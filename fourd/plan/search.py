@@ -40,6 +40,26 @@ BREAKDOWN = (
 )
 
 
+def _stack_json(job: Job) -> dict:
+    """The plan's software as planned (`fourd plan --json`): compile, attention, the stack and its
+    switches."""
+    return {
+        "compiled": job.compiled,
+        "attention": job.attention,
+        "stack": job.stack,
+        "tp_overlap": job.work.tp_overlap,
+        "dp_overlap": job.dp_overlapped,
+        "fused_kernels": job.work.fused,
+        "fused_attention": job.work.fused_attention,
+        "gather_in_step": job.gathers_in_step,
+        "autocast": job.work.autocast,
+        "grad_reduce_bytes": job.grad_reduce_bytes,
+        "grad_bytes": job.grad_bytes,
+        "shard_reduce": job.shard_reduce,
+        "weight_gather": job.weight_gather,
+    }
+
+
 @dataclass(frozen=True)
 class Plan:
     job: Job
@@ -101,22 +121,7 @@ class Plan:
     def to_json(self, train_tokens: float | None = None) -> dict:
         config, step, lay, job = self.config, self.step, self.config.layout, self.job
         out = {"model": self.model.to_dict(), "cluster": self.cluster.name, "gpus": self.gpus}
-        out |= {
-            "dtype": job.precision or self.cluster.dtype,
-            "compiled": job.compiled,
-            "attention": job.attention,
-            "stack": job.stack,
-            "tp_overlap": job.work.tp_overlap,
-            "dp_overlap": job.dp_overlapped,
-            "fused_kernels": job.work.fused,
-            "fused_attention": job.work.fused_attention,
-            "gather_in_step": job.gathers_in_step,
-            "autocast": job.work.autocast,
-            "grad_reduce_bytes": job.grad_reduce_bytes,
-            "grad_bytes": job.grad_bytes,
-            "shard_reduce": job.shard_reduce,
-            "weight_gather": job.weight_gather,
-        }
+        out |= {"dtype": job.precision or self.cluster.dtype} | _stack_json(job)
         out |= {
             "pipeline_comm": job.pipeline_comm,
             "layout": {dim: getattr(lay, dim) for dim in ("tp", "cp", "pp", "dp")},
