@@ -828,7 +828,7 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
     ),
     "a hybrid ZeRO's gradients reduce-scattered whatever the stack": (
         "fourd/plan/perf.py",
-        '        if job.shard_reduce == "all_reduce":\n',
+        "        if job.reduces_whole_gradients:\n",
         "        if False:\n",
         (
             "tests/test_plan_stack.py::"
@@ -846,16 +846,16 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
     ),
     "the first FlashAttention at FlashAttention-2's rate": (
         "fourd/plan/kernels.py",
-        '    slower = FLASH1_SHARE if kernel == "flash1" else 1.0\n',
-        "    slower = 1.0\n",
+        '    family_share = FLASH1_SHARE if kernel == "flash1" else 1.0  # of FlashAttention-2\'s rates\n',
+        "    family_share = 1.0\n",
         (
             "tests/test_plan_stack.py::test_the_first_flashattention_runs_at_half_flashattention_2s_rate",
         ),
     ),
     "HSDP's shards never all-reduced across the replica groups": (
         "fourd/plan/perf.py",
-        "            across=_across_replicas(job, grad_bytes * params / shard.size, reductions),\n",
-        "            across=0.0,\n",
+        "            across = _across_replicas(job, grad_bytes * params / shard.size, reductions)\n",
+        "            across = 0.0\n",
         (
             "tests/test_plan_stack.py::"
             "test_zero_1_within_replica_groups_reduces_in_each_group_and_across_them",

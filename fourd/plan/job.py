@@ -149,6 +149,18 @@ class Job:
         return load_stack(self.stack).weight_gather
 
     @property
+    def reduces_whole_gradients(self) -> bool:
+        """ZeRO 1 to 3's gradients all-reduced whole over every rank that shares the weights, each
+        rank keeping its shard's, instead of reduce-scattered (`shard_reduce = "all_reduce"`)."""
+        return self.par.zero >= 1 and self.shard_reduce == "all_reduce"
+
+    @property
+    def broadcasts_weights(self) -> bool:
+        """ZeRO 1 or 2's updated weights broadcast one rank's shard at a time, instead of
+        all-gathered (`weight_gather = "broadcast"`)."""
+        return self.par.zero in (1, 2) and self.weight_gather == "broadcast"
+
+    @property
     def grad_bytes(self) -> int:
         """Bytes a rank holds per weight gradient before ZeRO shards it: the weights' (BF16 training:
         the gradient autograd writes), the reduction's where the stack accumulates into a buffer in

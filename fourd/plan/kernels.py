@@ -204,9 +204,12 @@ def attention_efficiencies(gpu: GPU, kernel: str, head_dim: int = 128) -> tuple[
         family = "cudnn"
         forward, backward = gpu.cudnn_attention_fwd_efficiency, gpu.cudnn_attention_bwd_efficiency
     assert forward is not None  # the caller checked the profile has fused-attention figures
-    slower = FLASH1_SHARE if kernel == "flash1" else 1.0
+    family_share = FLASH1_SHARE if kernel == "flash1" else 1.0  # of FlashAttention-2's rates
     forward_share, backward_share = head_dim_share(family, head_dim)
-    return forward * forward_share * slower, (backward or forward) * backward_share * slower
+    return (
+        forward * forward_share * family_share,
+        (backward or forward) * backward_share * family_share,
+    )
 
 
 def head_dim_share(family: str, head_dim: int) -> tuple[float, float]:

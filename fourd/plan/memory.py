@@ -26,7 +26,8 @@ def state_bytes_per_param(
     """(weights, gradients, optimizer) bytes per parameter for ZeRO stage 0-3 over dp ranks: 2 + 2 +
     12 in mixed precision, 4 + 4 + 8 in FP32 (Rajbhandari et al. 2020 §5); `grad_bytes`, where the
     gradients are held in other bytes than the weights (Job.grad_bytes)."""
-    w, g = dtype_bytes, dtype_bytes if grad_bytes is None else grad_bytes
+    w = dtype_bytes
+    g = dtype_bytes if grad_bytes is None else grad_bytes
     opt = 12 if dtype_bytes == 2 else 8
     return (w / dp if zero >= 3 else w, g / dp if zero >= 2 else g, opt / dp if zero >= 1 else opt)
 
@@ -122,6 +123,11 @@ class Memory:
         """The tensors and the runtime fit: before it gives up, the allocator frees what it keeps
         cached."""
         return self.total + self.reserve <= capacity
+
+    def fits_with_cache(self, capacity: float) -> bool:
+        """All it holds fits, the allocator's cache included: no allocation has to wait for the
+        allocator to free its cached blocks and retry."""
+        return self.held <= capacity
 
     def gb(self) -> dict:
         names = (

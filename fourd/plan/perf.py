@@ -104,12 +104,12 @@ def sp_collectives(work: Work) -> tuple[float, float]:
     weight gradient alike) and casts a row-parallel layer's output gradient to FP8 before gathering
     it (`grad_output_preprocess`, transformer_engine/pytorch/module/base.py, v1.x); the
     reduce-scatters sum the GEMMs' BF16 outputs and input gradients, at the activation's bytes."""
-    act = work.tokens * work.model.dim
+    elements = work.tokens * work.model.dim
     tp_group = work.groups["tp"]
     gather_bytes = 1 if work.fp8 else work.dtype_bytes
     return (
-        collective_time("all_gather", act * gather_bytes, tp_group, work.cluster),
-        collective_time("reduce_scatter", act * work.dtype_bytes, tp_group, work.cluster),
+        collective_time("all_gather", elements * gather_bytes, tp_group, work.cluster),
+        collective_time("reduce_scatter", elements * work.dtype_bytes, tp_group, work.cluster),
     )
 
 
@@ -434,17 +434,17 @@ def _dp_exposure(job: Job, t: StageTime, bubble: float, layers: int) -> tuple[fl
     if par.zero == 0:
         passes = PassSeconds(all_reduce=bucketed("all_reduce", grad_bytes * params, reductions))
     else:
-        passes = PassSeconds(
-            gather=_weight_gather(job, params, gathers, shard),
-            scatter=bucketed("reduce_scatter", grad_bytes * params, reductions),
-            across=_across_replicas(job, grad_bytes * params / shard.size, reductions),
-        )
-        if job.shard_reduce == "all_reduce":
-            # the whole gradients all-reduced over every rank that shares the weights, replica
-            # groups included, each rank keeping its shard's
+        if job.reduces_whole_gradients:
+            # over every rank that shares the weights, replica groups included
             every = shard_group(lay, 1, job.work.rank_order)
-            whole = bucketed("all_reduce", grad_bytes * params, reductions, every)
-            passes = passes._replace(scatter=whole, across=0.0)
+            scatter = bucketed("all_reduce", grad_bytes * params, reductions, every)
+            across = 0.0
+        else:
+            scatter = bucketed("reduce_scatter", grad_bytes * params, reductions)
+            across = _across_replicas(job, grad_bytes * params / shard.size, reductions)
+        passes = PassSeconds(
+            gather=_weight_gather(job, params, gathers, shard), scatter=scatter, across=across
+        )
         if job.gathers_in_step:  # ZeRO 1 and 2's gather inside the optimizer's step, unhidden
             in_step += passes.gather
     phases = _dp_phases(job, t, bubble, embedding_share, passes, gathers, reductions)
@@ -472,7 +472,7 @@ def _weight_gather(job: Job, params: float, gathers: int, shard: Group) -> float
 
         n · (latency of a broadcast over n ranks) + n · (params · bytes / n) / bus bandwidth."""
     nbytes = params * job.state_dtype_bytes
-    if job.par.zero in (1, 2) and job.weight_gather == "broadcast":
+    if job.broadcasts_weights:
         return shard.size * collective_time("broadcast", nbytes / shard.size, shard, job.cluster)
     return gathers * collective_time("all_gather", nbytes / gathers, shard, job.cluster)
 

@@ -128,13 +128,13 @@ def _gradient_lines(plan: Plan) -> list[str]:
 def _sharding_lines(plan: Plan) -> list[str]:
     """Why's sentences on a stack that reduces ZeRO's gradients or gathers its weights otherwise than
     by one reduce-scatter and one all-gather (InternEvo's Hybrid ZeRO)."""
-    job, zero, lines = plan.job, plan.config.zero, []
-    if zero and job.shard_reduce == "all_reduce":
+    job, lines = plan.job, []
+    if job.reduces_whole_gradients:
         lines.append(
             f"Stack {job.stack} all-reduces the whole gradients, each rank keeping its shard's: "
             "twice the bytes of a reduce-scatter."
         )
-    if zero in (1, 2) and job.weight_gather == "broadcast":
+    if job.broadcasts_weights:
         ranks = job.par.shard_ranks
         lines.append(
             f"Stack {job.stack} broadcasts each rank's updated weights on its own: "
@@ -211,7 +211,7 @@ def _memory_lines(plan: Plan) -> list[str]:
     out += [f"  {label:<44} {gigabytes[key]:>7.1f}" for key, label in MEMORY]
     total = f"total of {plan.cluster.gpu.memory_gb:.0f} GB"
     verdict = "fits" if plan.fits else "DOES NOT FIT"
-    if plan.fits and plan.memory.held > plan.cluster.gpu.memory_gb * 1e9:
+    if plan.fits and not plan.fits_with_cache:
         # the caching allocator, short of memory, frees its cached blocks and retries the
         # allocation: each retry synchronizes the GPU (torch.cuda.memory_stats' num_alloc_retries)
         verdict = "fits only by emptying the allocator's cache (retries slow the steps)"

@@ -77,6 +77,9 @@ class Plan:
     micro_seqs = property(lambda self: self.job.micro_seqs)
     gpus = property(lambda self: self.job.layout.world)
     fits = property(lambda self: self.memory.fits(self.cluster.gpu.memory_gb * GB))
+    fits_with_cache = property(
+        lambda self: self.memory.fits_with_cache(self.cluster.gpu.memory_gb * GB)
+    )
 
     @property
     def peak_gb(self) -> float:

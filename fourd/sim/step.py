@@ -708,8 +708,7 @@ def _check_simulable(job: Job) -> None:
             f"the step simulator runs HSDP with ZeRO 3 only, not {par.hsdp_replicas} replica groups "
             f"of ZeRO {par.zero}, which the planner models: use `fourd plan` or --zero 3"
         )
-    engine_sharding = (job.shard_reduce, job.weight_gather) == ("reduce_scatter", "all_gather")
-    if par.zero in (1, 2) and not engine_sharding:
+    if par.zero in (1, 2) and (job.reduces_whole_gradients or job.broadcasts_weights):
         raise FourdError(
             f"the step simulator reduce-scatters ZeRO {par.zero}'s gradients and all-gathers its "
             f"weights only; stack {job.stack} runs {job.shard_reduce} and {job.weight_gather}, which "
