@@ -88,7 +88,10 @@ def planner_stack(run: Run) -> str:
 
 
 def predict(run: Run, efficiency: dict[str, float] | None = None):
-    """fourd's plan for a row: its settings pinned, the rest the planner's fastest."""
+    """fourd's plan for a row: its settings pinned, the rest the planner's fastest among the plans of
+    the best memory class there is (fourd.plan.memory's ROOMY, else TIGHT, as the search ranks them;
+    where none fits, the fastest of all: the planner's memory does not rule out a configuration that
+    ran)."""
     lay = run.parsed_layout
     values = {
         "layout": lay,
@@ -116,7 +119,11 @@ def predict(run: Run, efficiency: dict[str, float] | None = None):
         else None,
     }
     plans = request.plans(request.resolve(run.model_config, cluster_for(run, efficiency), values))
-    return max(plans, key=lambda p: p.tokens_per_s)
+    best_room = min(plan.room for plan in plans)
+    candidates = (
+        plans if best_room == memory.OVERFLOWS else [p for p in plans if p.room == best_room]
+    )
+    return max(candidates, key=lambda plan: plan.tokens_per_s)
 
 
 def memory_gib(plan, kind: str) -> float:

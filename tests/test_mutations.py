@@ -861,6 +861,15 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
             "test_zero_1_within_replica_groups_reduces_in_each_group_and_across_them",
         ),
     ),
+    "the search ranks a plan that empties the allocator's cache with those that keep it": (
+        "fourd/plan/search.py",
+        "    return (plan.room, -plan.tokens_per_s if plan.fits else plan.memory.total)\n",
+        "    return (not plan.fits, -plan.tokens_per_s if plan.fits else plan.memory.total)\n",
+        (
+            "tests/test_plan_report.py::"
+            "test_plans_that_keep_the_allocators_cache_rank_before_faster_ones_that_empty_it",
+        ),
+    ),
     "plan_vs_measured keeps a layout's last round": (
         "benchmarks/plan_vs_measured.py",
         "    median = statistics.median(times)\n",

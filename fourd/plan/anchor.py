@@ -23,7 +23,7 @@ from fourd.model.config import ModelConfig, get_preset, parse_model_spec
 from fourd.plan import request
 from fourd.plan.cluster import Cluster, load_cluster
 from fourd.plan.memory import GB
-from fourd.plan.search import Plan, Ranking
+from fourd.plan.search import Plan, Ranking, ranked
 from fourd.plan.stack import load_stack
 
 # Keys the anchor must give, and the optional ones the planner reads; any other key is ignored.
@@ -420,7 +420,7 @@ def pipeline_settings(target: dict, measured: dict) -> dict:
 
 @dataclass(frozen=True)
 class Anchored:
-    """Plans of a request, anchored: `plans` with the pinned terms, fitting first, fastest first;
+    """Plans of a request, anchored: `plans` with the pinned terms, in the search's order;
     `own`, the anchor's own configuration with them (its step the measured one: what the plans'
     intervals spread from, fourd.plan.intervals.anchored_spread)."""
 
@@ -438,9 +438,7 @@ def anchored_plans(args) -> Anchored:
     pinned = pin(anchor, modelled)
     req, taken = target_request(args, anchor, modelled)
     found = [predict(plan, pinned) for plan in request.plans(req)]
-    found.sort(
-        key=lambda plan: (not plan.fits, -plan.tokens_per_s if plan.fits else plan.memory.total)
-    )
+    found.sort(key=ranked)
     return Anchored(anchor, pinned, found, req, predict(modelled, pinned), taken)
 
 

@@ -12,6 +12,8 @@ from fourd.plan.block import loss_bytes, traffic
 from fourd.plan.job import Job, Work, stage_layers
 
 GB = 1e9
+# Memory.room's classes, best first
+ROOMY, TIGHT, OVERFLOWS = 0, 1, 2
 # PyTorch's CUDA caching allocator keeps freed blocks for reuse: reserved over allocated, less one.
 # Fitted. (Its CPU allocator returns freed memory to malloc: nothing on CPU profiles.)
 ALLOCATOR_FRAGMENTATION = 0.1952
@@ -128,6 +130,15 @@ class Memory:
         """All it holds fits, the allocator's cache included: no allocation has to wait for the
         allocator to free its cached blocks and retry."""
         return self.held <= capacity
+
+    def room(self, capacity: float) -> int:
+        """How a configuration sits in `capacity`, best first: ROOMY (it fits with the allocator's
+        cache), TIGHT (it fits only by emptying the cache: PyTorch's caching allocator frees its
+        cached blocks and retries the allocation, synchronising the device, `num_alloc_retries` in
+        torch.cuda.memory_stats; the step slows by what the model does not count) or OVERFLOWS."""
+        if self.fits_with_cache(capacity):
+            return ROOMY
+        return TIGHT if self.fits(capacity) else OVERFLOWS
 
     def gb(self) -> dict:
         names = (

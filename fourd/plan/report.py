@@ -9,6 +9,7 @@ from fourd.errors import plural, si
 from fourd.layout import Layout
 from fourd.plan.cluster import group_level
 from fourd.plan.job import block_costs
+from fourd.plan.memory import OVERFLOWS, ROOMY, TIGHT
 from fourd.plan.perf import StepTime, gradient_sum_time, rank_params
 from fourd.plan.search import Plan, Ranking, evaluate
 from fourd.plan.stack import load_stack
@@ -20,6 +21,8 @@ WHERE = {
     "pod": "NICs, inside one pod (full bisection)",
     "cross-pod": "NICs, across pods (shared uplinks)",
 }
+# the search table's mark after a plan's GB, by Memory.room
+ROOM_MARKS = {ROOMY: " ", TIGHT: "~", OVERFLOWS: "!"}
 MEMORY = (
     ("params", "weights"),
     ("grads", "gradients"),
@@ -199,7 +202,10 @@ def _header_lines(plan: Plan) -> list[str]:
         f"{pipeline_words}",
     ]
     if plan.chosen:
-        out.append(f"  chosen by the planner (fastest that fits): {', '.join(plan.chosen)}")
+        chosen = ", ".join(plan.chosen)
+        out.append(
+            f"  chosen by the planner (fastest that fits with the allocator's cache): {chosen}"
+        )
     return out
 
 
@@ -285,7 +291,8 @@ def search_report(ranking: Ranking, train_tokens: float | None = None) -> str:
         "",
         plan_report(plans[0], train_tokens),
         "",
-        f"Top {len(plans)} (fitting first, by tokens/s)",
+        f"Top {len(plans)} (fitting with the allocator's cache first, then fitting without it; by "
+        "tokens/s)",
         head + f"{'tokens/s':>12} {'MFU':>7}",
     ]
     for plan in plans:
@@ -296,9 +303,11 @@ def search_report(ranking: Ranking, train_tokens: float | None = None) -> str:
         out.append(
             f"  {str(config.layout):<26} {sched:<14} {config.microbatches:>4} {plan.micro_seqs:>4} "
             f"{config.zero:>4} {config.recompute:<9} "
-            f"{(plan.memory.total + plan.memory.reserve) / 1e9:>6.1f}{'' if plan.fits else '!'} "
+            f"{(plan.memory.total + plan.memory.reserve) / 1e9:>6.1f}{ROOM_MARKS[plan.room]} "
             f"{plan.step.step_s:>8.3f} {plan.tokens_per_s:>12,.0f} {_pct(plan.mfu):>7}"
         )
+    if any(plan.room == TIGHT for plan in plans):
+        out.append("  (~: fits only by emptying the allocator's cache; its retries slow the steps)")
     if not plans[0].fits:
         out.append(
             "  (!: does not fit; no configuration fits: add GPUs, shorten sequences or use a "

@@ -434,8 +434,9 @@ def _note_beyond_stack(stack, schedule: str | None, zero: int | None, layout) ->
 
 
 def plans(req: Request, top: int | None = None) -> list[Plan]:
-    """Every configuration the request allows, fitting first, fastest first (the first `top` only,
-    when given); FourdError when there is none."""
+    """Every configuration the request allows in the search's order (fourd.plan.search.ranked: those
+    that fit with the allocator's cache, then those that fit by emptying it, fastest first), the
+    first `top` only when given; FourdError when there is none."""
     return ranking(req, top).plans
 
 
@@ -461,8 +462,9 @@ def ranking(req: Request, top: int | None = None) -> Ranking:
 def best_plan(
     model: ModelConfig, cluster: Cluster | str, gpus: int, seq: int, global_seqs: int, fixed=None
 ) -> Plan:
-    """The fastest plan that fits (the smallest if none does) for `gpus` GPUs; `fixed` pins settings
-    by their SETTINGS names (a layout as a Layout or its text), the rest are searched."""
+    """The fastest plan that fits with the allocator's cache, else the fastest that fits by emptying
+    it (the smallest if none fits) for `gpus` GPUs; `fixed` pins settings by their SETTINGS names (a
+    layout as a Layout or its text), the rest are searched."""
     cluster = load_cluster(cluster) if isinstance(cluster, str) else cluster
     values = {**(fixed or {}), "gpus": gpus, "seq": seq, "global_seqs": global_seqs}
     return plans(resolve(model, cluster, values), top=1)[0]

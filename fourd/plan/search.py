@@ -13,7 +13,7 @@ from fourd.layout import check as layout_check
 from fourd.plan.block import matmuls
 from fourd.plan.cluster import group_level
 from fourd.plan.job import Job
-from fourd.plan.memory import GB, Memory, peak_memory
+from fourd.plan.memory import GB, ROOMY, TIGHT, Memory, peak_memory
 from fourd.plan.perf import StepTime, step_floor, step_time
 from fourd.plan.stack import Stack, load_stack
 
@@ -80,6 +80,7 @@ class Plan:
     fits_with_cache = property(
         lambda self: self.memory.fits_with_cache(self.cluster.gpu.memory_gb * GB)
     )
+    room = property(lambda self: self.memory.room(self.cluster.gpu.memory_gb * GB))
 
     @property
     def peak_gb(self) -> float:
@@ -298,25 +299,30 @@ def valid(job: Job) -> bool:
 
 
 def _lightest_recompute(job: Job, modes: list[str], capacity: float) -> tuple[Job, Memory]:
-    """`job` at the first recomputation mode of `modes` whose peak memory fits `capacity`, else at
-    the last, and that memory. Where the weights, gradients and optimizer state of the fullest rank
-    alone overflow, no mode fits (recomputation frees activations only, and the peak rank holds at
-    least those states): the last mode is taken without trying the ones between."""
+    """`job` at the first recomputation mode of `modes` whose peak memory fits `capacity` with the
+    allocator's cache (Memory.room ROOMY), else at the first that fits by emptying the cache, else
+    at the last, and that memory. Where the weights, gradients and optimizer state of the fullest
+    rank alone overflow, no mode fits (recomputation frees activations only, and the peak rank holds
+    at least those states): the last mode is taken without trying the ones between."""
+    tight = None  # the first mode that fits only by emptying the cache
     for index, recompute in enumerate(modes):
         if recompute != job.par.recompute:
             job = replace(job, par=replace(job.par, recompute=recompute))
         memory = peak_memory(job)[1]
-        if memory.fits(capacity):
-            break
+        room = memory.room(capacity)
+        if room == ROOMY:
+            return job, memory
+        if room == TIGHT and tight is None:
+            tight = job, memory
         if memory.states + memory.reserve > capacity and index < len(modes) - 1:
             job = replace(job, par=replace(job.par, recompute=modes[-1]))
             return job, peak_memory(job)[1]
-    return job, memory
+    return tight or (job, memory)
 
 
 @dataclass(frozen=True)
 class Ranking:
-    """What a search found: its best plans, fitting first and fastest first (as many as it was
+    """What a search found: its best plans in the search's order (`ranked`; as many as it was
     asked for, or every one), the configurations it tried and how many of them fit."""
 
     plans: list[Plan]
@@ -329,15 +335,16 @@ class Ranking:
         return cls(plans[:top], len(plans), sum(plan.fits for plan in plans))
 
 
-def _order(plan: Plan) -> tuple:
-    """The search's order: fitting plans first, fastest first; those that do not fit, smallest
-    first."""
-    return (not plan.fits, -plan.tokens_per_s if plan.fits else plan.memory.total)
+def ranked(plan: Plan) -> tuple:
+    """The search's order: plans that fit with the allocator's cache, fastest first; then those
+    that fit only by emptying it (its retries slow a step by more than the model counts), fastest
+    first; those that do not fit, smallest first."""
+    return (plan.room, -plan.tokens_per_s if plan.fits else plan.memory.total)
 
 
 def search(base: Job, gpus: int, fixed: dict, chosen=()) -> list[Plan]:
     """Plans for every configuration of `gpus` GPUs for `base`'s model, cluster, sequence and batch
-    (its own Parallelism is ignored), fitting ones first, fastest first. Recomputation, when left
+    (its own Parallelism is ignored), in the search's order (`ranked`). Recomputation, when left
     open, is the lightest that fits (RECOMPUTE's order): each costs time and saves memory."""
     return rank(base, gpus, fixed, chosen).plans
 
@@ -366,8 +373,12 @@ def rank(base: Job, gpus: int, fixed: dict, chosen=(), top: int | None = None) -
             too_big.append((job, memory))
     if top is None:
         plans = [Plan(job, step_time(job), memory, tuple(chosen)) for job, memory in sized]
-        return Ranking(sorted(plans, key=_order), len(sized), len(fitting))
-    plans = _fastest(fitting, top, chosen)
+        return Ranking(sorted(plans, key=ranked), len(sized), len(fitting))
+    roomy = [(job, memory) for job, memory in fitting if memory.room(capacity) == ROOMY]
+    tight = [(job, memory) for job, memory in fitting if memory.room(capacity) == TIGHT]
+    plans = _fastest(roomy, top, chosen)
+    if len(plans) < top:  # too few fit with the cache: the fastest of those that fit without it
+        plans += _fastest(tight, top - len(plans), chosen)
     if len(plans) < top:  # too few fit: the smallest of the rest follow, and only they are timed
         smallest = sorted(too_big, key=lambda pair: pair[1].total)[: top - len(plans)]
         plans += [Plan(job, step_time(job), memory, tuple(chosen)) for job, memory in smallest]
