@@ -358,12 +358,16 @@ beta_s_per_byte = 2e-9
     assert collective_time("all_reduce", 1e6, Group(2, 1, 8), cpu) == pytest.approx(4 * 0.002)
     assert collective_time("reduce_scatter", 1e6, Group(4, 1, 8), cpu) == pytest.approx(2 * 0.006)
     # half a pipeline's ranks work through its bubble, on the cores the waiting half leave
+    # (fill and drain through the faster rank: fill_and_drain_saving)
+    from fourd.plan.perf import fill_and_drain_saving
+
     small = get_preset("small")
-    alone, shared = (
-        step_time(job(small, cpu, Layout(pp=2, dp=dp), 256, 16, "gpipe", 4, 1, 2)) for dp in (1, 2)
+    jobs = [job(small, cpu, Layout(pp=2, dp=dp), 256, 16, "gpipe", 4, 1, 2) for dp in (1, 2)]
+    alone, shared = (step_time(j) for j in jobs)
+    bubble = bubble_time("gpipe", 2, 4, 1, shared.per_microbatch) - fill_and_drain_saving(jobs[1])
+    assert alone.bubble_s == pytest.approx(
+        bubble_time("gpipe", 2, 4, 1, alone.per_microbatch) - fill_and_drain_saving(jobs[0])
     )
-    bubble = bubble_time("gpipe", 2, 4, 1, shared.per_microbatch)
-    assert alone.bubble_s == pytest.approx(bubble_time("gpipe", 2, 4, 1, alone.per_microbatch))
     assert shared.bubble_s == pytest.approx(bubble / 2)
     # fourd's FSDP reduce-scatters once a step, after the last microbatch, at any ZeRO 2 microbatch count
     one, four = (
@@ -389,7 +393,15 @@ def test_step_time_adds_up():
     assert s.step_s == pytest.approx(
         s.compute_s + s.bubble_s + s.p2p_s + s.dp_exposed_s + s.overlap_s + s.optimizer_s
     )
-    assert s.bubble_s == pytest.approx(15 * (s.per_microbatch.forward + s.per_microbatch.backward))
+    # 15 of the slowest rank's microbatches, less what fill and drain save through the 15 ranks
+    # without the output layer (fourd.plan.perf.fill_and_drain_saving)
+    from fourd.plan.perf import fill_and_drain_saving, rank_busy
+
+    busy = rank_busy(j.work, 16)
+    saving = sum(max(busy) - b for b in busy)
+    assert saving > 0 and fill_and_drain_saving(j) == pytest.approx(saving)
+    slowest = s.per_microbatch.forward + s.per_microbatch.backward
+    assert s.bubble_s == pytest.approx(15 * slowest - saving)
     z3 = step_time(dataclasses.replace(j, par=dataclasses.replace(j.par, zero=3)))
     assert z3.dp_total_s > 30 * s.dp_total_s  # stage 3 gathers weights for every microbatch
 

@@ -690,14 +690,49 @@ def sync_waits(job: Job, stage: StageTime) -> StageTime:
     return stage.scaled(share, comm=0.0)
 
 
+@lru_cache(maxsize=16384)
+def rank_busy(work: Work, p: int) -> tuple[float, ...]:
+    """Seconds of one microbatch's forward and backward on each of `p` pipeline ranks, one stage a
+    rank (the first with the embedding, the last with the output layer and the loss)."""
+    layers = rank_shapes(work.model, p, 1, work.pipeline_split)[0]
+    times: dict[tuple, float] = {}
+    for rank, count in enumerate(layers):
+        key = (count, rank == 0, rank == p - 1)
+        if key not in times:
+            stage = stage_time(work, count, rank == 0, rank == p - 1)
+            times[key] = stage.forward + stage.backward
+    return tuple(times[(count, rank == 0, rank == p - 1)] for rank, count in enumerate(layers))
+
+
+def fill_and_drain_saving(job: Job) -> float:
+    """What a GPipe or 1F1B pipeline's fill and drain take less than (p − 1) times the slowest
+    rank's microbatch when its ranks' stages differ: the first microbatch's forward reaches the
+    slowest rank, and the last one's backward leaves it, through every other rank at that rank's
+    own pace, so the slowest rank idles Σ_{r ≠ slowest} t_r, not (p − 1)·t_slowest:
+
+        saving = Σ_r (t_slowest − t_r)
+
+    Exactly what `fourd sim step`'s events give where the slowest rank is the last (the output
+    layer and the loss make it so); an upper bound on the bubble where it is another. 0 at equal
+    stages. Interleaved and zero-bubble schedules keep their closed forms."""
+    lay, par = job.layout, job.par
+    if lay.pp <= 1 or par.schedule not in ("gpipe", "1f1b"):
+        return 0.0
+    times = rank_busy(job.work, lay.pp)
+    slowest = max(times)
+    return sum(slowest - busy for busy in times)
+
+
 def _bubble_seconds(job: Job, stage: StageTime) -> float:
     """The schedule's bubble per step on the slowest rank, whose stages take `stage` per
-    microbatch. CPU profiles: half the ranks work through warm-up and cool-down, on the cores the
-    waiting half leave, as crowded as half the ranks make them."""
+    microbatch, less what fill and drain save through faster ranks (fill_and_drain_saving). CPU
+    profiles: half the ranks work through warm-up and cool-down, on the cores the waiting half
+    leave, as crowded as half the ranks make them."""
     lay, par = job.layout, job.par
     bubble = 0.0
     if lay.pp > 1:
         bubble = bubble_time(par.schedule, lay.pp, par.microbatches, par.virtual_stages, stage)
+        bubble -= fill_and_drain_saving(job)
     server = min(lay.world, job.cluster.node.gpus)
     crowding = compute_share(server // 2, job.cluster) / compute_share(server, job.cluster)
     return bubble * crowding
