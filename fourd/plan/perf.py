@@ -691,10 +691,11 @@ def sync_waits(job: Job, stage: StageTime) -> StageTime:
 
 
 @lru_cache(maxsize=16384)
-def rank_busy(work: Work, p: int) -> tuple[float, ...]:
-    """Seconds of one microbatch's forward and backward on each of `p` pipeline ranks, one stage a
-    rank (the first with the embedding, the last with the output layer and the loss)."""
-    layers = rank_shapes(work.model, p, 1, work.pipeline_split)[0]
+def rank_busy(work: Work, p: int, virtual_stages: int) -> tuple[float, ...]:
+    """Seconds of one microbatch's forward and backward on each of `p` pipeline ranks, all its
+    chunks (the first rank's with the embedding, the last rank's with the output layer and the
+    loss)."""
+    layers = rank_shapes(work.model, p, virtual_stages, work.pipeline_split)[0]
     times: dict[tuple, float] = {}
     for rank, count in enumerate(layers):
         key = (count, rank == 0, rank == p - 1)
@@ -705,22 +706,26 @@ def rank_busy(work: Work, p: int) -> tuple[float, ...]:
 
 
 def fill_and_drain_saving(job: Job) -> float:
-    """What a GPipe or 1F1B pipeline's fill and drain take less than (p − 1) times the slowest
-    rank's microbatch when its ranks' stages differ: the first microbatch's forward reaches the
-    slowest rank, and the last one's backward leaves it, through every other rank at that rank's
-    own pace, so the slowest rank idles Σ_{r ≠ slowest} t_r, not (p − 1)·t_slowest:
+    """What a GPipe, 1F1B or interleaved pipeline's fill and drain take less than its closed form at
+    the slowest rank's pace when its ranks differ (the last one with the output layer and the loss):
+    the first microbatch reaches the slowest rank, and the last one leaves it, through the other
+    ranks at their own pace, so the bubble's closed form holds at their mean microbatch t̄_other,
+    not at the slowest's t_slowest:
 
-        saving = Σ_r (t_slowest − t_r)
+        saving = bubble(p, m, V; t_slowest − t̄_other)
+               = (p − 1)·(t_slowest − t̄_other) = Σ_r (t_slowest − t_r)    (GPipe, 1F1B)
 
-    Exactly what `fourd sim step`'s events give where the slowest rank is the last (the output
-    layer and the loss make it so); an upper bound on the bubble where it is another. 0 at equal
-    stages. Interleaved and zero-bubble schedules keep their closed forms."""
+    `fourd sim step`'s events on the same costs give the bubble this leaves (to 1e-16 for 1F1B with
+    the last rank the slowest; within 0.02 % interleaved, whose first chunk also carries the
+    embedding). 0 at equal ranks; the zero-bubble schedule keeps its closed form."""
     lay, par = job.layout, job.par
-    if lay.pp <= 1 or par.schedule not in ("gpipe", "1f1b"):
+    if lay.pp <= 1 or par.schedule == "zero-bubble":
         return 0.0
-    times = rank_busy(job.work, lay.pp)
+    times = rank_busy(job.work, lay.pp, par.virtual_stages)
     slowest = max(times)
-    return sum(slowest - busy for busy in times)
+    others = (sum(times) - slowest) / (lay.pp - 1)
+    gap = StageTime(slowest - others, 0.0, 0.0, 0.0, 0.0)
+    return bubble_time(par.schedule, lay.pp, par.microbatches, par.virtual_stages, gap)
 
 
 def _bubble_seconds(job: Job, stage: StageTime) -> float:
