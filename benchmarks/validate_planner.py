@@ -120,9 +120,10 @@ def predict(run: Run, efficiency: dict[str, float] | None = None):
     }
     plans = request.plans(request.resolve(run.model_config, cluster_for(run, efficiency), values))
     best_room = min(plan.room for plan in plans)
-    candidates = (
-        plans if best_room == memory.OVERFLOWS else [p for p in plans if p.room == best_room]
-    )
+    if best_room == memory.OVERFLOWS:
+        candidates = plans
+    else:
+        candidates = [plan for plan in plans if plan.room == best_room]
     return max(candidates, key=lambda plan: plan.tokens_per_s)
 
 

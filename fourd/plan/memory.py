@@ -13,7 +13,9 @@ from fourd.plan.job import Job, Work, stage_layers
 
 GB = 1e9
 # Memory.room's classes, best first
-ROOMY, TIGHT, OVERFLOWS = 0, 1, 2
+ROOMY = 0  # fits with the allocator's cache
+TIGHT = 1  # fits only by emptying the cache
+OVERFLOWS = 2  # does not fit
 # PyTorch's CUDA caching allocator keeps freed blocks for reuse: reserved over allocated, less one.
 # Fitted. (Its CPU allocator returns freed memory to malloc: nothing on CPU profiles.)
 ALLOCATOR_FRAGMENTATION = 0.1952

@@ -333,14 +333,26 @@ def chunk_times(job: Job) -> list[StageTime]:
 
 
 @lru_cache(maxsize=16384)
+def rank_stage_times(work: Work, p: int, virtual_stages: int) -> tuple[StageTime, ...]:
+    """One microbatch through each of `p` pipeline ranks, all its chunks (the first rank's with the
+    embedding, the last rank's with the output layer and the loss); ranks of equal layers and place
+    share one computation."""
+    layers = rank_shapes(work.model, p, virtual_stages, work.pipeline_split)[0]
+    times: dict[tuple[int, bool, bool], StageTime] = {}
+    for rank, count in enumerate(layers):
+        kind = (count, rank == 0, rank == p - 1)
+        if kind not in times:
+            times[kind] = stage_time(work, *kind)
+    return tuple(times[(count, rank == 0, rank == p - 1)] for rank, count in enumerate(layers))
+
+
+@lru_cache(maxsize=16384)
 def slowest_rank(work: Work, p: int, virtual_stages: int) -> tuple[int, StageTime]:
     """The pipeline rank with the most work per microbatch (embedding and head included), and that
     work."""
-    per_rank, _, kinds = rank_shapes(
-        work.model, p, virtual_stages, work.pipeline_split
-    )  # equal layers, equal time: one of each kind
-    times = {rank: stage_time(work, per_rank[rank], rank == 0, rank == p - 1) for rank in kinds}
-    rank = max(times, key=lambda rank: times[rank].forward + times[rank].backward)
+    kinds = rank_shapes(work.model, p, virtual_stages, work.pipeline_split)[2]
+    times = rank_stage_times(work, p, virtual_stages)
+    rank = max(kinds, key=lambda rank: times[rank].forward + times[rank].backward)
     return rank, times[rank]
 
 
@@ -690,19 +702,12 @@ def sync_waits(job: Job, stage: StageTime) -> StageTime:
     return stage.scaled(share, comm=0.0)
 
 
-@lru_cache(maxsize=16384)
 def rank_busy(work: Work, p: int, virtual_stages: int) -> tuple[float, ...]:
-    """Seconds of one microbatch's forward and backward on each of `p` pipeline ranks, all its
-    chunks (the first rank's with the embedding, the last rank's with the output layer and the
-    loss)."""
-    layers = rank_shapes(work.model, p, virtual_stages, work.pipeline_split)[0]
-    times: dict[tuple, float] = {}
-    for rank, count in enumerate(layers):
-        key = (count, rank == 0, rank == p - 1)
-        if key not in times:
-            stage = stage_time(work, count, rank == 0, rank == p - 1)
-            times[key] = stage.forward + stage.backward
-    return tuple(times[(count, rank == 0, rank == p - 1)] for rank, count in enumerate(layers))
+    """Seconds of one microbatch's forward and backward on each of `p` pipeline ranks
+    (rank_stage_times)."""
+    return tuple(
+        stage.forward + stage.backward for stage in rank_stage_times(work, p, virtual_stages)
+    )
 
 
 def fill_and_drain_saving(job: Job) -> float:

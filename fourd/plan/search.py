@@ -13,7 +13,7 @@ from fourd.layout import check as layout_check
 from fourd.plan.block import matmuls
 from fourd.plan.cluster import group_level
 from fourd.plan.job import Job
-from fourd.plan.memory import GB, ROOMY, TIGHT, Memory, peak_memory
+from fourd.plan.memory import GB, OVERFLOWS, ROOMY, TIGHT, Memory, peak_memory
 from fourd.plan.perf import StepTime, step_floor, step_time
 from fourd.plan.stack import Stack, load_stack
 
@@ -345,7 +345,8 @@ def ranked(plan: Plan) -> tuple:
 def search(base: Job, gpus: int, fixed: dict, chosen=()) -> list[Plan]:
     """Plans for every configuration of `gpus` GPUs for `base`'s model, cluster, sequence and batch
     (its own Parallelism is ignored), in the search's order (`ranked`). Recomputation, when left
-    open, is the lightest that fits (RECOMPUTE's order): each costs time and saves memory."""
+    open, is the lightest that fits with the allocator's cache, else the lightest that fits
+    (RECOMPUTE's order, _lightest_recompute): each costs time and saves memory."""
     return rank(base, gpus, fixed, chosen).plans
 
 
@@ -365,24 +366,21 @@ def rank(base: Job, gpus: int, fixed: dict, chosen=(), top: int | None = None) -
         if pinned and not valid(job):
             continue
         sized.append(_lightest_recompute(job, modes, capacity))
-    fitting, too_big = [], []
+    by_room: dict[int, list[tuple[Job, Memory]]] = {ROOMY: [], TIGHT: [], OVERFLOWS: []}
     for job, memory in sized:
-        if memory.fits(capacity):
-            fitting.append((job, memory))
-        else:
-            too_big.append((job, memory))
+        by_room[memory.room(capacity)].append((job, memory))
+    roomy, tight, too_big = by_room[ROOMY], by_room[TIGHT], by_room[OVERFLOWS]
+    fitting = len(roomy) + len(tight)
     if top is None:
         plans = [Plan(job, step_time(job), memory, tuple(chosen)) for job, memory in sized]
-        return Ranking(sorted(plans, key=ranked), len(sized), len(fitting))
-    roomy = [(job, memory) for job, memory in fitting if memory.room(capacity) == ROOMY]
-    tight = [(job, memory) for job, memory in fitting if memory.room(capacity) == TIGHT]
+        return Ranking(sorted(plans, key=ranked), len(sized), fitting)
     plans = _fastest(roomy, top, chosen)
     if len(plans) < top:  # too few fit with the cache: the fastest of those that fit without it
         plans += _fastest(tight, top - len(plans), chosen)
     if len(plans) < top:  # too few fit: the smallest of the rest follow, and only they are timed
         smallest = sorted(too_big, key=lambda pair: pair[1].total)[: top - len(plans)]
         plans += [Plan(job, step_time(job), memory, tuple(chosen)) for job, memory in smallest]
-    return Ranking(plans, len(sized), len(fitting))
+    return Ranking(plans, len(sized), fitting)
 
 
 def _fastest(fitting: list[tuple[Job, Memory]], top: int, chosen) -> list[Plan]:
