@@ -4,6 +4,7 @@ otherwise, and slow or hostile clients that cannot hold threads or stop it answe
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -638,23 +639,60 @@ def test_a_request_computing_longer_than_the_bound_is_refused_and_its_work_ended
     server = LabServer("127.0.0.1", 0, compute_limit_s=0.05)
     server.serve_in_thread()
     try:
-        before = _children()
+        slow = LabServer("127.0.0.1", 0, compute_limit_s=30.0)  # starts the forkserver
+        slow.serve_in_thread()
+        assert request(slow, "GET", "/api/plan?model=debug&gpus=8")[0] == 200
+        slow.shutdown()
+        slow.server_close()
+        children, descendants = _children(os.getpid()), _descendants()
         assert refused_within(server, "/api/plan?gpus=16384", 1) == (
             "this request takes more than 0.05 s to compute, the lab's bound on one request: "
             "give more of the settings (layout, schedule, microbatches), open a smaller trace, or "
             "run `fourd plan` or `fourd sim step`, which have no such bound"
         )
-        assert _children() <= before  # the computing process was killed and reaped
+        assert _children(os.getpid()) == children
+        assert _descendants() <= descendants  # the computing process was killed and reaped
         assert request(server, "GET", "/api/schedule?p=4&m=4")[0] == 200  # in the thread, cached
     finally:
         server.shutdown()
         server.server_close()
 
 
-def _children() -> set[int]:
-    """This process's child processes (zombies included), from every thread's list in /proc."""
-    return {
-        int(pid)
-        for f in Path("/proc/self/task").glob("*/children")
-        for pid in f.read_text().split()
-    }
+def test_an_answer_is_computed_in_a_process_forked_from_the_forkserver_not_from_the_lab():
+    """A child forked from the lab's multi-threaded process would inherit the locks and pipes its
+    other threads held at that moment (and could wait on them for ever): every process computing
+    an answer is the forkserver's child, none is this process's."""
+    server = LabServer("127.0.0.1", 0, compute_limit_s=30.0)
+    server.serve_in_thread()
+    try:
+        assert request(server, "GET", "/api/plan?model=debug&gpus=8")[0] == 200
+        children, descendants = _children(os.getpid()), _descendants()
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(request, server, "GET", "/api/plan?gpus=16384")
+            seen_children, seen_descendants = set(), set()
+            while not answer.done():
+                seen_children |= _children(os.getpid()) - children
+                seen_descendants |= _descendants() - descendants
+                time.sleep(0.005)
+            assert answer.result()[0] == 200
+        assert seen_descendants and not seen_children
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _children(pid: int) -> set[int]:
+    """The child processes of `pid` (zombies included), from every thread's list in /proc."""
+    lists = Path(f"/proc/{pid}/task").glob("*/children")
+    with contextlib.suppress(FileNotFoundError):  # a process that ended while being read
+        return {int(child) for f in lists for child in f.read_text().split()}
+    return set()
+
+
+def _descendants() -> set[int]:
+    """Every process below this one: its children, theirs, and so on."""
+    found, frontier = set(), {os.getpid()}
+    while frontier:
+        frontier = set().union(*(_children(pid) for pid in frontier)) - found
+        found |= frontier
+    return found

@@ -15,10 +15,9 @@ import contextlib
 import http.client
 import io
 import json
+import multiprocessing
 import os
-import select
 import selectors
-import signal
 import socket
 import sys
 import threading
@@ -30,6 +29,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from fourd.errors import FourdError
 from fourd.lab import api
+from fourd.processes import forkserver_fits
 
 STATIC_DIR = Path(__file__).with_name("static")
 # Fixed here rather than guessed from the system's MIME table, which differs between machines.
@@ -272,13 +272,10 @@ class LabServer:
                 )
             query = self._query(parts.query)
 
-            def answer() -> bytes:
-                return _json(endpoint(query, trace_dir=self.trace_dir))
-
             if name in IN_THREAD:
-                body = answer()
+                body = _json(endpoint(query, trace_dir=self.trace_dir))
             else:
-                body = bounded(answer, self.compute_limit_s)
+                body = bounded(name, query, self.trace_dir, self.compute_limit_s)
             return _response(200, body, JSON, head_only)
         entry = self.static.get("index.html" if parts.path == "/" else parts.path[1:])
         return (
@@ -325,48 +322,61 @@ def load_static(folder: Path) -> dict[str, tuple[bytes, str]]:
     return files
 
 
-def bounded(compute, limit_s: float) -> bytes:
-    """compute()'s bytes, computed in a forked child that is killed after `limit_s` seconds
-    (FourdError: TOO_LONG); the child's FourdError is raised here as it was, any other exception as
-    a RuntimeError with its one line. Where there is no fork (Windows), computed here, unbounded."""
-    if not hasattr(os, "fork"):
-        return compute()
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: one kind byte (0 answer, 1 refused, 2 bug), the payload, then leave
-        os.close(read_end)
-        try:
-            try:
-                out = b"0" + compute()
-            except FourdError as e:
-                out = b"1" + str(e).encode()
-            except BaseException as e:  # noqa: BLE001 (sent to the parent, which answers 500)
-                out = b"2" + f"{type(e).__name__}: {e}".encode()
-            with open(write_end, "wb") as pipe:
-                pipe.write(out)
-        finally:
-            os._exit(0)  # no exit handlers: they belong to the parent
-    os.close(write_end)
-    chunks, deadline = [], time.monotonic() + limit_s
+def bounded(endpoint: str, query: dict[str, str], trace_dir: Path, limit_s: float) -> bytes:
+    """The JSON answer of API `endpoint` to `query`, computed in a child process that is killed after
+    `limit_s` seconds (FourdError: TOO_LONG); the child's FourdError is raised here as it was, any
+    other exception as a RuntimeError with its one line.
+
+    The child forks from multiprocessing's forkserver, a single-threaded process that imported the
+    API once, never from this server: a child forked from a process with threads holds every lock
+    another thread held at that moment (a module being imported, a stream being written), and waits
+    on it forever. Where there is no forkserver (its socket path too long, Windows) it is spawned."""
+    context = _child_context()
+    read_end, write_end = context.Pipe(duplex=False)
+    child = context.Process(
+        target=_answer_in_child, args=(endpoint, query, trace_dir, write_end), daemon=True
+    )
+    child.start()
+    write_end.close()  # the child holds the only writing end: its exit is the pipe's end
     try:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([read_end], [], [], left)[0]:
-                os.kill(pid, signal.SIGKILL)
-                raise FourdError(TOO_LONG.format(limit=limit_s))
-            chunk = os.read(read_end, 1 << 20)
-            if not chunk:
-                break
-            chunks.append(chunk)
+        if not read_end.poll(limit_s):
+            raise FourdError(TOO_LONG.format(limit=limit_s))
+        try:
+            out = read_end.recv_bytes()
+        except EOFError:
+            out = b""
     finally:
-        os.close(read_end)
-        os.waitpid(pid, 0)
-    out = b"".join(chunks)
+        read_end.close()
+        child.kill()
+        child.join()
     if out[:1] == b"0":
         return out[1:]
     if out[:1] == b"1":
         raise FourdError(out[1:].decode())
     raise RuntimeError(out[1:].decode() or "the computing process ended without an answer")
+
+
+def _child_context():
+    """multiprocessing's forkserver context preloading this module, or spawn where it cannot run."""
+    if not forkserver_fits():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(
+        ["__main__", __name__]
+    )  # no effect when another user started it first
+    return context
+
+
+def _answer_in_child(endpoint: str, query: dict[str, str], trace_dir: Path, pipe) -> None:
+    """Send one kind byte (0 answer, 1 refused, 2 bug) and the payload through `pipe`."""
+    try:
+        out = b"0" + _json(api.ENDPOINTS[endpoint](query, trace_dir=trace_dir))
+    except FourdError as e:
+        out = b"1" + str(e).encode()
+    except BaseException as e:  # noqa: BLE001 (sent to the parent, which answers 500)
+        out = b"2" + f"{type(e).__name__}: {e}".encode()
+    pipe.send_bytes(out)
+    pipe.close()
 
 
 def _parse_request_line(line: bytes) -> list[str]:
