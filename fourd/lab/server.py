@@ -15,7 +15,6 @@ import contextlib
 import http.client
 import io
 import json
-import multiprocessing
 import os
 import selectors
 import socket
@@ -29,7 +28,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from fourd.errors import FourdError
 from fourd.lab import api
-from fourd.processes import forkserver_fits
+from fourd.lab.forker import Forker, TooLong
 
 STATIC_DIR = Path(__file__).with_name("static")
 # Fixed here rather than guessed from the system's MIME table, which differs between machines.
@@ -139,6 +138,7 @@ class LabServer:
         self.hosts = [f"{known}:{port}" for known in dict.fromkeys(names)]  # first: suggested
         if port == 80:  # the port may be left out
             self.hosts += names
+        self._forker = Forker()  # the processes that compute the answers (fourd.lab.forker)
         self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="fourd-lab")
         self._slots = threading.BoundedSemaphore(WORKERS + MAX_QUEUED)
         self._stop, self._stopped = threading.Event(), threading.Event()
@@ -181,6 +181,15 @@ class LabServer:
     def server_close(self) -> None:
         self.socket.close()
         self._pool.shutdown(wait=False)
+        self._forker.close()
+
+    def _compute(self, endpoint: str, query: dict[str, str]) -> bytes:
+        """API `endpoint`'s answer, computed in a process of its own that is ended after
+        compute_limit_s (fourd.lab.forker)."""
+        try:
+            return self._forker.compute(endpoint, query, self.trace_dir, self.compute_limit_s)
+        except TooLong:
+            raise FourdError(TOO_LONG.format(limit=self.compute_limit_s)) from None
 
     def _accept(self) -> None:
         try:
@@ -275,7 +284,7 @@ class LabServer:
             if name in IN_THREAD:
                 body = _json(endpoint(query, trace_dir=self.trace_dir))
             else:
-                body = bounded(name, query, self.trace_dir, self.compute_limit_s)
+                body = self._compute(name, query)
             return _response(200, body, JSON, head_only)
         entry = self.static.get("index.html" if parts.path == "/" else parts.path[1:])
         return (
@@ -320,63 +329,6 @@ def load_static(folder: Path) -> dict[str, tuple[bytes, str]]:
             if ctype and entry.is_file(follow_symlinks=False):
                 files[entry.name] = (Path(entry.path).read_bytes(), f"{ctype}; charset=utf-8")
     return files
-
-
-def bounded(endpoint: str, query: dict[str, str], trace_dir: Path, limit_s: float) -> bytes:
-    """The JSON answer of API `endpoint` to `query`, computed in a child process that is killed after
-    `limit_s` seconds (FourdError: TOO_LONG); the child's FourdError is raised here as it was, any
-    other exception as a RuntimeError with its one line.
-
-    The child forks from multiprocessing's forkserver, a single-threaded process that imported the
-    API once, never from this server: a child forked from a process with threads holds every lock
-    another thread held at that moment (a module being imported, a stream being written), and waits
-    on it forever. Where there is no forkserver (its socket path too long, Windows) it is spawned."""
-    context = _child_context()
-    read_end, write_end = context.Pipe(duplex=False)
-    child = context.Process(
-        target=_answer_in_child, args=(endpoint, query, trace_dir, write_end), daemon=True
-    )
-    child.start()
-    write_end.close()  # the child holds the only writing end: its exit is the pipe's end
-    try:
-        if not read_end.poll(limit_s):
-            raise FourdError(TOO_LONG.format(limit=limit_s))
-        try:
-            out = read_end.recv_bytes()
-        except EOFError:
-            out = b""
-    finally:
-        read_end.close()
-        child.kill()
-        child.join()
-    if out[:1] == b"0":
-        return out[1:]
-    if out[:1] == b"1":
-        raise FourdError(out[1:].decode())
-    raise RuntimeError(out[1:].decode() or "the computing process ended without an answer")
-
-
-def _child_context():
-    """multiprocessing's forkserver context preloading this module, or spawn where it cannot run."""
-    if not forkserver_fits():
-        return multiprocessing.get_context("spawn")
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(
-        ["__main__", __name__]
-    )  # no effect when another user started it first
-    return context
-
-
-def _answer_in_child(endpoint: str, query: dict[str, str], trace_dir: Path, pipe) -> None:
-    """Send one kind byte (0 answer, 1 refused, 2 bug) and the payload through `pipe`."""
-    try:
-        out = b"0" + _json(api.ENDPOINTS[endpoint](query, trace_dir=trace_dir))
-    except FourdError as e:
-        out = b"1" + str(e).encode()
-    except BaseException as e:  # noqa: BLE001 (sent to the parent, which answers 500)
-        out = b"2" + f"{type(e).__name__}: {e}".encode()
-    pipe.send_bytes(out)
-    pipe.close()
 
 
 def _parse_request_line(line: bytes) -> list[str]:

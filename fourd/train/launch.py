@@ -21,7 +21,6 @@ from pathlib import Path
 
 from fourd.comm.launch import free_port
 from fourd.errors import FourdError, RunFailed, plural
-from fourd.processes import forkserver_fits
 
 LAUNCH_DIR_ENV = "FOURD_LAUNCH_DIR"
 
@@ -90,12 +89,23 @@ def _failure(e, folder: Path, max_restarts: int) -> FourdError:
     )
 
 
+# multiprocessing's forkserver listens on TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX, an AF_UNIX socket
+# whose path may hold 107 bytes on Linux (sockaddr_un.sun_path)
+_SOCKET_PATH_MAX = 107
+_FORKSERVER_SOCKET_NAME = len("/pymp-xxxxxxxx/listener-xxxxxxxx")
+
+
+def _forkserver_fits() -> bool:
+    """True when multiprocessing's forkserver socket fits below this TMPDIR; else workers spawn."""
+    return len(tempfile.gettempdir()) + _FORKSERVER_SOCKET_NAME <= _SOCKET_PATH_MAX
+
+
 def _start_method(preload: list[str]) -> str:
     """'forkserver' preloading `preload` when modules to preload are given and its socket fits, so
     each worker forks from a process that has imported torch and fourd once (seconds saved per
     worker: an 8-rank debug run 28.2 -> 15.2 s, single runs of 2026-12-04); else 'spawn', a fresh
     interpreter per worker."""
-    if not preload or not forkserver_fits():
+    if not preload or not _forkserver_fits():
         return "spawn"
     multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
     return "forkserver"
