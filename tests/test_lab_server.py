@@ -11,6 +11,7 @@ import os
 import re
 import resource
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -680,6 +681,21 @@ def test_an_answer_is_computed_by_a_child_of_the_labs_helper_never_by_a_fork_of_
         server.shutdown()
         server.server_close()
     assert helper not in _children(os.getpid())
+
+
+def test_a_helper_that_died_is_started_again_and_the_next_answer_comes():
+    server = LabServer("127.0.0.1", 0, compute_limit_s=30.0)
+    server.serve_in_thread()
+    try:
+        first = server._forker._helper
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait(timeout=10)
+        status, _, body = request(server, "GET", "/api/plan?model=debug&gpus=8")
+        assert status == 200 and json.loads(body)["plan"]["gpus"] == 8
+        assert server._forker._helper.pid != first.pid
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def _children(pid: int) -> set[int]:

@@ -95,13 +95,27 @@ class Forker:
         mine, child_end = socket.socketpair()
         with mine:
             with child_end, self._lock:
-                socket.send_fds(self._control, [request], [child_end.fileno()])
+                self._send(request, child_end.fileno())
             out = _receive(mine, time.monotonic() + limit_s)
         if out[:1] == _ANSWER:
             return out[1:]
         if out[:1] == _REFUSED:
             raise FourdError(out[1:].decode())
         raise RuntimeError(out[1:].decode() or "the computing process ended without an answer")
+
+    def _send(self, request: bytes, fd: int) -> None:
+        """Hand the helper one request and the child's end of its socket; a helper that has died
+        (killed, out of memory) is started again first."""
+        assert self._control is not None and self._helper is not None
+        try:
+            socket.send_fds(self._control, [request], [fd])
+        except OSError:
+            if self._helper.poll() is None:  # alive: the error is not its absence
+                raise
+            self._control.close()
+            self._start()
+            assert self._control is not None
+            socket.send_fds(self._control, [request], [fd])
 
     def close(self) -> None:
         """End the helper; its children end with their answers or at their deadlines."""
