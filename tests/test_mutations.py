@@ -888,6 +888,15 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
             "test_a_layouts_rounds_are_judged_by_their_median_and_its_nearest_round",
         ),
     ),
+    "the lab's helper leaves its ended children as zombies": (
+        "fourd/lab/forker.py",
+        "    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the children\n",
+        "    pass\n",
+        (
+            "tests/test_lab_server.py::"
+            "test_a_request_computing_longer_than_the_bound_is_refused_and_its_work_ended",
+        ),
+    ),
 }
 
 
