@@ -74,6 +74,7 @@ class Forker:
                 [sys.executable, "-c", command],
                 pass_fds=[theirs.fileno()],
                 stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,  # it prints nothing; its errors, if any, go to stderr
             )
         self._control = ours
         if not select.select([ours], [], [], _START_S)[0] or ours.recv(16) != _READY:
