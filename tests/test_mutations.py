@@ -888,6 +888,15 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
             "test_a_layouts_rounds_are_judged_by_their_median_and_its_nearest_round",
         ),
     ),
+    "Megatron's selective recomputation redoes nothing beside a fused attention kernel": (
+        "fourd/plan/job.py",
+        'return self.attention != "flash" or self.selective == "attention"',
+        'return self.attention != "flash"',
+        (
+            "tests/test_plan_stack.py::"
+            "test_megatrons_selective_recomputation_runs_the_fused_attention_kernel_again",
+        ),
+    ),
     "the lab's helper leaves its ended children as zombies": (
         "fourd/lab/forker.py",
         "    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the children\n",

@@ -14,6 +14,7 @@ from fourd.errors import FourdError
 from fourd.layout import Layout, Parallelism
 from fourd.model.config import get_preset
 from fourd.plan import request
+from fourd.plan.block import traffic
 from fourd.plan.cluster import (
     collective_latency,
     group_bandwidth,
@@ -144,7 +145,10 @@ def test_autocast_follows_the_stack_and_costs_its_casts_and_gradient_sums():
         lightning, stack="megatron-core", fused_kernels=False, fused_attention="flash2"
     )
     assert (
-        dataclasses.replace(lightning.work, autocast=False, rank_order="tp-cp-dp-pp") == never.work
+        dataclasses.replace(
+            lightning.work, autocast=False, rank_order="tp-cp-dp-pp", selective="attention"
+        )
+        == never.work
     )
     params = max_rank_params(L8B, 1, 1, 1)
     passes = autocast_passes(lightning, params)
@@ -172,7 +176,7 @@ def test_a_stacks_fused_kernels_are_compiles_fused_count():
     # the same fused count; besides it fourd's attention reads the shared K/V heads of Llama 3's GQA
     # and Megatron's stack copies them, which costs time
     assert fused_job.work == dataclasses.replace(
-        compiled_job.work, shared_kv=False, rank_order="tp-cp-dp-pp"
+        compiled_job.work, shared_kv=False, rank_order="tp-cp-dp-pp", selective="attention"
     )
     fused, compiled, eager = (step_time(j) for j in (fused_job, compiled_job, eager_job))
     assert compiled.compute_s < fused.compute_s < eager.compute_s
@@ -186,7 +190,7 @@ def test_a_stacks_fused_kernels_are_compiles_fused_count():
         fused_attention="flash2",
     )
     assert unfused.work == dataclasses.replace(
-        eager_job.work, shared_kv=False, rank_order="tp-cp-dp-pp"
+        eager_job.work, shared_kv=False, rank_order="tp-cp-dp-pp", selective="attention"
     )
 
 
@@ -972,3 +976,49 @@ def test_zero_1_within_replica_groups_reduces_in_each_group_and_across_them(user
         FourdError, match="runs HSDP with ZeRO 3 only, not 2 replica groups of ZeRO 1"
     ):
         simulate_step(grouped("fourd"))
+
+
+def test_megatrons_selective_recomputation_runs_the_fused_attention_kernel_again(user_stacks):
+    """Megatron-Core's selective recomputation (the megatron-core, megatron-lm and nemo presets:
+    selective = "attention") checkpoints the core attention: beside a fused kernel its backward runs
+    that kernel's forward again and keeps what no recomputation keeps; fourd's policy recomputes the
+    elementwise ops instead. Llama 3 8B at 32,768 tokens, where attention is most of a layer."""
+    layout = Layout(tp=2, dp=4)
+
+    def work_of(stack: str, recompute: str):
+        par = Parallelism(
+            layout=layout,
+            schedule="1f1b",
+            microbatches=4,
+            zero=1,
+            recompute=recompute,
+            sequence_parallel=True,
+        )
+        return Job(L8B, H100, par, 32768, 16, stack=stack).work
+
+    none = work_of("megatron-core", "none")
+    megatron = work_of("megatron-core", "selective")
+    assert {name: load_stack(name).selective for name in preset_names()} == {
+        name: "attention" if name in ("megatron-core", "megatron-lm", "nemo") else "elementwise"
+        for name in preset_names()
+    }
+    assert megatron.recomputes_attention and not work_of("fourd", "selective").recomputes_attention
+    heads = L8B.heads // layout.tp
+    a_fwd, _ = attention_time(none.tokens, none.seq, heads, L8B.head_dim, H100, True, "cudnn")
+    assert layer_time(megatron).backward == pytest.approx(
+        layer_time(none).backward + a_fwd, rel=1e-12
+    )
+    assert layer_time(megatron).forward == layer_time(none).forward
+    assert traffic(megatron) == traffic(none)  # it keeps what no recomputation keeps
+    fourd = dataclasses.replace(megatron, selective="elementwise")
+    assert traffic(fourd).saved < traffic(none).saved and traffic(fourd).redo > 0
+    # the hardware FLOPs count the recomputed attention core: 4·L·H·Q·T a token more (Q·Kᵀ and P·V)
+    given = {"layout": layout, "seq": 32768, "recompute": "selective", "stack": "megatron-core"}
+    plan = request.plans(request.resolve(L8B, H100, given))[0]
+    attention = 4 * L8B.layers * L8B.heads * L8B.head_dim * 32768
+    assert plan.hw_tflops_per_gpu / plan.tflops_per_gpu == pytest.approx(
+        1 + attention / L8B.flops_per_token(32768), rel=1e-12
+    )
+    (user_stacks / "bad.toml").write_text('name = "bad"\nselective = "mlp"\n')
+    with pytest.raises(FourdError, match="selective = 'mlp'; allowed: elementwise, attention"):
+        load_stack("bad")

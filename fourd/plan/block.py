@@ -159,7 +159,11 @@ def _recomputed(work: Work, dims: Sizes, forward: float, kept: float) -> Traffic
         saved = sum(dims.norm if width == dims.h else width for width, _ in inputs) + dims.q
         kept_per_op = stream_bytes * dims.norm + act_bytes * saved + F32 * dims.heads
         return Traffic(forward, backward, kept_per_op, forward)
-    if work.recompute == "selective" and work.attention == "flash":
+    if (
+        work.recompute == "selective"
+        and work.attention == "flash"
+        and not work.recomputes_attention
+    ):
         # fourd's policy (fourd.parallel.recompute): wo and w2 feed the residual stream, backward
         # needs neither of their outputs
         unsaved = (3, 6) if work.model.mlp == "swiglu" else (1, 3)
@@ -237,11 +241,12 @@ def fp8_kept_savings(work: Work) -> float:
     """Bytes per token on one rank that FP8 training keeps for the backward below BF16's: the linear
     layers keep their inputs for the weight gradients as FP8 (1 B an element, Transformer Engine's
     modules and torchao's Float8Linear alike) where BF16 keeps them at the activation's bytes. The
-    inputs kept: without recomputation the two norms' outputs (SP shards), attention's output and
-    w2's input; with fourd's selective policy attention's output alone (the norms and the activation
-    are recomputed); with full or per-op recomputation none is counted."""
+    inputs kept: without recomputation, and with a selective policy that recomputes the attention core
+    alone, the two norms' outputs (SP shards), attention's output and w2's input; with fourd's
+    selective policy attention's output alone (the norms and the activation are recomputed); with
+    full or per-op recomputation none is counted."""
     dims = sizes(work)
-    if work.recompute == "none":
+    if work.recompute == "none" or (work.attention == "flash" and work.recomputes_attention):
         elements = 2 * dims.norm + dims.q + dims.f
     elif work.recompute == "selective" and work.attention == "flash":
         elements = dims.q

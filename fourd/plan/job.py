@@ -40,6 +40,7 @@ class Work:
     pipeline_split: str = "layers"  # how the stack splits layers over pipeline ranks
     fp8: bool = False  # the linear layers' GEMMs in FP8, with their casts (cluster.FP8)
     rank_order: str = RANK_ORDERS[0]  # how the stack numbers its ranks (cluster.RANK_ORDERS)
+    selective: str = "elementwise"  # what selective recomputation redoes (stack.SELECTIVE_POLICIES)
 
     @property
     def groups(self) -> Mapping[str, Group]:
@@ -50,6 +51,15 @@ class Work:
     def tokens(self) -> int:
         """Tokens of one microbatch on one rank (context parallelism cuts each sequence)."""
         return self.micro_seqs * self.seq // self.layout.cp
+
+    @property
+    def recomputes_attention(self) -> bool:
+        """Whether the backward runs the attention core's forward again: selective recomputation
+        with materialized scores (Korthikanti et al. 2022 §5), or beside a fused kernel under a stack
+        whose selective policy is "attention" (Megatron-Core's core_attn)."""
+        if self.recompute != "selective":
+            return False
+        return self.attention != "flash" or self.selective == "attention"
 
     def __hash__(self) -> int:  # the time model's caches key on this: hash the fields once
         return _hash(self)
@@ -260,6 +270,7 @@ class Job:
             stack.pipeline_split,
             self.fp8,
             stack.rank_order,
+            stack.selective,
         )
 
     @property

@@ -248,10 +248,8 @@ def layer_time(work: Work) -> StageTime:
     if work.recompute == "full":
         dgrad += fwd
         bwd_comm += fwd_comm
-    elif work.recompute == "selective" and work.attention != "flash":
-        dgrad += (
-            a_fwd  # the attention core, recomputed from Q, K and V (Korthikanti et al. 2022 §5)
-        )
+    elif work.recomputes_attention:
+        dgrad += a_fwd  # the attention core, run again from the Q, K and V it kept
     return StageTime(fwd, dgrad, wgrad, fwd_comm, bwd_comm)
 
 

@@ -57,6 +57,7 @@ def _stack_json(job: Job) -> dict:
         "grad_bytes": job.grad_bytes,
         "shard_reduce": job.shard_reduce,
         "weight_gather": job.weight_gather,
+        "selective": job.work.selective,
     }
 
 
@@ -118,7 +119,7 @@ class Plan:
         )  # Q·Kᵀ and P·V forward, per token
         mm = [2 * out_dim * k * work.layout.tp * model.layers for out_dim, k in matmuls(work)]
         extra = {"full": sum(mm) + attention, "per-op": sum(mm[1::2])}.get(rc, 0.0)
-        if rc == "selective" and work.attention != "flash":
+        if work.recomputes_attention:
             extra += attention
         return self.tflops_per_gpu * (1 + extra / model.flops_per_token(self.seq))
 

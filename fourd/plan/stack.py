@@ -51,6 +51,12 @@ SHARD_REDUCES = ("reduce_scatter", "all_reduce")
 # how ZeRO 1 and 2 gather the updated weights: one all-gather (the default), or each rank's shard
 # broadcast on its own, one call per rank (InternEvo's broadcast_params)
 WEIGHT_GATHERS = ("all_gather", "broadcast")
+# what `--recompute selective` recomputes beside a fused (flash) attention kernel: the elementwise ops
+# around the GEMMs, attention's output kept (fourd's policy, fourd.parallel.recompute), or the core
+# attention, the fused kernel run again in the backward from the Q, K and V it keeps (Megatron-Core's
+# recompute_granularity "selective", whose recompute_modules default to core_attn; Korthikanti et al.
+# 2022 §5 with materialized attention)
+SELECTIVE_POLICIES = ("elementwise", "attention")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,7 +105,8 @@ class Stack:
     weights' (Megatron-LM's docs/source/distrib_optimizer.md: BF16 weights with FP32 gradients, 18
     B a parameter, 6 + 12/d with the distributed optimizer); `shard_reduce`: how ZeRO 1 to 3 reduce
     the gradients to their shards, one of SHARD_REDUCES; `weight_gather`: how ZeRO 1 and 2 gather the
-    updated weights, one of WEIGHT_GATHERS.
+    updated weights, one of WEIGHT_GATHERS; `selective`: what its selective recomputation redoes beside
+    a fused attention kernel, one of SELECTIVE_POLICIES.
 
     What the stack can run, which a search over open settings keeps to: `schedules`, the pipeline
     schedules it implements; `zero`, its ZeRO stages (sharding of optimizer state, gradients and
@@ -126,6 +133,7 @@ class Stack:
     main_grads: bool = False
     shard_reduce: str = SHARD_REDUCES[0]
     weight_gather: str = WEIGHT_GATHERS[0]
+    selective: str = SELECTIVE_POLICIES[0]
     schedules: tuple[str, ...] = SCHEDULES
     zero: tuple[int, ...] = ZERO_STAGES
     pipeline_zero: tuple[int, ...] = ZERO_STAGES
@@ -230,7 +238,7 @@ def load_stack(name_or_path: str = DEFAULT_STACK) -> Stack:
     fields |= {"gather_in_step": list, "model_parallel": list, "dp_bucket_mb": object}
     fields |= {"pipeline_split": str, "grad_accumulate_pass": bool, "sharding_copies": bool}
     fields |= {"rank_order": str, "grad_reduce": str, "main_grads": bool}
-    fields |= {"shard_reduce": str, "weight_gather": str}
+    fields |= {"shard_reduce": str, "weight_gather": str, "selective": str}
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise FourdError(
@@ -253,6 +261,7 @@ def load_stack(name_or_path: str = DEFAULT_STACK) -> Stack:
         ("grad_reduce", tuple(GRAD_REDUCE_BYTES)),
         ("shard_reduce", SHARD_REDUCES),
         ("weight_gather", WEIGHT_GATHERS),
+        ("selective", SELECTIVE_POLICIES),
     ):
         if key in data and data[key] not in words:
             raise FourdError(f"{path}: {key} = {data[key]!r}; allowed: {', '.join(words)}")
