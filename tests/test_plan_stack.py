@@ -1019,6 +1019,15 @@ def test_megatrons_selective_recomputation_runs_the_fused_attention_kernel_again
     assert plan.hw_tflops_per_gpu / plan.tflops_per_gpu == pytest.approx(
         1 + attention / L8B.flops_per_token(32768), rel=1e-12
     )
+    # the report says what it costs: one attention forward a layer a microbatch, on all 32 layers
+    again = 32 * plan.config.microbatches * a_fwd
+    line = (
+        "  - Stack megatron-core's selective recomputation runs each layer's fused attention kernel "
+        f"again in its backward: {again:.3f} s per step ({100 * again / plan.step.step_s:.1f} %)."
+    )
+    assert line in plan_report(plan, 1e9).splitlines()
+    elementwise = request.plans(request.resolve(L8B, H100, {**given, "stack": "fourd"}))[0]
+    assert "fused attention kernel again" not in plan_report(elementwise, 1e9)
     (user_stacks / "bad.toml").write_text('name = "bad"\nselective = "mlp"\n')
     with pytest.raises(FourdError, match="selective = 'mlp'; allowed: elementwise, attention"):
         load_stack("bad")

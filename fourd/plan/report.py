@@ -9,8 +9,8 @@ from fourd.errors import plural, si
 from fourd.layout import Layout
 from fourd.plan.cluster import group_level
 from fourd.plan.job import block_costs
-from fourd.plan.memory import OVERFLOWS, ROOMY, TIGHT
-from fourd.plan.perf import StepTime, gradient_sum_time, rank_params
+from fourd.plan.memory import OVERFLOWS, ROOMY, TIGHT, rank_shapes
+from fourd.plan.perf import StepTime, gradient_sum_time, layer_time, rank_params
 from fourd.plan.search import Plan, Ranking, evaluate
 from fourd.plan.stack import load_stack
 
@@ -95,7 +95,24 @@ def why(plan: Plan) -> list[str]:
         (step.cp_comm_s, "CP all-gathers of K and V"),
     ):
         lines += [f"{what} take {_pct(part / step.step_s)} of the step."] if part else []
-    return lines + _gradient_lines(plan)
+    return lines + _recompute_lines(plan) + _gradient_lines(plan)
+
+
+def _recompute_lines(plan: Plan) -> list[str]:
+    """Why's sentence on a selective recomputation that runs the fused attention kernel again
+    (a stack whose `selective` is "attention", Megatron-Core's): its seconds on the slowest rank,
+    one attention forward a layer a microbatch."""
+    job, config = plan.job, plan.config
+    work = job.work
+    if work.attention != "flash" or not work.recomputes_attention:
+        return []
+    again = layer_time(work).backward - layer_time(replace(work, recompute="none")).backward
+    layers = rank_shapes(job.model, config.layout.pp, config.virtual_stages, work.pipeline_split)
+    seconds = again * layers[0][plan.step.slowest_rank] * config.microbatches
+    return [
+        f"Stack {job.stack}'s selective recomputation runs each layer's fused attention kernel "
+        f"again in its backward: {seconds:.3f} s per step ({_pct(seconds / plan.step.step_s)})."
+    ]
 
 
 def _gradient_lines(plan: Plan) -> list[str]:
