@@ -30,9 +30,10 @@ DATA = ROOT / "benchmarks" / "validation" / "runs.toml"
 # recorded on 2026-12-07 at 07899b6 (the 275 together: 0.16763129040877742), and the Megatron-LM README's
 # GPT-3 example recorded on 2026-12-07 at b7ad466 (the 276 together: 0.1671280567508725), BLOOM-176B's 30
 # topology benchmarks recorded on 2026-12-07 at 1896cb2 (the 306 together: 0.15995794932759685), and NeMo
-# 24.07's 12 FP8 rows recorded on 2026-12-07 at a75047f
-FIRST_PREDICTION_MEAN = 0.15775507464511634
-FIRST_PREDICTION_ROWS = 318
+# 24.07's 12 FP8 rows recorded on 2026-12-07 at a75047f (the 318 together: 0.15775507464511634), less
+# BloombergGPT's row, excluded since (its first prediction kept)
+FIRST_PREDICTION_MEAN = 0.15693867473499415
+FIRST_PREDICTION_ROWS = 317
 # the same over each batch of sources, by the source's first_prediction stamp
 BATCHES = {
     "2026-12-01, commit 8afd7a1": (50, 0.08401218510289535),
@@ -78,15 +79,18 @@ def test_the_harness_reports_the_pinned_first_prediction_mean():
 
 def test_every_source_with_first_predictions_records_its_date_and_commit():
     sources, runs = _load()
-    first = [r for r in runs if r.first_prediction_s]
+    first = [r for r in runs if r.first_prediction_s and not r.excluded]
     assert len(first) == FIRST_PREDICTION_ROWS
+    # a first prediction stays on a row excluded after it was made: BloombergGPT's (-41.7 %)
+    kept = {r.id: r.first_prediction_s for r in runs if r.first_prediction_s and r.excluded}
+    assert kept == {"bloomberggpt-50b-512": 18.962}
     errors = [abs(r.first_prediction_s / r.step_time_s_derived - 1) for r in first]
     assert sum(errors) / len(errors) == pytest.approx(FIRST_PREDICTION_MEAN, abs=1e-12)
     for src in {r.source for r in first}:
         assert re.fullmatch(
             r"\d{4}-\d{2}-\d{2}, commit [0-9a-f]{7,40}", sources[src].first_prediction
         ), src
-    assert all(not r.fit and not r.excluded and r.stack for r in first)
+    assert all(not r.fit and r.stack for r in first)
 
 
 def test_each_batch_of_first_predictions_keeps_its_mean():
@@ -100,7 +104,8 @@ def test_each_batch_of_first_predictions_keeps_its_mean():
         ]
         assert len(errors) == rows, stamp
         assert sum(errors) / len(errors) == pytest.approx(mean, abs=1e-12), stamp
-    assert sum(rows for rows, _ in BATCHES.values()) == FIRST_PREDICTION_ROWS
+    # the batches as recorded, BloombergGPT's excluded row among them
+    assert sum(rows for rows, _ in BATCHES.values()) == FIRST_PREDICTION_ROWS + 1
 
 
 def test_the_loader_checks_the_whole_file_and_refuses_a_bad_first_prediction(tmp_path):
@@ -126,4 +131,4 @@ def test_the_loader_checks_the_whole_file_and_refuses_a_bad_first_prediction(tmp
     coverage = subprocess.run(
         [sys.executable, str(script)], check=True, capture_output=True, text=True, timeout=120
     ).stdout
-    assert coverage.startswith("407 rows (383 usable, 24 excluded) from 36 sources")
+    assert coverage.startswith("407 rows (382 usable, 25 excluded) from 36 sources")

@@ -179,10 +179,11 @@ def _choose(run: Run, name: str, allowed) -> None:
 
 
 def _check_first_prediction(run: Run, source: Source) -> None:
-    """A first prediction is recorded on held-out usable rows of a source that says when it was made."""
+    """A first prediction is recorded on held-out rows of a source that says when it was made; once
+    recorded it stays, on a row excluded later too (the harness counts the usable rows')."""
     what = f"runs.toml run {run.id!r}"
-    if run.first_prediction_s and (run.fit or run.excluded):
-        raise FourdError(f"{what}: a first prediction is recorded on held-out usable rows only")
+    if run.first_prediction_s and run.fit:
+        raise FourdError(f"{what}: a first prediction is recorded on held-out rows only")
     if run.first_prediction_s and not source.first_prediction:
         raise FourdError(
             f"{what}: first_prediction_s needs the source's first_prediction "
