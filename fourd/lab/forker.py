@@ -30,6 +30,7 @@ from pathlib import Path
 
 import fourd
 from fourd.errors import FourdError
+from fourd.lab import api
 
 _PID = struct.Struct("!q")  # the child's first bytes: its process id
 _MAX_REQUEST = 1 << 16  # an endpoint name, at most 32 query parameters and a folder's path
@@ -44,12 +45,14 @@ class TooLong(Exception):
     """The computation outlasted its limit; its process was killed."""
 
 
+def json_bytes(obj) -> bytes:
+    """The lab's JSON: compact, and no NaN or infinity (which JSON does not have)."""
+    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+
+
 def answer_bytes(endpoint: str, query: dict[str, str], trace_dir: Path) -> bytes:
     """The JSON of API `endpoint`'s answer to `query`, as the lab sends it."""
-    from fourd.lab import api
-
-    answer = api.ENDPOINTS[endpoint](query, trace_dir=trace_dir)
-    return json.dumps(answer, separators=(",", ":"), allow_nan=False).encode()
+    return json_bytes(api.ENDPOINTS[endpoint](query, trace_dir=trace_dir))
 
 
 class Forker:

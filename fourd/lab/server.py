@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import http.client
 import io
-import json
 import os
 import selectors
 import socket
@@ -28,7 +27,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from fourd.errors import FourdError
 from fourd.lab import api
-from fourd.lab.forker import Forker, TooLong
+from fourd.lab.forker import Forker, TooLong, json_bytes
 
 STATIC_DIR = Path(__file__).with_name("static")
 # Fixed here rather than guessed from the system's MIME table, which differs between machines.
@@ -282,7 +281,7 @@ class LabServer:
             query = self._query(parts.query)
 
             if name in IN_THREAD:
-                body = _json(endpoint(query, trace_dir=self.trace_dir))
+                body = json_bytes(endpoint(query, trace_dir=self.trace_dir))
             else:
                 body = self._compute(name, query)
             return _response(200, body, JSON, head_only)
@@ -361,7 +360,7 @@ def _response(
 
 
 def _error(status: int, message: str, head_only: bool = False, extra: dict | None = None) -> bytes:
-    return _response(status, _json({"error": message}), JSON, head_only, extra)
+    return _response(status, json_bytes({"error": message}), JSON, head_only, extra)
 
 
 def _close(conn: socket.socket, answer: bytes) -> None:
@@ -371,7 +370,3 @@ def _close(conn: socket.socket, answer: bytes) -> None:
         conn.sendall(answer)
         conn.shutdown(socket.SHUT_WR)
     conn.close()
-
-
-def _json(obj) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()

@@ -159,11 +159,7 @@ def _recomputed(work: Work, dims: Sizes, forward: float, kept: float) -> Traffic
         saved = sum(dims.norm if width == dims.h else width for width, _ in inputs) + dims.q
         kept_per_op = stream_bytes * dims.norm + act_bytes * saved + F32 * dims.heads
         return Traffic(forward, backward, kept_per_op, forward)
-    if (
-        work.recompute == "selective"
-        and work.attention == "flash"
-        and not work.recomputes_attention
-    ):
+    if work.recompute == "selective" and not work.recomputes_attention:  # beside a fused kernel
         # fourd's policy (fourd.parallel.recompute): wo and w2 feed the residual stream, backward
         # needs neither of their outputs
         unsaved = (3, 6) if work.model.mlp == "swiglu" else (1, 3)
