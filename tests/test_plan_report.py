@@ -8,7 +8,7 @@ import pytest
 
 from fourd.model.config import get_preset
 from fourd.plan.cluster import load_cluster
-from fourd.plan.report import plan_report, search_report, why
+from fourd.plan.report import plan_report, search_report, tp_collectives_words, why
 from fourd.plan.request import plans, resolve
 from fourd.plan.search import Ranking
 
@@ -260,7 +260,7 @@ def test_dp_traffic_and_its_exposed_part_are_the_steps():
         f"Data-parallel traffic: {step.dp_total_s:.3f} s per step, {step.dp_exposed_s:.3f} s of "
         "it exposed"
     ) in " ".join(sentences)
-    tp_share = f"TP collectives (not overlapped) take {_pct(step.tp_comm_s / step.step_s)}"
+    tp_share = f"{tp_collectives_words(plan)} take {_pct(step.tp_comm_s / step.step_s)}"
     assert (tp_share in " ".join(sentences)) == bool(step.tp_comm_s)
 
 
@@ -345,11 +345,32 @@ def test_tp_and_cp_collectives_take_their_share(case):
     step = plan.step
     sentences = why(plan)
     for seconds, what in (
-        (step.tp_comm_s, "TP collectives (not overlapped)"),
+        (step.tp_comm_s, tp_collectives_words(plan)),
         (step.cp_comm_s, "CP all-gathers of K and V"),
     ):
         sentence = f"{what} take {_pct(seconds / step.step_s)} of the step."
         assert (sentence in sentences) == bool(seconds)
+
+
+def test_tp_overlap_names_what_it_leaves_exposed():
+    """With TP overlapped, Why's TP share is the part the GEMMs do not hide, and says so: never
+    "not overlapped" for a stack that overlaps."""
+    values = {"layout": "tp=8,dp=2", "seq": 8192, "global_batch_tokens": "1M"}
+    shares = {}
+    for overlap in (True, False):
+        request = resolve(
+            get_preset("llama3-70b"),
+            load_cluster("dgx-h100"),
+            values | {"stack": "nemo", "sequence_parallel": True, "tp_overlap": overlap},
+        )
+        plan = plans(request)[0]
+        assert plan.job.work.tp_overlap is overlap
+        text = " ".join(why(plan))
+        shares[overlap] = plan.step.tp_comm_s
+        exposed = f"TP collectives the overlap leaves exposed take {_pct(shares[overlap] / plan.step.step_s)}"
+        assert (exposed in text) is overlap
+        assert ("TP collectives (not overlapped)" in text) is not overlap
+    assert 0 < shares[True] < shares[False]
 
 
 def test_pipeline_words_only_with_a_pipeline():

@@ -91,11 +91,19 @@ def why(plan: Plan) -> list[str]:
             "replica mean fewer microbatches to fill the pipeline."
         )
     for part, what in (
-        (step.tp_comm_s, "TP collectives (not overlapped)"),
+        (step.tp_comm_s, tp_collectives_words(plan)),
         (step.cp_comm_s, "CP all-gathers of K and V"),
     ):
         lines += [f"{what} take {_pct(part / step.step_s)} of the step."] if part else []
     return lines + _recompute_lines(plan) + _gradient_lines(plan)
+
+
+def tp_collectives_words(plan: Plan) -> str:
+    """What Why calls the TP time of a step: all of its collectives, or with TP overlap the part of
+    them the GEMMs beside them do not hide (fourd.plan.perf.exposed_layer_comm)."""
+    if plan.job.work.tp_overlap:
+        return "TP collectives the overlap leaves exposed"
+    return "TP collectives (not overlapped)"
 
 
 def _recompute_lines(plan: Plan) -> list[str]:
