@@ -906,6 +906,12 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
             "test_a_request_computing_longer_than_the_bound_is_refused_and_its_work_ended",
         ),
     ),
+    "the plan report calls an overlapped TP share not overlapped": (
+        "fourd/plan/report.py",
+        "    if plan.job.work.tp_overlap:\n",
+        "    if False:\n",
+        ("tests/test_plan_report.py::test_tp_overlap_names_what_it_leaves_exposed",),
+    ),
 }
 
 
