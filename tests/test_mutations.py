@@ -153,14 +153,14 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
     ),
     "MFU's FLOPs drop the attention term": (
         "fourd/model/config.py",
-        "model = 6 * (self.non_embedding_params() + self.embedding_params()) + 3 * attention",
+        "model = 6 * (self.non_embedding_params() + self.embedding_params()) + attention",
         "model = 6 * (self.non_embedding_params() + self.embedding_params())",
         ("tests/test_model_llama.py::test_flops_per_token_of_the_debug_preset",),
     ),
     "MFU's FLOPs drop the output projection": (
         "fourd/model/config.py",
-        "model = 6 * (self.non_embedding_params() + self.embedding_params()) + 3 * attention",
-        "model = 6 * self.non_embedding_params() + 3 * attention",
+        "model = 6 * (self.non_embedding_params() + self.embedding_params()) + attention",
+        "model = 6 * self.non_embedding_params() + attention",
         ("tests/test_model_llama.py::test_flops_per_token_of_the_debug_preset",),
     ),
     "vocabulary-parallel loss adds every rank's column 0 as the target": (
@@ -524,8 +524,8 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
     ),
     "MFU counts the input embedding's 6 FLOPs a parameter": (
         "fourd/model/config.py",
-        "model = 6 * (self.non_embedding_params() + self.embedding_params()) + 3 * attention",
-        "model = 6 * (self.non_embedding_params() + 2 * self.embedding_params()) + 3 * attention",
+        "model = 6 * (self.non_embedding_params() + self.embedding_params()) + attention",
+        "model = 6 * (self.non_embedding_params() + 2 * self.embedding_params()) + attention",
         (
             "tests/test_contract_arith.py::"
             "test_mfu_counts_six_flops_a_parameter_but_the_input_embedding_and_twelve_l_h_q_t",
@@ -911,6 +911,15 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
         "    if plan.job.work.tp_overlap:\n",
         "    if False:\n",
         ("tests/test_plan_report.py::test_tp_overlap_names_what_it_leaves_exposed",),
+    ),
+    "the plan report's attention seconds leave out the recomputed forward": (
+        "fourd/plan/report.py",
+        "        backward += forward\n",
+        "        pass\n",
+        (
+            "tests/test_plan_report.py::"
+            "test_long_sequences_say_what_attention_takes_and_short_ones_do_not",
+        ),
     ),
 }
 

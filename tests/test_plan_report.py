@@ -8,6 +8,7 @@ import pytest
 
 from fourd.model.config import get_preset
 from fourd.plan.cluster import load_cluster
+from fourd.plan.kernels import attention_time
 from fourd.plan.report import plan_report, search_report, tp_collectives_words, why
 from fourd.plan.request import plans, resolve
 from fourd.plan.search import Ranking
@@ -560,3 +561,41 @@ def test_plans_that_keep_the_allocators_cache_rank_before_faster_ones_that_empty
     rows = lines[lines.index(TOP.format(shown)) + 2 :][:shown]
     marks = [re.search(r"\d\.\d([ ~!]) ", row).group(1) for row in rows]  # after the GB
     assert marks == [" "] * (shown - 2) + ["~", "~"]
+
+
+def test_long_sequences_say_what_attention_takes_and_short_ones_do_not():
+    """At 131,072 tokens (Llama 3 8B, CP 8 on one server, full recomputation) Why gives the attention
+    kernels' seconds: each layer's forward, its backward and the forward again a microbatch, by hand
+    from the kernel model, over the slowest rank's 32 layers and its microbatches, and their
+    12·L·H·Q·T share of the model FLOPs; at 2,048 tokens attention is under a tenth of the step and
+    Why says nothing of it."""
+    long_request = resolve(
+        get_preset("llama3-8b"),
+        load_cluster("dgx-h100"),
+        {
+            "layout": "cp=8",
+            "seq": 131072,
+            "global_batch_tokens": "1M",
+            "stack": "nemo",
+            "recompute": "full",
+        },
+    )
+    plan = plans(long_request)[0]
+    model, work = plan.model, plan.job.work
+    forward, backward = attention_time(
+        131072 // 8, 131072, model.heads, model.head_dim, plan.cluster, True, "cudnn"
+    )
+    seconds = (2 * forward + backward) * model.layers * plan.config.microbatches
+    share = 12 * 32 * 32 * 128 * 131072 / model.flops_per_token(131072)
+    assert work.recompute == "full"
+    assert (
+        f"Attention at 131,072 tokens a sequence: its kernels take {seconds:.3f} s per step on the "
+        f"slowest rank ({_pct(seconds / plan.step.step_s)} of the step) and do {_pct(share)} of the "
+        "model FLOPs."
+    ) in why(plan)
+    short_request = resolve(
+        get_preset("llama3-8b"),
+        load_cluster("dgx-h100"),
+        {"layout": "tp=8", "seq": 2048, "global_batch_tokens": "1M", "stack": "nemo"},
+    )
+    assert not any(line.startswith("Attention at") for line in why(plans(short_request)[0]))

@@ -96,11 +96,16 @@ class ModelConfig:
         al. 2022, app. B), N counting the output projection whether or not it is tied (its matmul
         runs either way); with `recompute` "full" the hardware's for HFU, one more forward per
         layer (docs/parallelism.md)."""
-        attention = 4 * self.layers * self.heads * self.head_dim * seq
-        model = 6 * (self.non_embedding_params() + self.embedding_params()) + 3 * attention
+        attention = self.attention_flops_per_token(seq)
+        model = 6 * (self.non_embedding_params() + self.embedding_params()) + attention
         if recompute == "full":
-            return model + 2 * self.layers * self.layer_params() + attention
+            return model + 2 * self.layers * self.layer_params() + attention // 3
         return model
+
+    def attention_flops_per_token(self, seq: int) -> int:
+        """The attention core's share of flops_per_token, 12·L·H·Q·T (PaLM app. B): QKᵀ and the
+        weighted sum of V over every pair of the sequence, 4·L·H·Q·T forward, twice that backward."""
+        return 12 * self.layers * self.heads * self.head_dim * seq
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -200,35 +200,37 @@ def exposed_layer_comm(work: Work) -> LayerComm:
 
 
 @lru_cache(maxsize=8192)
+def attention_times(work: Work) -> tuple[float, float]:
+    """(forward, backward) seconds of one layer's attention core, one microbatch, on one rank of a
+    (tp, cp) group: materialized scores (materialized_attention) or a fused kernel. CP ranks hold
+    chunks i and 2·CP−1−i, so a fused kernel computes the causal tokens·seq/2 pairs (Llama 3
+    §3.3.2), except on a CPU profile, where the chunks take torch's explicit-mask kernel, which
+    computes all pairs."""
+    if work.attention != "flash":
+        return materialized_attention(work)
+    model, cluster = work.model, work.cluster
+    all_pairs = work.layout.cp > 1 and bool(cluster.gpu.attention)
+    return attention_time(
+        work.tokens,
+        work.seq,
+        model.heads // work.layout.tp,
+        model.head_dim,
+        cluster,
+        not all_pairs,
+        work.fused_attention,
+    )
+
+
+@lru_cache(maxsize=8192)
 def layer_time(work: Work) -> StageTime:
     """One transformer layer, one microbatch, on one rank of a (tp, cp) group."""
-    model, cluster, tp, dtype_bytes, tokens = (
-        work.model,
-        work.cluster,
-        work.layout.tp,
-        work.dtype_bytes,
-        work.tokens,
-    )
+    cluster, tp, dtype_bytes, tokens = work.cluster, work.layout.tp, work.dtype_bytes, work.tokens
     fwd, dgrad, wgrad = layer_gemms(work)
     if work.recompute == "per-op":
         # recomputed: every other matmul's forward
         for out_dim, k in matmuls(work)[1::2]:
             dgrad += gemm_time(tokens, out_dim, k, cluster, dtype_bytes, work.fp8)
-    if work.attention != "flash":
-        a_fwd, a_bwd = materialized_attention(work)
-    else:
-        # CP ranks hold chunks i and 2·CP−1−i: causal, tokens·seq/2 pairs (Llama 3 §3.3.2); on a CPU
-        # profile the chunks take torch's explicit-mask kernel, which computes all pairs
-        all_pairs = work.layout.cp > 1 and bool(cluster.gpu.attention)
-        a_fwd, a_bwd = attention_time(
-            tokens,
-            work.seq,
-            model.heads // tp,
-            model.head_dim,
-            cluster,
-            not all_pairs,
-            work.fused_attention,
-        )
+    a_fwd, a_bwd = attention_times(work)
     per_token = traffic(work)
     fwd += a_fwd + elementwise_time(tokens * per_token.forward, cluster)
     dgrad += a_bwd + elementwise_time(tokens * (per_token.backward + per_token.redo), cluster)

@@ -10,7 +10,7 @@ from fourd.layout import Layout
 from fourd.plan.cluster import group_level
 from fourd.plan.job import block_costs
 from fourd.plan.memory import OVERFLOWS, ROOMY, TIGHT, rank_shapes
-from fourd.plan.perf import StepTime, gradient_sum_time, layer_time, rank_params
+from fourd.plan.perf import StepTime, attention_times, gradient_sum_time, layer_time, rank_params
 from fourd.plan.search import Plan, Ranking, evaluate
 from fourd.plan.stack import load_stack
 
@@ -95,7 +95,7 @@ def why(plan: Plan) -> list[str]:
         (step.cp_comm_s, "CP all-gathers of K and V"),
     ):
         lines += [f"{what} take {_pct(part / step.step_s)} of the step."] if part else []
-    return lines + _recompute_lines(plan) + _gradient_lines(plan)
+    return lines + _attention_lines(plan) + _recompute_lines(plan) + _gradient_lines(plan)
 
 
 def tp_collectives_words(plan: Plan) -> str:
@@ -104,6 +104,38 @@ def tp_collectives_words(plan: Plan) -> str:
     if plan.job.work.tp_overlap:
         return "TP collectives the overlap leaves exposed"
     return "TP collectives (not overlapped)"
+
+
+def _slowest_rank_layers(plan: Plan) -> int:
+    """Transformer layers the step's slowest pipeline rank runs, all its stages together."""
+    job, config = plan.job, plan.config
+    layers = rank_shapes(
+        job.model, config.layout.pp, config.virtual_stages, job.work.pipeline_split
+    )
+    return layers[0][plan.step.slowest_rank]
+
+
+def _attention_lines(plan: Plan) -> list[str]:
+    """Why's sentence on the attention core where it takes a tenth of the step or more (long
+    sequences): its seconds a step on the slowest rank, each layer's forward and backward a
+    microbatch (fourd.plan.perf.attention_times) and the forward again where the layer or the
+    attention is recomputed, and its share of the model FLOPs at this sequence,
+    12·L·H·Q·T over MFU's count (ModelConfig.attention_flops_per_token)."""
+    job, config, step = plan.job, plan.config, plan.step
+    forward, backward = attention_times(job.work)
+    if job.work.recompute == "full" or job.work.recomputes_attention:
+        backward += forward
+    seconds = (forward + backward) * _slowest_rank_layers(plan) * config.microbatches
+    if seconds < step.step_s / 10:
+        return []
+    flops_share = job.model.attention_flops_per_token(plan.seq) / job.model.flops_per_token(
+        plan.seq
+    )
+    return [
+        f"Attention at {plan.seq:,} tokens a sequence: its kernels take {seconds:.3f} s per step on "
+        f"the slowest rank ({_pct(seconds / step.step_s)} of the step) and do "
+        f"{_pct(flops_share)} of the model FLOPs."
+    ]
 
 
 def _recompute_lines(plan: Plan) -> list[str]:
@@ -115,8 +147,7 @@ def _recompute_lines(plan: Plan) -> list[str]:
     if work.attention != "flash" or not work.recomputes_attention:
         return []
     again = layer_time(work).backward - layer_time(replace(work, recompute="none")).backward
-    layers = rank_shapes(job.model, config.layout.pp, config.virtual_stages, work.pipeline_split)
-    seconds = again * layers[0][plan.step.slowest_rank] * config.microbatches
+    seconds = again * _slowest_rank_layers(plan) * config.microbatches
     return [
         f"Stack {job.stack}'s selective recomputation runs each layer's fused attention kernel "
         f"again in its backward: {seconds:.3f} s per step ({_pct(seconds / plan.step.step_s)})."
