@@ -34,32 +34,26 @@ from fourd.plan.job import Job
 SEQ = 64
 BATCHES = (2, 4)
 GRAPH_BYTES: list[int] = []  # each compiled graph's generated kernels' bytes, in compile order
+INDUCTOR_CODEGEN = inductor_graph.GraphLowering.codegen  # inductor's own, before install_counter
 
 
-def _count_generated_kernels(codegen):
-    """Wrap GraphLowering.codegen to record, once a graph is scheduled and generated, the bytes its
-    generated kernels read and write, library kernels left out."""
-
-    def counting(graph, *args, **kwargs):
-        code = codegen(graph, *args, **kwargs)
-        generated = [
-            node
-            for node in graph.scheduler.nodes
-            if not isinstance(node, (ExternKernelSchedulerNode, NopKernelSchedulerNode))
-        ]
-        GRAPH_BYTES.append(sum(node.get_read_write_buffers_sizes() for node in generated))
-        return code
-
-    counting.counting = True  # type: ignore[attr-defined]
-    return counting
+def _codegen_counting(graph, *args, **kwargs):
+    """Inductor's code generation for `graph`, then the bytes its generated kernels read and write,
+    library kernels left out, appended to GRAPH_BYTES."""
+    code = INDUCTOR_CODEGEN(graph, *args, **kwargs)
+    generated = [
+        node
+        for node in graph.scheduler.nodes
+        if not isinstance(node, (ExternKernelSchedulerNode, NopKernelSchedulerNode))
+    ]
+    GRAPH_BYTES.append(sum(node.get_read_write_buffers_sizes() for node in generated))
+    return code
 
 
 def install_counter() -> None:
     """Count every graph inductor compiles from here on (none read back from inductor's or
-    AOTAutograd's caches, which would skip the code generation the count reads); once a process."""
-    codegen = inductor_graph.GraphLowering.codegen
-    if not getattr(codegen, "counting", False):
-        inductor_graph.GraphLowering.codegen = _count_generated_kernels(codegen)
+    AOTAutograd's caches, which would skip the code generation the count reads)."""
+    inductor_graph.GraphLowering.codegen = _codegen_counting
     inductor_config.fx_graph_cache = False
     functorch_config.enable_autograd_cache = False
 
@@ -110,8 +104,8 @@ def main() -> None:
     print(f"  inductor on this CPU, compiled   {measured[0]:>10,.0f} / {measured[1]:>10,.0f}")
     for compiled in (True, False):
         forward, backward = planned_bytes(cfg, compiled)
-        name = "compiled" if compiled else "eager   "
-        print(f"  fourd.plan.block, {name}       {forward:>10,.0f} / {backward:>10,.0f}")
+        name = "compiled" if compiled else "eager"
+        print(f"  fourd.plan.block, {name:<8}       {forward:>10,.0f} / {backward:>10,.0f}")
 
 
 if __name__ == "__main__":

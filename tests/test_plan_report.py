@@ -368,7 +368,8 @@ def test_tp_overlap_names_what_it_leaves_exposed():
         assert plan.job.work.tp_overlap is overlap
         text = " ".join(why(plan))
         shares[overlap] = plan.step.tp_comm_s
-        exposed = f"TP collectives the overlap leaves exposed take {_pct(shares[overlap] / plan.step.step_s)}"
+        share = _pct(shares[overlap] / plan.step.step_s)
+        exposed = f"TP collectives the overlap leaves exposed take {share}"
         assert (exposed in text) is overlap
         assert ("TP collectives (not overlapped)" in text) is not overlap
     assert 0 < shares[True] < shares[False]

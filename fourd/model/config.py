@@ -99,13 +99,19 @@ class ModelConfig:
         attention = self.attention_flops_per_token(seq)
         model = 6 * (self.non_embedding_params() + self.embedding_params()) + attention
         if recompute == "full":
-            return model + 2 * self.layers * self.layer_params() + attention // 3
+            forward = self.attention_forward_flops_per_token(seq)
+            return model + 2 * self.layers * self.layer_params() + forward
         return model
 
+    def attention_forward_flops_per_token(self, seq: int) -> int:
+        """The attention core's forward FLOPs a token, all layers: QKᵀ and the weighted sum of V
+        over every pair of the sequence, 4·L·H·Q·T (PaLM, Chowdhery et al. 2022, app. B)."""
+        return 4 * self.layers * self.heads * self.head_dim * seq
+
     def attention_flops_per_token(self, seq: int) -> int:
-        """The attention core's share of flops_per_token, 12·L·H·Q·T (PaLM app. B): QKᵀ and the
-        weighted sum of V over every pair of the sequence, 4·L·H·Q·T forward, twice that backward."""
-        return 12 * self.layers * self.heads * self.head_dim * seq
+        """The attention core's share of flops_per_token, 12·L·H·Q·T: its forward and a backward of
+        twice the forward's FLOPs."""
+        return 3 * self.attention_forward_flops_per_token(seq)
 
     def to_dict(self) -> dict:
         return asdict(self)

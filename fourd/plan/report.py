@@ -10,7 +10,7 @@ from fourd.layout import Layout
 from fourd.plan.cluster import group_level
 from fourd.plan.job import block_costs
 from fourd.plan.memory import OVERFLOWS, ROOMY, TIGHT, rank_shapes
-from fourd.plan.perf import StepTime, attention_times, gradient_sum_time, layer_time, rank_params
+from fourd.plan.perf import StepTime, attention_times, gradient_sum_time, rank_params
 from fourd.plan.search import Plan, Ranking, evaluate
 from fourd.plan.stack import load_stack
 
@@ -146,8 +146,8 @@ def _recompute_lines(plan: Plan) -> list[str]:
     work = job.work
     if work.attention != "flash" or not work.recomputes_attention:
         return []
-    again = layer_time(work).backward - layer_time(replace(work, recompute="none")).backward
-    seconds = again * _slowest_rank_layers(plan) * config.microbatches
+    forward_again, _ = attention_times(work)
+    seconds = forward_again * _slowest_rank_layers(plan) * config.microbatches
     return [
         f"Stack {job.stack}'s selective recomputation runs each layer's fused attention kernel "
         f"again in its backward: {seconds:.3f} s per step ({_pct(seconds / plan.step.step_s)})."

@@ -114,9 +114,7 @@ class Plan:
     def hw_tflops_per_gpu(self) -> float:
         """Model FLOPs and the recomputed forward's (docs/planner.md says what each mode redoes)."""
         model, work, rc = self.model, self.job.work, self.config.recompute
-        attention = (
-            4 * model.layers * model.heads * model.head_dim * self.seq
-        )  # Q·Kᵀ and P·V forward, per token
+        attention = model.attention_forward_flops_per_token(self.seq)
         mm = [2 * out_dim * k * work.layout.tp * model.layers for out_dim, k in matmuls(work)]
         extra = {"full": sum(mm) + attention, "per-op": sum(mm[1::2])}.get(rc, 0.0)
         if work.recomputes_attention:
