@@ -47,13 +47,14 @@ PRESETS = {
     "H100-HBM2e-96GB": "grand-teton-h100",
     "H200-SXM-141GB": "dgx-h200",
     "GB200-186GB": "dgx-gb200",
+    "B200-180GB": "dgx-b200",
 }
 # The fitted numbers: each GPU generation's sustained GEMM efficiency (in the presets) and the model's constants.
 GENERATIONS = {
     "A100": ("dgx-a100-40gb", "selene-a100"),
     "H100/H200": ("dgx-h100", "llama3-h100", "dgx-h200", "aws-p5"),
     "H100 96 GB": ("grand-teton-h100",),
-    "GB200": ("dgx-gb200",),
+    "Blackwell": ("dgx-gb200", "dgx-b200"),
 }
 CONSTANTS = ((kernels, "GEMM_K_OVERHEAD", 32.0),)
 

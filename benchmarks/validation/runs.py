@@ -33,7 +33,8 @@ from fourd.schedules import SCHEDULES
 PATH = Path(__file__).with_name("runs.toml")
 # The GPUs of the published runs. H100-HBM2e-96GB is the 500 W, 96 GB HBM2e H100 of Meta's Grand Teton hosts
 # (torchtitan's benchmark files): neither the 80 GB SXM part nor the NVL part (README.md, "GPUs").
-# GB200-186GB is a Blackwell GPU of a GB200 NVL72 rack (two a Grace Blackwell superchip).
+# GB200-186GB is a Blackwell GPU of a GB200 NVL72 rack (two a Grace Blackwell superchip); B200-180GB the
+# Blackwell GPU of a DGX B200 or HGX B200 server (eight a server, 1,000 W).
 GPUS = (
     "A100-SXM-40GB",
     "A100-SXM-80GB",
@@ -41,6 +42,7 @@ GPUS = (
     "H100-HBM2e-96GB",
     "H200-SXM-141GB",
     "GB200-186GB",
+    "B200-180GB",
 )
 # fused (FlashAttention family); the s x s scores in memory, soft-maxed by a fused kernel (Megatron)
 # or by each op's own kernel (Hugging Face's eager attention); or not stated

@@ -21,6 +21,7 @@ from fourd.train.metrics import mfu_peak
 
 GPU_PRESETS = {
     "GB200": "dgx-gb200",
+    "B200": "dgx-b200",  # after GB200, whose name holds "B200"
     "H200": "dgx-h200",
     "H100": "dgx-h100",
     "A100": "selene-a100",
