@@ -43,7 +43,13 @@ FAMILIES = {
 }
 # Releases of one benchmark suite, each with its own software (never one series), whose rows are not
 # independent: intervals are judged with them left out together.
-RELEASES = {"dgxc-benchmarking-h100-2504": "dgxc-benchmarking-h100"}
+RELEASES = {
+    "dgxc-benchmarking-h100-2504": "dgxc-benchmarking-h100",
+    **{
+        f"megatron-bridge-{container}": "megatron-bridge"
+        for container in ("2509", "2511", "2602", "260201", "2604", "260401", "2606")
+    },
+}
 
 
 def left_out_with(source: str) -> str:
