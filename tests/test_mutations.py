@@ -921,6 +921,12 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
             "test_long_sequences_say_what_attention_takes_and_short_ones_do_not",
         ),
     ),
+    "a GB200 is planned as a B200 (its name holds B200)": (
+        "fourd/train/auto.py",
+        '    "GB200": "dgx-gb200",\n    "B200": "dgx-b200",',
+        '    "B200": "dgx-b200",\n    "GB200": "dgx-gb200",',
+        ("tests/test_train_auto.py::test_a_gpu_plans_on_the_preset_its_cuda_name_holds",),
+    ),
 }
 
 

@@ -1,5 +1,6 @@
-"""What `fourd train` decides before launch and reports after: `--layout auto`, the planner's --search result run as
-given, the memory check, FP8's refusal, a padded vocabulary, HFU beside MFU, the prediction beside the measurement."""
+"""What `fourd train` decides before launch and reports after: the GPU's preset, `--layout auto`, the
+planner's --search result run as given, the memory check, FP8's refusal, a padded vocabulary, HFU beside
+MFU, the prediction beside the measurement."""
 
 import json
 import re
@@ -172,6 +173,29 @@ def test_the_memory_check_names_recomputation_a_smaller_batch_or_none():
             f"memory: small at layout tp=1,cp=1,pp=1,dp=1 needs about {need() / 1e9:.1f} GB, more than "
             f"{int(capacity) / 1e9:.1f} GB per GPU: {fix}"
         )
+
+
+def test_a_gpu_plans_on_the_preset_its_cuda_name_holds():
+    from fourd.plan.cluster import load_cluster
+    from fourd.train.auto import gpu_preset
+
+    # the names torch.cuda.get_device_name reports; "NVIDIA GB200" also holds "B200"
+    names = {
+        "NVIDIA GB200": "dgx-gb200",
+        "NVIDIA B200": "dgx-b200",
+        "NVIDIA H200": "dgx-h200",
+        "NVIDIA H100 80GB HBM3": "dgx-h100",
+        "NVIDIA A100-SXM4-80GB": "selene-a100",
+        "NVIDIA L40S": "dgx-h100",
+    }
+    assert {name: gpu_preset(name) for name in names} == names
+    b200 = load_cluster("dgx-b200").gpu
+    assert (b200.name, b200.peak_tflops, b200.fp8_peak_tflops, b200.memory_gb) == (
+        "B200 180GB",
+        2250.0,
+        4500.0,
+        180.0,
+    )
 
 
 @pytest.mark.slow

@@ -21,10 +21,9 @@ def _cluster(device_type: str) -> str:
         return "local"
     import torch
 
-    from fourd.train.auto import GPU_PRESETS
+    from fourd.train.auto import gpu_preset
 
-    name = torch.cuda.get_device_name()
-    return next((p for key, p in GPU_PRESETS.items() if key in name), "dgx-h100")
+    return gpu_preset(torch.cuda.get_device_name())
 
 
 def anchor_record(cfg: Config, rows: list[dict], device_type: str) -> dict:

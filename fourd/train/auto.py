@@ -26,6 +26,15 @@ GPU_PRESETS = {
     "H100": "dgx-h100",
     "A100": "selene-a100",
 }  # the first name found wins
+
+
+def gpu_preset(device_name: str) -> str:
+    """The cluster preset of a GPU by the name CUDA reports for it (torch.cuda.get_device_name: "NVIDIA
+    H100 80GB HBM3", "NVIDIA GB200"), the first key of GPU_PRESETS the name holds; a GPU none names
+    plans as an H100's (dgx-h100)."""
+    return next((preset for key, preset in GPU_PRESETS.items() if key in device_name), "dgx-h100")
+
+
 # the name of the CPU profile built when `fourd calibrate` has not run, and the summary's line
 # about it
 UNCALIBRATED = "uncalibrated"
@@ -49,10 +58,8 @@ def machine(cfg: Config, baseline_bytes: float | None = None):
     import torch
 
     if use_cuda(cfg):
-        name = torch.cuda.get_device_name()
-        preset = next((p for key, p in GPU_PRESETS.items() if key in name), "dgx-h100")
         return (
-            load_cluster(preset),
+            load_cluster(gpu_preset(torch.cuda.get_device_name())),
             torch.cuda.device_count(),
             torch.cuda.get_device_properties(0).total_memory,
         )
