@@ -99,6 +99,7 @@ def test_a_second_configuration_follows_the_documented_formula(tmp_path, capsys)
     got = fourd_json(capsys, "plan", "--anchor", write(tmp_path), *TARGET, "--json")
     assert got["anchor"]["compute_rate_ratio"] == pytest.approx(rate, rel=1e-9)
     assert got["step_time_s"] == pytest.approx(rate * local_t + out_t, rel=1e-9)
+    assert got["unanchored_step_time_s"] == pytest.approx(target["step_time_s"], rel=1e-12)
     assert got["breakdown_s"]["dp_exposed"] == target["breakdown_s"]["dp_exposed"]  # modelled
     overhead = 70.0 - own["peak_memory_gb"]
     assert got["peak_memory_gb"] == pytest.approx(target["peak_memory_gb"] + overhead, rel=1e-9)
@@ -121,8 +122,14 @@ def test_a_forward_backward_time_pins_the_microbatch_and_the_per_step_cost(tmp_p
 
 
 def test_the_text_report_names_where_each_term_came_from(tmp_path, capsys):
+    got = fourd_json(capsys, "plan", "--anchor", write(tmp_path), *TARGET, "--json")
+    alone, anchored = got["unanchored_step_time_s"], got["step_time_s"]
     assert main(["plan", "--anchor", str(write(tmp_path)), *TARGET]) == 0
     text = capsys.readouterr().out
+    assert (
+        f"  the model alone gives the first plan {alone:.4g} s per step; the anchor moves it "
+        f"{100 * (anchored / alone - 1):+.1f} %" in text
+    )
     assert "Intervals (80 %, from the validation suite's anchored out-of-sample rows)" in text
     assert "measured 12.5 s per step" in text
     assert (

@@ -23,7 +23,7 @@ from fourd.model.config import ModelConfig, get_preset, parse_model_spec
 from fourd.plan import request
 from fourd.plan.cluster import Cluster, load_cluster
 from fourd.plan.memory import GB
-from fourd.plan.search import Plan, Ranking, ranked
+from fourd.plan.search import Plan, Ranking, evaluate, ranked
 from fourd.plan.stack import load_stack
 
 # Keys the anchor must give, and the optional ones the planner reads; any other key is ignored.
@@ -462,16 +462,26 @@ def anchor_json(result: Anchored) -> dict:
     return {"anchor": out, "anchored_terms": anchored, "modelled_terms": modelled}
 
 
+def unanchored_step(plan: Plan) -> float:
+    """Seconds per step the model alone gives an anchored plan's configuration (`--json`'s
+    `unanchored_step_time_s`): how far the anchor moved the prediction."""
+    return evaluate(plan.job).step.step_s
+
+
 def anchor_lines(result: Anchored) -> list[str]:
     """The text report's anchor section."""
     anchor, pinned = result.anchor, result.pinned
     anchored, modelled = terms(pinned)
+    plan = result.plans[0]
+    alone = unanchored_step(plan)
     lines = [
         "",
         f"Anchored on {anchor.path} ({anchor.stack} stack, {anchor.cluster.name}): measured "
         f"{anchor.step_time_s:.4g} s per step, the planner's model of that run "
         f"{pinned.modelled_s:.4g} s",
         f"  the stack's local work runs at {pinned.rate:.3f} × the model's time",
+        f"  the model alone gives the first plan {alone:.4g} s per step; the anchor moves it "
+        f"{100 * (plan.step.step_s / alone - 1):+.1f} %",
     ]
     if far_from_model(pinned):
         lines.append(
@@ -508,7 +518,8 @@ def run_plan(args) -> int:
     if args.json:
 
         def one(plan: Plan) -> dict:
-            return plan.to_json(tokens) | intervals.json_keys(plan, own, stack)
+            alone = {"unanchored_step_time_s": unanchored_step(plan)}
+            return plan.to_json(tokens) | intervals.json_keys(plan, own, stack) | alone
 
         if args.search:
             body = search_json([one(plan) for plan in ranking.plans], ranking)
@@ -535,9 +546,7 @@ def anchor_sim(out: dict, plan: Plan) -> dict:
     so what the simulator adds to the planner's closed forms (links shared, stragglers, the
     schedule's exact order) stays, on the anchor's rate. Throughput and MFU follow the anchored
     step."""
-    from fourd.plan.search import evaluate
-
-    modelled = evaluate(plan.job).step.step_s
+    modelled = unanchored_step(plan)
     step = out["step_time_s"] * plan.step.step_s / modelled
     factor = out["step_time_s"] / step
     return out | {
