@@ -927,6 +927,12 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
         '    "B200": "dgx-b200",\n    "GB200": "dgx-gb200",',
         ("tests/test_train_auto.py::test_a_gpu_plans_on_the_preset_its_cuda_name_holds",),
     ),
+    "an anchored plan's unanchored step is its anchored one": (
+        "fourd/plan/anchor.py",
+        "    return evaluate(plan.job).step.step_s\n",
+        "    return plan.step.step_s\n",
+        ("tests/test_plan_anchor.py::test_a_second_configuration_follows_the_documented_formula",),
+    ),
 }
 
 
