@@ -179,13 +179,15 @@ def test_a_gpu_plans_on_the_preset_its_cuda_name_holds():
     from fourd.plan.cluster import load_cluster
     from fourd.train.auto import gpu_preset
 
-    # the names torch.cuda.get_device_name reports; "NVIDIA GB200" also holds "B200"
+    # names torch.cuda.get_device_name reports; "NVIDIA GB200" also holds "B200"
     names = {
         "NVIDIA GB200": "dgx-gb200",
         "NVIDIA B200": "dgx-b200",
         "NVIDIA H200": "dgx-h200",
         "NVIDIA H100 80GB HBM3": "dgx-h100",
         "NVIDIA A100-SXM4-80GB": "selene-a100",
+        "NVIDIA A800-SXM4-80GB": "selene-a100",
+        "NVIDIA H800": "dgx-h100",
         "NVIDIA L40S": "dgx-h100",
     }
     assert {name: gpu_preset(name) for name in names} == names
