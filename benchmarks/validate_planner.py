@@ -43,7 +43,9 @@ MARKERS = ("<!-- validation:begin -->", "<!-- validation:end -->")
 PRESETS = {
     "A100-SXM-40GB": "dgx-a100-40gb",
     "A100-SXM-80GB": "selene-a100",
+    "A800-SXM-80GB": "dgx-a800",
     "H100-SXM-80GB": "dgx-h100",
+    "H800-SXM-80GB": "hgx-h800",
     "H100-HBM2e-96GB": "grand-teton-h100",
     "H200-SXM-141GB": "dgx-h200",
     "GB200-186GB": "dgx-gb200",
@@ -51,8 +53,8 @@ PRESETS = {
 }
 # The fitted numbers: each GPU generation's sustained GEMM efficiency (in the presets) and the model's constants.
 GENERATIONS = {
-    "A100": ("dgx-a100-40gb", "selene-a100"),
-    "H100/H200": ("dgx-h100", "llama3-h100", "dgx-h200", "aws-p5"),
+    "A100": ("dgx-a100-40gb", "selene-a100", "dgx-a800"),
+    "H100/H200": ("dgx-h100", "llama3-h100", "dgx-h200", "aws-p5", "hgx-h800"),
     "H100 96 GB": ("grand-teton-h100",),
     "Blackwell": ("dgx-gb200", "dgx-b200"),
 }

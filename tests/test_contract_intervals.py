@@ -38,11 +38,8 @@ def test_a_plans_scale_is_one_server_up_to_8_gpus_a_cluster_up_to_1024():
 
 
 def test_an_h200_is_looked_up_as_an_h100_and_other_chips_as_themselves():
-    assert [generation(name) for name in ("H200 SXM 141GB", "h100 PCIe", "A100 SXM 40GB")] == [
-        "H100",
-        "H100",
-        "A100",
-    ]
+    names = ("H200 SXM 141GB", "h100 PCIe", "A100 SXM 40GB", "H800 SXM 80GB", "A800 SXM4 80GB")
+    assert [generation(name) for name in names] == ["H100", "H100", "A100", "H100", "A100"]
     assert (generation("cpu x86"), generation("")) == ("CPU", ANY)
 
 

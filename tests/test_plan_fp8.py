@@ -160,5 +160,5 @@ def test_fp8_on_a_gpu_without_fp8_tensor_cores_is_refused_in_one_line():
     assert err.strip().splitlines() == [
         "fourd: error: --dtype fp8: the A100 SXM4 40GB of profile dgx-a100-40gb has no FP8 tensor "
         "cores (its profile gives no fp8_peak_tflops): plan with --dtype bf16, or on a profile of an "
-        "FP8 GPU (aws-p5, dgx-b200, dgx-gb200, dgx-h100, dgx-h200, grand-teton-h100, llama3-h100)"
+        "FP8 GPU (aws-p5, dgx-b200, dgx-gb200, dgx-h100, dgx-h200, grand-teton-h100, hgx-h800, llama3-h100)"
     ]

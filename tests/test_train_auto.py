@@ -186,8 +186,8 @@ def test_a_gpu_plans_on_the_preset_its_cuda_name_holds():
         "NVIDIA H200": "dgx-h200",
         "NVIDIA H100 80GB HBM3": "dgx-h100",
         "NVIDIA A100-SXM4-80GB": "selene-a100",
-        "NVIDIA A800-SXM4-80GB": "selene-a100",
-        "NVIDIA H800": "dgx-h100",
+        "NVIDIA A800-SXM4-80GB": "dgx-a800",
+        "NVIDIA H800": "hgx-h800",
         "NVIDIA L40S": "dgx-h100",
     }
     assert {name: gpu_preset(name) for name in names} == names
@@ -198,6 +198,18 @@ def test_a_gpu_plans_on_the_preset_its_cuda_name_holds():
         4500.0,
         180.0,
     )
+    # the export parts: their siblings' compute and memory, NVLink at 200 GB/s a direction
+    for export, sibling in (("hgx-h800", "dgx-h100"), ("dgx-a800", "selene-a100")):
+        part, full = load_cluster(export), load_cluster(sibling)
+        assert (part.gpu.peak_tflops, part.gpu.memory_gb, part.gpu.gemm_efficiency) == (
+            full.gpu.peak_tflops,
+            full.gpu.memory_gb,
+            full.gpu.gemm_efficiency,
+        )
+        assert (part.node.intra_bw_gbps, full.node.intra_bw_gbps) == (
+            200.0,
+            {"dgx-h100": 450.0, "selene-a100": 300.0}[sibling],
+        )
 
 
 @pytest.mark.slow

@@ -34,11 +34,14 @@ PATH = Path(__file__).with_name("runs.toml")
 # The GPUs of the published runs. H100-HBM2e-96GB is the 500 W, 96 GB HBM2e H100 of Meta's Grand Teton hosts
 # (torchtitan's benchmark files): neither the 80 GB SXM part nor the NVL part (README.md, "GPUs").
 # GB200-186GB is a Blackwell GPU of a GB200 NVL72 rack (two a Grace Blackwell superchip); B200-180GB the
-# Blackwell GPU of a DGX B200 or HGX B200 server (eight a server, 1,000 W).
+# Blackwell GPU of a DGX B200 or HGX B200 server (eight a server, 1,000 W). A800-SXM-80GB and H800-SXM-80GB are
+# the export parts: an A100 80 GB's and an H100 SXM's compute and memory with NVLink at 400 GB/s.
 GPUS = (
     "A100-SXM-40GB",
     "A100-SXM-80GB",
+    "A800-SXM-80GB",
     "H100-SXM-80GB",
+    "H800-SXM-80GB",
     "H100-HBM2e-96GB",
     "H200-SXM-141GB",
     "GB200-186GB",

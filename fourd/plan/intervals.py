@@ -31,8 +31,9 @@ ANY = "*"
 # dominate).
 SCALES = ((8, "node"), (1024, "cluster"))
 WIDEST = "large"
-# The GPU generations of the suite's rows: an H200 is an H100 die with more memory.
-GENERATIONS = {"A100": "A100", "H100": "H100", "H200": "H100"}
+# The GPU generations of the suite's rows: an H200 is an H100 die with more memory, the export parts
+# A800 and H800 the A100's and H100's dies with slower NVLink.
+GENERATIONS = {"A100": "A100", "A800": "A100", "H100": "H100", "H200": "H100", "H800": "H100"}
 # Stacks of one code base share their groups: NeMo runs Megatron-Core, which grew out of Megatron-LM,
 # so a row of one is judged by the others' rows before by every row of its GPU (docs/planner.md,
 # Intervals: chosen on the suite); FSDP2 is PyTorch's FSDP rewritten, one family with FSDP1.

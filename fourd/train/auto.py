@@ -24,11 +24,9 @@ GPU_PRESETS = {
     "B200": "dgx-b200",  # after GB200, whose name holds "B200"
     "H200": "dgx-h200",
     "H100": "dgx-h100",
-    # the export parts: an H100's and an A100's compute and memory with NVLink at 400 GB/s (their
-    # presets' NVLink is faster: TP's collectives plan a little fast on them)
-    "H800": "dgx-h100",
+    "H800": "hgx-h800",  # the export parts: an H100's and an A100's compute with NVLink at 400 GB/s
     "A100": "selene-a100",
-    "A800": "selene-a100",
+    "A800": "dgx-a800",
 }  # the first name found wins
 
 
