@@ -927,6 +927,21 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
         '    "B200": "dgx-b200",\n    "GB200": "dgx-gb200",',
         ("tests/test_train_auto.py::test_a_gpu_plans_on_the_preset_its_cuda_name_holds",),
     ),
+    "an H800 is planned with an H100's NVLink": (
+        "fourd/plan/clusters/hgx-h800.toml",
+        "intra_bw_gbps = 200.0 ",
+        "intra_bw_gbps = 450.0 ",
+        ("tests/test_train_auto.py::test_a_gpu_plans_on_the_preset_its_cuda_name_holds",),
+    ),
+    "an H800's intervals are looked up among its own few rows, not its die's": (
+        "fourd/plan/intervals.py",
+        ', "H800": "H100"}',
+        "}",
+        (
+            "tests/test_contract_intervals.py::"
+            "test_an_h200_is_looked_up_as_an_h100_and_other_chips_as_themselves",
+        ),
+    ),
     "an anchored plan's unanchored step is its anchored one": (
         "fourd/plan/anchor.py",
         "    return evaluate(plan.job).step.step_s\n",
