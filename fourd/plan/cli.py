@@ -2,8 +2,8 @@
 layout, or search every layout for the fastest that fits (with the allocator's cache first).
 Settings left out (even the layout) are the planner's choice, fastest that fits, and the report
 names them. Cluster profiles: presets (llama3-h100, dgx-h100, dgx-h200, aws-p5, grand-teton-h100,
-hgx-h800, dgx-gb200, dgx-b200, dgx-a100-40gb, selene-a100, dgx-a800), $FOURD_HOME/clusters/NAME.toml (`fourd calibrate`
-writes `local`), or a path; see docs/planner.md.
+hgx-h800, dgx-gb200, dgx-b200, dgx-a100-40gb, selene-a100, dgx-a800), $FOURD_HOME/clusters/NAME.toml
+(`fourd calibrate` writes `local`), or a path; see docs/planner.md.
 
 examples:
   fourd plan --model llama3-405b --cluster llama3-h100 --gpus 16384 --layout tp=8,pp=16,dp=128 \\
