@@ -942,6 +942,15 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
             "test_an_h200_is_looked_up_as_an_h100_and_other_chips_as_themselves",
         ),
     ),
+    "the forward's FP8 GEMMs are charged the backward's split accumulation": (
+        "fourd/plan/kernels.py",
+        "    share = gpu.gemm_efficiency * (gpu.fp8_gemm_share if split_accumulator else 1.0)\n",
+        "    share = gpu.gemm_efficiency * gpu.fp8_gemm_share\n",
+        (
+            "tests/test_plan_fp8.py::"
+            "test_the_backwards_fp8_gemms_run_at_the_measured_share_and_the_forwards_at_bf16s",
+        ),
+    ),
     "an anchored plan's unanchored step is its anchored one": (
         "fourd/plan/anchor.py",
         "    return evaluate(plan.job).step.step_s\n",

@@ -57,6 +57,31 @@ def test_an_fp8_gemm_follows_the_documented_formula():
     )  # twice the rate, a longer prologue
 
 
+def test_the_backwards_fp8_gemms_run_at_the_measured_share_and_the_forwards_at_bf16s():
+    """Transformer Engine accumulates the forward's FP8 GEMMs fast and the backward's in split steps;
+    the latter run at the GPU's fp8_gemm_share of the BF16 efficiency, Bekman's measured FP8 share of
+    its peak over BF16's (H100 SXM: 1,402.6 of 1,979 and 794.5 of 989 TFLOP/s)."""
+    gpu = H100.gpu
+    assert gpu.fp8_gemm_share == round((1402.6 / 1979) / (794.5 / 989), 3) == 0.882
+    m = n = k = 8192  # compute-bound: the rate alone sets the time
+    fast = gemm_time(m, n, k, H100, 2, fp8=True) - KERNEL_LAUNCH_S
+    split = gemm_time(m, n, k, H100, 2, fp8=True, split_accumulator=True) - KERNEL_LAUNCH_S
+    assert split == pytest.approx(fast / 0.882, rel=1e-12)
+    # a layer's forward keeps BF16's efficiency; its input and weight gradients take the share
+    work = _job(GQA, "fp8").work
+    as_bf16 = dataclasses.replace(H100, gpu=dataclasses.replace(gpu, fp8_gemm_share=1.0))
+    fwd, dgrad, wgrad = layer_gemms(work)
+    fwd1, dgrad1, wgrad1 = layer_gemms(dataclasses.replace(work, cluster=as_bf16))
+    assert fwd == fwd1
+    assert dgrad / dgrad1 == pytest.approx(1 / 0.882, rel=0.01)
+    assert wgrad / wgrad1 == pytest.approx(1 / 0.882, rel=0.01)
+    # Blackwell's measured shares are near 1
+    assert [load_cluster(name).gpu.fp8_gemm_share for name in ("dgx-b200", "dgx-gb200")] == [
+        0.984,
+        0.992,
+    ]
+
+
 def test_the_casts_fp8_adds_are_counted_by_hand():
     """Per token on one of 2 TP ranks, SwiGLU with GQA: q = 2048, kv = 512, h = 4096, f = 7168.
     Forward: the attention output cast with its transpose, 4·q. Backward: three transposes

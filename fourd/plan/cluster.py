@@ -64,6 +64,9 @@ class GPU:
     fp8_peak_tflops: float | None = None  # dense FP8 peak (datasheet); None: no FP8 tensor cores
     sms: int | None = None  # streaming multiprocessors, for wave quantization; None on CPUs
     gemm_efficiency: float = 0.7  # sustained fraction of peak on large GEMMs
+    # FP8 GEMMs' share of the FP8 peak over BF16 GEMMs' share of the BF16 peak, as measured
+    # maximum achievable matmul rates give it (docs/planner.md, "FP8 GEMMs"); 1: as BF16's
+    fp8_gemm_share: float = 1.0
     # FlashAttention-2's share of peak on long sequences at head dim 128; None: as GEMMs of that shape
     attention_fwd_efficiency: float | None = None
     attention_bwd_efficiency: float | None = None

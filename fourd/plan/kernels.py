@@ -81,13 +81,20 @@ def _interpolate(samples: Sequence[tuple[Sequence[float], float]], point: Sequen
 
 @lru_cache(maxsize=65536)
 def gemm_time(
-    m: int, n: int, k: int, cluster: Cluster, dtype_bytes: int = 2, fp8: bool = False
+    m: int,
+    n: int,
+    k: int,
+    cluster: Cluster,
+    dtype_bytes: int = 2,
+    fp8: bool = False,
+    split_accumulator: bool = False,
 ) -> float:
     """Seconds for one (m×k)·(k×n) GEMM: measured samples if the profile has them, else the slower
     of the sustained rate cut by wave quantization and each tile's prologue, and the three matrices'
-    bytes over HBM. `fp8`: FP8 inputs and a BF16 output (fp8_gemm_time)."""
+    bytes over HBM. `fp8`: FP8 inputs and a BF16 output, accumulated in split steps where
+    `split_accumulator` (fp8_gemm_time)."""
     if fp8:
-        return fp8_gemm_time(m, n, k, cluster)
+        return fp8_gemm_time(m, n, k, cluster, split_accumulator)
     gpu = cluster.gpu
     flops = 2.0 * m * n * k
     if gpu.gemm_shapes:
@@ -112,24 +119,34 @@ def gemm_time(
     return max(compute, memory) + (KERNEL_LAUNCH_S if gpu.sms else 0.0)
 
 
-def fp8_gemm_time(m: int, n: int, k: int, cluster: Cluster) -> float:
-    """Seconds for one (m×k)·(k×n) GEMM of FP8 inputs with a BF16 output, as Transformer Engine runs
-    the linear layers of FP8 training (Hopper's FP8 tensor cores):
+def fp8_gemm_time(
+    m: int, n: int, k: int, cluster: Cluster, split_accumulator: bool = False
+) -> float:
+    """Seconds for one (m×k)·(k×n) GEMM of FP8 inputs with a BF16 output, as Transformer Engine
+    runs the linear layers of FP8 training (Hopper's FP8 tensor cores):
 
-        compute = 2·m·n·k / (fp8_peak · gemm_efficiency · waves · k/(k + GEMM_K_OVERHEAD · r))
+        compute = 2·m·n·k / (fp8_peak · efficiency · share · waves · k/(k + K_OVERHEAD · r))
         memory  = (m·k + k·n + 2·m·n) bytes / HBM rate,    the slower of the two,
 
-    r = fp8_peak / peak: the BF16 efficiency and tiles carry over (no FP8 GEMM is in the fit rows; an
-    assumption), and a tile's prologue and epilogue take the time they take in BF16, worth r times as
-    many steps of k at the FP8 rate. The peak is the datasheet's (H100 SXM: 1,979 dense TFLOP/s, twice
-    BF16's). Measured samples are BF16 GEMMs and do not serve."""
+    r = fp8_peak / peak. The BF16 efficiency and tiles carry over (no FP8 GEMM is in the fit
+    rows). Transformer Engine accumulates the forward's FP8 GEMMs fast and the backward's (input
+    and weight gradients) in split steps promoted to FP32 (`_2X_ACC_FPROP = False`,
+    `_2X_ACC_DGRAD` and `_2X_ACC_WGRAD = True`: transformer_engine/pytorch/module/base.py, v1.8
+    to 2.x; the recipes' `fp8_gemm_fprop/dgrad/wgrad`), as torch._scaled_mm does by default.
+    share is 1 for the first and the GPU's fp8_gemm_share for the second: FP8's measured share of
+    its peak over BF16's of its own (Bekman's maximum achievable matmul rates, torch._scaled_mm:
+    H100 SXM 1,402.6 of 1,979 TFLOP/s in FP8, 794.5 of 989 in BF16, 0.882). A tile's prologue
+    and epilogue take the time they take in BF16, worth r times as many steps of k at the FP8
+    rate. The peak is the datasheet's (H100 SXM: 1,979 dense TFLOP/s, twice BF16's). Measured
+    samples are BF16 GEMMs and do not serve."""
     gpu = cluster.gpu
     if not gpu.fp8_peak_tflops or not gpu.sms:
         raise ValueError(f"{gpu.name} has no FP8 tensor cores in its profile")
     flops = 2.0 * m * n * k
     faster = gpu.fp8_peak_tflops / gpu.peak_tflops
     util = _wave_utilization(m, n, gpu.sms) * k / (k + GEMM_K_OVERHEAD * faster)
-    compute = flops / (gpu.fp8_peak_tflops * 1e12 * gpu.gemm_efficiency * util)
+    share = gpu.gemm_efficiency * (gpu.fp8_gemm_share if split_accumulator else 1.0)
+    compute = flops / (gpu.fp8_peak_tflops * 1e12 * share * util)
     memory = (m * k + k * n + 2 * m * n) / (gpu.hbm_bw_gbps * HBM_EFFICIENCY * 1e9)
     return max(compute, memory) + KERNEL_LAUNCH_S
 

@@ -139,8 +139,9 @@ def layer_gemms(work: Work) -> tuple[float, float, float]:
     fwd = dgrad = wgrad = 0.0
     for out_dim, k in matmuls(work):
         fwd += gemm_time(tokens, out_dim, k, cluster, dtype_bytes, fp8)
-        dgrad += gemm_time(tokens, k, out_dim, cluster, dtype_bytes, fp8)
-        wgrad += gemm_time(k, out_dim, tokens, cluster, dtype_bytes, fp8)
+        # the backward's FP8 GEMMs accumulate in split steps (fp8_gemm_time)
+        dgrad += gemm_time(tokens, k, out_dim, cluster, dtype_bytes, fp8, split_accumulator=True)
+        wgrad += gemm_time(k, out_dim, tokens, cluster, dtype_bytes, fp8, split_accumulator=True)
     return fwd, dgrad, wgrad
 
 
