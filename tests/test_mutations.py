@@ -775,8 +775,8 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
     ),
     "FP8 GEMMs at the BF16 peak": (
         "fourd/plan/kernels.py",
-        "    compute = flops / (gpu.fp8_peak_tflops * 1e12 * gpu.gemm_efficiency * util)\n",
-        "    compute = flops / (gpu.peak_tflops * 1e12 * gpu.gemm_efficiency * util)\n",
+        "    compute = flops / (gpu.fp8_peak_tflops * 1e12 * share * util)\n",
+        "    compute = flops / (gpu.peak_tflops * 1e12 * share * util)\n",
         ("tests/test_plan_fp8.py::test_an_fp8_gemm_follows_the_documented_formula",),
     ),
     "FP8's output gradients cast without their transposes": (
