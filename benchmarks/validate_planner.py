@@ -143,6 +143,8 @@ def evaluate(runs: list[Run], efficiency: dict[str, float] | None = None) -> lis
         row = {
             "id": run.id,
             "source": run.source,
+            "stack": run.stack,
+            "generation": generation_of(run),
             "fit": run.fit,
             "published_s": run.step_time_s_derived,
         }
@@ -168,6 +170,15 @@ def evaluate(runs: list[Run], efficiency: dict[str, float] | None = None) -> lis
     return out
 
 
+def signed_means(held: list[dict], key: str) -> dict[str, tuple[int, float]]:
+    """(rows, mean signed error) of the held-out rows by `key` ("stack" or "generation"): a bias
+    that a mean absolute error hides (negative: the planner too fast)."""
+    groups: dict[str, list[float]] = {}
+    for row in held:
+        groups.setdefault(row[key], []).append(row["error"])
+    return {name: (len(errors), statistics.mean(errors)) for name, errors in sorted(groups.items())}
+
+
 def summary(rows: list[dict], sources: int) -> dict:
     held = [r for r in rows if not r["fit"]]
     per_source: dict[str, list[float]] = {}
@@ -183,6 +194,8 @@ def summary(rows: list[dict], sources: int) -> dict:
         "fit_mean": statistics.mean(abs(r["error"]) for r in rows if r["fit"]),
         "memory_mean": statistics.mean(memory_rows) if memory_rows else None,
         "per_source": {s: statistics.mean(v) for s, v in per_source.items()},
+        "signed_by_stack": signed_means(held, "stack"),
+        "signed_by_generation": signed_means(held, "generation"),
     }
 
 
@@ -378,6 +391,12 @@ def tables(rows: list[dict], s: dict, other: dict[str, float], runs: list[Run]) 
     for r in rows:
         counts[r["source"]] = counts.get(r["source"], 0) + (not r["fit"])
     out += [f"| {src} | {counts[src]} | {100 * v:.1f} % |" for src, v in s["per_source"].items()]
+    for key, title in (("stack", "stack"), ("generation", "GPU generation")):
+        out += ["", f"| {title} | held-out rows | mean signed error |", "|---|---|---|"]
+        out += [
+            f"| {name} | {count} | {_pct(mean)} |"
+            for name, (count, mean) in s[f"signed_by_{key}"].items()
+        ]
     out += [
         "",
         f"{s['rows']} rows from {s['sources']} sources, {s['fit_rows']} fit rows (mean abs. error {100 * s['fit_mean']:.1f} %). "

@@ -4,6 +4,7 @@ update the figures here together with the fitted numbers when runs.toml or the m
 
 import importlib.util
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -196,6 +197,29 @@ def test_out_of_sample_error_is_pinned_and_within_the_targets():
         "memory_mean",
         "per_source",
     }
+
+
+def test_the_signed_bias_by_stack_and_generation_is_the_held_out_rows_mean():
+    """A bias a mean absolute error hides: each stack's and each GPU generation's held-out rows'
+    mean signed error, with their count; every held-out row in exactly one group of each."""
+    harness = _harness()
+    _, runs = harness.load()
+    rows = harness.evaluate([run for run in runs if not run.excluded])
+    held = [row for row in rows if not row["fit"]]
+    s = harness.summary(rows, 1)
+    deepspeed = [row["error"] for row in held if row["stack"] == "deepspeed"]
+    hopper = [row["error"] for row in held if row["generation"] == "H100/H200"]
+    assert s["signed_by_stack"]["deepspeed"] == (
+        len(deepspeed),
+        pytest.approx(statistics.mean(deepspeed), abs=1e-15),
+    )
+    assert s["signed_by_generation"]["H100/H200"] == (
+        len(hopper),
+        pytest.approx(statistics.mean(hopper), abs=1e-15),
+    )
+    assert sum(count for count, _ in s["signed_by_stack"].values()) == len(held)
+    assert sum(count for count, _ in s["signed_by_generation"].values()) == len(held)
+    assert set(s["signed_by_generation"]) == set(harness.GENERATIONS)
 
 
 def test_the_harness_pins_what_a_row_publishes_and_leaves_the_rest_open():
