@@ -376,6 +376,15 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
             "test_a_run_directory_holding_a_run_is_refused_without_resume[metrics.jsonl]",
         ),
     ),
+    "validate_planner.py's signed bias by stack taken as the absolute error": (
+        "benchmarks/validate_planner.py",
+        'groups.setdefault(row[key], []).append(row["error"])',
+        'groups.setdefault(row[key], []).append(abs(row["error"]))',
+        (
+            "tests/test_plan_validation.py::"
+            "test_the_signed_bias_by_stack_and_generation_is_the_held_out_rows_mean",
+        ),
+    ),
     "validate_planner.py --json's out_of_sample_max is the best row": (
         "benchmarks/validate_planner.py",
         '"out_of_sample_max": max(abs(r["error"]) for r in held),',
