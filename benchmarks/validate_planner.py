@@ -25,6 +25,7 @@ import statistics
 import sys
 from functools import cache
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
@@ -170,13 +171,23 @@ def evaluate(runs: list[Run], efficiency: dict[str, float] | None = None) -> lis
     return out
 
 
-def signed_means(held: list[dict], key: str) -> dict[str, tuple[int, float]]:
-    """(rows, mean signed error) of the held-out rows by `key` ("stack" or "generation"): a bias
+class GroupBias(NamedTuple):
+    """A group of held-out rows (a stack's, a GPU generation's) and their mean signed error: a bias
     that a mean absolute error hides (negative: the planner too fast)."""
+
+    rows: int
+    mean_signed_error: float
+
+
+def signed_means(held: list[dict], key: str) -> dict[str, GroupBias]:
+    """The held-out rows' GroupBias by `key` ("stack" or "generation")."""
     groups: dict[str, list[float]] = {}
     for row in held:
         groups.setdefault(row[key], []).append(row["error"])
-    return {name: (len(errors), statistics.mean(errors)) for name, errors in sorted(groups.items())}
+    return {
+        name: GroupBias(len(errors), statistics.mean(errors))
+        for name, errors in sorted(groups.items())
+    }
 
 
 def summary(rows: list[dict], sources: int) -> dict:
@@ -394,8 +405,8 @@ def tables(rows: list[dict], s: dict, other: dict[str, float], runs: list[Run]) 
     for key, title in (("stack", "stack"), ("generation", "GPU generation")):
         out += ["", f"| {title} | held-out rows | mean signed error |", "|---|---|---|"]
         out += [
-            f"| {name} | {count} | {_pct(mean)} |"
-            for name, (count, mean) in s[f"signed_by_{key}"].items()
+            f"| {name} | {bias.rows} | {_pct(bias.mean_signed_error)} |"
+            for name, bias in s[f"signed_by_{key}"].items()
         ]
     out += [
         "",

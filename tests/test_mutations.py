@@ -784,8 +784,8 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
     ),
     "FP8 GEMMs at the BF16 peak": (
         "fourd/plan/kernels.py",
-        "    compute = flops / (gpu.fp8_peak_tflops * 1e12 * share * util)\n",
-        "    compute = flops / (gpu.peak_tflops * 1e12 * share * util)\n",
+        "    compute = flops / (gpu.fp8_peak_tflops * 1e12 * gpu.gemm_efficiency * share * util)\n",
+        "    compute = flops / (gpu.peak_tflops * 1e12 * gpu.gemm_efficiency * share * util)\n",
         ("tests/test_plan_fp8.py::test_an_fp8_gemm_follows_the_documented_formula",),
     ),
     "FP8's output gradients cast without their transposes": (
@@ -953,8 +953,8 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
     ),
     "the forward's FP8 GEMMs are charged the backward's split accumulation": (
         "fourd/plan/kernels.py",
-        "    share = gpu.gemm_efficiency * (gpu.fp8_gemm_share if split_accumulator else 1.0)\n",
-        "    share = gpu.gemm_efficiency * gpu.fp8_gemm_share\n",
+        "    share = gpu.fp8_gemm_share if split_accumulator else 1.0\n",
+        "    share = gpu.fp8_gemm_share\n",
         (
             "tests/test_plan_fp8.py::"
             "test_the_backwards_fp8_gemms_run_at_the_measured_share_and_the_forwards_at_bf16s",

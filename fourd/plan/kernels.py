@@ -145,8 +145,8 @@ def fp8_gemm_time(
     flops = 2.0 * m * n * k
     faster = gpu.fp8_peak_tflops / gpu.peak_tflops
     util = _wave_utilization(m, n, gpu.sms) * k / (k + GEMM_K_OVERHEAD * faster)
-    share = gpu.gemm_efficiency * (gpu.fp8_gemm_share if split_accumulator else 1.0)
-    compute = flops / (gpu.fp8_peak_tflops * 1e12 * share * util)
+    share = gpu.fp8_gemm_share if split_accumulator else 1.0
+    compute = flops / (gpu.fp8_peak_tflops * 1e12 * gpu.gemm_efficiency * share * util)
     memory = (m * k + k * n + 2 * m * n) / (gpu.hbm_bw_gbps * HBM_EFFICIENCY * 1e9)
     return max(compute, memory) + KERNEL_LAUNCH_S
 
