@@ -853,12 +853,23 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
             "test_a_hybrid_zero_all_reduces_the_gradients_and_broadcasts_each_ranks_shard",
         ),
     ),
-    "the first FlashAttention at FlashAttention-2's rate": (
+    "the first FlashAttention and FlashAttention in Triton at FlashAttention-2's rates": (
         "fourd/plan/kernels.py",
-        '    family_share = FLASH1_SHARE if kernel == "flash1" else 1.0  # of FlashAttention-2\'s rates\n',
-        "    family_share = 1.0\n",
+        "    family_forward, family_backward = FAMILY_SHARES.get(kernel, (1.0, 1.0))\n",
+        "    family_forward, family_backward = 1.0, 1.0\n",
         (
             "tests/test_plan_stack.py::test_the_first_flashattention_runs_at_half_flashattention_2s_rate",
+            "tests/test_plan_stack.py::"
+            "test_flashattention_in_triton_runs_forward_at_1_over_1_4_and_backward_at_half",
+        ),
+    ),
+    "FlashAttention in Triton's backward at its forward's share": (
+        "fourd/plan/kernels.py",
+        "TRITON_SHARE = (1 / 1.4, 1 / 2)\n",
+        "TRITON_SHARE = (1 / 1.4, 1 / 1.4)\n",
+        (
+            "tests/test_plan_stack.py::"
+            "test_flashattention_in_triton_runs_forward_at_1_over_1_4_and_backward_at_half",
         ),
     ),
     "HSDP's shards never all-reduced across the replica groups": (

@@ -920,6 +920,26 @@ def test_the_first_flashattention_runs_at_half_flashattention_2s_rate():
     assert load_stack("internevo").fused_attention == "flash1"
 
 
+def test_flashattention_in_triton_runs_forward_at_1_over_1_4_and_backward_at_half():
+    """fused_attention = "triton": FlashAttention in Triton at 1/1.4 of FlashAttention-2's forward
+    time rate and 1/2 of its backward's (Dao 2023 §4.1: FlashAttention-2 1.3-1.5x faster forward,
+    about 2x backward), at any head dimension; `fourd plan --fused-attention triton` reports the
+    family and computes longer than with FlashAttention-2, everything else the same."""
+    for head_dim in (64, 96, 128):
+        flash2 = attention_time(4096, 4096, 32, head_dim, H100, True, "flash2")
+        triton = attention_time(4096, 4096, 32, head_dim, H100, True, "triton")
+        assert triton == pytest.approx((1.4 * flash2[0], 2 * flash2[1]), rel=1e-12)
+    plan = "plan --model llama3-8b --cluster dgx-h100 --gpus 8 --layout tp=1,cp=1,pp=1,dp=8 --json"
+    plans = {}
+    for family in ("flash2", "triton"):
+        code, out, err = run_fourd(*plan.split(), "--fused-attention", family)
+        assert code == 0, err
+        plans[family] = json.loads(out)
+    assert plans["triton"]["fused_attention"] == "triton"
+    assert plans["triton"]["breakdown_s"]["compute"] > plans["flash2"]["breakdown_s"]["compute"]
+    assert plans["triton"]["breakdown_s"]["dp_total"] == plans["flash2"]["breakdown_s"]["dp_total"]
+
+
 def test_the_report_says_how_a_hybrid_zero_reduces_and_gathers():
     """InternEvo's ZeRO 1 on 16 ranks: Why names the all-reduce and the 16 broadcasts; fourd's ZeRO 1
     names neither."""

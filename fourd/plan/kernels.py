@@ -35,6 +35,13 @@ HEAD_DIM_64_SHARE = {
 # speedup compared to FlashAttention, reaching 50-73% of the theoretical maximum FLOPs/s on A100", where
 # FlashAttention reaches "only 25-40%" (Dao 2023, abstract and §1)
 FLASH1_SHARE = 0.5
+# FlashAttention in Triton (the Triton port of FlashAttention that llm-foundry runs as attn_impl triton)
+# at (forward, backward) shares of FlashAttention-2's rates: "FlashAttention-2 is around 1.3-1.5x faster
+# than FlashAttention in Triton in the forward pass and around 2x faster in the backward pass" (Dao 2023,
+# §4.1, A100 80GB SXM4; the forward's 1.4x midway)
+TRITON_SHARE = (1 / 1.4, 1 / 2)
+# The fused attention families that run at a share of FlashAttention-2's rates: (forward, backward)
+FAMILY_SHARES = {"flash1": (FLASH1_SHARE, FLASH1_SHARE), "triton": TRITON_SHARE}
 ADAM_BYTES = {
     2: 30,
     4: 32,
@@ -213,19 +220,21 @@ def attention_efficiencies(gpu: GPU, kernel: str, head_dim: int = 128) -> tuple[
     """(forward, backward) share of peak of the fused attention family `kernel` on long sequences
     with heads of `head_dim`: cuDNN's where asked for and the profile has them, else
     FlashAttention-2's (a backward figure missing: the forward's), FlashAttention's ("flash1") at
-    FLASH1_SHARE of FlashAttention-2's; times the family's head_dim_share (the profiles' figures are
-    at head dim 128; FlashAttention's taken as FlashAttention-2's)."""
+    FLASH1_SHARE of FlashAttention-2's, FlashAttention in Triton's ("triton") at TRITON_SHARE of
+    them; times the family's head_dim_share (the profiles' figures are at head dim 128; the
+    FlashAttention and Triton families taken as FlashAttention-2's)."""
     family = "flash2"
     forward, backward = gpu.attention_fwd_efficiency, gpu.attention_bwd_efficiency
     if kernel == "cudnn" and gpu.cudnn_attention_fwd_efficiency:
         family = "cudnn"
         forward, backward = gpu.cudnn_attention_fwd_efficiency, gpu.cudnn_attention_bwd_efficiency
     assert forward is not None  # the caller checked the profile has fused-attention figures
-    family_share = FLASH1_SHARE if kernel == "flash1" else 1.0  # of FlashAttention-2's rates
+    # the (forward, backward) shares of FlashAttention-2's rates that the family runs at
+    family_forward, family_backward = FAMILY_SHARES.get(kernel, (1.0, 1.0))
     forward_share, backward_share = head_dim_share(family, head_dim)
     return (
-        forward * forward_share * family_share,
-        (backward or forward) * backward_share * family_share,
+        forward * forward_share * family_forward,
+        (backward or forward) * backward_share * family_backward,
     )
 
 

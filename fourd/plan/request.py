@@ -181,7 +181,8 @@ SETTINGS: dict[str, tuple[Any, str]] = {
     "fused_attention": (
         choice(FUSED_ATTENTION),
         "the fused attention kernel: flash2 (FlashAttention-2), cudnn (cuDNN's, Transformer "
-        "Engine's choice on Hopper) or flash1 (the first FlashAttention); default: the stack's",
+        "Engine's choice on Hopper), flash1 (the first FlashAttention) or triton (FlashAttention in "
+        "Triton); default: the stack's",
     ),
     "train_tokens": (count, "token budget of the whole run, e.g. 15.6T, for training_days"),
     "global_seqs": (bounded(int, 1, 1 << 40), ""),  # the trainer's exact batch, in sequences
