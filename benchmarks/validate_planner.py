@@ -196,6 +196,7 @@ def summary(rows: list[dict], sources: int) -> dict:
     for r in held:
         per_source.setdefault(r["source"], []).append(abs(r["error"]))
     memory_rows = [abs(r["memory_error"]) for r in held if "memory_error" in r]
+    source_means = {src: statistics.mean(errors) for src, errors in per_source.items()}
     return {
         "rows": len(rows),
         "sources": sources,
@@ -204,7 +205,9 @@ def summary(rows: list[dict], sources: int) -> dict:
         "out_of_sample_max": max(abs(r["error"]) for r in held),
         "fit_mean": statistics.mean(abs(r["error"]) for r in rows if r["fit"]),
         "memory_mean": statistics.mean(memory_rows) if memory_rows else None,
-        "per_source": {s: statistics.mean(v) for s, v in per_source.items()},
+        # each source weighs one: a source of many rows does not carry the figure
+        "out_of_sample_source_mean": statistics.mean(source_means.values()),
+        "per_source": source_means,
         "signed_by_stack": signed_means(held, "stack"),
         "signed_by_generation": signed_means(held, "generation"),
     }
@@ -411,7 +414,8 @@ def tables(rows: list[dict], s: dict, other: dict[str, float], runs: list[Run]) 
     out += [
         "",
         f"{s['rows']} rows from {s['sources']} sources, {s['fit_rows']} fit rows (mean abs. error {100 * s['fit_mean']:.1f} %). "
-        f"Out of sample: mean abs. error **{100 * s['out_of_sample_mean']:.1f} %**, max {100 * s['out_of_sample_max']:.1f} %; "
+        f"Out of sample: mean abs. error **{100 * s['out_of_sample_mean']:.1f} %**, max {100 * s['out_of_sample_max']:.1f} %, "
+        f"mean over sources {100 * s['out_of_sample_source_mean']:.1f} %; "
         f"memory rows {100 * (s['memory_mean'] or 0):.1f} % mean abs. error.",
     ]
     if other:

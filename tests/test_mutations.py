@@ -853,6 +853,15 @@ MUTATIONS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
             "test_a_hybrid_zero_all_reduces_the_gradients_and_broadcasts_each_ranks_shard",
         ),
     ),
+    "the mean over sources weighs each row, not each source": (
+        "benchmarks/validate_planner.py",
+        '        "out_of_sample_source_mean": statistics.mean(source_means.values()),\n',
+        '        "out_of_sample_source_mean": statistics.mean(abs(r["error"]) for r in held),\n',
+        (
+            "tests/test_plan_validation.py::"
+            "test_the_signed_bias_by_stack_and_generation_is_the_held_out_rows_mean",
+        ),
+    ),
     "the first FlashAttention and FlashAttention in Triton at FlashAttention-2's rates": (
         "fourd/plan/kernels.py",
         "    family_forward, family_backward = FAMILY_SHARES.get(kernel, (1.0, 1.0))\n",

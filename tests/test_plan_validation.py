@@ -78,6 +78,9 @@ DATA = ROOT / "benchmarks" / "validation" / "runs.toml"
 # 0.0645373868568199 before llm-foundry's 13 rows ran its FlashAttention in Triton (fused_attention "triton");
 # 0.06387790436605337 before llm-foundry's 56 other H100 rows (pre-registered at 10686af: 7.9 %)
 OUT_OF_SAMPLE_MEAN = 0.06557514519828644
+# the same rows, each source's mean weighing one (0.061984682432007214 at f31d079 and 0.06135747248866118 at
+# 10686af, before llm-foundry's 56 other H100 rows)
+OUT_OF_SAMPLE_SOURCE_MEAN = 0.06172758272815046
 # memory: 0.05689710306513873 before a selectively recomputed layer held its recomputed activations in its
 # backward (the allocator's share refitted, 25.2 -> 19.5 %); 0.11432479251366065 with torchtitan's Float8
 # rows included, 7 of them with memory (its 2025 H200 rows +43 and +41 %, the 70B on TP 8 -21 %)
@@ -185,6 +188,7 @@ def test_out_of_sample_error_is_pinned_and_within_the_targets():
     )
     assert d["memory_mean"] == pytest.approx(MEMORY_MEAN, abs=1e-9) and d["memory_mean"] <= 0.10
     assert d["out_of_sample_max"] == pytest.approx(OUT_OF_SAMPLE_MAX, abs=1e-9)
+    assert d["out_of_sample_source_mean"] == pytest.approx(OUT_OF_SAMPLE_SOURCE_MEAN, abs=1e-9)
     assert d["rows"] >= 30 and d["sources"] >= 6 and 3 * d["fit_rows"] <= d["rows"]
     assert d["anchored_mean"] == pytest.approx(ANCHORED_MEAN, abs=1e-9)
     assert (d["interval_level"], d["interval_coverage"]) == (
@@ -206,7 +210,8 @@ def test_out_of_sample_error_is_pinned_and_within_the_targets():
 
 def test_the_signed_bias_by_stack_and_generation_is_the_held_out_rows_mean():
     """A bias a mean absolute error hides: each stack's and each GPU generation's held-out rows'
-    mean signed error, with their count; every held-out row in exactly one group of each."""
+    mean signed error, with their count; every held-out row in exactly one group of each. And the
+    mean over sources: each source's held-out mean absolute error, each source weighing one."""
     harness = _harness()
     _, runs = harness.load()
     rows = harness.evaluate([run for run in runs if not run.excluded])
@@ -221,6 +226,11 @@ def test_the_signed_bias_by_stack_and_generation_is_the_held_out_rows_mean():
     assert s["signed_by_generation"]["H100/H200"] == (
         len(hopper),
         pytest.approx(statistics.mean(hopper), abs=1e-15),
+    )
+    llmfoundry = [abs(row["error"]) for row in held if row["source"] == "llmfoundry"]
+    assert s["per_source"]["llmfoundry"] == pytest.approx(statistics.mean(llmfoundry), abs=1e-15)
+    assert s["out_of_sample_source_mean"] == pytest.approx(
+        statistics.mean(s["per_source"].values()), abs=1e-15
     )
     assert sum(count for count, _ in s["signed_by_stack"].values()) == len(held)
     assert sum(count for count, _ in s["signed_by_generation"].values()) == len(held)
