@@ -38,6 +38,8 @@ from validation.runs import Run, load  # noqa: E402
 FAMILIES = {
     "ibm-fsdp-2403": "ibm-fsdp",
     "ibm-fsdp-2405": "ibm-fsdp",
+    "llmfoundry-h100-tables": "llmfoundry",
+    "llmfoundry-a100-tables": "llmfoundry",
     "megatron-weak-h100": "megatron-readme-h100",
     "megatron-strong-h100": "megatron-readme-h100",
 }
