@@ -42,9 +42,10 @@ DATA = ROOT / "benchmarks" / "validation" / "runs.toml"
 # H100 FP8 rows recorded on 2026-12-07 at 078d517 (the 389 together: 0.1370654543113021), and NeMo's
 # performance summaries on B200 (25.02) and GB200 (25.04), 11 rows recorded on 2026-12-07 at 6d4c5fc (the
 # 400 together: 0.13561917537333162), and llm-foundry's 56 H100 rows recorded on 2026-12-08 at 10686af (the
-# 456 together: 0.12868137205943164), and its 132 A100 rows recorded on 2026-12-08 at e47804e
-FIRST_PREDICTION_MEAN = 0.1127166518358006
-FIRST_PREDICTION_ROWS = 588
+# 456 together: 0.12868137205943164), and its 132 A100 rows recorded on 2026-12-08 at e47804e (the 588
+# together: 0.1127166518358006), and its 18 rows on 128 to 512 H100 recorded on 2026-12-08 at 83bfda6
+FIRST_PREDICTION_MEAN = 0.11246055895388962
+FIRST_PREDICTION_ROWS = 606
 # the same over each batch of sources, by the source's first_prediction stamp
 BATCHES = {
     "2026-12-01, commit 8afd7a1": (50, 0.08401218510289535),
@@ -70,6 +71,7 @@ BATCHES = {
     "2026-12-07, commit 6d4c5fc": (11, 0.084473492930558),
     "2026-12-08, commit 10686af": (56, 0.07912563410300319),
     "2026-12-08, commit e47804e": (132, 0.0575658001541661),
+    "2026-12-08, commit 83bfda6": (18, 0.10409485814479752),
 }
 
 pytestmark = pytest.mark.skipif(
@@ -152,4 +154,4 @@ def test_the_loader_checks_the_whole_file_and_refuses_a_bad_first_prediction(tmp
     coverage = subprocess.run(
         [sys.executable, str(script)], check=True, capture_output=True, text=True, timeout=120
     ).stdout
-    assert coverage.startswith("679 rows (653 usable, 26 excluded) from 53 sources")
+    assert coverage.startswith("697 rows (671 usable, 26 excluded) from 54 sources")

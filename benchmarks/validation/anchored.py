@@ -40,6 +40,7 @@ FAMILIES = {
     "ibm-fsdp-2405": "ibm-fsdp",
     "llmfoundry-h100-tables": "llmfoundry",
     "llmfoundry-a100-tables": "llmfoundry",
+    "llmfoundry-h100-large-2401": "llmfoundry",
     "megatron-weak-h100": "megatron-readme-h100",
     "megatron-strong-h100": "megatron-readme-h100",
 }
@@ -81,6 +82,7 @@ def series(runs: list[Run]) -> list[list[Run]]:
             run.compiled,
             run.precision,
             run.attention_kernel,
+            run.fused_attention,
             run.pipeline_comm,
             run.sequence_parallel,
             run.stack,
