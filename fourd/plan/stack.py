@@ -27,7 +27,8 @@ PIPELINE_COMM = ("overlapped", "synchronous", "blocking", "interleaved-overlappe
 # the ZeRO stages that keep whole weights between steps, gathered once per step after the update
 GATHERED_STAGES = (1, 2)
 # the fused attention kernel families: FlashAttention-2 (flash-attn 2, torch SDPA's flash backend),
-# cuDNN's fused attention (Transformer Engine's FusedAttention), and the first FlashAttention (flash-attn 1.x)
+# cuDNN's fused attention (Transformer Engine's FusedAttention), the first FlashAttention (flash-attn 1.x)
+# and FlashAttention in Triton (llm-foundry's attn_impl triton); their rates: fourd.plan.kernels
 FUSED_ATTENTION = ("flash2", "cudnn", "flash1", "triton")
 # when BF16 training computes by torch's autocast over FP32 weights: never (the stack holds BF16 weights
 # and an FP32 copy in its optimizer: Megatron's Float16Module, DeepSpeed's BF16 engine, nanotron,
